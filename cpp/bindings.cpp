@@ -1,0 +1,483 @@
+// nanobind layer over the plain C++ core.  It only converts between Python objects
+// and core types, validates arguments exactly like kvcm.api (so both backends raise the
+// same errors), and releases the GIL around long-running core calls.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <bit>
+#include <cstring>
+#include <optional>
+#include <string>
+
+#include "core/block_keys.h"
+#include "core/radix_tree.h"
+#include "core/sha256.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+static_assert(std::endian::native == std::endian::little,
+              "the buffer fast path assumes a little-endian host ('@', '=' and '<' formats read as-is)");
+
+// Owns one buffer export; releasing it on every path (including exceptions) is why it exists.
+class BufferView {
+ public:
+  BufferView() = default;
+  BufferView(const BufferView&) = delete;
+  BufferView& operator=(const BufferView&) = delete;
+  ~BufferView() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+  // False (with the Python error cleared) when `obj` cannot export such a buffer.
+  bool acquire(PyObject* obj, int flags) {
+    if (PyObject_GetBuffer(obj, &view_, flags) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    held_ = true;
+    return true;
+  }
+  const Py_buffer& get() const { return view_; }
+
+ private:
+  Py_buffer view_{};
+  bool held_ = false;
+};
+
+std::string type_name(PyObject* obj) {
+  // type(obj).__name__, as kvcm.api's messages use it (tp_name would include the module).
+  return nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj))).attr("__name__"));
+}
+
+std::string int_str(PyObject* obj) {
+  // str(int(t)): int subclasses are reported by their int value, like check_tokens does.
+  nb::object as_int = nb::steal(PyNumber_Long(obj));
+  if (!as_int.is_valid()) throw nb::python_error();
+  return nb::cast<std::string>(nb::str(as_int));
+}
+
+[[noreturn]] void raise_out_of_range(const std::string& value) {
+  throw nb::value_error(("tokens: token " + value + " out of range [0, 2**31)").c_str());
+}
+
+// Validate and encode one token of a list, with the exact checks and messages of
+// kvcm.api.check_tokens (bool is rejected; int subclasses are accepted by value).
+void append_list_token(kvcm::TokenBytes& out, PyObject* t) {
+  if (PyLong_Check(t) && !PyBool_Check(t)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
+    if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+    if (overflow != 0 || v < 0 || static_cast<unsigned long long>(v) >= kvcm::kTokenLimit) raise_out_of_range(int_str(t));
+    out.append_int(static_cast<std::uint32_t>(v));
+    return;
+  }
+  if (PyBytes_CheckExact(t)) {
+    const Py_ssize_t n = PyBytes_GET_SIZE(t);
+    if (n != static_cast<Py_ssize_t>(kvcm::kDigestTokenBytes)) {
+      throw nb::value_error(("tokens: a digest token must be 32 bytes, got " + std::to_string(n)).c_str());
+    }
+    const auto* p = reinterpret_cast<const std::uint8_t*>(PyBytes_AS_STRING(t));
+    out.append_digest(std::span<const std::uint8_t, kvcm::kDigestTokenBytes>(p, kvcm::kDigestTokenBytes));
+    return;
+  }
+  throw nb::type_error(("tokens: a token must be an int or 32 bytes, got " + type_name(t)).c_str());
+}
+
+void append_sequence(kvcm::TokenBytes& out, PyObject* seq) {
+  // Exact list/tuple only: the item loop runs no Python code, so the list cannot change under us.
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out.reserve(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) append_list_token(out, items[i]);
+}
+
+template <typename T>
+bool append_buffer_items(kvcm::TokenBytes& out, const Py_buffer& view) {
+  const auto n = static_cast<std::size_t>(view.shape[0]);
+  const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
+  const auto* base = static_cast<const char*>(view.buf);
+  out.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, base + static_cast<Py_ssize_t>(i) * stride, sizeof v);  // may be unaligned
+    if constexpr (std::is_signed_v<T>) {
+      if (v < 0 || static_cast<std::uint64_t>(v) >= kvcm::kTokenLimit) raise_out_of_range(std::to_string(v));
+    } else {
+      if (static_cast<std::uint64_t>(v) >= kvcm::kTokenLimit) raise_out_of_range(std::to_string(v));
+    }
+    out.append_int(static_cast<std::uint32_t>(v));
+  }
+  return true;
+}
+
+// The no-Python-loop path for numpy arrays, array('i'), memoryviews...: a 1-D buffer of
+// native-order integers.  Returns false (nothing appended) for anything else, which then
+// takes the generic path so the error (or result) is exactly check_tokens'.
+bool try_append_buffer(kvcm::TokenBytes& out, PyObject* obj) {
+  BufferView bv;
+  if (!bv.acquire(obj, PyBUF_FORMAT | PyBUF_STRIDES)) return false;
+  const Py_buffer& view = bv.get();
+  if (view.ndim != 1 || view.format == nullptr) return false;
+  const char* f = view.format;
+  if (*f == '@' || *f == '=' || *f == '<') ++f;
+  if (f[0] == '\0' || f[1] != '\0') return false;
+  const bool is_signed = std::strchr("bhilqn", f[0]) != nullptr;
+  const bool is_unsigned = std::strchr("BHILQN", f[0]) != nullptr;
+  if (!is_signed && !is_unsigned) return false;
+  switch (view.itemsize) {
+    case 1: return is_signed ? append_buffer_items<std::int8_t>(out, view) : append_buffer_items<std::uint8_t>(out, view);
+    case 2: return is_signed ? append_buffer_items<std::int16_t>(out, view) : append_buffer_items<std::uint16_t>(out, view);
+    case 4: return is_signed ? append_buffer_items<std::int32_t>(out, view) : append_buffer_items<std::uint32_t>(out, view);
+    case 8: return is_signed ? append_buffer_items<std::int64_t>(out, view) : append_buffer_items<std::uint64_t>(out, view);
+    default: return false;
+  }
+}
+
+// Tokens → TokenBytes with kvcm.api.check_tokens semantics.  Fast paths for exact
+// list/tuple and int buffers; anything else (generators, torch tensors, list subclasses,
+// nested arrays...) is normalised by check_tokens itself, so errors match by construction.
+kvcm::TokenBytes collect_tokens(nb::handle tokens, std::uint32_t tokens_per_block) {
+  kvcm::TokenBytes out(tokens_per_block);
+  PyObject* obj = tokens.ptr();
+  if (obj == Py_None) return out;
+  if (PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj)) {
+    throw nb::type_error(("tokens must be a sequence of tokens, got " + type_name(obj)).c_str());
+  }
+  if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+    append_sequence(out, obj);
+    return out;
+  }
+  // check_tokens converts via .tolist() exactly when this attribute exists (and obj is no list).
+  if (!PyList_Check(obj) && PyObject_HasAttrString(obj, "tolist") && PyObject_CheckBuffer(obj)) {
+    if (try_append_buffer(out, obj)) return out;
+  }
+  nb::object normalised = nb::module_::import_("kvcm.api").attr("check_tokens")(tokens);
+  if (!PyList_CheckExact(normalised.ptr())) throw nb::type_error("check_tokens did not return a list");
+  append_sequence(out, normalised.ptr());
+  return out;
+}
+
+std::uint32_t check_tokens_per_block(nb::handle b) {
+  // Same rule and message as kvcm.keys.block_keys_py: an exact int in 1..4096.
+  if (PyLong_CheckExact(b.ptr())) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(b.ptr(), &overflow);
+    if (overflow == 0 && v >= 1 && v <= kvcm::kMaxTokensPerBlock) return static_cast<std::uint32_t>(v);
+  }
+  PyErr_Clear();
+  const std::string r = nb::cast<std::string>(nb::repr(b));
+  throw nb::value_error(("tokens_per_block must be an int in 1..4096, got " + r).c_str());
+}
+
+nb::bytes to_bytes(const kvcm::Digest& d) { return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size()); }
+
+nb::list block_keys(nb::handle tokens, nb::handle tokens_per_block, std::optional<std::uint64_t> lora_id,
+                    std::optional<std::uint64_t> salt) {
+  const std::uint32_t b = check_tokens_per_block(tokens_per_block);
+  const kvcm::TokenBytes tb = collect_tokens(tokens, b);
+  std::vector<kvcm::Digest> keys;
+  {
+    nb::gil_scoped_release release;  // hashing touches no Python object
+    keys = kvcm::chain_keys(kvcm::scope_root_key(lora_id, salt), tb);
+  }
+  nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(keys.size())));
+  if (!out.is_valid()) throw nb::python_error();
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), to_bytes(keys[i]).release().ptr());
+  }
+  return nb::borrow<nb::list>(out);
+}
+
+nb::bytes sha256(nb::handle data) {
+  PyObject* obj = data.ptr();
+  if (PyUnicode_Check(obj)) throw nb::type_error("Strings must be encoded before hashing");
+  BufferView bv;
+  if (!bv.acquire(obj, PyBUF_SIMPLE)) {
+    throw nb::type_error(("sha256() needs a bytes-like object, got " + type_name(obj)).c_str());
+  }
+  const Py_buffer& view = bv.get();
+  const std::span<const std::uint8_t> span(static_cast<const std::uint8_t*>(view.buf),
+                                           static_cast<std::size_t>(view.len));
+  kvcm::Digest d;
+  if (span.size() >= 2048) {
+    // The export pins the memory (a bytearray cannot resize while exported).
+    nb::gil_scoped_release release;
+    d = kvcm::Sha256::hash(span);
+  } else {
+    d = kvcm::Sha256::hash(span);
+  }
+  return to_bytes(d);
+}
+
+
+// ---------------------------------------------------------------------------------------
+// RadixTree argument conversion
+// ---------------------------------------------------------------------------------------
+
+kvcm::Digest to_digest(nb::handle obj, const char* what) {
+  if (!PyBytes_Check(obj.ptr())) {
+    throw nb::type_error((std::string(what) + " must be bytes, got " + type_name(obj.ptr())).c_str());
+  }
+  if (PyBytes_GET_SIZE(obj.ptr()) != 32) {
+    throw nb::value_error((std::string(what) + " must be 32 bytes, got " +
+                           std::to_string(PyBytes_GET_SIZE(obj.ptr()))).c_str());
+  }
+  kvcm::Digest d;
+  std::memcpy(d.data(), PyBytes_AS_STRING(obj.ptr()), d.size());
+  return d;
+}
+
+// A token sequence borrowed for one tree call: digest tokens point into the bytes objects,
+// which `holder` (the list/tuple being read) keeps alive until the call returns.
+struct TokenArgs {
+  nb::object holder;
+  std::vector<kvcm::TokenArg> args;
+};
+
+TokenArgs to_token_args(nb::handle seq) {
+  TokenArgs out;
+  out.holder = nb::steal(PySequence_Fast(seq.ptr(), "tokens must be a sequence"));
+  if (!out.holder.is_valid()) throw nb::python_error();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(out.holder.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(out.holder.ptr());
+  out.args.reserve(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* t = items[i];
+    kvcm::TokenArg a;
+    if (PyLong_Check(t) && !PyBool_Check(t)) {
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
+      if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+      if (overflow != 0 || v < 0 || static_cast<unsigned long long>(v) >= kvcm::kTokenLimit) {
+        raise_out_of_range(int_str(t));
+      }
+      a.value = static_cast<std::uint32_t>(v);
+    } else if (PyBytes_CheckExact(t) && PyBytes_GET_SIZE(t) == static_cast<Py_ssize_t>(kvcm::kDigestTokenBytes)) {
+      a.digest = reinterpret_cast<const std::uint8_t*>(PyBytes_AS_STRING(t));
+    } else if (PyBytes_CheckExact(t)) {
+      throw nb::value_error(("tokens: a digest token must be 32 bytes, got " + std::to_string(PyBytes_GET_SIZE(t))).c_str());
+    } else {
+      throw nb::type_error(("tokens: a token must be an int or 32 bytes, got " + type_name(t)).c_str());
+    }
+    out.args.push_back(a);
+  }
+  return out;
+}
+
+std::vector<kvcm::LifeCycleSpec> to_life_cycles(nb::handle seq) {
+  std::vector<kvcm::LifeCycleSpec> out;
+  for (nb::handle item : seq) {
+    auto [kind, window, sinks] = nb::cast<std::tuple<std::string, std::optional<std::int64_t>, std::int64_t>>(item);
+    kvcm::LifeCycleSpec lc;
+    if (kind == "attn") {
+      lc.kind = kvcm::LcKind::attn;
+    } else if (kind == "ssm") {
+      lc.kind = kvcm::LcKind::ssm;
+    } else {
+      throw nb::value_error(("life cycle kind must be 'attn' or 'ssm', got '" + kind + "'").c_str());
+    }
+    lc.window = window;
+    lc.sinks = sinks;
+    out.push_back(lc);
+  }
+  return out;
+}
+
+std::string hex(const kvcm::Digest& d) {
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s(d.size() * 2, '0');
+  for (std::size_t i = 0; i < d.size(); ++i) {
+    s[2 * i] = digits[d[i] >> 4];
+    s[2 * i + 1] = digits[d[i] & 15];
+  }
+  return s;
+}
+
+template <typename T>
+nb::list int_list(const std::vector<T>& v) {
+  nb::list out;
+  for (const T& x : v) out.append(nb::int_(x));
+  return out;
+}
+
+// Same layout as tree.py's RadixTree.dump().
+nb::list dump_tree(const kvcm::RadixTree& tree) {
+  nb::list out;
+  for (const kvcm::NodeDump& d : tree.dump()) {
+    nb::list tokens;
+    for (const kvcm::TokenOut& t : d.tokens) {
+      if (t.is_digest) {
+        tokens.append(nb::str(hex(t.digest).c_str()));
+      } else {
+        tokens.append(nb::int_(t.value));
+      }
+    }
+    nb::list row;
+    row.append(nb::int_(d.id));
+    row.append(nb::str(hex(d.key).c_str()));
+    row.append(nb::int_(d.parent));
+    row.append(nb::bool_(d.attached));
+    row.append(nb::bool_(d.is_root));
+    row.append(nb::int_(d.ordinal));
+    row.append(tokens);
+    row.append(int_list(d.children));
+    row.append(int_list(d.pages));
+    row.append(int_list(d.coverage));
+    row.append(nb::int_(d.refs));
+    out.append(row);
+  }
+  return out;
+}
+
+void bind_radix_tree(nb::module_& m) {
+  // tree.py signals caller mistakes with KeyError(node_id) and AssertionError; keep both.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const kvcm::NoSuchNode& e) {
+      nb::object id = nb::int_(e.id());
+      PyErr_SetObject(PyExc_KeyError, id.ptr());
+    } catch (const kvcm::TreeAssertion& e) {
+      PyErr_SetString(PyExc_AssertionError, e.what());
+    }
+  });
+
+  m.attr("NO_PAGE") = kvcm::kNoPage;
+  m.attr("NO_NODE") = kvcm::kNoNode;
+
+  using kvcm::NodeId;
+  using kvcm::RadixTree;
+  nb::class_<RadixTree>(m, "RadixTree",
+                        "C++ port of kvcm.python_backend.tree.RadixTree (same methods, same results).")
+      .def(
+          "__init__",
+          [](RadixTree* self, std::int64_t tokens_per_block, nb::handle life_cycles) {
+            new (self) RadixTree(tokens_per_block, to_life_cycles(life_cycles));
+          },
+          "tokens_per_block"_a, "life_cycles"_a,
+          nb::sig("def __init__(self, tokens_per_block: int, "
+                  "life_cycles: typing.Sequence[tuple[str, int | None, int]]) -> None"))
+      .def("root", [](RadixTree& t, nb::handle key) { return t.root(to_digest(key, "scope_key")); },
+           "scope_key"_a, nb::sig("def root(self, scope_key: bytes) -> int"))
+      .def(
+          "new_block",
+          [](RadixTree& t, nb::handle key, nb::handle tokens, std::int64_t ordinal) {
+            const kvcm::Digest k = to_digest(key, "key");
+            const TokenArgs ta = to_token_args(tokens);
+            return t.new_block(k, ta.args, ordinal);
+          },
+          "key"_a, "tokens"_a, "ordinal"_a,
+          nb::sig("def new_block(self, key: bytes, tokens: typing.Sequence[int | bytes], ordinal: int) -> int"))
+      .def(
+          "find_existing",
+          [](const RadixTree& t, NodeId parent, nb::handle key, nb::handle tokens) {
+            const kvcm::Digest k = to_digest(key, "key");
+            const TokenArgs ta = to_token_args(tokens);
+            return t.find_existing(parent, k, ta.args);
+          },
+          "parent"_a, "key"_a, "tokens"_a,
+          nb::sig("def find_existing(self, parent: int, key: bytes, tokens: typing.Sequence[int | bytes]) -> int"))
+      .def("attach", &RadixTree::attach, "parent"_a, "node"_a)
+      .def("detach", &RadixTree::detach, "node"_a)
+      .def("remove_subtree", &RadixTree::remove_subtree, "node"_a)
+      .def("prune_upward", &RadixTree::prune_upward, "node"_a)
+      .def("set_page", &RadixTree::set_page, "node"_a, "lc"_a, "page"_a, "coverage"_a)
+      .def("clear_page", &RadixTree::clear_page, "node"_a, "lc"_a)
+      .def("ref", &RadixTree::ref, "node"_a)
+      .def("unref", &RadixTree::unref, "node"_a)
+      .def("collect", &RadixTree::collect, "node"_a)
+      .def(
+          "match",
+          [](const RadixTree& t, NodeId root, nb::handle tokens, nb::handle keys, bool partial,
+             std::int64_t backoff) {
+            const TokenArgs ta = to_token_args(tokens);
+            std::vector<kvcm::Digest> ks;
+            for (nb::handle k : keys) ks.push_back(to_digest(k, "key"));
+            kvcm::MatchResult r = t.match(root, ta.args, ks, partial, backoff);
+            return std::make_tuple(r.m, r.m_before_ssm, std::move(r.path));
+          },
+          "root"_a, "tokens"_a, "keys"_a, "partial"_a, "backoff"_a,
+          nb::sig("def match(self, root: int, tokens: typing.Sequence[int | bytes], keys: typing.Sequence[bytes], "
+                  "partial: bool, backoff: int) -> tuple[int, int, list[int]]"))
+      .def("parent", &RadixTree::parent, "node"_a)
+      .def("is_attached", &RadixTree::is_attached, "node"_a)
+      .def("exists", &RadixTree::exists, "node"_a)
+      .def("key", [](const RadixTree& t, NodeId node) { return to_bytes(t.key(node)); }, "node"_a)
+      .def("page", &RadixTree::page, "node"_a, "lc"_a)
+      .def("coverage", &RadixTree::coverage, "node"_a, "lc"_a)
+      .def("dump", &dump_tree, nb::sig("def dump(self) -> list"), "Canonical picture: every live node by id.")
+      .def("__len__", &RadixTree::num_nodes)
+      .def_prop_ro("B", &RadixTree::tokens_per_block)
+      .def_prop_ro("num_lcs", &RadixTree::num_life_cycles);
+}
+
+}  // namespace
+
+NB_MODULE(_kvcm_cpp, m) {
+  m.doc() = "kvcm C++ core (nanobind bindings)";
+
+  m.def("block_keys", &block_keys, "tokens"_a.none(), "tokens_per_block"_a, "lora_id"_a = nb::none(),
+        "salt"_a = nb::none(),
+        nb::sig("def block_keys(tokens: object, tokens_per_block: int, lora_id: int | None = None, "
+                "salt: int | None = None) -> list[bytes]"),
+        "One SHA-256 key per full or partial block of ``tokens`` (SPEC sec. 3).  Tokens are validated "
+        "like kvcm.api.check_tokens; the GIL is released while hashing.");
+
+  m.def(
+      "scope_root_key",
+      [](std::optional<std::uint64_t> lora_id, std::optional<std::uint64_t> salt) {
+        return to_bytes(kvcm::scope_root_key(lora_id, salt));
+      },
+      "lora_id"_a = nb::none(), "salt"_a = nb::none(),
+      "sha256(mask || lora_le64? || salt_le64?), the root key of a ReuseScope.");
+
+  m.def("sha256", &sha256, "data"_a, nb::sig("def sha256(data: bytes | bytearray | memoryview) -> bytes"),
+        "SHA-256 digest of a bytes-like object.");
+
+  m.def(
+      "raw_sha256_loop",
+      [](std::size_t n_blocks, std::size_t block_bytes) {
+        nb::gil_scoped_release release;
+        return kvcm::raw_sha256_loop(n_blocks, block_bytes);
+      },
+      "n_blocks"_a, "block_bytes"_a,
+      "Chain ``n_blocks`` hashes of (32-byte parent || ``block_bytes`` bytes); returns elapsed ns.");
+
+  m.def(
+      "sha256_impl", []() { return std::string(kvcm::sha256_impl_name()); },
+      "The SHA-256 compression in use: 'shani' or 'portable'.");
+  m.def("sha256_shani_available", &kvcm::sha256_shani_available, "True when the CPU supports SHA-NI.");
+  m.def(
+      "_set_sha256_impl",
+      [](const std::string& name) {
+        if (name == "portable") return kvcm::sha256_set_impl(kvcm::Sha256Impl::portable);
+        if (name == "shani") return kvcm::sha256_set_impl(kvcm::Sha256Impl::shani);
+        if (name == "auto") {
+          return kvcm::sha256_set_impl(kvcm::sha256_shani_available() ? kvcm::Sha256Impl::shani
+                                                                       : kvcm::Sha256Impl::portable);
+        }
+        throw nb::value_error("impl must be 'portable', 'shani' or 'auto'");
+      },
+      "name"_a, "Testing hook: select the SHA-256 compression; False if unavailable.");
+
+  m.def(
+      "build_info",
+      []() {
+        nb::dict d;
+        d["version"] = KVCM_VERSION;
+        d["build_type"] = KVCM_BUILD_TYPE;
+        d["sanitize"] = static_cast<bool>(KVCM_SANITIZE_ON);
+        d["compiler"] = __VERSION__;
+        d["cxx_standard"] = static_cast<long>(__cplusplus);
+        d["sha256_impl"] = std::string(kvcm::sha256_impl_name());
+        return d;
+      },
+      "Build details for `python -m kvcm info`.");
+
+  bind_radix_tree(m);
+}

@@ -1,0 +1,450 @@
+"""``python -m kvcm``: info, trace replay, benchmarks and op-log replay.
+
+Subcommands::
+
+    info                                   backend, version, cpp extension and build details
+    replay [TRACE] [--backend python,cpp] [--block-size 32] [--gpu-blocks N | --gpu-frac F]
+           [--host-blocks N | --host-frac F] [--limit N] [--no-partial] [--outputs]
+    bench [replay|keys|all] [--limit N] [--block-size B]
+    oplog-replay PATH [--backend python,cpp] ...   (kvcm.oplog.main_replay)
+
+``replay`` runs each backend in turn on the same trace and prints a side-by-side table;
+a backend that raises NotImplementedError shows ``not implemented yet (issue #3)`` in its
+column.  The exit code is 0 as long as at least one backend ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# The default replay: a prefix of the shipped trace the python backend replays in about
+# 30 s at tokens_per_block=32 on a 2-core CI machine (measured; --limit overrides).
+DEFAULT_REPLAY_LIMIT = 400
+NOT_IMPLEMENTED = "not implemented yet (issue #3)"
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _backends(arg: str) -> list[str]:
+    names = [b.strip() for b in arg.split(",") if b.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("at least one backend")
+    from kvcm import BACKENDS
+
+    for b in names:
+        if b not in BACKENDS:
+            raise argparse.ArgumentTypeError(f"unknown backend {b!r}; choices: {', '.join(BACKENDS)}")
+    return names
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    cols = len(header)
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(cols)]
+    lines = []
+    for r in [header, *rows]:
+        cells = [str(r[0]).ljust(widths[0])] + [str(r[i]).rjust(widths[i]) for i in range(1, cols)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _fmt_int(n: int) -> str:
+    return f"{n:,}"
+
+
+def _run_guarded(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``(result, None)``, or ``(None, why)`` when the backend cannot run it."""
+    from kvcm import BackendUnavailableError
+
+    try:
+        return fn(), None
+    except NotImplementedError:
+        return None, NOT_IMPLEMENTED
+    except BackendUnavailableError as e:
+        return None, f"unavailable ({str(e).split(':')[0]})"
+    except ImportError as e:  # a backend module not written yet
+        return None, f"unavailable ({e})"
+
+
+# ---------------------------------------------------------------------------------------
+# info
+# ---------------------------------------------------------------------------------------
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import kvcm
+    from kvcm._select import ENV_VAR
+
+    env = os.environ.get(ENV_VAR)
+    print(f"kvcm {kvcm.__version__}")
+    print(f"backend: {kvcm.backend} ({ENV_VAR}={env})" if env else f"backend: {kvcm.backend} (default)")
+    print(f"backends: {', '.join(kvcm.BACKENDS)}")
+    try:
+        ext = kvcm.cpp_extension()
+    except ImportError as e:
+        print("cpp extension: not importable")
+        print(f"  {e}")
+    else:
+        print(f"cpp extension: importable ({getattr(ext, '__file__', '?')})")
+        build_info = getattr(ext, "build_info", None)
+        if callable(build_info):
+            try:
+                info = build_info()
+            except Exception as e:  # noqa: BLE001 - diagnostics only
+                print(f"  build_info() failed: {e!r}")
+            else:
+                if isinstance(info, dict):
+                    for k, v in info.items():
+                        print(f"  {k}: {v}")
+                else:
+                    print(f"  {info}")
+        else:
+            print("  (no build_info())")
+    print(f"python: {platform.python_version()} ({platform.python_implementation()}, {platform.machine()})")
+    try:
+        import numpy
+
+        print(f"numpy: {numpy.__version__}")
+    except ImportError:
+        print("numpy: not installed (optional)")
+    from kvcm.trace import load_trace, shipped_trace_path
+
+    try:
+        n = len(load_trace())
+        print(f"shipped trace: {shipped_trace_path()} ({n} requests)")
+    except (OSError, ValueError) as e:
+        print(f"shipped trace: unreadable ({e})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# replay
+# ---------------------------------------------------------------------------------------
+
+
+def _quota(blocks: int | None, frac: float | None, unique: Callable[[], int]) -> int | None:
+    if blocks is not None:
+        return blocks
+    if frac is not None:
+        return max(1, int(frac * unique()))
+    return None
+
+
+def _result_rows(results: dict[str, Any]) -> list[list[str]]:
+    def row(label: str, f: Callable[[Any], str]) -> list[str]:
+        out = [label]
+        for r in results.values():
+            out.append(f(r) if not isinstance(r, str) else "")
+        return out
+
+    rows = [
+        row("hit rate", lambda r: f"{100 * r.hit_rate:.2f}%"),
+        row("reused tokens", lambda r: f"{_fmt_int(r.reused_tokens)} / {_fmt_int(r.prompt_tokens)}"),
+        row("reused blocks", lambda r: _fmt_int(r.reused_blocks)),
+        row(
+            "evictions (offload/drop)",
+            lambda r: f"{_fmt_int(r.evictions)} ({_fmt_int(r.offloads)}/{_fmt_int(r.drops)})",
+        ),
+        row("onboards", lambda r: _fmt_int(r.onboards)),
+        row("failed / preempted", lambda r: f"{r.failed} / {r.preemptions}"),
+        row("requests/s", lambda r: f"{r.requests_per_s:,.1f}"),
+        row("us/block", lambda r: f"{r.us_per_block:.2f}"),
+        row("manager s / wall s", lambda r: f"{r.manager_s:.2f} / {r.wall_s:.2f}"),
+    ]
+    # a backend that did not run: its reason in the first row, blanks below
+    for j, r in enumerate(results.values(), 1):
+        if isinstance(r, str):
+            rows[0][j] = r
+    return rows
+
+
+def run_replays(
+    backends: Sequence[str],
+    trace: Sequence[Any],
+    *,
+    tokens_per_block: int,
+    gpu_blocks: int | None,
+    host_blocks: int | None,
+    partial: bool,
+    outputs: bool,
+    progress: bool,
+) -> dict[str, Any]:
+    """``{backend: ReplayResult or reason string}``."""
+    from kvcm.replay import replay
+
+    results: dict[str, Any] = {}
+    for b in backends:
+        res, why = _run_guarded(
+            lambda b=b: replay(
+                trace,
+                b,
+                tokens_per_block=tokens_per_block,
+                gpu_quota_blocks=gpu_blocks,
+                host_quota_blocks=host_blocks,
+                enable_partial_reuse=partial,
+                with_outputs=outputs,
+                progress=progress,
+            )
+        )
+        results[b] = res if why is None else why
+    return results
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from kvcm.trace import load_trace, reference_figures, total_blocks, unique_blocks
+
+    full = load_trace(args.trace)
+    limit = args.limit
+    if limit is None and args.trace is None:
+        limit = DEFAULT_REPLAY_LIMIT
+    trace = full if limit is None else full[:limit]
+    B = args.block_size
+    uniq: list[int] = []
+
+    def unique() -> int:
+        if not uniq:
+            uniq.append(unique_blocks(trace, B))
+        return uniq[0]
+
+    gpu = _quota(args.gpu_blocks, args.gpu_frac, unique)
+    host = _quota(args.host_blocks, args.host_frac, unique)
+    name = os.path.basename(args.trace) if args.trace else "shipped Mooncake synthetic trace"
+    gpu_desc = (
+        f"{_fmt_int(gpu)} blocks"
+        if gpu is not None
+        else (f"unbounded ({_fmt_int(total_blocks(trace, B, args.outputs) + 1)} blocks)")
+    )
+    print(f"trace: {name}, {len(trace)} of {len(full)} requests")
+    print(
+        f"tokens_per_block={B}, gpu quota {gpu_desc}, host quota "
+        f"{_fmt_int(host) + ' blocks' if host else 'none'}, partial reuse {'off' if args.no_partial else 'on'}, "
+        f"{'prompt + outputs' if args.outputs else 'prompt only'}"
+    )
+    if gpu is None and not args.outputs:
+        ref = reference_figures(trace, B)
+        rate = ref.hit_rate_whole_blocks if args.no_partial else ref.hit_rate_partial
+        print(f"expected hit rate (from hash_ids): {100 * rate:.2f}%")
+    if uniq:
+        print(f"unique blocks in this prefix: {_fmt_int(uniq[0])}")
+    sys.stdout.flush()
+
+    results = run_replays(
+        args.backend,
+        trace,
+        tokens_per_block=B,
+        gpu_blocks=gpu,
+        host_blocks=host,
+        partial=not args.no_partial,
+        outputs=args.outputs,
+        progress=not args.no_progress,
+    )
+    print()
+    print(_table(["", *results.keys()], _result_rows(results)))
+    ran = [r for r in results.values() if not isinstance(r, str)]
+    return 0 if ran else 1
+
+
+# ---------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------
+
+
+def _best_of(fn: Callable[[], Any], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _ratio(py: float | None, cpp: float | None) -> str:
+    if py is None or cpp is None or cpp == 0:
+        return "n/a"
+    return f"{py / cpp:.1f}x"
+
+
+def bench_keys(args: argparse.Namespace) -> None:
+    import hashlib
+    import struct
+
+    import kvcm
+    from kvcm.keys import scope_root_key
+    from kvcm.trace import expand_prompt, load_trace
+
+    B = args.block_size
+    tokens: list[int] = []
+    for req in load_trace():
+        tokens.extend(expand_prompt(req))
+        if len(tokens) >= args.key_tokens:
+            break
+    del tokens[args.key_tokens :]
+    n = len(tokens)
+    print(f"keys: block_keys of {_fmt_int(n)} tokens, tokens_per_block={B}, best of {args.repeat}")
+
+    rates: dict[str, float | None] = {}
+    rows = []
+    for b in ("python", "cpp"):
+        dt, why = _run_guarded(lambda b=b: _best_of(lambda: kvcm.block_keys(tokens, B, backend=b), args.repeat))
+        rates[b] = n / dt if why is None else None
+        rows.append([f"block_keys [{b}]", f"{n / dt / 1e6:.2f} M tokens/s" if why is None else why])
+
+    packed = struct.pack(f"<{n}I", *tokens)
+    step = 4 * B
+    root = scope_root_key(None)
+
+    def raw_loop() -> None:
+        key = root
+        sha = hashlib.sha256
+        for i in range(0, len(packed), step):
+            key = sha(key + packed[i : i + step]).digest()
+
+    dt = _best_of(raw_loop, args.repeat)
+    rates["hashlib"] = n / dt
+    rows.append(["hashlib raw loop (pre-packed)", f"{n / dt / 1e6:.2f} M tokens/s"])
+
+    raw = None
+    try:
+        raw = getattr(kvcm.cpp_extension(), "raw_sha256_loop", None)
+    except ImportError:
+        pass
+    if callable(raw):
+        nblocks = -(-n // B)
+        try:
+            # raw_sha256_loop(n_blocks, block_bytes) -> elapsed ns of the chained hashes
+            dt = min(raw(nblocks, step) for _ in range(args.repeat)) / 1e9
+        except (TypeError, ValueError) as e:
+            rows.append(["cpp raw_sha256_loop", f"call failed ({e})"])
+        else:
+            rates["cpp_raw"] = n / dt
+            rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
+    else:
+        rows.append(["cpp raw_sha256_loop", "not available"])
+    py, cpp = rates.get("python"), rates.get("cpp")
+    rows.append(["speedup cpp/python (block_keys)", _ratio(cpp, py)])
+    rows.append(["speedup hashlib/python (Python floor)", _ratio(rates.get("hashlib"), py)])
+    print(_table(["", "throughput"], rows))
+
+
+def bench_replay(args: argparse.Namespace) -> None:
+    from kvcm.trace import load_trace, unique_blocks
+
+    B = args.block_size
+    trace = load_trace(limit=args.limit if args.limit is not None else DEFAULT_REPLAY_LIMIT)
+    uniq = unique_blocks(trace, B)
+    tight = max(1, int(0.1 * uniq))
+    print(f"replay: {len(trace)} requests of the shipped trace, tokens_per_block={B}, {_fmt_int(uniq)} unique blocks")
+    for label, gpu, host in (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight)):
+        results = run_replays(
+            ("python", "cpp"),
+            trace,
+            tokens_per_block=B,
+            gpu_blocks=gpu,
+            host_blocks=host,
+            partial=True,
+            outputs=False,
+            progress=not args.no_progress,
+        )
+        rows = _result_rows(results)
+        py, cpp = results.get("python"), results.get("cpp")
+        ok = not isinstance(py, str) and not isinstance(cpp, str)
+        rows.append(["time ratio python/cpp", "", _ratio(py.manager_s, cpp.manager_s) if ok else "n/a"])
+        print(f"\n[{label}]")
+        print(_table(["", *results.keys()], rows))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.what in ("keys", "all"):
+        bench_keys(args)
+    if args.what in ("replay", "all"):
+        if args.what == "all":
+            print()
+        bench_replay(args)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# oplog-replay
+# ---------------------------------------------------------------------------------------
+
+
+def cmd_oplog_replay(args: argparse.Namespace, rest: list[str]) -> int:
+    from kvcm import oplog  # written separately; imported only when used
+
+    rc = oplog.main_replay([args.path, "--backend", ",".join(args.backend), *rest])
+    return int(rc or 0)
+
+
+# ---------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m kvcm", description="kvcm: a KV-cache block manager")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    sub.add_parser("info", help="active backend, version, cpp extension and build details")
+
+    r = sub.add_parser("replay", help="replay a trace on one or more backends, side by side")
+    r.add_argument("trace", nargs="?", default=None, help="a .jsonl or .jsonl.gz trace (default: the shipped one)")
+    r.add_argument("--backend", type=_backends, default=["python", "cpp"], help="comma-separated (default python,cpp)")
+    r.add_argument("--block-size", type=int, default=32, help="tokens_per_block (default 32)")
+    g = r.add_mutually_exclusive_group()
+    g.add_argument("--gpu-blocks", type=int, default=None, help="gpu quota in blocks (default: unbounded)")
+    g.add_argument("--gpu-frac", type=float, default=None, help="gpu quota as a fraction of the prefix's unique blocks")
+    h = r.add_mutually_exclusive_group()
+    h.add_argument("--host-blocks", type=int, default=None, help="host tier quota in blocks (default: no host tier)")
+    h.add_argument("--host-frac", type=float, default=None, help="host quota as a fraction of the unique blocks")
+    r.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"replay the first N requests (default: {DEFAULT_REPLAY_LIMIT} for the shipped trace, all for a file)",
+    )
+    r.add_argument("--no-partial", action="store_true", help="enable_partial_reuse=False")
+    r.add_argument("--outputs", action="store_true", help="also decode and commit the output tokens")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    b = sub.add_parser("bench", help="measure both backends and print python/cpp ratios")
+    b.add_argument("what", nargs="?", choices=["replay", "keys", "all"], default="all")
+    b.add_argument("--limit", type=int, default=None, help=f"replay prefix (default {DEFAULT_REPLAY_LIMIT} requests)")
+    b.add_argument("--block-size", type=int, default=32)
+    b.add_argument("--key-tokens", type=int, default=1_000_000, help="tokens hashed by the keys bench")
+    b.add_argument("--repeat", type=int, default=3, help="keys bench: best of N")
+    b.add_argument("--no-progress", action="store_true")
+
+    o = sub.add_parser("oplog-replay", help="replay a KVCM_OPLOG file on backends (kvcm.oplog)")
+    o.add_argument("path")
+    o.add_argument("--backend", type=_backends, default=["python", "cpp"])
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.cmd != "oplog-replay" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd is None:
+        parser.print_help()
+        return 2
+    if args.cmd == "info":
+        return cmd_info(args)
+    if args.cmd == "replay":
+        return cmd_replay(args)
+    if args.cmd == "bench":
+        return cmd_bench(args)
+    return cmd_oplog_replay(args, rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,611 @@
+"""Op log (sec. 11): record every public call as JSON lines, replay a log on one or both
+backends and report the first divergence.
+
+Recording: with ``KVCM_OPLOG=path`` set when a manager is built, ``kvcm.KVCacheManager(...)``
+returns a :class:`RecordingManager` proxy (same ABCs; it forwards every call and appends
+one line per public call).  ``{pid}`` in the path is replaced by the process id.  Lines::
+
+    {"kvcm_oplog": 1, "m": "<pid>.<n>", "backend": "python", "config": {...}}   # a manager
+    {"m": "<pid>.<n>", "step": 0, "op": "create_kv_cache", "args": {...}, "outcome": {...}}
+
+Several managers may write to one file: ``m`` tells their records apart and each replays
+independently.  Only state-visible public calls are recorded (the :mod:`kvcm.ops`
+vocabulary); property reads, ``snapshot()`` and ``check_invariants()`` are not.
+
+Replay: :func:`replay` (``python -m kvcm oplog-replay PATH [--backend python,cpp]``, wired
+through :func:`main_replay`) runs each manager's ops on fresh managers of the chosen
+backends, checks every outcome against the recorded one, compares ``snapshot()`` across
+backends after every step and runs ``check_invariants()``; it stops at the first
+divergence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from kvcm import ops as _ops
+from kvcm.api import (
+    AttentionLayer,
+    KVCache,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    SsmLayer,
+    Tier,
+)
+
+ENV_VAR = "KVCM_OPLOG"
+FORMAT_VERSION = 1
+
+# ---------------------------------------------------------------------------------------
+# config <-> JSON
+# ---------------------------------------------------------------------------------------
+
+
+def config_to_json(config: KVCacheManagerConfig) -> dict[str, Any]:
+    """A JSON-able dict that :func:`config_from_json` turns back into an equal config."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(KVCacheManagerConfig):
+        v = getattr(config, f.name)
+        if f.name == "layers":
+            layers = []
+            for layer in v:
+                if isinstance(layer, AttentionLayer):
+                    layers.append(
+                        {
+                            "type": "attention",
+                            "layer_id": layer.layer_id,
+                            "bytes_per_token": layer.bytes_per_token,
+                            "window": layer.window,
+                            "sink_tokens": layer.sink_tokens,
+                        }
+                    )
+                elif isinstance(layer, SsmLayer):
+                    layers.append({"type": "ssm", "layer_id": layer.layer_id, "state_bytes": layer.state_bytes})
+                else:
+                    layers.append({"type": "unknown", "repr": repr(layer)})
+            v = layers
+        elif f.name == "tiers":
+            v = [{"kind": t.kind, "quota_bytes": t.quota_bytes, "path": t.path} for t in v]
+        elif f.name == "pool_ratio":
+            v = None if v is None else [[k, w] for k, w in v.items()]  # keys stay ints
+        out[f.name] = v
+    return out
+
+
+def config_from_json(data: dict[str, Any]) -> KVCacheManagerConfig:
+    fields = {f.name for f in dataclasses.fields(KVCacheManagerConfig)}
+    unknown = set(data) - fields
+    if unknown:
+        raise ValueError(f"config: unknown keys {sorted(unknown)}")
+    kw = dict(data)
+    layers = []
+    for d in kw.get("layers", []):
+        d = dict(d)
+        kind = d.pop("type", None)
+        if kind == "attention":
+            layers.append(AttentionLayer(**d))
+        elif kind == "ssm":
+            layers.append(SsmLayer(**d))
+        else:
+            raise ValueError(f"config: unknown layer type {kind!r}")
+    kw["layers"] = layers
+    kw["tiers"] = [Tier(**t) for t in kw.get("tiers", [])]
+    pr = kw.get("pool_ratio")
+    if pr is not None:
+        items = pr.items() if isinstance(pr, dict) else pr
+        kw["pool_ratio"] = {int(k): w for k, w in items}
+    return KVCacheManagerConfig(**kw)
+
+
+# ---------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------
+
+
+def oplog_path() -> str | None:
+    p = os.environ.get(ENV_VAR)
+    return p or None
+
+
+class _LogWriter:
+    """Appends JSON lines to one file; shared by every manager of a process logging there."""
+
+    _lock = threading.Lock()
+    _counter = itertools.count()
+
+    def __init__(self, path: str) -> None:
+        self.path = path.replace("{pid}", str(os.getpid()))
+        d = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(d, exist_ok=True)
+        self.m = f"{os.getpid()}.{next(self._counter)}"
+        self.step = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = _ops.dumps(record)
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+class RecordingManager(KVCacheManager):
+    """Proxy that forwards to a real manager and records each public call.
+
+    Built by :func:`maybe_wrap` / :func:`wrap`.  Its ``__init__`` accepts and ignores
+    anything once set up, so it also works when returned from ``KVCacheManager.__new__``
+    (Python then calls ``__init__(config, backend=...)`` on it).  If ``__new__`` returns an
+    *unset* instance (``RecordingManager.__new__(RecordingManager)``), that ``__init__``
+    call builds the inner manager itself."""
+
+    backend_name = "oplog"
+    _inner: KVCacheManager | None = None
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        if self._inner is not None:
+            return
+        path = oplog_path()
+        if path is None:  # pragma: no cover - only via a misconfigured hook
+            raise RuntimeError(f"RecordingManager built without {ENV_VAR}")
+        from kvcm._select import manager_class
+
+        backend = kw.pop("backend", None)
+        inner = manager_class(backend)(*args, **kw)
+        self._setup(inner, path)
+
+    def _setup(self, inner: KVCacheManager, path: str) -> None:
+        self._inner = inner
+        self._log = _LogWriter(path)
+        self._caches: list[RecordingCache] = []
+        self._log.write(
+            {
+                "kvcm_oplog": FORMAT_VERSION,
+                "m": self._log.m,
+                "backend": getattr(inner, "backend_name", type(inner).__name__),
+                "config": config_to_json(inner.config),
+            }
+        )
+
+    # -- recording ------------------------------------------------------------------
+    def _record(self, name: str, cache: int | None, args: dict[str, Any], call, post=None) -> Any:
+        rec: dict[str, Any] = {"m": self._log.m, "step": self._log.step, "op": name}
+        if cache is not None:
+            rec["cache"] = cache
+        if args:
+            rec["args"] = _ops.encode_args(name, args)
+        self._log.step += 1
+        try:
+            result = call()
+        except Exception as e:
+            rec["outcome"] = _ops.error_outcome(e)
+            rec["message"] = str(e)
+            self._log.write(rec)
+            raise
+        if name == "create_kv_cache":
+            wrapped = RecordingCache(result, self, len(self._caches))
+            self._caches.append(wrapped)
+            rec["outcome"] = {"result": wrapped._handle}
+            self._log.write(rec)
+            return wrapped
+        rec["outcome"] = {"result": post(result) if post is not None else _ops.normalize(result)}
+        self._log.write(rec)
+        return result
+
+    # -- forwarded, unrecorded -----------------------------------------------------
+    @property
+    def inner(self) -> KVCacheManager:
+        return self._inner  # type: ignore[return-value]
+
+    @property
+    def oplog_path(self) -> str:
+        return self._log.path
+
+    @property
+    def config(self) -> KVCacheManagerConfig:
+        return self._inner.config
+
+    @property
+    def life_cycles(self):
+        return self._inner.life_cycles
+
+    def snapshot(self) -> dict:
+        return self._inner.snapshot()
+
+    def check_invariants(self) -> None:
+        self._inner.check_invariants()
+
+    def __getattr__(self, name: str) -> Any:
+        # backend-specific extras (e.g. build details) pass through unrecorded
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    # -- recorded ------------------------------------------------------------------
+    def create_kv_cache(self, input_tokens=None, scope=None, priority=None, id=None) -> KVCache:
+        input_tokens = _materialize(input_tokens)
+        args = {"input_tokens": input_tokens, "scope": scope, "priority": priority, "id": id}
+        return self._record(
+            "create_kv_cache",
+            None,
+            args,
+            lambda: self._inner.create_kv_cache(input_tokens, scope=scope, priority=priority, id=id),
+        )
+
+    def probe_reuse(self, tokens, scope=None) -> int:
+        tokens = _materialize(tokens)
+        return self._record("probe_reuse", None, {"tokens": tokens, "scope": scope}, lambda: self._inner.probe_reuse(tokens, scope))
+
+    def probe_reuse_detail(self, tokens, scope=None):
+        tokens = _materialize(tokens)
+        return self._record(
+            "probe_reuse_detail", None, {"tokens": tokens, "scope": scope}, lambda: self._inner.probe_reuse_detail(tokens, scope)
+        )
+
+    def drain_copy_ops(self):
+        return self._record("drain_copy_ops", None, {}, self._inner.drain_copy_ops)
+
+    def clear_reusable(self) -> None:
+        return self._record("clear_reusable", None, {}, self._inner.clear_reusable)
+
+    def shutdown(self) -> None:
+        return self._record("shutdown", None, {}, self._inner.shutdown)
+
+    def stats(self) -> dict:
+        return self._record("stats", None, {}, self._inner.stats)
+
+    def take_iteration_stats(self) -> dict:
+        return self._record("take_iteration_stats", None, {}, self._inner.take_iteration_stats)
+
+    def take_events(self):
+        return self._record("take_events", None, {}, self._inner.take_events)
+
+    def __repr__(self) -> str:
+        return f"RecordingManager({self._inner!r}, path={self._log.path!r})"
+
+
+def _materialize(tokens: Any) -> Any:
+    """A one-shot iterator would be consumed by the encoder: make it a list first."""
+    if tokens is None or hasattr(tokens, "__len__") or isinstance(tokens, (int, float)):
+        return tokens
+    try:
+        return list(tokens)
+    except TypeError:
+        return tokens
+
+
+class RecordingCache(KVCache):
+    def __init__(self, inner: KVCache, manager: RecordingManager, handle: int) -> None:
+        self._inner = inner
+        self._mgr = manager
+        self._handle = handle
+
+    @property
+    def inner(self) -> KVCache:
+        return self._inner
+
+    def _record(self, name: str, args: dict[str, Any], call) -> Any:
+        return self._mgr._record(name, self._handle, args, call)
+
+    # properties: forwarded, not recorded
+    id = property(lambda self: self._inner.id)
+    status = property(lambda self: self._inner.status)
+    capacity = property(lambda self: self._inner.capacity)
+    history_length = property(lambda self: self._inner.history_length)
+    num_committed_tokens = property(lambda self: self._inner.num_committed_tokens)
+    committed_tokens = property(lambda self: self._inner.committed_tokens)
+    num_reused_tokens = property(lambda self: self._inner.num_reused_tokens)
+    priority = property(lambda self: self._inner.priority)
+
+    def resume(self) -> bool:
+        return self._record("resume", {}, self._inner.resume)
+
+    def suspend(self) -> None:
+        return self._record("suspend", {}, self._inner.suspend)
+
+    def resize(self, capacity, history_length=None) -> bool:
+        args = {"capacity": capacity, "history_length": history_length}
+        return self._record("resize", args, lambda: self._inner.resize(capacity, history_length))
+
+    def commit(self, tokens) -> None:
+        tokens = _materialize(tokens)
+        return self._record("commit", {"tokens": tokens}, lambda: self._inner.commit(tokens))
+
+    def stop_committing(self) -> None:
+        return self._record("stop_committing", {}, self._inner.stop_committing)
+
+    def close(self) -> None:
+        return self._record("close", {}, self._inner.close)
+
+    def page_indices(self, lc) -> list[int]:
+        return self._record("page_indices", {"lc": lc}, lambda: self._inner.page_indices(lc))
+
+    def page_indices_into(self, lc, out) -> int:
+        size, dtype = _buffer_spec(out)
+
+        def written(count: Any) -> dict[str, Any]:
+            try:
+                content = memoryview(out).tolist()
+            except (TypeError, NotImplementedError):
+                content = None
+            return {"count": _ops.normalize(count), "out": content}
+
+        args = {"lc": lc, "size": size, "dtype": dtype}
+        return self._mgr._record("page_indices_into", self._handle, args, lambda: self._inner.page_indices_into(lc, out), written)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return f"RecordingCache({self._inner!r}, handle={self._handle})"
+
+
+def _buffer_spec(out: Any) -> tuple[int, str]:
+    try:
+        mv = memoryview(out)
+        dtype = {("i", 4): "int32", ("l", 4): "int32", ("q", 8): "int64", ("l", 8): "int64", ("f", 4): "float32"}.get(
+            (mv.format.lstrip("<=@"), mv.itemsize), f"{mv.format}/{mv.itemsize}"
+        )
+        return len(mv), dtype
+    except TypeError:
+        return 0, type(out).__name__
+
+
+def wrap(manager: KVCacheManager, path: str) -> RecordingManager:
+    """A recording proxy around an already-built manager, logging to ``path``."""
+    proxy = RecordingManager.__new__(RecordingManager)
+    proxy._setup(manager, path)
+    return proxy
+
+
+def maybe_wrap_class(impl: type) -> type:
+    """The hook for ``KVCacheManager.__new__``: ``RecordingManager`` when ``KVCM_OPLOG`` is
+    set (its ``__init__(config, backend=...)`` then builds the real manager), else ``impl``.
+    Wiring (api.py)::
+
+        impl = maybe_wrap_class(manager_class(backend))
+        return impl.__new__(impl, config, *args, **kw)
+    """
+    return RecordingManager if oplog_path() is not None else impl
+
+
+def maybe_wrap(manager: KVCacheManager) -> KVCacheManager:
+    """The hook ``kvcm.KVCacheManager(...)`` calls on each manager it builds: a recording
+    proxy when ``KVCM_OPLOG`` is set, the manager itself otherwise."""
+    path = oplog_path()
+    if path is None or isinstance(manager, RecordingManager):
+        return manager
+    return wrap(manager, path)
+
+
+# ---------------------------------------------------------------------------------------
+# reading and replay
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoggedManager:
+    """One manager's stream in a log: its config and its op records, in order."""
+
+    m: str
+    config: dict[str, Any]
+    backend: str | None
+    ops: list[dict[str, Any]] = field(default_factory=list)
+
+
+def read_log(path_or_lines: str | Iterable[str]) -> list[LoggedManager]:
+    """Parse a log (a path, or an iterable of JSON lines) into manager streams."""
+    if isinstance(path_or_lines, str):
+        with open(path_or_lines, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    else:
+        lines = list(path_or_lines)
+    streams: dict[str, LoggedManager] = {}
+    order: list[str] = []
+    for lineno, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"op log line {lineno}: not JSON ({e})") from None
+        m = str(rec.get("m", "0"))
+        if "kvcm_oplog" in rec:
+            if m in streams:
+                raise ValueError(f"op log line {lineno}: manager {m} declared twice")
+            streams[m] = LoggedManager(m=m, config=rec["config"], backend=rec.get("backend"))
+            order.append(m)
+            continue
+        if m not in streams:
+            raise ValueError(f"op log line {lineno}: op for manager {m} before its config line")
+        streams[m].ops.append(rec)
+    return [streams[m] for m in order]
+
+
+def format_log(config: KVCacheManagerConfig | dict, records: Sequence[dict[str, Any]], m: str = "0") -> str:
+    """Render a config and op records (with or without outcomes) as a replayable log."""
+    cfg = config if isinstance(config, dict) else config_to_json(config)
+    lines = [_ops.dumps({"kvcm_oplog": FORMAT_VERSION, "m": m, "config": cfg})]
+    for i, r in enumerate(records):
+        rec = {"m": m, "step": i}
+        rec.update({k: v for k, v in r.items() if k not in ("m", "step")})
+        lines.append(_ops.dumps(rec))
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Divergence:
+    manager: str
+    step: int
+    op: dict[str, Any]
+    kind: str  # "outcome" | "snapshot" | "invariants" | "op"
+    detail: str
+    outcomes: dict[str, Any] = field(default_factory=dict)  # "recorded" / backend -> outcome
+
+    def __str__(self) -> str:
+        lines = [f"first divergence: manager {self.manager}, step {self.step} ({self.kind})"]
+        lines.append(f"  op: {_ops.dumps({k: v for k, v in self.op.items() if k not in ('outcome', 'message', 'm')})}")
+        for who, out in self.outcomes.items():
+            lines.append(f"  {who}: {_ops.dumps(out)}")
+        if self.detail:
+            lines.append(f"  {self.detail}")
+        return "\n".join(lines)
+
+
+@dataclass
+class ReplayReport:
+    path: str
+    backends: tuple[str, ...]
+    managers: int = 0
+    steps: int = 0
+    divergence: Divergence | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None
+
+    def __str__(self) -> str:
+        head = f"replayed {self.steps} ops of {self.managers} manager(s) from {self.path} on {', '.join(self.backends)}"
+        if self.ok:
+            return head + ": no divergence"
+        return head + "\n" + str(self.divergence)
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """Where two JSON values first differ (``None`` when equal), for messages."""
+    if type(a) is not type(b) and not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
+        return f"{path or '<root>'}: {_short(a)} != {_short(b)}"
+    if isinstance(a, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            if k not in a or k not in b:
+                return f"{path}/{k}: present in {'first' if k in a else 'second'} only"
+            d = first_difference(a[k], b[k], f"{path}/{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = first_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        if len(a) != len(b):
+            return f"{path}: length {len(a)} != {len(b)}"
+        return None
+    return None if a == b else f"{path or '<root>'}: {_short(a)} != {_short(b)}"
+
+
+def _short(v: Any, n: int = 200) -> str:
+    s = json.dumps(v, default=repr) if not isinstance(v, str) else repr(v)
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def build_manager(config: KVCacheManagerConfig, backend: str) -> KVCacheManager:
+    """A manager of ``backend`` that is never recorded (replaying must not log)."""
+    from kvcm._select import manager_class
+
+    return manager_class(backend)(config)
+
+
+def replay(path: str, backends: Sequence[str] = ("python", "cpp"), *, check_invariants: bool = True) -> ReplayReport:
+    """Replay the log at ``path`` on each of ``backends``; stop at the first divergence."""
+    backends = tuple(backends)
+    if not backends:
+        raise ValueError("replay needs at least one backend")
+    streams = read_log(path)
+    report = ReplayReport(path=path, backends=backends, managers=len(streams))
+    for stream in streams:
+        div = _replay_stream(stream, backends, check_invariants, report)
+        if div is not None:
+            report.divergence = div
+            break
+    return report
+
+
+def _replay_stream(stream: LoggedManager, backends: tuple[str, ...], check: bool, report: ReplayReport) -> Divergence | None:
+    config = config_from_json(stream.config)
+    managers: dict[str, Any] = {}
+    for b in backends:
+        try:
+            managers[b] = build_manager(config, b)
+        except Exception as e:
+            return Divergence(stream.m, -1, {"op": "<construct>"}, "outcome", f"{b}: {type(e).__name__}: {e}")
+    caches: dict[str, list] = {b: [] for b in backends}
+    for i, rec in enumerate(stream.ops):
+        op = {k: v for k, v in rec.items() if k in ("op", "args", "cache")}
+        outcomes: dict[str, Any] = {}
+        if "outcome" in rec:
+            outcomes["recorded"] = rec["outcome"]
+        for b in backends:
+            try:
+                outcomes[b] = _ops.apply(managers[b], caches[b], op, with_message=True)
+            except _ops.OpError as e:
+                return Divergence(stream.m, i, rec, "op", f"malformed op: {e}", outcomes)
+        report.steps += 1
+        ref_name, ref = next(iter(outcomes.items()))
+        for who, out in outcomes.items():
+            if not _ops.same_outcome(ref, out):
+                return Divergence(stream.m, i, rec, "outcome", f"{ref_name} and {who} disagree", outcomes)
+        if len(backends) > 1:
+            snaps = {b: _ops.normalize(managers[b].snapshot()) for b in backends}
+            first = backends[0]
+            for b in backends[1:]:
+                d = first_difference(snaps[first], snaps[b])
+                if d is not None:
+                    return Divergence(stream.m, i, rec, "snapshot", f"snapshot({first}) vs snapshot({b}): {d}", outcomes)
+        if check:
+            for b in backends:
+                try:
+                    managers[b].check_invariants()
+                except Exception as e:
+                    return Divergence(stream.m, i, rec, "invariants", f"{b}: {type(e).__name__}: {e}", outcomes)
+    return None
+
+
+def main_replay(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvcm oplog-replay PATH [--backend python,cpp]``; exit 0 = no divergence,
+    1 = divergence, 2 = bad usage / unreadable log."""
+    p = argparse.ArgumentParser(prog="python -m kvcm oplog-replay", description="Replay a kvcm op log (KVCM_OPLOG).")
+    p.add_argument("path")
+    p.add_argument("--backend", default="python,cpp", help="comma-separated backends (default: python,cpp)")
+    p.add_argument("--no-invariants", action="store_true", help="skip check_invariants() after each step")
+    a = p.parse_args(argv)
+    backends = tuple(b.strip() for b in a.backend.split(",") if b.strip())
+    from kvcm._select import BACKENDS
+
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or not backends:
+        print(f"oplog-replay: unknown backend(s) {bad}; choices: {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
+    try:
+        report = replay(a.path, backends, check_invariants=not a.no_invariants)
+    except (OSError, ValueError) as e:
+        print(f"oplog-replay: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if report.ok else 1
+
+
+__all__ = [
+    "ENV_VAR",
+    "Divergence",
+    "RecordingCache",
+    "RecordingManager",
+    "ReplayReport",
+    "config_from_json",
+    "config_to_json",
+    "first_difference",
+    "format_log",
+    "main_replay",
+    "maybe_wrap",
+    "maybe_wrap_class",
+    "read_log",
+    "replay",
+    "wrap",
+]

@@ -1,0 +1,353 @@
+"""A JSON-able vocabulary of every public kvcm call, and a function that applies one.
+
+One *op* is a dict::
+
+    {"op": "create_kv_cache", "args": {"input_tokens": [1, 2, 3], "scope": null}}
+    {"op": "commit", "cache": 0, "args": {"tokens": [4, {"digest": "ab..."}]}}
+    {"op": "drain_copy_ops"}
+
+``cache`` is a *handle*: the index, in creation order, of a cache created by a successful
+``create_kv_cache`` of the same op sequence.  ``args`` holds keyword arguments; a missing
+key means "use the default" (the argument is not passed at all).
+
+Tokens: an int stays an int; a digest token (``bytes``) is ``{"digest": "<hex>"}``.  Any
+other JSON value (a string, a float, ``true``, ``null``, an out-of-range int, a short
+digest) is passed through unchanged, so bad input is expressible too.  A token list that
+is not a JSON list (e.g. the string ``"abc"``) is also passed as is.
+
+Scope: ``null`` (default scope), ``{"lora_id": x, "salt": y}`` (either may be missing or
+null), or any other JSON value passed through unchanged (a bad scope).
+
+:func:`apply` runs one op and returns an *outcome*: ``{"result": <json>}`` or
+``{"error": "<ExceptionTypeName>"}``.  Results are normalised so both backends' outcomes
+can be compared with ``==`` and written as JSON: a KVCache becomes its handle, a CopyOp
+and an Event their ``to_json()``, a ReuseProbe ``[num_tokens, num_tokens_before_ssm]``,
+a Status its name, bytes their hex, dict keys strings.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import enum
+import json
+from typing import Any, Sequence
+
+from kvcm.api import CopyOp, Event, KVCache, ReuseProbe, ReuseScope, Status
+
+# op name -> (needs a cache handle, allowed arg names)
+MANAGER_OPS: dict[str, tuple[str, ...]] = {
+    "create_kv_cache": ("input_tokens", "scope", "priority", "id"),
+    "probe_reuse": ("tokens", "scope"),
+    "probe_reuse_detail": ("tokens", "scope"),
+    "drain_copy_ops": (),
+    "clear_reusable": (),
+    "take_events": (),
+    "stats": (),
+    "take_iteration_stats": (),
+    "shutdown": (),
+}
+CACHE_OPS: dict[str, tuple[str, ...]] = {
+    "resume": (),
+    "suspend": (),
+    "resize": ("capacity", "history_length"),
+    "commit": ("tokens",),
+    "stop_committing": (),
+    "close": (),
+    "page_indices": ("lc",),
+    # out: a fresh buffer of ``size`` items of ``dtype`` ("int32", "int64", "float32")
+    # filled with -7; the result is {"count": n, "out": [...]} (what the call wrote).
+    "page_indices_into": ("lc", "size", "dtype"),
+}
+OPS: tuple[str, ...] = tuple(MANAGER_OPS) + tuple(CACHE_OPS)
+
+# Ops whose call does not change manager state (the proxy still records them; the
+# differential test uses this to skip nothing — it is informational).
+READ_ONLY_OPS = frozenset({"probe_reuse", "probe_reuse_detail", "stats", "page_indices", "page_indices_into"})
+
+# The properties of a KVCache (sec. 7) compared by :func:`cache_props`.
+CACHE_PROPS: tuple[str, ...] = (
+    "id",
+    "status",
+    "capacity",
+    "history_length",
+    "num_committed_tokens",
+    "committed_tokens",
+    "num_reused_tokens",
+    "priority",
+)
+
+_BUFFER_TYPECODES = {"int32": "i", "int64": "q", "float32": "f"}
+BUFFER_FILL = -7
+
+
+class OpError(ValueError):
+    """A malformed op (unknown name, unknown argument, bad handle): a harness bug, never
+    an outcome."""
+
+
+# ---------------------------------------------------------------------------------------
+# encoding (Python values -> JSON) and decoding (JSON -> Python values)
+# ---------------------------------------------------------------------------------------
+
+
+def encode_token(t: Any) -> Any:
+    if isinstance(t, (bytes, bytearray, memoryview)):
+        return {"digest": bytes(t).hex()}
+    if isinstance(t, bool) or t is None or isinstance(t, (str, float)):
+        return t
+    if isinstance(t, int):
+        return int(t)
+    if hasattr(t, "item"):  # numpy / torch scalar
+        try:
+            return encode_token(t.item())
+        except Exception:  # pragma: no cover - exotic scalars
+            pass
+    return {"repr": repr(t)}
+
+
+def encode_tokens(tokens: Any) -> Any:
+    """JSON form of a token sequence (anything the API accepts, or bad input)."""
+    if tokens is None or isinstance(tokens, (str, int, float, bool)):
+        return tokens
+    if isinstance(tokens, (bytes, bytearray)):
+        return {"bytes": bytes(tokens).hex()}
+    if hasattr(tokens, "tolist") and not isinstance(tokens, list):
+        try:
+            tokens = tokens.tolist()
+        except Exception:
+            return {"repr": repr(tokens)}
+    try:
+        seq = list(tokens)
+    except TypeError:
+        return {"repr": repr(tokens)}
+    return [encode_token(t) for t in seq]
+
+
+def decode_token(t: Any) -> Any:
+    if isinstance(t, dict) and set(t) == {"digest"}:
+        return bytes.fromhex(t["digest"])
+    return t
+
+
+def decode_tokens(tokens: Any) -> Any:
+    if isinstance(tokens, list):
+        return [decode_token(t) for t in tokens]
+    if isinstance(tokens, dict) and set(tokens) == {"bytes"}:
+        return bytes.fromhex(tokens["bytes"])
+    return tokens
+
+
+def encode_scope(scope: Any) -> Any:
+    if scope is None:
+        return None
+    if isinstance(scope, ReuseScope):
+        return {"lora_id": scope.lora_id, "salt": scope.salt}
+    if isinstance(scope, (str, int, float, bool)):
+        return scope
+    return {"repr": repr(scope)}
+
+
+def decode_scope(scope: Any) -> Any:
+    """May raise (a bad lora_id/salt): :func:`apply` turns that into an error outcome."""
+    if isinstance(scope, dict) and set(scope) <= {"lora_id", "salt"}:
+        return ReuseScope(lora_id=scope.get("lora_id"), salt=scope.get("salt"))
+    return scope
+
+
+_TOKEN_ARGS = {"input_tokens", "tokens"}
+
+
+def encode_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in args.items():
+        if k in _TOKEN_ARGS:
+            out[k] = encode_tokens(v)
+        elif k == "scope":
+            out[k] = encode_scope(v)
+        else:
+            out[k] = normalize(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------
+
+
+def normalize(value: Any, caches: Sequence[KVCache] = ()) -> Any:
+    """A JSON value equal (with ``==``) for equal observable results."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, Status):
+        return value.name
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, (CopyOp, Event)):
+        return normalize(value.to_json())
+    if isinstance(value, ReuseProbe):
+        return [value.num_tokens, value.num_tokens_before_ssm]
+    if isinstance(value, KVCache):
+        for i, c in enumerate(caches):
+            if c is value:
+                return i
+        return {"kvcache": normalize(value.id)}
+    if isinstance(value, dict):
+        return {str(normalize(k)): normalize(v, caches) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [normalize(v, caches) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: normalize(getattr(value, f.name), caches) for f in dataclasses.fields(value)}
+    if hasattr(value, "tolist"):
+        return normalize(value.tolist(), caches)
+    return {"repr": repr(value)}
+
+
+def error_outcome(exc: BaseException, with_message: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"error": type(exc).__name__}
+    if with_message:
+        out["message"] = str(exc)
+    return out
+
+
+def same_outcome(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Outcomes agree: equal results, or the same error type (messages may differ)."""
+    if "error" in a or "error" in b:
+        return a.get("error") == b.get("error")
+    return a.get("result") == b.get("result")
+
+
+def cache_props(cache: KVCache) -> dict[str, Any]:
+    """Every property of a cache, normalised (a property that raises gives its error)."""
+    out: dict[str, Any] = {}
+    for name in CACHE_PROPS:
+        try:
+            out[name] = normalize(getattr(cache, name))
+        except Exception as e:
+            out[name] = error_outcome(e)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# apply
+# ---------------------------------------------------------------------------------------
+
+
+def validate_op(op: Any, num_caches: int | None = None) -> None:
+    """Raise :class:`OpError` unless ``op`` is well formed."""
+    if not isinstance(op, dict) or not isinstance(op.get("op"), str):
+        raise OpError(f"an op is a dict with an 'op' name, got {op!r}")
+    name = op["op"]
+    extra = set(op) - {"op", "args", "cache", "outcome", "message", "m", "step"}
+    if extra:
+        raise OpError(f"op {name!r}: unknown keys {sorted(extra)}")
+    if name in MANAGER_OPS:
+        allowed = MANAGER_OPS[name]
+        if "cache" in op:
+            raise OpError(f"op {name!r} takes no cache handle")
+    elif name in CACHE_OPS:
+        allowed = CACHE_OPS[name]
+        h = op.get("cache")
+        if not isinstance(h, int) or isinstance(h, bool) or h < 0:
+            raise OpError(f"op {name!r} needs a cache handle (int >= 0), got {h!r}")
+        if num_caches is not None and h >= num_caches:
+            raise OpError(f"op {name!r}: cache handle {h} does not exist ({num_caches} caches created)")
+    else:
+        raise OpError(f"unknown op {name!r}; choices: {', '.join(OPS)}")
+    args = op.get("args", {})
+    if not isinstance(args, dict):
+        raise OpError(f"op {name!r}: args must be a dict, got {args!r}")
+    unknown = set(args) - set(allowed)
+    if unknown:
+        raise OpError(f"op {name!r}: unknown args {sorted(unknown)}; allowed: {list(allowed)}")
+
+
+def _make_buffer(size: Any, dtype: Any) -> Any:
+    code = _BUFFER_TYPECODES.get(dtype or "int32")
+    if code is None or not isinstance(size, int) or size < 0:
+        raise OpError(f"page_indices_into: bad buffer spec size={size!r} dtype={dtype!r}")
+    if code == "i" and array.array("i").itemsize != 4:  # pragma: no cover - exotic ABI
+        code = "l"
+    return array.array(code, [BUFFER_FILL] * size)
+
+
+def _call(manager: Any, caches: list, op: dict[str, Any]) -> Any:
+    name = op["op"]
+    raw = op.get("args", {})
+    args: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k in _TOKEN_ARGS:
+            args[k] = decode_tokens(v)
+        elif k == "scope":
+            args[k] = decode_scope(v)
+        else:
+            args[k] = v
+    if name in MANAGER_OPS:
+        result = getattr(manager, name)(**args)
+        if name == "create_kv_cache":
+            caches.append(result)
+            return len(caches) - 1
+        return normalize(result, caches)
+    cache = caches[op["cache"]]
+    if name == "page_indices_into":
+        buf = _make_buffer(args.pop("size", 0), args.pop("dtype", "int32"))
+        count = cache.page_indices_into(args.get("lc"), buf)
+        return {"count": normalize(count), "out": buf.tolist()}
+    return normalize(getattr(cache, name)(**args), caches)
+
+
+def apply(manager: Any, caches: list, op: dict[str, Any], *, with_message: bool = False) -> dict[str, Any]:
+    """Run ``op`` on ``manager``; ``caches`` (created caches by handle) grows on a
+    successful ``create_kv_cache``.  Returns ``{"result": ...}`` or ``{"error": name}``
+    (plus ``"message"`` when ``with_message``).  Raises :class:`OpError` for a malformed op."""
+    validate_op(op, len(caches))
+    try:
+        return {"result": _call(manager, caches, op)}
+    except OpError:
+        raise
+    except Exception as e:
+        return error_outcome(e, with_message)
+
+
+def op(name: str, cache: int | None = None, **args: Any) -> dict[str, Any]:
+    """Build an op from Python values (tokens/scope encoded): ``op("commit", 0, tokens=[1])``."""
+    d: dict[str, Any] = {"op": name}
+    if cache is not None:
+        d["cache"] = cache
+    if args:
+        d["args"] = encode_args(name, args)
+    validate_op(d)
+    return d
+
+
+def dumps(value: Any) -> str:
+    """Compact, key-order-stable JSON (one op-log line)."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=False, allow_nan=True)
+
+
+__all__ = [
+    "CACHE_OPS",
+    "CACHE_PROPS",
+    "MANAGER_OPS",
+    "OPS",
+    "OpError",
+    "apply",
+    "cache_props",
+    "decode_scope",
+    "decode_tokens",
+    "dumps",
+    "encode_args",
+    "encode_scope",
+    "encode_tokens",
+    "error_outcome",
+    "normalize",
+    "op",
+    "same_outcome",
+    "validate_op",
+]

@@ -1,0 +1,579 @@
+"""One request's cache: the life cycle of SPEC sec. 7 and orphan re-attachment (sec. 5)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kvcm.api import (
+    GPU,
+    ClosedError,
+    InvalidStateError,
+    KVCache,
+    RemovedEvent,
+    ReuseScope,
+    Status,
+    TierChangedEvent,
+    Token,
+    check_count,
+    check_tokens,
+)
+from kvcm.keys import block_key
+from kvcm.python_backend.pools import NO_NODE, Page
+from kvcm.python_backend.tree import NO_PAGE
+
+
+class PyKVCache(KVCache):
+    def __init__(self, mgr, serial: int, cache_id: int | str, tokens: list, scope: ReuseScope, priority: int) -> None:
+        B = mgr.B
+        self.mgr = mgr
+        self.serial = serial  # creation order in the manager
+        self._id = cache_id
+        self.scope = scope
+        self._priority = priority
+        self._status = Status.SUSPENDED
+        self.stopped = False  # stop_committing() ran: no more commits
+        self.root = mgr.tree.root(mgr.root_key(scope))
+        # full-block keys of the input, hashed once and reused by commit for the same tokens
+        self.input_tokens = tokens
+        root_key = mgr.root_key(scope)
+        nfull = len(tokens) // B
+        from kvcm.keys import chain_keys
+
+        self.keys: list[bytes] = chain_keys(root_key, tokens[: nfull * B], B)  # key per full block
+        m, _mbs, path = mgr.match(self.root, tokens, self.keys) if tokens else (0, 0, [])
+        self.tokens: list[Token] = tokens[:m]  # committed tokens
+        self._reused = m
+        self.capacity_ = m
+        self.history = m
+        # blocks[i]: tree node this request references for ordinal i (-1: none)
+        self.blocks: list[int] = list(path)
+        for nid in path:
+            mgr.tree.ref(nid)
+        # pages[lc][i]: page used for block i of attention lc (None: none/stale)
+        self.pages: dict[int, list[Page | None]] = {lc: [None] * len(path) for lc in mgr.attn_lcs}
+        for lc in mgr.attn_lcs:
+            lo, hi = mgr.lcs[lc].stale_range(m, B)
+            for j, nid in enumerate(path):
+                if lo <= j < hi:
+                    continue
+                page = mgr.pages[mgr.tree.page(nid, lc)]
+                mgr.use(page, False, priority)
+                self.pages[lc][j] = page
+        self.live: Page | None = None  # the live ssm state
+        self.snap: Page | None = None  # matched ssm snapshot, held until the first resume copies it
+        if mgr.ssm_lc is not None and m > 0:
+            nid = path[-1]
+            self.snap = mgr.pages[mgr.tree.page(nid, mgr.ssm_lc)]
+            mgr.use(self.snap, False, priority)
+        # the block a partial match ends in: copied to private pages on first resume
+        self.cow_block = m // B if m % B else -1
+        mgr.requests[serial] = self
+        mgr.record_match(len(tokens), m)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def id(self) -> int | str:
+        return self._id
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @property
+    def capacity(self) -> int:
+        return self.capacity_
+
+    @property
+    def history_length(self) -> int:
+        return self.history
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def committed_tokens(self) -> list[Token]:
+        return list(self.tokens)
+
+    @property
+    def num_reused_tokens(self) -> int:
+        return self._reused
+
+    @property
+    def priority(self) -> int:
+        return self._priority
+
+    # ------------------------------------------------------------------ life cycle
+
+    def resume(self) -> bool:
+        self._require(Status.SUSPENDED, "resume")
+        mgr = self.mgr
+        used = self._used_pages()
+        cow_sources = self._cow_sources()
+        need = dict.fromkeys(range(len(mgr.lcs)), 0)  # gpu slots to allocate per lc
+        locked_after = {lc: mgr.pools[GPU][lc].locked for lc in range(len(mgr.lcs))}
+        held_gpu = {lc: mgr.pools[GPU][lc].held for lc in range(len(mgr.lcs))}
+        for p in used:
+            if p.tier != GPU:
+                need[p.lc] += 1
+            elif p.locks == 0:
+                held_gpu[p.lc] -= 1  # about to be LOCKED: no longer a victim
+            if p.locks == 0 and p not in cow_sources:
+                locked_after[p.lc] += 1
+        if mgr.ssm_lc is not None and self.live is None:
+            need[mgr.ssm_lc] += 1
+            locked_after[mgr.ssm_lc] += 1
+        for p in cow_sources:
+            if p.lc != mgr.ssm_lc:
+                need[p.lc] += 1  # the private copy
+                locked_after[p.lc] += 1
+        limit = mgr.config.max_util_for_resume
+        for lc in range(len(mgr.lcs)):
+            pool = mgr.pools[GPU][lc]
+            if locked_after[lc] > limit * pool.total:
+                return False
+            adjust = {"free": pool.nfree, "held": held_gpu[lc], "droppable": pool.droppable}
+            if not mgr.can_allocate(GPU, lc, need[lc], adjust):
+                return False
+
+        mgr.tick()
+        self._status = Status.ACTIVE
+        for p in used:
+            if p.tier == GPU:
+                mgr.set_active(p, True)
+        for p in used:
+            if p.tier != GPU:
+                self._ensure_room(GPU, p.lc)
+                mgr.move(p, GPU, "onboard")
+                mgr.set_active(p, True)
+        if mgr.ssm_lc is not None and self.live is None:
+            self.live = self._alloc_private(mgr.ssm_lc, 0, len(self.tokens) // mgr.B)
+        if self.cow_block >= 0 or self.snap is not None:
+            self._copy_on_write()
+        return True
+
+    def suspend(self) -> None:
+        self._require(Status.ACTIVE, "suspend")
+        self.mgr.tick()
+        for p in self._used_pages():
+            self.mgr.set_active(p, False)
+        self._status = Status.SUSPENDED
+
+    def resize(self, capacity: int, history_length: int | None = None) -> bool:
+        self._require(Status.ACTIVE, "resize")
+        mgr = self.mgr
+        B = mgr.B
+        capacity = check_count(capacity, "capacity")
+        history = self.history if history_length is None else check_count(history_length, "history_length")
+        if capacity < len(self.tokens):
+            raise ValueError(f"capacity {capacity} is below the {len(self.tokens)} committed tokens")
+        if history < self.history:
+            raise ValueError(f"history_length {history} is below the current history {self.history}")
+        if history > capacity:
+            raise ValueError(f"capacity {capacity} is below history_length {history}")
+        nb = -(-capacity // B)
+        releases: list[tuple[int, int]] = []  # (lc, ordinal)
+        allocs: list[tuple[int, int]] = []
+        for lc in mgr.attn_lcs:
+            lo, hi = mgr.lcs[lc].stale_range(history, B)
+            pages = self.pages[lc]
+            for i, p in enumerate(pages):
+                if p is not None and (i >= nb or lo <= i < hi):
+                    releases.append((lc, i))
+            for i in range(nb):
+                if (i >= len(pages) or pages[i] is None) and not lo <= i < hi:
+                    allocs.append((lc, i))
+        # feasibility from counters, with the releases applied (DECISIONS.md)
+        for lc in mgr.attn_lcs:
+            n = sum(1 for a in allocs if a[0] == lc)
+            if not n:
+                continue
+            pool = mgr.pools[GPU][lc]
+            free, held, droppable = pool.nfree, pool.held, pool.droppable
+            for rlc, i in releases:
+                p = self.pages[rlc][i]
+                if rlc != lc or p.locks != 1:
+                    continue
+                if p.node == NO_NODE or not mgr.tree.is_attached(p.node):
+                    free += 1 if p.holds == 0 else 0
+                    held += 1 if p.holds else 0
+                elif p.holds:
+                    held += 1
+                else:
+                    droppable += 1
+            if not mgr.can_allocate(GPU, lc, n, {"free": free, "held": held, "droppable": droppable}):
+                return False
+
+        mgr.tick()
+        self.capacity_ = capacity
+        self.history = history
+        for lc, i in releases:
+            page = self.pages[lc][i]
+            self.pages[lc][i] = None
+            mgr.unuse(page, True)
+        for lc in mgr.attn_lcs:
+            pages = self.pages[lc]
+            del pages[nb:]
+            pages.extend([None] * (nb - len(pages)))
+        for lc, i in allocs:
+            self.pages[lc][i] = self._alloc_private(lc, 0, i)
+        return True
+
+    def commit(self, tokens: Sequence[Token]) -> None:
+        self._require(Status.ACTIVE, "commit")
+        if self.stopped:
+            raise InvalidStateError("commit after stop_committing()")
+        toks = check_tokens(tokens)
+        if len(self.tokens) + len(toks) > self.capacity_:
+            raise ValueError(
+                f"commit of {len(toks)} tokens exceeds capacity {self.capacity_} ({len(self.tokens)} committed)")
+        if not toks:
+            return
+        mgr = self.mgr
+        B = mgr.B
+        mgr.tick()
+        old = len(self.tokens)
+        self.tokens.extend(toks)
+        new = len(self.tokens)
+        self.history = max(self.history, new)
+        for lc in mgr.attn_lcs:  # written tokens cover more of their private pages
+            for i in range(old // B, -(-new // B)):
+                p = self.pages[lc][i] if i < len(self.pages[lc]) else None
+                if p is not None and p.node == NO_NODE:
+                    p.coverage = min(B, new - i * B)
+        for i in range(old // B, new // B):
+            snapshot = mgr.ssm_lc is not None and i == new // B - 1 and new % B == 0
+            self._insert_block(i, self.tokens[i * B:(i + 1) * B], snapshot)
+        self._release_stale()
+
+    def _release_stale(self) -> None:
+        """Blocks that slid out of a window stop being used at once (they stay in the tree)."""
+        mgr = self.mgr
+        active = self._status == Status.ACTIVE
+        for lc in mgr.attn_lcs:
+            lo, hi = mgr.lcs[lc].stale_range(self.history, mgr.B)
+            pages = self.pages[lc]
+            for i in range(lo, min(hi, len(pages))):
+                if pages[i] is not None:
+                    page, pages[i] = pages[i], None
+                    mgr.unuse(page, active)
+
+    def stop_committing(self) -> None:
+        self._require_open("stop_committing")
+        if self.stopped:
+            return
+        self.mgr.tick()
+        self._stop()
+
+    def close(self) -> None:
+        if self._status == Status.CLOSED:
+            return
+        mgr = self.mgr
+        mgr.tick()
+        if not self.stopped:
+            self._stop()
+        active = self._status == Status.ACTIVE
+        for p in self._used_pages():
+            mgr.unuse(p, active)
+        self.live = self.snap = None
+        for lc in mgr.attn_lcs:
+            self.pages[lc] = []
+        for nid in self.blocks:
+            if nid != NO_NODE:
+                mgr.tree.unref(nid)
+        self.blocks = []
+        self._status = Status.CLOSED
+        del mgr.requests[self.serial]
+
+    def page_indices(self, lc: int) -> list[int]:
+        self._require(Status.ACTIVE, "page_indices")
+        self._check_lc(lc)
+        if lc == self.mgr.ssm_lc:
+            return [self.live.slot]
+        nb = -(-self.capacity_ // self.mgr.B)
+        pages = self.pages[lc]
+        return [pages[i].slot if i < len(pages) and pages[i] is not None else -1 for i in range(nb)]
+
+    def page_indices_into(self, lc: int, out: Any) -> int:
+        self._require(Status.ACTIVE, "page_indices_into")
+        self._check_lc(lc)
+        view = _int32_view(out)
+        values = self.page_indices(lc)
+        if len(values) > len(view):
+            raise ValueError(f"buffer holds {len(view)} int32 values, {len(values)} needed")
+        for i, v in enumerate(values):
+            view[i] = v
+        return len(values)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _require_open(self, what: str) -> None:
+        if self._status == Status.CLOSED:
+            raise ClosedError(f"{what}() on a closed cache")
+
+    def _require(self, status: Status, what: str) -> None:
+        self._require_open(what)
+        if self._status != status:
+            raise InvalidStateError(f"{what}() needs a {status.value} cache, this one is {self._status.value}")
+
+    def _check_lc(self, lc: Any) -> None:
+        if isinstance(lc, bool) or not isinstance(lc, int):
+            raise TypeError(f"lc must be an int, got {type(lc).__name__}")
+        if not 0 <= lc < len(self.mgr.lcs):
+            raise ValueError(f"unknown life cycle {lc}; this model has {len(self.mgr.lcs)}")
+
+    def _used_pages(self) -> list[Page]:
+        """Every page this request uses, in the canonical order (lc, ordinal; snap; live)."""
+        out = [p for lc in self.mgr.attn_lcs for p in self.pages[lc] if p is not None]
+        if self.snap is not None:
+            out.append(self.snap)
+        if self.live is not None:
+            out.append(self.live)
+        return out
+
+    def _cow_sources(self) -> list[Page]:
+        out: list[Page] = []
+        if self.cow_block >= 0:
+            for lc in self.mgr.attn_lcs:
+                pages = self.pages[lc]
+                if self.cow_block < len(pages) and pages[self.cow_block] is not None:
+                    out.append(pages[self.cow_block])
+        if self.snap is not None:
+            out.append(self.snap)
+        return out
+
+    def _ensure_room(self, tier: int, lc: int) -> None:
+        if not self.mgr.make_room(tier, lc):
+            raise AssertionError("kvcm bug: a feasibility check passed but eviction found no slot")
+
+    def _alloc_private(self, lc: int, coverage: int, ordinal: int) -> Page:
+        self._ensure_room(GPU, lc)
+        page = self.mgr.new_page(GPU, lc, coverage, self._priority, ordinal)
+        self.mgr.use(page, self._status == Status.ACTIVE, self._priority)
+        return page
+
+    def _copy_on_write(self) -> None:
+        """First resume after a match ending inside a block or at a snapshot (sec. 7)."""
+        mgr = self.mgr
+        j = self.cow_block
+        if j >= 0:
+            covered = len(self.tokens) - j * mgr.B
+            for lc in mgr.attn_lcs:
+                src = self.pages[lc][j] if j < len(self.pages[lc]) else None
+                if src is None:
+                    continue
+                dst = self._alloc_private(lc, covered, j)
+                mgr.copy(lc, src, dst, "cow")
+                mgr.count(lc, "cows")
+                self.pages[lc][j] = dst
+                mgr.unuse(src, True)
+            mgr.tree.unref(self.blocks[j])
+            self.blocks[j] = NO_NODE
+            self.cow_block = -1
+        if self.snap is not None:
+            mgr.copy(mgr.ssm_lc, self.snap, self.live, "cow")
+            mgr.count(mgr.ssm_lc, "cows")
+            mgr.unuse(self.snap, True)
+            self.snap = None
+
+    def _key(self, i: int, tokens: list) -> bytes:
+        """Key of block ``i`` holding ``tokens`` (input keys are reused when they apply)."""
+        B = self.mgr.B
+        parent = self.mgr.tree.key(self.blocks[i - 1]) if i > 0 else self.mgr.root_key(self.scope)
+        if (len(tokens) == B and i < len(self.keys) and (i == 0 or self.keys[i - 1] == parent)
+                and self.input_tokens[i * B:(i + 1) * B] == tokens):
+            return self.keys[i]  # same parent key and tokens: the hash done at create
+        return block_key(parent, tokens)
+
+    def _parent_for(self, i: int) -> int:
+        """The attached node to insert block ``i`` under, re-attaching this request's
+        orphaned chain first (sec. 5: the bug this project exists to get right)."""
+        if i == 0:
+            return self.root
+        tree = self.mgr.tree
+        if tree.is_attached(self.blocks[i - 1]):
+            return self.blocks[i - 1]
+        k = i - 1
+        while k >= 0 and not tree.is_attached(self.blocks[k]):
+            k -= 1
+        parent = self.root if k < 0 else self.blocks[k]
+        for j in range(k + 1, i):
+            orphan = self.blocks[j]
+            node = tree.nodes[orphan]
+            existing = tree.find_existing(parent, node.key, node.tokens)
+            if existing != NO_NODE:
+                self._switch_block(j, orphan, existing)
+            else:
+                self._attach(parent, orphan, [lc for lc, h in enumerate(node.pages) if h != NO_PAGE])
+            parent = self.blocks[j]
+        return parent
+
+    def _switch_block(self, j: int, orphan: int, existing: int) -> None:
+        """Another request inserted an equivalent block meanwhile: use it, moving this
+        request's pages into it where they cover more."""
+        mgr = self.mgr
+        tree = mgr.tree
+        gained = []
+        for lc in mgr.attn_lcs:
+            p = self.pages[lc][j] if j < len(self.pages[lc]) else None
+            if p is None or p.node != orphan or tree.coverage(existing, lc) >= p.coverage:
+                continue
+            self._install(existing, lc, p, gained)
+        tree.ref(existing)
+        self.blocks[j] = existing
+        tree.unref(orphan)
+        mgr.emit_stored(existing, gained)
+
+    def _install(self, nid: int, lc: int, p: Page, gained: list[int]) -> None:
+        """Make ``p`` the page of block ``nid`` for ``lc`` (it covers more than the old one)."""
+        mgr = self.mgr
+        tree = mgr.tree
+        if p.node != NO_NODE:  # moving from an orphan block
+            old_node = p.node
+            p.node = NO_NODE
+            tree.set_page(old_node, lc, NO_PAGE, 0)
+        old = tree.set_page(nid, lc, p.serial, p.coverage)
+
+        def change() -> None:
+            p.node = nid
+        mgr._restate(p, change)
+        if old == NO_PAGE:
+            gained.append(lc)
+            return
+        q = mgr.pages[old]
+
+        def unlink() -> None:
+            q.node = NO_NODE
+        mgr._restate(q, unlink)
+        if q.tier != p.tier:
+            mgr.emit(TierChangedEvent(mgr._event_id(), tree.key(nid), lc, q.tier, p.tier))
+        if q.locks == 0 and q.holds == 0:
+            mgr.free_page(q)
+
+    def _attach(self, parent: int, nid: int, lcs_before: list[int]) -> None:
+        """Link block ``nid`` under ``parent`` and announce it: ``removed`` for every lc the
+        detached partial siblings had (adopted pages included), then ``stored``."""
+        mgr = self.mgr
+        tree = mgr.tree
+        siblings = tree.attach(parent, nid)
+        node = tree.nodes[nid]
+        had: dict[int, set[int]] = {sid: set() for sid in siblings}
+        for sid in siblings:  # page.node still names the owner from before the swap
+            for lc, h in enumerate(tree.nodes[sid].pages):
+                if h != NO_PAGE and mgr.pages[h].node == sid:
+                    had[sid].add(lc)
+        for lc, h in enumerate(node.pages):
+            if h != NO_PAGE and mgr.pages[h].node in had:
+                had[mgr.pages[h].node].add(lc)
+        for sid in siblings:
+            for lc in sorted(had[sid]):
+                mgr.emit(RemovedEvent(mgr._event_id(), (tree.nodes[sid].key,), lc))
+        for lc in range(len(mgr.lcs)):
+            if node.pages[lc] != NO_PAGE:
+                mgr.pages[node.pages[lc]].node = nid
+            for sid in siblings:
+                h = tree.nodes[sid].pages[lc]
+                if h != NO_PAGE:
+                    mgr.pages[h].node = sid
+        mgr.retire_nodes(siblings, announce=False)
+        mgr.emit_stored(nid, [lc for lc in range(len(mgr.lcs)) if node.pages[lc] != NO_PAGE])
+
+    def _insert_block(self, i: int, tokens: list, want_snapshot: bool) -> None:
+        """Commit block ``i`` (full, or the partial tail) into the tree (sec. 5 and 7)."""
+        mgr = self.mgr
+        tree = mgr.tree
+        B = mgr.B
+        ntok = len(tokens)
+        key = self._key(i, tokens)
+        parent = self._parent_for(i)
+        existing = tree.find_existing(parent, key, tokens)
+        snap: Page | None = None
+        ssm = mgr.ssm_lc
+        if want_snapshot and (existing == NO_NODE or tree.coverage(existing, ssm) < ntok):
+            if self.live is None or self.live.tier != GPU or not mgr.make_room(GPU, ssm):
+                mgr.count(ssm, "snapshots_skipped")
+            else:
+                snap = mgr.new_page(GPU, ssm, ntok, self._priority, i)
+                mgr.copy(ssm, self.live, snap, "snapshot")
+                mgr.count(ssm, "snapshots_taken")
+                # eviction may have pruned this request's chain or the existing block
+                parent = self._parent_for(i)
+                existing = tree.find_existing(parent, key, tokens)
+        active = self._status == Status.ACTIVE
+        if existing == NO_NODE:
+            nid = tree.new_block(key, tokens, i)
+            for lc in mgr.attn_lcs:
+                p = self.pages[lc][i] if i < len(self.pages[lc]) else None
+                if p is not None:
+                    p.coverage = ntok
+                    tree.set_page(nid, lc, p.serial, ntok)
+                    mgr._restate(p, lambda p=p: setattr(p, "node", nid))
+            if snap is not None:
+                tree.set_page(nid, ssm, snap.serial, ntok)
+                mgr._restate(snap, lambda: setattr(snap, "node", nid))
+            tree.ref(nid)
+            self._set_block(i, nid)
+            if tree.nodes[nid].has_page():
+                self._attach(parent, nid, [])
+            else:
+                tree.prune_upward(parent)  # a re-attached chain must not stay childless
+            return
+        gained: list[int] = []
+        for lc in mgr.attn_lcs:
+            p = self.pages[lc][i] if i < len(self.pages[lc]) else None
+            if p is None:
+                continue
+            p.coverage = ntok
+            q_handle = tree.page(existing, lc)
+            if q_handle == NO_PAGE or tree.coverage(existing, lc) < ntok:
+                self._install(existing, lc, p, gained)
+            else:
+                q = mgr.pages[q_handle]
+                if q.tier == GPU:  # switch to the tree's page; its index changes
+                    mgr.use(q, active, self._priority)
+                    self.pages[lc][i] = q
+                    mgr.unuse(p, active)
+                # else: keep our page privately (freed at close)
+        if snap is not None:
+            self._install(existing, ssm, snap, gained)
+        tree.ref(existing)
+        self._set_block(i, existing)
+        mgr.emit_stored(existing, gained)
+
+    def _set_block(self, i: int, nid: int) -> None:
+        if i < len(self.blocks):
+            if self.blocks[i] != NO_NODE:
+                self.mgr.tree.unref(self.blocks[i])
+            self.blocks[i] = nid
+        else:
+            self.blocks.extend([NO_NODE] * (i - len(self.blocks)))
+            self.blocks.append(nid)
+
+    def _stop(self) -> None:
+        """stop_committing without the clock tick (close() reuses it)."""
+        mgr = self.mgr
+        B = mgr.B
+        self.stopped = True
+        tail = len(self.tokens) % B
+        i = len(self.tokens) // B
+        if not tail or not mgr.config.enable_partial_reuse or self.cow_block == i:
+            return
+        self._insert_block(i, self.tokens[i * B:], mgr.ssm_lc is not None)
+
+
+def _int32_view(out: Any) -> memoryview:
+    """A writable 1-D int32 view of ``out`` (numpy array, array('i'), CPU torch tensor)."""
+    if not hasattr(out, "__buffer__") and hasattr(out, "numpy"):
+        out = out.numpy()  # a CPU torch tensor shares its memory with the array
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise TypeError(f"out must be a writable int32 buffer, got {type(out).__name__}") from None
+    if view.readonly:
+        raise ValueError("out is read-only")
+    if view.itemsize != 4 or view.format.lstrip("<=@") not in ("i", "l"):
+        raise ValueError(f"out must be an int32 buffer, got format {view.format!r}")
+    if view.ndim != 1 or not view.c_contiguous:
+        raise ValueError("out must be a contiguous 1-D buffer")
+    return view.cast("B").cast("i")

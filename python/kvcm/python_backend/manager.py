@@ -1,0 +1,443 @@
+"""The reference manager: pages, eviction, copy ops, stats, events (SPEC sec. 4, 8, 9, 11).
+
+Request life cycles live in ``cache.py``; the radix tree in ``tree.py``.  Everything here
+is deterministic: no wall clock, no hash-seed or dict-order dependence in what is observable.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Sequence
+
+from kvcm.api import (
+    GPU,
+    ClearedEvent,
+    CopyOp,
+    Event,
+    InvalidStateError,
+    InvariantError,
+    KVCacheManager,
+    KVCacheManagerConfig,
+    OutOfPagesError,
+    RemovedEvent,
+    ReuseProbe,
+    ReuseScope,
+    StoredBlock,
+    StoredEvent,
+    TierChangedEvent,
+    Token,
+    check_priority,
+    check_scope,
+    check_tokens,
+    resolve_config,
+)
+from kvcm.keys import chain_keys, scope_root_key
+from kvcm.python_backend.pools import DROPPABLE, HELD, LOCKED, NO_NODE, Page, Pool
+from kvcm.python_backend.tree import NO_PAGE, RadixTree
+
+_LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
+                "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped")
+
+
+class PyKVCacheManager(KVCacheManager):
+    backend_name = "python"
+
+    def __init__(self, config: KVCacheManagerConfig, *, backend: str | None = None) -> None:
+        # ``backend`` arrives when built through kvcm.KVCacheManager(config, backend=...)
+        rc = resolve_config(config)
+        self._rc = rc
+        self._config = config
+        self.B = config.tokens_per_block
+        self.lcs = rc.life_cycles
+        self.attn_lcs = [lc.id for lc in self.lcs if lc.kind == "attn"]
+        self.ssm_lc = rc.ssm_lc
+        self.num_tiers = len(rc.tier_kinds)
+        self.pools = [[Pool(t, lc.id, rc.slots[t][lc.id]) for lc in self.lcs] for t in range(self.num_tiers)]
+        self.tree = RadixTree(self.B, [(lc.kind, lc.window, lc.sinks) for lc in self.lcs])
+        self.pages: dict[int, Page] = {}  # live pages by serial (= tree page handle)
+        self.clock = 0  # logical clock (sec. 4): ticks once per state-changing public call
+        self.next_page = 0
+        self.next_request = 0  # creation serial of requests; also the default request id
+        self.requests: dict[int, Any] = {}  # serial -> live (not closed) PyKVCache
+        self.copy_ops: list[CopyOp] = []
+        self.events: deque[Event] = deque()
+        self.events_dropped = 0
+        self.next_event = 0
+        self.is_shutdown = False
+        self.totals = self._zero_counters()
+        self.iteration = self._zero_counters()
+        self._root_keys: dict[ReuseScope, bytes] = {}
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def config(self) -> KVCacheManagerConfig:
+        return self._config
+
+    @property
+    def life_cycles(self):
+        return self.lcs
+
+    def create_kv_cache(self, input_tokens: Sequence[Token] | None = None, scope: ReuseScope | None = None,
+                        priority: int | None = None, id: int | str | None = None):
+        from kvcm.python_backend.cache import PyKVCache
+
+        tokens = check_tokens(input_tokens, "input_tokens")
+        scope = check_scope(scope)
+        prio = check_priority(priority, self._config.default_priority)
+        if id is not None:
+            if isinstance(id, bool) or not isinstance(id, (int, str)):
+                raise TypeError(f"id must be an int or str, got {type(id).__name__}")
+            if any(r.id == id for r in self.requests.values()):
+                raise ValueError(f"id {id!r} is already used by an open cache")
+        if self.is_shutdown:
+            raise InvalidStateError("the manager is shut down")
+        self.tick()
+        serial = self.next_request
+        self.next_request += 1
+        return PyKVCache(self, serial, serial if id is None else id, tokens, scope, prio)
+
+    def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
+        return self.probe_reuse_detail(tokens, scope).num_tokens
+
+    def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
+        toks = check_tokens(tokens)
+        scope = check_scope(scope)
+        root_key = self.root_key(scope)
+        if root_key not in self.tree.roots or not toks:
+            return ReuseProbe(0, 0)
+        keys = chain_keys(root_key, toks[: len(toks) // self.B * self.B], self.B)
+        m, mbs, _path = self.match(self.tree.roots[root_key].id, toks, keys)
+        return ReuseProbe(m, mbs)
+
+    def drain_copy_ops(self) -> list[CopyOp]:
+        ops, self.copy_ops = self.copy_ops, []
+        return ops
+
+    def clear_reusable(self) -> None:
+        self.tick()
+        self._drop_all_droppable()
+        self.emit(ClearedEvent(self._event_id()))
+
+    def shutdown(self) -> None:
+        if self.requests:
+            raise InvalidStateError(f"shutdown needs every cache closed; {len(self.requests)} still open")
+        if self.is_shutdown:
+            return
+        self.tick()
+        self._drop_all_droppable()
+        self.is_shutdown = True
+
+    def stats(self) -> dict:
+        return self._stats_view(self.totals)
+
+    def take_iteration_stats(self) -> dict:
+        view = self._stats_view(self.iteration)
+        self.iteration = self._zero_counters()
+        return view
+
+    def take_events(self) -> list[Event]:
+        out = list(self.events)
+        self.events.clear()
+        return out
+
+    def snapshot(self) -> dict:
+        from kvcm.python_backend.observe import snapshot
+
+        return snapshot(self)
+
+    def check_invariants(self) -> None:
+        from kvcm.python_backend.observe import check_invariants
+
+        check_invariants(self)
+
+    # ------------------------------------------------------------------ services for caches
+
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def root_key(self, scope: ReuseScope) -> bytes:
+        key = self._root_keys.get(scope)
+        if key is None:
+            key = self._root_keys[scope] = scope_root_key(scope)
+        return key
+
+    def match(self, root: int, tokens: list, keys: list[bytes]) -> tuple[int, int, list[int]]:
+        cfg = self._config
+        return self.tree.match(root, tokens, keys, cfg.enable_partial_reuse, cfg.reuse_match_backoff)
+
+    # --- page users.  Every change of a page's state goes through _restate so the pool
+    # counters and eviction heaps never disagree with the derived state.
+
+    def new_page(self, tier: int, lc: int, coverage: int, priority: int, ordinal: int) -> Page:
+        """A private page in the lowest free slot (the caller made room) with no user yet."""
+        pool = self.pools[tier][lc]
+        page = Page(self.next_page, lc, tier, pool.take_slot(), coverage, priority, self.clock, ordinal)
+        self.next_page += 1
+        self.pages[page.serial] = page
+        self.count(lc, "allocated_blocks")
+        return page
+
+    def use(self, page: Page, active: bool, priority: int) -> None:
+        """A request starts using ``page`` (LRU touch, priority raised to the request's)."""
+        def change() -> None:
+            if active:
+                page.locks += 1
+            else:
+                page.holds += 1
+            page.last_used = self.clock
+            page.priority = max(page.priority, priority)
+        self._restate(page, change)
+
+    def unuse(self, page: Page, active: bool) -> None:
+        """A request stops using ``page``: a private or orphaned page with no user left is
+        freed; a tree page becomes DROPPABLE."""
+        def change() -> None:
+            if active:
+                page.locks -= 1
+            else:
+                page.holds -= 1
+            page.last_used = self.clock
+        self._restate(page, change)
+        if page.locks == 0 and page.holds == 0:
+            if page.node == NO_NODE:
+                self.free_page(page)
+            elif not self.tree.is_attached(page.node):
+                self.free_orphan_page(page)
+
+    def set_active(self, page: Page, active: bool) -> None:
+        """suspend/resume: LOCKED <-> HELD without touching LRU."""
+        def change() -> None:
+            if active:
+                page.holds -= 1
+                page.locks += 1
+            else:
+                page.locks -= 1
+                page.holds += 1
+        self._restate(page, change)
+
+    def _restate(self, page: Page, change) -> None:
+        pool = self.pools[page.tier][page.lc]
+        pool.count(page.state, -1)
+        change()
+        page.version += 1
+        pool.count(page.state, +1)
+        pool.push(page)
+
+    def free_page(self, page: Page) -> None:
+        pool = self.pools[page.tier][page.lc]
+        pool.count(page.state, -1)
+        pool.give_slot(page.slot)
+        page.slot = -1
+        page.version += 1
+        del self.pages[page.serial]
+
+    # --- eviction (sec. 8)
+
+    def can_allocate(self, tier: int, lc: int, n: int, adjust: dict | None = None) -> bool:
+        """Whether ``n`` pages fit into pool (tier, lc) after eviction, without changing
+        anything.  ``adjust`` overrides the gpu pool's (free, held, droppable) counters."""
+        return self._capacity(tier, lc, adjust) >= n
+
+    def _capacity(self, tier: int, lc: int, adjust: dict | None) -> int:
+        pool = self.pools[tier][lc]
+        free, held, droppable = pool.nfree, pool.held, pool.droppable
+        if adjust is not None and tier == GPU:
+            free, held, droppable = adjust["free"], adjust["held"], adjust["droppable"]
+        if tier == self.num_tiers - 1:
+            return free + droppable
+        return free + droppable + min(held, self._capacity(tier + 1, lc, None))
+
+    def make_room(self, tier: int, lc: int) -> bool:
+        """Ensure pool (tier, lc) has a free slot, evicting one victim if needed."""
+        pool = self.pools[tier][lc]
+        if pool.nfree:
+            return True
+        victim = pool.victim()
+        if victim is None:
+            return False
+        if tier < self.num_tiers - 1:
+            if self.make_room(tier + 1, lc):
+                self.move(victim, tier + 1, "offload")
+                return True
+            if victim.state == HELD:
+                victim = pool.peek(DROPPABLE)
+                if victim is None:
+                    return False
+        elif victim.state == HELD:
+            victim = pool.peek(DROPPABLE)
+            if victim is None:
+                return False
+        self.drop(victim)
+        return True
+
+    def allocate(self, tier: int, lc: int, coverage: int, priority: int, ordinal: int) -> Page:
+        if not self.make_room(tier, lc):
+            raise OutOfPagesError(f"no {self._rc.tier_kinds[tier]} slot for life cycle {lc}")
+        return self.new_page(tier, lc, coverage, priority, ordinal)
+
+    def move(self, page: Page, dst: int, reason: str) -> None:
+        """Move ``page`` to a free slot of tier ``dst`` (the caller made room)."""
+        src_pool, dst_pool = self.pools[page.tier][page.lc], self.pools[dst][page.lc]
+        old_tier, old_slot = page.tier, page.slot
+        state = page.state
+        new_slot = dst_pool.take_slot()
+        src_pool.count(state, -1)
+        src_pool.give_slot(old_slot)
+        page.tier, page.slot = dst, new_slot
+        page.version += 1
+        dst_pool.count(state, +1)
+        dst_pool.push(page)
+        self.copy_ops.append(CopyOp(page.lc, old_tier, old_slot, dst, new_slot, reason))
+        nbytes = self.lcs[page.lc].slot_bytes
+        kind = "offloads" if reason == "offload" else "onboards"
+        self.count(page.lc, kind)
+        self.count(page.lc, kind[:-1] + "_bytes", nbytes)
+        if page.node != NO_NODE and self.tree.is_attached(page.node):
+            self.emit(TierChangedEvent(self._event_id(), self.tree.key(page.node), page.lc, old_tier, dst))
+
+    def drop(self, page: Page) -> None:
+        """Drop a DROPPABLE page: unlink it from its block, prune, free its slot."""
+        assert page.state == DROPPABLE
+        self.count(page.lc, "drops")
+        self.count(page.lc, "drop_bytes", self.lcs[page.lc].slot_bytes)
+        self.unlink_committed(page)
+        self.free_page(page)
+
+    def unlink_committed(self, page: Page) -> None:
+        """Remove ``page`` from its attached block and prune (sec. 5).  The page itself is
+        left to the caller (freed, or kept by its users as an orphan page)."""
+        node, lc = page.node, page.lc
+        key = self.tree.key(node)
+        ordinal = self.tree.nodes[node].ordinal
+        self._unlink_from_node(page)
+        self.emit(RemovedEvent(self._event_id(), (key,), lc))
+        life = self.lcs[lc]
+        if life.is_full_attention or (life.kind == "attn" and ordinal < life.num_sink_blocks(self.B)):
+            parent = self.tree.parent(node)
+            self.retire_nodes(self.tree.remove_subtree(node))
+            if parent != NO_NODE:
+                self.tree.prune_upward(parent)
+        else:
+            self.tree.prune_upward(node)
+
+    def _unlink_from_node(self, page: Page) -> None:
+        node = page.node
+
+        def change() -> None:
+            page.node = NO_NODE
+
+        self._restate(page, change)
+        self.tree.clear_page(node, page.lc)  # may delete a dead orphan node
+
+    def retire_nodes(self, node_ids: list[int], announce: bool = True) -> None:
+        """Blocks just detached: announce their pages gone, free the pages nobody uses
+        (counted as drops); pages with users stay with the orphan."""
+        for nid in node_ids:
+            n = self.tree.nodes[nid]
+            for lc in range(len(self.lcs)):
+                h = n.pages[lc]
+                if h == NO_PAGE:
+                    continue
+                if announce:
+                    self.emit(RemovedEvent(self._event_id(), (n.key,), lc))
+                page = self.pages[h]
+                if page.locks == 0 and page.holds == 0:
+                    self.count(lc, "drops")
+                    self.count(lc, "drop_bytes", self.lcs[lc].slot_bytes)
+                    self.free_orphan_page(page)
+            self.tree.collect(nid)
+
+    def free_orphan_page(self, page: Page) -> None:
+        """Free a page nobody uses whose block is detached (or about to be forgotten)."""
+        self._unlink_from_node(page)
+        self.free_page(page)
+
+    def _drop_all_droppable(self) -> None:
+        progress = True
+        while progress:
+            progress = False
+            for tier_pools in self.pools:
+                for pool in tier_pools:
+                    while (page := pool.peek(DROPPABLE)) is not None:
+                        self.drop(page)
+                        progress = True
+
+    # --- copy ops, events
+
+    def copy(self, lc: int, src: Page, dst: Page, reason: str) -> None:
+        self.copy_ops.append(CopyOp(lc, src.tier, src.slot, dst.tier, dst.slot, reason))
+
+    def emit(self, event: Event) -> None:
+        if self._config.max_events == 0:
+            self.events_dropped += 1
+            return
+        if len(self.events) >= self._config.max_events:
+            self.events.popleft()
+            self.events_dropped += 1
+        self.events.append(event)
+
+    def _event_id(self) -> int:
+        self.next_event += 1
+        return self.next_event - 1
+
+    def emit_stored(self, node_id: int, lcs: list[int]) -> None:
+        """``stored`` for a block that just gained (or regained) pages of ``lcs``."""
+        if not lcs:
+            return
+        n = self.tree.nodes[node_id]
+        parent_key = n.parent.key if n.parent is not None else None
+        blocks = tuple(
+            StoredBlock(n.key, len(n.tokens), n.tokens, lc, self.pages[n.pages[lc]].tier,
+                        self.pages[n.pages[lc]].priority)
+            for lc in lcs
+        )
+        self.emit(StoredEvent(self._event_id(), parent_key, blocks, len(n.tokens) < self.B))
+
+    # --- stats
+
+    def _zero_counters(self) -> dict:
+        return {"requests": 0, "query_tokens": 0, "reused_tokens": 0,
+                "lc": [dict.fromkeys(_LC_COUNTERS, 0) for _ in self.lcs]}
+
+    def count(self, lc: int, name: str, n: int = 1) -> None:
+        self.totals["lc"][lc][name] += n
+        self.iteration["lc"][lc][name] += n
+
+    def record_match(self, n_query: int, m: int) -> None:
+        """Hit-rate stats count attention life cycles only (sec. 9)."""
+        B = self.B
+        for c in (self.totals, self.iteration):
+            c["requests"] += 1
+            c["query_tokens"] += n_query
+            c["reused_tokens"] += m
+            for lc in self.attn_lcs:
+                d = c["lc"][lc]
+                d["reused_tokens"] += m
+                d["reused_blocks"] += -(-m // B)
+                d["missed_blocks"] += -(-n_query // B) - -(-m // B)
+
+    def _stats_view(self, counters: dict) -> dict:
+        return {
+            "requests": counters["requests"],
+            "query_tokens": counters["query_tokens"],
+            "reused_tokens": counters["reused_tokens"],
+            "lc": [dict(c) for c in counters["lc"]],
+            "tiers": [
+                {
+                    "kind": self._rc.tier_kinds[t],
+                    "lc": [
+                        {"total": p.total, "free": p.nfree, "locked": p.locked, "held": p.held,
+                         "droppable": p.droppable}
+                        for p in self.pools[t]
+                    ],
+                }
+                for t in range(self.num_tiers)
+            ],
+            "events_dropped": self.events_dropped,
+        }
+
+    def check(self, cond: bool, message: str) -> None:
+        if not cond:
+            raise InvariantError(message)

@@ -1,0 +1,162 @@
+"""``snapshot()`` and ``check_invariants()`` of the python backend (SPEC sec. 11)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcm.api import GPU, Status
+from kvcm.python_backend.pools import DROPPABLE, HELD, LOCKED, NO_NODE
+from kvcm.python_backend.tree import NO_PAGE
+
+
+def _tok(t: Any) -> Any:
+    return t if isinstance(t, int) else {"digest": t.hex()}
+
+
+def snapshot(mgr) -> dict:
+    """Everything observable, in a canonical order (node ids, page serials, request serials)."""
+    tree = mgr.tree
+    nodes = []
+    for nid in sorted(tree.nodes):
+        n = tree.nodes[nid]
+        nodes.append({
+            "id": n.id,
+            "key": n.key.hex(),
+            "parent": n.parent.id if n.parent is not None else None,
+            "attached": n.attached,
+            "root": n.is_root,
+            "ordinal": n.ordinal,
+            "tokens": [_tok(t) for t in n.tokens],
+            "children": sorted(c.id for c in n.children.values()),
+            "refs": n.refs,
+            "pages": [None if h == NO_PAGE else {"page": h, "coverage": n.coverage[lc]} for lc, h in enumerate(n.pages)],
+        })
+    pages = []
+    for serial in sorted(mgr.pages):
+        p = mgr.pages[serial]
+        pages.append({
+            "serial": p.serial, "lc": p.lc, "tier": p.tier, "slot": p.slot, "coverage": p.coverage,
+            "state": p.state, "priority": p.priority, "last_used": p.last_used, "ordinal": p.ordinal,
+            "node": p.node if p.node != NO_NODE else None, "locks": p.locks, "holds": p.holds,
+        })
+    requests = []
+    for serial in sorted(mgr.requests):
+        r = mgr.requests[serial]
+        requests.append({
+            "serial": serial,
+            "id": r.id,
+            "status": r.status.value,
+            "scope": [r.scope.lora_id, r.scope.salt],
+            "priority": r.priority,
+            "capacity": r.capacity,
+            "history_length": r.history_length,
+            "committed_tokens": [_tok(t) for t in r.tokens],
+            "reused_tokens": r.num_reused_tokens,
+            "stopped": r.stopped,
+            "blocks": [b if b != NO_NODE else None for b in r.blocks],
+            "pages": {str(lc): [p.serial if p is not None else None for p in r.pages[lc]] for lc in mgr.attn_lcs},
+            "live": r.live.serial if r.live is not None else None,
+            "snap": r.snap.serial if r.snap is not None else None,
+            "cow_block": r.cow_block,
+        })
+    return {
+        "clock": mgr.clock,
+        "tree": nodes,
+        "pages": pages,
+        "pools": [[{"total": p.total, "free": p.nfree, "free_slots": sorted(p.free_slots)} for p in tier]
+                  for tier in mgr.pools],
+        "requests": requests,
+        "stats": mgr.stats(),
+        "iteration_stats": mgr._stats_view(mgr.iteration),
+        "copy_ops": [op.to_json() for op in mgr.copy_ops],
+        "events": [e.to_json() for e in mgr.events],
+        "events_dropped": mgr.events_dropped,
+        "next": {"event": mgr.next_event, "page": mgr.next_page, "request": mgr.next_request,
+                 "node": tree.next_id},
+        "shutdown": mgr.is_shutdown,
+    }
+
+
+def check_invariants(mgr) -> None:
+    """Recompute every derived fact from scratch and compare (raises InvariantError)."""
+    check = mgr.check
+    tree = mgr.tree
+    B = mgr.B
+    # --- pools: each slot used by at most one page, free + used == total, counters
+    for t, tier in enumerate(mgr.pools):
+        for lc, pool in enumerate(tier):
+            free = set(pool.free_slots)
+            check(len(free) == len(pool.free_slots), f"pool({t},{lc}): duplicate free slot")
+            used = [p for p in mgr.pages.values() if p.tier == t and p.lc == lc]
+            slots = [p.slot for p in used]
+            check(len(set(slots)) == len(slots), f"pool({t},{lc}): two pages share a slot")
+            check(not free & set(slots), f"pool({t},{lc}): a used slot is also free")
+            check(len(free) + len(used) == pool.total, f"pool({t},{lc}): {len(free)} free + {len(used)} used != {pool.total}")
+            check(all(0 <= s < pool.total for s in slots) and all(0 <= s < pool.total for s in free),
+                  f"pool({t},{lc}): slot out of range")
+            for state, have in ((LOCKED, pool.locked), (HELD, pool.held), (DROPPABLE, pool.droppable)):
+                n = sum(1 for p in used if p.state == state)
+                check(n == have, f"pool({t},{lc}): {have} {state} counted, {n} found")
+    # --- page users, recomputed from the requests
+    locks: dict[int, int] = {}
+    holds: dict[int, int] = {}
+    refs: dict[int, int] = {}
+    for r in mgr.requests.values():
+        check(r.num_committed_tokens <= r.history_length <= r.capacity,
+              f"request {r.id}: committed {r.num_committed_tokens} <= history {r.history_length} <= capacity {r.capacity}")
+        target = locks if r.status == Status.ACTIVE else holds
+        used = r._used_pages()
+        check(len({p.serial for p in used}) == len(used), f"request {r.id}: uses a page twice")
+        for p in used:
+            check(p.serial in mgr.pages, f"request {r.id}: uses freed page {p.serial}")
+            target[p.serial] = target.get(p.serial, 0) + 1
+            if r.status == Status.ACTIVE:
+                check(p.tier == GPU, f"request {r.id} is ACTIVE but page {p.serial} is on tier {p.tier}")
+        nb = -(-r.capacity // B)
+        for lc in mgr.attn_lcs:
+            check(len(r.pages[lc]) <= max(nb, len(r.blocks)), f"request {r.id}: pages beyond capacity")
+            lo, hi = mgr.lcs[lc].stale_range(r.history_length, B)
+            for i, p in enumerate(r.pages[lc]):
+                check(p is None or not lo <= i < hi, f"request {r.id}: stale block {i} of lc {lc} keeps a page")
+        if r.status == Status.ACTIVE and mgr.ssm_lc is not None:
+            check(r.live is not None, f"request {r.id}: ACTIVE without a live ssm state")
+        for nid in r.blocks:
+            if nid != NO_NODE:
+                check(nid in tree.nodes, f"request {r.id}: references deleted block {nid}")
+                refs[nid] = refs.get(nid, 0) + 1
+    for p in mgr.pages.values():
+        check(p.locks == locks.get(p.serial, 0), f"page {p.serial}: {p.locks} locks, {locks.get(p.serial, 0)} users ACTIVE")
+        check(p.holds == holds.get(p.serial, 0), f"page {p.serial}: {p.holds} holds, {holds.get(p.serial, 0)} users SUSPENDED")
+        check(p.state != LOCKED or p.tier == GPU, f"page {p.serial}: LOCKED on tier {p.tier}")
+        if p.node == NO_NODE:
+            check(p.locks + p.holds > 0, f"page {p.serial}: private page without a user")
+        else:
+            check(p.node in tree.nodes, f"page {p.serial}: block {p.node} does not exist")
+            n = tree.nodes[p.node]
+            check(n.pages[p.lc] == p.serial, f"page {p.serial}: block {p.node} does not hold it")
+            if not n.attached:
+                check(p.locks + p.holds > 0, f"page {p.serial}: orphan block {p.node} page without a user")
+    # --- tree links
+    for nid, n in tree.nodes.items():
+        check(n.refs == refs.get(nid, 0), f"block {nid}: {n.refs} refs, {refs.get(nid, 0)} requests")
+        for lc, h in enumerate(n.pages):
+            if h != NO_PAGE:
+                check(h in mgr.pages and mgr.pages[h].node == nid, f"block {nid}: page {h} of lc {lc} not linked back")
+                check(n.coverage[lc] > 0, f"block {nid}: page with zero coverage")
+            else:
+                check(n.coverage[lc] == 0, f"block {nid}: coverage without a page")
+        for key, c in n.children.items():
+            check(c.key == key and c.parent is n, f"block {nid}: child {c.id} link broken")
+            check(len(n.tokens) == B or n.is_root, f"block {nid}: a partial block has children")
+        grouped = sorted(c.id for g in n.by_first.values() for c in g)
+        check(grouped == sorted(c.id for c in n.children.values()), f"block {nid}: first-token index out of sync")
+        if n.is_root:
+            continue
+        expect_attached = n.parent is not None and n.parent.attached and n.parent.children.get(n.key) is n
+        check(n.attached == expect_attached, f"block {nid}: attached flag {n.attached} but links say {expect_attached}")
+        if n.attached:
+            check(bool(n.children) or n.has_page(), f"block {nid}: attached with neither a child nor a page (prunable)")
+            check(n.ordinal == (n.parent.ordinal + 1), f"block {nid}: ordinal {n.ordinal} under {n.parent.ordinal}")
+        else:
+            check(n.parent is None, f"block {nid}: detached but has a parent")
+            check(n.refs > 0 or n.has_page(), f"block {nid}: dead orphan not deleted")

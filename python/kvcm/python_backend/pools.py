@@ -1,0 +1,116 @@
+"""Pages and per-(tier, lc) slot pools with their eviction order (SPEC sec. 4 and 8)."""
+
+from __future__ import annotations
+
+import heapq
+
+LOCKED, HELD, DROPPABLE = "LOCKED", "HELD", "DROPPABLE"
+NO_NODE = -1
+
+
+class Page:
+    """One page: one life cycle's data for one block (or one ssm state) in one slot."""
+
+    __slots__ = ("serial", "lc", "tier", "slot", "coverage", "priority", "last_used", "ordinal", "node",
+                 "locks", "holds", "version")
+
+    def __init__(self, serial: int, lc: int, tier: int, slot: int, coverage: int, priority: int,
+                 last_used: int, ordinal: int) -> None:
+        self.serial = serial  # creation order; also the handle the tree stores; last eviction tie-break
+        self.lc = lc
+        self.tier = tier
+        self.slot = slot
+        self.coverage = coverage  # tokens of its block it covers (ssm: exact snapshot position)
+        self.priority = priority  # 0..100; max over the requests that created/reused it
+        self.last_used = last_used  # manager clock when a request last started/stopped using it
+        self.ordinal = ordinal  # block ordinal (eviction order: deeper blocks go first)
+        self.node = NO_NODE  # tree node id while committed; -1 for a private (uncommitted) page
+        self.locks = 0  # ACTIVE requests using it
+        self.holds = 0  # SUSPENDED requests using it
+        self.version = 0  # bumped on every change of eviction key or state: stale heap entries
+
+    @property
+    def state(self) -> str | None:
+        """Derived state (sec. 4); None for a private page between allocation and first use."""
+        if self.locks:
+            return LOCKED
+        if self.holds:
+            return HELD
+        if self.node != NO_NODE:
+            return DROPPABLE
+        return None
+
+    def evict_key(self) -> tuple[int, int, int, int]:
+        return (self.priority, self.last_used, -self.ordinal, self.serial)
+
+
+class Pool:
+    """Slots of one life cycle in one tier.
+
+    Free slots sit in a min-heap so allocation is always the lowest free index.  Evictable
+    pages sit in two lazy min-heaps by eviction key, one per state: an entry is valid only
+    while its page still has the version, state and place it was pushed with, so a key
+    change is a push (O(log n)) and a stale entry is dropped when it surfaces.
+    """
+
+    def __init__(self, tier: int, lc: int, total: int) -> None:
+        self.tier = tier
+        self.lc = lc
+        self.total = total
+        self.free_slots = list(range(total))  # already a valid heap
+        self.locked = 0
+        self.held = 0
+        self.droppable = 0
+        self._heaps: dict[str, list] = {HELD: [], DROPPABLE: []}
+
+    @property
+    def nfree(self) -> int:
+        return len(self.free_slots)
+
+    def take_slot(self) -> int:
+        return heapq.heappop(self.free_slots)
+
+    def give_slot(self, slot: int) -> None:
+        heapq.heappush(self.free_slots, slot)
+
+    def count(self, state: str | None, delta: int) -> None:
+        if state == LOCKED:
+            self.locked += delta
+        elif state == HELD:
+            self.held += delta
+        elif state == DROPPABLE:
+            self.droppable += delta
+
+    def push(self, page: Page) -> None:
+        state = page.state
+        if state in self._heaps:
+            heap = self._heaps[state]
+            heapq.heappush(heap, (page.evict_key(), page.version, page))
+            if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
+                self._compact(state)
+
+    def peek(self, state: str) -> Page | None:
+        heap = self._heaps[state]
+        while heap:
+            _key, version, page = heap[0]
+            if self._valid(page, version, state):
+                return page
+            heapq.heappop(heap)
+        return None
+
+    def victim(self) -> Page | None:
+        """The lowest non-LOCKED page by (priority, last_used, ordinal desc, serial)."""
+        h, d = self.peek(HELD), self.peek(DROPPABLE)
+        if h is None:
+            return d
+        if d is None:
+            return h
+        return h if h.evict_key() < d.evict_key() else d
+
+    def _valid(self, page: Page, version: int, state: str) -> bool:
+        return page.version == version and page.tier == self.tier and page.slot >= 0 and page.state == state
+
+    def _compact(self, state: str) -> None:
+        heap = [e for e in self._heaps[state] if self._valid(e[2], e[1], state)]
+        heapq.heapify(heap)
+        self._heaps[state] = heap

@@ -1,0 +1,246 @@
+"""Replay a trace through the public API exactly like an inference engine (SPEC sec. 14).
+
+Per request, in trace order, one request in flight at a time::
+
+    kv = mgr.create_kv_cache(prompt)              # match: reused prefix, SUSPENDED
+    kv.resume()                                   # LOCKED on gpu (onboard / copy-on-write)
+    kv.resize(len(prompt))                        # pages for the whole prompt
+    mgr.drain_copy_ops()                          # the engine would execute these
+    kv.commit(prompt[kv.num_committed_tokens:])   # prompt blocks enter the tree
+    for tok in outputs:                           # only with with_outputs=True
+        kv.resize(kv.capacity + 1); mgr.drain_copy_ops(); kv.commit([tok])
+    kv.close()                                    # partial tail inserted, pages reusable
+
+Model: one full-attention layer group (two ``AttentionLayer`` with ``bytes_per_token=1``),
+so one page is ``2 * tokens_per_block`` bytes; quotas are given in blocks (pages) and
+converted to bytes.  ``gpu_quota_blocks=None`` means unbounded: the sum of every request's
+blocks plus one, which no replay can exhaust (no eviction ever happens).
+
+A ``resume()`` or ``resize()`` that returns False is counted as a *preemption*.  With one
+request in flight everything else in the cache is evictable, and both calls already evict
+all they can before giving up, so a False means this request alone does not fit the gpu
+quota: it is closed without running and counted in ``failed`` (its prompt tokens stay in
+``prompt_tokens``, its match is not counted as reuse).  A decode ``resize`` that fails
+ends that request's decoding (counted in ``preemptions`` and ``truncated``).
+
+Timing uses ``time.perf_counter`` for reporting only; nothing that affects behaviour
+depends on it.  ``manager_s`` is the time spent inside manager/cache calls (prompt
+expansion excluded) and is what the rates are based on; ``wall_s`` is the whole loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
+from kvcm.trace import TraceRequest, expand_outputs, expand_prompt, load_trace, total_blocks
+
+BYTES_PER_TOKEN_PER_LAYER = 1
+NUM_LAYERS = 2
+
+
+def slot_bytes(tokens_per_block: int) -> int:
+    """Bytes of one page in the replay model."""
+    return NUM_LAYERS * BYTES_PER_TOKEN_PER_LAYER * tokens_per_block
+
+
+def replay_config(
+    tokens_per_block: int,
+    gpu_quota_blocks: int,
+    host_quota_blocks: int | None = None,
+    enable_partial_reuse: bool = True,
+) -> KVCacheManagerConfig:
+    """The replay model's manager config, quotas in blocks."""
+    sb = slot_bytes(tokens_per_block)
+    tiers = [Tier("gpu", gpu_quota_blocks * sb)]
+    if host_quota_blocks:
+        tiers.append(Tier("host", host_quota_blocks * sb))
+    return KVCacheManagerConfig(
+        tokens_per_block=tokens_per_block,
+        layers=[AttentionLayer(i, BYTES_PER_TOKEN_PER_LAYER) for i in range(NUM_LAYERS)],
+        tiers=tiers,
+        enable_partial_reuse=enable_partial_reuse,
+    )
+
+
+@dataclass
+class ReplayResult:
+    backend: str
+    tokens_per_block: int
+    gpu_quota_blocks: int
+    host_quota_blocks: int | None
+    enable_partial_reuse: bool
+    with_outputs: bool
+    requests: int = 0  # requests replayed (failed ones included)
+    failed: int = 0  # requests that did not fit the gpu quota at all
+    preemptions: int = 0  # resume()/resize() calls that returned False
+    truncated: int = 0  # requests whose decoding stopped early on a failed resize
+    prompt_tokens: int = 0
+    prompt_blocks: int = 0
+    reused_tokens: int = 0  # sum of num_reused_tokens of the requests that ran
+    reused_blocks: int = 0  # blocks touched by reuse (a partially reused block counts)
+    output_tokens: int = 0
+    offloads: int = 0  # pages moved one tier colder (from mgr.stats())
+    onboards: int = 0  # pages moved back to gpu (from mgr.stats())
+    drops: int = 0  # pages freed by eviction (from mgr.stats())
+    copy_ops: dict[str, int] = field(default_factory=dict)  # drained copy ops by reason
+    setup_s: float = 0.0  # manager construction
+    manager_s: float = 0.0  # time inside manager and cache calls
+    wall_s: float = 0.0  # the whole replay loop, prompt expansion included
+    stats: dict = field(default_factory=dict, repr=False)  # the final mgr.stats()
+
+    @property
+    def hit_rate(self) -> float:
+        """Reused prompt tokens / prompt tokens."""
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def evictions(self) -> int:
+        return self.offloads + self.drops
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.manager_s if self.manager_s > 0 else float("inf")
+
+    @property
+    def us_per_block(self) -> float:
+        """Manager time per prompt block, in microseconds."""
+        return 1e6 * self.manager_s / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "stats"}
+        d.update(
+            hit_rate=self.hit_rate,
+            evictions=self.evictions,
+            requests_per_s=self.requests_per_s,
+            us_per_block=self.us_per_block,
+        )
+        return d
+
+
+# ---------------------------------------------------------------------------------------
+# Reading mgr.stats()
+# ---------------------------------------------------------------------------------------
+
+
+def eviction_counts(stats: dict) -> tuple[int, int, int]:
+    """``(offloads, onboards, drops)`` summed over life cycles: ``stats["lc"][i]`` holds
+    each life cycle's cumulative counters (sec. 9)."""
+    lcs = stats.get("lc", [])
+    return (
+        sum(c.get("offloads", 0) for c in lcs),
+        sum(c.get("onboards", 0) for c in lcs),
+        sum(c.get("drops", 0) for c in lcs),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The replay
+# ---------------------------------------------------------------------------------------
+
+
+def replay(
+    trace: Sequence[TraceRequest] | None,
+    backend: str | None,
+    tokens_per_block: int = 32,
+    gpu_quota_blocks: int | None = None,
+    host_quota_blocks: int | None = None,
+    enable_partial_reuse: bool = True,
+    with_outputs: bool = False,
+    limit: int | None = None,
+    progress: bool = False,
+    check_invariants: bool = False,
+) -> ReplayResult:
+    """Replay ``trace`` (None: the shipped trace) on ``backend`` (None: ``kvcm.backend``).
+
+    Raises whatever the backend raises (e.g. NotImplementedError from a backend stage
+    that lacks the request life cycle)."""
+    if trace is None:
+        trace = load_trace()
+    if limit is not None:
+        trace = trace[: max(0, limit)]
+    B = tokens_per_block
+    if gpu_quota_blocks is None:
+        gpu_quota_blocks = total_blocks(trace, B, with_outputs) + 1
+    if backend is None:
+        import kvcm
+
+        backend = kvcm.backend
+    res = ReplayResult(backend, B, gpu_quota_blocks, host_quota_blocks, enable_partial_reuse, with_outputs)
+    cfg = replay_config(B, gpu_quota_blocks, host_quota_blocks, enable_partial_reuse)
+
+    clock = time.perf_counter
+    t0 = clock()
+    mgr = KVCacheManager(cfg, backend=backend)
+    t1 = clock()
+    res.setup_s = t1 - t0
+
+    bar = None
+    if progress:
+        from kvcm.progress import Progress
+
+        bar = Progress(len(trace), f"replay {backend}")
+    ops: Counter[str] = Counter()
+    mgr_s = 0.0
+    try:
+        for req in trace:
+            prompt = expand_prompt(req)
+            outputs = expand_outputs(req.index, req.output_length) if with_outputs else ()
+            n = len(prompt)
+            res.requests += 1
+            res.prompt_tokens += n
+            res.prompt_blocks += -(-n // B)
+            ts = clock()
+            kv = mgr.create_kv_cache(prompt)
+            ok = kv.resume()
+            if ok:
+                ok = kv.resize(n)
+            if not ok:
+                res.preemptions += 1
+                res.failed += 1
+                kv.close()
+                for op in mgr.drain_copy_ops():
+                    ops[op.reason] += 1
+                mgr_s += clock() - ts
+                if bar:
+                    bar.update()
+                continue
+            reused = kv.num_reused_tokens
+            for op in mgr.drain_copy_ops():
+                ops[op.reason] += 1
+            kv.commit(prompt[kv.num_committed_tokens :])
+            for tok in outputs:
+                if not kv.resize(kv.capacity + 1):
+                    res.preemptions += 1
+                    res.truncated += 1
+                    break
+                for op in mgr.drain_copy_ops():
+                    ops[op.reason] += 1
+                kv.commit([tok])
+                res.output_tokens += 1
+            kv.close()
+            mgr_s += clock() - ts
+            res.reused_tokens += reused
+            res.reused_blocks += -(-reused // B)
+            if bar:
+                bar.update()
+        for op in mgr.drain_copy_ops():
+            ops[op.reason] += 1
+        if check_invariants:
+            mgr.check_invariants()
+        res.stats = mgr.stats()
+    finally:
+        if bar:
+            bar.close()
+    res.manager_s = mgr_s
+    res.wall_s = clock() - t1
+    res.copy_ops = dict(sorted(ops.items()))
+    res.offloads, res.onboards, res.drops = eviction_counts(res.stats)
+    return res
+
+
+__all__ = ["ReplayResult", "eviction_counts", "replay", "replay_config", "slot_bytes"]
