@@ -419,20 +419,25 @@ def check_tokens(tokens: Any, name: str = "tokens") -> list[Token]:
         out = list(tokens)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of tokens, got {type(tokens).__name__}") from None
-    for t in out:
-        if type(t) is int:
-            if not 0 <= t < MAX_TOKEN:
-                raise ValueError(f"{name}: token {t} out of range [0, 2**31)")
-        elif type(t) is bytes:
+    if not out:
+        return out
+    types = set(map(type, out))
+    if types == {int}:  # the common case, checked at C speed
+        if min(out) < 0 or max(out) >= MAX_TOKEN:
+            bad = next(t for t in out if not 0 <= t < MAX_TOKEN)
+            raise ValueError(f"{name}: token {bad} out of range [0, 2**31)")
+        return out
+    for i, t in enumerate(out):
+        if type(t) is bytes:
             if len(t) != DIGEST_TOKEN_BYTES:
                 raise ValueError(f"{name}: a digest token must be 32 bytes, got {len(t)}")
         elif isinstance(t, int) and not isinstance(t, bool):
-            t_int = int(t)
-            if not 0 <= t_int < MAX_TOKEN:
-                raise ValueError(f"{name}: token {t_int} out of range [0, 2**31)")
+            if not 0 <= t < MAX_TOKEN:
+                raise ValueError(f"{name}: token {int(t)} out of range [0, 2**31)")
+            out[i] = int(t)
         else:
             raise TypeError(f"{name}: a token must be an int or 32 bytes, got {type(t).__name__}")
-    return [int(t) if isinstance(t, int) else t for t in out]
+    return out
 
 
 def check_scope(scope: Any) -> ReuseScope:

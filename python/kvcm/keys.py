@@ -23,8 +23,10 @@ def scope_root_key(scope: ReuseScope | None = None) -> bytes:
 
 def token_bytes(tokens: Sequence[Token]) -> bytes:
     """Each int token as 4-byte little endian, each digest token as its 32 raw bytes."""
-    if all(type(t) is int for t in tokens):
+    try:
         return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error:  # digest tokens present
+        pass
     return b"".join(t if isinstance(t, bytes) else struct.pack("<I", t) for t in tokens)
 
 

@@ -434,10 +434,10 @@ class PyKVCache(KVCache):
             p.node = NO_NODE
             tree.set_page(old_node, lc, NO_PAGE, 0)
         old = tree.set_page(nid, lc, p.serial, p.coverage)
-
-        def change() -> None:
-            p.node = nid
-        mgr._restate(p, change)
+        if p.locks or p.holds:
+            p.node = nid  # a used page: its state does not depend on the node
+        else:
+            mgr._restate(p, lambda: setattr(p, "node", nid))
         if old == NO_PAGE:
             gained.append(lc)
             return
@@ -508,7 +508,7 @@ class PyKVCache(KVCache):
                 if p is not None:
                     p.coverage = ntok
                     tree.set_page(nid, lc, p.serial, ntok)
-                    mgr._restate(p, lambda p=p: setattr(p, "node", nid))
+                    p.node = nid  # a used page: its state does not depend on the node
             if snap is not None:
                 tree.set_page(nid, ssm, snap.serial, ntok)
                 mgr._restate(snap, lambda: setattr(snap, "node", nid))

@@ -259,6 +259,8 @@ class PyKVCacheManager(KVCacheManager):
             return False
         if tier < self.num_tiers - 1:
             if self.make_room(tier + 1, lc):
+                if pool.nfree:  # a drop down there removed a subtree and freed a slot here
+                    return True
                 self.move(victim, tier + 1, "offload")
                 return True
             if victim.state == HELD:

@@ -1,0 +1,457 @@
+"""Differential run (SPEC sec. 13): two managers driven in lockstep by one random op sequence.
+
+``test_differential[cpp]``    python vs cpp (the conformance check proper);
+``test_differential[python]`` python vs python: two independent instances must agree step
+                              by step (catches dict-order / hash / clock nondeterminism).
+
+Every op comes from the :mod:`kvcm.ops` vocabulary — every public call, bad input included
+(out-of-range / wrong-type tokens, bad scopes and priorities, wrong status, shrinking
+capacity, commits beyond capacity, unknown life cycles, short buffers) — over hybrid
+(full attention + window/sinks + ssm), pure-ssm and attention-only models, 1–3 tiers
+(disk under a temp dir), partial reuse on/off, several scopes and tight quotas.  After every
+step: the outcomes (result or error type), every cache's properties, ``snapshot()``
+(exact equality) and ``check_invariants()`` on both sides.  An error type outside the
+documented ones (ValueError, TypeError, KvcmError family) is a crash even if both sides
+agree.  A failure prints the (shrunk) op sequence as a replayable op log
+(``python -m kvcm oplog-replay FILE``).
+
+Profile: ``KVCM_DIFF_EXAMPLES`` (default 300) examples × ``KVCM_DIFF_STEPS`` (default 50)
+steps, derandomized, no database, no deadline; ``KVCM_DIFF_LONG=1`` runs 10× the examples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+
+import kvcm
+from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
+from kvcm import ops as O
+from kvcm.api import resolve_config
+from kvcm.oplog import config_to_json, first_difference, format_log
+
+EXAMPLES = int(os.environ.get("KVCM_DIFF_EXAMPLES", "300")) * (10 if os.environ.get("KVCM_DIFF_LONG") == "1" else 1)
+STEPS = int(os.environ.get("KVCM_DIFF_STEPS", "50"))
+
+DIFF_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    stateful_step_count=STEPS,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    report_multiple_bugs=False,
+    print_blob=False,
+    suppress_health_check=list(HealthCheck),
+)
+
+# Error types a public call may raise on bad input (sec. 10).  Anything else is a crash.
+EXPECTED_ERRORS = frozenset(
+    {"ValueError", "TypeError", "KvcmError", "ConfigError", "ClosedError", "InvalidStateError", "OutOfPagesError"}
+)
+
+PAIRS = {"cpp": ("python", "cpp"), "python": ("python", "python")}
+
+_DISK_DIR: str | None = None
+
+
+def disk_dir() -> str:
+    global _DISK_DIR
+    if _DISK_DIR is None:
+        _DISK_DIR = tempfile.mkdtemp(prefix="kvcm-diff-disk-")
+    return _DISK_DIR
+
+
+# ---------------------------------------------------------------------------------------
+# configs
+# ---------------------------------------------------------------------------------------
+
+MODELS = {
+    "full": lambda w, s: [AttentionLayer(0, 2), AttentionLayer(1, 1)],
+    "window": lambda w, s: [AttentionLayer(0, 2), AttentionLayer(1, 1, window=w, sink_tokens=s)],
+    "hybrid": lambda w, s: [AttentionLayer(0, 2), AttentionLayer(1, 1, window=w, sink_tokens=s), SsmLayer(2, 24)],
+    "attn_ssm": lambda w, s: [AttentionLayer(0, 2), SsmLayer(1, 16), SsmLayer(2, 8)],
+    "ssm": lambda w, s: [SsmLayer(0, 32)],
+    "window_ssm": lambda w, s: [AttentionLayer(0, 1, window=w, sink_tokens=s), SsmLayer(1, 16)],
+}
+
+
+@st.composite
+def configs(draw) -> KVCacheManagerConfig:
+    B = draw(st.sampled_from([1, 2, 3, 4]))
+    model = draw(st.sampled_from(sorted(MODELS)))
+    window = draw(st.integers(1, 3 * B + 1))
+    sinks = draw(st.sampled_from([0, 0, 1, B, B + 1]))
+    layers = MODELS[model](window, sinks)
+    # one slot of every life cycle costs `per`; quotas are counted in those units
+    probe = KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=[Tier("gpu", 10**9)])
+    lcs = resolve_config(probe).life_cycles
+    per = sum(lc.slot_bytes for lc in lcs)
+    n_tiers = draw(st.sampled_from([1, 2, 3]))
+    tiers = [Tier("gpu", draw(st.integers(2, 9)) * per + draw(st.sampled_from([0, 0, per // 2])))]
+    if n_tiers >= 2:
+        tiers.append(Tier("host", draw(st.integers(1, 6)) * per))
+    if n_tiers >= 3:
+        tiers.append(Tier("disk", draw(st.integers(1, 6)) * per, path=disk_dir()))
+    pool_ratio = None
+    if len(lcs) > 1 and draw(st.booleans()):
+        pool_ratio = {lc.id: draw(st.sampled_from([1, 1, 2, 0.5])) for lc in lcs}
+    return KVCacheManagerConfig(
+        tokens_per_block=B,
+        layers=layers,
+        tiers=tiers,
+        pool_ratio=pool_ratio,
+        enable_partial_reuse=draw(st.booleans()),
+        reuse_match_backoff=draw(st.sampled_from([0, 0, 0, 1, B + 1])),
+        max_util_for_resume=draw(st.sampled_from([1.0, 1.0, 1.0, 0.6])),
+        default_priority=draw(st.sampled_from([50, 50, 0, 100])),
+        max_events=draw(st.sampled_from([10_000, 10_000, 3, 0])),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# tokens, scopes and other arguments (JSON forms, see kvcm.ops)
+# ---------------------------------------------------------------------------------------
+
+DIGESTS = [{"digest": (bytes([i]) * 32).hex()} for i in (0xA1, 0xB2)]
+BAD_TOKENS = [-1, 2**31, 2**31 + 5, "x", 1.5, True, None, {"digest": "00ff"}, [1]]
+BAD_TOKEN_LISTS = ["abc", 5, {"bytes": "0102"}]
+SCOPES = [None, None, None, {"lora_id": 0}, {"salt": 7}, {"lora_id": 1, "salt": 2}, {}]
+BAD_SCOPES = ["scope", 3, {"lora_id": -1}, {"salt": 2**64}]
+PRIORITIES = [None, None, None, 0, 10, 90, 100]
+BAD_PRIORITIES = [-1, 101, "high", 1.5, True]
+
+token_st = st.integers(0, 5)
+# ops an example may switch off (swarm testing): e.g. never close, so pressure builds;
+# never drain, so copy ops pile up.  create is never switched off.
+SWITCHABLE_OPS = ("close", "stop_committing", "suspend", "drain_copy_ops", "clear_reusable", "shutdown", "probe")
+
+
+@st.composite
+def base_sequences(draw) -> list[list]:
+    """A few long sequences: prompts are prefixes (+ a small tail) of these, so they share."""
+    bases = []
+    for _ in range(3):
+        seq = draw(st.lists(st.one_of(token_st, token_st, token_st, st.sampled_from(DIGESTS)), min_size=0, max_size=28))
+        bases.append(seq)
+    return bases
+
+
+class DifferentialMachine(RuleBasedStateMachine):
+    """Drive ``PAIR`` (set by :func:`machine_for`) in lockstep."""
+
+    PAIR: tuple[str, str] = ("python", "python")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.managers: list = []
+        self.caches: list[list] = [[], []]
+        self.plans: list[list] = []  # per handle: the tokens it intends to commit
+        self.records: list[dict] = []
+        self.config: KVCacheManagerConfig | None = None
+        self.bases: list[list] = []
+        self.disabled: set[str] = set()
+
+    # ---- setup ---------------------------------------------------------------------
+    @initialize(config=configs(), bases=base_sequences(), disabled=st.sets(st.sampled_from(SWITCHABLE_OPS), max_size=2))
+    def setup(self, config: KVCacheManagerConfig, bases: list[list], disabled: set[str]) -> None:
+        self.config = config
+        self.disabled = disabled
+        self.bases = bases
+        self.B = config.tokens_per_block
+        managers = self.build(config)
+        if managers is None:  # both sides rejected it identically: use the unratioed pools
+            self.config = config = dataclasses.replace(config, pool_ratio=None)
+            managers = self.build(config)
+            assert managers is not None
+        self.managers = managers
+        self.nlc = len(resolve_config(config).life_cycles)
+
+    def build(self, config: KVCacheManagerConfig) -> list | None:
+        """Both managers, or None when both raise the same ConfigError."""
+        built, errors = [], []
+        for b in self.PAIR:
+            try:
+                built.append(kvcm.KVCacheManager(config, backend=b))
+                errors.append(None)
+            except NotImplementedError:
+                raise
+            except Exception as e:
+                errors.append(e)
+        if errors == [None, None]:
+            return built
+        names = [type(e).__name__ if e is not None else "ok" for e in errors]
+        if names[0] == names[1] == "ConfigError":
+            return None
+        self.fail(f"building the managers: {self.PAIR[0]}: {names[0]}, {self.PAIR[1]}: {names[1]} ({errors})")
+        return None
+
+    def teardown(self) -> None:
+        for m in self.managers:
+            try:
+                m.shutdown()
+            except Exception:
+                pass
+
+    # ---- running one op ------------------------------------------------------------
+    def fail(self, what: str) -> None:
+        log = format_log(config_to_json(self.config), self.records) if self.config is not None else ""
+        raise AssertionError(
+            f"{self.PAIR[0]} vs {self.PAIR[1]}: {what}\n"
+            f"--- replayable op log ({len(self.records)} ops; save as FILE, then "
+            f"`python -m kvcm oplog-replay FILE --backend {','.join(dict.fromkeys(self.PAIR))}`) ---\n{log}"
+        )
+
+    def run(self, op: dict) -> dict:
+        outs = [O.apply(m, cs, op, with_message=True) for m, cs in zip(self.managers, self.caches)]
+        record = dict(op)
+        record["outcome"] = {k: v for k, v in outs[0].items() if k != "message"}
+        self.records.append(record)
+        for out in outs:
+            if out.get("error") == "NotImplementedError":
+                raise NotImplementedError(f"{op['op']}: {out.get('message')}")
+        if not O.same_outcome(outs[0], outs[1]):
+            self.fail(f"outcomes differ at step {len(self.records) - 1} ({op['op']}):\n  {self.PAIR[0]}: {outs[0]}\n  {self.PAIR[1]}: {outs[1]}")
+        err = outs[0].get("error")
+        if err is not None and err not in EXPECTED_ERRORS:
+            self.fail(f"step {len(self.records) - 1} ({op['op']}) raised {err}: {outs[0].get('message')} — a crash, not a documented error")
+        return outs[0]
+
+    @invariant()
+    def agree(self) -> None:
+        if not self.managers:
+            return
+        a, b = self.managers
+        step = len(self.records) - 1
+        for h, (ca, cb) in enumerate(zip(*self.caches)):
+            pa, pb = O.cache_props(ca), O.cache_props(cb)
+            if pa != pb:
+                self.fail(f"cache {h} properties differ after step {step}: {first_difference(pa, pb)}")
+        snaps = []
+        for m in (a, b):
+            try:
+                snaps.append(O.normalize(m.snapshot()))
+            except NotImplementedError:
+                raise
+            except Exception as e:
+                self.fail(f"snapshot() raised {type(e).__name__}: {e}")
+        d = first_difference(snaps[0], snaps[1])
+        if d is not None:
+            self.fail(f"snapshot() differs after step {step}: {d}")
+        for name, m in zip(self.PAIR, (a, b)):
+            try:
+                m.check_invariants()
+            except NotImplementedError:
+                raise
+            except Exception as e:
+                self.fail(f"check_invariants() on {name} after step {step}: {type(e).__name__}: {e}")
+
+    # ---- helpers for argument choice -----------------------------------------------
+    def props(self, h: int) -> dict:
+        return O.cache_props(self.caches[0][h])
+
+    def pick_handle(self, data, live: bool = True) -> int | None:
+        n = len(self.caches[0])
+        if n == 0:
+            return None
+        if live and data.draw(st.integers(0, 9)) > 0:
+            open_ = [h for h in range(n) if self.props(h).get("status") != "CLOSED"]
+            if open_:
+                return data.draw(st.sampled_from(open_))
+        return data.draw(st.integers(0, n - 1))
+
+    def prompt(self, data) -> list:
+        base = data.draw(st.sampled_from(self.bases))
+        k = data.draw(st.integers(0, len(base)))
+        tail = data.draw(st.lists(token_st, max_size=3)) if data.draw(st.integers(0, 3)) == 0 else []
+        return base[:k] + tail
+
+    def maybe_bad_tokens(self, data, tokens: list):
+        r = data.draw(st.integers(0, 19))
+        if r == 0:
+            return data.draw(st.sampled_from(BAD_TOKEN_LISTS))
+        if r == 1:
+            bad = data.draw(st.sampled_from(BAD_TOKENS))
+            i = data.draw(st.integers(0, len(tokens)))
+            return tokens[:i] + [bad] + tokens[i:]
+        return tokens
+
+    def scope(self, data):
+        if data.draw(st.integers(0, 29)) == 0:
+            return data.draw(st.sampled_from(BAD_SCOPES))
+        return data.draw(st.sampled_from(SCOPES))
+
+    # ---- rules ---------------------------------------------------------------------
+    def op_create(self, data) -> None:
+        tokens = self.prompt(data)
+        args: dict = {"input_tokens": self.maybe_bad_tokens(data, tokens)}
+        if data.draw(st.booleans()):
+            args["scope"] = self.scope(data)
+        r = data.draw(st.integers(0, 9))
+        if r == 0:
+            args["priority"] = data.draw(st.sampled_from(BAD_PRIORITIES))
+        elif r < 5:
+            args["priority"] = data.draw(st.sampled_from(PRIORITIES))
+        r = data.draw(st.integers(0, 19))
+        if r == 0:
+            existing = [self.props(h).get("id") for h in range(len(self.caches[0]))]
+            args["id"] = data.draw(st.sampled_from(existing + [0, "req", 1.5, True, None]))
+        elif r <= 2:
+            args["id"] = data.draw(st.sampled_from([100, "a", "b"]))
+        out = self.run({"op": "create_kv_cache", "args": args})
+        if "result" in out:
+            # what this request will commit: its prompt, then a continuation
+            base = next((b for b in self.bases if b[: len(tokens)] == tokens), tokens)
+            extra = base[len(tokens) :] + data.draw(st.lists(token_st, max_size=2 * self.B + 2))
+            self.plans.append(tokens + extra)
+
+    def op_resume(self, data) -> None:
+        h = self.pick_handle(data)
+        if h is not None:
+            self.run({"op": "resume", "cache": h})
+
+    def op_suspend(self, data) -> None:
+        h = self.pick_handle(data)
+        if h is not None:
+            self.run({"op": "suspend", "cache": h})
+
+    def op_resize(self, data) -> None:
+        h = self.pick_handle(data)
+        if h is None:
+            return
+        p = self.props(h)
+        cap, hist, nc = (p[k] if isinstance(p[k], int) else 0 for k in ("capacity", "history_length", "num_committed_tokens"))
+        B = self.B
+        choices = [cap + 1, cap + B, cap + 3 * B, nc + B + 1, cap, max(hist, nc), cap + 1, cap + 2 * B]
+        bad = [hist - 1, nc - 1, -1, "8", 2.0, None, 10**6]
+        if data.draw(st.integers(0, 7)) == 0:
+            capacity = data.draw(st.sampled_from(bad))
+        else:
+            capacity = data.draw(st.sampled_from(choices))
+        args: dict = {"capacity": capacity}
+        r = data.draw(st.integers(0, 5))
+        if r == 1:
+            c = capacity if isinstance(capacity, int) else cap
+            args["history_length"] = data.draw(st.sampled_from([hist, hist + 1, c, c + 1, nc - 1, hist - 1, None, "1"]))
+        elif r == 2:
+            args["history_length"] = None
+        self.run({"op": "resize", "cache": h, "args": args})
+
+    def op_commit(self, data) -> None:
+        h = self.pick_handle(data)
+        if h is None:
+            return
+        p = self.props(h)
+        cap = p["capacity"] if isinstance(p["capacity"], int) else 0
+        nc = p["num_committed_tokens"] if isinstance(p["num_committed_tokens"], int) else 0
+        room = max(0, cap - nc)
+        k = data.draw(st.sampled_from([room, room, 1, self.B, min(room, self.B), 0, room + 1, 2 * self.B + 1]))
+        plan = self.plans[h]
+        tokens = plan[nc : nc + k]
+        if len(tokens) < k:
+            tokens += data.draw(st.lists(token_st, min_size=k - len(tokens), max_size=k - len(tokens)))
+        self.run({"op": "commit", "cache": h, "args": {"tokens": self.maybe_bad_tokens(data, tokens)}})
+
+    def op_engine_step(self, data) -> None:
+        """A realistic chunk: resume if needed, grow capacity, commit a chunk (3 ops)."""
+        h = self.pick_handle(data)
+        if h is None:
+            return
+        if self.props(h)["status"] == "SUSPENDED":
+            self.run({"op": "resume", "cache": h})
+        p = self.props(h)
+        if p["status"] != "ACTIVE" or not all(isinstance(p[k], int) for k in ("capacity", "num_committed_tokens")):
+            return
+        nc = p["num_committed_tokens"]
+        plan = self.plans[h]
+        chunk = data.draw(st.sampled_from([1, self.B, 2 * self.B, max(1, len(plan) - nc)]))
+        if nc + chunk > p["capacity"]:
+            out = self.run({"op": "resize", "cache": h, "args": {"capacity": nc + chunk + 1}})
+            if out.get("result") is not True:
+                return
+        tokens = plan[nc : nc + chunk]
+        tokens += data.draw(st.lists(token_st, min_size=chunk - len(tokens), max_size=chunk - len(tokens)))
+        self.run({"op": "commit", "cache": h, "args": {"tokens": tokens}})
+        if data.draw(st.integers(0, 3)) == 0:
+            self.run({"op": "drain_copy_ops"})
+
+    def op_stop_committing(self, data) -> None:
+        h = self.pick_handle(data)
+        if h is not None:
+            self.run({"op": "stop_committing", "cache": h})
+
+    def op_close(self, data) -> None:
+        h = self.pick_handle(data)
+        if h is not None:
+            self.run({"op": "close", "cache": h})
+
+    def op_page_indices(self, data) -> None:
+        h = self.pick_handle(data)
+        if h is None:
+            return
+        lc = data.draw(st.sampled_from(list(range(self.nlc)) * 3 + [-1, self.nlc, "0", None]))
+        if data.draw(st.integers(0, 2)) == 0:
+            p = self.props(h)
+            cap = p["capacity"] if isinstance(p["capacity"], int) else 0
+            need = -(-cap // self.B)
+            size = data.draw(st.sampled_from([need, need, need + 2, max(0, need - 1), 1, 0]))
+            dtype = data.draw(st.sampled_from(["int32", "int32", "int32", "int64", "float32"]))
+            self.run({"op": "page_indices_into", "cache": h, "args": {"lc": lc, "size": size, "dtype": dtype}})
+        else:
+            self.run({"op": "page_indices", "cache": h, "args": {"lc": lc}})
+
+    def op_probe(self, data) -> None:
+        tokens = self.maybe_bad_tokens(data, self.prompt(data))
+        args: dict = {"tokens": tokens}
+        if data.draw(st.booleans()):
+            args["scope"] = self.scope(data)
+        self.run({"op": data.draw(st.sampled_from(["probe_reuse", "probe_reuse_detail"])), "args": args})
+
+    def op_plain(self, name: str):
+        return lambda data: self.run({"op": name})
+
+    # (generator, weight); ``step`` picks one by weight among those this example enables
+    WEIGHTS = (
+        ("engine_step", 24),
+        ("create", 12),
+        ("resume", 7),
+        ("suspend", 6),
+        ("resize", 7),
+        ("commit", 7),
+        ("close", 7),
+        ("stop_committing", 3),
+        ("page_indices", 5),
+        ("probe", 5),
+        ("drain_copy_ops", 6),
+        ("take_events", 3),
+        ("stats", 2),
+        ("take_iteration_stats", 2),
+        ("clear_reusable", 1),
+        ("shutdown", 1),
+    )
+    @rule(data=st.data())
+    def step(self, data) -> None:
+        table = [(n, w) for n, w in self.WEIGHTS if n not in self.disabled]
+        total = sum(w for _, w in table)
+        r = data.draw(st.integers(0, total - 1), label="op")
+        for name, w in table:
+            if r < w:
+                break
+            r -= w
+        gen = getattr(self, f"op_{name}", None) or self.op_plain(name)
+        gen(data)
+
+
+
+def machine_for(pair: tuple[str, str]) -> type[DifferentialMachine]:
+    return type(f"Differential_{pair[0]}_{pair[1]}", (DifferentialMachine,), {"PAIR": pair})
+
+
+def test_differential(backend: str) -> None:
+    """python vs ``backend`` in lockstep (python vs python: the determinism pair)."""
+    run_state_machine_as_test(machine_for(PAIRS[backend]), settings=DIFF_SETTINGS)
