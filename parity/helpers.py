@@ -11,9 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
-import kvcm
 from kvcm import (
     AttentionLayer,
     CopyOp,
@@ -228,7 +228,7 @@ def unchanged(mgr, call: Callable[[], Any], exc) -> BaseException:
     before = snap(mgr)
     try:
         call()
-    except exc as e:  # noqa: PERF203
+    except exc as e:
         err = e
     else:
         raise AssertionError(f"expected {exc} to be raised")
@@ -236,3 +236,15 @@ def unchanged(mgr, call: Callable[[], Any], exc) -> BaseException:
     assert after == before, "a failed call changed state"
     mgr.check_invariants()
     return err
+
+
+def announced(mgr) -> set[tuple[bytes, int]]:
+    """``(key, lc)`` of every page of an attached block, from ``snapshot()``: exactly the
+    pairs a consumer of ``stored``/``removed`` events must currently believe exist."""
+    out = set()
+    for n in tree_nodes(mgr):
+        if n["attached"]:
+            for lc, p in enumerate(n["pages"]):
+                if p is not None:
+                    out.add((bytes.fromhex(n["key"]), lc))
+    return out

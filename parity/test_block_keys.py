@@ -5,11 +5,23 @@ from __future__ import annotations
 import hashlib
 import struct
 
-import numpy as np
-
 import kvcm
+import numpy as np
 from kvcm import ReuseScope
-from parity.helpers import B, attn_cfg, fill, keys, of_kind, stored, toks
+
+from parity.helpers import B, attn_cfg, fill, keys, of_kind, stored, stored_blocks, toks
+
+
+def _announced(make_manager, tokens, scope=None) -> list[bytes]:
+    """Commit ``tokens`` (B = 4) and return the keys the manager announces, in order."""
+    mgr = make_manager(attn_cfg(gpu=8))
+    kv = mgr.create_kv_cache(None, scope=scope)
+    assert kv.resume() and kv.resize(len(tokens))
+    kv.commit(tokens)
+    kv.close()
+    got = [b.key for b in stored_blocks(mgr.take_events())]
+    mgr.check_invariants()
+    return got
 
 
 def test_block_keys_are_sha256_chain_from_scope_root(backend):
@@ -105,3 +117,15 @@ def test_scopes_do_not_share_blocks(make_manager):
     fill(mgr, t)  # same tokens, default scope: a second, separate chain
     assert mgr.probe_reuse(t) == 8
     mgr.check_invariants()
+
+
+def test_announced_keys_are_block_keys_for_scopes_partials_and_digests(make_manager):
+    d = bytes(range(32))
+    for t, scope in (
+        (toks(8), None),
+        (toks(8), ReuseScope(lora_id=0)),
+        (toks(6), ReuseScope(salt=5)),  # the partial tail is announced on close
+        ([1, d, 2**31 - 1, 0, d], None),
+    ):
+        assert _announced(make_manager, t, scope) == keys(t, scope)
+    assert _announced(make_manager, np.array(toks(9), dtype=np.int32)) == keys(toks(9))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
 from kvcm import AttentionLayer, ConfigError, KVCacheManagerConfig, SsmLayer, Tier
-from parity.helpers import B, DISK_PATH, GPU, HOST, counts, toks
+
+from parity.helpers import DISK_PATH, GPU, HOST, B, counts, toks
 
 
 def _cfg(**kw):
-    base = dict(tokens_per_block=B, layers=[AttentionLayer(0, 1)], tiers=[Tier("gpu", 64)])
+    base = {"tokens_per_block": B, "layers": [AttentionLayer(0, 1)], "tiers": [Tier("gpu", 64)]}
     base.update(kw)
     return KVCacheManagerConfig(**base)
 

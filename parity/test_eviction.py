@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvcm import InvalidStateError, Status
+
 from parity.helpers import (
     DISK,
     GPU,
@@ -277,7 +278,7 @@ def test_clear_reusable_drops_only_droppable_pages(make_manager):
     mgr.clear_reusable()
     ev = mgr.take_events()
     assert removed(ev) == [(keys(P[:4])[0], 0)]
-    assert [e.kind for e in ev][-1] == "cleared"
+    assert sorted(e.kind for e in ev) == ["cleared", "removed"]
     assert mgr.probe_reuse(P[:4]) == 0 and mgr.probe_reuse(Q[:8]) == 8
     assert counts(mgr) == (4, 1, 1, 2, 0)
     assert c.page_indices(0) == [3]
@@ -307,6 +308,7 @@ def test_shutdown_requires_all_caches_closed(make_manager):
     unchanged(mgr, mgr.shutdown, InvalidStateError)
     kv.close()
     mgr.shutdown()
+    mgr.check_invariants()
 
 
 def test_lower_priority_page_offloaded_then_dropped_first(make_manager):
@@ -318,4 +320,72 @@ def test_lower_priority_page_offloaded_then_dropped_first(make_manager):
     _new_page(mgr)  # Q must go to host: P (host, DROPPABLE, coldest) is dropped first
     assert ops(mgr) == [op(0, GPU, 1, HOST, 0, "offload")]
     assert mgr.probe_reuse(P[:4]) == 0 and mgr.probe_reuse(Q[:4]) == 4
+    mgr.check_invariants()
+
+
+def test_droppable_victim_dropped_when_colder_tier_cannot_take_it(make_manager):
+    mgr = make_manager(attn_cfg(gpu=1, host=1))
+    a = _new_page(mgr)
+    a.commit(P[:4])
+    a.suspend()
+    x = _new_page(mgr)  # a's HELD page -> host 0 (host is now full of a HELD page)
+    assert ops(mgr) == [op(0, GPU, 0, HOST, 0, "offload")]
+    x.commit(Q[:4])
+    x.close()  # Q's page DROPPABLE on gpu 0
+    mgr.take_events()
+    c = _new_page(mgr)  # Q cannot move to host (only a HELD page there): dropped instead
+    assert ops(mgr) == []
+    assert removed(mgr.take_events()) == [(keys(Q[:4])[0], 0)]
+    assert c.page_indices(0) == [0]
+    assert mgr.probe_reuse(Q[:4]) == 0 and mgr.probe_reuse(P[:4]) == 4
+    mgr.check_invariants()
+
+
+def test_held_victim_skipped_when_colder_tier_is_full(make_manager):
+    mgr = make_manager(attn_cfg(gpu=1, host=1))
+    a = _new_page(mgr)
+    a.commit(P[:4])
+    a.suspend()
+    x = _new_page(mgr)  # a's page -> host 0
+    x.commit(Q[:4])
+    x.suspend()  # x's page HELD on gpu; host full of a's HELD page
+    mgr.drain_copy_ops()
+    c = mgr.create_kv_cache()
+    assert c.resume() is True
+    before = mgr.snapshot()
+    assert c.resize(4) is False
+    assert mgr.snapshot() == before
+    mgr.check_invariants()
+
+
+def test_resume_locks_pages_on_gpu_before_onboarding(make_manager):
+    mgr = make_manager(attn_cfg(gpu=2, host=2))
+    fill(mgr, P[:8])  # gpu 0, 1
+    fill(mgr, Q[:4], priority=90)  # P's block 1 -> host 0; Q's page gpu 1 (priority 90)
+    assert ops(mgr) == [op(0, GPU, 1, HOST, 0, "offload")]
+    b = mgr.create_kv_cache(P[:8])  # holds block 0 (gpu 0, priority 50) and block 1 (host 0)
+    assert b.resume() is True
+    # block 0 is LOCKED first, so the (higher-priority) Q page is the only victim
+    assert ops(mgr) == [op(0, GPU, 1, HOST, 1, "offload"), op(0, HOST, 0, GPU, 1, "onboard")]
+    assert b.page_indices(0) == [0, 1]
+    assert mgr.probe_reuse(Q[:4]) == 4
+    mgr.check_invariants()
+
+
+def test_resume_onboards_before_copy_on_write(make_manager):
+    mgr = make_manager(attn_cfg(gpu=3, host=2))
+    fill(mgr, P[:6])  # block 0 gpu 0, partial [P4, P5] gpu 1
+    r = _new_page(mgr, n=12)  # pushes the partial (ordinal 1) then block 0 to host
+    assert r.page_indices(0) == [2, 1, 0]
+    assert ops(mgr) == [op(0, GPU, 1, HOST, 0, "offload"), op(0, GPU, 0, HOST, 1, "offload")]
+    r.close()
+    b = mgr.create_kv_cache(P[:5] + [9])
+    assert b.num_committed_tokens == 5
+    assert b.resume() is True
+    got = ops(mgr)
+    assert [g[5] for g in got] == ["onboard", "onboard", "cow"]
+    dst = {g[2]: g[4] for g in got[:2]}  # host slot -> gpu slot
+    assert sorted(dst.values()) == [0, 1]
+    assert got[2] == op(0, GPU, dst[0], GPU, 2, "cow")  # copies the onboarded partial page
+    assert b.page_indices(0) == [dst[1], 2]
     mgr.check_invariants()

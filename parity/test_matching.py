@@ -4,6 +4,7 @@ blocks, fixed point) and the side-effect-free probes."""
 from __future__ import annotations
 
 from kvcm import ReuseProbe, ReuseScope
+
 from parity.helpers import (
     GPU,
     attn_cfg,
@@ -193,4 +194,20 @@ def test_match_of_digest_tokens(make_manager):
     assert mgr.probe_reuse([1, d1, 2, d1]) == 3  # partial reuse inside block 0
     kv = mgr.create_kv_cache(t + [d2])
     assert kv.committed_tokens == t
+    mgr.check_invariants()
+
+
+def test_windowed_match_cut_repeats_until_fixed_point(make_manager):
+    mgr = make_manager(win_cfg(gpu=4, window=4, sinks=4))  # nsink = 1
+    a = mgr.create_kv_cache()
+    assert a.resume() and a.resize(16)
+    a.commit(P[:16])
+    assert a.resize(16, history_length=16)  # stale [1, (17 - 4) // 4) = [1, 3)
+    assert a.page_indices(0) == [0, -1, -1, 3]
+    mgr.clear_reusable()  # blocks 1, 2 lose their pages (no subtree removal: not sinks)
+    assert mgr.probe_reuse(P[:16]) == 16  # sink block 0 and block 3 have pages
+    # history 12: block 2 needed -> 8; history 8: block 1 needed -> 4; sink block 0 ok
+    assert mgr.probe_reuse_detail(P[:12]) == ReuseProbe(4, 4)
+    assert mgr.probe_reuse(P[:13]) == 4
+    assert mgr.probe_reuse(P[:15]) == 15  # history 15: stale [1, 3) again
     mgr.check_invariants()

@@ -136,3 +136,30 @@ def test_lowest_free_slot_is_handed_out_first(make_manager):
     assert a.resize(20)
     assert a.page_indices(0) == [0, 1, 2, 3, 4]
     mgr.check_invariants()
+
+
+def test_create_holds_only_non_stale_window_pages(make_manager):
+    from parity.helpers import win_cfg
+
+    mgr = make_manager(win_cfg(gpu=4, window=4))
+    fill(mgr, toks(12, base=100))
+    assert counts(mgr) == (4, 1, 0, 0, 3)
+    kv = mgr.create_kv_cache(toks(12, base=100))
+    assert kv.num_committed_tokens == 12
+    assert counts(mgr) == (4, 1, 0, 1, 2)  # history 12: blocks 0, 1 stale, only block 2 held
+    assert kv.resume() is True
+    assert counts(mgr) == (4, 1, 1, 0, 2)
+    assert kv.page_indices(0) == [-1, -1, 2]
+    mgr.check_invariants()
+
+
+def test_create_holds_only_the_snapshot_at_the_match_end(make_manager):
+    mgr = make_manager(ssm_cfg(gpu=4))
+    fill(mgr, P[:8], chunks=[4, 4])  # snapshots of block 0 (slot 1) and block 1 (slot 2)
+    assert ops(mgr) == [op(0, GPU, 0, GPU, 1, "snapshot"), op(0, GPU, 0, GPU, 2, "snapshot")]
+    assert counts(mgr) == (4, 2, 0, 0, 2)
+    kv = mgr.create_kv_cache(P[:8])
+    assert counts(mgr) == (4, 2, 0, 1, 1)
+    assert kv.resume() is True
+    assert ops(mgr) == [op(0, GPU, 2, GPU, 0, "cow")]
+    mgr.check_invariants()

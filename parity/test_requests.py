@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kvcm import InvalidStateError, Status
+
 from parity.helpers import (
     GPU,
     HOST,
@@ -367,9 +367,7 @@ def test_stop_committing_inserts_partial_tail(make_manager):
     kv.stop_committing()
     ev = of_kind(mgr.take_events(), "stored")
     k = keys(P[:6])
-    assert [(e.partial, [(b.key, b.lc, b.tokens) for b in e.blocks]) for e in ev] == [
-        (True, [(k[1], 0, (P[4], P[5]))])
-    ]
+    assert [(e.partial, [(b.key, b.lc, b.tokens) for b in e.blocks]) for e in ev] == [(True, [(k[1], 0, (P[4], P[5]))])]
     assert mgr.probe_reuse(P[:6]) == 6
     assert mgr.probe_reuse(P[:5] + [5]) == 5
     assert kv.status is Status.ACTIVE
@@ -478,4 +476,88 @@ def test_ssm_page_indices_is_the_live_slot(make_manager):
     assert b.page_indices(0) == [1]
     out = np.zeros(1, dtype=np.int32)
     assert b.page_indices_into(0, out) == 1 and out.tolist() == [1]
+    mgr.check_invariants()
+
+
+def test_copy_on_write_only_on_first_resume(make_manager):
+    mgr = make_manager(attn_cfg(gpu=4))
+    fill(mgr, P[:6])
+    mgr.drain_copy_ops()
+    kv = mgr.create_kv_cache(P[:5])
+    assert kv.resume() is True
+    assert ops(mgr) == [op(0, GPU, 1, GPU, 2, "cow")]
+    kv.suspend()
+    assert kv.resume() is True
+    assert ops(mgr) == []
+    assert kv.page_indices(0) == [0, 2]
+    mgr.check_invariants()
+
+
+def test_stop_committing_while_suspended_commits_tail_where_it_is(make_manager):
+    mgr = make_manager(attn_cfg(gpu=2, host=2))
+    a = mgr.create_kv_cache()
+    assert a.resume() and a.resize(8)
+    a.commit(P[:6])
+    a.suspend()
+    b = mgr.create_kv_cache()
+    assert b.resume() and b.resize(8)  # both of a's HELD pages go to host
+    assert counts(mgr, HOST) == (2, 0, 0, 2, 0)
+    mgr.take_events()
+    a.stop_committing()
+    ev = of_kind(mgr.take_events(), "stored")
+    assert [(e.partial, [(b_.key, b_.tier) for b_ in e.blocks]) for e in ev] == [(True, [(keys(P[:6])[1], HOST)])]
+    assert mgr.probe_reuse(P[:6]) == 6
+    mgr.check_invariants()
+
+
+def test_stop_committing_while_suspended_skips_snapshot_of_offloaded_live_state(make_manager):
+    mgr = make_manager(ssm_cfg(gpu=1, host=1))
+    a = mgr.create_kv_cache()
+    assert a.resume() and a.resize(6)
+    a.commit(P[:6])
+    a.suspend()
+    b = mgr.create_kv_cache()
+    assert b.resume() is True  # a's live state (HELD) -> host
+    assert ops(mgr) == [op(0, GPU, 0, HOST, 0, "offload")]
+    a.stop_committing()
+    assert ops(mgr) == []
+    assert mgr.stats()["lc"][0]["snapshots_skipped"] == 1
+    assert mgr.probe_reuse(P[:6]) == 0
+    b.close()
+    assert a.resume() is True
+    assert ops(mgr) == [op(0, HOST, 0, GPU, 0, "onboard")]
+    mgr.check_invariants()
+
+
+def test_resize_reuses_pages_it_releases_as_stale(make_manager):
+    mgr = make_manager(win_cfg(gpu=3, window=4))
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(12)
+    kv.commit(P[:12])
+    assert kv.page_indices(0) == [-1, -1, 2]  # stale at history 12 -> -1
+    mgr.take_events()
+    # history 12: blocks 0, 1 become stale; their pages are released first, then the
+    # deeper one (same priority and last_used) is dropped to make room for block 3
+    assert kv.resize(16) is True
+    assert kv.page_indices(0) == [-1, -1, 2, 1]
+    assert removed(mgr.take_events()) == [(keys(P[:8])[1], 0)]
+    assert mgr.probe_reuse(P[:12]) == 12
+    mgr.check_invariants()
+
+
+def test_numpy_and_array_tokens_are_accepted(make_manager):
+    from array import array
+
+    mgr = make_manager(attn_cfg(gpu=8))
+    fill(mgr, P[:8])
+    a = mgr.create_kv_cache(np.array(P[:8], dtype=np.int64))
+    assert a.num_committed_tokens == 8 and a.committed_tokens == P[:8]
+    assert all(type(t) is int for t in a.committed_tokens)
+    b = mgr.create_kv_cache(array("i", P[:6]))
+    assert b.num_committed_tokens == 6
+    assert mgr.probe_reuse(np.array(P[:8], dtype=np.int32)) == 8
+    assert b.resume() and b.resize(12)
+    b.commit(np.array(P[6:12], dtype=np.int32))
+    assert b.committed_tokens == P[:12]
+    assert mgr.probe_reuse(P[:12]) == 12
     mgr.check_invariants()

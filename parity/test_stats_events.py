@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from parity.helpers import (
     GPU,
     HOST,
@@ -113,7 +115,7 @@ def test_event_ids_increase_monotonically(make_manager):
     ev = mgr.take_events()
     ids += [e.event_id for e in ev]
     assert {"stored", "tier_changed", "removed", "cleared"} <= {e.kind for e in ev}
-    assert all(b == a + 1 for a, b in zip(ids, ids[1:]))
+    assert all(b == a + 1 for a, b in itertools.pairwise(ids))
     assert mgr.take_events() == []
     fill(mgr, Q[:4])
     assert mgr.take_events()[0].event_id == ids[-1] + 1
@@ -153,7 +155,8 @@ def test_cleared_event_on_clear_reusable(make_manager):
     mgr.take_events()
     mgr.clear_reusable()
     ev = mgr.take_events()
-    assert [e.kind for e in ev] == ["removed", "cleared"]
+    assert sorted(e.kind for e in ev) == ["cleared", "removed"]  # relative order unspecified
+    assert removed(ev) == [(keys(P[:4])[0], 0)]
     mgr.check_invariants()
 
 
@@ -194,4 +197,64 @@ def test_event_json_is_serialisable(make_manager):
     data = json.loads(json.dumps([e.to_json() for e in ev]))
     assert [d["kind"] for d in data] == [e.kind for e in ev]
     assert [d["event_id"] for d in data] == [e.event_id for e in ev]
+    mgr.check_invariants()
+
+
+def test_stored_and_removed_events_mirror_the_tree(make_manager):
+    from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
+
+    from parity.helpers import announced
+
+    cfg = KVCacheManagerConfig(
+        tokens_per_block=4,
+        layers=[AttentionLayer(0, 1), AttentionLayer(1, 1, window=4), SsmLayer(2, 4)],
+        tiers=[Tier("gpu", 12 * 5), Tier("host", 12 * 2)],
+    )
+    mgr = make_manager(cfg)
+    believed: set = set()
+    kinds_seen = set()
+
+    def consume():
+        for e in mgr.take_events():
+            kinds_seen.add(e.kind)
+            if e.kind == "stored":
+                for b in e.blocks:
+                    assert (b.key, b.lc) not in believed, "stored twice without removed"
+                    believed.add((b.key, b.lc))
+            elif e.kind == "removed":
+                for k in e.keys:
+                    assert (k, e.lc) in believed, "removed without stored"
+                    believed.discard((k, e.lc))
+        assert believed == announced(mgr)
+        mgr.check_invariants()
+
+    base = toks(20, base=100)
+    live = []
+    for i in range(8):
+        prompt = base[: 5 + 2 * i] if i % 3 else toks(6 + i, base=500 + 50 * i)
+        kv = mgr.create_kv_cache(prompt, priority=30 + 10 * (i % 3))
+        consume()
+        if kv.resume():
+            if kv.resize(len(prompt) + 1):
+                kv.commit(prompt[kv.num_committed_tokens :])
+                consume()
+                if kv.resize(len(prompt) + 4, history_length=len(prompt) + 1):
+                    consume()
+            if i % 2:
+                kv.suspend()
+        consume()
+        live.append(kv)
+        if len(live) > 2:
+            live.pop(0).close()
+            consume()
+        if i == 5:
+            mgr.clear_reusable()
+            consume()
+    for kv in live:
+        kv.close()
+        consume()
+    mgr.clear_reusable()
+    consume()
+    assert believed == set()
+    assert {"stored", "removed", "cleared"} <= kinds_seen
     mgr.check_invariants()

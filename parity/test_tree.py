@@ -171,8 +171,16 @@ def _subtree_removal(mgr) -> None:
     assert counts(mgr, GPU) == (3, 0, 3, 0, 0)
     assert counts(mgr, HOST) == (1, 1, 0, 0, 0)
     mgr.check_invariants()
+    b.suspend()
+    c = mgr.create_kv_cache()
+    assert c.resume() and c.resize(4)  # b's deepest HELD orphan page moves to host
+    assert ops(mgr) == [op(0, GPU, 2, HOST, 0, "offload")]
+    assert mgr.take_events() == []  # pages of orphan blocks emit no tier_changed
+    assert c.page_indices(0) == [2]
+    c.close()
     b.close()
     assert counts(mgr, GPU) == (3, 3, 0, 0, 0)  # orphan pages freed with their last user
+    assert counts(mgr, HOST) == (1, 1, 0, 0, 0)
     assert tree_nodes(mgr) == []
     assert mgr.take_events() == []  # orphans emit no events
     fill(mgr, P[:12])
@@ -235,4 +243,68 @@ def test_orphan_nodes_are_listed_only_while_referenced(make_manager):
     assert sorted(orphan_keys(mgr)) == sorted(k)
     a.close()
     assert tree_nodes(mgr) == []
+    mgr.check_invariants()
+
+
+def test_pageless_committed_block_stays_detached_until_it_becomes_a_parent(make_manager):
+    mgr = make_manager(ssm_cfg(gpu=4))
+    kv = mgr.create_kv_cache()
+    assert kv.resume() and kv.resize(12)
+    kv.commit(P[:6])  # block 0 filled mid-commit: no snapshot, no page at all
+    k = keys(P[:8])
+    assert attached_keys(mgr) == set()
+    assert orphan_keys(mgr) == [k[0]]
+    mgr.check_invariants()
+    kv.commit(P[6:8])  # block 1 gets a snapshot: block 0 is re-attached as its parent
+    assert attached_keys(mgr) == {k[0], k[1]}
+    assert orphan_keys(mgr) == []
+    assert mgr.probe_reuse(P[:8]) == 8
+    mgr.check_invariants()
+
+
+def test_longer_partial_block_detaches_shorter_partial(make_manager):
+    mgr = make_manager(attn_cfg(gpu=4))
+    fill(mgr, P[:6])  # block 0 slot 0, partial [P4, P5] slot 1
+    kp, kq = keys(P[:6])[1], keys(P[:7])[1]
+    mgr.take_events()
+    mgr.drain_copy_ops()
+    b = mgr.create_kv_cache(P[:7])
+    assert b.num_committed_tokens == 6
+    assert b.resume() is True
+    assert ops(mgr) == [op(0, GPU, 1, GPU, 2, "cow")]
+    assert b.resize(7)
+    b.commit(P[6:7])
+    b.close()  # tail [P4, P5, P6] (coverage 3) replaces the shorter partial sibling
+    ev = mgr.take_events()
+    assert removed(ev) == [(kp, 0)]
+    assert [(e.partial, [(x.key, x.lc, x.num_tokens) for x in e.blocks]) for e in of_kind(ev, "stored")] == [
+        (True, [(kq, 0, 3)])
+    ]
+    assert attached_keys(mgr) == {keys(P[:4])[0], kq}
+    assert mgr.probe_reuse(P[:7]) == 7
+    assert mgr.probe_reuse(P[:6]) == 6
+    assert counts(mgr) == (4, 2, 0, 0, 2)  # the detached partial's page was freed
+    mgr.check_invariants()
+
+
+def test_reattached_orphan_chain_is_announced_again(make_manager):
+    mgr = make_manager(attn_cfg(gpu=4, host=1))
+    k = keys(P[:16])
+    fill(mgr, P[:4], priority=10)  # gpu 0
+    r = mgr.create_kv_cache()
+    assert r.resume() and r.resize(16)
+    assert r.page_indices(0) == [1, 2, 3, 0]  # block 0's tree page went to host
+    r.close()
+    b = mgr.create_kv_cache(priority=90)
+    assert b.resume() and b.resize(12)
+    b.commit(P[:12])  # keeps a private block-0 page (tree page on host)
+    mgr.clear_reusable()  # block 0's page dropped: blocks 0-2 detached, b keeps them
+    assert attached_keys(mgr) == set()
+    mgr.take_events()
+    assert b.resize(16)
+    b.commit(P[12:16])  # re-attaches its chain (no equivalent blocks exist), then inserts
+    st = stored(mgr.take_events())
+    assert {(k[1], 0), (k[2], 0), (k[3], 0)} <= set(st)
+    assert attached_keys(mgr) == set(k)
+    assert orphan_keys(mgr) == []
     mgr.check_invariants()

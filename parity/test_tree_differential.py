@@ -57,6 +57,8 @@ class TreeLockstep(RuleBasedStateMachine):
         self.lcs = preset
         self.py = PyTree(B, preset)
         self.cc = CppTree(B, preset)
+        self.next_page = 100
+        self.both("root", SCOPE_KEYS[0])
 
     # ---------------------------------------------------------------- helpers
 
@@ -70,11 +72,16 @@ class TreeLockstep(RuleBasedStateMachine):
         return a
 
     def node(self, data):
+        """Mostly a live node (attached ones first, so trees grow deep), sometimes an unknown id."""
         live = sorted(self.py.nodes)
+        attached = [i for i in live if self.py.nodes[i].attached]
         unknown = st.integers(-1, self.py.next_id + 1)
-        if not live:
-            return data.draw(unknown, label="node")
-        return data.draw(st.one_of(st.sampled_from(live), st.sampled_from(live), unknown), label="node")
+        choices = [unknown]
+        if live:
+            choices.append(st.sampled_from(live))
+        if attached:
+            choices += [st.sampled_from(attached)] * 3
+        return data.draw(st.one_of(*choices), label="node")
 
     def lc(self, data):
         return data.draw(st.integers(0, len(self.lcs)), label="lc")  # len(lcs) is out of range
@@ -103,6 +110,40 @@ class TreeLockstep(RuleBasedStateMachine):
         if found[0] == "ok" and found[1] == -1:
             nid = self.both("new_block", key, toks, data.draw(st.integers(0, 5), label="ordinal"))[1]
             self.both("attach", parent, nid)
+
+    @rule(data=st.data(), depth=st.integers(1, 3))
+    def grow(self, data, depth):
+        self._grow(data, depth)
+
+    # Hypothesis picks rules uniformly: a second rule doubles the weight of building deep
+    # trees, and of querying them (below), which is where the two trees can disagree.
+    @rule(data=st.data(), depth=st.integers(1, 3))
+    def grow_more(self, data, depth):
+        self._grow(data, depth)
+
+    def _grow(self, data, depth):
+        # Extend an attached node by a chain of blocks with pages, the way commits do, so
+        # matches walk deep and the fixed point has coverage to cut on.
+        attached = sorted(i for i, n in self.py.nodes.items() if n.attached or n.is_root)
+        parent = data.draw(st.sampled_from(attached), label="parent")
+        for d in range(depth):
+            key = data.draw(st.sampled_from(KEYS), label="key")
+            n = self.B if d < depth - 1 else data.draw(st.sampled_from([self.B, self.B, 1]), label="n")
+            toks = data.draw(st.lists(TOKEN, min_size=n, max_size=n), label="tokens")
+            found = self.both("find_existing", parent, key, toks)[1]
+            if found == -1:
+                found = self.both("new_block", key, toks, data.draw(st.integers(0, 5), label="ordinal"))[1]
+                self.both("attach", parent, found)
+            for lc in range(len(self.lcs)):
+                cov = data.draw(st.sampled_from([n, n, n, 0, max(0, n - 1)]), label="coverage")
+                if cov:
+                    self.next_page += 1
+                    self.both("set_page", found, lc, self.next_page, cov)
+            if data.draw(st.booleans(), label="ref"):
+                self.both("ref", found)  # a request now references the block
+            parent = found
+            if len(self.py.nodes[found].tokens) < self.B:
+                break
 
     @rule(data=st.data())
     def find_existing(self, data):
@@ -150,13 +191,19 @@ class TreeLockstep(RuleBasedStateMachine):
 
     @rule(data=st.data(), partial=st.booleans(), backoff=st.integers(0, 3))
     def match_guided(self, data, partial, backoff):
+        self._match_guided(data, partial, backoff)
+
+    def _match_guided(self, data, partial, backoff):
         # Query the tokens of an existing chain (so the walk goes deep), then perturb it.
         live = sorted(self.py.nodes)
+        deep = [i for i in live if self.py.nodes[i].attached and not self.py.nodes[i].is_root]
         if not live:
             return
-        n = self.py.nodes[data.draw(st.sampled_from(live), label="chain_end")]
+        n = self.py.nodes[data.draw(st.sampled_from(deep or live), label="chain_end")]
         chain = []
-        while n.parent is not None:
+        seen = set()
+        while n.parent is not None and n.id not in seen:  # attach() can build a cycle of orphans
+            seen.add(n.id)
             chain.append(n)
             n = n.parent
         chain.reverse()
@@ -166,6 +213,10 @@ class TreeLockstep(RuleBasedStateMachine):
         tokens = tokens[: len(tokens) - cut] + data.draw(st.lists(TOKEN, max_size=self.B), label="extra")
         keys += data.draw(st.lists(st.sampled_from(KEYS), max_size=2), label="extra_keys")
         self.both("match", n.id, tokens, keys, partial, backoff)
+
+    @rule(data=st.data(), partial=st.booleans(), backoff=st.integers(0, 3))
+    def match_guided_more(self, data, partial, backoff):
+        self._match_guided(data, partial, backoff)
 
     @rule(data=st.data(), partial=st.booleans(), backoff=st.integers(0, 3))
     def match_random(self, data, partial, backoff):

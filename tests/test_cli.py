@@ -64,7 +64,7 @@ def test_replay_tight_quota_both_backends_side_by_side():
     out = p.stdout
     header = re.search(r"^\s+python\s+cpp$", out, re.MULTILINE)
     assert header, out
-    assert "unique blocks in this prefix:" in out
+    assert "unique blocks in this replay:" in out
     row = re.search(r"^hit rate\s+(\d+\.\d\d)%\s+(.*)$", out, re.MULTILINE)
     assert row, out
     # the cpp column: a figure, or why that backend could not run

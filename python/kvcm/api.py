@@ -553,8 +553,10 @@ class KVCacheManager(abc.ABC):
     def __new__(cls, config: KVCacheManagerConfig | None = None, *args: Any, backend: str | None = None, **kw: Any):
         if cls is KVCacheManager:
             from kvcm._select import manager_class
+            from kvcm.oplog import maybe_wrap_class
 
-            impl = manager_class(backend)
+            # KVCM_OPLOG set: a recording proxy whose __init__ builds the real manager
+            impl = maybe_wrap_class(manager_class(backend))
             return impl.__new__(impl, config, *args, **kw)
         return super().__new__(cls)
 

@@ -18,6 +18,7 @@ from kvcm.api import (
     check_tokens,
 )
 from kvcm.keys import block_key
+from kvcm.python_backend.manager import serialized
 from kvcm.python_backend.pools import NO_NODE, Page
 from kvcm.python_backend.tree import NO_PAGE
 
@@ -106,6 +107,7 @@ class PyKVCache(KVCache):
 
     # ------------------------------------------------------------------ life cycle
 
+    @serialized
     def resume(self) -> bool:
         self._require(Status.SUSPENDED, "resume")
         mgr = self.mgr
@@ -153,6 +155,7 @@ class PyKVCache(KVCache):
             self._copy_on_write()
         return True
 
+    @serialized
     def suspend(self) -> None:
         self._require(Status.ACTIVE, "suspend")
         self.mgr.tick()
@@ -160,6 +163,7 @@ class PyKVCache(KVCache):
             self.mgr.set_active(p, False)
         self._status = Status.SUSPENDED
 
+    @serialized
     def resize(self, capacity: int, history_length: int | None = None) -> bool:
         self._require(Status.ACTIVE, "resize")
         mgr = self.mgr
@@ -220,6 +224,7 @@ class PyKVCache(KVCache):
             self.pages[lc][i] = self._alloc_private(lc, 0, i)
         return True
 
+    @serialized
     def commit(self, tokens: Sequence[Token]) -> None:
         self._require(Status.ACTIVE, "commit")
         if self.stopped:
@@ -259,6 +264,7 @@ class PyKVCache(KVCache):
                     page, pages[i] = pages[i], None
                     mgr.unuse(page, active)
 
+    @serialized
     def stop_committing(self) -> None:
         self._require_open("stop_committing")
         if self.stopped:
@@ -266,6 +272,7 @@ class PyKVCache(KVCache):
         self.mgr.tick()
         self._stop()
 
+    @serialized
     def close(self) -> None:
         if self._status == Status.CLOSED:
             return
@@ -286,6 +293,7 @@ class PyKVCache(KVCache):
         self._status = Status.CLOSED
         del mgr.requests[self.serial]
 
+    @serialized
     def page_indices(self, lc: int) -> list[int]:
         self._require(Status.ACTIVE, "page_indices")
         self._check_lc(lc)
@@ -295,6 +303,7 @@ class PyKVCache(KVCache):
         pages = self.pages[lc]
         return [pages[i].slot if i < len(pages) and pages[i] is not None else -1 for i in range(nb)]
 
+    @serialized
     def page_indices_into(self, lc: int, out: Any) -> int:
         self._require(Status.ACTIVE, "page_indices_into")
         self._check_lc(lc)

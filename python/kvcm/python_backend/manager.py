@@ -6,6 +6,8 @@ is deterministic: no wall clock, no hash-seed or dict-order dependence in what i
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import deque
 from typing import Any, Sequence
 
@@ -39,6 +41,18 @@ _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_bl
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped")
 
 
+def serialized(method):
+    """Run a public call under the manager's lock: one scheduler thread is the intended
+    use, but concurrent calls must never interleave half-way (SPEC sec. 10)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with (self.mgr if hasattr(self, "mgr") else self).lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class PyKVCacheManager(KVCacheManager):
     backend_name = "python"
 
@@ -67,6 +81,7 @@ class PyKVCacheManager(KVCacheManager):
         self.totals = self._zero_counters()
         self.iteration = self._zero_counters()
         self._root_keys: dict[ReuseScope, bytes] = {}
+        self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ public API
 
@@ -78,6 +93,7 @@ class PyKVCacheManager(KVCacheManager):
     def life_cycles(self):
         return self.lcs
 
+    @serialized
     def create_kv_cache(self, input_tokens: Sequence[Token] | None = None, scope: ReuseScope | None = None,
                         priority: int | None = None, id: int | str | None = None):
         from kvcm.python_backend.cache import PyKVCache
@@ -100,6 +116,7 @@ class PyKVCacheManager(KVCacheManager):
     def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
         return self.probe_reuse_detail(tokens, scope).num_tokens
 
+    @serialized
     def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
         toks = check_tokens(tokens)
         scope = check_scope(scope)
@@ -110,15 +127,18 @@ class PyKVCacheManager(KVCacheManager):
         m, mbs, _path = self.match(self.tree.roots[root_key].id, toks, keys)
         return ReuseProbe(m, mbs)
 
+    @serialized
     def drain_copy_ops(self) -> list[CopyOp]:
         ops, self.copy_ops = self.copy_ops, []
         return ops
 
+    @serialized
     def clear_reusable(self) -> None:
         self.tick()
         self._drop_all_droppable()
         self.emit(ClearedEvent(self._event_id()))
 
+    @serialized
     def shutdown(self) -> None:
         if self.requests:
             raise InvalidStateError(f"shutdown needs every cache closed; {len(self.requests)} still open")
@@ -128,24 +148,29 @@ class PyKVCacheManager(KVCacheManager):
         self._drop_all_droppable()
         self.is_shutdown = True
 
+    @serialized
     def stats(self) -> dict:
         return self._stats_view(self.totals)
 
+    @serialized
     def take_iteration_stats(self) -> dict:
         view = self._stats_view(self.iteration)
         self.iteration = self._zero_counters()
         return view
 
+    @serialized
     def take_events(self) -> list[Event]:
         out = list(self.events)
         self.events.clear()
         return out
 
+    @serialized
     def snapshot(self) -> dict:
         from kvcm.python_backend.observe import snapshot
 
         return snapshot(self)
 
+    @serialized
     def check_invariants(self) -> None:
         from kvcm.python_backend.observe import check_invariants
 
