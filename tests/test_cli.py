@@ -3,6 +3,7 @@ install are inherited; the package directory is put on PYTHONPATH for source che
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -79,10 +80,32 @@ def test_bench_keys_small():
     assert "hashlib raw loop" in p.stdout
 
 
-def test_bad_arguments():
+def test_replay_trace_file(tmp_path):
+    # two requests sharing one whole hash block and 100 tokens of a partial one
+    recs = [
+        {"timestamp": 0, "input_length": 612, "output_length": 2, "hash_ids": [1, 2]},
+        {"timestamp": 1, "input_length": 700, "output_length": 2, "hash_ids": [1, 2]},
+    ]
+    path = tmp_path / "mini.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    p = run_cli("replay", str(path), "--backend", "python", "--block-size", "64")
+    assert p.returncode == 0, p.stderr
+    assert "trace: mini.jsonl, 2 of 2 requests" in p.stdout
+    rate = f"{100 * 612 / (612 + 700):.2f}%"
+    assert re.search(rf"^expected hit rate \(from hash_ids\): {re.escape(rate)}$", p.stdout, re.MULTILINE)
+    assert re.search(rf"^hit rate\s+{re.escape(rate)}$", p.stdout, re.MULTILINE), p.stdout
+
+
+def test_bad_arguments(tmp_path):
     p = run_cli("replay", "--backend", "fortran")
     assert p.returncode == 2 and "unknown backend" in p.stderr
     p = run_cli("replay", "--gpu-blocks", "5", "--gpu-frac", "0.1")
     assert p.returncode == 2
+    p = run_cli("replay", "--block-size", "0")
+    assert p.returncode == 2 and "out of range" in p.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    p = run_cli("replay", str(bad), "--backend", "python")
+    assert p.returncode == 2 and "cannot read trace" in p.stderr
     p = run_cli()
     assert p.returncode == 2 and "replay" in p.stdout

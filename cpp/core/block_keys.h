@@ -59,10 +59,15 @@ class TokenBytes {
  private:
   void count_one() {
     ++num_tokens_;
-    if (num_tokens_ % tokens_per_block_ == 0) block_ends_.push_back(bytes_.size());
+    // A countdown instead of num_tokens_ % B: this runs once per token.
+    if (--until_boundary_ == 0) {
+      block_ends_.push_back(bytes_.size());
+      until_boundary_ = tokens_per_block_;
+    }
   }
 
   std::uint32_t tokens_per_block_;
+  std::uint32_t until_boundary_ = tokens_per_block_;
   std::size_t num_tokens_ = 0;
   std::vector<std::uint8_t> bytes_;
   std::vector<std::size_t> block_ends_;  // full blocks only

@@ -384,7 +384,7 @@ std::int64_t RadixTree::fixed_point(const std::vector<const Node*>& path, std::i
         std::int64_t cut = 0;
         for (std::int64_t j = ceildiv(m, B) - 1; j >= 0; --j) {
           const std::int64_t c = at(path, j)->coverage[lc];
-          if (0 < c && j * B + c < m) {
+          if (0 < c && j * B + c <= m) {
             cut = j * B + c;
             break;
           }
