@@ -9,8 +9,9 @@ from __future__ import annotations
 import abc
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Sequence, Union
+from typing import Any, ClassVar, Literal, Union
 
 # ---------------------------------------------------------------------------------------
 # Errors (sec. 10).  ValueError / TypeError are used for bad arguments, as documented.
@@ -56,7 +57,7 @@ GPU, HOST, DISK = 0, 1, 2
 
 MAX_TOKEN = 2**31
 DIGEST_TOKEN_BYTES = 32
-Token = Union[int, bytes]
+Token = int | bytes
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class SsmLayer:
     state_bytes: int
 
 
-Layer = Union[AttentionLayer, SsmLayer]
+Layer = AttentionLayer | SsmLayer
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ def resolve_config(config: KVCacheManagerConfig) -> ResolvedConfig:
         else:
             total_w = float(sum(ratio.values()))
             per_lc = tuple(
-                int(math.floor(tier.quota_bytes * float(ratio[lc.id]) / total_w / lc.slot_bytes)) for lc in life_cycles
+                math.floor(tier.quota_bytes * float(ratio[lc.id]) / total_w / lc.slot_bytes) for lc in life_cycles
             )
         if min(per_lc) < 1:
             raise ConfigError("tiers.quota_bytes", f"{tier.kind} quota {tier.quota_bytes} is too small for one slot per life cycle")

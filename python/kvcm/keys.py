@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvcm.api import ReuseScope, Token, check_scope, check_tokens
 

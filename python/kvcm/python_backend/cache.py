@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvcm.api import (
     GPU,
@@ -492,7 +493,6 @@ class PyKVCache(KVCache):
         """Commit block ``i`` (full, or the partial tail) into the tree (sec. 5 and 7)."""
         mgr = self.mgr
         tree = mgr.tree
-        B = mgr.B
         ntok = len(tokens)
         key = self._key(i, tokens)
         parent = self._parent_for(i)

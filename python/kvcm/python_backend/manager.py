@@ -9,7 +9,8 @@ from __future__ import annotations
 import functools
 import threading
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvcm.api import (
     GPU,
@@ -34,7 +35,7 @@ from kvcm.api import (
     resolve_config,
 )
 from kvcm.keys import chain_keys, scope_root_key
-from kvcm.python_backend.pools import DROPPABLE, HELD, LOCKED, NO_NODE, Page, Pool
+from kvcm.python_backend.pools import DROPPABLE, HELD, NO_NODE, Page, Pool
 from kvcm.python_backend.tree import NO_PAGE, RadixTree
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",

@@ -11,8 +11,20 @@ NO_NODE = -1
 class Page:
     """One page: one life cycle's data for one block (or one ssm state) in one slot."""
 
-    __slots__ = ("serial", "lc", "tier", "slot", "coverage", "priority", "last_used", "ordinal", "node",
-                 "locks", "holds", "version")
+    __slots__ = (
+        "coverage",
+        "holds",
+        "last_used",
+        "lc",
+        "locks",
+        "node",
+        "ordinal",
+        "priority",
+        "serial",
+        "slot",
+        "tier",
+        "version",
+    )
 
     def __init__(self, serial: int, lc: int, tier: int, slot: int, coverage: int, priority: int,
                  last_used: int, ordinal: int) -> None:

@@ -12,7 +12,7 @@ deleted at once, so orphans disappear with their last user.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 NO_PAGE = -1
 NO_NODE = -1
@@ -21,8 +21,20 @@ NO_NODE = -1
 class Node:
     """One block of one scope.  Every field is maintained by RadixTree alone."""
 
-    __slots__ = ("id", "key", "parent", "children", "by_first", "tokens", "ordinal", "is_root",
-                 "attached", "pages", "coverage", "refs")
+    __slots__ = (
+        "attached",
+        "by_first",
+        "children",
+        "coverage",
+        "id",
+        "is_root",
+        "key",
+        "ordinal",
+        "pages",
+        "parent",
+        "refs",
+        "tokens",
+    )
 
     def __init__(self, node_id: int, key: bytes, tokens: tuple, ordinal: int, num_lcs: int, is_root: bool) -> None:
         self.id = node_id  # creation serial; the canonical order of nodes everywhere
@@ -267,9 +279,9 @@ class RadixTree:
             return NO_NODE
         best: Node | None = None
         for s in p.by_first.get(tokens[0], ()):
-            if len(s.tokens) > len(tokens) and s.tokens[: len(tokens)] == tokens:
-                if best is None or (len(s.tokens), _neg(s.key)) > (len(best.tokens), _neg(best.key)):
-                    best = s
+            if (len(s.tokens) > len(tokens) and s.tokens[: len(tokens)] == tokens
+                    and (best is None or (len(s.tokens), _neg(s.key)) > (len(best.tokens), _neg(best.key)))):
+                best = s
         return best.id if best is not None else NO_NODE
 
     def _longest_run(self, node: Node, tokens: Sequence, start: int) -> tuple[Node | None, int]:
