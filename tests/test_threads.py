@@ -36,7 +36,7 @@ def test_threads_hammering_one_manager_keep_invariants(backend: str) -> None:
                 assert kv.status == Status.CLOSED
                 mgr.drain_copy_ops()
                 done[0] += 1
-        except Exception as e:  # reported below, with the thread's seed
+        except Exception as e:  # noqa: BLE001 - re-raised in the main thread below
             errors.append(e)
 
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]

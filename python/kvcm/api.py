@@ -11,7 +11,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 # ---------------------------------------------------------------------------------------
 # Errors (sec. 10).  ValueError / TypeError are used for bad arguments, as documented.
