@@ -17,8 +17,9 @@ parameter equals ``backend`` as ``xfail(strict=True, raises=<raises>)``.  So:
 2. a listed gap that passes fails the run (strict XPASS: "gap fixed → remove its entry");
 3. an entry that matches no collected test fails the run — checked only when the entry's
    whole directory was collected without selection (no ``-k``/``-m``/node ids/``--lf``/
-   ``--deselect``/``--ignore``), and for ``where = "tests"`` only when the run's default
-   backend is the entry's backend (``tests/`` runs one backend per CI leg).  The failure
+   ``--deselect``/``--ignore``); an entry for ``tests/`` is checked only when the
+   collected ``tests/`` items run its backend (``tests/`` runs one backend per CI leg).
+   The failure
    is a synthetic test ``parity/gaps.toml::stale_entries``;
 4. an exception of a type not in ``raises`` is a failure, never hidden (the xfail has
    ``raises``; the report section names the expected and the actual type).
@@ -105,7 +106,9 @@ def load_gaps(path: str | os.PathLike[str]) -> list[Gap]:
             raise GapFileError(f"{where}: must be a table")
         unknown = set(e) - set(KEYS_REQUIRED) - set(KEYS_OPTIONAL)
         if unknown:
-            raise GapFileError(f"{where}: unknown keys {sorted(unknown)}; allowed: {list(KEYS_REQUIRED + KEYS_OPTIONAL)}")
+            raise GapFileError(
+                f"{where}: unknown keys {sorted(unknown)}; allowed: {list(KEYS_REQUIRED + KEYS_OPTIONAL)}"
+            )
         for k in KEYS_REQUIRED:
             if k not in e:
                 raise GapFileError(f"{where}: missing required key {k!r}")
@@ -124,7 +127,9 @@ def load_gaps(path: str | os.PathLike[str]) -> list[Gap]:
         if isinstance(raises, str):
             raises = [raises]
         if not isinstance(raises, list) or not raises or not all(isinstance(r, str) and r for r in raises):
-            raise GapFileError(f"{where}: raises must be an exception name or a non-empty list of names, got {raises!r}")
+            raise GapFileError(
+                f"{where}: raises must be an exception name or a non-empty list of names, got {raises!r}"
+            )
         for r in raises:
             _check_exception_name(r, where)
         loc = e.get("where", "parity")
@@ -132,7 +137,9 @@ def load_gaps(path: str | os.PathLike[str]) -> list[Gap]:
             raise GapFileError(f"{where}: where must be one of {list(WHERES)}, got {loc!r}")
         key = (scenario, backend, loc)
         if key in seen:
-            raise GapFileError(f"{where}: duplicate of entry #{seen[key]} (scenario={scenario!r}, backend={backend!r}, where={loc!r})")
+            raise GapFileError(
+                f"{where}: duplicate of entry #{seen[key]} (scenario={scenario!r}, backend={backend!r}, where={loc!r})"
+            )
         seen[key] = i
         gaps.append(Gap(scenario, backend, reason.strip(), issue, tuple(raises), loc, i))
     return gaps
@@ -258,7 +265,7 @@ def _resolved_raises(gap: Gap, cache: dict[str, type[BaseException]]) -> tuple[t
         if name not in cache:
             try:
                 cache[name] = resolve_exception(name)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - any failure to resolve is a usage error
                 raise pytest.UsageError(f"kvcm gaps: {gap.describe()}: cannot resolve raises {name!r}: {e}") from None
         out.append(cache[name])
     return tuple(out)
@@ -272,11 +279,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     root = config.rootpath
     index: dict[tuple[str, str, str], Gap] = {(g.scenario, g.backend, g.where): g for g in st.gaps}
     exc_cache: dict[str, type[BaseException]] = {}
+    seen_backends: dict[str, set[str]] = {w: set() for w in WHERES}
     for item in items:
         backend = item_backend(item)
         where = _item_where(item, root)
         if backend is None or where is None:
             continue
+        seen_backends[where].add(backend)
         name = getattr(item, "originalname", None) or item.name.split("[")[0]
         gap = index.get((name, backend, where))
         if gap is None:
@@ -288,22 +297,12 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
     # rule 3: entries that match nothing, where that is checkable
     stale = []
-    default_backend = None
     for g in st.gaps:
-        if g.matched:
+        if g.matched or not _dir_fully_collected(config, root / g.where):
             continue
-        if not _dir_fully_collected(config, root / g.where):
+        # tests/ runs one backend per CI leg: an entry for another backend cannot match
+        if g.where == "tests" and seen_backends["tests"] and g.backend not in seen_backends["tests"]:
             continue
-        if g.where == "tests":
-            if default_backend is None:
-                try:
-                    import kvcm
-
-                    default_backend = kvcm.backend
-                except Exception:
-                    default_backend = ""
-            if g.backend != default_backend:
-                continue
         stale.append(g)
     st.stale = stale
     if stale:
@@ -320,7 +319,8 @@ class _StaleGapsItem(pytest.Item):
     def runtest(self) -> None:
         st = get_state(self.config)
         assert st is not None
-        lines = [f"{len(st.stale)} entr{'y' if len(st.stale) == 1 else 'ies'} in {st.path} match no collected test:"]
+        names = ", ".join(f"{g.scenario}[{g.backend}]" for g in st.stale)
+        lines = [f"stale gap entries (match no collected test): {names}", f"in {_shown(st.path, self.config)}:"]
         for g in st.stale:
             lines.append(f"  {g.describe()}")
         lines.append("remove them (or fix the scenario name / backend / where)")
@@ -346,7 +346,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):
     if gap is None:
         return
     rep = outcome.get_result()
-    if rep.failed and call.when == "call" and call.excinfo is None and isinstance(rep.longrepr, str) and rep.longrepr.startswith("[XPASS(strict)]"):
+    if (
+        rep.failed
+        and call.when == "call"
+        and call.excinfo is None
+        and isinstance(rep.longrepr, str)
+        and rep.longrepr.startswith("[XPASS(strict)]")
+    ):
         rep.longrepr = (
             f"[XPASS(strict)] {FIXED_HINT}: {gap.describe()} passed"
             f" (the {gap.backend} backend now does what the scenario checks; issue #{gap.issue})"
@@ -355,8 +361,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):
         rep.sections.append(
             (
                 "kvcm gaps",
-                f"{gap.describe()} expects {' | '.join(gap.raises)}, but {type(call.excinfo.value).__name__} was raised"
-                " — a gap never hides an unexpected exception",
+                (
+                    f"{gap.describe()} expects {' | '.join(gap.raises)}, but {type(call.excinfo.value).__name__} was"
+                    " raised — a gap never hides an unexpected exception"
+                ),
             )
         )
     rep.user_properties.append(("kvcm_gap_issue", gap.issue))
@@ -366,11 +374,14 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     st = get_state(config)
     if st is None:
         return None
+    return f"kvcm gaps: {len(st.gaps)} entr{'y' if len(st.gaps) == 1 else 'ies'} from {_shown(st.path, config)}"
+
+
+def _shown(path: Path, config: pytest.Config) -> str:
     try:
-        shown = st.path.relative_to(config.rootpath)
+        return str(path.resolve().relative_to(config.rootpath.resolve()))
     except ValueError:
-        shown = st.path
-    return f"kvcm gaps: {len(st.gaps)} entr{'y' if len(st.gaps) == 1 else 'ies'} from {shown}"
+        return str(path)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:

@@ -12,29 +12,32 @@ capacity, commits beyond capacity, unknown life cycles, short buffers) — over 
 step: the outcomes (result or error type), every cache's properties, ``snapshot()``
 (exact equality) and ``check_invariants()`` on both sides.  An error type outside the
 documented ones (ValueError, TypeError, KvcmError family) is a crash even if both sides
-agree.  A failure prints the (shrunk) op sequence as a replayable op log
+agree.  A failure prints the op sequence, minimised by delta debugging on the op log
+(:func:`kvcm.oplog.minimize`, instead of Hypothesis shrinking, which re-runs the whole
+machine per attempt and took minutes), as a replayable op log
 (``python -m kvcm oplog-replay FILE``).
 
 Profile: ``KVCM_DIFF_EXAMPLES`` (default 300) examples × ``KVCM_DIFF_STEPS`` (default 50)
-steps, derandomized, no database, no deadline; ``KVCM_DIFF_LONG=1`` runs 10× the examples.
+steps, derandomized, no database, no deadline; ``KVCM_DIFF_LONG=1`` runs 10× the examples;
+``KVCM_DIFF_RANDOM=1`` draws new examples each run (exploration; a failure's minimised op
+log is its reproducer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
 
-import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
-
 import kvcm
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
 from kvcm import ops as O
 from kvcm.api import resolve_config
-from kvcm.oplog import config_to_json, first_difference, format_log
+from kvcm.oplog import DOCUMENTED_ERRORS, Lockstep, config_to_json, format_log, minimize
 
 EXAMPLES = int(os.environ.get("KVCM_DIFF_EXAMPLES", "300")) * (10 if os.environ.get("KVCM_DIFF_LONG") == "1" else 1)
 STEPS = int(os.environ.get("KVCM_DIFF_STEPS", "50"))
@@ -42,18 +45,17 @@ STEPS = int(os.environ.get("KVCM_DIFF_STEPS", "50"))
 DIFF_SETTINGS = settings(
     max_examples=EXAMPLES,
     stateful_step_count=STEPS,
-    derandomize=True,
+    derandomize=os.environ.get("KVCM_DIFF_RANDOM") != "1",
     database=None,
     deadline=None,
     report_multiple_bugs=False,
     print_blob=False,
     suppress_health_check=list(HealthCheck),
+    # no Hypothesis shrinking: a failure is minimised on its op log (kvcm.oplog.minimize),
+    # which is far faster than re-running the state machine thousands of times
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
 )
 
-# Error types a public call may raise on bad input (sec. 10).  Anything else is a crash.
-EXPECTED_ERRORS = frozenset(
-    {"ValueError", "TypeError", "KvcmError", "ConfigError", "ClosedError", "InvalidStateError", "OutOfPagesError"}
-)
 
 PAIRS = {"cpp": ("python", "cpp"), "python": ("python", "python")}
 
@@ -145,20 +147,33 @@ def base_sequences(draw) -> list[list]:
     return bases
 
 
+_MINIMIZED: dict[str, str] = {}  # failing run -> its minimised log (the final re-run reuses it)
+
+
 class DifferentialMachine(RuleBasedStateMachine):
-    """Drive ``PAIR`` (set by :func:`machine_for`) in lockstep."""
+    """Drive ``PAIR`` (set by :func:`machine_for`) in lockstep through a
+    :class:`kvcm.oplog.Lockstep` (outcomes, cache properties, snapshot, invariants after
+    every op)."""
 
     PAIR: tuple[str, str] = ("python", "python")
 
     def __init__(self) -> None:
         super().__init__()
-        self.managers: list = []
-        self.caches: list[list] = [[], []]
+        self.ls: Lockstep | None = None
         self.plans: list[list] = []  # per handle: the tokens it intends to commit
-        self.records: list[dict] = []
+        self.scopes: list = []  # per handle: the scope it was created with (JSON form)
         self.config: KVCacheManagerConfig | None = None
         self.bases: list[list] = []
         self.disabled: set[str] = set()
+
+    @property
+    def names(self) -> list[str]:
+        a, b = self.PAIR
+        return [a, b] if a != b else [f"{a}#1", f"{b}#2"]
+
+    @property
+    def caches(self) -> list[list]:
+        return self.ls.caches if self.ls is not None else [[], []]
 
     # ---- setup ---------------------------------------------------------------------
     @initialize(config=configs(), bases=base_sequences(), disabled=st.sets(st.sampled_from(SWITCHABLE_OPS), max_size=2))
@@ -172,7 +187,7 @@ class DifferentialMachine(RuleBasedStateMachine):
             self.config = config = dataclasses.replace(config, pool_ratio=None)
             managers = self.build(config)
             assert managers is not None
-        self.managers = managers
+        self.ls = Lockstep(managers, self.names, allowed_errors=DOCUMENTED_ERRORS)
         self.nlc = len(resolve_config(config).life_cycles)
 
     def build(self, config: KVCacheManagerConfig) -> list | None:
@@ -184,75 +199,50 @@ class DifferentialMachine(RuleBasedStateMachine):
                 errors.append(None)
             except NotImplementedError:
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - compared across the pair below
                 errors.append(e)
         if errors == [None, None]:
             return built
         names = [type(e).__name__ if e is not None else "ok" for e in errors]
         if names[0] == names[1] == "ConfigError":
             return None
-        self.fail(f"building the managers: {self.PAIR[0]}: {names[0]}, {self.PAIR[1]}: {names[1]} ({errors})")
-        return None
-
-    def teardown(self) -> None:
-        for m in self.managers:
-            try:
-                m.shutdown()
-            except Exception:
-                pass
-
-    # ---- running one op ------------------------------------------------------------
-    def fail(self, what: str) -> None:
-        log = format_log(config_to_json(self.config), self.records) if self.config is not None else ""
         raise AssertionError(
-            f"{self.PAIR[0]} vs {self.PAIR[1]}: {what}\n"
-            f"--- replayable op log ({len(self.records)} ops; save as FILE, then "
-            f"`python -m kvcm oplog-replay FILE --backend {','.join(dict.fromkeys(self.PAIR))}`) ---\n{log}"
+            f"building the managers: {self.PAIR[0]}: {names[0]}, {self.PAIR[1]}: {names[1]} ({errors})"
         )
 
-    def run(self, op: dict) -> dict:
-        outs = [O.apply(m, cs, op, with_message=True) for m, cs in zip(self.managers, self.caches)]
-        record = dict(op)
-        record["outcome"] = {k: v for k, v in outs[0].items() if k != "message"}
-        self.records.append(record)
-        for out in outs:
-            if out.get("error") == "NotImplementedError":
-                raise NotImplementedError(f"{op['op']}: {out.get('message')}")
-        if not O.same_outcome(outs[0], outs[1]):
-            self.fail(f"outcomes differ at step {len(self.records) - 1} ({op['op']}):\n  {self.PAIR[0]}: {outs[0]}\n  {self.PAIR[1]}: {outs[1]}")
-        err = outs[0].get("error")
-        if err is not None and err not in EXPECTED_ERRORS:
-            self.fail(f"step {len(self.records) - 1} ({op['op']}) raised {err}: {outs[0].get('message')} — a crash, not a documented error")
-        return outs[0]
+    def teardown(self) -> None:
+        for m in self.ls.managers if self.ls is not None else []:
+            with contextlib.suppress(Exception):  # open caches are fine at the end of a run
+                m.shutdown()
 
-    @invariant()
-    def agree(self) -> None:
-        if not self.managers:
-            return
-        a, b = self.managers
-        step = len(self.records) - 1
-        for h, (ca, cb) in enumerate(zip(*self.caches)):
-            pa, pb = O.cache_props(ca), O.cache_props(cb)
-            if pa != pb:
-                self.fail(f"cache {h} properties differ after step {step}: {first_difference(pa, pb)}")
-        snaps = []
-        for m in (a, b):
-            try:
-                snaps.append(O.normalize(m.snapshot()))
-            except NotImplementedError:
-                raise
-            except Exception as e:
-                self.fail(f"snapshot() raised {type(e).__name__}: {e}")
-        d = first_difference(snaps[0], snaps[1])
+    # ---- running one op ------------------------------------------------------------
+    def run(self, op: dict) -> dict:
+        assert self.ls is not None
+        d = self.ls.step(op)
         if d is not None:
-            self.fail(f"snapshot() differs after step {step}: {d}")
-        for name, m in zip(self.PAIR, (a, b)):
-            try:
-                m.check_invariants()
-            except NotImplementedError:
-                raise
-            except Exception as e:
-                self.fail(f"check_invariants() on {name} after step {step}: {type(e).__name__}: {e}")
+            if d.kind == "not_implemented":
+                raise NotImplementedError(d.detail)
+            self.fail(d)
+        return self.ls.records[-1]["outcome"]
+
+    def fail(self, d) -> None:
+        """Minimise the ops so far to a shortest sequence with the same divergence and
+        raise it as a replayable op log."""
+        assert self.ls is not None and self.config is not None
+        key = O.dumps([config_to_json(self.config), self.ls.records])
+        if key not in _MINIMIZED:
+            recs = minimize(
+                self.config, self.build, self.names, self.ls.records, d.signature, allowed_errors=DOCUMENTED_ERRORS
+            )
+            _MINIMIZED[key] = format_log(self.config, recs)
+        log = _MINIMIZED[key]
+        n = len(log.splitlines()) - 1
+        backends = ",".join(dict.fromkeys(self.PAIR))
+        raise AssertionError(
+            f"{self.PAIR[0]} vs {self.PAIR[1]} diverge after {len(self.ls.records)} ops:\n{d}\n"
+            f"--- minimised op log ({n} ops; save it as FILE and run "
+            f"`python -m kvcm oplog-replay FILE --backend {backends}`) ---\n{log}"
+        )
 
     # ---- helpers for argument choice -----------------------------------------------
     def props(self, h: int) -> dict:
@@ -270,7 +260,9 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     def prompt(self, data) -> list:
         base = data.draw(st.sampled_from(self.bases))
-        k = data.draw(st.integers(0, len(base)))
+        k = data.draw(st.sampled_from([len(base), len(base) - 1, None]))
+        if k is None or k < 0:
+            k = data.draw(st.integers(0, len(base)))
         tail = data.draw(st.lists(token_st, max_size=3)) if data.draw(st.integers(0, 3)) == 0 else []
         return base[:k] + tail
 
@@ -290,11 +282,27 @@ class DifferentialMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(SCOPES))
 
     # ---- rules ---------------------------------------------------------------------
-    def op_create(self, data) -> None:
-        tokens = self.prompt(data)
-        args: dict = {"input_tokens": self.maybe_bad_tokens(data, tokens)}
-        if data.draw(st.booleans()):
+    def request_tokens(self, data, args: dict) -> list:
+        """Tokens of a new request (or probe); may set ``args["scope"]``.  A third of the
+        time it is the next turn of an earlier conversation: that request's committed
+        tokens (in its scope) plus a new part, which is what makes reuse frequent."""
+        earlier = [h for h in range(len(self.caches[0])) if self.props(h).get("num_committed_tokens")]
+        if earlier and data.draw(st.integers(0, 2)) == 0:
+            prev = data.draw(st.sampled_from(earlier))
+            tokens = O.encode_tokens(self.caches[0][prev].committed_tokens)
+            cut = data.draw(st.sampled_from([len(tokens), len(tokens), len(tokens) - 1, len(tokens) // 2]))
+            tokens = tokens[: max(cut, 0)] + data.draw(st.lists(token_st, max_size=self.B + 1))
+            if self.scopes[prev] is not None:
+                args["scope"] = self.scopes[prev]
+            return tokens
+        if data.draw(st.integers(0, 3)) == 0:
             args["scope"] = self.scope(data)
+        return self.prompt(data)
+
+    def op_create(self, data) -> None:
+        args: dict = {}
+        tokens = self.request_tokens(data, args)
+        args["input_tokens"] = self.maybe_bad_tokens(data, tokens)
         r = data.draw(st.integers(0, 9))
         if r == 0:
             args["priority"] = data.draw(st.sampled_from(BAD_PRIORITIES))
@@ -308,10 +316,11 @@ class DifferentialMachine(RuleBasedStateMachine):
             args["id"] = data.draw(st.sampled_from([100, "a", "b"]))
         out = self.run({"op": "create_kv_cache", "args": args})
         if "result" in out:
-            # what this request will commit: its prompt, then a continuation
+            # what this request will commit: its prompt, then a continuation (its "output")
             base = next((b for b in self.bases if b[: len(tokens)] == tokens), tokens)
             extra = base[len(tokens) :] + data.draw(st.lists(token_st, max_size=2 * self.B + 2))
             self.plans.append(tokens + extra)
+            self.scopes.append(args.get("scope"))
 
     def op_resume(self, data) -> None:
         h = self.pick_handle(data)
@@ -328,7 +337,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         if h is None:
             return
         p = self.props(h)
-        cap, hist, nc = (p[k] if isinstance(p[k], int) else 0 for k in ("capacity", "history_length", "num_committed_tokens"))
+        cap, hist, nc = (
+            p[k] if isinstance(p[k], int) else 0 for k in ("capacity", "history_length", "num_committed_tokens")
+        )
         B = self.B
         choices = [cap + 1, cap + B, cap + 3 * B, nc + B + 1, cap, max(hist, nc), cap + 1, cap + 2 * B]
         bad = [hist - 1, nc - 1, -1, "8", 2.0, None, 10**6]
@@ -367,10 +378,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         h = self.pick_handle(data)
         if h is None:
             return
-        if self.props(h)["status"] == "SUSPENDED":
-            if self.run({"op": "resume", "cache": h}).get("result") is not True:
-                self.preempt(data, h)
-                return
+        if self.props(h)["status"] == "SUSPENDED" and self.run({"op": "resume", "cache": h}).get("result") is not True:
+            self.preempt(data, h)
+            return
         p = self.props(h)
         if p["status"] != "ACTIVE" or not all(isinstance(p[k], int) for k in ("capacity", "num_committed_tokens")):
             return
@@ -427,10 +437,8 @@ class DifferentialMachine(RuleBasedStateMachine):
             self.run({"op": "page_indices", "cache": h, "args": {"lc": lc}})
 
     def op_probe(self, data) -> None:
-        tokens = self.maybe_bad_tokens(data, self.prompt(data))
-        args: dict = {"tokens": tokens}
-        if data.draw(st.booleans()):
-            args["scope"] = self.scope(data)
+        args: dict = {}
+        args["tokens"] = self.maybe_bad_tokens(data, self.request_tokens(data, args))
         self.run({"op": data.draw(st.sampled_from(["probe_reuse", "probe_reuse_detail"])), "args": args})
 
     def op_plain(self, name: str):
@@ -455,6 +463,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         ("clear_reusable", 5),
         ("shutdown", 1),  # ends the interesting part of a run: rare
     )
+
     @rule(data=st.data())
     def step(self, data) -> None:
         table = [(n, w) for n, w in self.WEIGHTS if n not in self.disabled]
@@ -466,7 +475,6 @@ class DifferentialMachine(RuleBasedStateMachine):
             r -= w
         gen = getattr(self, f"op_{name}", None) or self.op_plain(name)
         gen(data)
-
 
 
 def machine_for(pair: tuple[str, str]) -> type[DifferentialMachine]:

@@ -28,8 +28,10 @@ import json
 import os
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from kvcm import ops as _ops
 from kvcm.api import (
@@ -238,12 +240,17 @@ class RecordingManager(KVCacheManager):
 
     def probe_reuse(self, tokens, scope=None) -> int:
         tokens = _materialize(tokens)
-        return self._record("probe_reuse", None, {"tokens": tokens, "scope": scope}, lambda: self._inner.probe_reuse(tokens, scope))
+        return self._record(
+            "probe_reuse", None, {"tokens": tokens, "scope": scope}, lambda: self._inner.probe_reuse(tokens, scope)
+        )
 
     def probe_reuse_detail(self, tokens, scope=None):
         tokens = _materialize(tokens)
         return self._record(
-            "probe_reuse_detail", None, {"tokens": tokens, "scope": scope}, lambda: self._inner.probe_reuse_detail(tokens, scope)
+            "probe_reuse_detail",
+            None,
+            {"tokens": tokens, "scope": scope},
+            lambda: self._inner.probe_reuse_detail(tokens, scope),
         )
 
     def drain_copy_ops(self):
@@ -327,15 +334,20 @@ class RecordingCache(KVCache):
     def page_indices_into(self, lc, out) -> int:
         size, dtype = _buffer_spec(out)
 
+        before = _buffer_content(out)
+
         def written(count: Any) -> dict[str, Any]:
-            try:
-                content = memoryview(out).tolist()
-            except (TypeError, NotImplementedError):
-                content = None
+            content = _buffer_content(out)
+            if content is not None and before is not None:
+                # the first `count` items, then anything changed past them (cf. ops.written)
+                n = count if isinstance(count, int) else 0
+                content = content[:n] + [b for a, b in zip(before[n:], content[n:]) if a != b]
             return {"count": _ops.normalize(count), "out": content}
 
         args = {"lc": lc, "size": size, "dtype": dtype}
-        return self._mgr._record("page_indices_into", self._handle, args, lambda: self._inner.page_indices_into(lc, out), written)
+        return self._mgr._record(
+            "page_indices_into", self._handle, args, lambda: self._inner.page_indices_into(lc, out), written
+        )
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -344,6 +356,13 @@ class RecordingCache(KVCache):
 
     def __repr__(self) -> str:
         return f"RecordingCache({self._inner!r}, handle={self._handle})"
+
+
+def _buffer_content(out: Any) -> list | None:
+    try:
+        return memoryview(out).tolist()
+    except (TypeError, NotImplementedError, ValueError):
+        return None
 
 
 def _buffer_spec(out: Any) -> tuple[int, str]:
@@ -445,9 +464,15 @@ class Divergence:
     manager: str
     step: int
     op: dict[str, Any]
-    kind: str  # "outcome" | "snapshot" | "invariants" | "op"
+    # "outcome" | "snapshot" | "properties" | "invariants" | "crash" | "not_implemented" | "op" | "construct"
+    kind: str
     detail: str
-    outcomes: dict[str, Any] = field(default_factory=dict)  # "recorded" / backend -> outcome
+    outcomes: dict[str, Any] = field(default_factory=dict)  # "recorded" / side name -> outcome
+
+    @property
+    def signature(self) -> tuple[str, str]:
+        """What a minimised sequence must still show: the kind and the op that shows it."""
+        return (self.kind, str(self.op.get("op")))
 
     def __str__(self) -> str:
         lines = [f"first divergence: manager {self.manager}, step {self.step} ({self.kind})"]
@@ -466,6 +491,7 @@ class ReplayReport:
     managers: int = 0
     steps: int = 0
     divergence: Divergence | None = None
+    minimized: str | None = None  # a shortest log showing the divergence (replay(minimize=True))
 
     @property
     def ok(self) -> bool:
@@ -513,68 +539,225 @@ def build_manager(config: KVCacheManagerConfig, backend: str) -> KVCacheManager:
     return manager_class(backend)(config)
 
 
-def replay(path: str, backends: Sequence[str] = ("python", "cpp"), *, check_invariants: bool = True) -> ReplayReport:
-    """Replay the log at ``path`` on each of ``backends``; stop at the first divergence."""
+# Error types a public call may raise on bad input (sec. 10); anything else is a crash.
+DOCUMENTED_ERRORS = frozenset(
+    {"ValueError", "TypeError", "KvcmError", "ConfigError", "ClosedError", "InvalidStateError", "OutOfPagesError"}
+)
+
+
+class Lockstep:
+    """Apply ops to several managers at once and check them after every step: equal
+    outcomes (and equal to a recorded one, if given), equal cache properties and
+    ``snapshot()`` across sides, ``check_invariants()`` on each, no NotImplementedError
+    and (with ``allowed_errors``) no undocumented error type.  Records each op with the
+    first side's outcome, so :meth:`log` is a replayable op log of what ran."""
+
+    def __init__(
+        self,
+        managers: Sequence[Any],
+        names: Sequence[str],
+        *,
+        check_invariants: bool = True,
+        allowed_errors: frozenset[str] | None = None,
+        m: str = "0",
+    ) -> None:
+        self.managers = list(managers)
+        self.names = list(names)
+        self.caches: list[list] = [[] for _ in self.managers]
+        self.check = check_invariants
+        self.allowed = allowed_errors
+        self.m = m
+        self.records: list[dict[str, Any]] = []
+
+    def step(self, op: dict[str, Any], recorded: dict[str, Any] | None = None) -> Divergence | None:
+        i = len(self.records)
+        outcomes: dict[str, Any] = {}
+        if recorded is not None:
+            outcomes["recorded"] = recorded
+        outs = []
+        for name, mgr, cs in zip(self.names, self.managers, self.caches):
+            try:
+                out = _ops.apply(mgr, cs, op, with_message=True)
+            except _ops.OpError as e:
+                return Divergence(self.m, i, op, "op", f"malformed op: {e}", outcomes)
+            outs.append(out)
+            outcomes[name if name not in outcomes else f"{name}#{len(outs)}"] = out
+        rec = dict(op)
+        rec["outcome"] = {k: v for k, v in outs[0].items() if k != "message"}
+        self.records.append(rec)
+
+        def div(kind: str, detail: str) -> Divergence:
+            return Divergence(self.m, i, op, kind, detail, outcomes)
+
+        for name, out in zip(self.names, outs):
+            if out.get("error") == "NotImplementedError":
+                return div("not_implemented", f"{name}: {out.get('message')}")
+        ref_name, ref = next(iter(outcomes.items()))
+        for who, out in outcomes.items():
+            if not _ops.same_outcome(ref, out):
+                return div("outcome", f"{ref_name} and {who} disagree")
+        err = outs[0].get("error")
+        if self.allowed is not None and err is not None and err not in self.allowed:
+            return div("crash", f"{err}: {outs[0].get('message')} is not a documented error of a public call")
+        if len(self.managers) > 1:
+            for h in range(len(self.caches[0])):
+                props = [_ops.cache_props(cs[h]) for cs in self.caches]
+                for name, p in zip(self.names[1:], props[1:]):
+                    d = first_difference(props[0], p)
+                    if d is not None:
+                        return div("properties", f"cache {h}: {self.names[0]} vs {name}: {d}")
+            snaps = []
+            for name, mgr in zip(self.names, self.managers):
+                try:
+                    snaps.append(_ops.normalize(mgr.snapshot()))
+                except Exception as e:  # noqa: BLE001 - any failure is the divergence
+                    kind = "not_implemented" if isinstance(e, NotImplementedError) else "snapshot"
+                    return div(kind, f"snapshot() on {name}: {type(e).__name__}: {e}")
+            for name, snap in zip(self.names[1:], snaps[1:]):
+                d = first_difference(snaps[0], snap)
+                if d is not None:
+                    return div("snapshot", f"snapshot({self.names[0]}) vs snapshot({name}): {d}")
+        if self.check:
+            for name, mgr in zip(self.names, self.managers):
+                try:
+                    mgr.check_invariants()
+                except Exception as e:  # noqa: BLE001 - any failure is the divergence
+                    kind = "not_implemented" if isinstance(e, NotImplementedError) else "invariants"
+                    return div(kind, f"check_invariants() on {name}: {type(e).__name__}: {e}")
+        return None
+
+
+def run_ops(
+    config: KVCacheManagerConfig,
+    factory: Callable[[KVCacheManagerConfig], Sequence[Any]],
+    names: Sequence[str],
+    ops: Sequence[dict[str, Any]],
+    *,
+    allowed_errors: frozenset[str] | None = None,
+    check_invariants: bool = True,
+) -> tuple[Divergence | None, list[dict[str, Any]]]:
+    """Run ``ops`` in lockstep on fresh managers from ``factory``; handles refer to the
+    creates of ``ops`` *as recorded* (an op whose cache was not created here is skipped),
+    so any subsequence of a log can be run.  Returns the first divergence (or None) and
+    the records of the ops that ran, renumbered: a replayable log body."""
+    try:
+        managers = factory(config)
+    except Exception as e:  # noqa: BLE001 - a side that cannot build the config diverges
+        kind = "not_implemented" if isinstance(e, NotImplementedError) else "construct"
+        return Divergence("0", -1, {"op": "<construct>"}, kind, f"{type(e).__name__}: {e}"), []
+    ls = Lockstep(managers, names, allowed_errors=allowed_errors, check_invariants=check_invariants)
+    handles: dict[int, int] = {}
+    for op in ops:
+        op = {k: v for k, v in op.items() if k in ("op", "args", "cache", "outcome")}
+        recorded_handle = op.pop("outcome", {}).get("result") if op["op"] == "create_kv_cache" else None
+        if "cache" in op:
+            if op["cache"] not in handles:
+                continue
+            op["cache"] = handles[op["cache"]]
+        d = ls.step(op)
+        if d is not None:
+            return d, ls.records
+        result = ls.records[-1]["outcome"].get("result")
+        if op["op"] == "create_kv_cache" and isinstance(recorded_handle, int) and isinstance(result, int):
+            handles[recorded_handle] = result
+    return None, ls.records
+
+
+def minimize(
+    config: KVCacheManagerConfig,
+    factory: Callable[[KVCacheManagerConfig], Sequence[Any]],
+    names: Sequence[str],
+    ops: Sequence[dict[str, Any]],
+    signature: tuple[str, str],
+    *,
+    allowed_errors: frozenset[str] | None = None,
+    budget_s: float = 120.0,
+) -> list[dict[str, Any]]:
+    """A short subsequence of ``ops`` (creates carrying their recorded outcomes, so handles
+    can be remapped) that still diverges with ``signature``: delta debugging down to
+    single-op removals (1-minimal: removing any one op loses the divergence), returned as
+    replayable records.  Pass the ops up to the divergence only.  Stops improving after
+    ``budget_s`` seconds (the result is then merely shorter)."""
+    deadline = time.monotonic() + budget_s
+    ops = [dict(o) for o in ops]
+
+    def fails(candidate: list[dict[str, Any]]) -> bool:
+        d, _ = run_ops(config, factory, names, candidate, allowed_errors=allowed_errors)
+        return d is not None and d.signature == signature
+
+    if not fails(ops):
+        return run_ops(config, factory, names, ops, allowed_errors=allowed_errors)[1]
+    n = 2
+    while len(ops) >= 2 and time.monotonic() < deadline:
+        chunk = max(1, len(ops) // n)
+        reduced = False
+        for start in range(0, len(ops), chunk):
+            candidate = ops[:start] + ops[start + chunk :]
+            if candidate and fails(candidate):
+                ops = candidate
+                n = max(n - 1, 2)
+                reduced = True
+                break
+            if time.monotonic() >= deadline:
+                break
+        if not reduced:
+            if chunk == 1:
+                break
+            n = min(len(ops), n * 2)
+    return run_ops(config, factory, names, ops, allowed_errors=allowed_errors)[1]
+
+
+def replay(
+    path: str,
+    backends: Sequence[str] = ("python", "cpp"),
+    *,
+    check_invariants: bool = True,
+    minimize_divergence: bool = False,
+) -> ReplayReport:
+    """Replay the log at ``path`` on each of ``backends``; stop at the first divergence.
+    With ``minimize_divergence`` (and 2+ backends, or a crash/invariant divergence), also
+    compute a shortest log showing it (``report.minimized``)."""
     backends = tuple(backends)
     if not backends:
         raise ValueError("replay needs at least one backend")
     streams = read_log(path)
     report = ReplayReport(path=path, backends=backends, managers=len(streams))
+
+    def factory(cfg: KVCacheManagerConfig) -> list[Any]:
+        return [build_manager(cfg, b) for b in backends]
+
     for stream in streams:
-        div = _replay_stream(stream, backends, check_invariants, report)
-        if div is not None:
-            report.divergence = div
+        config = config_from_json(stream.config)
+        try:
+            managers = factory(config)
+        except Exception as e:  # noqa: BLE001 - a backend that cannot build it diverges
+            report.divergence = Divergence(stream.m, -1, {"op": "<construct>"}, "construct", f"{type(e).__name__}: {e}")
+            break
+        ls = Lockstep(managers, backends, check_invariants=check_invariants, m=stream.m)
+        for rec in stream.ops:
+            op = {k: v for k, v in rec.items() if k in ("op", "args", "cache")}
+            d = ls.step(op, rec.get("outcome"))
+            report.steps += 1
+            if d is not None:
+                report.divergence = d
+                break
+        if report.divergence is not None:
+            d = report.divergence
+            if minimize_divergence and (len(backends) > 1 or d.kind in ("invariants", "not_implemented")):
+                recs = minimize(config, factory, backends, stream.ops[: d.step + 1], d.signature)
+                report.minimized = format_log(stream.config, recs, m=stream.m)
             break
     return report
 
 
-def _replay_stream(stream: LoggedManager, backends: tuple[str, ...], check: bool, report: ReplayReport) -> Divergence | None:
-    config = config_from_json(stream.config)
-    managers: dict[str, Any] = {}
-    for b in backends:
-        try:
-            managers[b] = build_manager(config, b)
-        except Exception as e:
-            return Divergence(stream.m, -1, {"op": "<construct>"}, "outcome", f"{b}: {type(e).__name__}: {e}")
-    caches: dict[str, list] = {b: [] for b in backends}
-    for i, rec in enumerate(stream.ops):
-        op = {k: v for k, v in rec.items() if k in ("op", "args", "cache")}
-        outcomes: dict[str, Any] = {}
-        if "outcome" in rec:
-            outcomes["recorded"] = rec["outcome"]
-        for b in backends:
-            try:
-                outcomes[b] = _ops.apply(managers[b], caches[b], op, with_message=True)
-            except _ops.OpError as e:
-                return Divergence(stream.m, i, rec, "op", f"malformed op: {e}", outcomes)
-        report.steps += 1
-        ref_name, ref = next(iter(outcomes.items()))
-        for who, out in outcomes.items():
-            if not _ops.same_outcome(ref, out):
-                return Divergence(stream.m, i, rec, "outcome", f"{ref_name} and {who} disagree", outcomes)
-        if len(backends) > 1:
-            snaps = {b: _ops.normalize(managers[b].snapshot()) for b in backends}
-            first = backends[0]
-            for b in backends[1:]:
-                d = first_difference(snaps[first], snaps[b])
-                if d is not None:
-                    return Divergence(stream.m, i, rec, "snapshot", f"snapshot({first}) vs snapshot({b}): {d}", outcomes)
-        if check:
-            for b in backends:
-                try:
-                    managers[b].check_invariants()
-                except Exception as e:
-                    return Divergence(stream.m, i, rec, "invariants", f"{b}: {type(e).__name__}: {e}", outcomes)
-    return None
-
-
 def main_replay(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvcm oplog-replay PATH [--backend python,cpp]``; exit 0 = no divergence,
-    1 = divergence, 2 = bad usage / unreadable log."""
+    """``python -m kvcm oplog-replay PATH [--backend python,cpp] [--minimize OUT]``;
+    exit 0 = no divergence, 1 = divergence, 2 = bad usage / unreadable log."""
     p = argparse.ArgumentParser(prog="python -m kvcm oplog-replay", description="Replay a kvcm op log (KVCM_OPLOG).")
     p.add_argument("path")
     p.add_argument("--backend", default="python,cpp", help="comma-separated backends (default: python,cpp)")
     p.add_argument("--no-invariants", action="store_true", help="skip check_invariants() after each step")
+    p.add_argument("--minimize", metavar="OUT", help="write a shortest log showing the divergence to OUT")
     a = p.parse_args(argv)
     backends = tuple(b.strip() for b in a.backend.split(",") if b.strip())
     from kvcm._select import BACKENDS
@@ -584,17 +767,27 @@ def main_replay(argv: Sequence[str] | None = None) -> int:
         print(f"oplog-replay: unknown backend(s) {bad}; choices: {', '.join(BACKENDS)}", file=sys.stderr)
         return 2
     try:
-        report = replay(a.path, backends, check_invariants=not a.no_invariants)
+        report = replay(a.path, backends, check_invariants=not a.no_invariants, minimize_divergence=bool(a.minimize))
     except (OSError, ValueError) as e:
         print(f"oplog-replay: {e}", file=sys.stderr)
         return 2
     print(report)
+    if a.minimize and not report.ok:
+        if report.minimized is None:
+            print("oplog-replay: minimising needs 2+ backends (one backend only diverges from the recording)")
+        else:
+            with open(a.minimize, "w", encoding="utf-8") as f:
+                f.write(report.minimized)
+            n = len(report.minimized.splitlines()) - 1
+            print(f"minimised: {n} ops -> {a.minimize}")
     return 0 if report.ok else 1
 
 
 __all__ = [
+    "DOCUMENTED_ERRORS",
     "ENV_VAR",
     "Divergence",
+    "Lockstep",
     "RecordingCache",
     "RecordingManager",
     "ReplayReport",
@@ -605,7 +798,9 @@ __all__ = [
     "main_replay",
     "maybe_wrap",
     "maybe_wrap_class",
+    "minimize",
     "read_log",
     "replay",
+    "run_ops",
     "wrap",
 ]

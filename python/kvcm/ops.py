@@ -28,14 +28,16 @@ a Status its name, bytes their hex, dict keys strings.
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
 import enum
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvcm.api import CopyOp, Event, KVCache, ReuseProbe, ReuseScope, Status
 
-# op name -> (needs a cache handle, allowed arg names)
+# op name -> allowed argument names (manager ops, then cache ops, which need a handle)
 MANAGER_OPS: dict[str, tuple[str, ...]] = {
     "create_kv_cache": ("input_tokens", "scope", "priority", "id"),
     "probe_reuse": ("tokens", "scope"),
@@ -56,14 +58,10 @@ CACHE_OPS: dict[str, tuple[str, ...]] = {
     "close": (),
     "page_indices": ("lc",),
     # out: a fresh buffer of ``size`` items of ``dtype`` ("int32", "int64", "float32")
-    # filled with -7; the result is {"count": n, "out": [...]} (what the call wrote).
+    # filled with -7; the result is {"count": n, "out": [...]} (see ``written``).
     "page_indices_into": ("lc", "size", "dtype"),
 }
 OPS: tuple[str, ...] = tuple(MANAGER_OPS) + tuple(CACHE_OPS)
-
-# Ops whose call does not change manager state (the proxy still records them; the
-# differential test uses this to skip nothing — it is informational).
-READ_ONLY_OPS = frozenset({"probe_reuse", "probe_reuse_detail", "stats", "page_indices", "page_indices_into"})
 
 # The properties of a KVCache (sec. 7) compared by :func:`cache_props`.
 CACHE_PROPS: tuple[str, ...] = (
@@ -98,11 +96,10 @@ def encode_token(t: Any) -> Any:
         return t
     if isinstance(t, int):
         return int(t)
-    if hasattr(t, "item"):  # numpy / torch scalar
-        try:
-            return encode_token(t.item())
-        except Exception:  # pragma: no cover - exotic scalars
-            pass
+    item = getattr(t, "item", None)  # numpy / torch scalar
+    if callable(item) and not hasattr(t, "__len__"):
+        with contextlib.suppress(Exception):
+            return encode_token(item())
     return {"repr": repr(t)}
 
 
@@ -115,7 +112,7 @@ def encode_tokens(tokens: Any) -> Any:
     if hasattr(tokens, "tolist") and not isinstance(tokens, list):
         try:
             tokens = tokens.tolist()
-        except Exception:
+        except Exception:  # noqa: BLE001 - unencodable: recorded by repr
             return {"repr": repr(tokens)}
     try:
         seq = list(tokens)
@@ -229,7 +226,7 @@ def cache_props(cache: KVCache) -> dict[str, Any]:
     for name in CACHE_PROPS:
         try:
             out[name] = normalize(getattr(cache, name))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the error is the observable value
             out[name] = error_outcome(e)
     return out
 
@@ -277,6 +274,14 @@ def _make_buffer(size: Any, dtype: Any) -> Any:
     return array.array(code, [BUFFER_FILL] * size)
 
 
+def written(content: list | None, count: Any) -> list | None:
+    """What ``page_indices_into`` wrote: the first ``count`` items, plus anything past
+    them that differs from what the buffer held before (it must write nothing there)."""
+    if content is None or not isinstance(count, int) or isinstance(count, bool):
+        return content
+    return content[:count] + [v for v in content[count:] if v != BUFFER_FILL]
+
+
 def _call(manager: Any, caches: list, op: dict[str, Any]) -> Any:
     name = op["op"]
     raw = op.get("args", {})
@@ -298,7 +303,7 @@ def _call(manager: Any, caches: list, op: dict[str, Any]) -> Any:
     if name == "page_indices_into":
         buf = _make_buffer(args.pop("size", 0), args.pop("dtype", "int32"))
         count = cache.page_indices_into(args.get("lc"), buf)
-        return {"count": normalize(count), "out": buf.tolist()}
+        return {"count": normalize(count), "out": written(buf.tolist(), count)}
     return normalize(getattr(cache, name)(**args), caches)
 
 
@@ -311,7 +316,7 @@ def apply(manager: Any, caches: list, op: dict[str, Any], *, with_message: bool 
         return {"result": _call(manager, caches, op)}
     except OpError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the error type is the outcome
         return error_outcome(e, with_message)
 
 

@@ -1,0 +1,425 @@
+"""kvcm.ops (the op vocabulary) and kvcm.oplog (KVCM_OPLOG recording, replay, CLI)."""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+from pathlib import Path
+
+import kvcm
+import pytest
+from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Status, Tier
+from kvcm import oplog as L
+from kvcm import ops as O
+
+B = 2
+
+
+def config(**kw) -> KVCacheManagerConfig:
+    base = {
+        "tokens_per_block": B,
+        "layers": [AttentionLayer(0, 4), AttentionLayer(1, 2, window=3, sink_tokens=1), SsmLayer(2, 16)],
+        "tiers": [Tier("gpu", 40 * 6), Tier("host", 40 * 4)],
+    }
+    base.update(kw)
+    return KVCacheManagerConfig(**base)
+
+
+def py_manager(cfg: KVCacheManagerConfig | None = None):
+    """A python manager built without the KVCacheManager entry point (never recorded)."""
+    return L.build_manager(cfg or config(), "python")
+
+
+D = bytes(range(32))
+
+
+def workload(m) -> None:
+    """Every recorded public call at least once, one of them failing."""
+    a = m.create_kv_cache([1, 2, 3, D, 5], scope=ReuseScope(lora_id=0), priority=70, id="a")
+    assert a.resume()
+    assert a.resize(7)
+    a.commit(iter([1, 2, 3, D, 5]))  # an iterator: recorded and forwarded intact
+    with pytest.raises(ValueError):
+        a.commit([-1])
+    a.page_indices(0)
+    buf = array.array("i", [0] * 8)
+    assert a.page_indices_into(0, buf) == 4
+    a.suspend()
+    m.probe_reuse([1, 2, 3], ReuseScope(lora_id=0))
+    m.probe_reuse_detail([1, 2, 3])
+    a.stop_committing()
+    a.close()
+    a.close()
+    b = m.create_kv_cache([1, 2])
+    m.drain_copy_ops()
+    m.take_events()
+    m.stats()
+    m.take_iteration_stats()
+    b.close()
+    m.clear_reusable()
+    m.shutdown()
+
+
+# ---------------------------------------------------------------------------------------
+# config and op JSON forms
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        config(),
+        config(pool_ratio={0: 1, 1: 0.5, 2: 2}, enable_partial_reuse=False, reuse_match_backoff=3),
+        config(tiers=[Tier("gpu", 4000), Tier("host", 4000), Tier("disk", 4000, path="/tmp/x")], max_events=0),
+        KVCacheManagerConfig(
+            tokens_per_block=16, layers=[SsmLayer(5, 100)], tiers=[Tier("gpu", 1000)], default_priority=0
+        ),
+    ],
+)
+def test_config_json_round_trip(cfg):
+    text = json.dumps(L.config_to_json(cfg))
+    back = L.config_from_json(json.loads(text))
+    assert back == cfg
+    assert L.config_to_json(back) == json.loads(text)
+
+
+def test_config_from_json_rejects_unknown_keys():
+    d = L.config_to_json(config())
+    d["colour"] = 1
+    with pytest.raises(ValueError, match="colour"):
+        L.config_from_json(d)
+
+
+def test_tokens_and_scopes_json():
+    toks = [0, 2**31 - 1, D, -1, "x", 1.5, True, None]
+    enc = O.encode_tokens(toks)
+    assert enc == [0, 2**31 - 1, {"digest": D.hex()}, -1, "x", 1.5, True, None]
+    assert json.loads(json.dumps(enc)) == enc
+    assert O.decode_tokens(enc) == toks
+    assert O.decode_tokens("abc") == "abc"
+    assert O.encode_scope(ReuseScope(salt=3)) == {"lora_id": None, "salt": 3}
+    assert O.decode_scope({"salt": 3}) == ReuseScope(salt=3)
+    assert O.decode_scope(None) is None
+    assert O.decode_scope("bad") == "bad"
+
+
+def test_normalize():
+    assert O.normalize(kvcm.CopyOp(0, 0, 1, 1, 2, "offload")) == [0, 0, 1, 1, 2, "offload"]
+    assert O.normalize(kvcm.ReuseProbe(4, 6)) == [4, 6]
+    assert O.normalize(Status.ACTIVE) == "ACTIVE"
+    assert O.normalize({1: (b"\x01", None)}) == {"1": ["01", None]}
+    ev = kvcm.RemovedEvent(event_id=3, keys=(b"\xaa",), lc=1)
+    assert O.normalize([ev]) == [{"event_id": 3, "kind": "removed", "keys": ["aa"], "lc": 1}]
+
+
+@pytest.mark.parametrize(
+    "op, match",
+    [
+        ({"op": "frobnicate"}, "unknown op"),
+        ({"op": "commit", "args": {"tokens": []}}, "needs a cache handle"),
+        ({"op": "commit", "cache": 5, "args": {"tokens": []}}, "does not exist"),
+        ({"op": "commit", "cache": 0, "args": {"tokns": []}}, "unknown args"),
+        ({"op": "stats", "cache": 0}, "takes no cache handle"),
+        ({"op": "stats", "extra": 1}, "unknown keys"),
+        ("stats", "is a dict"),
+    ],
+)
+def test_malformed_ops_raise_operror(op, match):
+    with pytest.raises(O.OpError, match=match):
+        O.apply(None, [object()], op)
+
+
+def test_every_public_call_has_an_op():
+    manager_methods = {"create_kv_cache", "probe_reuse", "probe_reuse_detail", "drain_copy_ops", "clear_reusable",
+                       "shutdown", "stats", "take_iteration_stats", "take_events"}  # fmt: skip
+    cache_methods = {
+        "resume",
+        "suspend",
+        "resize",
+        "commit",
+        "stop_committing",
+        "close",
+        "page_indices",
+        "page_indices_into",
+    }
+    assert set(O.MANAGER_OPS) == manager_methods
+    assert set(O.CACHE_OPS) == cache_methods
+    abstract = set(kvcm.KVCacheManager.__abstractmethods__) | set(kvcm.KVCache.__abstractmethods__)
+    observe_only = {"config", "life_cycles", "snapshot", "check_invariants"} | set(O.CACHE_PROPS)
+    assert abstract - observe_only == manager_methods | cache_methods
+
+
+def test_apply_on_the_python_backend():
+    m = py_manager()
+    caches: list = []
+    assert O.apply(m, caches, O.op("create_kv_cache", input_tokens=[1, 2, 3], scope=ReuseScope(salt=1))) == {
+        "result": 0
+    }
+    assert O.apply(m, caches, {"op": "resume", "cache": 0}) == {"result": True}
+    assert O.apply(m, caches, {"op": "resize", "cache": 0, "args": {"capacity": 4}}) == {"result": True}
+    assert O.apply(m, caches, {"op": "commit", "cache": 0, "args": {"tokens": [1, 2, 3]}}) == {"result": None}
+    assert O.apply(m, caches, {"op": "commit", "cache": 0, "args": {"tokens": [2**31]}}) == {"error": "ValueError"}
+    assert O.apply(m, caches, {"op": "commit", "cache": 0, "args": {"tokens": ["x"]}}) == {"error": "TypeError"}
+    assert O.apply(m, caches, {"op": "resume", "cache": 0}) == {"error": "InvalidStateError"}
+    out = O.apply(m, caches, {"op": "page_indices_into", "cache": 0, "args": {"lc": 0, "size": 3}})
+    assert out["result"]["count"] == 2 and len(out["result"]["out"]) == 2  # nothing written past count
+    bad = O.apply(m, caches, {"op": "page_indices_into", "cache": 0, "args": {"lc": 0, "size": 1}}, with_message=True)
+    assert bad["error"] == "ValueError" and bad["message"]
+    probe = O.apply(m, caches, {"op": "probe_reuse_detail", "args": {"tokens": [1, 2], "scope": {"salt": 1}}})
+    assert isinstance(probe["result"], list) and len(probe["result"]) == 2
+    assert O.apply(m, caches, {"op": "create_kv_cache", "args": {"scope": {"salt": -1}}}) == {"error": "ValueError"}
+    assert O.apply(m, caches, {"op": "close", "cache": 0}) == {"result": None}
+    assert O.apply(m, caches, {"op": "suspend", "cache": 0}) == {"error": "ClosedError"}
+    events = O.apply(m, caches, {"op": "take_events"})["result"]
+    assert events and all(isinstance(e, dict) and "event_id" in e for e in events)
+    assert json.loads(json.dumps(O.apply(m, caches, {"op": "stats"}))) == O.apply(m, caches, {"op": "stats"})
+
+
+# ---------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------
+
+
+def test_maybe_wrap_is_a_no_op_without_the_env_var(monkeypatch):
+    monkeypatch.delenv(L.ENV_VAR, raising=False)
+    m = py_manager()
+    assert L.maybe_wrap(m) is m
+    assert L.maybe_wrap_class(type(m)) is type(m)
+
+
+def read_lines(path: str) -> list[str]:
+    return Path(path).read_text().splitlines()
+
+
+def record(tmp_path, monkeypatch, run=workload, cfg=None) -> str:
+    path = str(tmp_path / "log.jsonl")
+    monkeypatch.setenv(L.ENV_VAR, path)
+    m = L.maybe_wrap(py_manager(cfg))
+    assert isinstance(m, L.RecordingManager) and isinstance(m, kvcm.KVCacheManager)
+    run(m)
+    return path
+
+
+def test_recording_proxy_logs_every_public_call(tmp_path, monkeypatch):
+    path = record(tmp_path, monkeypatch)
+    lines = [json.loads(x) for x in read_lines(path)]
+    head, ops = lines[0], lines[1:]
+    assert head["kvcm_oplog"] == L.FORMAT_VERSION and head["backend"] == "python"
+    assert L.config_from_json(head["config"]) == config()
+    names = [r["op"] for r in ops]
+    assert set(names) == set(O.OPS)
+    assert [r["step"] for r in ops] == list(range(len(ops)))
+    create = ops[0]
+    assert create["args"]["input_tokens"][3] == {"digest": D.hex()}
+    assert create["args"]["scope"] == {"lora_id": 0, "salt": None}
+    assert create["outcome"] == {"result": 0}
+    commit = next(r for r in ops if r["op"] == "commit")
+    assert commit["args"]["tokens"][3] == {"digest": D.hex()}  # the iterator was recorded
+    failed = [r for r in ops if "error" in r["outcome"]]
+    assert [(r["op"], r["outcome"]["error"]) for r in failed] == [("commit", "ValueError")]
+    assert "out of range" in failed[0]["message"]
+    pii = next(r for r in ops if r["op"] == "page_indices_into")
+    assert pii["args"] == {"lc": 0, "size": 8, "dtype": "int32"}
+    assert pii["outcome"]["result"] == {"count": 4, "out": [0, 1, 2, 3]}
+
+
+def test_proxy_forwards_results_and_properties(tmp_path, monkeypatch):
+    monkeypatch.setenv(L.ENV_VAR, str(tmp_path / "log.jsonl"))
+    m = L.maybe_wrap(py_manager())
+    kv = m.create_kv_cache([1, 2, 3], id=9)
+    assert isinstance(kv, kvcm.KVCache) and kv.id == 9 and kv.status is Status.SUSPENDED
+    assert kv.resume() is True and kv.status is Status.ACTIVE
+    assert kv.resize(4) and kv.capacity == 4
+    kv.commit([1, 2, 3])
+    assert kv.num_committed_tokens == 3 and kv.committed_tokens == [1, 2, 3]
+    assert kv.page_indices(0) == py_manager_ref_indices()
+    assert m.config == config() and m.life_cycles == m.inner.life_cycles
+    assert m.snapshot() == m.inner.snapshot()
+    m.check_invariants()
+    assert all(isinstance(e, kvcm.Event) for e in m.take_events())
+
+
+def py_manager_ref_indices() -> list[int]:
+    ref = py_manager()
+    kv = ref.create_kv_cache([1, 2, 3], id=9)
+    kv.resume()
+    kv.resize(4)
+    kv.commit([1, 2, 3])
+    return kv.page_indices(0)
+
+
+def test_pid_in_path_and_several_managers_in_one_log(tmp_path, monkeypatch):
+    monkeypatch.setenv(L.ENV_VAR, str(tmp_path / "log-{pid}.jsonl"))
+    m1 = L.maybe_wrap(py_manager())
+    m2 = L.maybe_wrap(py_manager(config(enable_partial_reuse=False)))
+    a = m1.create_kv_cache([1, 2, 3])
+    b = m2.create_kv_cache([1, 2, 3])
+    a.resume(), b.resume(), a.resize(4), b.resize(4), a.commit([1, 2, 3]), b.commit([1, 2, 3])
+    a.close(), b.close()
+    path = tmp_path / f"log-{os.getpid()}.jsonl"
+    streams = L.read_log(str(path))
+    assert len(streams) == 2 and streams[0].m != streams[1].m
+    assert [len(s.ops) for s in streams] == [5, 5]
+    assert L.config_from_json(streams[1].config).enable_partial_reuse is False
+    report = L.replay(str(path), ["python"])
+    assert report.ok and report.managers == 2 and report.steps == 10, str(report)
+
+
+def test_kvcm_manager_entry_point_records_when_env_is_set(tmp_path, monkeypatch):
+    """KVCM_OPLOG at construction → kvcm.KVCacheManager returns the recording proxy
+    (the hook in api.py: ``maybe_wrap_class``)."""
+    path = tmp_path / "log.jsonl"
+    monkeypatch.setenv(L.ENV_VAR, str(path))
+    m = kvcm.KVCacheManager(config(), backend="python")
+    assert isinstance(m, L.RecordingManager), "KVCacheManager.__new__ does not call kvcm.oplog.maybe_wrap_class"
+    m.create_kv_cache([1])
+    assert len(path.read_text().splitlines()) == 2
+    monkeypatch.delenv(L.ENV_VAR)
+    assert not isinstance(kvcm.KVCacheManager(config(), backend="python"), L.RecordingManager)
+
+
+# ---------------------------------------------------------------------------------------
+# replay
+# ---------------------------------------------------------------------------------------
+
+
+def test_replay_reproduces_a_recorded_run(tmp_path, monkeypatch):
+    path = record(tmp_path, monkeypatch)
+    report = L.replay(path, ["python"])
+    assert report.ok, str(report)
+    assert report.steps == len(read_lines(path)) - 1
+    assert "no divergence" in str(report)
+
+
+def test_replay_reports_the_first_outcome_divergence(tmp_path, monkeypatch):
+    path = record(tmp_path, monkeypatch)
+    lines = read_lines(path)
+    # pretend the recording saw resize fail: replay must stop exactly there
+    i = next(i for i, x in enumerate(lines) if json.loads(x).get("op") == "resize")
+    rec = json.loads(lines[i])
+    rec["outcome"] = {"result": False}
+    lines[i] = json.dumps(rec)
+    Path(path).write_text("\n".join(lines) + "\n")
+    report = L.replay(path, ["python"])
+    assert not report.ok
+    d = report.divergence
+    assert (d.step, d.kind, d.op["op"]) == (i - 1, "outcome", "resize")
+    assert d.outcomes["recorded"] == {"result": False}
+    assert d.outcomes["python"]["result"] is True
+    assert "first divergence" in str(report) and "resize" in str(report)
+
+
+def test_replay_compares_snapshots_across_backends(tmp_path, monkeypatch):
+    path = record(tmp_path, monkeypatch)
+    real = L.build_manager
+
+    class Skewed:  # a "second backend" whose snapshot drifts after the 3rd op
+        def __init__(self, m):
+            self.m, self.calls = m, 0
+
+        def __getattr__(self, name):
+            if name == "snapshot":
+                return self.snapshot
+            self.calls += name in ("create_kv_cache", "drain_copy_ops", "probe_reuse", "probe_reuse_detail")
+            return getattr(self.m, name)
+
+        def snapshot(self):
+            s = self.m.snapshot()
+            if self.calls >= 2:
+                s = dict(s, clock=-1)
+            return s
+
+    def build(cfg, backend):
+        m = real(cfg, "python")
+        return Skewed(m) if backend == "cpp" else m
+
+    monkeypatch.setattr(L, "build_manager", build)
+    report = L.replay(path, ["python", "cpp"])
+    assert not report.ok and report.divergence.kind == "snapshot"
+    assert "/clock" in report.divergence.detail
+    assert report.minimized is None
+    # minimised: the fewest ops that still make the second side's snapshot drift
+    report = L.replay(path, ["python", "cpp"], minimize_divergence=True)
+    lines = report.minimized.splitlines()
+    ops = [json.loads(x)["op"] for x in lines[1:]]
+    assert len(ops) < report.divergence.step + 1
+    assert sum(op in ("create_kv_cache", "drain_copy_ops", "probe_reuse", "probe_reuse_detail") for op in ops) == 2
+
+
+def test_main_replay_exit_codes(tmp_path, monkeypatch, capsys):
+    path = record(tmp_path, monkeypatch)
+    assert L.main_replay([path, "--backend", "python"]) == 0
+    assert "no divergence" in capsys.readouterr().out
+    assert L.main_replay([path, "--backend", "rust"]) == 2
+    assert L.main_replay([str(tmp_path / "missing.jsonl"), "--backend", "python"]) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"m": "x", "op": "stats"}\n')
+    assert L.main_replay([str(bad), "--backend", "python"]) == 2
+    assert "before its config line" in capsys.readouterr().err
+
+
+def test_format_log_is_replayable(tmp_path):
+    records = [
+        {"op": "create_kv_cache", "args": {"input_tokens": [1, 2, 3]}, "outcome": {"result": 0}},
+        {"op": "resume", "cache": 0, "outcome": {"result": True}},
+        {"op": "commit", "cache": 0, "args": {"tokens": [1]}, "outcome": {"error": "ValueError"}},
+    ]
+    p = tmp_path / "f.jsonl"
+    p.write_text(L.format_log(config(), records))
+    report = L.replay(str(p), ["python"])
+    assert report.ok, str(report)
+
+
+def test_record_and_replay_on_the_active_backend(backend, tmp_path, monkeypatch):
+    """The recorder and the replayer on the CI leg's backend (cpp: gap until issue #3)."""
+    path = tmp_path / "log.jsonl"
+    monkeypatch.setenv(L.ENV_VAR, str(path))
+    m = L.maybe_wrap(L.build_manager(config(), backend))
+    workload(m)
+    report = L.replay(str(path), [backend])
+    assert report.ok, str(report)
+
+
+# ---------------------------------------------------------------------------------------
+# the differential harness (parity/test_differential.py) against a planted divergence
+# ---------------------------------------------------------------------------------------
+
+
+def test_differential_harness_catches_a_divergence_and_prints_a_replayable_log(tmp_path):
+    from hypothesis import settings
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from parity import test_differential as D
+
+    class OffByOne:
+        """A 'backend' that answers probe_reuse wrongly once the prefix is 2+ tokens."""
+
+        def __init__(self, m):
+            self._m = m
+
+        def __getattr__(self, name):
+            return getattr(self._m, name)
+
+        def probe_reuse(self, tokens, scope=None):
+            n = self._m.probe_reuse(tokens, scope)
+            return n + 1 if n >= 2 else n
+
+    class Planted(D.machine_for(("python", "python"))):
+        def build(self, config):
+            built = super().build(config)
+            return None if built is None else [built[0], OffByOne(built[1])]
+
+    with pytest.raises(AssertionError) as info:
+        run_state_machine_as_test(Planted, settings=settings(D.DIFF_SETTINGS, max_examples=300))
+    msg = str(info.value)
+    assert "(outcome)" in msg and "probe_reuse" in msg
+    log = msg.split("---\n", 1)[1]
+    lines = log.strip().splitlines()
+    assert json.loads(lines[0])["kvcm_oplog"] == L.FORMAT_VERSION
+    assert json.loads(lines[-1])["op"] == "probe_reuse"
+    assert len(lines) <= 8, f"not minimised: {len(lines)} lines"
+    path = tmp_path / "shrunk.jsonl"
+    path.write_text(log)
+    report = L.replay(str(path), ["python"])  # recorded outcomes are the reference side's
+    assert report.ok, str(report)
