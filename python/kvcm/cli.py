@@ -7,6 +7,7 @@ Subcommands::
            [--host-blocks N | --host-frac F] [--limit N] [--no-partial] [--outputs]
     bench [replay|keys|all] [--limit N] [--block-size B]
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
+    demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
 
 ``replay`` runs each backend in turn on the same trace and prints a side-by-side table;
 a backend that raises NotImplementedError shows ``not implemented yet (issue #3)`` in its
@@ -487,6 +488,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     o.add_argument("args", nargs=argparse.REMAINDER)
+
+    d = sub.add_parser(
+        "demo",
+        help="reference engine on a multi-turn workload: reuse, copies, exactness per backend (kvcm.demo)",
+        add_help=False,
+    )
+    d.add_argument("args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -494,6 +502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["oplog-replay"]:
         return cmd_oplog_replay(argv[1:])
+    if argv[:1] == ["demo"]:
+        from kvcm.demo import main as demo_main
+
+        return demo_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:

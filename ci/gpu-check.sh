@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU check (optional to run, required to exist): the data-plane and engine exactness tests
+# with the gpu tier (and the model) on CUDA, host pools pinned, on both backends.
+#
+#   ci/gpu-check.sh            # exits 0 with a message when no CUDA GPU is usable
+#
+# KVCM_ENGINE_DEVICE=cuda puts kvcm.engine's model and the data plane's gpu pools on the GPU;
+# the no-cache reference runs on the same device.  Backends: KVCM_GPU_BACKENDS (default
+# "python cpp").  Extra pytest arguments: KVCM_PYTEST_ARGS.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+  echo "gpu-check: no CUDA GPU visible to torch (or torch is not installed): nothing to check"
+  exit 0
+fi
+"$PY" -c "import torch; print('gpu-check: torch', torch.__version__, 'on', torch.cuda.get_device_name(0))"
+
+export KVCM_ENGINE_DEVICE=cuda
+unset KVCM_ALLOW_NO_CPP KVCM_OPLOG
+# shellcheck disable=SC2206
+EXTRA=(${KVCM_PYTEST_ARGS:-})
+rc=0
+for backend in ${KVCM_GPU_BACKENDS:-python cpp}; do
+  echo "== gpu-check: KVCM_BACKEND=$backend, KVCM_ENGINE_DEVICE=cuda"
+  KVCM_BACKEND=$backend "$PY" -m pytest tests/test_engine_exactness.py tests/test_dataplane.py \
+    -p no:cacheprovider --tb=short -ra "${EXTRA[@]}" || rc=1
+done
+echo "== gpu-check: demo on cuda"
+"$PY" -c "import sys; from kvcm.demo import main; sys.exit(main(['--device', 'cuda']))" || rc=1
+[ "$rc" -eq 0 ] && echo "gpu-check: ok" || echo "gpu-check: FAILED"
+exit $rc

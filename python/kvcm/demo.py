@@ -1,0 +1,131 @@
+"""``python -m kvcm demo``: the reference engine on a built-in multi-turn workload.
+
+Runs the tiny hybrid model (full attention, sliding window 48 + 4 sinks, ssm, full
+attention) through kvcm on each backend, with a tight gpu tier, a small host tier and a disk
+tier (a temporary directory), and prints per backend: tokens reused, copy ops by reason
+(and by route), and whether the outputs are identical to a no-cache run of the same model.
+
+Exit code: 0 when at least one backend ran and every backend that ran matched the no-cache
+run; 1 on a mismatch or an unexpected error; a backend without the request life cycle yet
+(NotImplementedError) or not built is reported and does not fail the demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+
+NOT_IMPLEMENTED = "not implemented yet (issue #3)"
+TOKENS_PER_BLOCK = 16
+LOGIT_TOL = 1e-4
+# slots per life cycle: tight enough that requests are suspended and pages go to disk
+GPU_SLOTS, HOST_SLOTS, DISK_SLOTS = 14, 4, 300
+
+
+def _mark(ok: bool) -> str:
+    sym = "\u2713" if ok else "\u2717"
+    try:
+        sym.encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        sym = "OK" if ok else "FAIL"
+    return sym
+
+
+def run_backend(backend: str, workload_name: str, device: str | None) -> dict:
+    """Run the workload on ``backend``; returns the numbers the demo prints."""
+    import kvcm
+    from kvcm.engine import TinyHybridModel, builtin_workload, run_workload
+
+    model = TinyHybridModel(device=device)
+    workload = builtin_workload(workload_name, vocab=model.cfg.vocab)
+    with tempfile.TemporaryDirectory(prefix="kvcm-demo-") as disk:
+        config = model.manager_config(TOKENS_PER_BLOCK, GPU_SLOTS, HOST_SLOTS, DISK_SLOTS, disk)
+        mgr = kvcm.KVCacheManager(config, backend=backend)
+        t0 = time.perf_counter()
+        out = run_workload(model, mgr, workload)
+        seconds = time.perf_counter() - t0
+        mgr.shutdown()
+    c = out.engine_counters
+    return {
+        "requests": c["requests"],
+        "prompt_tokens": c["prompt_tokens"],
+        "reused_tokens": c["reused_tokens"],
+        "computed_tokens": c["prefill_tokens"],
+        "preemptions": c["preemptions"],
+        "copies": out.copies,
+        "routes": out.routes,
+        "identical": out.tokens_equal and out.max_logit_diff < LOGIT_TOL,
+        "max_logit_diff": out.max_logit_diff,
+        "seconds": seconds,
+    }
+
+
+def _guarded(backend: str, workload: str, device: str | None) -> tuple[dict | None, str | None]:
+    from kvcm import BackendUnavailableError
+
+    try:
+        return run_backend(backend, workload, device), None
+    except NotImplementedError:
+        return None, NOT_IMPLEMENTED
+    except BackendUnavailableError as e:
+        return None, f"unavailable ({str(e).split(':')[0]})"
+    except ImportError as e:
+        return None, f"unavailable ({e})"
+    except Exception as e:  # noqa: BLE001 - a bug: reported, traceback on stderr
+        traceback.print_exc()
+        return None, f"error: {type(e).__name__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvcm.engine import BUILTIN_WORKLOADS, ModelConfig, default_device
+
+    p = argparse.ArgumentParser(prog="python -m kvcm demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="python,cpp", help="comma-separated backends (default python,cpp)")
+    p.add_argument("--workload", choices=sorted(BUILTIN_WORKLOADS), default="multi-turn")
+    p.add_argument("--device", default=None, help="where the gpu tier lives (default $KVCM_ENGINE_DEVICE or cpu)")
+    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    from kvcm import BACKENDS
+
+    for b in backends:
+        if b not in BACKENDS:
+            p.error(f"unknown backend {b!r}; choices: {', '.join(BACKENDS)}")
+
+    from kvcm.engine import builtin_workload, torch_threads
+
+    mc = ModelConfig()
+    w = builtin_workload(args.workload, vocab=mc.vocab)
+    print(f"kvcm demo: tiny hybrid model (full attention, window {mc.window} + {mc.sinks} sinks, ssm, full attention), "
+          f"float32, seed {mc.seed}, on {args.device or default_device()}")
+    print(f"workload {args.workload}: {len(w.conversations)} conversations x {len(w.conversations[0])} turns, "
+          f"{len(w.system)}-token system prompt, {w.max_new_tokens} tokens generated per turn")
+    print(f"tiers: gpu {GPU_SLOTS} / host {HOST_SLOTS} / disk {DISK_SLOTS} slots per life cycle, "
+          f"{TOKENS_PER_BLOCK} tokens per block")
+    ran = failed = 0
+    for b in backends:
+        with torch_threads(1):
+            res, why = _guarded(b, args.workload, args.device)
+        print(f"\n[{b}]")
+        if res is None:
+            print(f"  {why}")
+            failed += why.startswith("error")
+            continue
+        ran += 1
+        failed += not res["identical"]
+        share = res["reused_tokens"] / max(1, res["prompt_tokens"])
+        cp, routes = res["copies"], res["routes"]
+        print(f"  tokens reused       {res['reused_tokens']:,} of {res['prompt_tokens']:,} prompt tokens ({share:.1%}); "
+              f"{res['computed_tokens']:,} computed; {res['requests']} requests, {res['preemptions']} preemptions")
+        print("  copies by reason    " + ", ".join(f"{k} {v}" for k, v in cp.items()))
+        print("  copies by route     " + ", ".join(f"{k} {v}" for k, v in sorted(routes.items())))
+        print(f"  {_mark(res['identical'])} outputs identical to no-cache run "
+              f"(same tokens; max |logit diff| {res['max_logit_diff']:.1e}); {res['seconds']:.1f}s")
+    return 0 if ran and not failed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

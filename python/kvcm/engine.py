@@ -1,0 +1,551 @@
+"""A tiny reference inference engine that drives kvcm with real K/V data (SPEC sec. 14).
+
+It exists to prove that reuse is *exact*: generating through the manager — reusing cached
+prefixes, copying partial blocks and ssm snapshots on write, offloading to host/disk and
+onboarding back, suspending and resuming requests — gives the same tokens, and logits within
+float32 round-off, as a plain run of the same model with no cache at all
+(:meth:`TinyHybridModel.reference_generate`).
+
+The model (:class:`TinyHybridModel`, float32, random weights from a fixed seed)::
+
+    layer 0  full attention                  life cycle 0  (shared with layer 3)
+    layer 1  sliding window 48, 4 sinks      life cycle 1
+    layer 2  ssm: gated linear recurrence    life cycle 2
+    layer 3  full attention                  life cycle 0
+
+Attention layers store K/V per token (RoPE already applied to K) in the data plane's pages
+and read them back through ``page_indices``.  The windowed layer attends to exactly the
+sinks and the last ``window`` positions (query at ``p`` sees keys ``< sinks`` and
+``> p - window``), i.e. never to a block the manager calls stale (sec. 7).  The ssm layer
+keeps its live state ``h[d_model, d_state]`` in the request's ssm slot;
+``h_p = a_p * h_{p-1} + u_p b_p^T`` so the state after position ``p`` fully determines the
+future.  A reused prefix's state comes from a snapshot, copied into the live slot by the
+manager's ``cow`` op; a request with nothing reused starts from zeros.
+
+The engine loop (:meth:`Engine.generate`): create (matching all but the last prompt token,
+whose logits must be computed to sample) → resume → apply ops → prefill only the unreused
+suffix, committing in chunks that end on block boundaries (so every block gets an
+ssm snapshot) → decode (resize +1, apply, write, commit 1) → close; requests are admitted
+FCFS up to ``max_batch`` and, when the gpu quota runs out while growing, the most recently
+admitted running request is suspended (its pages become HELD and may be offloaded) and
+resumed later (suspending frees gpu slots only through a colder tier: with a gpu-only config
+a request that cannot grow raises RuntimeError).  Copy ops are applied right after every manager call that can emit them, so
+they always run before the step that uses the new page indices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcm.api import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
+from kvcm.dataplane import DataPlane
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+@contextlib.contextmanager
+def torch_threads(n: int = 1):
+    """Run with ``n`` torch intra-op threads (restored after).  The model's tensors are
+    tiny: on a busy 2-core machine, spinning OpenMP workers made each op ~30x slower
+    (multi-turn workload: 11.2 s with 2 threads, 0.35 s with 1), so the tests and the demo
+    use one."""
+    torch = _torch()
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def default_device() -> str:
+    """``KVCM_ENGINE_DEVICE`` (e.g. ``cuda``), else ``cpu``."""
+    return os.environ.get("KVCM_ENGINE_DEVICE", "cpu")
+
+
+# ---------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int = 64
+    d_model: int = 32
+    heads: int = 2
+    head_dim: int = 16
+    window: int = 48
+    sinks: int = 4
+    d_state: int = 8
+    seed: int = 20261129
+
+
+LAYER_KINDS = ("full", "window", "ssm", "full")
+
+
+class TinyHybridModel:
+    """Deterministic 4-layer hybrid model; see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig | None = None, device: Any = None) -> None:
+        torch = _torch()
+        self.cfg = cfg = cfg or ModelConfig()
+        self.device = torch.device(device if device is not None else default_device())
+        g = torch.Generator().manual_seed(cfg.seed)
+        d, hd, n = cfg.d_model, cfg.heads * cfg.head_dim, cfg.d_state
+
+        def w(*shape: int, scale: float | None = None):
+            t = torch.randn(*shape, generator=g, dtype=torch.float32)
+            return (t * (shape[0] ** -0.5 if scale is None else scale)).to(self.device)
+
+        self.embed = w(cfg.vocab, d, scale=1.0)
+        self.layers: list[tuple[str, dict]] = []
+        for kind in LAYER_KINDS:
+            if kind == "ssm":
+                p = {"u": w(d, d), "a": w(d, d), "b": w(d, n), "c": w(d, n), "o": w(d, d)}
+            else:
+                p = {"q": w(d, hd), "k": w(d, hd), "v": w(d, hd), "o": w(hd, d)}
+            self.layers.append((kind, p))
+        self.unembed = w(d, cfg.vocab, scale=2.0 * d**-0.5)
+        half = torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim
+        self.inv_freq = (1.0 / (10000.0**half)).to(self.device)
+
+    # ------------------------------------------------------------------ kvcm config
+
+    def layer_specs(self) -> list[AttentionLayer | SsmLayer]:
+        c = self.cfg
+        kv_bytes = 2 * c.heads * c.head_dim * 4  # K and V, float32
+        out: list[AttentionLayer | SsmLayer] = []
+        for i, kind in enumerate(LAYER_KINDS):
+            if kind == "full":
+                out.append(AttentionLayer(i, kv_bytes))
+            elif kind == "window":
+                out.append(AttentionLayer(i, kv_bytes, window=c.window, sink_tokens=c.sinks))
+            else:
+                out.append(SsmLayer(i, c.d_model * c.d_state * 4))
+        return out
+
+    def plane_shapes(self) -> dict[int, tuple[int, ...]]:
+        c = self.cfg
+        return {
+            i: (c.d_model, c.d_state) if kind == "ssm" else (2, c.heads, c.head_dim)
+            for i, kind in enumerate(LAYER_KINDS)
+        }
+
+    def manager_config(self, tokens_per_block: int, gpu_slots: int, host_slots: int | None = None,
+                       disk_slots: int | None = None, disk_path: str | None = None, **kw: Any) -> KVCacheManagerConfig:
+        """A config whose tiers hold the given number of slots per life cycle."""
+        B = tokens_per_block
+        layers = self.layer_specs()
+        per_slot = sum(l.bytes_per_token * B if isinstance(l, AttentionLayer) else l.state_bytes for l in layers)
+        tiers = [Tier("gpu", gpu_slots * per_slot)]
+        if host_slots:
+            tiers.append(Tier("host", host_slots * per_slot))
+        if disk_slots:
+            tiers.append(Tier("disk", disk_slots * per_slot, path=disk_path))
+        return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers, **kw)
+
+    # ------------------------------------------------------------------ building blocks
+
+    @staticmethod
+    def _norm(x):
+        return x * (x.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+
+    def _rope(self, x, pos):
+        torch = _torch()
+        ang = pos[:, None].to(torch.float32) * self.inv_freq[None, :]
+        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), -1).flatten(-2)
+
+    def _qkv(self, p: dict, h, pos):
+        c = self.cfg
+        shape = (h.shape[0], c.heads, c.head_dim)
+        q = self._rope((h @ p["q"]).view(shape), pos)
+        k = self._rope((h @ p["k"]).view(shape), pos)
+        return q, k, (h @ p["v"]).view(shape)
+
+    def _attend(self, p: dict, kind: str, q, k, v, qpos, kpos):
+        """Causal attention of queries at ``qpos`` over keys at ``kpos``; the windowed
+        layer sees exactly the sinks and the last ``window`` positions."""
+        torch = _torch()
+        c = self.cfg
+        scores = torch.einsum("thd,nhd->htn", q, k) / math.sqrt(c.head_dim)
+        allowed = kpos[None, :] <= qpos[:, None]
+        if kind == "window":
+            allowed &= (kpos[None, :] < c.sinks) | (kpos[None, :] > qpos[:, None] - c.window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out = torch.einsum("htn,nhd->thd", scores.softmax(-1), v)
+        return out.reshape(q.shape[0], -1) @ p["o"]
+
+    @staticmethod
+    def _ssm(p: dict, h, state):
+        """Run the recurrence over ``h`` from ``state``; returns (outputs, final state)."""
+        torch = _torch()
+        u, a = h @ p["u"], torch.sigmoid(h @ p["a"] + 2.0)
+        b, c = h @ p["b"], h @ p["c"]
+        ys = []
+        for t in range(h.shape[0]):
+            state = a[t, :, None] * state + u[t, :, None] * b[t, None, :]
+            ys.append(state @ c[t])
+        return torch.stack(ys) @ p["o"], state
+
+    # ------------------------------------------------------------------ no-cache forward
+
+    def forward_dense(self, tokens: Sequence[int]):
+        """Logits ``[len(tokens), vocab]`` computed from scratch (no cache)."""
+        torch = _torch()
+        c = self.cfg
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        pos = torch.arange(len(ids), device=self.device)
+        x = self.embed[ids]
+        for kind, p in self.layers:
+            h = self._norm(x)
+            if kind == "ssm":
+                y, _ = self._ssm(p, h, torch.zeros(c.d_model, c.d_state, device=self.device))
+            else:
+                q, k, v = self._qkv(p, h, pos)
+                y = self._attend(p, kind, q, k, v, pos, pos)
+            x = x + y
+        return self._norm(x) @ self.unembed
+
+    def reference_generate(self, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], Any]:
+        """Greedy generation with no cache: every step recomputes the whole sequence.
+        Returns (tokens, logits ``[max_new_tokens, vocab]`` on cpu)."""
+        torch = _torch()
+        seq, out, logits = list(prompt), [], []
+        for _ in range(max_new_tokens):
+            last = self.forward_dense(seq)[-1].cpu()
+            out.append(int(last.argmax()))
+            logits.append(last)
+            seq.append(out[-1])
+        return out, torch.stack(logits)
+
+    def reference_logits(self, prompt: Sequence[int], output: Sequence[int]):
+        """No-cache logits ``[len(output), vocab]`` (cpu) that predicted each of ``output``
+        after ``prompt``: one dense forward over ``prompt + output[:-1]``.  Greedy decoding
+        is a function of the sequence so far, so ``output`` equals
+        :meth:`reference_generate` ``(prompt, len(output))`` exactly when each row's argmax
+        is the corresponding token — the same check, one forward instead of ``len(output)``."""
+        seq = list(prompt) + list(output[:-1])
+        return self.forward_dense(seq)[len(prompt) - 1:].cpu()
+
+    # ------------------------------------------------------------------ paged forward
+
+    def forward_paged(self, tokens: Sequence[int], start: int, plane: DataPlane, pages: dict[int, Any],
+                      ssm_slot: int):
+        """Logits for ``tokens`` at positions ``start..``: writes their K/V into the pages
+        (``pages[lc]``: the request's gpu page index per block, a long tensor) and advances
+        the live ssm state in ``ssm_slot``; reads earlier K/V through the page indices."""
+        torch = _torch()
+        B = plane.B
+        end = start + len(tokens)
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
+        pos = torch.arange(start, end, device=self.device)
+        x = self.embed[ids]
+        for layer_id, (kind, p) in enumerate(self.layers):
+            h = self._norm(x)
+            if kind == "ssm":
+                live = plane.state(layer_id)[ssm_slot]
+                y, new_state = self._ssm(p, h, live)
+                live.copy_(new_state)
+            else:
+                q, k, v = self._qkv(p, h, pos)
+                kv = plane.kv(layer_id)
+                idx = pages[plane.lc_of(layer_id)]
+                slots = idx[pos // B]
+                if bool((slots < 0).any()):
+                    raise RuntimeError(f"layer {layer_id}: no page to write positions {start}..{end - 1}")
+                kv[slots, pos % B] = torch.stack((k, v), 1)
+                kpos = self._key_positions(kind, start, end)
+                kslots = idx[kpos // B]
+                if bool((kslots < 0).any()):
+                    raise RuntimeError(f"layer {layer_id}: a needed block is stale or absent")
+                kvs = kv[kslots, kpos % B]
+                y = self._attend(p, kind, q, kvs[:, 0], kvs[:, 1], pos, kpos)
+            x = x + y
+        return self._norm(x) @ self.unembed
+
+    def _key_positions(self, kind: str, start: int, end: int):
+        """Positions queries ``start..end-1`` attend to: all, or sinks + window."""
+        torch = _torch()
+        lo = start - self.cfg.window + 1
+        if kind != "window" or lo <= self.cfg.sinks:
+            return torch.arange(0, end, device=self.device)
+        return torch.cat((torch.arange(0, self.cfg.sinks, device=self.device),
+                          torch.arange(lo, end, device=self.device)))
+
+
+# ---------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    scope: ReuseScope | None = None
+    output: list[int] = field(default_factory=list)
+    logits: list[Any] = field(default_factory=list)  # one [vocab] cpu tensor per output token
+    reused_tokens: int = 0
+    preemptions: int = 0
+    kv: Any = None
+    started: bool = False  # prefilled
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+class Engine:
+    """Greedy batched generation through a kvcm manager and a :class:`DataPlane`."""
+
+    def __init__(self, model: TinyHybridModel, manager: Any, plane: DataPlane | None = None, *,
+                 max_batch: int = 4, chunk_blocks: int = 1) -> None:
+        self.model = model
+        self.mgr = manager
+        self.plane = plane or DataPlane(manager.config, device=model.device, shapes=model.plane_shapes())
+        self.B = manager.config.tokens_per_block
+        self.max_batch = max_batch
+        self.chunk = chunk_blocks * self.B  # prefill chunks end on multiples of this
+        lcs = self.plane.life_cycles
+        self.attn_lcs = [lc.id for lc in lcs if lc.kind == "attn"]
+        self.ssm_lc = next((lc.id for lc in lcs if lc.kind == "ssm"), None)
+        self.ssm_layers = [i for i, (kind, _) in enumerate(model.layers) if kind == "ssm"]
+        self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "prefill_tokens": 0,
+                         "decode_steps": 0, "preemptions": 0, "resume_failures": 0,
+                         "max_stale_blocks": 0}  # most -1 (stale) entries seen in one windowed page table
+
+    def sync(self) -> None:
+        """Execute the manager's pending copy ops (before any page index is used)."""
+        self.plane.apply(self.mgr.drain_copy_ops())
+
+    def close(self) -> None:
+        self.plane.close()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def generate(self, requests: Sequence[Request]) -> list[Request]:
+        waiting: deque[Request] = deque(requests)
+        running: list[Request] = []
+        while waiting or running:
+            while waiting and len(running) < self.max_batch and self._admit(waiting[0]):
+                r = waiting.popleft()
+                if r.done:
+                    self._finish(r)
+                else:
+                    running.append(r)
+            if not running:
+                raise RuntimeError("the gpu quota cannot hold even one request")
+            for r in running.copy():  # grow by one token, preempting the newest on failure
+                while r in running and not r.kv.resize(r.kv.capacity + 1):
+                    if len(running) == 1 or len(self.plane.tier_kinds) == 1:
+                        raise RuntimeError("gpu quota exhausted and nothing can be preempted")
+                    self._preempt(running.pop(), waiting)
+                self.sync()
+            for r in running.copy():
+                self._decode(r)
+                if r.done:
+                    running.remove(r)
+                    self._finish(r)
+        return list(requests)
+
+    def _admit(self, r: Request) -> bool:
+        kv = r.kv
+        if kv is None:
+            # match all but the last prompt token: its logits must be computed to sample
+            kv = r.kv = self.mgr.create_kv_cache(r.prompt[:-1], r.scope)
+            r.reused_tokens = kv.num_reused_tokens
+            self.counters["requests"] += 1
+            self.counters["prompt_tokens"] += len(r.prompt)
+            self.counters["reused_tokens"] += r.reused_tokens
+        if not kv.resume():
+            self.counters["resume_failures"] += 1
+            return False
+        self.sync()
+        if r.started:
+            return True
+        if not kv.resize(len(r.prompt)):
+            kv.suspend()
+            self.counters["resume_failures"] += 1
+            return False
+        self.sync()
+        if kv.num_committed_tokens == 0 and self.ssm_lc is not None:  # no snapshot: start from zeros
+            slot = kv.page_indices(self.ssm_lc)[0]
+            for layer_id in self.ssm_layers:
+                self.plane.state(layer_id)[slot].zero_()
+        self._prefill(r)
+        r.started = True
+        return True
+
+    def _preempt(self, r: Request, waiting: deque[Request]) -> None:
+        r.kv.suspend()
+        self.sync()
+        r.preemptions += 1
+        self.counters["preemptions"] += 1
+        waiting.appendleft(r)
+
+    def _finish(self, r: Request) -> None:
+        r.kv.close()  # commits the partial tail + its ssm snapshot: a copy op
+        self.sync()
+
+    # ------------------------------------------------------------------ model steps
+
+    def _forward(self, r: Request, tokens: Sequence[int], start: int):
+        torch = _torch()
+        kv = r.kv
+        pages = {}
+        for lc in self.attn_lcs:
+            idx = kv.page_indices(lc)
+            if self.plane.life_cycles[lc].window is not None:
+                stale = sum(1 for i in idx[:kv.num_committed_tokens // self.B] if i < 0)
+                self.counters["max_stale_blocks"] = max(self.counters["max_stale_blocks"], stale)
+            pages[lc] = torch.tensor(idx, dtype=torch.long, device=self.model.device)
+        slot = kv.page_indices(self.ssm_lc)[0] if self.ssm_lc is not None else -1
+        return self.model.forward_paged(tokens, start, self.plane, pages, slot)
+
+    def _prefill(self, r: Request) -> None:
+        kv, n = r.kv, len(r.prompt)
+        c = kv.num_committed_tokens
+        self.counters["prefill_tokens"] += n - c
+        logits = None
+        while c < n:
+            e = min(n, (c // self.chunk + 1) * self.chunk)
+            logits = self._forward(r, r.prompt[c:e], c)
+            kv.commit(r.prompt[c:e])  # ends on a block boundary: an ssm snapshot (copy op)
+            self.sync()
+            c = e
+        last = logits[-1].cpu()
+        r.output.append(int(last.argmax()))
+        r.logits.append(last)
+
+    def _decode(self, r: Request) -> None:
+        kv = r.kv
+        tok = r.output[-1]
+        logits = self._forward(r, [tok], kv.num_committed_tokens)
+        kv.commit([tok])
+        self.sync()
+        last = logits[-1].cpu()
+        r.output.append(int(last.argmax()))
+        r.logits.append(last)
+        self.counters["decode_steps"] += 1
+
+
+# ---------------------------------------------------------------------------------------
+# Workloads and the exactness check (shared by the tests and the demo)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``waves`` of turns: conversation ``i``'s turn ``t`` prompt is the system prompt,
+    then each earlier turn's user tokens and the model's answer, then its own user tokens.
+    All conversations' turn ``t`` run as one batch."""
+
+    name: str
+    system: tuple[int, ...]
+    conversations: tuple[tuple[tuple[int, ...], ...], ...]  # [conv][turn] user tokens
+    max_new_tokens: int
+
+
+def make_workload(name: str, *, seed: int = 0, vocab: int = 64, system_len: int = 37, conversations: int = 4,
+                  turns: int = 3, user_len: tuple[int, int] = (5, 30), max_new_tokens: int = 8) -> Workload:
+    rng = random.Random(f"{name}/{seed}")
+
+    def toks(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(vocab) for _ in range(n))
+
+    convs = tuple(tuple(toks(rng.randint(*user_len)) for _ in range(turns)) for _ in range(conversations))
+    return Workload(name, toks(system_len), convs, max_new_tokens)
+
+
+BUILTIN_WORKLOADS = {
+    # many requests, one system prompt, one turn each
+    "shared-system-prompt": {"system_len": 53, "conversations": 8, "turns": 1, "user_len": (3, 40),
+                             "max_new_tokens": 6},
+    # each turn extends the previous: reuse ends inside a block (partial-block reuse, cow)
+    "multi-turn": {"system_len": 21, "conversations": 3, "turns": 4, "user_len": (4, 24), "max_new_tokens": 9},
+}
+
+
+def builtin_workload(name: str, vocab: int = 64) -> Workload:
+    return make_workload(name, vocab=vocab, **BUILTIN_WORKLOADS[name])
+
+
+@dataclass
+class Outcome:
+    requests: list[Request]
+    engine_counters: dict
+    copies: dict  # executed copy ops by reason (data plane)
+    stats: dict  # manager stats()
+    routes: dict  # executed copy ops by route ("gpu->host", ...)
+    tokens_equal: bool = False
+    max_logit_diff: float = float("nan")
+
+
+def run_workload(model: TinyHybridModel, manager: Any, workload: Workload, *, max_batch: int = 4,
+                 check: bool = True) -> Outcome:
+    """Run ``workload`` wave by wave through a fresh engine on ``manager``; with ``check``,
+    compare every request with the no-cache reference."""
+    engine = Engine(model, manager, max_batch=max_batch)
+    try:
+        history = [list(workload.system) for _ in workload.conversations]
+        done: list[Request] = []
+        nturns = max(len(c) for c in workload.conversations)
+        for t in range(nturns):
+            wave = []
+            for i, conv in enumerate(workload.conversations):
+                if t < len(conv):
+                    wave.append((i, Request(history[i] + list(conv[t]), workload.max_new_tokens)))
+            engine.generate([r for _, r in wave])
+            for i, r in wave:
+                history[i] = r.prompt + r.output
+            done.extend(r for _, r in wave)
+        manager.check_invariants()
+        out = Outcome(done, dict(engine.counters), dict(engine.plane.copies), manager.stats(),
+                      dict(engine.plane.routes))
+    finally:
+        engine.close()
+    if check:
+        out.tokens_equal, out.max_logit_diff = compare_with_reference(model, done)
+    return out
+
+
+def compare_with_reference(model: TinyHybridModel, requests: Sequence[Request]) -> tuple[bool, float]:
+    """(every request's tokens equal the no-cache run's, max |logit diff| over them);
+    see :meth:`TinyHybridModel.reference_logits`."""
+    equal, worst = True, 0.0
+    for r in requests:
+        ref = model.reference_logits(r.prompt, r.output)
+        if ref.argmax(-1).tolist() != r.output:
+            equal = False
+        worst = max(worst, float((_torch().stack(r.logits) - ref).abs().max()))
+    return equal, worst
+
+
+__all__ = [
+    "BUILTIN_WORKLOADS",
+    "Engine",
+    "ModelConfig",
+    "Outcome",
+    "Request",
+    "TinyHybridModel",
+    "Workload",
+    "builtin_workload",
+    "compare_with_reference",
+    "default_device",
+    "make_workload",
+    "run_workload",
+    "torch_threads",
+]

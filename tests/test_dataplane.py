@@ -1,0 +1,250 @@
+"""The torch data plane (SPEC sec. 14): pools, byte layout, views, batched copy ops."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from kvcm import AttentionLayer, CopyOp, KVCacheManagerConfig, SsmLayer, Tier
+from kvcm.dataplane import DataPlane
+
+B = 4
+# lc 0: layers 0 and 3 (full attention, 32 + 16 bytes/token); lc 1: layer 1 (window);
+# lc 2: layer 2 (ssm, 24 bytes).  slot_bytes: 192, 64, 24 -> 280 per slot set.
+LAYERS = [
+    AttentionLayer(0, 32),
+    AttentionLayer(1, 16, window=8, sink_tokens=1),
+    SsmLayer(2, 24),
+    AttentionLayer(3, 16),
+]
+PER = 280
+SHAPES = {0: (2, 2, 2), 1: (2, 2), 2: (2, 3), 3: (4,)}
+GPU, HOST, DISK = 0, 1, 2
+
+
+def config(tmp_path, gpu=6, host=5, disk=7) -> KVCacheManagerConfig:
+    tiers = [Tier("gpu", gpu * PER)]
+    if host:
+        tiers.append(Tier("host", host * PER))
+    if disk:
+        tiers.append(Tier("disk", disk * PER, path=str(tmp_path / "pool")))
+    return KVCacheManagerConfig(tokens_per_block=B, layers=LAYERS, tiers=tiers)
+
+
+@pytest.fixture
+def plane(tmp_path):
+    with DataPlane(config(tmp_path), shapes=SHAPES) as p:
+        fill(p)
+        yield p
+
+
+def fill(p: DataPlane) -> None:
+    """Distinct bytes everywhere, so every copy is visible."""
+    for t, row in enumerate(p.pools):
+        for lc, pool in enumerate(row):
+            n = pool.numel()
+            pool.view(-1).copy_((torch.arange(n) * 7 + t * 31 + lc * 101) % 251)
+
+
+def snapshot(p: DataPlane) -> list[list[torch.Tensor]]:
+    return [[pool.clone() for pool in row] for row in p.pools]
+
+
+def sequential(p: DataPlane, state: list[list[torch.Tensor]], ops) -> None:
+    """The meaning of ``apply``: one op at a time, in order."""
+    for op in ops:
+        state[op.dst_tier][op.lc][op.dst_slot] = state[op.src_tier][op.lc][op.src_slot].clone()
+
+
+def same(p: DataPlane, state) -> bool:
+    return all(torch.equal(a.cpu(), b.cpu()) for ra, rb in zip(p.pools, state, strict=True)
+               for a, b in zip(ra, rb, strict=True))
+
+
+def test_pools_follow_the_config(plane):
+    assert plane.tier_kinds == ("gpu", "host", "disk")
+    for t, n in enumerate((6, 5, 7)):
+        assert [tuple(pool.shape) for pool in plane.pools[t]] == [(n, 192), (n, 64), (n, 24)]
+        assert all(pool.dtype == torch.uint8 for pool in plane.pools[t])
+    assert plane.pool("gpu", 0).device == torch.device("cpu")
+    assert [plane.lc_of(i) for i in range(4)] == [0, 1, 2, 0]
+
+
+def test_layer_views_follow_the_documented_byte_layout(plane):
+    # lc 0 slot: layer 0 (B tokens x 32 bytes), then layer 3 (B x 16), token-major
+    k0, k3 = plane.kv(0), plane.kv(3)
+    assert tuple(k0.shape) == (6, B, 2, 2, 2) and tuple(k3.shape) == (6, B, 4)
+    assert k0.dtype == torch.float32
+    k0.zero_()
+    k3.zero_()
+    k0[2, 1] = 1.5
+    k3[4, 3, 2] = -2.0
+    raw = plane.pool("gpu", 0)
+    assert torch.equal(raw[2, 32:64].view(torch.float32), torch.full((8,), 1.5))
+    assert torch.equal(raw[4, 128 + 3 * 16 + 8:128 + 3 * 16 + 12].view(torch.float32), torch.tensor([-2.0]))
+    assert int(raw.view(torch.float32).count_nonzero()) == 8 + 1  # nothing else written
+    s = plane.state(2, "host")
+    assert tuple(s.shape) == (5, 2, 3)
+    s[1] = 3.0
+    assert torch.equal(plane.pool("host", 2)[1].view(torch.float32), torch.full((6,), 3.0))
+    with pytest.raises(ValueError):
+        plane.kv(2)  # an ssm layer
+    with pytest.raises(ValueError):
+        plane.state(0)
+    with pytest.raises(ValueError):
+        plane.kv(9)
+
+
+def test_shapes_must_match_the_config(tmp_path):
+    with pytest.raises(ValueError):
+        DataPlane(config(tmp_path, host=0, disk=0), shapes={0: (3,)})
+    with pytest.raises(ValueError):
+        DataPlane(config(tmp_path, host=0, disk=0), shapes={7: (1,)})
+
+
+def test_apply_moves_whole_slots_between_every_pair_of_tiers(plane):
+    ops = [
+        CopyOp(0, GPU, 1, HOST, 0, "offload"),
+        CopyOp(1, HOST, 2, DISK, 6, "offload"),
+        CopyOp(2, DISK, 3, GPU, 0, "onboard"),
+        CopyOp(0, HOST, 4, GPU, 5, "onboard"),
+        CopyOp(0, GPU, 2, GPU, 3, "cow"),
+        CopyOp(2, GPU, 5, GPU, 4, "snapshot"),
+    ]
+    state = snapshot(plane)
+    sequential(plane, state, ops)
+    assert plane.apply(ops) == len(ops)
+    assert same(plane, state)
+    assert plane.copies == {"offload": 2, "onboard": 2, "cow": 1, "snapshot": 1}
+    assert plane.copy_bytes["offload"] == 192 + 64
+    assert plane.routes == {"gpu->host": 1, "host->disk": 1, "disk->gpu": 1, "host->gpu": 1, "gpu->gpu": 2}
+
+
+def test_independent_ops_run_as_one_batch(plane):
+    ops = [CopyOp(lc, GPU, s, HOST, s, "offload") for lc in (0, 1) for s in range(5)]
+    ops += [CopyOp(0, DISK, s, GPU, 5, "onboard") for s in (0,)]
+    state = snapshot(plane)
+    sequential(plane, state, ops)
+    plane.apply(ops)
+    assert same(plane, state)
+    assert plane.runs == 1
+    assert plane.kernel_calls == 3  # one gather + scatter per (src tier, dst tier, lc)
+
+
+def test_swaps_and_chains_keep_sequential_semantics(plane):
+    """A slot freed by one op is the destination of a later op in the same drain."""
+    ops = [
+        CopyOp(0, GPU, 0, HOST, 0, "offload"),  # swap gpu 0 <-> gpu 1 through host 0 ...
+        CopyOp(0, GPU, 1, GPU, 0, "cow"),
+        CopyOp(0, HOST, 0, GPU, 1, "onboard"),
+        CopyOp(1, GPU, 2, HOST, 3, "offload"),  # ... a chain gpu 2 -> host 3 -> disk 4
+        CopyOp(1, HOST, 3, DISK, 4, "offload"),
+        CopyOp(1, DISK, 1, GPU, 2, "onboard"),  # ... and the freed gpu 2 refilled
+    ]
+    before = snapshot(plane)
+    state = snapshot(plane)
+    sequential(plane, state, ops)
+    plane.apply(ops)
+    assert same(plane, state)
+    assert torch.equal(plane.pool("gpu", 0)[0], before[GPU][0][1])
+    assert torch.equal(plane.pool("gpu", 0)[1], before[GPU][0][0])
+    assert torch.equal(plane.pool("disk", 1)[4], before[GPU][1][2])
+    assert plane.runs < len(ops)  # still batched where it could be
+    assert DataPlane.runs_of(ops) == [ops[0:1], ops[1:2], ops[2:4], ops[4:6]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_drains_equal_sequential_execution(plane, seed):
+    rng = random.Random(seed)
+    n = {t: [len(pool) for pool in plane.pools[t]] for t in range(3)}
+    ops = []
+    for _ in range(rng.randint(1, 40)):
+        lc = rng.randrange(3)
+        st, dt = rng.randrange(3), rng.randrange(3)
+        ops.append(CopyOp(lc, st, rng.randrange(n[st][lc]), dt, rng.randrange(n[dt][lc]),
+                          rng.choice(["offload", "onboard", "cow", "snapshot"])))
+    state = snapshot(plane)
+    sequential(plane, state, ops)
+    plane.apply(ops)
+    assert same(plane, state)
+    assert plane.runs == len(DataPlane.runs_of(ops)) <= len(ops)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        CopyOp(0, GPU, 6, HOST, 0, "offload"),  # src slot out of range
+        CopyOp(0, GPU, 0, HOST, 5, "offload"),  # dst slot out of range
+        CopyOp(0, GPU, -1, HOST, 0, "offload"),
+        CopyOp(3, GPU, 0, HOST, 0, "offload"),  # unknown lc
+        CopyOp(0, GPU, 0, 3, 0, "offload"),  # unknown tier
+        CopyOp(0, -1, 0, GPU, 0, "onboard"),
+        CopyOp(0, GPU, 0, HOST, 0, "teleport"),  # unknown reason
+        CopyOp(0, GPU, 0.5, HOST, 0, "offload"),  # not an int
+        ("not", "an", "op"),
+    ],
+)
+def test_bad_ops_raise_before_anything_is_copied(plane, bad):
+    before = snapshot(plane)
+    with pytest.raises(ValueError):
+        plane.apply([CopyOp(0, GPU, 0, HOST, 0, "offload"), bad])
+    assert same(plane, before)
+    assert plane.runs == 0 and sum(plane.copies.values()) == 0
+
+
+def test_a_tier_the_config_lacks_is_unknown(tmp_path):
+    with DataPlane(config(tmp_path, disk=0)) as p:
+        with pytest.raises(ValueError):
+            p.apply([CopyOp(0, HOST, 0, DISK, 0, "offload")])
+        with pytest.raises(ValueError):
+            p.pool("disk", 0)
+
+
+def test_ops_as_json_lists(plane):
+    op = CopyOp(2, GPU, 1, HOST, 1, "offload")
+    state = snapshot(plane)
+    sequential(plane, state, [op])
+    plane.apply([op.to_json()])
+    assert same(plane, state)
+
+
+def test_disk_tier_is_a_file_under_its_path(tmp_path):
+    p = DataPlane(config(tmp_path), shapes=SHAPES)
+    files = sorted(os.listdir(tmp_path / "pool"))
+    assert len(files) == 3 and all(f.startswith("kvcm-pool-") for f in files)
+    p.state(2, "disk")[6] = 4.25
+    lc2 = next(f for f in files if f.endswith("-lc2.bin"))
+    raw = (tmp_path / "pool" / lc2).read_bytes()
+    assert len(raw) == 7 * 24
+    assert torch.equal(torch.frombuffer(bytearray(raw[6 * 24:]), dtype=torch.float32), torch.full((6,), 4.25))
+    p.close()
+    assert os.listdir(tmp_path / "pool") == []
+
+
+def test_import_kvcm_does_not_import_torch():
+    code = "import sys, kvcm, kvcm.dataplane, kvcm.engine; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_random_drains_on_the_engine_device(tmp_path):
+    """The gpu tier on ``KVCM_ENGINE_DEVICE`` (cuda under ci/gpu-check.sh; host pinned there)."""
+    from kvcm.engine import default_device
+
+    with DataPlane(config(tmp_path), device=default_device(), shapes=SHAPES) as p:
+        assert p.pool("gpu", 0).device.type == torch.device(default_device()).type
+        fill(p)
+        rng = random.Random(7)
+        for _ in range(10):
+            ops = []
+            for _ in range(30):
+                lc, st, dt = rng.randrange(3), rng.randrange(3), rng.randrange(3)
+                ops.append(CopyOp(lc, st, rng.randrange(len(p.pools[st][lc])), dt,
+                                  rng.randrange(len(p.pools[dt][lc])), "offload"))
+            state = snapshot(p)
+            sequential(p, state, ops)
+            p.apply(ops)
+            assert same(p, state)
