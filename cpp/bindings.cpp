@@ -418,6 +418,9 @@ void bind_radix_tree(nb::module_& m) {
 
 }  // namespace
 
+// cpp/manager_bindings.cpp
+void bind_manager(nb::module_& m);
+
 NB_MODULE(_kvcm_cpp, m) {
   m.doc() = "kvcm C++ core (nanobind bindings)";
 
@@ -480,4 +483,5 @@ NB_MODULE(_kvcm_cpp, m) {
       "Build details for `python -m kvcm info`.");
 
   bind_radix_tree(m);
+  bind_manager(m);
 }

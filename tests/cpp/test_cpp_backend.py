@@ -1,5 +1,5 @@
-"""The stage-1 cpp manager: shared config validation, same argument errors as the python
-backend, and NotImplementedError (never a fake value) for what is not ported yet."""
+"""The cpp manager: shared config validation, the same argument errors and results as the python
+backend, zero-copy page indices and token inputs (list, array, numpy)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,74 @@ def test_bad_arguments_raise_like_python(name, args, kw):
         ("check_invariants", ()),
     ],
 )
-def test_unported_methods_raise_not_implemented(name, args):
+def test_every_manager_method_matches_python(name, args):
+    from kvcm.ops import normalize
+
+    out = []
+    for backend in ("python", "cpp"):
+        m = kvcm.KVCacheManager(CFG, backend=backend)
+        warm = m.create_kv_cache([1, 2, 3, 4, 5, 6])
+        assert warm.resume() and warm.resize(8)
+        warm.commit([1, 2, 3, 4, 5, 6])
+        warm.close()
+        result = getattr(m, name)(*args)
+        out.append((normalize(result) if name != "create_kv_cache" else normalize(result.committed_tokens),
+                    normalize(m.snapshot())))
+    assert out[0] == out[1]
+
+
+def test_page_indices_into_writes_the_callers_buffer():
+    import array
+
+    np = pytest.importorskip("numpy")
     m = kvcm.KVCacheManager(CFG, backend="cpp")
-    with pytest.raises(NotImplementedError, match=rf"cpp backend: {name} is not implemented yet \(issue #3\)"):
-        getattr(m, name)(*args)
+    kv = m.create_kv_cache([1, 2, 3, 4, 5])
+    assert kv.resume() and kv.resize(9)
+    want = kv.page_indices(0)
+    buf = np.full(8, 77, dtype=np.int32)
+    assert kv.page_indices_into(0, buf) == len(want)
+    assert buf[: len(want)].tolist() == want and buf[len(want):].tolist() == [77] * (8 - len(want))
+    arr = array.array("i", [5] * 3)
+    assert kv.page_indices_into(0, arr) == 3 and arr.tolist() == want
+    short = np.full(2, 9, dtype=np.int32)
+    with pytest.raises(ValueError):
+        kv.page_indices_into(0, short)
+    assert short.tolist() == [9, 9]  # nothing written
+    with pytest.raises(ValueError):
+        kv.page_indices_into(0, np.zeros(8, dtype=np.int64))
+
+
+def test_token_inputs_array_numpy_list_agree():
+    import array
+
+    np = pytest.importorskip("numpy")
+    prompt = list(range(100, 111))
+    m = kvcm.KVCacheManager(CFG, backend="cpp")
+    kv = m.create_kv_cache(prompt)
+    assert kv.resume() and kv.resize(len(prompt))
+    kv.commit(np.array(prompt, dtype=np.int64))
+    kv.close()
+    for form in (prompt, array.array("i", prompt), np.array(prompt, dtype=np.int32)):
+        assert m.probe_reuse(form) == len(prompt)
+    with pytest.raises(ValueError):
+        m.probe_reuse(np.array([-1], dtype=np.int32))
+
+
+def test_closed_cache_keeps_its_properties_like_python():
+    from kvcm.ops import cache_props
+
+    digest = bytes(range(32))
+    prompt = [7, digest, 9, 10, 11, digest]
+    props = []
+    for backend in ("python", "cpp"):
+        m = kvcm.KVCacheManager(CFG, backend=backend)
+        kv = m.create_kv_cache(prompt, priority=70, id="a")
+        assert kv.resume() and kv.resize(8)
+        kv.commit(prompt)
+        kv.close()
+        kv.close()  # idempotent
+        props.append((cache_props(kv), kv.committed_tokens))
+        with pytest.raises(kvcm.ClosedError):
+            kv.resume()
+    assert props[0] == props[1]
+    assert props[1][1] == prompt

@@ -1,0 +1,1839 @@
+#include "core/manager.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <unordered_set>
+
+#include "core/block_keys.h"
+
+namespace kvcm {
+namespace {
+
+constexpr std::int64_t kGpu = 0;
+
+constexpr std::int64_t floordiv(std::int64_t a, std::int64_t b) noexcept {
+  std::int64_t q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+  return q;
+}
+constexpr std::int64_t ceildiv(std::int64_t a, std::int64_t b) noexcept { return -floordiv(-a, b); }
+
+enum Counter : int {
+  kReusedBlocks = 0,
+  kMissedBlocks,
+  kReusedTokens,
+  kAllocatedBlocks,
+  kOffloads,
+  kOffloadBytes,
+  kOnboards,
+  kOnboardBytes,
+  kDrops,
+  kDropBytes,
+  kCows,
+  kSnapshotsTaken,
+  kSnapshotsSkipped,
+  kNumCounters
+};
+constexpr const char* kCounterNames[kNumCounters] = {
+    "reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads",       "offload_bytes",
+    "onboards",      "onboard_bytes", "drops",         "drop_bytes",       "cows",           "snapshots_taken",
+    "snapshots_skipped"};
+constexpr std::size_t kHeader = 3;  // requests, query_tokens, reused_tokens
+
+const char* state_name(int s) {
+  switch (s) {
+    case 1: return "\"LOCKED\"";
+    case 2: return "\"HELD\"";
+    case 3: return "\"DROPPABLE\"";
+    default: return "null";
+  }
+}
+
+const char* status_name(ReqStatus s) {
+  switch (s) {
+    case ReqStatus::suspended: return "SUSPENDED";
+    case ReqStatus::active: return "ACTIVE";
+    default: return "CLOSED";
+  }
+}
+
+// ---- a tiny JSON writer
+void j_int(std::string& o, std::int64_t v) { o += std::to_string(v); }
+void j_bool(std::string& o, bool v) { o += v ? "true" : "false"; }
+void j_hex(std::string& o, const Digest& d) {
+  static constexpr char digits[] = "0123456789abcdef";
+  o += '"';
+  for (std::uint8_t b : d) {
+    o += digits[b >> 4];
+    o += digits[b & 15];
+  }
+  o += '"';
+}
+void j_str(std::string& o, const char* s) {
+  o += '"';
+  o += s;
+  o += '"';
+}
+void j_tok_plain(std::string& o, const TokenOut& t) {  // events: int or hex string
+  if (t.is_digest) {
+    j_hex(o, t.digest);
+  } else {
+    j_int(o, t.value);
+  }
+}
+void j_tok_snap(std::string& o, const TokenOut& t) {  // snapshot: int or {"digest": hex}
+  if (t.is_digest) {
+    o += "{\"digest\":";
+    j_hex(o, t.digest);
+    o += '}';
+  } else {
+    j_int(o, t.value);
+  }
+}
+
+}  // namespace
+
+// ====================================================================== pools
+
+std::int64_t Manager::Pool::take_slot() {
+  std::pop_heap(free_slots.begin(), free_slots.end(), std::greater<>());
+  const std::int64_t s = free_slots.back();
+  free_slots.pop_back();
+  return s;
+}
+
+void Manager::Pool::give_slot(std::int64_t slot) {
+  free_slots.push_back(slot);
+  std::push_heap(free_slots.begin(), free_slots.end(), std::greater<>());
+}
+
+void Manager::Pool::count(int state, std::int64_t delta) noexcept {
+  if (state == kLocked) {
+    locked += delta;
+  } else if (state == kHeld) {
+    held += delta;
+  } else if (state == kDroppable) {
+    droppable += delta;
+  }
+}
+
+// ====================================================================== construction
+
+Manager::Manager(ManagerConfig cfg)
+    : cfg_(std::move(cfg)),
+      B_(cfg_.tokens_per_block),
+      num_tiers_(static_cast<std::int64_t>(cfg_.slots.size())),
+      tree_(cfg_.tokens_per_block, [this] {
+        std::vector<LifeCycleSpec> specs;
+        for (const LcConfig& lc : cfg_.lcs) {
+          LifeCycleSpec s;
+          s.kind = lc.ssm ? LcKind::ssm : LcKind::attn;
+          if (!lc.ssm && lc.window >= 0) s.window = lc.window;
+          s.sinks = lc.ssm ? 0 : lc.sinks;
+          specs.push_back(s);
+        }
+        return specs;
+      }()) {
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    if (cfg_.lcs[static_cast<std::size_t>(lc)].ssm) {
+      if (ssm_lc_ < 0) ssm_lc_ = lc;
+    } else {
+      attn_lcs_.push_back(lc);
+    }
+  }
+  pools_.resize(static_cast<std::size_t>(num_tiers_));
+  for (std::int64_t t = 0; t < num_tiers_; ++t) {
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      Pool p;
+      p.tier = t;
+      p.lc = lc;
+      p.total = cfg_.slots[static_cast<std::size_t>(t)][static_cast<std::size_t>(lc)];
+      p.free_slots.reserve(static_cast<std::size_t>(p.total));
+      for (std::int64_t s = 0; s < p.total; ++s) p.free_slots.push_back(s);  // sorted = a valid heap
+      pools_[static_cast<std::size_t>(t)].push_back(std::move(p));
+    }
+  }
+  const std::size_t n = kHeader + static_cast<std::size_t>(nlc) * kNumCounters;
+  totals_.assign(n, 0);
+  iteration_.assign(n, 0);
+}
+
+// ====================================================================== tokens
+
+Tok Manager::intern(const TokenArg& t) {
+  if (t.digest == nullptr) return t.value;
+  Digest d;
+  std::memcpy(d.data(), t.digest, d.size());
+  auto it = digest_ids_.find(d);
+  if (it != digest_ids_.end()) return kDigestCode | it->second;
+  const auto id = static_cast<std::uint32_t>(digests_.size());
+  if (id >= kDigestCode) throw std::length_error("too many distinct digest tokens");
+  digests_.push_back(d);
+  digest_ids_.emplace(d, id);
+  return kDigestCode | id;
+}
+
+std::vector<Tok> Manager::intern_all(std::span<const TokenArg> tokens) {
+  std::vector<Tok> out;
+  out.reserve(tokens.size());
+  for (const TokenArg& t : tokens) out.push_back(intern(t));
+  return out;
+}
+
+std::vector<TokenArg> Manager::args(std::span<const Tok> codes) const {
+  std::vector<TokenArg> out(codes.size());
+  for (std::size_t i = 0; i < codes.size(); ++i) {
+    const Tok c = codes[i];
+    if (c & kDigestCode) {
+      out[i].digest = digests_[c & ~kDigestCode].data();
+    } else {
+      out[i].value = c;
+    }
+  }
+  return out;
+}
+
+std::span<const TokenArg> Manager::scratch_args(std::span<const Tok> codes) {
+  scratch_.resize(codes.size());
+  for (std::size_t i = 0; i < codes.size(); ++i) {
+    const Tok c = codes[i];
+    scratch_[i] = TokenArg{};
+    if (c & kDigestCode) {
+      scratch_[i].digest = digests_[c & ~kDigestCode].data();
+    } else {
+      scratch_[i].value = c;
+    }
+  }
+  return scratch_;
+}
+
+TokenOut Manager::decode(Tok c) const {
+  TokenOut t;
+  if (c & kDigestCode) {
+    t.is_digest = true;
+    t.digest = digests_[c & ~kDigestCode];
+  } else {
+    t.value = c;
+  }
+  return t;
+}
+
+std::vector<TokenOut> Manager::decode_all(std::span<const Tok> codes) const {
+  std::vector<TokenOut> out;
+  out.reserve(codes.size());
+  for (Tok c : codes) out.push_back(decode(c));
+  return out;
+}
+
+void Manager::append_bytes(std::vector<std::uint8_t>& out, Tok c) const {
+  if (c & kDigestCode) {
+    const Digest& d = digests_[c & ~kDigestCode];
+    out.insert(out.end(), d.begin(), d.end());
+  } else {
+    const std::uint8_t le[4] = {static_cast<std::uint8_t>(c), static_cast<std::uint8_t>(c >> 8),
+                                static_cast<std::uint8_t>(c >> 16), static_cast<std::uint8_t>(c >> 24)};
+    out.insert(out.end(), le, le + 4);
+  }
+}
+
+Digest Manager::block_key_of(const Digest& parent, std::span<const Tok> tokens) const {
+  std::vector<std::uint8_t> bytes;
+  bytes.reserve(tokens.size() * 4);
+  for (Tok c : tokens) append_bytes(bytes, c);
+  return block_key(parent, bytes);
+}
+
+std::vector<Digest> Manager::chain(const Digest& root, std::span<const Tok> tokens) const {
+  TokenBytes tb(static_cast<std::uint32_t>(B_));
+  tb.reserve(tokens.size());
+  for (Tok c : tokens) {
+    if (c & kDigestCode) {
+      const Digest& d = digests_[c & ~kDigestCode];
+      tb.append_digest(std::span<const std::uint8_t, kDigestTokenBytes>(d.data(), kDigestTokenBytes));
+    } else {
+      tb.append_int(c);
+    }
+  }
+  return chain_keys(root, tb);
+}
+
+// ====================================================================== tree bookkeeping
+
+NodeId Manager::new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal) {
+  const NodeId id = tree_.new_block(key, scratch_args(tokens), ordinal);
+  next_node_ = id + 1;
+  // forget entries of nodes the tree deleted (amortised: only when the table doubled)
+  if (node_info_.size() > 64 && node_info_.size() > 2 * tree_.num_nodes()) {
+    for (auto it = node_info_.begin(); it != node_info_.end();) {
+      if (!tree_.exists(it->first)) {
+        it = node_info_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  NodeInfo& info = node_info_[id];
+  info.tokens = std::make_shared<const std::vector<Tok>>(tokens.begin(), tokens.end());
+  info.ordinal = ordinal;
+  return id;
+}
+
+const Manager::NodeInfo& Manager::node_info(NodeId id) const {
+  auto it = node_info_.find(id);
+  if (it == node_info_.end()) throw NoSuchNode(id);
+  return it->second;
+}
+
+bool Manager::node_has_page(NodeId id) const {
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    if (tree_.page(id, lc) != kNoPage) return true;
+  }
+  return false;
+}
+
+NodeId Manager::root_for(const Digest& key) {
+  auto it = roots_.find(key);
+  if (it != roots_.end()) return it->second;
+  const NodeId id = tree_.root(key);
+  next_node_ = id + 1;
+  roots_.emplace(key, id);
+  NodeInfo& info = node_info_[id];
+  info.tokens = std::make_shared<const std::vector<Tok>>();
+  info.ordinal = -1;
+  return id;
+}
+
+// ====================================================================== pages
+
+Manager::Page& Manager::page(std::int64_t serial) {
+  auto it = pages_.find(serial);
+  if (it == pages_.end()) throw InternalErr("kvcm bug: no page " + std::to_string(serial));
+  return it->second;
+}
+
+Manager::Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
+                                 std::int64_t ordinal) {
+  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  const std::int64_t serial = next_page_++;
+  Page& p = pages_[serial];
+  p.serial = serial;
+  p.lc = lc;
+  p.tier = tier;
+  p.slot = pool.take_slot();
+  p.coverage = coverage;
+  p.priority = priority;
+  p.last_used = clock_;
+  p.ordinal = ordinal;
+  count(lc, kAllocatedBlocks);
+  return &p;
+}
+
+void Manager::unindex(Page& p) {
+  Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
+  pool.count(p.idx_state, -1);
+  if (p.idx_state == kHeld) {
+    pool.held_set.erase(p.idx_key);
+  } else if (p.idx_state == kDroppable) {
+    pool.droppable_set.erase(p.idx_key);
+  }
+  p.idx_state = kNone;
+}
+
+void Manager::index(Page& p) {
+  Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
+  p.idx_state = p.state();
+  p.idx_key = p.evict_key();
+  pool.count(p.idx_state, +1);
+  if (p.idx_state == kHeld) {
+    pool.held_set.insert(p.idx_key);
+  } else if (p.idx_state == kDroppable) {
+    pool.droppable_set.insert(p.idx_key);
+  }
+}
+
+void Manager::use(Page* p, bool active, std::int64_t priority) {
+  restate(*p, [&] {
+    if (active) {
+      ++p->locks;
+    } else {
+      ++p->holds;
+    }
+    p->last_used = clock_;
+    p->priority = std::max(p->priority, priority);
+  });
+}
+
+void Manager::unuse(Page* p, bool active) {
+  restate(*p, [&] {
+    if (active) {
+      --p->locks;
+    } else {
+      --p->holds;
+    }
+    p->last_used = clock_;
+  });
+  if (p->locks == 0 && p->holds == 0) {
+    if (p->node == kNoNode) {
+      free_page(p);
+    } else if (!tree_.is_attached(p->node)) {
+      free_orphan_page(p);
+    }
+  }
+}
+
+void Manager::set_active(Page* p, bool active) {
+  restate(*p, [&] {
+    if (active) {
+      --p->holds;
+      ++p->locks;
+    } else {
+      --p->locks;
+      ++p->holds;
+    }
+  });
+}
+
+void Manager::free_page(Page* p) {
+  unindex(*p);
+  pools_[static_cast<std::size_t>(p->tier)][static_cast<std::size_t>(p->lc)].give_slot(p->slot);
+  pages_.erase(p->serial);
+}
+
+// ====================================================================== eviction
+
+bool Manager::can_allocate(std::int64_t tier, std::int64_t lc, std::int64_t n, const std::int64_t* adjust) {
+  return capacity_of(tier, lc, adjust) >= n;
+}
+
+std::int64_t Manager::capacity_of(std::int64_t tier, std::int64_t lc, const std::int64_t* adjust) {
+  const Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  std::int64_t free = pool.nfree(), held = pool.held, droppable = pool.droppable;
+  if (adjust != nullptr && tier == kGpu) {
+    free = adjust[0];
+    held = adjust[1];
+    droppable = adjust[2];
+  }
+  if (tier == num_tiers_ - 1) return free + droppable;
+  return free + droppable + std::min(held, capacity_of(tier + 1, lc, nullptr));
+}
+
+Manager::Page* Manager::peek(Pool& pool, int state) {
+  std::set<EvictKey>& s = state == kHeld ? pool.held_set : pool.droppable_set;
+  if (s.empty()) return nullptr;
+  return &page(std::get<3>(*s.begin()));
+}
+
+Manager::Page* Manager::victim(Pool& pool) {
+  Page* h = peek(pool, kHeld);
+  Page* d = peek(pool, kDroppable);
+  if (h == nullptr) return d;
+  if (d == nullptr) return h;
+  return h->evict_key() < d->evict_key() ? h : d;
+}
+
+bool Manager::make_room(std::int64_t tier, std::int64_t lc) {
+  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  if (pool.nfree()) return true;
+  Page* v = victim(pool);
+  if (v == nullptr) return false;
+  if (tier < num_tiers_ - 1) {
+    if (make_room(tier + 1, lc)) {
+      if (pool.nfree()) return true;  // a drop down there removed a subtree and freed a slot here
+      move(v, tier + 1, "offload");
+      return true;
+    }
+    if (v->state() == kHeld) {
+      v = peek(pool, kDroppable);
+      if (v == nullptr) return false;
+    }
+  } else if (v->state() == kHeld) {
+    v = peek(pool, kDroppable);
+    if (v == nullptr) return false;
+  }
+  drop(v);
+  return true;
+}
+
+void Manager::move(Page* p, std::int64_t dst, const char* reason) {
+  Pool& dst_pool = pools_[static_cast<std::size_t>(dst)][static_cast<std::size_t>(p->lc)];
+  const std::int64_t old_tier = p->tier, old_slot = p->slot;
+  const std::int64_t new_slot = dst_pool.take_slot();
+  unindex(*p);
+  pools_[static_cast<std::size_t>(old_tier)][static_cast<std::size_t>(p->lc)].give_slot(old_slot);
+  p->tier = dst;
+  p->slot = new_slot;
+  index(*p);
+  copy_ops_.push_back(CopyOpC{p->lc, old_tier, old_slot, dst, new_slot, reason});
+  const std::int64_t nbytes = cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes;
+  const bool off = std::strcmp(reason, "offload") == 0;
+  count(p->lc, off ? kOffloads : kOnboards);
+  count(p->lc, off ? kOffloadBytes : kOnboardBytes, nbytes);
+  if (p->node != kNoNode && tree_.is_attached(p->node)) {
+    EventC e;
+    e.kind = EventKind::tier_changed;
+    e.id = event_id();
+    e.key = tree_.key(p->node);
+    e.lc = p->lc;
+    e.old_tier = old_tier;
+    e.new_tier = dst;
+    emit(std::move(e));
+  }
+}
+
+void Manager::drop(Page* p) {
+  if (p->state() != kDroppable) throw InternalErr("kvcm bug: drop of a non-DROPPABLE page");
+  count(p->lc, kDrops);
+  count(p->lc, kDropBytes, cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes);
+  unlink_committed(p);
+  free_page(p);
+}
+
+void Manager::unlink_committed(Page* p) {
+  const NodeId node = p->node;
+  const std::int64_t lc = p->lc;
+  const Digest key = tree_.key(node);
+  const std::int64_t ordinal = node_info(node).ordinal;
+  unlink_from_node(p);
+  emit_removed(key, lc);
+  const LcConfig& life = cfg_.lcs[static_cast<std::size_t>(lc)];
+  const bool full = !life.ssm && life.window < 0;
+  if (full || (!life.ssm && ordinal < ceildiv(life.sinks, B_))) {
+    const NodeId parent = tree_.parent(node);
+    retire_nodes(tree_.remove_subtree(node), true);
+    if (parent != kNoNode) tree_.prune_upward(parent);
+  } else {
+    tree_.prune_upward(node);
+  }
+}
+
+void Manager::unlink_from_node(Page* p) {
+  const NodeId node = p->node;
+  restate(*p, [&] { p->node = kNoNode; });
+  tree_.clear_page(node, p->lc);  // may delete a dead orphan node
+}
+
+void Manager::retire_nodes(const std::vector<NodeId>& ids, bool announce) {
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  for (NodeId nid : ids) {
+    if (!tree_.exists(nid)) continue;
+    const Digest key = tree_.key(nid);
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      if (!tree_.exists(nid)) break;  // deleted with its last page: nothing left
+      const PageHandle h = tree_.page(nid, lc);
+      if (h == kNoPage) continue;
+      if (announce) emit_removed(key, lc);
+      Page* pg = &page(h);
+      if (pg->locks == 0 && pg->holds == 0) {
+        count(lc, kDrops);
+        count(lc, kDropBytes, cfg_.lcs[static_cast<std::size_t>(lc)].slot_bytes);
+        free_orphan_page(pg);
+      }
+    }
+    tree_.collect(nid);
+  }
+}
+
+void Manager::free_orphan_page(Page* p) {
+  unlink_from_node(p);
+  free_page(p);
+}
+
+void Manager::drop_all_droppable() {
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (auto& tier_pools : pools_) {
+      for (Pool& pool : tier_pools) {
+        while (Page* p = peek(pool, kDroppable)) {
+          drop(p);
+          progress = true;
+        }
+      }
+    }
+  }
+}
+
+// ====================================================================== copy ops, events, stats
+
+void Manager::copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason) {
+  copy_ops_.push_back(CopyOpC{lc, src->tier, src->slot, dst->tier, dst->slot, reason});
+}
+
+void Manager::emit(EventC e) {
+  if (cfg_.max_events == 0) {
+    ++events_dropped_;
+    return;
+  }
+  if (static_cast<std::int64_t>(events_.size()) >= cfg_.max_events) {
+    events_.pop_front();
+    ++events_dropped_;
+  }
+  events_.push_back(std::move(e));
+}
+
+void Manager::emit_removed(const Digest& key, std::int64_t lc) {
+  EventC e;
+  e.kind = EventKind::removed;
+  e.id = event_id();
+  e.key = key;
+  e.lc = lc;
+  emit(std::move(e));
+}
+
+void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
+  if (lcs.empty()) return;
+  const NodeInfo& info = node_info(nid);
+  EventC e;
+  e.kind = EventKind::stored;
+  const NodeId parent = tree_.parent(nid);
+  if (parent != kNoNode) {
+    e.has_parent = true;
+    e.parent_key = tree_.key(parent);
+  }
+  e.key = tree_.key(nid);
+  e.tokens = info.tokens;
+  e.blocks.reserve(lcs.size());
+  for (std::int64_t lc : lcs) {
+    const Page& p = page(tree_.page(nid, lc));
+    StoredBlockC b;
+    b.lc = lc;
+    b.tier = p.tier;
+    b.priority = p.priority;
+    e.blocks.push_back(std::move(b));
+  }
+  e.partial = static_cast<std::int64_t>(info.tokens->size()) < B_;
+  e.id = event_id();
+  emit(std::move(e));
+}
+
+void Manager::count(std::int64_t lc, int counter, std::int64_t n) {
+  const std::size_t i = kHeader + static_cast<std::size_t>(lc) * kNumCounters + static_cast<std::size_t>(counter);
+  totals_[i] += n;
+  iteration_[i] += n;
+}
+
+void Manager::record_match(std::int64_t n_query, std::int64_t m) {
+  for (std::vector<std::int64_t>* c : {&totals_, &iteration_}) {
+    (*c)[0] += 1;
+    (*c)[1] += n_query;
+    (*c)[2] += m;
+    for (std::int64_t lc : attn_lcs_) {
+      const std::size_t base = kHeader + static_cast<std::size_t>(lc) * kNumCounters;
+      (*c)[base + kReusedTokens] += m;
+      (*c)[base + kReusedBlocks] += ceildiv(m, B_);
+      (*c)[base + kMissedBlocks] += ceildiv(n_query, B_) - ceildiv(m, B_);
+    }
+  }
+}
+
+void Manager::stats_view(std::string& o, const std::vector<std::int64_t>& c) const {
+  o += "{\"requests\":";
+  j_int(o, c[0]);
+  o += ",\"query_tokens\":";
+  j_int(o, c[1]);
+  o += ",\"reused_tokens\":";
+  j_int(o, c[2]);
+  o += ",\"lc\":[";
+  const std::size_t nlc = cfg_.lcs.size();
+  for (std::size_t lc = 0; lc < nlc; ++lc) {
+    if (lc) o += ',';
+    o += '{';
+    for (int k = 0; k < kNumCounters; ++k) {
+      if (k) o += ',';
+      j_str(o, kCounterNames[k]);
+      o += ':';
+      j_int(o, c[kHeader + lc * kNumCounters + static_cast<std::size_t>(k)]);
+    }
+    o += '}';
+  }
+  o += "],\"tiers\":[";
+  for (std::size_t t = 0; t < pools_.size(); ++t) {
+    if (t) o += ',';
+    o += "{\"kind\":";
+    j_str(o, cfg_.tier_kinds[t].c_str());
+    o += ",\"lc\":[";
+    for (std::size_t lc = 0; lc < nlc; ++lc) {
+      const Pool& p = pools_[t][lc];
+      if (lc) o += ',';
+      o += "{\"total\":";
+      j_int(o, p.total);
+      o += ",\"free\":";
+      j_int(o, p.nfree());
+      o += ",\"locked\":";
+      j_int(o, p.locked);
+      o += ",\"held\":";
+      j_int(o, p.held);
+      o += ",\"droppable\":";
+      j_int(o, p.droppable);
+      o += '}';
+    }
+    o += "]}";
+  }
+  o += "],\"events_dropped\":";
+  j_int(o, events_dropped_);
+  o += '}';
+}
+
+// ====================================================================== manager calls
+
+std::int64_t Manager::create(std::span<const TokenArg> tokens_in, std::optional<std::uint64_t> lora,
+                             std::optional<std::uint64_t> salt, std::int64_t priority) {
+  if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
+  std::vector<Tok> tokens = intern_all(tokens_in);
+  tick();
+  const std::int64_t serial = next_request_++;
+  Request& r = requests_[serial];
+  r.serial = serial;
+  r.lora = lora;
+  r.salt = salt;
+  r.priority = priority;
+  r.root_key = scope_root_key(lora, salt);
+  r.root = root_for(r.root_key);
+  const auto n = static_cast<std::int64_t>(tokens.size());
+  const std::int64_t nfull = n / B_;
+  r.keys = chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(nfull * B_)));
+  std::int64_t m = 0;
+  std::vector<NodeId> path;
+  if (!tokens.empty()) {
+    MatchResult mr =
+        tree_.match(r.root, scratch_args(tokens), r.keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+    m = mr.m;
+    path = std::move(mr.path);
+  }
+  r.tokens.assign(tokens.begin(), tokens.begin() + m);
+  r.reused = m;
+  r.capacity = m;
+  r.history = m;
+  r.blocks = path;
+  for (NodeId nid : path) tree_.ref(nid);
+  r.pages.assign(cfg_.lcs.size(), {});
+  for (std::int64_t lc : attn_lcs_) r.pages[static_cast<std::size_t>(lc)].assign(path.size(), -1);
+  for (std::int64_t lc : attn_lcs_) {
+    const auto [lo, hi] = stale_range(lc, m);
+    for (std::size_t j = 0; j < path.size(); ++j) {
+      const auto jj = static_cast<std::int64_t>(j);
+      if (lo <= jj && jj < hi) continue;
+      Page* p = &page(tree_.page(path[j], lc));
+      use(p, false, priority);
+      r.pages[static_cast<std::size_t>(lc)][j] = p->serial;
+    }
+  }
+  if (ssm_lc_ >= 0 && m > 0) {
+    Page* s = &page(tree_.page(path.back(), ssm_lc_));
+    r.snap = s->serial;
+    use(s, false, priority);
+  }
+  r.cow_block = m % B_ ? m / B_ : -1;
+  r.input_tokens = std::move(tokens);
+  record_match(n, m);
+  return serial;
+}
+
+std::pair<std::int64_t, std::int64_t> Manager::probe(std::span<const TokenArg> tokens_in,
+                                                     std::optional<std::uint64_t> lora,
+                                                     std::optional<std::uint64_t> salt) {
+  const Digest root_key = scope_root_key(lora, salt);
+  auto it = roots_.find(root_key);
+  if (it == roots_.end() || tokens_in.empty()) return {0, 0};
+  // encode without interning (a probe has no side effect)
+  TokenBytes tb(static_cast<std::uint32_t>(B_));
+  const auto n = static_cast<std::int64_t>(tokens_in.size());
+  const std::int64_t nfull = n / B_ * B_;
+  tb.reserve(static_cast<std::size_t>(nfull));
+  for (std::int64_t i = 0; i < nfull; ++i) {
+    const TokenArg& t = tokens_in[static_cast<std::size_t>(i)];
+    if (t.digest != nullptr) {
+      tb.append_digest(std::span<const std::uint8_t, kDigestTokenBytes>(t.digest, kDigestTokenBytes));
+    } else {
+      tb.append_int(t.value);
+    }
+  }
+  const std::vector<Digest> keys = chain_keys(root_key, tb);
+  const MatchResult mr = tree_.match(it->second, tokens_in, keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+  return {mr.m, mr.m_before_ssm};
+}
+
+std::vector<CopyOpC> Manager::drain_copy_ops() {
+  std::vector<CopyOpC> out;
+  out.swap(copy_ops_);
+  return out;
+}
+
+void Manager::clear_reusable() {
+  tick();
+  drop_all_droppable();
+  EventC e;
+  e.kind = EventKind::cleared;
+  e.id = event_id();
+  emit(std::move(e));
+}
+
+void Manager::shutdown() {
+  if (!requests_.empty()) {
+    throw InvalidStateErr("shutdown needs every cache closed; " + std::to_string(requests_.size()) + " still open");
+  }
+  if (is_shutdown_) return;
+  tick();
+  drop_all_droppable();
+  is_shutdown_ = true;
+}
+
+std::string Manager::stats_json(bool take_iteration) {
+  std::string o;
+  if (take_iteration) {
+    stats_view(o, iteration_);
+    std::fill(iteration_.begin(), iteration_.end(), 0);
+  } else {
+    stats_view(o, totals_);
+  }
+  return o;
+}
+
+std::vector<EventC> Manager::take_events() {
+  std::vector<EventC> out(std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
+  events_.clear();
+  return out;
+}
+
+// ====================================================================== requests
+
+Manager::Request& Manager::req(std::int64_t serial) {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("call on a closed cache");
+  return it->second;
+}
+
+const Manager::Request& Manager::req(std::int64_t serial) const {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("call on a closed cache");
+  return it->second;
+}
+
+void Manager::require_status(std::int64_t serial, ReqStatus status, const char* what) const {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr(std::string(what) + "() on a closed cache");
+  require(it->second, status, what);
+}
+
+void Manager::require(const Request& r, ReqStatus s, const char* what) {
+  if (r.status != s) {
+    throw InvalidStateErr(std::string(what) + "() needs a " + status_name(s) + " cache, this one is " +
+                          status_name(r.status));
+  }
+}
+
+RequestInfo Manager::info(std::int64_t serial) const {
+  const Request& r = req(serial);
+  RequestInfo i;
+  i.status = r.status;
+  i.stopped = r.stopped;
+  i.capacity = r.capacity;
+  i.history = r.history;
+  i.num_committed = static_cast<std::int64_t>(r.tokens.size());
+  i.reused = r.reused;
+  i.priority = r.priority;
+  return i;
+}
+
+std::vector<TokenOut> Manager::committed_tokens(std::int64_t serial) const { return decode_all(req(serial).tokens); }
+
+std::pair<std::int64_t, std::int64_t> Manager::stale_range(std::int64_t lc, std::int64_t history) const {
+  const LcConfig& l = cfg_.lcs[static_cast<std::size_t>(lc)];
+  if (l.ssm || l.window < 0) return {0, 0};
+  const std::int64_t nsink = ceildiv(l.sinks, B_);
+  return {nsink, std::max(nsink, floordiv(history + 1 - l.window, B_))};
+}
+
+std::int64_t Manager::page_at(const Request& r, std::int64_t lc, std::int64_t i) const {
+  const auto& v = r.pages[static_cast<std::size_t>(lc)];
+  return i < static_cast<std::int64_t>(v.size()) ? v[static_cast<std::size_t>(i)] : -1;
+}
+
+std::vector<Manager::Page*> Manager::used_pages(Request& r) {
+  std::vector<Page*> out;
+  for (std::int64_t lc : attn_lcs_) {
+    for (std::int64_t s : r.pages[static_cast<std::size_t>(lc)]) {
+      if (s >= 0) out.push_back(&page(s));
+    }
+  }
+  if (r.snap >= 0) out.push_back(&page(r.snap));
+  if (r.live >= 0) out.push_back(&page(r.live));
+  return out;
+}
+
+std::vector<Manager::Page*> Manager::cow_sources(Request& r) {
+  std::vector<Page*> out;
+  if (r.cow_block >= 0) {
+    for (std::int64_t lc : attn_lcs_) {
+      const std::int64_t s = page_at(r, lc, r.cow_block);
+      if (s >= 0) out.push_back(&page(s));
+    }
+  }
+  if (r.snap >= 0) out.push_back(&page(r.snap));
+  return out;
+}
+
+void Manager::ensure_room(std::int64_t tier, std::int64_t lc) {
+  if (!make_room(tier, lc)) throw InternalErr("kvcm bug: a feasibility check passed but eviction found no slot");
+}
+
+Manager::Page* Manager::alloc_private(Request& r, std::int64_t lc, std::int64_t coverage, std::int64_t ordinal) {
+  ensure_room(kGpu, lc);
+  Page* p = new_page(kGpu, lc, coverage, r.priority, ordinal);
+  use(p, r.status == ReqStatus::active, r.priority);
+  return p;
+}
+
+bool Manager::resume(std::int64_t serial) {
+  Request& r = req(serial);
+  require(r, ReqStatus::suspended, "resume");
+  const std::vector<Page*> used = used_pages(r);
+  const std::vector<Page*> cows = cow_sources(r);
+  const std::size_t nlc = cfg_.lcs.size();
+  std::vector<std::int64_t> need(nlc, 0), locked_after(nlc), held_gpu(nlc);
+  for (std::size_t lc = 0; lc < nlc; ++lc) {
+    locked_after[lc] = pools_[0][lc].locked;
+    held_gpu[lc] = pools_[0][lc].held;
+  }
+  for (Page* p : used) {
+    const auto lc = static_cast<std::size_t>(p->lc);
+    if (p->tier != kGpu) {
+      ++need[lc];
+    } else if (p->locks == 0) {
+      --held_gpu[lc];
+    }
+    if (p->locks == 0 && std::find(cows.begin(), cows.end(), p) == cows.end()) ++locked_after[lc];
+  }
+  if (ssm_lc_ >= 0 && r.live < 0) {
+    ++need[static_cast<std::size_t>(ssm_lc_)];
+    ++locked_after[static_cast<std::size_t>(ssm_lc_)];
+  }
+  for (Page* p : cows) {
+    if (p->lc != ssm_lc_) {
+      ++need[static_cast<std::size_t>(p->lc)];
+      ++locked_after[static_cast<std::size_t>(p->lc)];
+    }
+  }
+  const double limit = cfg_.max_util_for_resume;
+  for (std::size_t lc = 0; lc < nlc; ++lc) {
+    const Pool& pool = pools_[0][lc];
+    if (static_cast<double>(locked_after[lc]) > limit * static_cast<double>(pool.total)) return false;
+    const std::int64_t adjust[3] = {pool.nfree(), held_gpu[lc], pool.droppable};
+    if (!can_allocate(kGpu, static_cast<std::int64_t>(lc), need[lc], adjust)) return false;
+  }
+
+  tick();
+  r.status = ReqStatus::active;
+  for (Page* p : used) {
+    if (p->tier == kGpu) set_active(p, true);
+  }
+  for (Page* p : used) {
+    if (p->tier != kGpu) {
+      ensure_room(kGpu, p->lc);
+      move(p, kGpu, "onboard");
+      set_active(p, true);
+    }
+  }
+  if (ssm_lc_ >= 0 && r.live < 0) {
+    r.live = alloc_private(r, ssm_lc_, 0, static_cast<std::int64_t>(r.tokens.size()) / B_)->serial;
+  }
+  if (r.cow_block >= 0 || r.snap >= 0) copy_on_write(r);
+  return true;
+}
+
+void Manager::copy_on_write(Request& r) {
+  const std::int64_t j = r.cow_block;
+  if (j >= 0) {
+    const std::int64_t covered = static_cast<std::int64_t>(r.tokens.size()) - j * B_;
+    for (std::int64_t lc : attn_lcs_) {
+      const std::int64_t s = page_at(r, lc, j);
+      if (s < 0) continue;
+      Page* dst = alloc_private(r, lc, covered, j);
+      Page* src = &page(s);
+      copy(lc, src, dst, "cow");
+      count(lc, kCows);
+      r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->serial;
+      unuse(src, true);
+    }
+    tree_.unref(r.blocks[static_cast<std::size_t>(j)]);
+    r.blocks[static_cast<std::size_t>(j)] = kNoNode;
+    r.cow_block = -1;
+  }
+  if (r.snap >= 0) {
+    Page* snap = &page(r.snap);
+    copy(ssm_lc_, snap, &page(r.live), "cow");
+    count(ssm_lc_, kCows);
+    unuse(snap, true);
+    r.snap = -1;
+  }
+}
+
+void Manager::suspend(std::int64_t serial) {
+  Request& r = req(serial);
+  require(r, ReqStatus::active, "suspend");
+  tick();
+  for (Page* p : used_pages(r)) set_active(p, false);
+  r.status = ReqStatus::suspended;
+}
+
+bool Manager::resize(std::int64_t serial, std::int64_t capacity, std::optional<std::int64_t> history_arg) {
+  Request& r = req(serial);
+  require(r, ReqStatus::active, "resize");
+  const std::int64_t history = history_arg ? *history_arg : r.history;
+  const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
+  if (capacity < ncommitted) {
+    throw ValueErr("capacity " + std::to_string(capacity) + " is below the " + std::to_string(ncommitted) +
+                   " committed tokens");
+  }
+  if (history < r.history) {
+    throw ValueErr("history_length " + std::to_string(history) + " is below the current history " +
+                   std::to_string(r.history));
+  }
+  if (history > capacity) {
+    throw ValueErr("capacity " + std::to_string(capacity) + " is below history_length " + std::to_string(history));
+  }
+  const std::int64_t nb = ceildiv(capacity, B_);
+  std::vector<std::pair<std::int64_t, std::int64_t>> releases, allocs;
+  for (std::int64_t lc : attn_lcs_) {
+    const auto [lo, hi] = stale_range(lc, history);
+    const auto& pages = r.pages[static_cast<std::size_t>(lc)];
+    for (std::size_t i = 0; i < pages.size(); ++i) {
+      const auto ii = static_cast<std::int64_t>(i);
+      if (pages[i] >= 0 && (ii >= nb || (lo <= ii && ii < hi))) releases.emplace_back(lc, ii);
+    }
+    for (std::int64_t i = 0; i < nb; ++i) {
+      if ((i >= static_cast<std::int64_t>(pages.size()) || pages[static_cast<std::size_t>(i)] < 0) &&
+          !(lo <= i && i < hi)) {
+        allocs.emplace_back(lc, i);
+      }
+    }
+  }
+  for (std::int64_t lc : attn_lcs_) {
+    std::int64_t n = 0;
+    for (const auto& a : allocs) n += a.first == lc;
+    if (!n) continue;
+    const Pool& pool = pools_[0][static_cast<std::size_t>(lc)];
+    std::int64_t adjust[3] = {pool.nfree(), pool.held, pool.droppable};
+    for (const auto& [rlc, i] : releases) {
+      if (rlc != lc) continue;
+      const Page& p = page(page_at(r, rlc, i));
+      if (p.locks != 1) continue;
+      if (p.node == kNoNode || !tree_.is_attached(p.node)) {
+        adjust[0] += p.holds == 0 ? 1 : 0;
+        adjust[1] += p.holds ? 1 : 0;
+      } else if (p.holds) {
+        adjust[1] += 1;
+      } else {
+        adjust[2] += 1;
+      }
+    }
+    if (!can_allocate(kGpu, lc, n, adjust)) return false;
+  }
+
+  tick();
+  r.capacity = capacity;
+  r.history = history;
+  for (const auto& [lc, i] : releases) {
+    Page* p = &page(page_at(r, lc, i));
+    r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = -1;
+    unuse(p, true);
+  }
+  for (std::int64_t lc : attn_lcs_) r.pages[static_cast<std::size_t>(lc)].resize(static_cast<std::size_t>(nb), -1);
+  for (const auto& [lc, i] : allocs) {
+    const std::int64_t s = alloc_private(r, lc, 0, i)->serial;
+    r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = s;
+  }
+  return true;
+}
+
+void Manager::commit(std::int64_t serial, std::span<const TokenArg> tokens_in) {
+  Request& r = req(serial);
+  require(r, ReqStatus::active, "commit");
+  if (r.stopped) throw InvalidStateErr("commit after stop_committing()");
+  const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
+  const auto nnew = static_cast<std::int64_t>(tokens_in.size());
+  if (ncommitted + nnew > r.capacity) {
+    throw ValueErr("commit of " + std::to_string(nnew) + " tokens exceeds capacity " + std::to_string(r.capacity) +
+                   " (" + std::to_string(ncommitted) + " committed)");
+  }
+  if (tokens_in.empty()) return;
+  const std::vector<Tok> toks = intern_all(tokens_in);
+  tick();
+  const std::int64_t old = ncommitted;
+  r.tokens.insert(r.tokens.end(), toks.begin(), toks.end());
+  const auto now = static_cast<std::int64_t>(r.tokens.size());
+  r.history = std::max(r.history, now);
+  for (std::int64_t lc : attn_lcs_) {
+    for (std::int64_t i = old / B_; i < ceildiv(now, B_); ++i) {
+      const std::int64_t s = page_at(r, lc, i);
+      if (s < 0) continue;
+      Page& p = page(s);
+      if (p.node == kNoNode) p.coverage = std::min(B_, now - i * B_);
+    }
+  }
+  for (std::int64_t i = old / B_; i < now / B_; ++i) {
+    const bool snapshot = ssm_lc_ >= 0 && i == now / B_ - 1 && now % B_ == 0;
+    // r.tokens does not change during insert_block, so a view of it is safe
+    const std::span<const Tok> block(r.tokens.data() + i * B_, static_cast<std::size_t>(B_));
+    insert_block(r, i, block, snapshot);
+  }
+  release_stale(r);
+}
+
+void Manager::release_stale(Request& r) {
+  const bool active = r.status == ReqStatus::active;
+  for (std::int64_t lc : attn_lcs_) {
+    const auto [lo, hi] = stale_range(lc, r.history);
+    auto& pages = r.pages[static_cast<std::size_t>(lc)];
+    const std::int64_t end = std::min(hi, static_cast<std::int64_t>(pages.size()));
+    for (std::int64_t i = lo; i < end; ++i) {
+      const std::int64_t s = pages[static_cast<std::size_t>(i)];
+      if (s >= 0) {
+        pages[static_cast<std::size_t>(i)] = -1;
+        unuse(&page(s), active);
+      }
+    }
+  }
+}
+
+void Manager::stop_committing(std::int64_t serial) {
+  Request& r = req(serial);
+  if (r.stopped) return;
+  tick();
+  stop(r);
+}
+
+std::vector<TokenOut> ClosedTokens::decode() const {
+  std::vector<TokenOut> out(codes.size());
+  for (std::size_t i = 0; i < codes.size(); ++i) {
+    const Tok c = codes[i];
+    if (c & kDigestCode) {
+      out[i].is_digest = true;
+      for (const auto& [code, d] : digests) {
+        if (code == c) {
+          out[i].digest = d;
+          break;
+        }
+      }
+    } else {
+      out[i].value = c;
+    }
+  }
+  return out;
+}
+
+ClosedTokens Manager::close(std::int64_t serial) {
+  ClosedTokens out;
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) return out;
+  Request& r = it->second;
+  tick();
+  if (!r.stopped) stop(r);
+  const bool active = r.status == ReqStatus::active;
+  for (Page* p : used_pages(r)) unuse(p, active);
+  r.live = r.snap = -1;
+  for (auto& v : r.pages) v.clear();
+  for (NodeId nid : r.blocks) {
+    if (nid != kNoNode) tree_.unref(nid);
+  }
+  r.blocks.clear();
+  r.status = ReqStatus::closed;
+  out.closed_now = true;
+  out.capacity = r.capacity;
+  out.history = r.history;
+  out.num_committed = static_cast<std::int64_t>(r.tokens.size());
+  out.reused = r.reused;
+  out.priority = r.priority;
+  out.codes = std::move(r.tokens);
+  for (Tok c : out.codes) {
+    if (!(c & kDigestCode)) continue;
+    bool seen = false;
+    for (const auto& [code, d] : out.digests) seen = seen || code == c;
+    if (!seen) out.digests.emplace_back(c, digests_[c & ~kDigestCode]);
+  }
+  requests_.erase(it);
+  return out;
+}
+
+std::vector<std::int32_t> Manager::page_indices(std::int64_t serial, std::int64_t lc) {
+  Request& r = req(serial);
+  require(r, ReqStatus::active, "page_indices");
+  std::vector<std::int32_t> out;
+  if (lc == ssm_lc_) {
+    out.push_back(static_cast<std::int32_t>(page(r.live).slot));
+    return out;
+  }
+  const std::int64_t nb = ceildiv(r.capacity, B_);
+  out.reserve(static_cast<std::size_t>(nb));
+  for (std::int64_t i = 0; i < nb; ++i) {
+    const std::int64_t s = page_at(r, lc, i);
+    out.push_back(s >= 0 ? static_cast<std::int32_t>(page(s).slot) : -1);
+  }
+  return out;
+}
+
+Digest Manager::key_for(Request& r, std::int64_t i, std::span<const Tok> tokens) {
+  const Digest parent = i > 0 ? tree_.key(r.blocks[static_cast<std::size_t>(i - 1)]) : r.root_key;
+  if (static_cast<std::int64_t>(tokens.size()) == B_ && i < static_cast<std::int64_t>(r.keys.size()) &&
+      (i == 0 || r.keys[static_cast<std::size_t>(i - 1)] == parent) &&
+      static_cast<std::int64_t>(r.input_tokens.size()) >= (i + 1) * B_ &&
+      std::equal(tokens.begin(), tokens.end(), r.input_tokens.begin() + i * B_)) {
+    return r.keys[static_cast<std::size_t>(i)];  // same parent key and tokens: the hash done at create
+  }
+  return block_key_of(parent, tokens);
+}
+
+NodeId Manager::parent_for(Request& r, std::int64_t i) {
+  if (i == 0) return r.root;
+  if (tree_.is_attached(r.blocks[static_cast<std::size_t>(i - 1)])) return r.blocks[static_cast<std::size_t>(i - 1)];
+  std::int64_t k = i - 1;
+  while (k >= 0 && !tree_.is_attached(r.blocks[static_cast<std::size_t>(k)])) --k;
+  NodeId parent = k < 0 ? r.root : r.blocks[static_cast<std::size_t>(k)];
+  for (std::int64_t j = k + 1; j < i; ++j) {
+    const NodeId orphan = r.blocks[static_cast<std::size_t>(j)];
+    const NodeInfo info = node_info(orphan);  // a copy: attach may prune the table
+    const NodeId existing = tree_.find_existing(parent, tree_.key(orphan), scratch_args(*info.tokens));
+    if (existing != kNoNode) {
+      switch_block(r, j, orphan, existing);
+    } else {
+      attach(parent, orphan);
+    }
+    parent = r.blocks[static_cast<std::size_t>(j)];
+  }
+  return parent;
+}
+
+void Manager::switch_block(Request& r, std::int64_t j, NodeId orphan, NodeId existing) {
+  std::vector<std::int64_t> gained;
+  for (std::int64_t lc : attn_lcs_) {
+    const std::int64_t s = page_at(r, lc, j);
+    if (s < 0) continue;
+    Page* p = &page(s);
+    if (p->node != orphan || tree_.coverage(existing, lc) >= p->coverage) continue;
+    install(existing, lc, p, gained);
+  }
+  tree_.ref(existing);
+  r.blocks[static_cast<std::size_t>(j)] = existing;
+  tree_.unref(orphan);
+  emit_stored(existing, gained);
+}
+
+void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained) {
+  if (p->node != kNoNode) {  // moving from an orphan block
+    const NodeId old_node = p->node;
+    p->node = kNoNode;
+    tree_.set_page(old_node, lc, kNoPage, 0);
+  }
+  const PageHandle old = tree_.set_page(nid, lc, p->serial, p->coverage);
+  if (p->locks || p->holds) {
+    p->node = nid;  // a used page: its state does not depend on the node
+  } else {
+    restate(*p, [&] { p->node = nid; });
+  }
+  if (old == kNoPage) {
+    gained.push_back(lc);
+    return;
+  }
+  Page* q = &page(old);
+  restate(*q, [&] { q->node = kNoNode; });
+  if (q->tier != p->tier) {
+    EventC e;
+    e.kind = EventKind::tier_changed;
+    e.id = event_id();
+    e.key = tree_.key(nid);
+    e.lc = lc;
+    e.old_tier = q->tier;
+    e.new_tier = p->tier;
+    emit(std::move(e));
+  }
+  if (q->locks == 0 && q->holds == 0) free_page(q);
+}
+
+void Manager::attach(NodeId parent, NodeId nid) {
+  const std::vector<NodeId> siblings = tree_.attach(parent, nid);
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  std::vector<std::vector<std::int64_t>> had(siblings.size());
+  auto sib_index = [&](NodeId id) -> std::int64_t {
+    for (std::size_t k = 0; k < siblings.size(); ++k) {
+      if (siblings[k] == id) return static_cast<std::int64_t>(k);
+    }
+    return -1;
+  };
+  for (std::size_t k = 0; k < siblings.size(); ++k) {
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      const PageHandle h = tree_.page(siblings[k], lc);
+      if (h != kNoPage && page(h).node == siblings[k]) had[k].push_back(lc);
+    }
+  }
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    const PageHandle h = tree_.page(nid, lc);
+    if (h == kNoPage) continue;
+    const std::int64_t k = sib_index(page(h).node);
+    if (k >= 0) {
+      auto& v = had[static_cast<std::size_t>(k)];
+      if (std::find(v.begin(), v.end(), lc) == v.end()) v.push_back(lc);
+    }
+  }
+  for (std::size_t k = 0; k < siblings.size(); ++k) {
+    std::vector<std::int64_t> lcs = had[k];
+    std::sort(lcs.begin(), lcs.end());
+    const Digest key = tree_.key(siblings[k]);
+    for (std::int64_t lc : lcs) emit_removed(key, lc);
+  }
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    const PageHandle h = tree_.page(nid, lc);
+    if (h != kNoPage) page(h).node = nid;
+    for (NodeId sid : siblings) {
+      const PageHandle hs = tree_.page(sid, lc);
+      if (hs != kNoPage) page(hs).node = sid;
+    }
+  }
+  retire_nodes(siblings, false);
+  std::vector<std::int64_t> lcs;
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    if (tree_.page(nid, lc) != kNoPage) lcs.push_back(lc);
+  }
+  emit_stored(nid, lcs);
+}
+
+void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot) {
+  const auto ntok = static_cast<std::int64_t>(tokens.size());
+  const Digest key = key_for(r, i, tokens);
+  NodeId parent = parent_for(r, i);
+  std::vector<TokenArg> a = args(tokens);
+  NodeId existing = tree_.find_existing(parent, key, a);
+  Page* snap = nullptr;
+  const std::int64_t ssm = ssm_lc_;
+  if (want_snapshot && (existing == kNoNode || tree_.coverage(existing, ssm) < ntok)) {
+    Page* live = page_ptr(r.live);
+    if (live == nullptr || live->tier != kGpu || !make_room(kGpu, ssm)) {
+      count(ssm, kSnapshotsSkipped);
+    } else {
+      snap = new_page(kGpu, ssm, ntok, r.priority, i);
+      copy(ssm, &page(r.live), snap, "snapshot");
+      count(ssm, kSnapshotsTaken);
+      // eviction may have pruned this request's chain or the existing block
+      parent = parent_for(r, i);
+      existing = tree_.find_existing(parent, key, a);
+    }
+  }
+  const bool active = r.status == ReqStatus::active;
+  if (existing == kNoNode) {
+    const NodeId nid = new_block(key, tokens, i);
+    for (std::int64_t lc : attn_lcs_) {
+      const std::int64_t s = page_at(r, lc, i);
+      if (s < 0) continue;
+      Page& p = page(s);
+      p.coverage = ntok;
+      tree_.set_page(nid, lc, p.serial, ntok);
+      p.node = nid;  // a used page: its state does not depend on the node
+    }
+    if (snap != nullptr) {
+      tree_.set_page(nid, ssm, snap->serial, ntok);
+      restate(*snap, [&] { snap->node = nid; });
+    }
+    tree_.ref(nid);
+    set_block(r, i, nid);
+    if (node_has_page(nid)) {
+      attach(parent, nid);
+    } else {
+      tree_.prune_upward(parent);  // a re-attached chain must not stay childless
+    }
+    return;
+  }
+  std::vector<std::int64_t> gained;
+  for (std::int64_t lc : attn_lcs_) {
+    const std::int64_t s = page_at(r, lc, i);
+    if (s < 0) continue;
+    Page* p = &page(s);
+    p->coverage = ntok;
+    const PageHandle qh = tree_.page(existing, lc);
+    if (qh == kNoPage || tree_.coverage(existing, lc) < ntok) {
+      install(existing, lc, p, gained);
+    } else {
+      Page* q = &page(qh);
+      if (q->tier == kGpu) {  // switch to the tree's page; its index changes
+        use(q, active, r.priority);
+        r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = q->serial;
+        unuse(p, active);
+      }
+      // else: keep our page privately (freed at close)
+    }
+  }
+  if (snap != nullptr) install(existing, ssm, snap, gained);
+  tree_.ref(existing);
+  set_block(r, i, existing);
+  emit_stored(existing, gained);
+}
+
+void Manager::set_block(Request& r, std::int64_t i, NodeId nid) {
+  const auto ii = static_cast<std::size_t>(i);
+  if (ii < r.blocks.size()) {
+    if (r.blocks[ii] != kNoNode) tree_.unref(r.blocks[ii]);
+    r.blocks[ii] = nid;
+  } else {
+    r.blocks.resize(ii, kNoNode);
+    r.blocks.push_back(nid);
+  }
+}
+
+void Manager::stop(Request& r) {
+  r.stopped = true;
+  const auto n = static_cast<std::int64_t>(r.tokens.size());
+  const std::int64_t tail = n % B_;
+  const std::int64_t i = n / B_;
+  if (!tail || !cfg_.enable_partial_reuse || r.cow_block == i) return;
+  const std::vector<Tok> block(r.tokens.begin() + i * B_, r.tokens.end());
+  insert_block(r, i, block, ssm_lc_ >= 0);
+}
+
+// ====================================================================== observability
+
+std::string Manager::snapshot_json() {
+  std::string o;
+  o.reserve(4096);
+  o += "{\"clock\":";
+  j_int(o, clock_);
+  o += ",\"tree\":[";
+  bool first = true;
+  for (const NodeDump& d : tree_.dump()) {
+    if (!first) o += ',';
+    first = false;
+    o += "{\"id\":";
+    j_int(o, d.id);
+    o += ",\"key\":";
+    j_hex(o, d.key);
+    o += ",\"parent\":";
+    if (d.parent == kNoNode) {
+      o += "null";
+    } else {
+      j_int(o, d.parent);
+    }
+    o += ",\"attached\":";
+    j_bool(o, d.attached);
+    o += ",\"root\":";
+    j_bool(o, d.is_root);
+    o += ",\"ordinal\":";
+    j_int(o, d.ordinal);
+    o += ",\"tokens\":[";
+    for (std::size_t k = 0; k < d.tokens.size(); ++k) {
+      if (k) o += ',';
+      j_tok_snap(o, d.tokens[k]);
+    }
+    o += "],\"children\":[";
+    for (std::size_t k = 0; k < d.children.size(); ++k) {
+      if (k) o += ',';
+      j_int(o, d.children[k]);
+    }
+    o += "],\"refs\":";
+    j_int(o, d.refs);
+    o += ",\"pages\":[";
+    for (std::size_t lc = 0; lc < d.pages.size(); ++lc) {
+      if (lc) o += ',';
+      if (d.pages[lc] == kNoPage) {
+        o += "null";
+      } else {
+        o += "{\"page\":";
+        j_int(o, d.pages[lc]);
+        o += ",\"coverage\":";
+        j_int(o, d.coverage[lc]);
+        o += '}';
+      }
+    }
+    o += "]}";
+  }
+  o += "],\"pages\":[";
+  std::vector<std::int64_t> serials;
+  serials.reserve(pages_.size());
+  for (const auto& [s, p] : pages_) serials.push_back(s);
+  std::sort(serials.begin(), serials.end());
+  first = true;
+  for (std::int64_t s : serials) {
+    const Page& p = pages_.at(s);
+    if (!first) o += ',';
+    first = false;
+    o += "{\"serial\":";
+    j_int(o, p.serial);
+    o += ",\"lc\":";
+    j_int(o, p.lc);
+    o += ",\"tier\":";
+    j_int(o, p.tier);
+    o += ",\"slot\":";
+    j_int(o, p.slot);
+    o += ",\"coverage\":";
+    j_int(o, p.coverage);
+    o += ",\"state\":";
+    o += state_name(p.state());
+    o += ",\"priority\":";
+    j_int(o, p.priority);
+    o += ",\"last_used\":";
+    j_int(o, p.last_used);
+    o += ",\"ordinal\":";
+    j_int(o, p.ordinal);
+    o += ",\"node\":";
+    if (p.node == kNoNode) {
+      o += "null";
+    } else {
+      j_int(o, p.node);
+    }
+    o += ",\"locks\":";
+    j_int(o, p.locks);
+    o += ",\"holds\":";
+    j_int(o, p.holds);
+    o += '}';
+  }
+  o += "],\"pools\":[";
+  for (std::size_t t = 0; t < pools_.size(); ++t) {
+    if (t) o += ',';
+    o += '[';
+    for (std::size_t lc = 0; lc < pools_[t].size(); ++lc) {
+      const Pool& p = pools_[t][lc];
+      if (lc) o += ',';
+      o += "{\"total\":";
+      j_int(o, p.total);
+      o += ",\"free\":";
+      j_int(o, p.nfree());
+      o += ",\"free_slots\":[";
+      std::vector<std::int64_t> fs = p.free_slots;
+      std::sort(fs.begin(), fs.end());
+      for (std::size_t k = 0; k < fs.size(); ++k) {
+        if (k) o += ',';
+        j_int(o, fs[k]);
+      }
+      o += "]}";
+    }
+    o += ']';
+  }
+  o += "],\"requests\":[";
+  first = true;
+  for (const auto& [serial, r] : requests_) {
+    if (!first) o += ',';
+    first = false;
+    o += "{\"serial\":";
+    j_int(o, serial);
+    o += ",\"id\":null,\"status\":";
+    j_str(o, status_name(r.status));
+    o += ",\"scope\":[";
+    if (r.lora) {
+      o += std::to_string(*r.lora);
+    } else {
+      o += "null";
+    }
+    o += ',';
+    if (r.salt) {
+      o += std::to_string(*r.salt);
+    } else {
+      o += "null";
+    }
+    o += "],\"priority\":";
+    j_int(o, r.priority);
+    o += ",\"capacity\":";
+    j_int(o, r.capacity);
+    o += ",\"history_length\":";
+    j_int(o, r.history);
+    o += ",\"committed_tokens\":[";
+    for (std::size_t k = 0; k < r.tokens.size(); ++k) {
+      if (k) o += ',';
+      j_tok_snap(o, decode(r.tokens[k]));
+    }
+    o += "],\"reused_tokens\":";
+    j_int(o, r.reused);
+    o += ",\"stopped\":";
+    j_bool(o, r.stopped);
+    o += ",\"blocks\":[";
+    for (std::size_t k = 0; k < r.blocks.size(); ++k) {
+      if (k) o += ',';
+      if (r.blocks[k] == kNoNode) {
+        o += "null";
+      } else {
+        j_int(o, r.blocks[k]);
+      }
+    }
+    o += "],\"pages\":{";
+    bool f2 = true;
+    for (std::int64_t lc : attn_lcs_) {
+      if (!f2) o += ',';
+      f2 = false;
+      o += '"';
+      j_int(o, lc);
+      o += "\":[";
+      const auto& v = r.pages[static_cast<std::size_t>(lc)];
+      for (std::size_t k = 0; k < v.size(); ++k) {
+        if (k) o += ',';
+        if (v[k] < 0) {
+          o += "null";
+        } else {
+          j_int(o, v[k]);
+        }
+      }
+      o += ']';
+    }
+    o += "},\"live\":";
+    if (r.live < 0) {
+      o += "null";
+    } else {
+      j_int(o, r.live);
+    }
+    o += ",\"snap\":";
+    if (r.snap < 0) {
+      o += "null";
+    } else {
+      j_int(o, r.snap);
+    }
+    o += ",\"cow_block\":";
+    j_int(o, r.cow_block);
+    o += '}';
+  }
+  o += "],\"stats\":";
+  stats_view(o, totals_);
+  o += ",\"iteration_stats\":";
+  stats_view(o, iteration_);
+  o += ",\"copy_ops\":[";
+  for (std::size_t k = 0; k < copy_ops_.size(); ++k) {
+    const CopyOpC& c = copy_ops_[k];
+    if (k) o += ',';
+    o += '[';
+    j_int(o, c.lc);
+    o += ',';
+    j_int(o, c.src_tier);
+    o += ',';
+    j_int(o, c.src_slot);
+    o += ',';
+    j_int(o, c.dst_tier);
+    o += ',';
+    j_int(o, c.dst_slot);
+    o += ',';
+    j_str(o, c.reason);
+    o += ']';
+  }
+  o += "],\"events\":[";
+  for (std::size_t k = 0; k < events_.size(); ++k) {
+    const EventC& e = events_[k];
+    if (k) o += ',';
+    o += "{\"event_id\":";
+    j_int(o, e.id);
+    switch (e.kind) {
+      case EventKind::stored:
+        o += ",\"kind\":\"stored\",\"parent_key\":";
+        if (e.has_parent) {
+          j_hex(o, e.parent_key);
+        } else {
+          o += "null";
+        }
+        o += ",\"partial\":";
+        j_bool(o, e.partial);
+        o += ",\"blocks\":[";
+        for (std::size_t b = 0; b < e.blocks.size(); ++b) {
+          const StoredBlockC& sb = e.blocks[b];
+          if (b) o += ',';
+          o += '[';
+          j_hex(o, e.key);
+          o += ',';
+          j_int(o, static_cast<std::int64_t>(e.tokens->size()));
+          o += ",[";
+          for (std::size_t t = 0; t < e.tokens->size(); ++t) {
+            if (t) o += ',';
+            j_tok_plain(o, decode((*e.tokens)[t]));
+          }
+          o += "],";
+          j_int(o, sb.lc);
+          o += ',';
+          j_int(o, sb.tier);
+          o += ',';
+          j_int(o, sb.priority);
+          o += ']';
+        }
+        o += ']';
+        break;
+      case EventKind::removed:
+        o += ",\"kind\":\"removed\",\"keys\":[";
+        j_hex(o, e.key);
+        o += "],\"lc\":";
+        j_int(o, e.lc);
+        break;
+      case EventKind::tier_changed:
+        o += ",\"kind\":\"tier_changed\",\"key\":";
+        j_hex(o, e.key);
+        o += ",\"lc\":";
+        j_int(o, e.lc);
+        o += ",\"old_tier\":";
+        j_int(o, e.old_tier);
+        o += ",\"new_tier\":";
+        j_int(o, e.new_tier);
+        break;
+      case EventKind::cleared:
+        o += ",\"kind\":\"cleared\"";
+        break;
+    }
+    o += '}';
+  }
+  o += "],\"events_dropped\":";
+  j_int(o, events_dropped_);
+  o += ",\"next\":{\"event\":";
+  j_int(o, next_event_);
+  o += ",\"page\":";
+  j_int(o, next_page_);
+  o += ",\"request\":";
+  j_int(o, next_request_);
+  o += ",\"node\":";
+  // the tree's next id: one past the largest id ever made (ids are never reused)
+  j_int(o, next_node_);
+  o += "},\"shutdown\":";
+  j_bool(o, is_shutdown_);
+  o += '}';
+  return o;
+}
+
+void Manager::check_invariants() {
+  const auto S = [](std::int64_t v) { return std::to_string(v); };
+  const std::size_t nlc = cfg_.lcs.size();
+  // --- pools
+  for (std::size_t t = 0; t < pools_.size(); ++t) {
+    for (std::size_t lc = 0; lc < nlc; ++lc) {
+      const Pool& pool = pools_[t][lc];
+      const std::string where = "pool(" + S(static_cast<std::int64_t>(t)) + "," + S(static_cast<std::int64_t>(lc)) + ")";
+      std::set<std::int64_t> free(pool.free_slots.begin(), pool.free_slots.end());
+      check(free.size() == pool.free_slots.size(), where + ": duplicate free slot");
+      std::vector<const Page*> used;
+      for (const auto& [s, p] : pages_) {
+        if (p.tier == static_cast<std::int64_t>(t) && p.lc == static_cast<std::int64_t>(lc)) used.push_back(&p);
+      }
+      std::set<std::int64_t> slots;
+      bool overlap = false, in_range = true;
+      for (const Page* p : used) {
+        slots.insert(p->slot);
+        if (free.count(p->slot)) overlap = true;
+        if (p->slot < 0 || p->slot >= pool.total) in_range = false;
+      }
+      for (std::int64_t s : free) {
+        if (s < 0 || s >= pool.total) in_range = false;
+      }
+      check(slots.size() == used.size(), where + ": two pages share a slot");
+      check(!overlap, where + ": a used slot is also free");
+      check(static_cast<std::int64_t>(free.size() + used.size()) == pool.total,
+            where + ": " + S(static_cast<std::int64_t>(free.size())) + " free + " +
+                S(static_cast<std::int64_t>(used.size())) + " used != " + S(pool.total));
+      check(in_range, where + ": slot out of range");
+      const std::pair<int, std::int64_t> counted[3] = {{kLocked, pool.locked}, {kHeld, pool.held}, {kDroppable, pool.droppable}};
+      for (const auto& [state, have] : counted) {
+        std::int64_t n = 0;
+        for (const Page* p : used) n += p->state() == state;
+        check(n == have, where + ": " + S(have) + " " + std::string(state_name(state)) + " counted, " + S(n) + " found");
+      }
+      // the eviction index holds exactly the HELD / DROPPABLE pages
+      std::size_t nh = 0, nd = 0;
+      for (const Page* p : used) {
+        nh += p->state() == kHeld;
+        nd += p->state() == kDroppable;
+      }
+      check(pool.held_set.size() == nh && pool.droppable_set.size() == nd, where + ": eviction index out of sync");
+    }
+  }
+  // --- page users, recomputed from the requests
+  std::unordered_map<std::int64_t, std::int64_t> locks, holds, refs;
+  for (auto& [serial, r] : requests_) {
+    const std::string rid = "request " + S(serial);
+    const auto nc = static_cast<std::int64_t>(r.tokens.size());
+    check(nc <= r.history && r.history <= r.capacity,
+          rid + ": committed " + S(nc) + " <= history " + S(r.history) + " <= capacity " + S(r.capacity));
+    const bool active = r.status == ReqStatus::active;
+    auto& target = active ? locks : holds;
+    std::vector<std::int64_t> used;
+    for (std::int64_t lc : attn_lcs_) {
+      for (std::int64_t s : r.pages[static_cast<std::size_t>(lc)]) {
+        if (s >= 0) used.push_back(s);
+      }
+    }
+    if (r.snap >= 0) used.push_back(r.snap);
+    if (r.live >= 0) used.push_back(r.live);
+    std::set<std::int64_t> uniq(used.begin(), used.end());
+    check(uniq.size() == used.size(), rid + ": uses a page twice");
+    for (std::int64_t s : used) {
+      check(pages_.count(s) != 0, rid + ": uses freed page " + S(s));
+      target[s] += 1;
+      if (active) check(pages_.at(s).tier == kGpu, rid + " is ACTIVE but page " + S(s) + " is on tier " + S(pages_.at(s).tier));
+    }
+    const std::int64_t nb = ceildiv(r.capacity, B_);
+    for (std::int64_t lc : attn_lcs_) {
+      const auto& v = r.pages[static_cast<std::size_t>(lc)];
+      check(static_cast<std::int64_t>(v.size()) <= std::max(nb, static_cast<std::int64_t>(r.blocks.size())),
+            rid + ": pages beyond capacity");
+      const auto [lo, hi] = stale_range(lc, r.history);
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        const auto ii = static_cast<std::int64_t>(i);
+        check(v[i] < 0 || !(lo <= ii && ii < hi),
+              rid + ": stale block " + S(ii) + " of lc " + S(lc) + " keeps a page");
+      }
+    }
+    if (active && ssm_lc_ >= 0) check(r.live >= 0, rid + ": ACTIVE without a live ssm state");
+    for (NodeId nid : r.blocks) {
+      if (nid != kNoNode) {
+        check(tree_.exists(nid), rid + ": references deleted block " + S(nid));
+        refs[nid] += 1;
+      }
+    }
+  }
+  const std::vector<NodeDump> dump = tree_.dump();
+  std::unordered_map<NodeId, const NodeDump*> nodes;
+  for (const NodeDump& d : dump) nodes[d.id] = &d;
+  for (const auto& [s, p] : pages_) {
+    const std::string pid = "page " + S(s);
+    const std::int64_t l = locks.count(s) ? locks[s] : 0;
+    const std::int64_t h = holds.count(s) ? holds[s] : 0;
+    check(p.locks == l, pid + ": " + S(p.locks) + " locks, " + S(l) + " users ACTIVE");
+    check(p.holds == h, pid + ": " + S(p.holds) + " holds, " + S(h) + " users SUSPENDED");
+    check(p.state() != kLocked || p.tier == kGpu, pid + ": LOCKED on tier " + S(p.tier));
+    check(p.idx_state == p.state(), pid + ": counted under a stale state");
+    if (p.node == kNoNode) {
+      check(p.locks + p.holds > 0, pid + ": private page without a user");
+    } else {
+      check(nodes.count(p.node) != 0, pid + ": block " + S(p.node) + " does not exist");
+      const NodeDump& n = *nodes[p.node];
+      check(n.pages[static_cast<std::size_t>(p.lc)] == s, pid + ": block " + S(p.node) + " does not hold it");
+      if (!n.attached) check(p.locks + p.holds > 0, pid + ": orphan block " + S(p.node) + " page without a user");
+    }
+  }
+  // --- tree links
+  for (const NodeDump& n : dump) {
+    const std::string bid = "block " + S(n.id);
+    const std::int64_t rf = refs.count(n.id) ? refs[n.id] : 0;
+    check(n.refs == rf, bid + ": " + S(n.refs) + " refs, " + S(rf) + " requests");
+    bool has_page = false;
+    for (std::size_t lc = 0; lc < nlc; ++lc) {
+      const PageHandle h = n.pages[lc];
+      if (h != kNoPage) {
+        has_page = true;
+        check(pages_.count(h) != 0 && pages_.at(h).node == n.id,
+              bid + ": page " + S(h) + " of lc " + S(static_cast<std::int64_t>(lc)) + " not linked back");
+        check(n.coverage[lc] > 0, bid + ": page with zero coverage");
+      } else {
+        check(n.coverage[lc] == 0, bid + ": coverage without a page");
+      }
+    }
+    for (NodeId c : n.children) {
+      check(nodes.count(c) != 0 && nodes[c]->parent == n.id, bid + ": child " + S(c) + " link broken");
+      check(static_cast<std::int64_t>(n.tokens.size()) == B_ || n.is_root, bid + ": a partial block has children");
+    }
+    if (n.is_root) continue;
+    bool expect_attached = false;
+    if (n.parent != kNoNode && nodes.count(n.parent)) {
+      const NodeDump& p = *nodes[n.parent];
+      expect_attached = p.attached && std::find(p.children.begin(), p.children.end(), n.id) != p.children.end();
+    }
+    check(n.attached == expect_attached, bid + ": attached flag " + (n.attached ? "True" : "False") +
+                                             " but links say " + (expect_attached ? "True" : "False"));
+    if (n.attached) {
+      check(!n.children.empty() || has_page, bid + ": attached with neither a child nor a page (prunable)");
+      check(n.ordinal == nodes[n.parent]->ordinal + 1,
+            bid + ": ordinal " + S(n.ordinal) + " under " + S(nodes[n.parent]->ordinal));
+    } else {
+      check(n.parent == kNoNode, bid + ": detached but has a parent");
+      check(n.refs > 0 || has_page, bid + ": dead orphan not deleted");
+    }
+  }
+}
+
+}  // namespace kvcm

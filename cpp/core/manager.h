@@ -1,0 +1,323 @@
+// The KV-cache manager core (SPEC sec. 4, 7, 8, 9, 11): pages, pools, eviction, requests,
+// copy ops, events and stats.  A faithful port of kvcm/python_backend/{manager,cache,pools,
+// observe}.py: the same algorithms with the same order of every side effect, so both
+// backends produce identical page indices, copy ops, events, stats and snapshots.
+//
+// Plain C++20, no Python types.  One Manager is not thread-safe by itself; the bindings
+// serialise calls with mutex() (taken after releasing the GIL).
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "core/radix_tree.h"
+#include "core/sha256.h"
+
+namespace kvcm {
+
+// ------------------------------------------------------------------ errors (kvcm.api types)
+class KvcmCoreError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+class InvalidStateErr : public KvcmCoreError {
+ public:
+  using KvcmCoreError::KvcmCoreError;
+};
+class ClosedErr : public KvcmCoreError {
+ public:
+  using KvcmCoreError::KvcmCoreError;
+};
+class InvariantErr : public KvcmCoreError {
+ public:
+  using KvcmCoreError::KvcmCoreError;
+};
+class ValueErr : public KvcmCoreError {
+ public:
+  using KvcmCoreError::KvcmCoreError;
+};
+// A kvcm bug (Python: AssertionError).
+class InternalErr : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+// ------------------------------------------------------------------ configuration
+struct LcConfig {
+  bool ssm = false;
+  std::int64_t window = -1;  // -1: full attention (attention only)
+  std::int64_t sinks = 0;
+  std::int64_t slot_bytes = 0;
+};
+
+struct ManagerConfig {
+  std::int64_t tokens_per_block = 1;
+  std::vector<LcConfig> lcs;
+  std::vector<std::vector<std::int64_t>> slots;  // [tier][lc]
+  std::vector<std::string> tier_kinds;
+  bool enable_partial_reuse = true;
+  std::int64_t reuse_match_backoff = 0;
+  double max_util_for_resume = 1.0;
+  std::int64_t max_events = 10000;
+};
+
+// A token code: ints as themselves (< 2**31), digests as kDigestCode | interned id.
+using Tok = std::uint32_t;
+inline constexpr Tok kDigestCode = 0x80000000u;
+
+enum class ReqStatus : int { suspended = 0, active = 1, closed = 2 };
+
+struct CopyOpC {
+  std::int64_t lc, src_tier, src_slot, dst_tier, dst_slot;
+  const char* reason;
+};
+
+struct StoredBlockC {  // key and tokens are the event's (one block, several life cycles)
+  std::int64_t lc = 0, tier = 0, priority = 0;
+};
+
+enum class EventKind { stored, removed, tier_changed, cleared };
+
+struct EventC {
+  EventKind kind = EventKind::cleared;
+  std::int64_t id = 0;
+  // stored
+  bool has_parent = false;
+  Digest parent_key{};
+  std::vector<StoredBlockC> blocks;
+  // token codes of the stored block (Manager::decode_tokens), shared with the tree node
+  std::shared_ptr<const std::vector<std::uint32_t>> tokens;
+  bool partial = false;
+  // stored / removed / tier_changed
+  Digest key{};
+  std::int64_t lc = 0, old_tier = 0, new_tier = 0;
+};
+
+// The committed tokens of a cache that was just closed (moved out, not copied): the
+// Python layer keeps them so a closed cache still answers committed_tokens.
+struct ClosedTokens {
+  bool closed_now = false;  // false: the cache was already closed (nothing else is set)
+  std::int64_t capacity = 0, history = 0, num_committed = 0, reused = 0, priority = 0;
+  std::vector<std::uint32_t> codes;
+  std::vector<std::pair<std::uint32_t, Digest>> digests;  // the digest of each digest code used
+  std::vector<TokenOut> decode() const;
+};
+
+struct RequestInfo {
+  ReqStatus status = ReqStatus::suspended;
+  bool stopped = false;
+  std::int64_t capacity = 0, history = 0, num_committed = 0, reused = 0, priority = 0;
+};
+
+class Manager {
+ public:
+  explicit Manager(ManagerConfig cfg);
+
+  std::mutex& mutex() noexcept { return mutex_; }
+
+  // ---------------------------------------------------------------- manager calls
+  // Validated arguments only (the Python layer checks them first).
+  std::int64_t create(std::span<const TokenArg> tokens, std::optional<std::uint64_t> lora,
+                      std::optional<std::uint64_t> salt, std::int64_t priority);
+  std::pair<std::int64_t, std::int64_t> probe(std::span<const TokenArg> tokens, std::optional<std::uint64_t> lora,
+                                              std::optional<std::uint64_t> salt);
+  std::vector<CopyOpC> drain_copy_ops();
+  void clear_reusable();
+  void shutdown();
+  bool is_shutdown() const noexcept { return is_shutdown_; }
+  std::size_t num_open() const noexcept { return requests_.size(); }
+  std::string stats_json(bool take_iteration);
+  std::vector<EventC> take_events();
+  std::string snapshot_json();
+  void check_invariants();
+
+  // ---------------------------------------------------------------- request calls (by serial)
+  RequestInfo info(std::int64_t serial) const;
+  // InvalidStateErr unless the cache is in `status` (what: the call's name, for the message).
+  void require_status(std::int64_t serial, ReqStatus status, const char* what) const;
+  std::vector<TokenOut> committed_tokens(std::int64_t serial) const;
+  bool resume(std::int64_t serial);
+  void suspend(std::int64_t serial);
+  bool resize(std::int64_t serial, std::int64_t capacity, std::optional<std::int64_t> history);
+  void commit(std::int64_t serial, std::span<const TokenArg> tokens);
+  void stop_committing(std::int64_t serial);
+  ClosedTokens close(std::int64_t serial);
+  std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc);
+  std::size_t num_life_cycles() const noexcept { return cfg_.lcs.size(); }
+  // Token codes (as in EventC::tokens) to tokens; call under the same lock as the core.
+  std::vector<TokenOut> decode_tokens(std::span<const std::uint32_t> codes) const { return decode_all(codes); }
+
+ private:
+  enum State : int { kNone = 0, kLocked = 1, kHeld = 2, kDroppable = 3 };
+  using EvictKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+
+  struct Page {
+    std::int64_t serial = 0, lc = 0, tier = 0, slot = 0, coverage = 0, priority = 0, last_used = 0, ordinal = 0;
+    NodeId node = kNoNode;
+    std::int64_t locks = 0, holds = 0;
+    int idx_state = kNone;  // the state this page is counted/indexed under in its pool
+    EvictKey idx_key{};
+    int state() const noexcept {
+      if (locks) return kLocked;
+      if (holds) return kHeld;
+      if (node != kNoNode) return kDroppable;
+      return kNone;
+    }
+    EvictKey evict_key() const noexcept { return {priority, last_used, -ordinal, serial}; }
+  };
+
+  struct Pool {
+    std::int64_t tier = 0, lc = 0, total = 0;
+    std::vector<std::int64_t> free_slots;  // min-heap (std::greater)
+    std::int64_t locked = 0, held = 0, droppable = 0;
+    std::set<EvictKey> held_set, droppable_set;
+    std::int64_t nfree() const noexcept { return static_cast<std::int64_t>(free_slots.size()); }
+    std::int64_t take_slot();
+    void give_slot(std::int64_t slot);
+    void count(int state, std::int64_t delta) noexcept;
+  };
+
+  struct Request {
+    std::int64_t serial = 0;
+    Digest root_key{};
+    NodeId root = kNoNode;
+    std::optional<std::uint64_t> lora, salt;
+    std::int64_t priority = 0;
+    ReqStatus status = ReqStatus::suspended;
+    bool stopped = false;
+    std::vector<Tok> input_tokens;
+    std::vector<Digest> keys;
+    std::vector<Tok> tokens;
+    std::int64_t reused = 0, capacity = 0, history = 0;
+    std::vector<NodeId> blocks;
+    std::vector<std::vector<std::int64_t>> pages;  // [lc][ordinal] page serial or -1 (attention lcs)
+    std::int64_t live = -1, snap = -1;
+    std::int64_t cow_block = -1;
+  };
+
+  struct NodeInfo {
+    std::shared_ptr<const std::vector<Tok>> tokens;  // immutable; shared with stored events
+    std::int64_t ordinal = -1;
+  };
+
+  // --- helpers: tokens
+  Tok intern(const TokenArg& t);
+  std::vector<Tok> intern_all(std::span<const TokenArg> tokens);
+  std::vector<TokenArg> args(std::span<const Tok> codes) const;
+  // args() into a reused buffer: valid until the next scratch_args() call (no nesting).
+  std::span<const TokenArg> scratch_args(std::span<const Tok> codes);
+  TokenOut decode(Tok t) const;
+  std::vector<TokenOut> decode_all(std::span<const Tok> codes) const;
+  void append_bytes(std::vector<std::uint8_t>& out, Tok t) const;
+  Digest block_key_of(const Digest& parent, std::span<const Tok> tokens) const;
+  std::vector<Digest> chain(const Digest& root, std::span<const Tok> tokens) const;
+
+  // --- tree bookkeeping
+  NodeId new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal);
+  const NodeInfo& node_info(NodeId id) const;
+  bool node_has_page(NodeId id) const;
+  NodeId root_for(const Digest& key);
+
+  // --- requests
+  Request& req(std::int64_t serial);
+  const Request& req(std::int64_t serial) const;
+  static void require(const Request& r, ReqStatus s, const char* what);
+  std::pair<std::int64_t, std::int64_t> stale_range(std::int64_t lc, std::int64_t history) const;
+  std::vector<Page*> used_pages(Request& r);
+  std::vector<Page*> cow_sources(Request& r);
+  void ensure_room(std::int64_t tier, std::int64_t lc);
+  Page* alloc_private(Request& r, std::int64_t lc, std::int64_t coverage, std::int64_t ordinal);
+  void copy_on_write(Request& r);
+  Digest key_for(Request& r, std::int64_t i, std::span<const Tok> tokens);
+  NodeId parent_for(Request& r, std::int64_t i);
+  void switch_block(Request& r, std::int64_t j, NodeId orphan, NodeId existing);
+  void install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained);
+  void attach(NodeId parent, NodeId nid);
+  void insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot);
+  void set_block(Request& r, std::int64_t i, NodeId nid);
+  void stop(Request& r);
+  void release_stale(Request& r);
+  std::int64_t page_at(const Request& r, std::int64_t lc, std::int64_t i) const;
+
+  // --- pages
+  std::int64_t tick() { return ++clock_; }
+  Page& page(std::int64_t serial);
+  Page* page_ptr(std::int64_t serial) { return serial < 0 ? nullptr : &page(serial); }
+  Page* new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
+                 std::int64_t ordinal);
+  void use(Page* p, bool active, std::int64_t priority);
+  void unuse(Page* p, bool active);
+  void set_active(Page* p, bool active);
+  void unindex(Page& p);
+  void index(Page& p);
+  template <typename F>
+  void restate(Page& p, F change) {
+    unindex(p);
+    change();
+    index(p);
+  }
+  void free_page(Page* p);
+  bool can_allocate(std::int64_t tier, std::int64_t lc, std::int64_t n, const std::int64_t* adjust);
+  std::int64_t capacity_of(std::int64_t tier, std::int64_t lc, const std::int64_t* adjust);
+  bool make_room(std::int64_t tier, std::int64_t lc);
+  Page* peek(Pool& pool, int state);
+  Page* victim(Pool& pool);
+  void move(Page* p, std::int64_t dst, const char* reason);
+  void drop(Page* p);
+  void unlink_committed(Page* p);
+  void unlink_from_node(Page* p);
+  void retire_nodes(const std::vector<NodeId>& ids, bool announce);
+  void free_orphan_page(Page* p);
+  void drop_all_droppable();
+
+  // --- copy ops, events, stats
+  void copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason);
+  void emit(EventC e);
+  std::int64_t event_id() { return next_event_++; }
+  void emit_removed(const Digest& key, std::int64_t lc);
+  void emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs);
+  void count(std::int64_t lc, int counter, std::int64_t n = 1);
+  void record_match(std::int64_t n_query, std::int64_t m);
+  void stats_view(std::string& out, const std::vector<std::int64_t>& counters) const;
+  void check(bool cond, const std::string& message) const {
+    if (!cond) throw InvariantErr(message);
+  }
+
+  ManagerConfig cfg_;
+  std::int64_t B_;
+  std::int64_t num_tiers_;
+  std::vector<std::int64_t> attn_lcs_;
+  std::int64_t ssm_lc_ = -1;
+  std::vector<std::vector<Pool>> pools_;  // [tier][lc]
+  RadixTree tree_;
+  std::unordered_map<NodeId, NodeInfo> node_info_;  // tokens/ordinal of tree nodes (lazily pruned)
+  std::unordered_map<Digest, NodeId, DigestHash> roots_;
+  std::unordered_map<std::int64_t, Page> pages_;
+  std::int64_t next_node_ = 0;
+  std::int64_t clock_ = 0, next_page_ = 0, next_request_ = 0, next_event_ = 0;
+  std::map<std::int64_t, Request> requests_;
+  std::vector<CopyOpC> copy_ops_;
+  std::deque<EventC> events_;
+  std::int64_t events_dropped_ = 0;
+  bool is_shutdown_ = false;
+  // counters: [requests, query_tokens, reused_tokens, then 13 per lc]
+  std::vector<std::int64_t> totals_, iteration_;
+  // digest interning for token codes (never shrinks; a deque keeps addresses stable)
+  std::unordered_map<Digest, std::uint32_t, DigestHash> digest_ids_;
+  std::deque<Digest> digests_;
+  std::vector<TokenArg> scratch_;
+  std::mutex mutex_;
+};
+
+}  // namespace kvcm

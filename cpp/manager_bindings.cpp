@@ -1,0 +1,490 @@
+// nanobind layer over kvcm::Manager (cpp/core/manager.h).  Thin: converts arguments and
+// results, translates core errors into the kvcm.api types, and runs every core call with
+// the GIL released and the manager's mutex held (always in that order: no deadlock).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <deque>
+#include <type_traits>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/manager.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using kvcm::Manager;
+
+// kvcm.api objects, looked up once (kept alive for the process: no teardown order issues).
+PyObject* api_attr(const char* name) {
+  nb::object mod = nb::module_::import_("kvcm.api");
+  nb::object o = mod.attr(name);
+  return o.release().ptr();
+}
+
+struct Api {
+  PyObject* CopyOp = api_attr("CopyOp");
+  PyObject* StoredEvent = api_attr("StoredEvent");
+  PyObject* StoredBlock = api_attr("StoredBlock");
+  PyObject* RemovedEvent = api_attr("RemovedEvent");
+  PyObject* TierChangedEvent = api_attr("TierChangedEvent");
+  PyObject* ClearedEvent = api_attr("ClearedEvent");
+  PyObject* InvalidStateError = api_attr("InvalidStateError");
+  PyObject* ClosedError = api_attr("ClosedError");
+  PyObject* InvariantError = api_attr("InvariantError");
+};
+
+const Api& api() {
+  static const Api* a = new Api();  // intentionally never freed
+  return *a;
+}
+
+nb::handle h(PyObject* o) { return nb::handle(o); }
+
+// Long calls: release the GIL, then take the manager's mutex (always in this order; the
+// locked section never touches Python, so a thread holding the mutex never waits for the GIL).
+template <typename F>
+auto locked(Manager& m, F&& f) {
+  nb::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(m.mutex());
+  return f();
+}
+
+// Short calls (queries): take the mutex without the GIL round trip when it is free; when it
+// is contended, fall back to releasing the GIL first, like locked().
+template <typename F>
+auto quick(Manager& m, F&& f) {
+  std::unique_lock<std::mutex> lock(m.mutex(), std::try_to_lock);
+  if (!lock.owns_lock()) return locked(m, std::forward<F>(f));
+  return f();
+}
+
+std::string type_name(PyObject* obj) {
+  return nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj))).attr("__name__"));
+}
+
+// A validated token sequence (kvcm.api.check_tokens semantics), converted once.  Digests
+// are copied (a deque keeps their addresses stable), so the core can run without the GIL.
+struct TokenBuf {
+  std::vector<kvcm::TokenArg> args;
+  std::deque<kvcm::Digest> digests;
+};
+
+[[noreturn]] void bad_range(const std::string& name, const std::string& value) {
+  throw nb::value_error((name + ": token " + value + " out of range [0, 2**31)").c_str());
+}
+
+// One item of a list/tuple, with check_tokens' exact checks and messages.
+void parse_item(TokenBuf& out, PyObject* t, const std::string& name) {
+  kvcm::TokenArg a;
+  if (PyLong_Check(t) && !PyBool_Check(t)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
+    if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+    if (overflow != 0 || v < 0 || v >= (1LL << 31)) {
+      nb::object as_int = nb::steal(PyNumber_Long(t));
+      if (!as_int.is_valid()) throw nb::python_error();
+      bad_range(name, nb::cast<std::string>(nb::str(as_int)));
+    }
+    a.value = static_cast<std::uint32_t>(v);
+  } else if (PyBytes_CheckExact(t)) {
+    const Py_ssize_t n = PyBytes_GET_SIZE(t);
+    if (n != 32) {
+      throw nb::value_error((name + ": a digest token must be 32 bytes, got " + std::to_string(n)).c_str());
+    }
+    kvcm::Digest& d = out.digests.emplace_back();
+    std::memcpy(d.data(), PyBytes_AS_STRING(t), 32);
+    a.digest = d.data();
+  } else {
+    throw nb::type_error((name + ": a token must be an int or 32 bytes, got " + type_name(t)).c_str());
+  }
+  out.args.push_back(a);
+}
+
+void parse_sequence(TokenBuf& out, PyObject* seq, const std::string& name) {
+  // exact list/tuple only: the loop runs no Python code, so the sequence cannot change under us
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out.args.reserve(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) parse_item(out, items[i], name);
+}
+
+template <typename T>
+void parse_buffer_items(TokenBuf& out, const Py_buffer& view, const std::string& name) {
+  const auto n = static_cast<std::size_t>(view.shape[0]);
+  const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
+  const auto* base = static_cast<const char*>(view.buf);
+  out.args.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, base + static_cast<Py_ssize_t>(i) * stride, sizeof v);
+    bool bad = false;
+    if constexpr (std::is_signed_v<T>) {
+      bad = v < 0 || static_cast<std::uint64_t>(v) >= (std::uint64_t{1} << 31);
+    } else {
+      bad = static_cast<std::uint64_t>(v) >= (std::uint64_t{1} << 31);
+    }
+    if (bad) {
+      out.args.clear();
+      bad_range(name, std::to_string(v));
+    }
+    out.args[i].value = static_cast<std::uint32_t>(v);
+  }
+}
+
+// numpy arrays, array('i'), memoryviews of native-order integers: no Python-level loop.
+// False (nothing parsed) for anything else, which then goes through check_tokens itself.
+bool try_parse_buffer(TokenBuf& out, PyObject* obj, const std::string& name) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_STRIDES) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  struct Release {
+    Py_buffer* v;
+    ~Release() { PyBuffer_Release(v); }
+  } release{&view};
+  if (view.ndim != 1 || view.format == nullptr) return false;
+  const char* f = view.format;
+  if (*f == '@' || *f == '=' || *f == '<') ++f;
+  if (f[0] == '\0' || f[1] != '\0') return false;
+  const bool is_signed = std::strchr("bhilqn", f[0]) != nullptr;
+  const bool is_unsigned = std::strchr("BHILQN", f[0]) != nullptr;
+  if (!is_signed && !is_unsigned) return false;
+  switch (view.itemsize) {
+    case 1: is_signed ? parse_buffer_items<std::int8_t>(out, view, name) : parse_buffer_items<std::uint8_t>(out, view, name); return true;
+    case 2: is_signed ? parse_buffer_items<std::int16_t>(out, view, name) : parse_buffer_items<std::uint16_t>(out, view, name); return true;
+    case 4: is_signed ? parse_buffer_items<std::int32_t>(out, view, name) : parse_buffer_items<std::uint32_t>(out, view, name); return true;
+    case 8: is_signed ? parse_buffer_items<std::int64_t>(out, view, name) : parse_buffer_items<std::uint64_t>(out, view, name); return true;
+    default: return false;
+  }
+}
+
+// kvcm.api.check_tokens(obj, name), producing a TokenBuf: same results, same errors.
+TokenBuf parse_tokens(nb::handle tokens, const std::string& name) {
+  TokenBuf out;
+  PyObject* obj = tokens.ptr();
+  if (obj == Py_None) return out;
+  if (PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj)) {
+    throw nb::type_error((name + " must be a sequence of tokens, got " + type_name(obj)).c_str());
+  }
+  if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+    parse_sequence(out, obj, name);
+    return out;
+  }
+  if (!PyList_Check(obj) && PyObject_HasAttrString(obj, "tolist") && PyObject_CheckBuffer(obj)) {
+    if (try_parse_buffer(out, obj, name)) return out;
+  }
+  nb::object normalised = nb::module_::import_("kvcm.api").attr("check_tokens")(tokens, name);
+  if (!PyList_CheckExact(normalised.ptr())) throw nb::type_error("check_tokens did not return a list");
+  parse_sequence(out, normalised.ptr(), name);
+  return out;
+}
+
+nb::object token_obj(const kvcm::TokenOut& t) {
+  if (t.is_digest) return nb::bytes(reinterpret_cast<const char*>(t.digest.data()), t.digest.size());
+  return nb::int_(t.value);
+}
+
+nb::bytes to_bytes(const kvcm::Digest& d) { return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size()); }
+
+nb::list token_list(const std::vector<kvcm::TokenOut>& toks) {
+  nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(toks.size())));
+  if (!out.is_valid()) throw nb::python_error();
+  for (std::size_t i = 0; i < toks.size(); ++i) {
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), token_obj(toks[i]).release().ptr());
+  }
+  return nb::borrow<nb::list>(out);
+}
+
+nb::tuple token_tuple(const std::vector<kvcm::TokenOut>& toks) {
+  nb::object out = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(toks.size())));
+  if (!out.is_valid()) throw nb::python_error();
+  for (std::size_t i = 0; i < toks.size(); ++i) {
+    PyTuple_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), token_obj(toks[i]).release().ptr());
+  }
+  return nb::borrow<nb::tuple>(out);
+}
+
+nb::object event_obj(const kvcm::EventC& e, const std::vector<kvcm::TokenOut>& tokens) {
+  const Api& a = api();
+  switch (e.kind) {
+    case kvcm::EventKind::stored: {
+      nb::list blocks;
+      nb::bytes key = to_bytes(e.key);
+      nb::tuple toks = token_tuple(tokens);
+      for (const kvcm::StoredBlockC& b : e.blocks) {
+        blocks.append(h(a.StoredBlock)(key, tokens.size(), toks, b.lc, b.tier, b.priority));
+      }
+      nb::object parent = e.has_parent ? nb::object(to_bytes(e.parent_key)) : nb::none();
+      return h(a.StoredEvent)(e.id, parent, nb::tuple(blocks), e.partial);
+    }
+    case kvcm::EventKind::removed:
+      return h(a.RemovedEvent)(e.id, nb::make_tuple(to_bytes(e.key)), e.lc);
+    case kvcm::EventKind::tier_changed:
+      return h(a.TierChangedEvent)(e.id, to_bytes(e.key), e.lc, e.old_tier, e.new_tier);
+    case kvcm::EventKind::cleared:
+    default:
+      return h(a.ClearedEvent)(e.id);
+  }
+}
+
+// kvcm.api.CopyOp objects without running the frozen dataclass' __init__ (six
+// object.__setattr__ calls): allocate the instance and fill its __dict__ directly, which
+// is what __init__ would leave behind.
+nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
+  static PyObject* names[6] = {PyUnicode_InternFromString("lc"),       PyUnicode_InternFromString("src_tier"),
+                               PyUnicode_InternFromString("src_slot"), PyUnicode_InternFromString("dst_tier"),
+                               PyUnicode_InternFromString("dst_slot"), PyUnicode_InternFromString("reason")};
+  auto* tp = reinterpret_cast<PyTypeObject*>(api().CopyOp);
+  nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(ops.size())));
+  if (!out.is_valid()) throw nb::python_error();
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const kvcm::CopyOpC& o = ops[i];
+    nb::object obj = nb::steal(tp->tp_alloc(tp, 0));
+    if (!obj.is_valid()) throw nb::python_error();
+    nb::object dict = nb::steal(PyObject_GenericGetDict(obj.ptr(), nullptr));
+    if (!dict.is_valid()) throw nb::python_error();
+    const std::int64_t values[5] = {o.lc, o.src_tier, o.src_slot, o.dst_tier, o.dst_slot};
+    for (int k = 0; k < 5; ++k) {
+      nb::object v = nb::steal(PyLong_FromLongLong(values[k]));
+      if (!v.is_valid() || PyDict_SetItem(dict.ptr(), names[k], v.ptr()) != 0) throw nb::python_error();
+    }
+    nb::object reason = nb::steal(PyUnicode_InternFromString(o.reason));
+    if (!reason.is_valid() || PyDict_SetItem(dict.ptr(), names[5], reason.ptr()) != 0) throw nb::python_error();
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), obj.release().ptr());
+  }
+  return nb::borrow<nb::list>(out);
+}
+
+// kvcm.api.check_count: an int (not bool) >= 0, same errors and messages.
+std::int64_t check_count(nb::handle o, const char* name) {
+  PyObject* v = o.ptr();
+  if (!PyLong_Check(v) || PyBool_Check(v)) {
+    throw nb::type_error((std::string(name) + " must be an int, got " + type_name(v)).c_str());
+  }
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+  if (x == -1 && PyErr_Occurred()) throw nb::python_error();
+  const std::string text = nb::cast<std::string>(nb::str(o));
+  if (overflow < 0 || x < 0) throw nb::value_error((std::string(name) + " must be >= 0, got " + text).c_str());
+  if (overflow > 0) throw nb::value_error((std::string(name) + " " + text + " is too large").c_str());
+  return static_cast<std::int64_t>(x);
+}
+
+std::optional<std::uint64_t> opt_u64(nb::handle o) {
+  if (o.is_none()) return std::nullopt;
+  return nb::cast<std::uint64_t>(o);
+}
+
+kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
+                                std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff,
+                                double max_util, std::int64_t max_events) {
+  kvcm::ManagerConfig c;
+  c.tokens_per_block = B;
+  for (nb::handle item : lcs) {
+    auto [ssm, window, sinks, slot_bytes] = nb::cast<std::tuple<bool, std::int64_t, std::int64_t, std::int64_t>>(item);
+    kvcm::LcConfig l;
+    l.ssm = ssm;
+    l.window = window;
+    l.sinks = sinks;
+    l.slot_bytes = slot_bytes;
+    c.lcs.push_back(l);
+  }
+  c.slots = std::move(slots);
+  c.tier_kinds = std::move(tier_kinds);
+  c.enable_partial_reuse = partial;
+  c.reuse_match_backoff = backoff;
+  c.max_util_for_resume = max_util;
+  c.max_events = max_events;
+  return c;
+}
+
+}  // namespace
+
+void bind_manager(nb::module_& m) {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const kvcm::InvalidStateErr& e) {
+      PyErr_SetString(api().InvalidStateError, e.what());
+    } catch (const kvcm::ClosedErr& e) {
+      PyErr_SetString(api().ClosedError, e.what());
+    } catch (const kvcm::InvariantErr& e) {
+      PyErr_SetString(api().InvariantError, e.what());
+    } catch (const kvcm::ValueErr& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const kvcm::InternalErr& e) {
+      PyErr_SetString(PyExc_AssertionError, e.what());
+    }
+  });
+
+  nb::class_<TokenBuf>(m, "Tokens", "A validated token sequence, converted once (see parse_tokens).")
+      .def("__len__", [](const TokenBuf& t) { return t.args.size(); });
+  m.def("parse_tokens", &parse_tokens, "tokens"_a.none(), "name"_a = "tokens",
+        nb::sig("def parse_tokens(tokens: object, name: str = 'tokens') -> Tokens"),
+        "kvcm.api.check_tokens without a Python-level loop (lists, tuples, int buffers such as numpy "
+        "arrays and array('i')): the same errors, as a Tokens object for the manager calls.");
+
+  nb::class_<kvcm::ClosedTokens>(m, "ClosedTokens",
+                                 "What a closed cache still answers: its final properties and committed tokens.")
+      .def_ro("closed_now", &kvcm::ClosedTokens::closed_now)
+      .def_prop_ro("info",
+                   [](const kvcm::ClosedTokens& t) {
+                     return nb::make_tuple(2, true, t.capacity, t.history, t.num_committed, t.reused, t.priority);
+                   })
+      .def("__len__", [](const kvcm::ClosedTokens& t) { return t.codes.size(); })
+      .def("tolist", [](const kvcm::ClosedTokens& t) { return token_list(t.decode()); });
+
+  nb::class_<Manager>(m, "Manager", "The C++ manager core; driven by kvcm.cpp_backend.")
+      .def(
+          "__init__",
+          [](Manager* self, std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
+             std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff, double max_util,
+             std::int64_t max_events) {
+            new (self) Manager(make_config(B, lcs, std::move(slots), std::move(tier_kinds), partial, backoff,
+                                           max_util, max_events));
+          },
+          "tokens_per_block"_a, "life_cycles"_a, "slots"_a, "tier_kinds"_a, "enable_partial_reuse"_a,
+          "reuse_match_backoff"_a, "max_util_for_resume"_a, "max_events"_a)
+      .def(
+          "create",
+          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority) {
+            auto l = opt_u64(lora), s = opt_u64(salt);
+            return locked(mgr, [&] { return mgr.create(t.args, l, s, priority); });
+          },
+          "tokens"_a, "lora_id"_a.none(), "salt"_a.none(), "priority"_a)
+      .def(
+          "probe",
+          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt) {
+            auto l = opt_u64(lora), s = opt_u64(salt);
+            return locked(mgr, [&] { return mgr.probe(t.args, l, s); });
+          },
+          "tokens"_a, "lora_id"_a.none(), "salt"_a.none())
+      .def("drain_copy_ops",
+           [](Manager& mgr) {
+             std::vector<kvcm::CopyOpC> ops = quick(mgr, [&] { return mgr.drain_copy_ops(); });
+             return copy_op_list(ops);
+           })
+      .def("clear_reusable", [](Manager& mgr) { locked(mgr, [&] { mgr.clear_reusable(); }); })
+      .def("shutdown", [](Manager& mgr) { locked(mgr, [&] { mgr.shutdown(); }); })
+      .def("is_shutdown", [](Manager& mgr) { return quick(mgr, [&] { return mgr.is_shutdown(); }); })
+      .def("num_open", [](Manager& mgr) { return quick(mgr, [&] { return mgr.num_open(); }); })
+      .def(
+          "stats_json", [](Manager& mgr, bool take) { return quick(mgr, [&] { return mgr.stats_json(take); }); },
+          "take_iteration"_a)
+      .def("take_events",
+           [](Manager& mgr) {
+             std::vector<std::vector<kvcm::TokenOut>> tokens;
+             std::vector<kvcm::EventC> evs = quick(mgr, [&] {
+               std::vector<kvcm::EventC> taken = mgr.take_events();
+               tokens.reserve(taken.size());
+               for (const kvcm::EventC& e : taken) {
+                 tokens.push_back(e.tokens ? mgr.decode_tokens(*e.tokens) : std::vector<kvcm::TokenOut>{});
+               }
+               return taken;
+             });
+             nb::list out;
+             for (std::size_t i = 0; i < evs.size(); ++i) out.append(event_obj(evs[i], tokens[i]));
+             return out;
+           })
+      .def("snapshot_json", [](Manager& mgr) { return locked(mgr, [&] { return mgr.snapshot_json(); }); })
+      .def("check_invariants", [](Manager& mgr) { locked(mgr, [&] { mgr.check_invariants(); }); })
+      // ---------------------------------------------------------------- requests
+      .def(
+          "info",
+          [](Manager& mgr, std::int64_t serial) {
+            kvcm::RequestInfo i = quick(mgr, [&] { return mgr.info(serial); });
+            return nb::make_tuple(static_cast<int>(i.status), i.stopped, i.capacity, i.history, i.num_committed,
+                                  i.reused, i.priority);
+          },
+          "serial"_a)
+      .def(
+          "committed_tokens",
+          [](Manager& mgr, std::int64_t serial) {
+            std::vector<kvcm::TokenOut> t = quick(mgr, [&] { return mgr.committed_tokens(serial); });
+            return token_list(t);
+          },
+          "serial"_a)
+      .def(
+          "resume", [](Manager& mgr, std::int64_t serial) { return locked(mgr, [&] { return mgr.resume(serial); }); },
+          "serial"_a)
+      .def(
+          "suspend", [](Manager& mgr, std::int64_t serial) { locked(mgr, [&] { mgr.suspend(serial); }); },
+          "serial"_a)
+      .def(
+          "resize",
+          [](Manager& mgr, std::int64_t serial, nb::handle capacity_obj, nb::handle history_obj) {
+            // the python backend's order: status first, then the argument checks
+            quick(mgr, [&] { mgr.require_status(serial, kvcm::ReqStatus::active, "resize"); });
+            const std::int64_t capacity = check_count(capacity_obj, "capacity");
+            std::optional<std::int64_t> history;
+            if (!history_obj.is_none()) history = check_count(history_obj, "history_length");
+            return locked(mgr, [&] { return mgr.resize(serial, capacity, history); });
+          },
+          "serial"_a, "capacity"_a.none(), "history_length"_a.none())
+      .def(
+          "commit",
+          [](Manager& mgr, std::int64_t serial, nb::handle tokens) {
+            // the python backend's order: status, stopped, then the tokens
+            const kvcm::RequestInfo info = quick(mgr, [&] {
+              mgr.require_status(serial, kvcm::ReqStatus::active, "commit");
+              return mgr.info(serial);
+            });
+            if (info.stopped) throw kvcm::InvalidStateErr("commit after stop_committing()");
+            const TokenBuf t = parse_tokens(tokens, "tokens");
+            locked(mgr, [&] { mgr.commit(serial, t.args); });
+          },
+          "serial"_a, "tokens"_a)
+      .def(
+          "stop_committing",
+          [](Manager& mgr, std::int64_t serial) { locked(mgr, [&] { mgr.stop_committing(serial); }); }, "serial"_a)
+      .def(
+          "close", [](Manager& mgr, std::int64_t serial) { return locked(mgr, [&] { return mgr.close(serial); }); },
+          "serial"_a, "Close the cache (idempotent); returns its final state, the tokens moved out of the core.")
+      .def(
+          "page_indices",
+          [](Manager& mgr, std::int64_t serial, std::int64_t lc) {
+            std::vector<std::int32_t> v = quick(mgr, [&] { return mgr.page_indices(serial, lc); });
+            nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(v.size())));
+            if (!out.is_valid()) throw nb::python_error();
+            for (std::size_t i = 0; i < v.size(); ++i) {
+              PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), PyLong_FromLong(v[i]));
+            }
+            return nb::borrow<nb::list>(out);
+          },
+          "serial"_a, "lc"_a)
+      .def(
+          "page_indices_into",
+          [](Manager& mgr, std::int64_t serial, std::int64_t lc, nb::handle out) {
+            // `out` is a writable, contiguous 1-D int32 buffer (checked by the caller);
+            // the values are written straight into it (zero-copy), or nothing on error.
+            std::vector<std::int32_t> v = quick(mgr, [&] { return mgr.page_indices(serial, lc); });
+            Py_buffer view;
+            if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+              throw nb::python_error();
+            }
+            const auto capacity = static_cast<std::size_t>(view.len) / sizeof(std::int32_t);
+            if (v.size() > capacity) {
+              PyBuffer_Release(&view);
+              throw nb::value_error(("buffer holds " + std::to_string(capacity) + " int32 values, " +
+                                     std::to_string(v.size()) + " needed")
+                                        .c_str());
+            }
+            if (!v.empty()) std::memcpy(view.buf, v.data(), v.size() * sizeof(std::int32_t));
+            PyBuffer_Release(&view);
+            return v.size();
+          },
+          "serial"_a, "lc"_a, "out"_a);
+}
