@@ -6,6 +6,8 @@
 #   parity   python -m parity.report               parity/ on both backends in one process
 #                                                  (scenarios + differential), then the
 #                                                  scenario x backend table
+#   sanitize ci/sanitize.sh                        the extension rebuilt with ASan + UBSan,
+#                                                  parity + cpp tests over it; any report fails
 #
 # Every leg runs even if an earlier one failed; the exit status is non-zero if any leg
 # failed.  Known gaps are parity/gaps.toml entries (strict xfail), never skips here:
@@ -24,7 +26,7 @@ EXTRA=(${KVCM_PYTEST_ARGS:-})
 COMMON=(-p no:cacheprovider --tb=short -ra)
 
 legs=("$@")
-[ ${#legs[@]} -eq 0 ] && legs=(python cpp parity)
+[ ${#legs[@]} -eq 0 ] && legs=(python cpp parity sanitize)
 
 run_leg() {
   local leg=$1
@@ -32,7 +34,8 @@ run_leg() {
     python) KVCM_BACKEND=python "$PY" -m pytest tests "${COMMON[@]}" "${EXTRA[@]}" ;;
     cpp)    KVCM_BACKEND=cpp    "$PY" -m pytest tests "${COMMON[@]}" "${EXTRA[@]}" ;;
     parity) "$PY" -m parity.report --output "$OUT/parity-report.md" parity "${COMMON[@]}" "${EXTRA[@]}" ;;
-    *) echo "ci/matrix.sh: unknown leg '$leg' (legs: python cpp parity)" >&2; return 2 ;;
+    sanitize) ci/sanitize.sh ;;
+    *) echo "ci/matrix.sh: unknown leg '$leg' (legs: python cpp parity sanitize)" >&2; return 2 ;;
   esac
 }
 
