@@ -55,7 +55,7 @@ done
 echo
 echo "=================================================================== matrix summary"
 for leg in "${legs[@]}"; do
-  summary=$(grep -E '^=+ .*(passed|failed|error|no tests ran|xfailed|skipped).* in [0-9.]+s' "$OUT/$leg.log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
+  summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|xfailed|skipped).* in [0-9.]+s|no tests ran' "$OUT/$leg.log" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')
   if [ "${status[$leg]}" -eq 0 ]; then verdict=ok; else verdict="FAILED (exit ${status[$leg]})"; fi
   printf '%-7s %-18s %5ss  %s\n' "$leg" "$verdict" "${seconds[$leg]}" "${summary:-<no pytest summary line>}"
 done
