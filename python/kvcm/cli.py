@@ -5,7 +5,7 @@ Subcommands::
     info                                   backend, version, cpp extension and build details
     replay [TRACE] [--backend python,cpp] [--block-size 32] [--gpu-blocks N | --gpu-frac F]
            [--host-blocks N | --host-frac F] [--limit N] [--no-partial] [--outputs]
-    bench [replay|keys|all] [--limit N] [--block-size B]
+    bench [replay|keys|probe|decode|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
 
@@ -416,13 +416,23 @@ def bench_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from kvcm import bench
+
+    if args.quick:  # tiny sizes for tests (explicit --limit still wins)
+        args.key_tokens = min(args.key_tokens, 20_000)
+        args.repeat = 1
+        if args.limit is None:
+            args.limit = 20
     rc = 0
     if args.what in ("keys", "all"):
         bench_keys(args)
+    for name, fn in bench.MICRO.items():
+        if args.what in (name, "all"):
+            rc = max(rc, fn(args))
     if args.what in ("replay", "all"):
         if args.what == "all":
             print()
-        rc = bench_replay(args)
+        rc = max(rc, bench_replay(args))
     return rc
 
 
@@ -473,7 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     b = sub.add_parser("bench", help="measure both backends and print python/cpp ratios")
-    b.add_argument("what", nargs="?", choices=["replay", "keys", "all"], default="all")
+    b.add_argument(
+        "what", nargs="?", choices=["replay", "keys", "probe", "decode", "evict", "memory", "all"], default="all"
+    )
     b.add_argument(
         "--limit", type=_int_in(0), default=None, help=f"replay prefix (default {DEFAULT_BENCH_LIMIT} requests)"
     )
@@ -481,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--key-tokens", type=_int_in(1), default=1_000_000, help="tokens hashed by the keys bench")
     b.add_argument("--repeat", type=_int_in(1), default=3, help="keys bench: best of N")
     b.add_argument("--no-progress", action="store_true")
+    from kvcm.bench import add_arguments as add_micro_bench_arguments
+
+    add_micro_bench_arguments(b)
 
     o = sub.add_parser(
         "oplog-replay",

@@ -1,0 +1,494 @@
+"""Micro benchmarks of ``python -m kvcm bench``: probe, decode, evict, memory.
+
+Each bench measures both backends in one process, one after the other, on the same
+workload, and prints a table ``| metric | python | cpp | python/cpp |``.  The ratio column
+is python's figure over cpp's (for times: how many times faster cpp is; for memory: how
+many times smaller).  A backend that cannot run shows why in its column (as ``replay``).
+
+All workloads use one full-attention layer group (``AttentionLayer(0, bytes_per_token=1)``,
+so a page is ``tokens_per_block`` bytes; quotas are given in blocks) and fresh,
+pseudo-random tokens.  Timing uses ``time.perf_counter`` for reporting only; only manager
+and cache calls are inside the timed regions (token generation is outside).
+
+* ``probe``   ``probe_reuse`` of a 16k-token prompt that is fully cached (committed and
+              closed once); µs per probe (median of single calls).
+* ``decode``  256 ACTIVE requests; one step = for each request ``resize(capacity + 1)`` and
+              ``commit([tok])``, then one ``drain_copy_ops()``; µs per step (median over
+              the steps) and per request.  Prompt lengths are staggered so that each step
+              allocates a new block for 1/B of the requests, as in a real batch.
+* ``evict``   a gpu pool far smaller than the working set plus a host tier; fresh requests
+              are created, resumed, resized, drained, committed and closed in a loop, so
+              (after a warm-up that fills both tiers) every allocation evicts: the
+              least-recent gpu page is offloaded to host and host drops its oldest page.
+              µs per allocated block; the offload/drop counts come from ``stats()``.
+* ``memory``  bytes per cached block: a cache of N committed blocks (unbounded gpu, events
+              off with ``max_events=0`` so the event queue is not counted), each backend
+              measured in a fresh child process (a heap grown and freed by earlier work
+              would hide the growth).  python: ``tracemalloc`` (traced bytes delta /
+              blocks).  cpp: the extension exposes no memory figure, so the process RSS
+              delta (``/proc/self/statm``) around building a large cache is used (it
+              includes any Python-side memory the cpp backend keeps, and allocator slack),
+              cross-checked with glibc's ``mallinfo2()`` in-use bytes.  Both are given with
+              and without the manager's construction (pools sized for N blocks).
+
+``probe`` also times ``block_keys`` of the same prompt (the hashing inside a probe), and
+``decode`` repeats its steps with the capacity tracked by the caller instead of read from
+``kv.capacity`` (one call fewer per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+from kvcm import block_keys
+from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
+
+BACKENDS = ("python", "cpp")
+
+
+def _cli():  # the table helpers live in kvcm.cli (which imports this module lazily)
+    from kvcm import cli
+
+    return cli
+
+
+def _config(B: int, gpu_blocks: int, host_blocks: int = 0, max_events: int = 10_000) -> KVCacheManagerConfig:
+    tiers = [Tier("gpu", gpu_blocks * B)]
+    if host_blocks:
+        tiers.append(Tier("host", host_blocks * B))
+    return KVCacheManagerConfig(
+        tokens_per_block=B, layers=[AttentionLayer(0, bytes_per_token=1)], tiers=tiers, max_events=max_events
+    )
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 2**31) for _ in range(n)]
+
+
+def _lc_stat(mgr: KVCacheManager, name: str) -> int:
+    return sum(lc[name] for lc in mgr.stats()["lc"])
+
+
+def _run_both(fn: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """``{backend: metrics dict or the reason it did not run}``."""
+    cli = _cli()
+    out: dict[str, Any] = {}
+    for b in BACKENDS:
+        res, why = cli._run_guarded(lambda b=b: fn(b))
+        out[b] = res if why is None else why
+        gc.collect()
+    return out
+
+
+def _print(title: str, results: dict[str, Any], rows: list[tuple[str, str, Callable[[Any], str], bool]]) -> int:
+    """rows: (label, metric key, formatter, ratio?)."""
+    cli = _cli()
+    table = []
+    for label, key, fmt, with_ratio in rows:
+        line = [label]
+        for b in BACKENDS:
+            r = results[b]
+            line.append("" if isinstance(r, str) or key not in r else fmt(r[key]))
+        py, cpp = results.get("python"), results.get("cpp")
+        ok = with_ratio and isinstance(py, dict) and isinstance(cpp, dict)
+        line.append(cli._ratio(py.get(key), cpp.get(key)) if ok else "")
+        table.append(line)
+    for j, b in enumerate(BACKENDS, 1):  # a backend that did not run: why, in its first row
+        if isinstance(results[b], str):
+            table[0][j] = results[b]
+    print(f"\n{title}")
+    print(cli._table(["", *BACKENDS, "python/cpp"], table))
+    sys.stdout.flush()
+    return cli._exit_code(results)
+
+
+def _us(v: float) -> str:
+    return f"{v:,.2f} us"
+
+
+# ---------------------------------------------------------------------------------------
+# probe
+# ---------------------------------------------------------------------------------------
+
+
+def bench_probe(args: argparse.Namespace) -> int:
+    B = args.block_size
+    n_tokens = args.probe_tokens
+    prompt = _tokens(random.Random(1), n_tokens)
+    min_s = 0.3 if args.quick else 2.0
+
+    def run(backend: str) -> dict[str, Any]:
+        mgr = KVCacheManager(_config(B, -(-n_tokens // B) + 8), backend=backend)
+        kv = mgr.create_kv_cache(prompt)
+        assert kv.resume() and kv.resize(len(prompt))
+        mgr.drain_copy_ops()
+        kv.commit(prompt)
+        kv.close()
+        matched = mgr.probe_reuse(prompt)
+        times = []
+        t_end = time.perf_counter() + min_s
+        while len(times) < 5 or time.perf_counter() < t_end:
+            t = time.perf_counter()
+            mgr.probe_reuse(prompt)
+            times.append(time.perf_counter() - t)
+        mgr.shutdown()
+        keys = []
+        for _ in range(max(5, len(times) // 4)):
+            t = time.perf_counter()
+            block_keys(prompt, B, backend=backend)
+            keys.append(time.perf_counter() - t)
+        med = statistics.median(times)
+        return {
+            "us": 1e6 * med,
+            "us_block": 1e6 * med / -(-n_tokens // B),
+            "keys": 1e6 * statistics.median(keys),
+            "matched": matched,
+            "n": len(times),
+        }
+
+    results = _run_both(run)
+    return _print(
+        f"probe: probe_reuse of a fully cached {n_tokens:,}-token prompt, tokens_per_block={B} "
+        f"(median of single calls)",
+        results,
+        [
+            ("us / probe", "us", _us, True),
+            ("us / block probed", "us_block", _us, True),
+            ("block_keys of the same prompt (its hashing)", "keys", _us, True),
+            ("matched tokens", "matched", lambda v: f"{v:,}", False),
+            ("probes timed", "n", lambda v: f"{v:,}", False),
+        ],
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------
+
+
+def bench_decode(args: argparse.Namespace) -> int:
+    B = args.block_size
+    batch = args.decode_batch
+    steps = 20 if args.quick else args.decode_steps
+    prompt_len = 512
+    rng = random.Random(2)
+    prompts = [_tokens(rng, prompt_len + i % B) for i in range(batch)]
+    step_tokens = [rng.randrange(1, 2**31) for _ in range(steps)]
+    blocks_each = -(-(prompt_len + B + 2 * steps + 1) // B) + 1
+
+    def run(backend: str) -> dict[str, Any]:
+        mgr = KVCacheManager(_config(B, batch * blocks_each + 8), backend=backend)
+        kvs = []
+        for p in prompts:
+            kv = mgr.create_kv_cache(p)
+            assert kv.resume() and kv.resize(len(p))
+            kv.commit(p)
+            kvs.append(kv)
+        mgr.drain_copy_ops()
+        alloc0 = _lc_stat(mgr, "allocated_blocks")
+        times = []
+        for tok in step_tokens:
+            t = time.perf_counter()
+            for kv in kvs:
+                kv.resize(kv.capacity + 1)
+                kv.commit([tok])
+            mgr.drain_copy_ops()
+            times.append(time.perf_counter() - t)
+        alloc = _lc_stat(mgr, "allocated_blocks") - alloc0
+        # the same steps with the capacity tracked by the engine (no kv.capacity read)
+        caps = [kv.capacity for kv in kvs]
+        tracked = []
+        for tok in step_tokens:
+            t = time.perf_counter()
+            for i, kv in enumerate(kvs):
+                caps[i] += 1
+                kv.resize(caps[i])
+                kv.commit([tok])
+            mgr.drain_copy_ops()
+            tracked.append(time.perf_counter() - t)
+        assert all(kv.num_committed_tokens == len(p) + 2 * steps for kv, p in zip(kvs, prompts, strict=True))
+        for kv in kvs:
+            kv.close()
+        mgr.shutdown()
+        med = statistics.median(times)
+        return {
+            "step": 1e6 * med,
+            "req": 1e6 * med / batch,
+            "mean": 1e6 * statistics.fmean(times),
+            "max": 1e6 * max(times),
+            "alloc": alloc / steps,
+            "tracked": 1e6 * statistics.median(tracked),
+        }
+
+    results = _run_both(run)
+    cpp = results.get("cpp")
+    rc = _print(
+        f"decode: one step of {batch} ACTIVE requests (each resize(capacity+1) + commit([tok]), then one "
+        f"drain_copy_ops()), {steps} steps, prompts {prompt_len}..{prompt_len + B - 1} tokens, tokens_per_block={B}",
+        results,
+        [
+            ("us / step (median)", "step", _us, True),
+            ("us / request (median step / batch)", "req", _us, True),
+            ("us / step (mean)", "mean", _us, True),
+            ("us / step (max)", "max", _us, True),
+            ("us / step (median), capacity tracked by the caller", "tracked", _us, True),
+            ("blocks allocated / step", "alloc", lambda v: f"{v:.1f}", False),
+        ],
+    )
+    if isinstance(cpp, dict):
+        verdict = "met" if cpp["step"] < 100 else "not met"
+        print(f"target: cpp < 100 us per {batch}-request step -> {verdict} ({cpp['step']:,.1f} us)")
+    return rc
+
+
+# ---------------------------------------------------------------------------------------
+# evict
+# ---------------------------------------------------------------------------------------
+
+
+def bench_evict(args: argparse.Namespace) -> int:
+    B = args.block_size
+    gpu, host = args.evict_gpu_blocks, args.evict_host_blocks
+    per_req = 16
+    warm = -(-(gpu + host) // per_req) + 2  # fills both tiers: afterwards every allocation evicts
+    n_req = 100 if args.quick else args.evict_requests
+    rng = random.Random(3)
+    prompts = [_tokens(rng, per_req * B) for _ in range(warm + n_req)]
+
+    def run(backend: str) -> dict[str, Any]:
+        mgr = KVCacheManager(_config(B, gpu, host), backend=backend)
+
+        def one(p: list[int]) -> None:
+            kv = mgr.create_kv_cache(p)
+            assert kv.resume() and kv.resize(len(p))
+            mgr.drain_copy_ops()
+            kv.commit(p)
+            kv.close()
+
+        for p in prompts[:warm]:
+            one(p)
+        s0 = mgr.stats()["lc"][0]
+        t = time.perf_counter()
+        for p in prompts[warm:]:
+            one(p)
+        dt = time.perf_counter() - t
+        s1 = mgr.stats()["lc"][0]
+        mgr.check_invariants()
+        mgr.shutdown()
+        d = {k: s1[k] - s0[k] for k in ("allocated_blocks", "offloads", "drops")}
+        return {
+            "us_block": 1e6 * dt / d["allocated_blocks"] if d["allocated_blocks"] else float("nan"),
+            "us_req": 1e6 * dt / n_req,
+            "alloc": d["allocated_blocks"],
+            "offloads": d["offloads"],
+            "drops": d["drops"],
+        }
+
+    results = _run_both(run)
+    return _print(
+        f"evict: {n_req} requests of {per_req} fresh blocks (create, resume, resize, drain, commit, close) through "
+        f"gpu {gpu} + host {host} blocks, after {warm} warm-up requests fill both tiers, tokens_per_block={B}",
+        results,
+        [
+            ("us / allocated block", "us_block", _us, True),
+            ("us / request", "us_req", _us, True),
+            ("blocks allocated", "alloc", lambda v: f"{v:,}", False),
+            ("offloads (gpu -> host)", "offloads", lambda v: f"{v:,}", False),
+            ("drops", "drops", lambda v: f"{v:,}", False),
+        ],
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _malloc_in_use() -> int | None:
+    """glibc ``mallinfo2().uordblks`` (bytes handed out by malloc), or None elsewhere."""
+    try:
+        import ctypes
+
+        class _Mallinfo2(ctypes.Structure):
+            _fields_ = [
+                (n, ctypes.c_size_t)
+                for n in (
+                    "arena",
+                    "ordblks",
+                    "smblks",
+                    "hblks",
+                    "hblkhd",
+                    "usmblks",
+                    "fsmblks",
+                    "uordblks",
+                    "fordblks",
+                    "keepcost",
+                )
+            ]
+
+        libc = ctypes.CDLL(None)
+        f = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    f.restype = _Mallinfo2
+    info = f()
+    return int(info.uordblks + info.hblkhd)
+
+
+def _build_cache(mgr: KVCacheManager, n_blocks: int, B: int, per_req: int, seed: int) -> int:
+    """Commit ``n_blocks`` fresh blocks through requests of ``per_req`` blocks; returns the
+    number of blocks cached."""
+    rng = random.Random(seed)
+    done = 0
+    while done < n_blocks:
+        k = min(per_req, n_blocks - done)
+        p = [rng.randrange(1, 2**31) for _ in range(k * B)]
+        kv = mgr.create_kv_cache(p)
+        assert kv.resume() and kv.resize(len(p))
+        mgr.drain_copy_ops()
+        kv.commit(p)
+        kv.close()
+        done += k
+    return done
+
+
+def measure_memory(backend: str, n: int, B: int, per_req: int = 64) -> dict[str, Any]:
+    """Bytes per cached block of one backend, measured in this process (meant to be a fresh
+    one: ``bench_memory`` runs it in a child so earlier work cannot pre-grow the heap)."""
+    cfg = _config(B, n + per_req, max_events=0)
+    # warm-up: first-call code paths, interned objects, allocator arenas
+    warm = KVCacheManager(_config(B, 4 * per_req, max_events=0), backend=backend)
+    _build_cache(warm, 2 * per_req, B, per_req, seed=99)
+    warm.shutdown()
+    del warm
+    gc.collect()
+    extra: dict[str, float] = {}
+    if backend == "python":
+        tracemalloc.start()
+        try:
+            gc.collect()
+            m0 = tracemalloc.get_traced_memory()[0]
+            mgr = KVCacheManager(cfg, backend=backend)
+            gc.collect()
+            m1 = tracemalloc.get_traced_memory()[0]
+            built = _build_cache(mgr, n, B, per_req, seed=4)
+            gc.collect()
+            m2 = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        method = "tracemalloc"
+    else:
+        gc.collect()
+        m0, a0 = _rss_bytes(), _malloc_in_use()
+        mgr = KVCacheManager(cfg, backend=backend)
+        m1, a1 = _rss_bytes(), _malloc_in_use()
+        built = _build_cache(mgr, n, B, per_req, seed=4)
+        gc.collect()
+        m2, a2 = _rss_bytes(), _malloc_in_use()
+        method = "RSS delta"
+        if a0 is not None and a1 is not None and a2 is not None:
+            extra = {"malloc": (a2 - a1) / built}
+    cached = sum(t["lc"][0]["droppable"] for t in mgr.stats()["tiers"])
+    assert cached == built, (cached, built)
+    mgr.shutdown()
+    return {
+        "method": method,
+        "blocks": built,
+        "cache": (m2 - m1) / built,
+        "total": (m2 - m0) / built,
+        "construct": (m1 - m0) / 1024,
+        **extra,
+    }
+
+
+_MEMORY_CHILD = (
+    "import json, sys; from kvcm.bench import measure_memory; "
+    "print(json.dumps(measure_memory(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))"
+)
+
+
+def bench_memory(args: argparse.Namespace) -> int:
+    import json
+    import subprocess
+
+    import kvcm
+
+    B = args.block_size
+    n_py = 2_000 if args.quick else args.memory_blocks_python
+    n_cpp = 10_000 if args.quick else args.memory_blocks_cpp
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
+
+    def run(backend: str) -> dict[str, Any]:
+        KVCacheManager(_config(B, 4), backend=backend).shutdown()  # unavailable: say so here
+        if backend == "cpp" and not os.path.exists("/proc/self/statm"):
+            raise NotImplementedError("no /proc/self/statm")
+        n = n_py if backend == "python" else n_cpp
+        p = subprocess.run(
+            [sys.executable, "-c", _MEMORY_CHILD, backend, str(n), str(B)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        if p.returncode != 0:
+            sys.stderr.write(p.stderr)
+            raise RuntimeError(f"memory child for {backend} exited {p.returncode}")
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    results = _run_both(run)
+    target = 64 + 4 * B
+    rc = _print(
+        f"memory: bytes per cached block, tokens_per_block={B}, unbounded gpu, max_events=0, each backend in a "
+        f"fresh child process; python: tracemalloc traced-bytes delta / blocks; cpp: process RSS delta "
+        f"(/proc/self/statm) / blocks (the extension exposes no memory figure)",
+        results,
+        [
+            ("method", "method", str, False),
+            ("cached blocks", "blocks", lambda v: f"{v:,}", False),
+            ("bytes / block (cache, after construction)", "cache", lambda v: f"{v:,.1f}", True),
+            ("bytes / block (incl. construction)", "total", lambda v: f"{v:,.1f}", True),
+            ("construction (pools for N blocks)", "construct", lambda v: f"{v:,.0f} KiB", False),
+            ("cross-check: malloc in-use delta / block (glibc mallinfo2)", "malloc", lambda v: f"{v:,.1f}", False),
+        ],
+    )
+    cpp = results.get("cpp")
+    verdict = ""
+    if isinstance(cpp, dict):
+        verdict = f" -> cpp {'met' if cpp['cache'] <= target else 'not met'} ({cpp['cache']:,.1f} bytes)"
+    print(
+        f"target: <= 64 + 4*B = {target} bytes per cached block (64 bytes + the block's {4 * B} token bytes){verdict}"
+    )
+    return rc
+
+
+MICRO = {"probe": bench_probe, "decode": bench_decode, "evict": bench_evict, "memory": bench_memory}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The micro benches' options on the ``bench`` subparser."""
+    pos = _cli()._int_in(1)
+    p.add_argument("--probe-tokens", type=pos, default=16_384, help="probe: cached prompt length (default 16384)")
+    p.add_argument("--decode-batch", type=pos, default=256, help="decode: ACTIVE requests (default 256)")
+    p.add_argument("--decode-steps", type=pos, default=200, help="decode: steps timed (default 200)")
+    p.add_argument("--evict-gpu-blocks", type=pos, default=64, help="evict: gpu quota in blocks (default 64)")
+    p.add_argument("--evict-host-blocks", type=pos, default=256, help="evict: host quota in blocks (default 256)")
+    p.add_argument("--evict-requests", type=pos, default=1_000, help="evict: timed requests (default 1000)")
+    p.add_argument("--memory-blocks-python", type=pos, default=20_000, help="memory: python cache size (default 20k)")
+    p.add_argument("--memory-blocks-cpp", type=pos, default=200_000, help="memory: cpp cache size (default 200k)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (for tests): every bench in a few seconds")

@@ -1,0 +1,94 @@
+"""``python -m kvcm bench <each> --quick`` end to end, in a subprocess: every bench prints its
+table with both backends and the ratio.  No timing assertions (figures are machine noise)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import kvcm
+import pytest
+
+PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
+
+
+def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PKG_ROOT, env.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcm", "bench", *args, "--quick", "--no-progress"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+# bench -> (title prefix, a metric row label that carries a ratio)
+MICRO = {
+    "probe": ("probe: probe_reuse of a fully cached 16,384-token prompt", "us / probe"),
+    "decode": ("decode: one step of 256 ACTIVE requests", "us / step (median)"),
+    "evict": ("evict: 100 requests of 16 fresh blocks", "us / allocated block"),
+    "memory": ("memory: bytes per cached block", "bytes / block (cache, after construction)"),
+}
+# a figure, or why the backend could not run (a build without the extension)
+CELL = r"(?:[\d,]+\.\d+(?: us)?|unavailable.*|not implemented yet.*)"
+
+
+def _check_micro(out: str, name: str) -> None:
+    title, metric = MICRO[name]
+    assert title in out, out
+    assert re.search(r"^\s+python\s+cpp\s+python/cpp$", out, re.MULTILINE), out
+    row = re.search(rf"^{re.escape(metric)}\s+(.*)$", out, re.MULTILINE)
+    assert row, out
+    if "unavailable" not in row.group(1):
+        # python figure, cpp figure, ratio
+        assert re.fullmatch(rf"{CELL}\s+{CELL}\s+\d+\.\dx", row.group(1).strip()), row.group(0)
+
+
+@pytest.mark.parametrize("name", sorted(MICRO))
+def test_micro_bench_quick(name):
+    p = run_bench(name)
+    assert p.returncode == 0, p.stdout + p.stderr
+    _check_micro(p.stdout, name)
+
+
+def test_evict_bench_evicts():
+    p = run_bench("evict")
+    assert p.returncode == 0, p.stderr
+    for label in ("offloads (gpu -> host)", "drops"):
+        m = re.search(rf"^{re.escape(label)}\s+([\d,]+)", p.stdout, re.MULTILINE)
+        assert m and int(m.group(1).replace(",", "")) > 0, p.stdout
+
+
+def test_memory_bench_prints_target_and_method():
+    p = run_bench("memory")
+    assert p.returncode == 0, p.stderr
+    assert "target: <= 64 + 4*B = 192 bytes per cached block" in p.stdout
+    assert re.search(r"^method\s+tracemalloc", p.stdout, re.MULTILINE), p.stdout
+
+
+def test_keys_bench_quick():
+    p = run_bench("keys")
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^block_keys \[python\]\s+\d+\.\d\d M tokens/s$", p.stdout, re.MULTILINE), p.stdout
+    assert re.search(r"^speedup cpp/python \(block_keys\)\s+(\d+\.\dx|n/a)$", p.stdout, re.MULTILINE), p.stdout
+
+
+def test_replay_bench_quick():
+    p = run_bench("replay")
+    assert p.returncode == 0, p.stderr
+    assert "replay: 20 requests of the shipped trace" in p.stdout
+    assert p.stdout.count("time ratio python/cpp") == 2, p.stdout  # unbounded and tight
+
+
+def test_all_runs_every_bench():
+    p = run_bench("all")
+    assert p.returncode == 0, p.stdout + p.stderr
+    for name in MICRO:
+        _check_micro(p.stdout, name)
+    assert "speedup cpp/python (block_keys)" in p.stdout
+    assert p.stdout.count("time ratio python/cpp") == 2
