@@ -467,6 +467,23 @@ def check_count(value: Any, name: str) -> int:
     return value
 
 
+def int32_view(out: Any) -> memoryview:
+    """A writable 1-D int32 view of ``out`` (numpy array, array('i'), CPU torch tensor)."""
+    if not hasattr(out, "__buffer__") and hasattr(out, "numpy"):
+        out = out.numpy()  # a CPU torch tensor shares its memory with the array
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise TypeError(f"out must be a writable int32 buffer, got {type(out).__name__}") from None
+    if view.readonly:
+        raise ValueError("out is read-only")
+    if view.itemsize != 4 or view.format.lstrip("<=@") not in ("i", "l"):
+        raise ValueError(f"out must be an int32 buffer, got format {view.format!r}")
+    if view.ndim != 1 or not view.c_contiguous:
+        raise ValueError("out must be a contiguous 1-D buffer")
+    return view.cast("B").cast("i")
+
+
 # ---------------------------------------------------------------------------------------
 # The interface
 # ---------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from kvcm.api import (
     check_priority,
     check_scope,
     check_tokens,
+    int32_view,
     resolve_config,
 )
 
@@ -241,7 +242,7 @@ class CppKVCache(KVCache):
     def page_indices_into(self, lc: int, out: Any) -> int:
         self._require(Status.ACTIVE, "page_indices_into")
         self._check_lc(lc)
-        view = _int32_view(out)
+        view = int32_view(out)
         return self._core.page_indices_into(self._serial, lc, view)
 
     def _check_lc(self, lc: Any) -> None:
@@ -250,23 +251,6 @@ class CppKVCache(KVCache):
         n = len(self._mgr._rc.life_cycles)
         if not 0 <= lc < n:
             raise ValueError(f"unknown life cycle {lc}; this model has {n}")
-
-
-def _int32_view(out: Any) -> memoryview:
-    """A writable 1-D int32 view of ``out`` (numpy array, array('i'), CPU torch tensor)."""
-    if not hasattr(out, "__buffer__") and hasattr(out, "numpy"):
-        out = out.numpy()  # a CPU torch tensor shares its memory with the array
-    try:
-        view = memoryview(out)
-    except TypeError:
-        raise TypeError(f"out must be a writable int32 buffer, got {type(out).__name__}") from None
-    if view.readonly:
-        raise ValueError("out is read-only")
-    if view.itemsize != 4 or view.format.lstrip("<=@") not in ("i", "l"):
-        raise ValueError(f"out must be an int32 buffer, got format {view.format!r}")
-    if view.ndim != 1 or not view.c_contiguous:
-        raise ValueError("out must be a contiguous 1-D buffer")
-    return view.cast("B").cast("i")
 
 
 __all__ = ["CppKVCache", "CppKVCacheManager", "RadixTree", "block_keys_cpp"]

@@ -17,6 +17,7 @@ from kvcm.api import (
     Token,
     check_count,
     check_tokens,
+    int32_view,
 )
 from kvcm.keys import block_key
 from kvcm.python_backend.manager import serialized
@@ -308,7 +309,7 @@ class PyKVCache(KVCache):
     def page_indices_into(self, lc: int, out: Any) -> int:
         self._require(Status.ACTIVE, "page_indices_into")
         self._check_lc(lc)
-        view = _int32_view(out)
+        view = int32_view(out)
         values = self.page_indices(lc)
         if len(values) > len(view):
             raise ValueError(f"buffer holds {len(view)} int32 values, {len(values)} needed")
@@ -569,20 +570,3 @@ class PyKVCache(KVCache):
         if not tail or not mgr.config.enable_partial_reuse or self.cow_block == i:
             return
         self._insert_block(i, self.tokens[i * B:], mgr.ssm_lc is not None)
-
-
-def _int32_view(out: Any) -> memoryview:
-    """A writable 1-D int32 view of ``out`` (numpy array, array('i'), CPU torch tensor)."""
-    if not hasattr(out, "__buffer__") and hasattr(out, "numpy"):
-        out = out.numpy()  # a CPU torch tensor shares its memory with the array
-    try:
-        view = memoryview(out)
-    except TypeError:
-        raise TypeError(f"out must be a writable int32 buffer, got {type(out).__name__}") from None
-    if view.readonly:
-        raise ValueError("out is read-only")
-    if view.itemsize != 4 or view.format.lstrip("<=@") not in ("i", "l"):
-        raise ValueError(f"out must be an int32 buffer, got format {view.format!r}")
-    if view.ndim != 1 or not view.c_contiguous:
-        raise ValueError("out must be a contiguous 1-D buffer")
-    return view.cast("B").cast("i")
