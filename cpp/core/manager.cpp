@@ -61,6 +61,14 @@ const char* status_name(ReqStatus s) {
 // ---- a tiny JSON writer
 void j_int(std::string& o, std::int64_t v) { o += std::to_string(v); }
 void j_bool(std::string& o, bool v) { o += v ? "true" : "false"; }
+// Ids, serials and slots are never negative: -1 (kNoNode, kNoPage, "none") is JSON null.
+void j_id(std::string& o, std::int64_t v) {
+  if (v < 0) {
+    o += "null";
+  } else {
+    j_int(o, v);
+  }
+}
 void j_hex(std::string& o, const Digest& d) {
   static constexpr char digits[] = "0123456789abcdef";
   o += '"';
@@ -1407,11 +1415,7 @@ std::string Manager::snapshot_json() {
     o += ",\"key\":";
     j_hex(o, d.key);
     o += ",\"parent\":";
-    if (d.parent == kNoNode) {
-      o += "null";
-    } else {
-      j_int(o, d.parent);
-    }
+    j_id(o, d.parent);
     o += ",\"attached\":";
     j_bool(o, d.attached);
     o += ",\"root\":";
@@ -1474,11 +1478,7 @@ std::string Manager::snapshot_json() {
     o += ",\"ordinal\":";
     j_int(o, p.ordinal);
     o += ",\"node\":";
-    if (p.node == kNoNode) {
-      o += "null";
-    } else {
-      j_int(o, p.node);
-    }
+    j_id(o, p.node);
     o += ",\"locks\":";
     j_int(o, p.locks);
     o += ",\"holds\":";
@@ -1546,11 +1546,7 @@ std::string Manager::snapshot_json() {
     o += ",\"blocks\":[";
     for (std::size_t k = 0; k < r.blocks.size(); ++k) {
       if (k) o += ',';
-      if (r.blocks[k] == kNoNode) {
-        o += "null";
-      } else {
-        j_int(o, r.blocks[k]);
-      }
+      j_id(o, r.blocks[k]);
     }
     o += "],\"pages\":{";
     bool f2 = true;
@@ -1563,26 +1559,14 @@ std::string Manager::snapshot_json() {
       const auto& v = r.pages[static_cast<std::size_t>(lc)];
       for (std::size_t k = 0; k < v.size(); ++k) {
         if (k) o += ',';
-        if (v[k] < 0) {
-          o += "null";
-        } else {
-          j_int(o, v[k]);
-        }
+        j_id(o, v[k]);
       }
       o += ']';
     }
     o += "},\"live\":";
-    if (r.live < 0) {
-      o += "null";
-    } else {
-      j_int(o, r.live);
-    }
+    j_id(o, r.live);
     o += ",\"snap\":";
-    if (r.snap < 0) {
-      o += "null";
-    } else {
-      j_int(o, r.snap);
-    }
+    j_id(o, r.snap);
     o += ",\"cow_block\":";
     j_int(o, r.cow_block);
     o += '}';
