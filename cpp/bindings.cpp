@@ -352,6 +352,19 @@ void bind_radix_tree(nb::module_& m) {
 
   using kvcm::NodeId;
   using kvcm::RadixTree;
+  // The core addresses nodes by slab handle; Python (and tree.py) by creation number.
+  // Translate at this boundary: uid -> handle by a scan (test-sized trees only).
+  const auto h = [](const RadixTree& t, NodeId uid) {
+    const NodeId x = t.find_uid(uid);
+    if (x == kvcm::kNoNode) throw kvcm::NoSuchNode(uid);
+    return x;
+  };
+  const auto u = [](const RadixTree& t, NodeId handle) { return handle == kvcm::kNoNode ? handle : t.uid(handle); };
+  const auto uids = [u](const RadixTree& t, const std::vector<NodeId>& handles) {
+    std::vector<NodeId> out;
+    for (NodeId x : handles) out.push_back(u(t, x));
+    return out;
+  };
   nb::class_<RadixTree>(m, "RadixTree",
                         "C++ port of kvcm.python_backend.tree.RadixTree (same methods, same results).")
       .def(
@@ -362,54 +375,68 @@ void bind_radix_tree(nb::module_& m) {
           "tokens_per_block"_a, "life_cycles"_a,
           nb::sig("def __init__(self, tokens_per_block: int, "
                   "life_cycles: typing.Sequence[tuple[str, int | None, int]]) -> None"))
-      .def("root", [](RadixTree& t, nb::handle key) { return t.root(to_digest(key, "scope_key")); },
+      .def("root", [u](RadixTree& t, nb::handle key) { return u(t, t.root(to_digest(key, "scope_key"))); },
            "scope_key"_a, nb::sig("def root(self, scope_key: bytes) -> int"))
       .def(
           "new_block",
-          [](RadixTree& t, nb::handle key, nb::handle tokens, std::int64_t ordinal) {
+          [u](RadixTree& t, nb::handle key, nb::handle tokens, std::int64_t ordinal) {
             const kvcm::Digest k = to_digest(key, "key");
             const TokenArgs ta = to_token_args(tokens);
-            return t.new_block(k, ta.args, ordinal);
+            return u(t, t.new_block(k, ta.args, ordinal));
           },
           "key"_a, "tokens"_a, "ordinal"_a,
           nb::sig("def new_block(self, key: bytes, tokens: typing.Sequence[int | bytes], ordinal: int) -> int"))
       .def(
           "find_existing",
-          [](const RadixTree& t, NodeId parent, nb::handle key, nb::handle tokens) {
+          [h, u](const RadixTree& t, NodeId parent, nb::handle key, nb::handle tokens) {
+            const NodeId p = h(t, parent);
             const kvcm::Digest k = to_digest(key, "key");
             const TokenArgs ta = to_token_args(tokens);
-            return t.find_existing(parent, k, ta.args);
+            return u(t, t.find_existing(p, k, std::span<const kvcm::TokenArg>(ta.args)));
           },
           "parent"_a, "key"_a, "tokens"_a,
           nb::sig("def find_existing(self, parent: int, key: bytes, tokens: typing.Sequence[int | bytes]) -> int"))
-      .def("attach", &RadixTree::attach, "parent"_a, "node"_a)
-      .def("detach", &RadixTree::detach, "node"_a)
-      .def("remove_subtree", &RadixTree::remove_subtree, "node"_a)
-      .def("prune_upward", &RadixTree::prune_upward, "node"_a)
-      .def("set_page", &RadixTree::set_page, "node"_a, "lc"_a, "page"_a, "coverage"_a)
-      .def("clear_page", &RadixTree::clear_page, "node"_a, "lc"_a)
-      .def("ref", &RadixTree::ref, "node"_a)
-      .def("unref", &RadixTree::unref, "node"_a)
-      .def("collect", &RadixTree::collect, "node"_a)
+      .def("attach", [h, uids](RadixTree& t, NodeId parent, NodeId node) {
+             const NodeId p = h(t, parent);  // tree.py looks the parent up first
+             return uids(t, t.attach(p, h(t, node)));
+           }, "parent"_a, "node"_a)
+      .def("detach", [h](RadixTree& t, NodeId node) { t.detach(h(t, node)); }, "node"_a)
+      .def("remove_subtree", [h, uids](RadixTree& t, NodeId node) { return uids(t, t.remove_subtree(h(t, node))); },
+           "node"_a)
+      .def("prune_upward", [h](RadixTree& t, NodeId node) { return t.prune_upward(h(t, node)); }, "node"_a)
+      .def("set_page", [h](RadixTree& t, NodeId node, std::int64_t lc, kvcm::PageHandle page, std::int64_t coverage) {
+             return t.set_page(h(t, node), lc, page, coverage);
+           }, "node"_a, "lc"_a, "page"_a, "coverage"_a)
+      .def("clear_page", [h](RadixTree& t, NodeId node, std::int64_t lc) { return t.clear_page(h(t, node), lc); },
+           "node"_a, "lc"_a)
+      .def("ref", [h](RadixTree& t, NodeId node) { t.ref(h(t, node)); }, "node"_a)
+      .def("unref", [h](RadixTree& t, NodeId node) { t.unref(h(t, node)); }, "node"_a)
+      .def("collect", [](RadixTree& t, NodeId node) {
+             const NodeId x = t.find_uid(node);
+             if (x != kvcm::kNoNode) t.collect(x);
+           }, "node"_a)
       .def(
           "match",
-          [](const RadixTree& t, NodeId root, nb::handle tokens, nb::handle keys, bool partial,
-             std::int64_t backoff) {
+          [h, uids](const RadixTree& t, NodeId root, nb::handle tokens, nb::handle keys, bool partial,
+                    std::int64_t backoff) {
+            const NodeId r0 = h(t, root);
             const TokenArgs ta = to_token_args(tokens);
             std::vector<kvcm::Digest> ks;
             for (nb::handle k : keys) ks.push_back(to_digest(k, "key"));
-            kvcm::MatchResult r = t.match(root, ta.args, ks, partial, backoff);
-            return std::make_tuple(r.m, r.m_before_ssm, std::move(r.path));
+            kvcm::MatchResult r = t.match(r0, std::span<const kvcm::TokenArg>(ta.args), ks, partial, backoff);
+            return std::make_tuple(r.m, r.m_before_ssm, uids(t, r.path));
           },
           "root"_a, "tokens"_a, "keys"_a, "partial"_a, "backoff"_a,
           nb::sig("def match(self, root: int, tokens: typing.Sequence[int | bytes], keys: typing.Sequence[bytes], "
                   "partial: bool, backoff: int) -> tuple[int, int, list[int]]"))
-      .def("parent", &RadixTree::parent, "node"_a)
-      .def("is_attached", &RadixTree::is_attached, "node"_a)
-      .def("exists", &RadixTree::exists, "node"_a)
-      .def("key", [](const RadixTree& t, NodeId node) { return to_bytes(t.key(node)); }, "node"_a)
-      .def("page", &RadixTree::page, "node"_a, "lc"_a)
-      .def("coverage", &RadixTree::coverage, "node"_a, "lc"_a)
+      .def("parent", [h, u](const RadixTree& t, NodeId node) { return u(t, t.parent(h(t, node))); }, "node"_a)
+      .def("is_attached", [h](const RadixTree& t, NodeId node) { return t.is_attached(h(t, node)); }, "node"_a)
+      .def("exists", [](const RadixTree& t, NodeId node) { return t.find_uid(node) != kvcm::kNoNode; }, "node"_a)
+      .def("key", [h](const RadixTree& t, NodeId node) { return to_bytes(t.key(h(t, node))); }, "node"_a)
+      .def("page", [h](const RadixTree& t, NodeId node, std::int64_t lc) { return t.page(h(t, node), lc); },
+           "node"_a, "lc"_a)
+      .def("coverage", [h](const RadixTree& t, NodeId node, std::int64_t lc) { return t.coverage(h(t, node), lc); },
+           "node"_a, "lc"_a)
       .def("dump", &dump_tree, nb::sig("def dump(self) -> list"), "Canonical picture: every live node by id.")
       .def("__len__", &RadixTree::num_nodes)
       .def_prop_ro("B", &RadixTree::tokens_per_block)

@@ -391,7 +391,7 @@ void bind_manager(nb::module_& m) {
                std::vector<kvcm::EventC> taken = mgr.take_events();
                tokens.reserve(taken.size());
                for (const kvcm::EventC& e : taken) {
-                 tokens.push_back(e.tokens ? mgr.decode_tokens(*e.tokens) : std::vector<kvcm::TokenOut>{});
+                 tokens.push_back(e.tokens ? mgr.decode_tokens({e.tokens.get(), e.ntokens}) : std::vector<kvcm::TokenOut>{});
                }
                return taken;
              });

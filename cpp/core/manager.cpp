@@ -170,18 +170,7 @@ Manager::Manager(ManagerConfig cfg)
 
 // ====================================================================== tokens
 
-Tok Manager::intern(const TokenArg& t) {
-  if (t.digest == nullptr) return t.value;
-  Digest d;
-  std::memcpy(d.data(), t.digest, d.size());
-  auto it = digest_ids_.find(d);
-  if (it != digest_ids_.end()) return kDigestCode | it->second;
-  const auto id = static_cast<std::uint32_t>(digests_.size());
-  if (id >= kDigestCode) throw std::length_error("too many distinct digest tokens");
-  digests_.push_back(d);
-  digest_ids_.emplace(d, id);
-  return kDigestCode | id;
-}
+Tok Manager::intern(const TokenArg& t) { return tree_.intern(t); }
 
 std::vector<Tok> Manager::intern_all(std::span<const TokenArg> tokens) {
   std::vector<Tok> out;
@@ -190,43 +179,7 @@ std::vector<Tok> Manager::intern_all(std::span<const TokenArg> tokens) {
   return out;
 }
 
-std::vector<TokenArg> Manager::args(std::span<const Tok> codes) const {
-  std::vector<TokenArg> out(codes.size());
-  for (std::size_t i = 0; i < codes.size(); ++i) {
-    const Tok c = codes[i];
-    if (c & kDigestCode) {
-      out[i].digest = digests_[c & ~kDigestCode].data();
-    } else {
-      out[i].value = c;
-    }
-  }
-  return out;
-}
-
-std::span<const TokenArg> Manager::scratch_args(std::span<const Tok> codes) {
-  scratch_.resize(codes.size());
-  for (std::size_t i = 0; i < codes.size(); ++i) {
-    const Tok c = codes[i];
-    scratch_[i] = TokenArg{};
-    if (c & kDigestCode) {
-      scratch_[i].digest = digests_[c & ~kDigestCode].data();
-    } else {
-      scratch_[i].value = c;
-    }
-  }
-  return scratch_;
-}
-
-TokenOut Manager::decode(Tok c) const {
-  TokenOut t;
-  if (c & kDigestCode) {
-    t.is_digest = true;
-    t.digest = digests_[c & ~kDigestCode];
-  } else {
-    t.value = c;
-  }
-  return t;
-}
+TokenOut Manager::decode(Tok c) const { return tree_.decode(c); }
 
 std::vector<TokenOut> Manager::decode_all(std::span<const Tok> codes) const {
   std::vector<TokenOut> out;
@@ -237,7 +190,7 @@ std::vector<TokenOut> Manager::decode_all(std::span<const Tok> codes) const {
 
 void Manager::append_bytes(std::vector<std::uint8_t>& out, Tok c) const {
   if (c & kDigestCode) {
-    const Digest& d = digests_[c & ~kDigestCode];
+    const Digest& d = tree_.digest(c);
     out.insert(out.end(), d.begin(), d.end());
   } else {
     const std::uint8_t le[4] = {static_cast<std::uint8_t>(c), static_cast<std::uint8_t>(c >> 8),
@@ -258,7 +211,7 @@ std::vector<Digest> Manager::chain(const Digest& root, std::span<const Tok> toke
   tb.reserve(tokens.size());
   for (Tok c : tokens) {
     if (c & kDigestCode) {
-      const Digest& d = digests_[c & ~kDigestCode];
+      const Digest& d = tree_.digest(c);
       tb.append_digest(std::span<const std::uint8_t, kDigestTokenBytes>(d.data(), kDigestTokenBytes));
     } else {
       tb.append_int(c);
@@ -270,47 +223,16 @@ std::vector<Digest> Manager::chain(const Digest& root, std::span<const Tok> toke
 // ====================================================================== tree bookkeeping
 
 NodeId Manager::new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal) {
-  const NodeId id = tree_.new_block(key, scratch_args(tokens), ordinal);
-  next_node_ = id + 1;
-  // forget entries of nodes the tree deleted (amortised: only when the table doubled)
-  if (node_info_.size() > 64 && node_info_.size() > 2 * tree_.num_nodes()) {
-    for (auto it = node_info_.begin(); it != node_info_.end();) {
-      if (!tree_.exists(it->first)) {
-        it = node_info_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-  }
-  NodeInfo& info = node_info_[id];
-  info.tokens = std::make_shared<const std::vector<Tok>>(tokens.begin(), tokens.end());
-  info.ordinal = ordinal;
-  return id;
-}
-
-const Manager::NodeInfo& Manager::node_info(NodeId id) const {
-  auto it = node_info_.find(id);
-  if (it == node_info_.end()) throw NoSuchNode(id);
-  return it->second;
-}
-
-bool Manager::node_has_page(NodeId id) const {
-  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
-  for (std::int64_t lc = 0; lc < nlc; ++lc) {
-    if (tree_.page(id, lc) != kNoPage) return true;
-  }
-  return false;
+  std::shared_ptr<Tok[]> block = std::make_shared_for_overwrite<Tok[]>(tokens.size());
+  std::copy(tokens.begin(), tokens.end(), block.get());
+  return tree_.new_block(key, std::move(block), tokens.size(), ordinal);
 }
 
 NodeId Manager::root_for(const Digest& key) {
   auto it = roots_.find(key);
   if (it != roots_.end()) return it->second;
   const NodeId id = tree_.root(key);
-  next_node_ = id + 1;
   roots_.emplace(key, id);
-  NodeInfo& info = node_info_[id];
-  info.tokens = std::make_shared<const std::vector<Tok>>();
-  info.ordinal = -1;
   return id;
 }
 
@@ -503,7 +425,7 @@ void Manager::unlink_committed(Page* p) {
   const NodeId node = p->node;
   const std::int64_t lc = p->lc;
   const Digest key = tree_.key(node);
-  const std::int64_t ordinal = node_info(node).ordinal;
+  const std::int64_t ordinal = tree_.ordinal(node);
   unlink_from_node(p);
   emit_removed(key, lc);
   const LcConfig& life = cfg_.lcs[static_cast<std::size_t>(lc)];
@@ -593,7 +515,6 @@ void Manager::emit_removed(const Digest& key, std::int64_t lc) {
 
 void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
   if (lcs.empty()) return;
-  const NodeInfo& info = node_info(nid);
   EventC e;
   e.kind = EventKind::stored;
   const NodeId parent = tree_.parent(nid);
@@ -602,7 +523,8 @@ void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
     e.parent_key = tree_.key(parent);
   }
   e.key = tree_.key(nid);
-  e.tokens = info.tokens;
+  e.tokens = tree_.token_block(nid);
+  e.ntokens = static_cast<std::uint32_t>(tree_.tokens(nid).size());
   e.blocks.reserve(lcs.size());
   for (std::int64_t lc : lcs) {
     const Page& p = page(tree_.page(nid, lc));
@@ -612,7 +534,7 @@ void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
     b.priority = p.priority;
     e.blocks.push_back(std::move(b));
   }
-  e.partial = static_cast<std::int64_t>(info.tokens->size()) < B_;
+  e.partial = static_cast<std::int64_t>(e.ntokens) < B_;
   e.id = event_id();
   emit(std::move(e));
 }
@@ -707,7 +629,7 @@ std::int64_t Manager::create(std::span<const TokenArg> tokens_in, std::optional<
   std::vector<NodeId> path;
   if (!tokens.empty()) {
     MatchResult mr =
-        tree_.match(r.root, scratch_args(tokens), r.keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+        tree_.match(r.root, std::span<const Tok>(tokens), r.keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
     m = mr.m;
     path = std::move(mr.path);
   }
@@ -1160,7 +1082,7 @@ ClosedTokens Manager::close(std::int64_t serial) {
     if (!(c & kDigestCode)) continue;
     bool seen = false;
     for (const auto& [code, d] : out.digests) seen = seen || code == c;
-    if (!seen) out.digests.emplace_back(c, digests_[c & ~kDigestCode]);
+    if (!seen) out.digests.emplace_back(c, tree_.digest(c));
   }
   requests_.erase(it);
   return out;
@@ -1202,8 +1124,7 @@ NodeId Manager::parent_for(Request& r, std::int64_t i) {
   NodeId parent = k < 0 ? r.root : r.blocks[static_cast<std::size_t>(k)];
   for (std::int64_t j = k + 1; j < i; ++j) {
     const NodeId orphan = r.blocks[static_cast<std::size_t>(j)];
-    const NodeInfo info = node_info(orphan);  // a copy: attach may prune the table
-    const NodeId existing = tree_.find_existing(parent, tree_.key(orphan), scratch_args(*info.tokens));
+    const NodeId existing = tree_.find_existing(parent, tree_.key(orphan), tree_.tokens(orphan));
     if (existing != kNoNode) {
       switch_block(r, j, orphan, existing);
     } else {
@@ -1311,8 +1232,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
   const auto ntok = static_cast<std::int64_t>(tokens.size());
   const Digest key = key_for(r, i, tokens);
   NodeId parent = parent_for(r, i);
-  std::vector<TokenArg> a = args(tokens);
-  NodeId existing = tree_.find_existing(parent, key, a);
+  NodeId existing = tree_.find_existing(parent, key, tokens);
   Page* snap = nullptr;
   const std::int64_t ssm = ssm_lc_;
   if (want_snapshot && (existing == kNoNode || tree_.coverage(existing, ssm) < ntok)) {
@@ -1325,7 +1245,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
       count(ssm, kSnapshotsTaken);
       // eviction may have pruned this request's chain or the existing block
       parent = parent_for(r, i);
-      existing = tree_.find_existing(parent, key, a);
+      existing = tree_.find_existing(parent, key, tokens);
     }
   }
   const bool active = r.status == ReqStatus::active;
@@ -1345,7 +1265,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
     }
     tree_.ref(nid);
     set_block(r, i, nid);
-    if (node_has_page(nid)) {
+    if (tree_.has_page(nid)) {
       attach(parent, nid);
     } else {
       tree_.prune_upward(parent);  // a re-attached chain must not stay childless
@@ -1478,7 +1398,7 @@ std::string Manager::snapshot_json() {
     o += ",\"ordinal\":";
     j_int(o, p.ordinal);
     o += ",\"node\":";
-    j_id(o, p.node);
+    j_id(o, node_uid(p.node));
     o += ",\"locks\":";
     j_int(o, p.locks);
     o += ",\"holds\":";
@@ -1546,7 +1466,7 @@ std::string Manager::snapshot_json() {
     o += ",\"blocks\":[";
     for (std::size_t k = 0; k < r.blocks.size(); ++k) {
       if (k) o += ',';
-      j_id(o, r.blocks[k]);
+      j_id(o, node_uid(r.blocks[k]));
     }
     o += "],\"pages\":{";
     bool f2 = true;
@@ -1616,11 +1536,11 @@ std::string Manager::snapshot_json() {
           o += '[';
           j_hex(o, e.key);
           o += ',';
-          j_int(o, static_cast<std::int64_t>(e.tokens->size()));
+          j_int(o, static_cast<std::int64_t>(e.ntokens));
           o += ",[";
-          for (std::size_t t = 0; t < e.tokens->size(); ++t) {
+          for (std::size_t t = 0; t < e.ntokens; ++t) {
             if (t) o += ',';
-            j_tok_plain(o, decode((*e.tokens)[t]));
+            j_tok_plain(o, decode(e.tokens[t]));
           }
           o += "],";
           j_int(o, sb.lc);
@@ -1664,7 +1584,7 @@ std::string Manager::snapshot_json() {
   j_int(o, next_request_);
   o += ",\"node\":";
   // the tree's next id: one past the largest id ever made (ids are never reused)
-  j_int(o, next_node_);
+  j_int(o, tree_.next_uid());
   o += "},\"shutdown\":";
   j_bool(o, is_shutdown_);
   o += '}';
@@ -1755,8 +1675,8 @@ void Manager::check_invariants() {
     if (active && ssm_lc_ >= 0) check(r.live >= 0, rid + ": ACTIVE without a live ssm state");
     for (NodeId nid : r.blocks) {
       if (nid != kNoNode) {
-        check(tree_.exists(nid), rid + ": references deleted block " + S(nid));
-        refs[nid] += 1;
+        check(tree_.exists(nid), rid + ": references a deleted block");
+        refs[tree_.uid(nid)] += 1;
       }
     }
   }
@@ -1774,10 +1694,11 @@ void Manager::check_invariants() {
     if (p.node == kNoNode) {
       check(p.locks + p.holds > 0, pid + ": private page without a user");
     } else {
-      check(nodes.count(p.node) != 0, pid + ": block " + S(p.node) + " does not exist");
-      const NodeDump& n = *nodes[p.node];
-      check(n.pages[static_cast<std::size_t>(p.lc)] == s, pid + ": block " + S(p.node) + " does not hold it");
-      if (!n.attached) check(p.locks + p.holds > 0, pid + ": orphan block " + S(p.node) + " page without a user");
+      check(tree_.exists(p.node), pid + ": its block does not exist");
+      const std::int64_t uid = tree_.uid(p.node);
+      const NodeDump& n = *nodes[uid];
+      check(n.pages[static_cast<std::size_t>(p.lc)] == s, pid + ": block " + S(uid) + " does not hold it");
+      if (!n.attached) check(p.locks + p.holds > 0, pid + ": orphan block " + S(uid) + " page without a user");
     }
   }
   // --- tree links
@@ -1790,7 +1711,7 @@ void Manager::check_invariants() {
       const PageHandle h = n.pages[lc];
       if (h != kNoPage) {
         has_page = true;
-        check(pages_.count(h) != 0 && pages_.at(h).node == n.id,
+        check(pages_.count(h) != 0 && node_uid(pages_.at(h).node) == n.id,
               bid + ": page " + S(h) + " of lc " + S(static_cast<std::int64_t>(lc)) + " not linked back");
         check(n.coverage[lc] > 0, bid + ": page with zero coverage");
       } else {

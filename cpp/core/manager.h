@@ -97,7 +97,8 @@ struct EventC {
   Digest parent_key{};
   std::vector<StoredBlockC> blocks;
   // token codes of the stored block (Manager::decode_tokens), shared with the tree node
-  std::shared_ptr<const std::vector<std::uint32_t>> tokens;
+  std::shared_ptr<const std::uint32_t[]> tokens;
+  std::uint32_t ntokens = 0;
   bool partial = false;
   // stored / removed / tier_changed
   Digest key{};
@@ -206,17 +207,9 @@ class Manager {
     std::int64_t cow_block = -1;
   };
 
-  struct NodeInfo {
-    std::shared_ptr<const std::vector<Tok>> tokens;  // immutable; shared with stored events
-    std::int64_t ordinal = -1;
-  };
-
   // --- helpers: tokens
   Tok intern(const TokenArg& t);
   std::vector<Tok> intern_all(std::span<const TokenArg> tokens);
-  std::vector<TokenArg> args(std::span<const Tok> codes) const;
-  // args() into a reused buffer: valid until the next scratch_args() call (no nesting).
-  std::span<const TokenArg> scratch_args(std::span<const Tok> codes);
   TokenOut decode(Tok t) const;
   std::vector<TokenOut> decode_all(std::span<const Tok> codes) const;
   void append_bytes(std::vector<std::uint8_t>& out, Tok t) const;
@@ -225,9 +218,9 @@ class Manager {
 
   // --- tree bookkeeping
   NodeId new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal);
-  const NodeInfo& node_info(NodeId id) const;
-  bool node_has_page(NodeId id) const;
   NodeId root_for(const Digest& key);
+  // The creation number snapshots show for a node handle (kNoNode stays kNoNode).
+  std::int64_t node_uid(NodeId id) const { return id == kNoNode ? kNoNode : tree_.uid(id); }
 
   // --- requests
   Request& req(std::int64_t serial);
@@ -301,10 +294,8 @@ class Manager {
   std::int64_t ssm_lc_ = -1;
   std::vector<std::vector<Pool>> pools_;  // [tier][lc]
   RadixTree tree_;
-  std::unordered_map<NodeId, NodeInfo> node_info_;  // tokens/ordinal of tree nodes (lazily pruned)
   std::unordered_map<Digest, NodeId, DigestHash> roots_;
   std::unordered_map<std::int64_t, Page> pages_;
-  std::int64_t next_node_ = 0;
   std::int64_t clock_ = 0, next_page_ = 0, next_request_ = 0, next_event_ = 0;
   std::map<std::int64_t, Request> requests_;
   std::vector<CopyOpC> copy_ops_;
@@ -313,10 +304,6 @@ class Manager {
   bool is_shutdown_ = false;
   // counters: [requests, query_tokens, reused_tokens, then 13 per lc]
   std::vector<std::int64_t> totals_, iteration_;
-  // digest interning for token codes (never shrinks; a deque keeps addresses stable)
-  std::unordered_map<Digest, std::uint32_t, DigestHash> digest_ids_;
-  std::deque<Digest> digests_;
-  std::vector<TokenArg> scratch_;
   std::mutex mutex_;
 };
 

@@ -15,19 +15,19 @@ constexpr std::int64_t floordiv(std::int64_t a, std::int64_t b) noexcept {
 constexpr std::int64_t ceildiv(std::int64_t a, std::int64_t b) noexcept { return -floordiv(-a, b); }
 
 template <typename T>
-const T& at(const std::vector<T>& v, std::int64_t i) {
+const T& at_index(const std::vector<T>& v, std::int64_t i) {
   if (i < 0 || static_cast<std::size_t>(i) >= v.size()) throw std::out_of_range("list index out of range");
   return v[static_cast<std::size_t>(i)];
 }
 
-bool starts_with(const std::vector<std::uint32_t>& longer, const std::vector<std::uint32_t>& prefix) noexcept {
+bool starts_with(std::span<const std::uint32_t> longer, std::span<const std::uint32_t> prefix) noexcept {
   return prefix.size() <= longer.size() && std::equal(prefix.begin(), prefix.end(), longer.begin());
 }
 
 }  // namespace
 
 RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles)
-    : B_(tokens_per_block), lcs_(std::move(life_cycles)) {
+    : B_(tokens_per_block), lcs_(std::move(life_cycles)), children_(16, kNil) {
   if (B_ < 1) throw std::invalid_argument("tokens_per_block must be >= 1");
 }
 
@@ -35,90 +35,93 @@ RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> l
 
 NodeId RadixTree::root(const Digest& scope_key) {
   auto it = roots_.find(scope_key);
-  if (it != roots_.end()) return it->second->id;
-  Node& n = make_node(scope_key, {}, -1, /*is_root=*/true);
-  roots_.emplace(scope_key, &n);
-  return n.id;
+  if (it != roots_.end()) return it->second;
+  const Ref r = make_node(scope_key, nullptr, 0, -1, /*is_root=*/true);
+  roots_.emplace(scope_key, r);
+  return r;
 }
 
 NodeId RadixTree::new_block(const Digest& key, std::span<const TokenArg> tokens, std::int64_t ordinal) {
-  std::vector<Code> codes;
-  codes.reserve(tokens.size());
-  try {
-    for (const TokenArg& t : tokens) codes.push_back(intern(t));
-  } catch (...) {
-    for (Code c : codes) release(c);  // all or nothing
-    throw;
-  }
-  return make_node(key, std::move(codes), ordinal, /*is_root=*/false).id;
+  std::shared_ptr<Code[]> codes = std::make_shared_for_overwrite<Code[]>(tokens.size());
+  for (std::size_t i = 0; i < tokens.size(); ++i) codes[i] = intern(tokens[i]);
+  return make_node(key, std::move(codes), tokens.size(), ordinal, /*is_root=*/false);
+}
+
+NodeId RadixTree::new_block(const Digest& key, TokenBlock tokens, std::size_t ntokens, std::int64_t ordinal) {
+  return make_node(key, std::move(tokens), ntokens, ordinal, /*is_root=*/false);
 }
 
 NodeId RadixTree::find_existing(NodeId parent, const Digest& key, std::span<const TokenArg> tokens) const {
-  const Node& p = get(parent);
-  auto it = p.children.find(key);
-  if (it != p.children.end()) return it->second->id;
+  const Ref p = ref_of(parent);
+  const Ref c = find_child(p, key);
+  if (c != kNil) return c;
   return covering(p, encode_query(tokens));
 }
 
-std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
-  Node& p = get(parent);
-  Node& n = get(node);
-  if (n.parent != nullptr || n.attached || n.is_root) throw TreeAssertion("attach: node is linked");
-  if (p.children.count(n.key) != 0) throw TreeAssertion("attach: key already present (use find_existing)");
-  std::vector<Node*> detached;
-  if (!n.tokens.empty()) {
-    auto g = p.by_first.find(n.tokens[0]);
-    if (g != p.by_first.end()) {
-      std::vector<Node*> group = g->second;
-      std::sort(group.begin(), group.end(), [](const Node* a, const Node* b) { return a->key < b->key; });
-      for (Node* s : group) {
-        if (s->tokens.size() < n.tokens.size() && static_cast<std::int64_t>(s->tokens.size()) < B_ &&
-            starts_with(n.tokens, s->tokens)) {
-          detached.push_back(s);
-        }
-      }
-    }
-  }
-  for (Node* s : detached) {
-    unlink(*s);
-    for (std::size_t lc = 0; lc < lcs_.size(); ++lc) {
-      if (s->pages[lc] != kNoPage && s->coverage[lc] > n.coverage[lc]) {
-        std::swap(n.pages[lc], s->pages[lc]);
-        std::swap(n.coverage[lc], s->coverage[lc]);
-      }
-    }
-  }
-  n.parent = &p;
-  n.attached = true;
-  p.children.emplace(n.key, &n);
-  if (!n.tokens.empty()) p.by_first[n.tokens[0]].push_back(&n);
-  std::vector<NodeId> out;
-  out.reserve(detached.size());
-  for (const Node* s : detached) out.push_back(s->id);
-  return out;
+NodeId RadixTree::find_existing(NodeId parent, const Digest& key, std::span<const Code> tokens) const {
+  const Ref p = ref_of(parent);
+  const Ref c = find_child(p, key);
+  if (c != kNil) return c;
+  return covering(p, tokens);
 }
 
-void RadixTree::detach(NodeId node) { unlink(get(node)); }
+std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
+  const Ref p = ref_of(parent);
+  const Ref r = ref_of(node);
+  {
+    const Node& n = at(r);
+    if (n.parent != kNil || n.attached || n.is_root) throw TreeAssertion("attach: node is linked");
+  }
+  if (find_child(p, at(r).key) != kNil) throw TreeAssertion("attach: key already present (use find_existing)");
+  // Shorter partial siblings whose tokens prefix the node's (same first token) step aside.
+  std::vector<Ref> detached;
+  if (at(r).ntok > 0 && at(p).npartial > 0) {
+    const std::span<const Code> mine = tokens(r);
+    for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
+      const Node& sn = at(s);
+      if (sn.ntok > 0 && sn.ntok < at(r).ntok && static_cast<std::int64_t>(sn.ntok) < B_ && sn.first() == mine[0] &&
+          starts_with(mine, tokens(s))) {
+        detached.push_back(s);
+      }
+    }
+    std::sort(detached.begin(), detached.end(), [this](Ref a, Ref b) { return at(a).key < at(b).key; });
+  }
+  const std::size_t nlc = lcs_.size();
+  for (Ref s : detached) {
+    unlink(s);
+    for (std::size_t lc = 0; lc < nlc; ++lc) {
+      const std::size_t si = s * nlc + lc, ni = r * nlc + lc;
+      if (pages_[si] != kNoPage && coverage_[si] > coverage_[ni]) {
+        std::swap(pages_[ni], pages_[si]);
+        std::swap(coverage_[ni], coverage_[si]);
+      }
+    }
+  }
+  link(p, r);
+  return {detached.begin(), detached.end()};
+}
+
+void RadixTree::detach(NodeId node) { unlink(ref_of(node)); }
 
 std::vector<NodeId> RadixTree::remove_subtree(NodeId node) {
   std::vector<NodeId> out;
-  Node& top = get(node);
+  const Ref top = ref_of(node);
   unlink(top);
-  std::vector<Node*> stack{&top};
+  std::vector<Ref> stack{top};
   while (!stack.empty()) {
-    Node* n = stack.back();
+    const Ref n = stack.back();
     stack.pop_back();
-    out.push_back(n->id);
-    std::vector<Node*> kids;
-    kids.reserve(n->children.size());
-    for (auto& [k, child] : n->children) kids.push_back(child);
-    std::sort(kids.begin(), kids.end(), [](const Node* a, const Node* b) { return a->key < b->key; });
-    for (Node* k : kids) {
-      k->parent = nullptr;
-      k->attached = false;
+    out.push_back(n);
+    const std::vector<Ref> kids = children_by_key(n);
+    for (Ref k : kids) {
+      table_erase(k);
+      Node& kn = at(k);
+      kn.parent = kNil;
+      kn.attached = false;
+      kn.prev_sibling = kn.next_sibling = kNil;
     }
-    n->children.clear();
-    n->by_first.clear();
+    at(n).first_child = kNil;
+    at(n).npartial = 0;
     stack.insert(stack.end(), kids.rbegin(), kids.rend());  // pre-order, smallest key first
   }
   return out;
@@ -126,67 +129,73 @@ std::vector<NodeId> RadixTree::remove_subtree(NodeId node) {
 
 std::vector<NodeId> RadixTree::prune_upward(NodeId node) {
   std::vector<NodeId> out;
-  Node* n = &get(node);
-  while (n != nullptr && n->attached && !n->is_root && n->children.empty() && !n->has_page()) {
-    Node* parent = n->parent;
-    unlink(*n);
-    out.push_back(n->id);
-    maybe_delete(*n);  // pageless: nothing for the caller to free first
+  Ref n = ref_of(node);
+  while (n != kNil) {
+    const Node& nn = at(n);
+    if (!nn.attached || nn.is_root || nn.first_child != kNil || node_has_page(n)) break;
+    const Ref parent = nn.parent;
+    out.push_back(nn.uid);
+    unlink(n);
+    maybe_delete(n);  // pageless: nothing for the caller to free first
     n = parent;
   }
   return out;
 }
 
 PageHandle RadixTree::set_page(NodeId node, std::int64_t lc, PageHandle page, std::int64_t coverage) {
-  Node& n = get(node);
-  const std::size_t i = lc_index(lc);
-  const PageHandle old = n.pages[i];
-  n.pages[i] = page;
-  n.coverage[i] = coverage;
+  const std::size_t i = ref_of(node) * lcs_.size() + lc_index(lc);
+  const PageHandle old = pages_[i];
+  pages_[i] = page;
+  coverage_[i] = static_cast<std::int32_t>(coverage);
   return old;
 }
 
 PageHandle RadixTree::clear_page(NodeId node, std::int64_t lc) {
-  Node& n = get(node);
-  const std::size_t i = lc_index(lc);
-  const PageHandle old = n.pages[i];
-  n.pages[i] = kNoPage;
-  n.coverage[i] = 0;
-  maybe_delete(n);
+  const Ref r = ref_of(node);
+  const std::size_t i = r * lcs_.size() + lc_index(lc);
+  const PageHandle old = pages_[i];
+  pages_[i] = kNoPage;
+  coverage_[i] = 0;
+  maybe_delete(r);
   return old;
 }
 
-void RadixTree::ref(NodeId node) { ++get(node).refs; }
+void RadixTree::ref(NodeId node) { ++at(ref_of(node)).refs; }
 
 void RadixTree::unref(NodeId node) {
-  Node& n = get(node);
-  if (n.refs <= 0) throw TreeAssertion("unref: not referenced");
-  --n.refs;
-  maybe_delete(n);
+  const Ref r = ref_of(node);
+  if (at(r).refs == 0) throw TreeAssertion("unref: not referenced");
+  --at(r).refs;
+  maybe_delete(r);
 }
 
 void RadixTree::collect(NodeId node) {
-  auto it = nodes_.find(node);
-  if (it != nodes_.end()) maybe_delete(it->second);
+  if (exists(node)) maybe_delete(static_cast<Ref>(node));
 }
 
-MatchResult RadixTree::match(NodeId root, std::span<const TokenArg> tokens_in, std::span<const Digest> keys,
+MatchResult RadixTree::match(NodeId root, std::span<const TokenArg> tokens, std::span<const Digest> keys,
                              bool partial, std::int64_t backoff) const {
-  const std::vector<Code> tokens = encode_query(tokens_in);
+  const std::vector<Code> codes = encode_query(tokens);
+  return match(root, std::span<const Code>(codes), keys, partial, backoff);
+}
+
+MatchResult RadixTree::match(NodeId root, std::span<const Code> tokens, std::span<const Digest> keys, bool partial,
+                             std::int64_t backoff) const {
   const auto n_tok = static_cast<std::int64_t>(tokens.size());
-  const Node* node = &get(root);
-  std::vector<const Node*> path;
+  Ref node = ref_of(root);
+  std::vector<Ref> path;
+  path.reserve(static_cast<std::size_t>(n_tok / B_) + 1);
   for (std::int64_t i = 0; i < n_tok / B_; ++i) {
     if (static_cast<std::size_t>(i) >= keys.size()) throw std::out_of_range("list index out of range");
-    auto it = node->children.find(keys[static_cast<std::size_t>(i)]);
-    if (it == node->children.end()) break;
-    path.push_back(it->second);
-    node = it->second;
+    const Ref c = find_child(node, keys[static_cast<std::size_t>(i)]);
+    if (c == kNil) break;
+    path.push_back(c);
+    node = c;
   }
   std::int64_t m = static_cast<std::int64_t>(path.size()) * B_;
   if (partial && m < n_tok) {
-    const auto [best, run] = longest_run(*node, tokens, static_cast<std::size_t>(m));
-    if (best != nullptr) {
+    const auto [best, run] = longest_run(node, tokens, static_cast<std::size_t>(m));
+    if (best != kNil) {
       path.push_back(best);
       m += run;
     }
@@ -200,59 +209,123 @@ MatchResult RadixTree::match(NodeId root, std::span<const TokenArg> tokens_in, s
   std::int64_t stop = ceildiv(r.m, B_);
   if (stop < 0) stop = std::max<std::int64_t>(0, stop + len);
   stop = std::min(stop, len);
-  r.path.reserve(static_cast<std::size_t>(stop));
-  for (std::int64_t j = 0; j < stop; ++j) r.path.push_back(path[static_cast<std::size_t>(j)]->id);
+  r.path.assign(path.begin(), path.begin() + stop);
   return r;
+}
+
+// ---------------------------------------------------------------- tokens
+
+RadixTree::Code RadixTree::intern(const TokenArg& t) {
+  if (t.digest == nullptr) {
+    if (t.value & kDigestBit) throw std::invalid_argument("token out of range [0, 2**31)");
+    return t.value;
+  }
+  Digest d;
+  std::memcpy(d.data(), t.digest, d.size());
+  auto it = digest_ids_.find(d);
+  if (it != digest_ids_.end()) return kDigestBit | it->second;
+  if (digests_.size() >= (kUnknownDigest & ~kDigestBit)) throw std::length_error("too many distinct digest tokens");
+  const auto id = static_cast<Code>(digests_.size());
+  digests_.push_back(d);
+  digest_ids_.emplace(d, id);
+  return kDigestBit | id;
+}
+
+RadixTree::Code RadixTree::lookup(const TokenArg& t) const {
+  if (t.digest == nullptr) {
+    if (t.value & kDigestBit) throw std::invalid_argument("token out of range [0, 2**31)");
+    return t.value;
+  }
+  Digest d;
+  std::memcpy(d.data(), t.digest, d.size());
+  auto it = digest_ids_.find(d);
+  return it != digest_ids_.end() ? (kDigestBit | it->second) : kUnknownDigest;
+}
+
+TokenOut RadixTree::decode(Code c) const {
+  TokenOut t;
+  if (c & kDigestBit) {
+    t.is_digest = true;
+    t.digest = digests_[c & ~kDigestBit];
+  } else {
+    t.value = c;
+  }
+  return t;
+}
+
+std::vector<RadixTree::Code> RadixTree::encode_query(std::span<const TokenArg> tokens) const {
+  std::vector<Code> out;
+  out.reserve(tokens.size());
+  for (const TokenArg& t : tokens) out.push_back(lookup(t));
+  return out;
 }
 
 // ---------------------------------------------------------------- queries
 
 NodeId RadixTree::parent(NodeId node) const {
-  const Node& n = get(node);
-  return n.parent != nullptr ? n.parent->id : kNoNode;
+  const Ref p = at(ref_of(node)).parent;
+  return p != kNil ? static_cast<NodeId>(p) : kNoNode;
 }
 
-bool RadixTree::is_attached(NodeId node) const { return get(node).attached; }
+bool RadixTree::is_attached(NodeId node) const { return at(ref_of(node)).attached; }
 
-const Digest& RadixTree::key(NodeId node) const { return get(node).key; }
+const Digest& RadixTree::key(NodeId node) const { return at(ref_of(node)).key; }
 
-PageHandle RadixTree::page(NodeId node, std::int64_t lc) const { return get(node).pages[lc_index(lc)]; }
+PageHandle RadixTree::page(NodeId node, std::int64_t lc) const {
+  return pages_[ref_of(node) * lcs_.size() + lc_index(lc)];
+}
 
 std::int64_t RadixTree::coverage(NodeId node, std::int64_t lc) const {
-  return get(node).coverage[lc_index(lc)];
+  return coverage_[ref_of(node) * lcs_.size() + lc_index(lc)];
+}
+
+bool RadixTree::has_page(NodeId node) const { return node_has_page(ref_of(node)); }
+
+std::span<const RadixTree::Code> RadixTree::tokens(NodeId node) const {
+  const Node& n = at(ref_of(node));
+  return {n.tokens.get(), n.ntok};
+}
+
+const RadixTree::TokenBlock& RadixTree::token_block(NodeId node) const { return at(ref_of(node)).tokens; }
+
+std::int64_t RadixTree::ordinal(NodeId node) const { return at(ref_of(node)).ordinal; }
+
+std::int64_t RadixTree::uid(NodeId node) const { return at(ref_of(node)).uid; }
+
+NodeId RadixTree::find_uid(std::int64_t uid) const noexcept {
+  for (std::size_t r = 0; r < nodes_.size(); ++r) {
+    if (nodes_[r].alive && nodes_[r].uid == uid) return static_cast<NodeId>(r);
+  }
+  return kNoNode;
 }
 
 std::vector<NodeDump> RadixTree::dump() const {
-  std::vector<NodeId> ids;
-  ids.reserve(nodes_.size());
-  for (const auto& [id, n] : nodes_) ids.push_back(id);
-  std::sort(ids.begin(), ids.end());
+  std::vector<Ref> live;
+  live.reserve(num_nodes());
+  for (std::size_t r = 0; r < nodes_.size(); ++r) {
+    if (nodes_[r].alive) live.push_back(static_cast<Ref>(r));
+  }
+  std::sort(live.begin(), live.end(), [this](Ref a, Ref b) { return at(a).uid < at(b).uid; });
+  const std::size_t nlc = lcs_.size();
   std::vector<NodeDump> out;
-  out.reserve(ids.size());
-  for (NodeId id : ids) {
-    const Node& n = nodes_.at(id);
+  out.reserve(live.size());
+  for (Ref r : live) {
+    const Node& n = at(r);
     NodeDump d;
-    d.id = n.id;
+    d.id = n.uid;
     d.key = n.key;
-    d.parent = n.parent != nullptr ? n.parent->id : kNoNode;
+    d.parent = n.parent != kNil ? at(n.parent).uid : kNoNode;
     d.attached = n.attached;
     d.is_root = n.is_root;
     d.ordinal = n.ordinal;
-    d.tokens.reserve(n.tokens.size());
-    for (Code c : n.tokens) {
-      TokenOut t;
-      if (c & kDigestBit) {
-        t.is_digest = true;
-        t.digest = digests_[c & ~kDigestBit];
-      } else {
-        t.value = c;
-      }
-      d.tokens.push_back(t);
-    }
-    for (const auto& [k, child] : n.children) d.children.push_back(child->id);
+    d.tokens.reserve(n.ntok);
+    for (std::uint32_t k = 0; k < n.ntok; ++k) d.tokens.push_back(decode(n.tokens[k]));
+    for (Ref c = n.first_child; c != kNil; c = at(c).next_sibling) d.children.push_back(at(c).uid);
     std::sort(d.children.begin(), d.children.end());
-    d.pages = n.pages;
-    d.coverage = n.coverage;
+    d.pages.assign(pages_.begin() + static_cast<std::ptrdiff_t>(r * nlc),
+                   pages_.begin() + static_cast<std::ptrdiff_t>((r + 1) * nlc));
+    d.coverage.assign(coverage_.begin() + static_cast<std::ptrdiff_t>(r * nlc),
+                      coverage_.begin() + static_cast<std::ptrdiff_t>((r + 1) * nlc));
     d.refs = n.refs;
     out.push_back(std::move(d));
   }
@@ -261,16 +334,9 @@ std::vector<NodeDump> RadixTree::dump() const {
 
 // ---------------------------------------------------------------- helpers
 
-RadixTree::Node& RadixTree::get(NodeId id) {
-  auto it = nodes_.find(id);
-  if (it == nodes_.end()) throw NoSuchNode(id);
-  return it->second;
-}
-
-const RadixTree::Node& RadixTree::get(NodeId id) const {
-  auto it = nodes_.find(id);
-  if (it == nodes_.end()) throw NoSuchNode(id);
-  return it->second;
+RadixTree::Ref RadixTree::ref_of(NodeId id) const {
+  if (!exists(id)) throw NoSuchNode(id);
+  return static_cast<Ref>(id);
 }
 
 std::size_t RadixTree::lc_index(std::int64_t lc) const {
@@ -278,93 +344,142 @@ std::size_t RadixTree::lc_index(std::int64_t lc) const {
   return static_cast<std::size_t>(lc);
 }
 
-RadixTree::Node& RadixTree::make_node(const Digest& key, std::vector<Code> tokens, std::int64_t ordinal,
-                                      bool is_root) {
-  const NodeId id = next_id_++;
-  Node& n = nodes_[id];
-  n.id = id;
+RadixTree::Ref RadixTree::make_node(const Digest& key, TokenBlock tokens, std::size_t ntok, std::int64_t ordinal,
+                                    bool is_root) {
+  Ref r;
+  if (!free_.empty()) {
+    r = free_.back();
+    free_.pop_back();
+  } else {
+    if (nodes_.size() >= kNil) throw std::length_error("too many radix-tree nodes");
+    r = static_cast<Ref>(nodes_.size());
+    nodes_.emplace_back();
+    pages_.resize(pages_.size() + lcs_.size(), kNoPage);
+    coverage_.resize(coverage_.size() + lcs_.size(), 0);
+  }
+  Node& n = at(r);
+  n = Node{};
   n.key = key;
-  n.tokens = std::move(tokens);
+  n.uid = next_uid_++;
   n.ordinal = ordinal;
+  n.tokens = std::move(tokens);
+  n.ntok = static_cast<std::uint32_t>(ntok);
+  n.alive = true;
   n.is_root = is_root;
   n.attached = is_root;
-  n.pages.assign(lcs_.size(), kNoPage);
-  n.coverage.assign(lcs_.size(), 0);
-  return n;
+  return r;
 }
 
-void RadixTree::unlink(Node& n) {
-  if (Node* p = n.parent; p != nullptr) {
-    p->children.erase(n.key);
-    if (!n.tokens.empty()) {
-      auto g = p->by_first.find(n.tokens[0]);
-      auto& group = g->second;
-      group.erase(std::find(group.begin(), group.end(), &n));
-      if (group.empty()) p->by_first.erase(g);
-    }
+bool RadixTree::node_has_page(Ref r) const noexcept {
+  const std::size_t nlc = lcs_.size();
+  for (std::size_t lc = 0; lc < nlc; ++lc) {
+    if (pages_[r * nlc + lc] != kNoPage) return true;
   }
-  n.parent = nullptr;
+  return false;
+}
+
+void RadixTree::link(Ref parent, Ref child) {
+  Node& p = at(parent);
+  Node& c = at(child);
+  c.parent = parent;
+  c.attached = true;
+  c.prev_sibling = kNil;
+  c.next_sibling = p.first_child;
+  if (p.first_child != kNil) at(p.first_child).prev_sibling = child;
+  p.first_child = child;
+  if (c.ntok > 0 && static_cast<std::int64_t>(c.ntok) < B_) ++p.npartial;
+  table_insert(child);
+}
+
+void RadixTree::unlink(Ref r) {
+  Node& n = at(r);
+  if (n.parent != kNil) {
+    table_erase(r);
+    Node& p = at(n.parent);
+    if (n.prev_sibling != kNil) {
+      at(n.prev_sibling).next_sibling = n.next_sibling;
+    } else {
+      p.first_child = n.next_sibling;
+    }
+    if (n.next_sibling != kNil) at(n.next_sibling).prev_sibling = n.prev_sibling;
+    if (n.ntok > 0 && static_cast<std::int64_t>(n.ntok) < B_) --p.npartial;
+  }
+  n.parent = kNil;
+  n.prev_sibling = n.next_sibling = kNil;
   n.attached = false;
 }
 
-bool RadixTree::deletable(const Node& n) const noexcept {
-  return !n.attached && !n.is_root && n.refs == 0 && !n.has_page();
+bool RadixTree::deletable(Ref r) const noexcept {
+  const Node& n = at(r);
+  return n.alive && !n.attached && !n.is_root && n.refs == 0 && !node_has_page(r);
 }
 
-void RadixTree::maybe_delete(Node& start) {
+void RadixTree::maybe_delete(Ref start) {
   // Iterative (tree.py recurses): a dying node's children become detached and may die too.
   // Every node has one parent, so no node is queued twice; the order of deletions does
-  // not change the resulting state.
+  // not change the resulting state (slots are internal; uids are what anyone sees).
   if (!deletable(start)) return;
-  std::vector<Node*> work{&start};
+  std::vector<Ref> work{start};
   while (!work.empty()) {
-    Node* n = work.back();
+    const Ref r = work.back();
     work.pop_back();
-    if (!deletable(*n)) continue;
-    for (auto& [k, child] : n->children) {
-      child->parent = nullptr;
-      child->attached = false;
-      work.push_back(child);
+    if (!deletable(r)) continue;
+    for (Ref c = at(r).first_child; c != kNil;) {
+      const Ref next = at(c).next_sibling;
+      table_erase(c);
+      Node& cn = at(c);
+      cn.parent = kNil;
+      cn.attached = false;
+      cn.prev_sibling = cn.next_sibling = kNil;
+      work.push_back(c);
+      c = next;
     }
-    erase_node(*n);
+    erase_node(r);
   }
 }
 
-void RadixTree::erase_node(Node& n) {
-  for (Code c : n.tokens) release(c);
-  nodes_.erase(n.id);  // destroys n
+void RadixTree::erase_node(Ref r) {
+  Node& n = at(r);
+  n.alive = false;
+  n.tokens.reset();
+  n.first_child = kNil;
+  n.npartial = 0;
+  free_.push_back(r);
 }
 
-NodeId RadixTree::covering(const Node& p, const std::vector<Code>& tokens) const {
+std::vector<RadixTree::Ref> RadixTree::children_by_key(Ref r) const {
+  std::vector<Ref> kids;
+  for (Ref c = at(r).first_child; c != kNil; c = at(c).next_sibling) kids.push_back(c);
+  std::sort(kids.begin(), kids.end(), [this](Ref a, Ref b) { return at(a).key < at(b).key; });
+  return kids;
+}
+
+NodeId RadixTree::covering(Ref p, std::span<const Code> tokens) const {
   if (tokens.empty() || static_cast<std::int64_t>(tokens.size()) >= B_) return kNoNode;
-  auto g = p.by_first.find(tokens[0]);
-  if (g == p.by_first.end()) return kNoNode;
-  const Node* best = nullptr;
-  for (const Node* s : g->second) {
-    if (s->tokens.size() > tokens.size() && starts_with(s->tokens, tokens)) {
+  Ref best = kNil;
+  for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
+    const Node& sn = at(s);
+    if (sn.ntok > tokens.size() && sn.first() == tokens[0] && starts_with(this->tokens(s), tokens)) {
       // Most tokens first; ties by smaller key.
-      if (best == nullptr || s->tokens.size() > best->tokens.size() ||
-          (s->tokens.size() == best->tokens.size() && s->key < best->key)) {
-        best = s;
-      }
+      if (best == kNil || sn.ntok > at(best).ntok || (sn.ntok == at(best).ntok && sn.key < at(best).key)) best = s;
     }
   }
-  return best != nullptr ? best->id : kNoNode;
+  return best != kNil ? static_cast<NodeId>(best) : kNoNode;
 }
 
-std::pair<const RadixTree::Node*, std::int64_t> RadixTree::longest_run(const Node& node,
-                                                                       const std::vector<Code>& tokens,
-                                                                       std::size_t start) const {
-  const Node* best = nullptr;
+std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run(Ref node, std::span<const Code> tokens,
+                                                               std::size_t start) const {
+  Ref best = kNil;
   std::int64_t best_run = 0;
-  auto g = node.by_first.find(tokens[start]);
-  if (g == node.by_first.end()) return {nullptr, 0};
-  for (const Node* c : g->second) {
-    const std::size_t limit = std::min(c->tokens.size(), tokens.size() - start);
+  const Code first = tokens[start];
+  for (Ref c = at(node).first_child; c != kNil; c = at(c).next_sibling) {
+    const Node& cn = at(c);
+    if (cn.ntok == 0 || cn.first() != first) continue;
+    const std::size_t limit = std::min<std::size_t>(cn.ntok, tokens.size() - start);
     std::size_t run = 0;
-    while (run < limit && c->tokens[run] == tokens[start + run]) ++run;
+    while (run < limit && cn.tokens[run] == tokens[start + run]) ++run;
     const auto r = static_cast<std::int64_t>(run);
-    if (r > best_run || (r == best_run && best != nullptr && c->key < best->key)) {
+    if (r > best_run || (r == best_run && best != kNil && cn.key < at(best).key)) {
       best = c;
       best_run = r;
     }
@@ -372,18 +487,19 @@ std::pair<const RadixTree::Node*, std::int64_t> RadixTree::longest_run(const Nod
   return {best, best_run};
 }
 
-std::int64_t RadixTree::fixed_point(const std::vector<const Node*>& path, std::int64_t m, bool use_ssm) const {
+std::int64_t RadixTree::fixed_point(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const {
   const std::int64_t B = B_;
+  const std::size_t nlc = lcs_.size();
   while (true) {
     const std::int64_t m0 = m;
-    for (std::size_t lc = 0; lc < lcs_.size(); ++lc) {
+    for (std::size_t lc = 0; lc < nlc; ++lc) {
       const LifeCycleSpec& spec = lcs_[lc];
       if (spec.kind == LcKind::ssm) {
         if (!use_ssm) continue;
         // The match must end exactly at a snapshot.
         std::int64_t cut = 0;
         for (std::int64_t j = ceildiv(m, B) - 1; j >= 0; --j) {
-          const std::int64_t c = at(path, j)->coverage[lc];
+          const std::int64_t c = coverage_[at_index(path, j) * nlc + lc];
           if (0 < c && j * B + c <= m) {
             cut = j * B + c;
             break;
@@ -403,7 +519,7 @@ std::int64_t RadixTree::fixed_point(const std::vector<const Node*>& path, std::i
       for (std::int64_t j = 0; j < n_blocks; ++j) {
         if (lo <= j && j < hi) continue;
         const std::int64_t need = std::min(B, m - j * B);
-        const std::int64_t cov = at(path, j)->coverage[lc];
+        const std::int64_t cov = coverage_[at_index(path, j) * nlc + lc];
         if (cov < need) {
           m = j * B + cov;
           break;
@@ -414,59 +530,59 @@ std::int64_t RadixTree::fixed_point(const std::vector<const Node*>& path, std::i
   }
 }
 
-RadixTree::Code RadixTree::intern(const TokenArg& t) {
-  if (t.digest == nullptr) {
-    if (t.value & kDigestBit) throw std::invalid_argument("token out of range [0, 2**31)");
-    return t.value;
-  }
-  Digest d;
-  std::memcpy(d.data(), t.digest, d.size());
-  auto it = digest_ids_.find(d);
-  if (it != digest_ids_.end()) {
-    ++digest_refs_[it->second];
-    return kDigestBit | it->second;
-  }
-  Code id;
-  if (!free_digest_ids_.empty()) {
-    id = free_digest_ids_.back();
-    free_digest_ids_.pop_back();
-    digests_[id] = d;
-    digest_refs_[id] = 1;
-  } else {
-    if (digests_.size() >= (kUnknownDigest & ~kDigestBit)) throw std::length_error("too many distinct digest tokens");
-    id = static_cast<Code>(digests_.size());
-    digests_.push_back(d);
-    digest_refs_.push_back(1);
-  }
-  digest_ids_.emplace(d, id);
-  return kDigestBit | id;
+// ---------------------------------------------------------------- the child table
+
+std::size_t RadixTree::slot_of(const Digest& key) const noexcept {
+  return DigestHash{}(key) & (children_.size() - 1);
 }
 
-RadixTree::Code RadixTree::lookup(const TokenArg& t) const {
-  if (t.digest == nullptr) {
-    if (t.value & kDigestBit) throw std::invalid_argument("token out of range [0, 2**31)");
-    return t.value;
-  }
-  Digest d;
-  std::memcpy(d.data(), t.digest, d.size());
-  auto it = digest_ids_.find(d);
-  return it != digest_ids_.end() ? (kDigestBit | it->second) : kUnknownDigest;
-}
-
-void RadixTree::release(Code c) noexcept {
-  if (!(c & kDigestBit)) return;
-  const Code id = c & ~kDigestBit;
-  if (--digest_refs_[id] == 0) {
-    digest_ids_.erase(digests_[id]);
-    free_digest_ids_.push_back(id);
+RadixTree::Ref RadixTree::find_child(Ref parent, const Digest& key) const noexcept {
+  const std::size_t mask = children_.size() - 1;
+  for (std::size_t i = slot_of(key);; i = (i + 1) & mask) {
+    const Ref c = children_[i];
+    if (c == kNil) return kNil;
+    const Node& n = at(c);
+    if (n.parent == parent && n.key == key) return c;
   }
 }
 
-std::vector<RadixTree::Code> RadixTree::encode_query(std::span<const TokenArg> tokens) const {
-  std::vector<Code> out;
-  out.reserve(tokens.size());
-  for (const TokenArg& t : tokens) out.push_back(lookup(t));
-  return out;
+void RadixTree::table_insert(Ref r) {
+  if ((num_children_ + 1) * 2 > children_.size()) table_grow();
+  const std::size_t mask = children_.size() - 1;
+  std::size_t i = slot_of(at(r).key);
+  while (children_[i] != kNil) i = (i + 1) & mask;
+  children_[i] = r;
+  ++num_children_;
+}
+
+void RadixTree::table_erase(Ref r) noexcept {
+  const std::size_t mask = children_.size() - 1;
+  std::size_t i = slot_of(at(r).key);
+  while (children_[i] != r) i = (i + 1) & mask;
+  // Backward-shift deletion: pull later entries of the probe run into the hole unless
+  // their home slot lies cyclically in (hole, entry].
+  for (std::size_t j = (i + 1) & mask; children_[j] != kNil; j = (j + 1) & mask) {
+    const std::size_t home = slot_of(at(children_[j]).key);
+    const bool stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+    if (!stays) {
+      children_[i] = children_[j];
+      i = j;
+    }
+  }
+  children_[i] = kNil;
+  --num_children_;
+}
+
+void RadixTree::table_grow() {
+  std::vector<Ref> old(children_.size() * 2, kNil);
+  old.swap(children_);
+  const std::size_t mask = children_.size() - 1;
+  for (Ref r : old) {
+    if (r == kNil) continue;
+    std::size_t i = slot_of(at(r).key);
+    while (children_[i] != kNil) i = (i + 1) & mask;
+    children_[i] = r;
+  }
 }
 
 }  // namespace kvcm

@@ -9,11 +9,16 @@
 // Node life time: a node exists while it is attached (roots always are), while a request
 // references it (ref/unref), or while it still holds a page.  Anything else is deleted
 // at once, so orphans disappear with their last user.
+//
+// Layout (the manager's hot path and its memory per cached block): nodes live in one slab
+// addressed by slot, children are an intrusive list plus one tree-wide hash table, and a
+// block's tokens are one shared allocation — no per-node container.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -101,16 +106,31 @@ struct DigestHash {
 
 class RadixTree {
  public:
+  // Tokens are stored encoded as u32 codes: ints as themselves (< 2**31), digests as
+  // kDigestBit | id in an interning table.  Equal tokens have equal codes, so prefix checks
+  // are plain integer compares.  The table only grows (a digest id stays valid for as long
+  // as anything — a node, a request, an event — may hold its code).
+  using Code = std::uint32_t;
+  static constexpr Code kDigestBit = 0x80000000u;
+  static constexpr Code kUnknownDigest = 0xFFFFFFFFu;  // a query digest no one interned
+  // A block's tokens: one allocation, shared with the stored events that announce it.
+  using TokenBlock = std::shared_ptr<const Code[]>;
+
   RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles);
 
   // ------------------------------------------------------------ mutations
+  // Node ids are handles: slots of the node slab, reused after a node is deleted.  The
+  // creation-order number tree.py calls the id is uid(node) (dumps and snapshots show it).
+
   // The root of a scope, created on first use.
   NodeId root(const Digest& scope_key);
   // A detached block with no pages and no references (caller refs or attaches it).
   NodeId new_block(const Digest& key, std::span<const TokenArg> tokens, std::int64_t ordinal);
+  NodeId new_block(const Digest& key, TokenBlock tokens, std::size_t ntokens, std::int64_t ordinal);
   // The child of `parent` with `key`, else a covering sibling (a longer child whose tokens
   // start with `tokens`; most tokens first, ties by smaller key), else kNoNode.
   NodeId find_existing(NodeId parent, const Digest& key, std::span<const TokenArg> tokens) const;
+  NodeId find_existing(NodeId parent, const Digest& key, std::span<const Code> tokens) const;
   // Link `node` under `parent`; shorter partial siblings whose tokens prefix the node's are
   // detached (returned in key order), the node adopting their pages where they cover more.
   std::vector<NodeId> attach(NodeId parent, NodeId node);
@@ -118,7 +138,8 @@ class RadixTree {
   void detach(NodeId node);
   // Detach `node` and every descendant (pre-order, children by key); each loses its children.
   std::vector<NodeId> remove_subtree(NodeId node);
-  // From `node` up: detach while attached, childless and pageless.
+  // From `node` up: detach while attached, childless and pageless; returns the uids of the
+  // pruned nodes (deleted by the time it returns, so handles would mean nothing).
   std::vector<NodeId> prune_upward(NodeId node);
   // Install `page` for `lc`; returns the page it replaced (or kNoPage).
   PageHandle set_page(NodeId node, std::int64_t lc, PageHandle page, std::int64_t coverage);
@@ -131,83 +152,102 @@ class RadixTree {
   // Match `tokens` (`keys`: at least the full-block keys walked) under `root`.
   MatchResult match(NodeId root, std::span<const TokenArg> tokens, std::span<const Digest> keys, bool partial,
                     std::int64_t backoff) const;
+  MatchResult match(NodeId root, std::span<const Code> tokens, std::span<const Digest> keys, bool partial,
+                    std::int64_t backoff) const;
+
+  // ------------------------------------------------------------ tokens
+  Code intern(const TokenArg& t);
+  // The code of `t` without interning (kUnknownDigest for a digest never interned).
+  Code lookup(const TokenArg& t) const;
+  TokenOut decode(Code c) const;
+  const Digest& digest(Code c) const noexcept { return digests_[c & ~kDigestBit]; }
 
   // ------------------------------------------------------------ queries
   NodeId parent(NodeId node) const;
   bool is_attached(NodeId node) const;
-  bool exists(NodeId node) const noexcept { return nodes_.count(node) != 0; }
+  bool exists(NodeId node) const noexcept {
+    return node >= 0 && static_cast<std::size_t>(node) < nodes_.size() && nodes_[static_cast<std::size_t>(node)].alive;
+  }
   const Digest& key(NodeId node) const;
   PageHandle page(NodeId node, std::int64_t lc) const;
   std::int64_t coverage(NodeId node, std::int64_t lc) const;
-  std::size_t num_nodes() const noexcept { return nodes_.size(); }
+  bool has_page(NodeId node) const;
+  std::span<const Code> tokens(NodeId node) const;
+  const TokenBlock& token_block(NodeId node) const;
+  std::int64_t ordinal(NodeId node) const;
+  std::int64_t uid(NodeId node) const;
+  // The live node with creation number `uid`, else kNoNode.  A linear scan: for debugging
+  // bindings and tests, never on a hot path.
+  NodeId find_uid(std::int64_t uid) const noexcept;
+  // One past the largest uid ever made (uids are never reused).
+  std::int64_t next_uid() const noexcept { return next_uid_; }
+  std::size_t num_nodes() const noexcept { return nodes_.size() - free_.size(); }
   std::int64_t tokens_per_block() const noexcept { return B_; }
   std::size_t num_life_cycles() const noexcept { return lcs_.size(); }
-  // Canonical picture: every live node by id.
+  // Canonical picture: every live node by uid; ids in the dump (node, parent, children)
+  // are uids, pages are the handles given to set_page.
   std::vector<NodeDump> dump() const;
 
  private:
-  // Tokens are stored encoded as u32: ints as themselves (< 2**31), digests as
-  // kDigestBit | id of the digest in an interning table.  Equal tokens then have equal
-  // codes, so prefix checks and the first-token index are plain integer compares.
-  using Code = std::uint32_t;
-  static constexpr Code kDigestBit = 0x80000000u;
-  static constexpr Code kUnknownDigest = 0xFFFFFFFFu;  // a query digest no node holds
+  using Ref = std::uint32_t;  // a slot of nodes_
+  static constexpr Ref kNil = 0xFFFFFFFFu;
 
+  // One radix-tree block.  Children form an intrusive doubly linked list (first_child,
+  // prev/next_sibling), so a node owns no container; finding a child by key goes through
+  // the tree-wide table children_.  Pages and coverage live in pages_/coverage_ at
+  // slot * num_lcs + lc.
   struct Node {
-    NodeId id = 0;
     Digest key{};
-    Node* parent = nullptr;  // null when detached (an orphan) or a root
-    std::unordered_map<Digest, Node*, DigestHash> children;
-    // Children grouped by first token: partial matching and the covering-sibling search
-    // only look at children sharing the first token.  Order inside a group is irrelevant
-    // (every selection has a total tie-break by key).
-    std::unordered_map<Code, std::vector<Node*>> by_first;
-    std::vector<Code> tokens;
-    std::int64_t ordinal = -1;
-    bool is_root = false;
-    bool attached = false;
-    std::vector<PageHandle> pages;
-    std::vector<std::int64_t> coverage;
-    std::int64_t refs = 0;
-
-    bool has_page() const noexcept {
-      for (PageHandle p : pages) {
-        if (p != kNoPage) return true;
-      }
-      return false;
-    }
+    std::int64_t uid = 0;        // creation number (tree.py's id)
+    std::int64_t ordinal = -1;   // block position in its chain (-1: root)
+    TokenBlock tokens;           // ntok codes; null for roots
+    std::uint32_t ntok = 0;
+    std::uint32_t refs = 0;      // requests referencing the block
+    Ref parent = kNil;           // kNil when detached (an orphan) or a root
+    Ref first_child = kNil, prev_sibling = kNil, next_sibling = kNil;
+    std::uint32_t npartial = 0;  // children with fewer than B tokens (attach looks at them only)
+    bool alive = false, is_root = false, attached = false;
+    Code first() const noexcept { return tokens[0]; }
   };
 
-  Node& get(NodeId id);
-  const Node& get(NodeId id) const;
+  Node& at(Ref r) noexcept { return nodes_[r]; }
+  const Node& at(Ref r) const noexcept { return nodes_[r]; }
+  Ref ref_of(NodeId id) const;  // throws NoSuchNode for a dead or unknown id
   std::size_t lc_index(std::int64_t lc) const;
-  Node& make_node(const Digest& key, std::vector<Code> tokens, std::int64_t ordinal, bool is_root);
-  void unlink(Node& n);
-  void maybe_delete(Node& n);
-  bool deletable(const Node& n) const noexcept;
-  void erase_node(Node& n);
-  NodeId covering(const Node& p, const std::vector<Code>& tokens) const;
-  std::pair<const Node*, std::int64_t> longest_run(const Node& node, const std::vector<Code>& tokens,
-                                                   std::size_t start) const;
-  std::int64_t fixed_point(const std::vector<const Node*>& path, std::int64_t m, bool use_ssm) const;
-
-  Code intern(const TokenArg& t);
-  Code lookup(const TokenArg& t) const;
-  void release(Code c) noexcept;
+  Ref make_node(const Digest& key, TokenBlock tokens, std::size_t ntok, std::int64_t ordinal, bool is_root);
+  bool node_has_page(Ref r) const noexcept;
+  void link(Ref parent, Ref child);
+  void unlink(Ref r);
+  void maybe_delete(Ref r);
+  bool deletable(Ref r) const noexcept;
+  void erase_node(Ref r);
+  std::vector<Ref> children_by_key(Ref r) const;
+  NodeId covering(Ref p, std::span<const Code> tokens) const;
+  std::pair<Ref, std::int64_t> longest_run(Ref node, std::span<const Code> tokens, std::size_t start) const;
+  std::int64_t fixed_point(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const;
   std::vector<Code> encode_query(std::span<const TokenArg> tokens) const;
+
+  // --- children_: open addressing (linear probing, backward-shift deletion) over node
+  // slots, keyed by (parent, key).  Holds exactly the attached non-root nodes.
+  std::size_t slot_of(const Digest& key) const noexcept;
+  Ref find_child(Ref parent, const Digest& key) const noexcept;
+  void table_insert(Ref r);
+  void table_erase(Ref r) noexcept;
+  void table_grow();
 
   std::int64_t B_;
   std::vector<LifeCycleSpec> lcs_;
-  // unordered_map nodes are stable in memory, so Node* links stay valid across rehashes.
-  std::unordered_map<NodeId, Node> nodes_;
-  std::unordered_map<Digest, Node*, DigestHash> roots_;
-  NodeId next_id_ = 0;
+  std::vector<Node> nodes_;        // the slab; a slot is reused after its node dies
+  std::vector<Ref> free_;          // dead slots (LIFO)
+  std::vector<PageHandle> pages_;        // [slot * nlc + lc]: page handle or kNoPage
+  std::vector<std::int32_t> coverage_;   // [slot * nlc + lc]
+  std::vector<Ref> children_;      // the child table (kNil = empty); size a power of two
+  std::size_t num_children_ = 0;
+  std::unordered_map<Digest, Ref, DigestHash> roots_;
+  std::int64_t next_uid_ = 0;
 
-  // Digest interning (ref-counted per node token, ids recycled through a free list).
   std::unordered_map<Digest, Code, DigestHash> digest_ids_;
   std::vector<Digest> digests_;
-  std::vector<std::uint32_t> digest_refs_;
-  std::vector<Code> free_digest_ids_;
 };
 
 }  // namespace kvcm
