@@ -1,6 +1,7 @@
 #include "core/manager.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <functional>
 #include <unordered_set>
@@ -104,16 +105,53 @@ void j_tok_snap(std::string& o, const TokenOut& t) {  // snapshot: int or {"dige
 
 // ====================================================================== pools
 
-std::int64_t Manager::Pool::take_slot() {
-  std::pop_heap(free_slots.begin(), free_slots.end(), std::greater<>());
-  const std::int64_t s = free_slots.back();
-  free_slots.pop_back();
-  return s;
+FreeSlots::FreeSlots(std::int64_t n) {
+  const auto un = static_cast<std::size_t>(n);
+  words_.assign((un + 63) / 64, ~std::uint64_t{0});
+  if (un % 64) words_.back() = (std::uint64_t{1} << (un % 64)) - 1;
+  summary_.assign(words_.size() / 64 + 1, 0);
+  for (std::size_t w = 0; w < words_.size(); ++w) {
+    if (words_[w]) summary_[w >> 6] |= std::uint64_t{1} << (w & 63);
+  }
+  count_ = n;
+}
+
+std::int64_t FreeSlots::take() noexcept {
+  std::size_t i = hint_;
+  while (summary_[i] == 0) ++i;
+  hint_ = i;
+  const std::size_t w = (i << 6) | static_cast<std::size_t>(std::countr_zero(summary_[i]));
+  const int b = std::countr_zero(words_[w]);
+  words_[w] &= words_[w] - 1;
+  if (words_[w] == 0) summary_[i] &= summary_[i] - 1;
+  --count_;
+  return static_cast<std::int64_t>((w << 6) | static_cast<std::size_t>(b));
+}
+
+bool FreeSlots::give(std::int64_t slot) noexcept {
+  const auto s = static_cast<std::size_t>(slot);
+  const std::uint64_t bit = std::uint64_t{1} << (s & 63);
+  if (words_[s >> 6] & bit) return false;
+  words_[s >> 6] |= bit;
+  summary_[s >> 12] |= std::uint64_t{1} << ((s >> 6) & 63);
+  hint_ = std::min(hint_, s >> 12);
+  ++count_;
+  return true;
+}
+
+std::vector<std::int64_t> FreeSlots::sorted() const {
+  std::vector<std::int64_t> out;
+  out.reserve(static_cast<std::size_t>(count_));
+  for (std::size_t w = 0; w < words_.size(); ++w) {
+    for (std::uint64_t bits = words_[w]; bits; bits &= bits - 1) {
+      out.push_back(static_cast<std::int64_t>((w << 6) | static_cast<std::size_t>(std::countr_zero(bits))));
+    }
+  }
+  return out;
 }
 
 void Manager::Pool::give_slot(std::int64_t slot) {
-  free_slots.push_back(slot);
-  std::push_heap(free_slots.begin(), free_slots.end(), std::greater<>());
+  if (!free_slots.give(slot)) throw InternalErr("kvcm bug: slot " + std::to_string(slot) + " freed twice");
 }
 
 void Manager::Pool::count(int state, std::int64_t delta) noexcept {
@@ -154,13 +192,8 @@ Manager::Manager(ManagerConfig cfg)
   pools_.resize(static_cast<std::size_t>(num_tiers_));
   for (std::int64_t t = 0; t < num_tiers_; ++t) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
-      Pool p;
-      p.tier = t;
-      p.lc = lc;
-      p.total = cfg_.slots[static_cast<std::size_t>(t)][static_cast<std::size_t>(lc)];
-      p.free_slots.reserve(static_cast<std::size_t>(p.total));
-      for (std::int64_t s = 0; s < p.total; ++s) p.free_slots.push_back(s);  // sorted = a valid heap
-      pools_[static_cast<std::size_t>(t)].push_back(std::move(p));
+      pools_[static_cast<std::size_t>(t)].emplace_back(
+          t, lc, cfg_.slots[static_cast<std::size_t>(t)][static_cast<std::size_t>(lc)], &evict_nodes_);
     }
   }
   const std::size_t n = kHeader + static_cast<std::size_t>(nlc) * kNumCounters;
@@ -238,18 +271,40 @@ NodeId Manager::root_for(const Digest& key) {
 
 // ====================================================================== pages
 
-Manager::Page& Manager::page(std::int64_t serial) {
-  auto it = pages_.find(serial);
-  if (it == pages_.end()) throw InternalErr("kvcm bug: no page " + std::to_string(serial));
-  return it->second;
+Manager::Page& Manager::page(std::int64_t handle) {
+  return const_cast<Page&>(static_cast<const Manager&>(*this).page(handle));
+}
+
+const Manager::Page& Manager::page(std::int64_t handle) const {
+  if (!page_alive(handle)) throw InternalErr("kvcm bug: no page " + std::to_string(handle));
+  const auto h = static_cast<std::size_t>(handle);
+  return page_chunks_[h / kPageChunk][h % kPageChunk];
+}
+
+bool Manager::page_alive(std::int64_t handle) const noexcept {
+  if (handle < 0 || handle >= page_slots_) return false;
+  const auto h = static_cast<std::size_t>(handle);
+  return page_chunks_[h / kPageChunk][h % kPageChunk].handle == handle;
 }
 
 Manager::Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
                                  std::int64_t ordinal) {
   Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
-  const std::int64_t serial = next_page_++;
-  Page& p = pages_[serial];
-  p.serial = serial;
+  std::int64_t handle;
+  if (!free_pages_.empty()) {
+    handle = free_pages_.back();
+    free_pages_.pop_back();
+  } else {
+    if (page_slots_ % static_cast<std::int64_t>(kPageChunk) == 0) {
+      page_chunks_.push_back(std::make_unique<Page[]>(kPageChunk));
+    }
+    handle = page_slots_++;
+  }
+  const auto h = static_cast<std::size_t>(handle);
+  Page& p = page_chunks_[h / kPageChunk][h % kPageChunk];
+  p = Page{};
+  p.handle = handle;
+  p.serial = next_page_++;
   p.lc = lc;
   p.tier = tier;
   p.slot = pool.take_slot();
@@ -265,9 +320,9 @@ void Manager::unindex(Page& p) {
   Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
   pool.count(p.idx_state, -1);
   if (p.idx_state == kHeld) {
-    pool.held_set.erase(p.idx_key);
+    pool.held_set.erase({p.idx_key, p.handle});
   } else if (p.idx_state == kDroppable) {
-    pool.droppable_set.erase(p.idx_key);
+    pool.droppable_set.erase({p.idx_key, p.handle});
   }
   p.idx_state = kNone;
 }
@@ -278,9 +333,9 @@ void Manager::index(Page& p) {
   p.idx_key = p.evict_key();
   pool.count(p.idx_state, +1);
   if (p.idx_state == kHeld) {
-    pool.held_set.insert(p.idx_key);
+    pool.held_set.insert({p.idx_key, p.handle});
   } else if (p.idx_state == kDroppable) {
-    pool.droppable_set.insert(p.idx_key);
+    pool.droppable_set.insert({p.idx_key, p.handle});
   }
 }
 
@@ -329,7 +384,8 @@ void Manager::set_active(Page* p, bool active) {
 void Manager::free_page(Page* p) {
   unindex(*p);
   pools_[static_cast<std::size_t>(p->tier)][static_cast<std::size_t>(p->lc)].give_slot(p->slot);
-  pages_.erase(p->serial);
+  free_pages_.push_back(p->handle);
+  p->handle = -1;  // dead until the slot is reused
 }
 
 // ====================================================================== eviction
@@ -351,9 +407,9 @@ std::int64_t Manager::capacity_of(std::int64_t tier, std::int64_t lc, const std:
 }
 
 Manager::Page* Manager::peek(Pool& pool, int state) {
-  std::set<EvictKey>& s = state == kHeld ? pool.held_set : pool.droppable_set;
+  const std::pmr::set<EvictEntry>& s = state == kHeld ? pool.held_set : pool.droppable_set;
   if (s.empty()) return nullptr;
-  return &page(std::get<3>(*s.begin()));
+  return &page(s.begin()->second);
 }
 
 Manager::Page* Manager::victim(Pool& pool) {
@@ -648,12 +704,12 @@ std::int64_t Manager::create(std::span<const TokenArg> tokens_in, std::optional<
       if (lo <= jj && jj < hi) continue;
       Page* p = &page(tree_.page(path[j], lc));
       use(p, false, priority);
-      r.pages[static_cast<std::size_t>(lc)][j] = p->serial;
+      r.pages[static_cast<std::size_t>(lc)][j] = p->handle;
     }
   }
   if (ssm_lc_ >= 0 && m > 0) {
     Page* s = &page(tree_.page(path.back(), ssm_lc_));
-    r.snap = s->serial;
+    r.snap = s->handle;
     use(s, false, priority);
   }
   r.cow_block = m % B_ ? m / B_ : -1;
@@ -868,7 +924,7 @@ bool Manager::resume(std::int64_t serial) {
     }
   }
   if (ssm_lc_ >= 0 && r.live < 0) {
-    r.live = alloc_private(r, ssm_lc_, 0, static_cast<std::int64_t>(r.tokens.size()) / B_)->serial;
+    r.live = alloc_private(r, ssm_lc_, 0, static_cast<std::int64_t>(r.tokens.size()) / B_)->handle;
   }
   if (r.cow_block >= 0 || r.snap >= 0) copy_on_write(r);
   return true;
@@ -885,7 +941,7 @@ void Manager::copy_on_write(Request& r) {
       Page* src = &page(s);
       copy(lc, src, dst, "cow");
       count(lc, kCows);
-      r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->serial;
+      r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
       unuse(src, true);
     }
     tree_.unref(r.blocks[static_cast<std::size_t>(j)]);
@@ -973,7 +1029,7 @@ bool Manager::resize(std::int64_t serial, std::int64_t capacity, std::optional<s
   }
   for (std::int64_t lc : attn_lcs_) r.pages[static_cast<std::size_t>(lc)].resize(static_cast<std::size_t>(nb), -1);
   for (const auto& [lc, i] : allocs) {
-    const std::int64_t s = alloc_private(r, lc, 0, i)->serial;
+    const std::int64_t s = alloc_private(r, lc, 0, i)->handle;
     r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = s;
   }
   return true;
@@ -1156,7 +1212,7 @@ void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int
     p->node = kNoNode;
     tree_.set_page(old_node, lc, kNoPage, 0);
   }
-  const PageHandle old = tree_.set_page(nid, lc, p->serial, p->coverage);
+  const PageHandle old = tree_.set_page(nid, lc, p->handle, p->coverage);
   if (p->locks || p->holds) {
     p->node = nid;  // a used page: its state does not depend on the node
   } else {
@@ -1256,11 +1312,11 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
       if (s < 0) continue;
       Page& p = page(s);
       p.coverage = ntok;
-      tree_.set_page(nid, lc, p.serial, ntok);
+      tree_.set_page(nid, lc, p.handle, ntok);
       p.node = nid;  // a used page: its state does not depend on the node
     }
     if (snap != nullptr) {
-      tree_.set_page(nid, ssm, snap->serial, ntok);
+      tree_.set_page(nid, ssm, snap->handle, ntok);
       restate(*snap, [&] { snap->node = nid; });
     }
     tree_.ref(nid);
@@ -1285,7 +1341,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
       Page* q = &page(qh);
       if (q->tier == kGpu) {  // switch to the tree's page; its index changes
         use(q, active, r.priority);
-        r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = q->serial;
+        r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = q->handle;
         unuse(p, active);
       }
       // else: keep our page privately (freed at close)
@@ -1361,7 +1417,7 @@ std::string Manager::snapshot_json() {
         o += "null";
       } else {
         o += "{\"page\":";
-        j_int(o, d.pages[lc]);
+        j_int(o, page_serial(d.pages[lc]));
         o += ",\"coverage\":";
         j_int(o, d.coverage[lc]);
         o += '}';
@@ -1370,13 +1426,9 @@ std::string Manager::snapshot_json() {
     o += "]}";
   }
   o += "],\"pages\":[";
-  std::vector<std::int64_t> serials;
-  serials.reserve(pages_.size());
-  for (const auto& [s, p] : pages_) serials.push_back(s);
-  std::sort(serials.begin(), serials.end());
   first = true;
-  for (std::int64_t s : serials) {
-    const Page& p = pages_.at(s);
+  for (std::int64_t h : live_pages()) {
+    const Page& p = page(h);
     if (!first) o += ',';
     first = false;
     o += "{\"serial\":";
@@ -1417,8 +1469,7 @@ std::string Manager::snapshot_json() {
       o += ",\"free\":";
       j_int(o, p.nfree());
       o += ",\"free_slots\":[";
-      std::vector<std::int64_t> fs = p.free_slots;
-      std::sort(fs.begin(), fs.end());
+      const std::vector<std::int64_t> fs = p.free_slots.sorted();
       for (std::size_t k = 0; k < fs.size(); ++k) {
         if (k) o += ',';
         j_int(o, fs[k]);
@@ -1479,14 +1530,14 @@ std::string Manager::snapshot_json() {
       const auto& v = r.pages[static_cast<std::size_t>(lc)];
       for (std::size_t k = 0; k < v.size(); ++k) {
         if (k) o += ',';
-        j_id(o, v[k]);
+        j_id(o, page_serial(v[k]));
       }
       o += ']';
     }
     o += "},\"live\":";
-    j_id(o, r.live);
+    j_id(o, page_serial(r.live));
     o += ",\"snap\":";
-    j_id(o, r.snap);
+    j_id(o, page_serial(r.snap));
     o += ",\"cow_block\":";
     j_int(o, r.cow_block);
     o += '}';
@@ -1591,18 +1642,31 @@ std::string Manager::snapshot_json() {
   return o;
 }
 
+std::vector<std::int64_t> Manager::live_pages() const {
+  std::vector<std::int64_t> out;
+  out.reserve(static_cast<std::size_t>(page_slots_) - free_pages_.size());
+  for (std::int64_t h = 0; h < page_slots_; ++h) {
+    if (page_alive(h)) out.push_back(h);
+  }
+  std::sort(out.begin(), out.end(), [this](std::int64_t a, std::int64_t b) { return page(a).serial < page(b).serial; });
+  return out;
+}
+
 void Manager::check_invariants() {
   const auto S = [](std::int64_t v) { return std::to_string(v); };
   const std::size_t nlc = cfg_.lcs.size();
+  const std::vector<std::int64_t> all = live_pages();
   // --- pools
   for (std::size_t t = 0; t < pools_.size(); ++t) {
     for (std::size_t lc = 0; lc < nlc; ++lc) {
       const Pool& pool = pools_[t][lc];
       const std::string where = "pool(" + S(static_cast<std::int64_t>(t)) + "," + S(static_cast<std::int64_t>(lc)) + ")";
-      std::set<std::int64_t> free(pool.free_slots.begin(), pool.free_slots.end());
-      check(free.size() == pool.free_slots.size(), where + ": duplicate free slot");
+      const std::vector<std::int64_t> fs = pool.free_slots.sorted();
+      const std::set<std::int64_t> free(fs.begin(), fs.end());
+      check(static_cast<std::int64_t>(fs.size()) == pool.nfree(), where + ": free-slot count out of sync");
       std::vector<const Page*> used;
-      for (const auto& [s, p] : pages_) {
+      for (std::int64_t h : all) {
+        const Page& p = page(h);
         if (p.tier == static_cast<std::int64_t>(t) && p.lc == static_cast<std::int64_t>(lc)) used.push_back(&p);
       }
       std::set<std::int64_t> slots;
@@ -1656,9 +1720,12 @@ void Manager::check_invariants() {
     std::set<std::int64_t> uniq(used.begin(), used.end());
     check(uniq.size() == used.size(), rid + ": uses a page twice");
     for (std::int64_t s : used) {
-      check(pages_.count(s) != 0, rid + ": uses freed page " + S(s));
+      check(page_alive(s), rid + ": uses a freed page");
       target[s] += 1;
-      if (active) check(pages_.at(s).tier == kGpu, rid + " is ACTIVE but page " + S(s) + " is on tier " + S(pages_.at(s).tier));
+      if (active) {
+        check(page(s).tier == kGpu,
+              rid + " is ACTIVE but page " + S(page_serial(s)) + " is on tier " + S(page(s).tier));
+      }
     }
     const std::int64_t nb = ceildiv(r.capacity, B_);
     for (std::int64_t lc : attn_lcs_) {
@@ -1683,8 +1750,9 @@ void Manager::check_invariants() {
   const std::vector<NodeDump> dump = tree_.dump();
   std::unordered_map<NodeId, const NodeDump*> nodes;
   for (const NodeDump& d : dump) nodes[d.id] = &d;
-  for (const auto& [s, p] : pages_) {
-    const std::string pid = "page " + S(s);
+  for (std::int64_t s : all) {
+    const Page& p = page(s);
+    const std::string pid = "page " + S(p.serial);
     const std::int64_t l = locks.count(s) ? locks[s] : 0;
     const std::int64_t h = holds.count(s) ? holds[s] : 0;
     check(p.locks == l, pid + ": " + S(p.locks) + " locks, " + S(l) + " users ACTIVE");
@@ -1711,8 +1779,8 @@ void Manager::check_invariants() {
       const PageHandle h = n.pages[lc];
       if (h != kNoPage) {
         has_page = true;
-        check(pages_.count(h) != 0 && node_uid(pages_.at(h).node) == n.id,
-              bid + ": page " + S(h) + " of lc " + S(static_cast<std::int64_t>(lc)) + " not linked back");
+        check(page_alive(h) && node_uid(page(h).node) == n.id,
+              bid + ": page " + S(page_alive(h) ? page_serial(h) : h) + " of lc " + S(static_cast<std::int64_t>(lc)) + " not linked back");
         check(n.coverage[lc] > 0, bid + ": page with zero coverage");
       } else {
         check(n.coverage[lc] == 0, bid + ": coverage without a page");

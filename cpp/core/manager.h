@@ -11,6 +11,7 @@
 #include <deque>
 #include <map>
 #include <memory>
+#include <memory_resource>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -121,6 +122,27 @@ struct RequestInfo {
   std::int64_t capacity = 0, history = 0, num_committed = 0, reused = 0, priority = 0;
 };
 
+// The free slots of one pool.  A new page takes the lowest free slot (the python backend's
+// heap does the same), so slot indices agree between backends.  A two-level bitmap: bit s
+// of words_ is set while slot s is free, bit w of summary_ while words_[w] is non-zero;
+// take() scans summary_ upward from hint_, below which every summary word is zero.
+class FreeSlots {
+ public:
+  explicit FreeSlots(std::int64_t n);
+  std::int64_t size() const noexcept { return count_; }
+  std::int64_t take() noexcept;     // precondition: size() > 0
+  bool give(std::int64_t slot) noexcept;  // false: the slot was already free (a kvcm bug)
+  bool contains(std::int64_t slot) const noexcept {
+    return (words_[static_cast<std::size_t>(slot) >> 6] >> (slot & 63)) & 1u;
+  }
+  std::vector<std::int64_t> sorted() const;
+
+ private:
+  std::vector<std::uint64_t> words_, summary_;
+  std::size_t hint_ = 0;
+  std::int64_t count_ = 0;
+};
+
 class Manager {
  public:
   explicit Manager(ManagerConfig cfg);
@@ -162,9 +184,13 @@ class Manager {
  private:
   enum State : int { kNone = 0, kLocked = 1, kHeld = 2, kDroppable = 3 };
   using EvictKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+  // An eviction-index entry: the key, then the page handle (serials are unique, so the
+  // handle never decides the order).
+  using EvictEntry = std::pair<EvictKey, std::int64_t>;
 
   struct Page {
     std::int64_t serial = 0, lc = 0, tier = 0, slot = 0, coverage = 0, priority = 0, last_used = 0, ordinal = 0;
+    std::int64_t handle = -1;  // this page's slot in the page slab
     NodeId node = kNoNode;
     std::int64_t locks = 0, holds = 0;
     int idx_state = kNone;  // the state this page is counted/indexed under in its pool
@@ -180,11 +206,14 @@ class Manager {
 
   struct Pool {
     std::int64_t tier = 0, lc = 0, total = 0;
-    std::vector<std::int64_t> free_slots;  // min-heap (std::greater)
+    FreeSlots free_slots;
     std::int64_t locked = 0, held = 0, droppable = 0;
-    std::set<EvictKey> held_set, droppable_set;
-    std::int64_t nfree() const noexcept { return static_cast<std::int64_t>(free_slots.size()); }
-    std::int64_t take_slot();
+    // the HELD / DROPPABLE pages by eviction order; nodes come from the manager's pool
+    std::pmr::set<EvictEntry> held_set, droppable_set;
+    Pool(std::int64_t tier_, std::int64_t lc_, std::int64_t total_, std::pmr::memory_resource* mem)
+        : tier(tier_), lc(lc_), total(total_), free_slots(total_), held_set(mem), droppable_set(mem) {}
+    std::int64_t nfree() const noexcept { return free_slots.size(); }
+    std::int64_t take_slot() noexcept { return free_slots.take(); }
     void give_slot(std::int64_t slot);
     void count(int state, std::int64_t delta) noexcept;
   };
@@ -245,8 +274,14 @@ class Manager {
 
   // --- pages
   std::int64_t tick() { return ++clock_; }
-  Page& page(std::int64_t serial);
-  Page* page_ptr(std::int64_t serial) { return serial < 0 ? nullptr : &page(serial); }
+  // Pages are addressed by handle (a slot of the page slab, reused after the page is
+  // freed); snapshots show the page's serial instead.
+  Page& page(std::int64_t handle);
+  const Page& page(std::int64_t handle) const;
+  Page* page_ptr(std::int64_t handle) { return handle < 0 ? nullptr : &page(handle); }
+  bool page_alive(std::int64_t handle) const noexcept;
+  std::int64_t page_serial(std::int64_t handle) const { return handle < 0 ? -1 : page(handle).serial; }
+  std::vector<std::int64_t> live_pages() const;  // handles, by serial
   Page* new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
                  std::int64_t ordinal);
   void use(Page* p, bool active, std::int64_t priority);
@@ -292,10 +327,16 @@ class Manager {
   std::int64_t num_tiers_;
   std::vector<std::int64_t> attn_lcs_;
   std::int64_t ssm_lc_ = -1;
+  // eviction-index nodes: recycled here instead of a malloc per index change
+  std::pmr::unsynchronized_pool_resource evict_nodes_;
   std::vector<std::vector<Pool>> pools_;  // [tier][lc]
   RadixTree tree_;
   std::unordered_map<Digest, NodeId, DigestHash> roots_;
-  std::unordered_map<std::int64_t, Page> pages_;
+  // The page slab: fixed-size chunks, so a Page* stays valid while pages are added.
+  static constexpr std::size_t kPageChunk = 4096;
+  std::vector<std::unique_ptr<Page[]>> page_chunks_;
+  std::int64_t page_slots_ = 0;           // slots handed out so far (live or free)
+  std::vector<std::int64_t> free_pages_;  // freed slots (LIFO)
   std::int64_t clock_ = 0, next_page_ = 0, next_request_ = 0, next_event_ = 0;
   std::map<std::int64_t, Request> requests_;
   std::vector<CopyOpC> copy_ops_;
