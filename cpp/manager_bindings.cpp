@@ -224,7 +224,8 @@ nb::object event_obj(const kvcm::EventC& e, const std::vector<kvcm::TokenOut>& t
       nb::list blocks;
       nb::bytes key = to_bytes(e.key);
       nb::tuple toks = token_tuple(tokens);
-      for (const kvcm::StoredBlockC& b : e.blocks) {
+      for (std::size_t i = 0; i < e.blocks.size(); ++i) {
+        const kvcm::StoredBlockC& b = e.blocks[i];
         blocks.append(h(a.StoredBlock)(key, tokens.size(), toks, b.lc, b.tier, b.priority));
       }
       nb::object parent = e.has_parent ? nb::object(to_bytes(e.parent_key)) : nb::none();

@@ -203,8 +203,6 @@ Manager::Manager(ManagerConfig cfg)
 
 // ====================================================================== tokens
 
-Tok Manager::intern(const TokenArg& t) { return tree_.intern(t); }
-
 std::vector<Tok> Manager::intern_all(std::span<const TokenArg> tokens) {
   std::vector<Tok> out;
   out.reserve(tokens.size());
@@ -581,14 +579,13 @@ void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
   e.key = tree_.key(nid);
   e.tokens = tree_.token_block(nid);
   e.ntokens = static_cast<std::uint32_t>(tree_.tokens(nid).size());
-  e.blocks.reserve(lcs.size());
   for (std::int64_t lc : lcs) {
     const Page& p = page(tree_.page(nid, lc));
     StoredBlockC b;
     b.lc = lc;
     b.tier = p.tier;
     b.priority = p.priority;
-    e.blocks.push_back(std::move(b));
+    e.blocks.push_back(b);
   }
   e.partial = static_cast<std::int64_t>(e.ntokens) < B_;
   e.id = event_id();

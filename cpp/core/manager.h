@@ -7,6 +7,7 @@
 // serialise calls with mutex() (taken after releasing the GIL).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -88,6 +89,28 @@ struct StoredBlockC {  // key and tokens are the event's (one block, several lif
   std::int64_t lc = 0, tier = 0, priority = 0;
 };
 
+// The blocks of one stored event (one per life cycle that gained a page).  Inline up to
+// kInline entries: emitting an event must not allocate on the commit path.
+class StoredBlocks {
+ public:
+  static constexpr std::size_t kInline = 4;
+  void push_back(const StoredBlockC& b) {
+    if (n_ < kInline) {
+      inline_[n_] = b;
+    } else {
+      more_.push_back(b);
+    }
+    ++n_;
+  }
+  std::size_t size() const noexcept { return n_; }
+  const StoredBlockC& operator[](std::size_t i) const noexcept { return i < kInline ? inline_[i] : more_[i - kInline]; }
+
+ private:
+  std::array<StoredBlockC, kInline> inline_{};
+  std::vector<StoredBlockC> more_;
+  std::size_t n_ = 0;
+};
+
 enum class EventKind { stored, removed, tier_changed, cleared };
 
 struct EventC {
@@ -96,7 +119,7 @@ struct EventC {
   // stored
   bool has_parent = false;
   Digest parent_key{};
-  std::vector<StoredBlockC> blocks;
+  StoredBlocks blocks;
   // token codes of the stored block (Manager::decode_tokens), shared with the tree node
   std::shared_ptr<const std::uint32_t[]> tokens;
   std::uint32_t ntokens = 0;
@@ -237,7 +260,7 @@ class Manager {
   };
 
   // --- helpers: tokens
-  Tok intern(const TokenArg& t);
+  Tok intern(const TokenArg& t) { return tree_.intern(t); }
   std::vector<Tok> intern_all(std::span<const TokenArg> tokens);
   TokenOut decode(Tok t) const;
   std::vector<TokenOut> decode_all(std::span<const Tok> codes) const;

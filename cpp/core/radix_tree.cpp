@@ -215,7 +215,7 @@ MatchResult RadixTree::match(NodeId root, std::span<const Code> tokens, std::spa
 
 // ---------------------------------------------------------------- tokens
 
-RadixTree::Code RadixTree::intern(const TokenArg& t) {
+RadixTree::Code RadixTree::intern_slow(const TokenArg& t) {
   if (t.digest == nullptr) {
     if (t.value & kDigestBit) throw std::invalid_argument("token out of range [0, 2**31)");
     return t.value;

@@ -156,7 +156,10 @@ class RadixTree {
                     std::int64_t backoff) const;
 
   // ------------------------------------------------------------ tokens
-  Code intern(const TokenArg& t);
+  Code intern(const TokenArg& t) {
+    if (t.digest == nullptr && !(t.value & kDigestBit)) return t.value;  // the common case, inline
+    return intern_slow(t);
+  }
   // The code of `t` without interning (kUnknownDigest for a digest never interned).
   Code lookup(const TokenArg& t) const;
   TokenOut decode(Code c) const;
@@ -226,6 +229,7 @@ class RadixTree {
   std::pair<Ref, std::int64_t> longest_run(Ref node, std::span<const Code> tokens, std::size_t start) const;
   std::int64_t fixed_point(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const;
   std::vector<Code> encode_query(std::span<const TokenArg> tokens) const;
+  Code intern_slow(const TokenArg& t);
 
   // --- children_: open addressing (linear probing, backward-shift deletion) over node
   // slots, keyed by (parent, key).  Holds exactly the attached non-root nodes.
