@@ -27,7 +27,7 @@ bool starts_with(std::span<const std::uint32_t> longer, std::span<const std::uin
 }  // namespace
 
 RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles)
-    : B_(tokens_per_block), lcs_(std::move(life_cycles)), children_(16, kNil) {
+    : B_(tokens_per_block), lcs_(std::move(life_cycles)), children_(16) {
   if (B_ < 1) throw std::invalid_argument("tokens_per_block must be >= 1");
 }
 
@@ -538,50 +538,53 @@ std::size_t RadixTree::slot_of(const Digest& key) const noexcept {
 
 RadixTree::Ref RadixTree::find_child(Ref parent, const Digest& key) const noexcept {
   const std::size_t mask = children_.size() - 1;
+  const std::uint32_t fp = fingerprint(key);
   for (std::size_t i = slot_of(key);; i = (i + 1) & mask) {
-    const Ref c = children_[i];
-    if (c == kNil) return kNil;
-    const Node& n = at(c);
-    if (n.parent == parent && n.key == key) return c;
+    const Entry& e = children_[i];
+    if (e.ref == kNil) return kNil;
+    if (e.fp != fp) continue;
+    const Node& n = at(e.ref);
+    if (n.parent == parent && n.key == key) return e.ref;
   }
 }
 
 void RadixTree::table_insert(Ref r) {
   if ((num_children_ + 1) * 2 > children_.size()) table_grow();
   const std::size_t mask = children_.size() - 1;
-  std::size_t i = slot_of(at(r).key);
-  while (children_[i] != kNil) i = (i + 1) & mask;
-  children_[i] = r;
+  const Digest& key = at(r).key;
+  std::size_t i = slot_of(key);
+  while (children_[i].ref != kNil) i = (i + 1) & mask;
+  children_[i] = Entry{r, fingerprint(key)};
   ++num_children_;
 }
 
 void RadixTree::table_erase(Ref r) noexcept {
   const std::size_t mask = children_.size() - 1;
   std::size_t i = slot_of(at(r).key);
-  while (children_[i] != r) i = (i + 1) & mask;
+  while (children_[i].ref != r) i = (i + 1) & mask;
   // Backward-shift deletion: pull later entries of the probe run into the hole unless
   // their home slot lies cyclically in (hole, entry].
-  for (std::size_t j = (i + 1) & mask; children_[j] != kNil; j = (j + 1) & mask) {
-    const std::size_t home = slot_of(at(children_[j]).key);
+  for (std::size_t j = (i + 1) & mask; children_[j].ref != kNil; j = (j + 1) & mask) {
+    const std::size_t home = slot_of(at(children_[j].ref).key);
     const bool stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
     if (!stays) {
       children_[i] = children_[j];
       i = j;
     }
   }
-  children_[i] = kNil;
+  children_[i] = Entry{};
   --num_children_;
 }
 
 void RadixTree::table_grow() {
-  std::vector<Ref> old(children_.size() * 2, kNil);
+  std::vector<Entry> old(children_.size() * 2);
   old.swap(children_);
   const std::size_t mask = children_.size() - 1;
-  for (Ref r : old) {
-    if (r == kNil) continue;
-    std::size_t i = slot_of(at(r).key);
-    while (children_[i] != kNil) i = (i + 1) & mask;
-    children_[i] = r;
+  for (const Entry& e : old) {
+    if (e.ref == kNil) continue;
+    std::size_t i = slot_of(at(e.ref).key);
+    while (children_[i].ref != kNil) i = (i + 1) & mask;
+    children_[i] = e;
   }
 }
 
