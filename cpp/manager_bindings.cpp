@@ -208,7 +208,7 @@ nb::list token_list(const std::vector<kvcm::TokenOut>& toks) {
   return nb::borrow<nb::list>(out);
 }
 
-nb::tuple token_tuple(const std::vector<kvcm::TokenOut>& toks) {
+nb::tuple token_tuple(std::span<const kvcm::TokenOut> toks) {
   nb::object out = nb::steal(PyTuple_New(static_cast<Py_ssize_t>(toks.size())));
   if (!out.is_valid()) throw nb::python_error();
   for (std::size_t i = 0; i < toks.size(); ++i) {
@@ -217,7 +217,7 @@ nb::tuple token_tuple(const std::vector<kvcm::TokenOut>& toks) {
   return nb::borrow<nb::tuple>(out);
 }
 
-nb::object event_obj(const kvcm::EventC& e, const std::vector<kvcm::TokenOut>& tokens) {
+nb::object event_obj(const kvcm::EventC& e, std::span<const kvcm::TokenOut> tokens) {
   const Api& a = api();
   switch (e.kind) {
     case kvcm::EventKind::stored: {
@@ -387,17 +387,13 @@ void bind_manager(nb::module_& m) {
           "take_iteration"_a)
       .def("take_events",
            [](Manager& mgr) {
-             std::vector<std::vector<kvcm::TokenOut>> tokens;
-             std::vector<kvcm::EventC> evs = quick(mgr, [&] {
-               std::vector<kvcm::EventC> taken = mgr.take_events();
-               tokens.reserve(taken.size());
-               for (const kvcm::EventC& e : taken) {
-                 tokens.push_back(e.tokens ? mgr.decode_tokens({e.tokens.get(), e.ntokens}) : std::vector<kvcm::TokenOut>{});
-               }
-               return taken;
-             });
+             const kvcm::TakenEvents taken = quick(mgr, [&] { return mgr.take_events(); });
              nb::list out;
-             for (std::size_t i = 0; i < evs.size(); ++i) out.append(event_obj(evs[i], tokens[i]));
+             std::size_t at = 0;  // the stored events' tokens follow one another in taken.tokens
+             for (const kvcm::EventC& e : taken.events) {
+               out.append(event_obj(e, std::span<const kvcm::TokenOut>(taken.tokens).subspan(at, e.ntokens)));
+               at += e.ntokens;
+             }
              return out;
            })
       .def("snapshot_json", [](Manager& mgr) { return locked(mgr, [&] { return mgr.snapshot_json(); }); })

@@ -254,9 +254,7 @@ std::vector<Digest> Manager::chain(const Digest& root, std::span<const Tok> toke
 // ====================================================================== tree bookkeeping
 
 NodeId Manager::new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal) {
-  std::shared_ptr<Tok[]> block = std::make_shared_for_overwrite<Tok[]>(tokens.size());
-  std::copy(tokens.begin(), tokens.end(), block.get());
-  return tree_.new_block(key, std::move(block), tokens.size(), ordinal);
+  return tree_.new_block(key, tokens, ordinal);
 }
 
 NodeId Manager::root_for(const Digest& key) {
@@ -546,16 +544,19 @@ void Manager::copy(std::int64_t lc, const Page* src, const Page* dst, const char
   copy_ops_.push_back(CopyOpC{lc, src->tier, src->slot, dst->tier, dst->slot, reason});
 }
 
-void Manager::emit(EventC e) {
+void Manager::emit(EventC e, std::span<const Tok> tokens) {
   if (cfg_.max_events == 0) {
     ++events_dropped_;
     return;
   }
   if (static_cast<std::int64_t>(events_.size()) >= cfg_.max_events) {
+    event_tokens_.erase(event_tokens_.begin(), event_tokens_.begin() + events_.front().ntokens);
     events_.pop_front();
     ++events_dropped_;
   }
+  e.ntokens = static_cast<std::uint32_t>(tokens.size());
   events_.push_back(std::move(e));
+  event_tokens_.insert(event_tokens_.end(), tokens.begin(), tokens.end());
 }
 
 void Manager::emit_removed(const Digest& key, std::int64_t lc) {
@@ -577,8 +578,7 @@ void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
     e.parent_key = tree_.key(parent);
   }
   e.key = tree_.key(nid);
-  e.tokens = tree_.token_block(nid);
-  e.ntokens = static_cast<std::uint32_t>(tree_.tokens(nid).size());
+  const std::span<const Tok> tokens = tree_.tokens(nid);
   for (std::int64_t lc : lcs) {
     const Page& p = page(tree_.page(nid, lc));
     StoredBlockC b;
@@ -587,9 +587,9 @@ void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
     b.priority = p.priority;
     e.blocks.push_back(b);
   }
-  e.partial = static_cast<std::int64_t>(e.ntokens) < B_;
+  e.partial = static_cast<std::int64_t>(tokens.size()) < B_;
   e.id = event_id();
-  emit(std::move(e));
+  emit(std::move(e), tokens);
 }
 
 void Manager::count(std::int64_t lc, int counter, std::int64_t n) {
@@ -775,9 +775,13 @@ std::string Manager::stats_json(bool take_iteration) {
   return o;
 }
 
-std::vector<EventC> Manager::take_events() {
-  std::vector<EventC> out(std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
+TakenEvents Manager::take_events() {
+  TakenEvents out;
+  out.events.assign(std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
+  out.tokens.reserve(event_tokens_.size());
+  for (Tok c : event_tokens_) out.tokens.push_back(decode(c));
   events_.clear();
+  event_tokens_.clear();
   return out;
 }
 
@@ -1562,6 +1566,7 @@ std::string Manager::snapshot_json() {
     o += ']';
   }
   o += "],\"events\":[";
+  std::size_t tok_at = 0;  // where the next stored event's tokens start in event_tokens_
   for (std::size_t k = 0; k < events_.size(); ++k) {
     const EventC& e = events_[k];
     if (k) o += ',';
@@ -1588,7 +1593,7 @@ std::string Manager::snapshot_json() {
           o += ",[";
           for (std::size_t t = 0; t < e.ntokens; ++t) {
             if (t) o += ',';
-            j_tok_plain(o, decode(e.tokens[t]));
+            j_tok_plain(o, decode(event_tokens_[tok_at + t]));
           }
           o += "],";
           j_int(o, sb.lc);
@@ -1599,6 +1604,7 @@ std::string Manager::snapshot_json() {
           o += ']';
         }
         o += ']';
+        tok_at += e.ntokens;
         break;
       case EventKind::removed:
         o += ",\"kind\":\"removed\",\"keys\":[";

@@ -120,8 +120,8 @@ struct EventC {
   bool has_parent = false;
   Digest parent_key{};
   StoredBlocks blocks;
-  // token codes of the stored block (Manager::decode_tokens), shared with the tree node
-  std::shared_ptr<const std::uint32_t[]> tokens;
+  // number of tokens of the stored block; the codes themselves sit in the manager's event
+  // token queue, in event order (no per-event allocation, nothing shared with the tree)
   std::uint32_t ntokens = 0;
   bool partial = false;
   // stored / removed / tier_changed
@@ -137,6 +137,13 @@ struct ClosedTokens {
   std::vector<std::uint32_t> codes;
   std::vector<std::pair<std::uint32_t, Digest>> digests;  // the digest of each digest code used
   std::vector<TokenOut> decode() const;
+};
+
+// What take_events() hands out: the events and the stored events' tokens, concatenated in
+// event order (event i's tokens follow those of the stored events before it).
+struct TakenEvents {
+  std::vector<EventC> events;
+  std::vector<TokenOut> tokens;
 };
 
 struct RequestInfo {
@@ -184,7 +191,7 @@ class Manager {
   bool is_shutdown() const noexcept { return is_shutdown_; }
   std::size_t num_open() const noexcept { return requests_.size(); }
   std::string stats_json(bool take_iteration);
-  std::vector<EventC> take_events();
+  TakenEvents take_events();
   std::string snapshot_json();
   void check_invariants();
 
@@ -201,8 +208,6 @@ class Manager {
   ClosedTokens close(std::int64_t serial);
   std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc);
   std::size_t num_life_cycles() const noexcept { return cfg_.lcs.size(); }
-  // Token codes (as in EventC::tokens) to tokens; call under the same lock as the core.
-  std::vector<TokenOut> decode_tokens(std::span<const std::uint32_t> codes) const { return decode_all(codes); }
 
  private:
   enum State : int { kNone = 0, kLocked = 1, kHeld = 2, kDroppable = 3 };
@@ -334,7 +339,8 @@ class Manager {
 
   // --- copy ops, events, stats
   void copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason);
-  void emit(EventC e);
+  // Buffer `e` (a stored event with its block's `tokens`), dropping the oldest when full.
+  void emit(EventC e, std::span<const Tok> tokens = {});
   std::int64_t event_id() { return next_event_++; }
   void emit_removed(const Digest& key, std::int64_t lc);
   void emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs);
@@ -364,6 +370,7 @@ class Manager {
   std::map<std::int64_t, Request> requests_;
   std::vector<CopyOpC> copy_ops_;
   std::deque<EventC> events_;
+  std::deque<Tok> event_tokens_;  // the buffered stored events' tokens, in event order
   std::int64_t events_dropped_ = 0;
   bool is_shutdown_ = false;
   // counters: [requests, query_tokens, reused_tokens, then 13 per lc]

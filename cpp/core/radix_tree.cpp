@@ -36,19 +36,30 @@ RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> l
 NodeId RadixTree::root(const Digest& scope_key) {
   auto it = roots_.find(scope_key);
   if (it != roots_.end()) return it->second;
-  const Ref r = make_node(scope_key, nullptr, 0, -1, /*is_root=*/true);
+  const Ref r = make_node(scope_key, 0, -1, /*is_root=*/true);
   roots_.emplace(scope_key, r);
   return r;
 }
 
 NodeId RadixTree::new_block(const Digest& key, std::span<const TokenArg> tokens, std::int64_t ordinal) {
-  std::shared_ptr<Code[]> codes = std::make_shared_for_overwrite<Code[]>(tokens.size());
-  for (std::size_t i = 0; i < tokens.size(); ++i) codes[i] = intern(tokens[i]);
-  return make_node(key, std::move(codes), tokens.size(), ordinal, /*is_root=*/false);
+  std::vector<Code> codes;
+  codes.reserve(tokens.size());
+  for (const TokenArg& t : tokens) codes.push_back(intern(t));
+  return new_block(key, std::span<const Code>(codes), ordinal);
 }
 
-NodeId RadixTree::new_block(const Digest& key, TokenBlock tokens, std::size_t ntokens, std::int64_t ordinal) {
-  return make_node(key, std::move(tokens), ntokens, ordinal, /*is_root=*/false);
+NodeId RadixTree::new_block(const Digest& key, std::span<const Code> tokens, std::int64_t ordinal) {
+  if (static_cast<std::int64_t>(tokens.size()) > B_) throw TreeAssertion("new_block: more than B tokens");
+  // The tokens may be another node's (a view into arena_), which make_node can move.
+  const Code* src = tokens.data();
+  std::vector<Code> copy;
+  if (!arena_.empty() && src >= arena_.data() && src < arena_.data() + arena_.size()) {
+    copy.assign(tokens.begin(), tokens.end());
+    src = copy.data();
+  }
+  const Ref r = make_node(key, tokens.size(), ordinal, /*is_root=*/false);
+  std::copy(src, src + tokens.size(), arena(r));
+  return r;
 }
 
 NodeId RadixTree::find_existing(NodeId parent, const Digest& key, std::span<const TokenArg> tokens) const {
@@ -76,11 +87,11 @@ std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
   // Shorter partial siblings whose tokens prefix the node's (same first token) step aside.
   std::vector<Ref> detached;
   if (at(r).ntok > 0 && at(p).npartial > 0) {
-    const std::span<const Code> mine = tokens(r);
+    const std::span<const Code> mine = codes(r);
     for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
       const Node& sn = at(s);
-      if (sn.ntok > 0 && sn.ntok < at(r).ntok && static_cast<std::int64_t>(sn.ntok) < B_ && sn.first() == mine[0] &&
-          starts_with(mine, tokens(s))) {
+      if (sn.ntok > 0 && sn.ntok < at(r).ntok && static_cast<std::int64_t>(sn.ntok) < B_ && first(s) == mine[0] &&
+          starts_with(mine, codes(s))) {
         detached.push_back(s);
       }
     }
@@ -281,12 +292,7 @@ std::int64_t RadixTree::coverage(NodeId node, std::int64_t lc) const {
 
 bool RadixTree::has_page(NodeId node) const { return node_has_page(ref_of(node)); }
 
-std::span<const RadixTree::Code> RadixTree::tokens(NodeId node) const {
-  const Node& n = at(ref_of(node));
-  return {n.tokens.get(), n.ntok};
-}
-
-const RadixTree::TokenBlock& RadixTree::token_block(NodeId node) const { return at(ref_of(node)).tokens; }
+std::span<const RadixTree::Code> RadixTree::tokens(NodeId node) const { return codes(ref_of(node)); }
 
 std::int64_t RadixTree::ordinal(NodeId node) const { return at(ref_of(node)).ordinal; }
 
@@ -319,7 +325,7 @@ std::vector<NodeDump> RadixTree::dump() const {
     d.is_root = n.is_root;
     d.ordinal = n.ordinal;
     d.tokens.reserve(n.ntok);
-    for (std::uint32_t k = 0; k < n.ntok; ++k) d.tokens.push_back(decode(n.tokens[k]));
+    for (Code c : codes(r)) d.tokens.push_back(decode(c));
     for (Ref c = n.first_child; c != kNil; c = at(c).next_sibling) d.children.push_back(at(c).uid);
     std::sort(d.children.begin(), d.children.end());
     d.pages.assign(pages_.begin() + static_cast<std::ptrdiff_t>(r * nlc),
@@ -344,8 +350,7 @@ std::size_t RadixTree::lc_index(std::int64_t lc) const {
   return static_cast<std::size_t>(lc);
 }
 
-RadixTree::Ref RadixTree::make_node(const Digest& key, TokenBlock tokens, std::size_t ntok, std::int64_t ordinal,
-                                    bool is_root) {
+RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::int64_t ordinal, bool is_root) {
   Ref r;
   if (!free_.empty()) {
     r = free_.back();
@@ -354,6 +359,7 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, TokenBlock tokens, std::s
     if (nodes_.size() >= kNil) throw std::length_error("too many radix-tree nodes");
     r = static_cast<Ref>(nodes_.size());
     nodes_.emplace_back();
+    arena_.resize(arena_.size() + static_cast<std::size_t>(B_));
     pages_.resize(pages_.size() + lcs_.size(), kNoPage);
     coverage_.resize(coverage_.size() + lcs_.size(), 0);
   }
@@ -362,7 +368,6 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, TokenBlock tokens, std::s
   n.key = key;
   n.uid = next_uid_++;
   n.ordinal = ordinal;
-  n.tokens = std::move(tokens);
   n.ntok = static_cast<std::uint32_t>(ntok);
   n.alive = true;
   n.is_root = is_root;
@@ -441,7 +446,6 @@ void RadixTree::maybe_delete(Ref start) {
 void RadixTree::erase_node(Ref r) {
   Node& n = at(r);
   n.alive = false;
-  n.tokens.reset();
   n.first_child = kNil;
   n.npartial = 0;
   free_.push_back(r);
@@ -459,7 +463,7 @@ NodeId RadixTree::covering(Ref p, std::span<const Code> tokens) const {
   Ref best = kNil;
   for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
     const Node& sn = at(s);
-    if (sn.ntok > tokens.size() && sn.first() == tokens[0] && starts_with(this->tokens(s), tokens)) {
+    if (sn.ntok > tokens.size() && first(s) == tokens[0] && starts_with(codes(s), tokens)) {
       // Most tokens first; ties by smaller key.
       if (best == kNil || sn.ntok > at(best).ntok || (sn.ntok == at(best).ntok && sn.key < at(best).key)) best = s;
     }
@@ -474,10 +478,11 @@ std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run(Ref node, std::sp
   const Code first = tokens[start];
   for (Ref c = at(node).first_child; c != kNil; c = at(c).next_sibling) {
     const Node& cn = at(c);
-    if (cn.ntok == 0 || cn.first() != first) continue;
+    if (cn.ntok == 0 || this->first(c) != first) continue;
+    const Code* mine = arena(c);
     const std::size_t limit = std::min<std::size_t>(cn.ntok, tokens.size() - start);
     std::size_t run = 0;
-    while (run < limit && cn.tokens[run] == tokens[start + run]) ++run;
+    while (run < limit && mine[run] == tokens[start + run]) ++run;
     const auto r = static_cast<std::int64_t>(run);
     if (r > best_run || (r == best_run && best != kNil && cn.key < at(best).key)) {
       best = c;

@@ -12,13 +12,12 @@
 //
 // Layout (the manager's hot path and its memory per cached block): nodes live in one slab
 // addressed by slot, children are an intrusive list plus one tree-wide hash table, and a
-// block's tokens are one shared allocation — no per-node container.
+// block's tokens sit in one arena by slot — no per-node allocation at all.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -113,8 +112,6 @@ class RadixTree {
   using Code = std::uint32_t;
   static constexpr Code kDigestBit = 0x80000000u;
   static constexpr Code kUnknownDigest = 0xFFFFFFFFu;  // a query digest no one interned
-  // A block's tokens: one allocation, shared with the stored events that announce it.
-  using TokenBlock = std::shared_ptr<const Code[]>;
 
   RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles);
 
@@ -126,7 +123,7 @@ class RadixTree {
   NodeId root(const Digest& scope_key);
   // A detached block with no pages and no references (caller refs or attaches it).
   NodeId new_block(const Digest& key, std::span<const TokenArg> tokens, std::int64_t ordinal);
-  NodeId new_block(const Digest& key, TokenBlock tokens, std::size_t ntokens, std::int64_t ordinal);
+  NodeId new_block(const Digest& key, std::span<const Code> tokens, std::int64_t ordinal);
   // The child of `parent` with `key`, else a covering sibling (a longer child whose tokens
   // start with `tokens`; most tokens first, ties by smaller key), else kNoNode.
   NodeId find_existing(NodeId parent, const Digest& key, std::span<const TokenArg> tokens) const;
@@ -175,8 +172,8 @@ class RadixTree {
   PageHandle page(NodeId node, std::int64_t lc) const;
   std::int64_t coverage(NodeId node, std::int64_t lc) const;
   bool has_page(NodeId node) const;
+  // Valid until the next node is made (the token arena may move).
   std::span<const Code> tokens(NodeId node) const;
-  const TokenBlock& token_block(NodeId node) const;
   std::int64_t ordinal(NodeId node) const;
   std::int64_t uid(NodeId node) const;
   // The live node with creation number `uid`, else kNoNode.  A linear scan: for debugging
@@ -197,27 +194,32 @@ class RadixTree {
 
   // One radix-tree block.  Children form an intrusive doubly linked list (first_child,
   // prev/next_sibling), so a node owns no container; finding a child by key goes through
-  // the tree-wide table children_.  Pages and coverage live in pages_/coverage_ at
-  // slot * num_lcs + lc.
+  // the tree-wide table children_.  Per slot, outside the node: its tokens at
+  // arena_[slot * B], pages and coverage at pages_/coverage_[slot * num_lcs + lc].
   struct Node {
     Digest key{};
     std::int64_t uid = 0;        // creation number (tree.py's id)
     std::int64_t ordinal = -1;   // block position in its chain (-1: root)
-    TokenBlock tokens;           // ntok codes; null for roots
-    std::uint32_t ntok = 0;
+    std::uint32_t ntok = 0;      // tokens in arena_ (< B: a partial block; 0 for roots)
     std::uint32_t refs = 0;      // requests referencing the block
     Ref parent = kNil;           // kNil when detached (an orphan) or a root
     Ref first_child = kNil, prev_sibling = kNil, next_sibling = kNil;
     std::uint32_t npartial = 0;  // children with fewer than B tokens (attach looks at them only)
     bool alive = false, is_root = false, attached = false;
-    Code first() const noexcept { return tokens[0]; }
   };
 
   Node& at(Ref r) noexcept { return nodes_[r]; }
   const Node& at(Ref r) const noexcept { return nodes_[r]; }
   Ref ref_of(NodeId id) const;  // throws NoSuchNode for a dead or unknown id
   std::size_t lc_index(std::int64_t lc) const;
-  Ref make_node(const Digest& key, TokenBlock tokens, std::size_t ntok, std::int64_t ordinal, bool is_root);
+  // A new live node with room for B tokens in arena_ (the caller writes them).
+  Ref make_node(const Digest& key, std::size_t ntok, std::int64_t ordinal, bool is_root);
+  Code* arena(Ref r) noexcept { return arena_.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(B_); }
+  const Code* arena(Ref r) const noexcept {
+    return arena_.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(B_);
+  }
+  Code first(Ref r) const noexcept { return arena(r)[0]; }
+  std::span<const Code> codes(Ref r) const noexcept { return {arena(r), at(r).ntok}; }
   bool node_has_page(Ref r) const noexcept;
   void link(Ref parent, Ref child);
   void unlink(Ref r);
@@ -254,6 +256,7 @@ class RadixTree {
   std::vector<LifeCycleSpec> lcs_;
   std::vector<Node> nodes_;        // the slab; a slot is reused after its node dies
   std::vector<Ref> free_;          // dead slots (LIFO)
+  std::vector<Code> arena_;              // [slot * B + i]: token i of the node in slot
   std::vector<PageHandle> pages_;        // [slot * nlc + lc]: page handle or kNoPage
   std::vector<std::int32_t> coverage_;   // [slot * nlc + lc]
   std::vector<Entry> children_;    // the child table (ref kNil = empty); size a power of two
