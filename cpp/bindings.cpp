@@ -7,160 +7,24 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <bit>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "core/block_keys.h"
 #include "core/radix_tree.h"
 #include "core/sha256.h"
+#include "token_parse.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
+namespace pyconv = kvcm::pyconv;
 
 namespace {
 
-static_assert(std::endian::native == std::endian::little,
-              "the buffer fast path assumes a little-endian host ('@', '=' and '<' formats read as-is)");
-
-// Owns one buffer export; releasing it on every path (including exceptions) is why it exists.
-class BufferView {
- public:
-  BufferView() = default;
-  BufferView(const BufferView&) = delete;
-  BufferView& operator=(const BufferView&) = delete;
-  ~BufferView() {
-    if (held_) PyBuffer_Release(&view_);
-  }
-  // False (with the Python error cleared) when `obj` cannot export such a buffer.
-  bool acquire(PyObject* obj, int flags) {
-    if (PyObject_GetBuffer(obj, &view_, flags) != 0) {
-      PyErr_Clear();
-      return false;
-    }
-    held_ = true;
-    return true;
-  }
-  const Py_buffer& get() const { return view_; }
-
- private:
-  Py_buffer view_{};
-  bool held_ = false;
-};
-
-std::string type_name(PyObject* obj) {
-  // type(obj).__name__, as kvcm.api's messages use it (tp_name would include the module).
-  return nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj))).attr("__name__"));
-}
-
-std::string int_str(PyObject* obj) {
-  // str(int(t)): int subclasses are reported by their int value, like check_tokens does.
-  nb::object as_int = nb::steal(PyNumber_Long(obj));
-  if (!as_int.is_valid()) throw nb::python_error();
-  return nb::cast<std::string>(nb::str(as_int));
-}
-
-[[noreturn]] void raise_out_of_range(const std::string& value) {
-  throw nb::value_error(("tokens: token " + value + " out of range [0, 2**31)").c_str());
-}
-
-// Validate and encode one token of a list, with the exact checks and messages of
-// kvcm.api.check_tokens (bool is rejected; int subclasses are accepted by value).
-void append_list_token(kvcm::TokenBytes& out, PyObject* t) {
-  if (PyLong_Check(t) && !PyBool_Check(t)) {
-    int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
-    if (v == -1 && PyErr_Occurred()) throw nb::python_error();
-    if (overflow != 0 || v < 0 || static_cast<unsigned long long>(v) >= kvcm::kTokenLimit) raise_out_of_range(int_str(t));
-    out.append_int(static_cast<std::uint32_t>(v));
-    return;
-  }
-  if (PyBytes_CheckExact(t)) {
-    const Py_ssize_t n = PyBytes_GET_SIZE(t);
-    if (n != static_cast<Py_ssize_t>(kvcm::kDigestTokenBytes)) {
-      throw nb::value_error(("tokens: a digest token must be 32 bytes, got " + std::to_string(n)).c_str());
-    }
-    const auto* p = reinterpret_cast<const std::uint8_t*>(PyBytes_AS_STRING(t));
-    out.append_digest(std::span<const std::uint8_t, kvcm::kDigestTokenBytes>(p, kvcm::kDigestTokenBytes));
-    return;
-  }
-  throw nb::type_error(("tokens: a token must be an int or 32 bytes, got " + type_name(t)).c_str());
-}
-
-void append_sequence(kvcm::TokenBytes& out, PyObject* seq) {
-  // Exact list/tuple only: the item loop runs no Python code, so the list cannot change under us.
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
-  out.reserve(static_cast<std::size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) append_list_token(out, items[i]);
-}
-
-template <typename T>
-bool append_buffer_items(kvcm::TokenBytes& out, const Py_buffer& view) {
-  const auto n = static_cast<std::size_t>(view.shape[0]);
-  const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
-  const auto* base = static_cast<const char*>(view.buf);
-  out.reserve(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    T v;
-    std::memcpy(&v, base + static_cast<Py_ssize_t>(i) * stride, sizeof v);  // may be unaligned
-    if constexpr (std::is_signed_v<T>) {
-      if (v < 0 || static_cast<std::uint64_t>(v) >= kvcm::kTokenLimit) raise_out_of_range(std::to_string(v));
-    } else {
-      if (static_cast<std::uint64_t>(v) >= kvcm::kTokenLimit) raise_out_of_range(std::to_string(v));
-    }
-    out.append_int(static_cast<std::uint32_t>(v));
-  }
-  return true;
-}
-
-// The no-Python-loop path for numpy arrays, array('i'), memoryviews...: a 1-D buffer of
-// native-order integers.  Returns false (nothing appended) for anything else, which then
-// takes the generic path so the error (or result) is exactly check_tokens'.
-bool try_append_buffer(kvcm::TokenBytes& out, PyObject* obj) {
-  BufferView bv;
-  if (!bv.acquire(obj, PyBUF_FORMAT | PyBUF_STRIDES)) return false;
-  const Py_buffer& view = bv.get();
-  if (view.ndim != 1 || view.format == nullptr) return false;
-  const char* f = view.format;
-  if (*f == '@' || *f == '=' || *f == '<') ++f;
-  if (f[0] == '\0' || f[1] != '\0') return false;
-  const bool is_signed = std::strchr("bhilqn", f[0]) != nullptr;
-  const bool is_unsigned = std::strchr("BHILQN", f[0]) != nullptr;
-  if (!is_signed && !is_unsigned) return false;
-  switch (view.itemsize) {
-    case 1: return is_signed ? append_buffer_items<std::int8_t>(out, view) : append_buffer_items<std::uint8_t>(out, view);
-    case 2: return is_signed ? append_buffer_items<std::int16_t>(out, view) : append_buffer_items<std::uint16_t>(out, view);
-    case 4: return is_signed ? append_buffer_items<std::int32_t>(out, view) : append_buffer_items<std::uint32_t>(out, view);
-    case 8: return is_signed ? append_buffer_items<std::int64_t>(out, view) : append_buffer_items<std::uint64_t>(out, view);
-    default: return false;
-  }
-}
-
-// Tokens → TokenBytes with kvcm.api.check_tokens semantics.  Fast paths for exact
-// list/tuple and int buffers; anything else (generators, torch tensors, list subclasses,
-// nested arrays...) is normalised by check_tokens itself, so errors match by construction.
-kvcm::TokenBytes collect_tokens(nb::handle tokens, std::uint32_t tokens_per_block) {
-  kvcm::TokenBytes out(tokens_per_block);
-  PyObject* obj = tokens.ptr();
-  if (obj == Py_None) return out;
-  if (PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj)) {
-    throw nb::type_error(("tokens must be a sequence of tokens, got " + type_name(obj)).c_str());
-  }
-  if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
-    append_sequence(out, obj);
-    return out;
-  }
-  // check_tokens converts via .tolist() exactly when this attribute exists (and obj is no list).
-  if (!PyList_Check(obj) && PyObject_HasAttrString(obj, "tolist") && PyObject_CheckBuffer(obj)) {
-    if (try_append_buffer(out, obj)) return out;
-  }
-  nb::object normalised = nb::module_::import_("kvcm.api").attr("check_tokens")(tokens);
-  if (!PyList_CheckExact(normalised.ptr())) throw nb::type_error("check_tokens did not return a list");
-  append_sequence(out, normalised.ptr());
-  return out;
-}
+using pyconv::BufferView;
+using pyconv::type_name;
 
 std::uint32_t check_tokens_per_block(nb::handle b) {
   // Same rule and message as kvcm.keys.block_keys_py: an exact int in 1..4096.
@@ -179,18 +43,41 @@ nb::bytes to_bytes(const kvcm::Digest& d) { return nb::bytes(reinterpret_cast<co
 nb::list block_keys(nb::handle tokens, nb::handle tokens_per_block, std::optional<std::uint64_t> lora_id,
                     std::optional<std::uint64_t> salt) {
   const std::uint32_t b = check_tokens_per_block(tokens_per_block);
-  const kvcm::TokenBytes tb = collect_tokens(tokens, b);
-  std::vector<kvcm::Digest> keys;
-  {
-    nb::gil_scoped_release release;  // hashing touches no Python object
-    keys = kvcm::chain_keys(kvcm::scope_root_key(lora_id, salt), tb);
+  const kvcm::Digest root = kvcm::scope_root_key(lora_id, salt);
+  PyObject* obj = tokens.ptr();
+  if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+    // A list's tokens are Python objects, read under the GIL anyway.  Hashing each chunk
+    // as it is read (and storing each key straight into the result) lets the CPU overlap
+    // the object loads and the bytes allocations with the latency-bound SHA rounds, where
+    // converting everything first and hashing without the GIL paid for both in turn
+    // (`bench keys`: about 2x the raw SHA-256 loop that way).  The price: the GIL is held
+    // while such a list is hashed, a few ms per million tokens.
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
+    nb::list out = nb::steal<nb::list>(PyList_New((n + b - 1) / b));  // NULL items until set
+    if (!out.is_valid()) throw nb::python_error();
+    // Allocating the list can run the garbage collector, hence finalizers that could
+    // resize `tokens`; from here on no Python code runs until the keys are in place.
+    if (PySequence_Fast_GET_SIZE(obj) != n) throw std::runtime_error("tokens changed size during block_keys");
+    Py_ssize_t next = 0;
+    kvcm::KeyChain chain(root, b, [&](const kvcm::Digest& key) {
+      PyList_SET_ITEM(out.ptr(), next++, to_bytes(key).release().ptr());
+    });
+    pyconv::parse_sequence(chain, obj, "tokens");
+    chain.finish();
+    return out;
   }
-  nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(keys.size())));
+  // Buffers (numpy, array('i')...) are converted and hashed without the GIL; anything
+  // else goes through check_tokens, and its list is hashed like the one above.
+  std::vector<kvcm::Digest> keys;
+  kvcm::KeyChain chain(root, b, [&keys](const kvcm::Digest& key) { keys.push_back(key); });
+  pyconv::parse_tokens(chain, tokens, "tokens", pyconv::BufferGil::release);
+  chain.finish();
+  nb::list out = nb::steal<nb::list>(PyList_New(static_cast<Py_ssize_t>(keys.size())));
   if (!out.is_valid()) throw nb::python_error();
   for (std::size_t i = 0; i < keys.size(); ++i) {
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), to_bytes(keys[i]).release().ptr());
   }
-  return nb::borrow<nb::list>(out);
+  return out;
 }
 
 nb::bytes sha256(nb::handle data) {
@@ -233,39 +120,25 @@ kvcm::Digest to_digest(nb::handle obj, const char* what) {
 }
 
 // A token sequence borrowed for one tree call: digest tokens point into the bytes objects,
-// which `holder` (the list/tuple being read) keeps alive until the call returns.
+// which `holder` (the sequence being read) keeps alive until the call returns.
 struct TokenArgs {
   nb::object holder;
   std::vector<kvcm::TokenArg> args;
+
+  // pyconv::TokenSink
+  void reserve(std::size_t n) { args.reserve(n); }
+  void append_ints(const std::uint32_t* v, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) args.push_back({v[i], nullptr});
+  }
+  void append_digest(pyconv::DigestSpan d) { args.push_back({0, d.data()}); }
 };
 
 TokenArgs to_token_args(nb::handle seq) {
+  // tree.py takes any sequence as-is (no None, no .tolist()), hence not pyconv::parse_tokens.
   TokenArgs out;
   out.holder = nb::steal(PySequence_Fast(seq.ptr(), "tokens must be a sequence"));
   if (!out.holder.is_valid()) throw nb::python_error();
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(out.holder.ptr());
-  PyObject** items = PySequence_Fast_ITEMS(out.holder.ptr());
-  out.args.reserve(static_cast<std::size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* t = items[i];
-    kvcm::TokenArg a;
-    if (PyLong_Check(t) && !PyBool_Check(t)) {
-      int overflow = 0;
-      const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
-      if (v == -1 && PyErr_Occurred()) throw nb::python_error();
-      if (overflow != 0 || v < 0 || static_cast<unsigned long long>(v) >= kvcm::kTokenLimit) {
-        raise_out_of_range(int_str(t));
-      }
-      a.value = static_cast<std::uint32_t>(v);
-    } else if (PyBytes_CheckExact(t) && PyBytes_GET_SIZE(t) == static_cast<Py_ssize_t>(kvcm::kDigestTokenBytes)) {
-      a.digest = reinterpret_cast<const std::uint8_t*>(PyBytes_AS_STRING(t));
-    } else if (PyBytes_CheckExact(t)) {
-      throw nb::value_error(("tokens: a digest token must be 32 bytes, got " + std::to_string(PyBytes_GET_SIZE(t))).c_str());
-    } else {
-      throw nb::type_error(("tokens: a token must be an int or 32 bytes, got " + type_name(t)).c_str());
-    }
-    out.args.push_back(a);
-  }
+  pyconv::parse_sequence(out, out.holder.ptr(), "tokens");
   return out;
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/manager.h"
+#include "token_parse.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -70,125 +71,29 @@ auto quick(Manager& m, F&& f) {
   return f();
 }
 
-std::string type_name(PyObject* obj) {
-  return nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj))).attr("__name__"));
-}
+using kvcm::pyconv::type_name;
 
 // A validated token sequence (kvcm.api.check_tokens semantics), converted once.  Digests
 // are copied (a deque keeps their addresses stable), so the core can run without the GIL.
 struct TokenBuf {
   std::vector<kvcm::TokenArg> args;
   std::deque<kvcm::Digest> digests;
+
+  // kvcm::pyconv::TokenSink
+  void reserve(std::size_t n) { args.reserve(n); }
+  void append_ints(const std::uint32_t* v, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) args.push_back({v[i], nullptr});
+  }
+  void append_digest(kvcm::pyconv::DigestSpan d) {
+    kvcm::Digest& copy = digests.emplace_back();
+    std::memcpy(copy.data(), d.data(), copy.size());
+    args.push_back({0, copy.data()});
+  }
 };
 
-[[noreturn]] void bad_range(const std::string& name, const std::string& value) {
-  throw nb::value_error((name + ": token " + value + " out of range [0, 2**31)").c_str());
-}
-
-// One item of a list/tuple, with check_tokens' exact checks and messages.
-void parse_item(TokenBuf& out, PyObject* t, const std::string& name) {
-  kvcm::TokenArg a;
-  if (PyLong_Check(t) && !PyBool_Check(t)) {
-    int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
-    if (v == -1 && PyErr_Occurred()) throw nb::python_error();
-    if (overflow != 0 || v < 0 || v >= (1LL << 31)) {
-      nb::object as_int = nb::steal(PyNumber_Long(t));
-      if (!as_int.is_valid()) throw nb::python_error();
-      bad_range(name, nb::cast<std::string>(nb::str(as_int)));
-    }
-    a.value = static_cast<std::uint32_t>(v);
-  } else if (PyBytes_CheckExact(t)) {
-    const Py_ssize_t n = PyBytes_GET_SIZE(t);
-    if (n != 32) {
-      throw nb::value_error((name + ": a digest token must be 32 bytes, got " + std::to_string(n)).c_str());
-    }
-    kvcm::Digest& d = out.digests.emplace_back();
-    std::memcpy(d.data(), PyBytes_AS_STRING(t), 32);
-    a.digest = d.data();
-  } else {
-    throw nb::type_error((name + ": a token must be an int or 32 bytes, got " + type_name(t)).c_str());
-  }
-  out.args.push_back(a);
-}
-
-void parse_sequence(TokenBuf& out, PyObject* seq, const std::string& name) {
-  // exact list/tuple only: the loop runs no Python code, so the sequence cannot change under us
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
-  out.args.reserve(static_cast<std::size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) parse_item(out, items[i], name);
-}
-
-template <typename T>
-void parse_buffer_items(TokenBuf& out, const Py_buffer& view, const std::string& name) {
-  const auto n = static_cast<std::size_t>(view.shape[0]);
-  const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
-  const auto* base = static_cast<const char*>(view.buf);
-  out.args.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    T v;
-    std::memcpy(&v, base + static_cast<Py_ssize_t>(i) * stride, sizeof v);
-    bool bad = false;
-    if constexpr (std::is_signed_v<T>) {
-      bad = v < 0 || static_cast<std::uint64_t>(v) >= (std::uint64_t{1} << 31);
-    } else {
-      bad = static_cast<std::uint64_t>(v) >= (std::uint64_t{1} << 31);
-    }
-    if (bad) {
-      out.args.clear();
-      bad_range(name, std::to_string(v));
-    }
-    out.args[i].value = static_cast<std::uint32_t>(v);
-  }
-}
-
-// numpy arrays, array('i'), memoryviews of native-order integers: no Python-level loop.
-// False (nothing parsed) for anything else, which then goes through check_tokens itself.
-bool try_parse_buffer(TokenBuf& out, PyObject* obj, const std::string& name) {
-  Py_buffer view;
-  if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_STRIDES) != 0) {
-    PyErr_Clear();
-    return false;
-  }
-  struct Release {
-    Py_buffer* v;
-    ~Release() { PyBuffer_Release(v); }
-  } release{&view};
-  if (view.ndim != 1 || view.format == nullptr) return false;
-  const char* f = view.format;
-  if (*f == '@' || *f == '=' || *f == '<') ++f;
-  if (f[0] == '\0' || f[1] != '\0') return false;
-  const bool is_signed = std::strchr("bhilqn", f[0]) != nullptr;
-  const bool is_unsigned = std::strchr("BHILQN", f[0]) != nullptr;
-  if (!is_signed && !is_unsigned) return false;
-  switch (view.itemsize) {
-    case 1: is_signed ? parse_buffer_items<std::int8_t>(out, view, name) : parse_buffer_items<std::uint8_t>(out, view, name); return true;
-    case 2: is_signed ? parse_buffer_items<std::int16_t>(out, view, name) : parse_buffer_items<std::uint16_t>(out, view, name); return true;
-    case 4: is_signed ? parse_buffer_items<std::int32_t>(out, view, name) : parse_buffer_items<std::uint32_t>(out, view, name); return true;
-    case 8: is_signed ? parse_buffer_items<std::int64_t>(out, view, name) : parse_buffer_items<std::uint64_t>(out, view, name); return true;
-    default: return false;
-  }
-}
-
-// kvcm.api.check_tokens(obj, name), producing a TokenBuf: same results, same errors.
 TokenBuf parse_tokens(nb::handle tokens, const std::string& name) {
   TokenBuf out;
-  PyObject* obj = tokens.ptr();
-  if (obj == Py_None) return out;
-  if (PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj)) {
-    throw nb::type_error((name + " must be a sequence of tokens, got " + type_name(obj)).c_str());
-  }
-  if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
-    parse_sequence(out, obj, name);
-    return out;
-  }
-  if (!PyList_Check(obj) && PyObject_HasAttrString(obj, "tolist") && PyObject_CheckBuffer(obj)) {
-    if (try_parse_buffer(out, obj, name)) return out;
-  }
-  nb::object normalised = nb::module_::import_("kvcm.api").attr("check_tokens")(tokens, name);
-  if (!PyList_CheckExact(normalised.ptr())) throw nb::type_error("check_tokens did not return a list");
-  parse_sequence(out, normalised.ptr(), name);
+  kvcm::pyconv::parse_tokens(out, tokens, name);
   return out;
 }
 

@@ -1,5 +1,6 @@
 #include "core/block_keys.h"
 
+#include <algorithm>
 #include <chrono>
 
 namespace kvcm {
@@ -20,6 +21,22 @@ Digest block_key(const Digest& parent, std::span<const std::uint8_t> token_bytes
   h.update(parent);
   h.update(token_bytes);
   return h.finish();
+}
+
+void TokenBytes::grow(std::size_t min_capacity) {
+  const std::size_t capacity = std::max(min_capacity, capacity_ * 2);
+  auto data = std::make_unique_for_overwrite<std::uint8_t[]>(capacity);
+  if (size_ != 0) std::memcpy(data.get(), data_.get(), size_);
+  data_ = std::move(data);
+  capacity_ = capacity;
+}
+
+std::size_t TokenBytes::block_end(std::size_t i) const noexcept {
+  const std::size_t end_token = std::min((i + 1) * tokens_per_block_, num_tokens_);
+  // Each digest token before end_token is 28 bytes longer than an int token.
+  const auto digests = static_cast<std::size_t>(
+      std::lower_bound(digest_tokens_.begin(), digest_tokens_.end(), end_token) - digest_tokens_.begin());
+  return end_token * 4 + digests * (kDigestTokenBytes - 4);
 }
 
 std::vector<Digest> chain_keys(const Digest& root, const TokenBytes& tokens) {

@@ -1,0 +1,297 @@
+// Python token sequences -> validated tokens, with the exact semantics and messages of
+// kvcm.api.check_tokens.  One implementation for every binding that takes tokens
+// (block_keys, the manager calls, the RadixTree port), so their errors cannot drift apart.
+// It reads Python objects, so it lives in the binding layer, not in the core.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <algorithm>
+#include <bit>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+#include "core/block_keys.h"
+
+namespace kvcm::pyconv {
+
+namespace nb = nanobind;
+
+static_assert(std::endian::native == std::endian::little,
+              "the buffer fast path assumes a little-endian host ('@', '=' and '<' formats read as-is)");
+
+using DigestSpan = std::span<const std::uint8_t, kDigestTokenBytes>;
+
+// Where parsed tokens go, in order.  append_ints receives validated int tokens (< 2**31) in
+// chunks; a digest's bytes are only guaranteed alive during the call (a sink that keeps the
+// pointer must keep the parsed sequence alive itself).
+template <class S>
+concept TokenSink = requires(S& s, const std::uint32_t* ints, std::size_t n, DigestSpan digest) {
+  s.reserve(n);
+  s.append_ints(ints, n);
+  s.append_digest(digest);
+};
+
+// Owns one buffer export; releasing it on every path (including exceptions) is why it exists.
+class BufferView {
+ public:
+  BufferView() = default;
+  BufferView(const BufferView&) = delete;
+  BufferView& operator=(const BufferView&) = delete;
+  ~BufferView() {
+    if (held_) PyBuffer_Release(&view_);
+  }
+  // False (with the Python error cleared) when `obj` cannot export such a buffer.
+  bool acquire(PyObject* obj, int flags) {
+    if (PyObject_GetBuffer(obj, &view_, flags) != 0) {
+      PyErr_Clear();
+      return false;
+    }
+    held_ = true;
+    return true;
+  }
+  const Py_buffer& get() const { return view_; }
+
+ private:
+  Py_buffer view_{};
+  bool held_ = false;
+};
+
+// type(obj).__name__, as kvcm.api's messages use it (tp_name would include the module).
+inline std::string type_name(PyObject* obj) {
+  return nb::cast<std::string>(nb::handle(reinterpret_cast<PyObject*>(Py_TYPE(obj))).attr("__name__"));
+}
+
+[[noreturn]] inline void raise_out_of_range(std::string_view name, const std::string& value) {
+  throw nb::value_error((std::string(name) + ": token " + value + " out of range [0, 2**31)").c_str());
+}
+
+// The value of an exact `int` in [0, 2**31), read straight from its digits; false for
+// everything else (bool, int subclasses, negative or large values, other types), which the
+// checked path then handles.  This is the per-token cost of a list, so it makes no call.
+inline bool small_exact_int(PyObject* t, std::uint32_t& out) noexcept {
+  if (!PyLong_CheckExact(t)) return false;
+#if PY_VERSION_HEX >= 0x030C0000
+  const auto* l = reinterpret_cast<PyLongObject*>(t);
+  if (!PyUnstable_Long_IsCompact(l)) return false;
+  const Py_ssize_t v = PyUnstable_Long_CompactValue(l);
+  if (v < 0 || static_cast<std::uint64_t>(v) >= kTokenLimit) return false;
+  out = static_cast<std::uint32_t>(v);
+  return true;
+#else
+  // 3.11: ob_size is the signed digit count (0 for zero, negative for negative values).
+  const auto* l = reinterpret_cast<const PyLongObject*>(t);
+  switch (Py_SIZE(t)) {
+    case 0:
+      out = 0;
+      return true;
+    case 1:
+      out = static_cast<std::uint32_t>(l->ob_digit[0]);  // < 2**PyLong_SHIFT <= 2**30
+      return true;
+    case 2: {
+      const std::uint64_t v = std::uint64_t{l->ob_digit[0]} | (std::uint64_t{l->ob_digit[1]} << PyLong_SHIFT);
+      if (v >= kTokenLimit) return false;
+      out = static_cast<std::uint32_t>(v);
+      return true;
+    }
+    default:
+      return false;
+  }
+#endif
+}
+
+// Any list item that small_exact_int declined: check_tokens' checks and messages (bool is
+// rejected; int subclasses are accepted by value; bytes must be exact and 32 long).
+template <TokenSink S>
+void parse_checked_item(S& out, PyObject* t, std::string_view name) {
+  if (PyLong_Check(t) && !PyBool_Check(t)) {
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
+    if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+    if (overflow != 0 || v < 0 || static_cast<unsigned long long>(v) >= kTokenLimit) {
+      // str(int(t)): an int subclass is reported by its int value, like check_tokens does.
+      nb::object as_int = nb::steal(PyNumber_Long(t));
+      if (!as_int.is_valid()) throw nb::python_error();
+      raise_out_of_range(name, nb::cast<std::string>(nb::str(as_int)));
+    }
+    const auto u = static_cast<std::uint32_t>(v);
+    out.append_ints(&u, 1);
+    return;
+  }
+  if (PyBytes_CheckExact(t)) {
+    const Py_ssize_t n = PyBytes_GET_SIZE(t);
+    if (n != static_cast<Py_ssize_t>(kDigestTokenBytes)) {
+      throw nb::value_error(
+          (std::string(name) + ": a digest token must be 32 bytes, got " + std::to_string(n)).c_str());
+    }
+    out.append_digest(DigestSpan(reinterpret_cast<const std::uint8_t*>(PyBytes_AS_STRING(t)), kDigestTokenBytes));
+    return;
+  }
+  throw nb::type_error((std::string(name) + ": a token must be an int or 32 bytes, got " + type_name(t)).c_str());
+}
+
+// Ints are staged in a small stack chunk and handed over in bulk: the sink's bookkeeping
+// runs once per chunk instead of once per token.  The chunk is small on purpose: a sink
+// that hashes (kvcm::KeyChain) then alternates a few SHA-256 rounds, which are latency
+// bound, with the next chunk's conversion, and the CPU overlaps the two (measured on
+// `bench keys`: 256-token chunks were clearly slower than 16 or 32).
+inline constexpr std::size_t kChunkTokens = 32;
+// A list's int objects are separate heap objects: ask for them this many items ahead, so
+// their loads are in flight while the current chunk is hashed.
+inline constexpr Py_ssize_t kPrefetchAhead = 64;
+
+// An exact list or tuple (or PySequence_Fast's result).  Runs no Python code until it
+// raises, so the sequence cannot change under the loop.
+template <TokenSink S>
+void parse_sequence(S& out, PyObject* seq, std::string_view name) {
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject* const* items = PySequence_Fast_ITEMS(seq);
+  out.reserve(static_cast<std::size_t>(n));
+  std::uint32_t chunk[kChunkTokens];
+  std::size_t k = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kPrefetchAhead < n) __builtin_prefetch(items[i + kPrefetchAhead]);
+    if (small_exact_int(items[i], chunk[k])) {
+      if (++k == kChunkTokens) {
+        out.append_ints(chunk, k);
+        k = 0;
+      }
+      continue;
+    }
+    out.append_ints(chunk, k);
+    k = 0;
+    parse_checked_item(out, items[i], name);
+  }
+  out.append_ints(chunk, k);
+}
+
+template <typename T>
+constexpr bool token_in_range(T v) noexcept {
+  if constexpr (std::is_signed_v<T>) {
+    return v >= 0 && static_cast<std::uint64_t>(v) < kTokenLimit;
+  } else {
+    return static_cast<std::uint64_t>(v) < kTokenLimit;
+  }
+}
+
+// One chunk of a buffer: convert all, then raise for the first bad value if any.  Checking
+// with a branch-free OR keeps the contiguous loop vectorisable.
+template <typename T, Py_ssize_t kStride>
+void convert_chunk(std::uint32_t* dst, const char* src, std::size_t m, Py_ssize_t stride, std::string_view name) {
+  if constexpr (kStride != 0) stride = kStride;
+  bool bad = false;
+  for (std::size_t j = 0; j < m; ++j) {
+    T v;
+    std::memcpy(&v, src + static_cast<Py_ssize_t>(j) * stride, sizeof v);  // may be unaligned
+    bad |= !token_in_range(v);
+    dst[j] = static_cast<std::uint32_t>(v);
+  }
+  if (!bad) return;
+  for (std::size_t j = 0; j < m; ++j) {
+    T v;
+    std::memcpy(&v, src + static_cast<Py_ssize_t>(j) * stride, sizeof v);
+    if (!token_in_range(v)) raise_out_of_range(name, std::to_string(v));
+  }
+}
+
+template <typename T, TokenSink S>
+void parse_buffer_items(S& out, const Py_buffer& view, std::string_view name) {
+  const auto n = static_cast<std::size_t>(view.shape[0]);
+  const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
+  const auto* base = static_cast<const char*>(view.buf);
+  out.reserve(n);
+  std::uint32_t chunk[kChunkTokens];
+  for (std::size_t i = 0; i < n; i += kChunkTokens) {
+    const std::size_t m = std::min(kChunkTokens, n - i);
+    const char* src = base + static_cast<Py_ssize_t>(i) * stride;
+    if (stride == static_cast<Py_ssize_t>(sizeof(T))) {
+      convert_chunk<T, static_cast<Py_ssize_t>(sizeof(T))>(chunk, src, m, stride, name);
+    } else {
+      convert_chunk<T, 0>(chunk, src, m, stride, name);
+    }
+    out.append_ints(chunk, m);
+  }
+}
+
+// The no-Python-loop path for numpy arrays, array('i'), memoryviews...: a 1-D buffer of
+// native-order integers.  Returns false (nothing appended) for anything else, which then
+// goes through check_tokens itself so the error (or result) is exactly its.
+// Whether a buffer's conversion may run without the GIL: only for sinks that touch no
+// Python object.  The export pins the buffer's memory (it cannot be resized or freed while
+// exported), so reading it unlocked is safe; a concurrent writer can only change the values.
+enum class BufferGil { hold, release };
+
+// Below this many items, dropping and retaking the GIL costs more than it lets others run.
+inline constexpr Py_ssize_t kReleaseGilItems = 4096;
+
+template <TokenSink S>
+bool try_parse_buffer(S& out, PyObject* obj, std::string_view name, BufferGil gil = BufferGil::hold) {
+  BufferView bv;
+  if (!bv.acquire(obj, PyBUF_FORMAT | PyBUF_STRIDES)) return false;
+  const Py_buffer& view = bv.get();
+  if (view.ndim != 1 || view.format == nullptr) return false;
+  const char* f = view.format;
+  if (*f == '@' || *f == '=' || *f == '<') ++f;
+  if (f[0] == '\0' || f[1] != '\0') return false;
+  const bool is_signed = std::strchr("bhilqn", f[0]) != nullptr;
+  const bool is_unsigned = std::strchr("BHILQN", f[0]) != nullptr;
+  if (!is_signed && !is_unsigned) return false;
+  if (view.itemsize != 1 && view.itemsize != 2 && view.itemsize != 4 && view.itemsize != 8) return false;
+  // Released after the checks above and retaken (also when a bad value throws) before bv
+  // gives the buffer back.  The out-of-range error is built without touching Python.
+  std::optional<nb::gil_scoped_release> unlocked;
+  if (gil == BufferGil::release && view.shape[0] >= kReleaseGilItems) unlocked.emplace();
+  switch (view.itemsize) {
+    case 1:
+      is_signed ? parse_buffer_items<std::int8_t>(out, view, name) : parse_buffer_items<std::uint8_t>(out, view, name);
+      return true;
+    case 2:
+      is_signed ? parse_buffer_items<std::int16_t>(out, view, name)
+                : parse_buffer_items<std::uint16_t>(out, view, name);
+      return true;
+    case 4:
+      is_signed ? parse_buffer_items<std::int32_t>(out, view, name)
+                : parse_buffer_items<std::uint32_t>(out, view, name);
+      return true;
+    case 8:
+      is_signed ? parse_buffer_items<std::int64_t>(out, view, name)
+                : parse_buffer_items<std::uint64_t>(out, view, name);
+      return true;
+    default:
+      return false;
+  }
+}
+
+// kvcm.api.check_tokens(tokens, name) into `out`: the same tokens, the same errors.  Fast
+// paths for exact list/tuple and int buffers; anything else (generators, torch tensors,
+// list subclasses, nested arrays...) is normalised by check_tokens itself, so its errors
+// match by construction.
+template <TokenSink S>
+void parse_tokens(S& out, nb::handle tokens, std::string_view name, BufferGil buffer_gil = BufferGil::hold) {
+  PyObject* obj = tokens.ptr();
+  if (obj == Py_None) return;
+  if (PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj)) {
+    throw nb::type_error((std::string(name) + " must be a sequence of tokens, got " + type_name(obj)).c_str());
+  }
+  if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
+    parse_sequence(out, obj, name);
+    return;
+  }
+  // check_tokens converts via .tolist() exactly when this attribute exists (and obj is no list).
+  if (!PyList_Check(obj) && PyObject_HasAttrString(obj, "tolist") && PyObject_CheckBuffer(obj)) {
+    if (try_parse_buffer(out, obj, name, buffer_gil)) return;
+  }
+  nb::object normalised =
+      nb::module_::import_("kvcm.api").attr("check_tokens")(tokens, nb::str(name.data(), name.size()));
+  if (!PyList_CheckExact(normalised.ptr())) throw nb::type_error("check_tokens did not return a list");
+  parse_sequence(out, normalised.ptr(), name);
+}
+
+}  // namespace kvcm::pyconv
