@@ -454,14 +454,12 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
   count(p->lc, off ? kOffloads : kOnboards);
   count(p->lc, off ? kOffloadBytes : kOnboardBytes, nbytes);
   if (p->node != kNoNode && tree_.is_attached(p->node)) {
-    EventC e;
-    e.kind = EventKind::tier_changed;
-    e.id = event_id();
-    e.key = tree_.key(p->node);
-    e.lc = p->lc;
-    e.old_tier = old_tier;
-    e.new_tier = dst;
-    emit(std::move(e));
+    if (EventC* e = new_event(EventKind::tier_changed)) {
+      e->key = tree_.key(p->node);
+      e->lc = p->lc;
+      e->old_tier = old_tier;
+      e->new_tier = dst;
+    }
   }
 }
 
@@ -544,52 +542,48 @@ void Manager::copy(std::int64_t lc, const Page* src, const Page* dst, const char
   copy_ops_.push_back(CopyOpC{lc, src->tier, src->slot, dst->tier, dst->slot, reason});
 }
 
-void Manager::emit(EventC e, std::span<const Tok> tokens) {
+EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
+  const std::int64_t id = event_id();  // ids advance even for events nobody buffers
   if (cfg_.max_events == 0) {
     ++events_dropped_;
-    return;
+    return nullptr;
   }
   if (static_cast<std::int64_t>(events_.size()) >= cfg_.max_events) {
     event_tokens_.erase(event_tokens_.begin(), event_tokens_.begin() + events_.front().ntokens);
     events_.pop_front();
     ++events_dropped_;
   }
+  EventC& e = events_.emplace_back();
+  e.kind = kind;
+  e.id = id;
   e.ntokens = static_cast<std::uint32_t>(tokens.size());
-  events_.push_back(std::move(e));
   event_tokens_.insert(event_tokens_.end(), tokens.begin(), tokens.end());
+  return &e;
 }
 
 void Manager::emit_removed(const Digest& key, std::int64_t lc) {
-  EventC e;
-  e.kind = EventKind::removed;
-  e.id = event_id();
-  e.key = key;
-  e.lc = lc;
-  emit(std::move(e));
+  if (EventC* e = new_event(EventKind::removed)) {
+    e->key = key;
+    e->lc = lc;
+  }
 }
 
 void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
   if (lcs.empty()) return;
-  EventC e;
-  e.kind = EventKind::stored;
+  const std::span<const Tok> tokens = tree_.tokens(nid);
+  EventC* e = new_event(EventKind::stored, tokens);
+  if (e == nullptr) return;
   const NodeId parent = tree_.parent(nid);
   if (parent != kNoNode) {
-    e.has_parent = true;
-    e.parent_key = tree_.key(parent);
+    e->has_parent = true;
+    e->parent_key = tree_.key(parent);
   }
-  e.key = tree_.key(nid);
-  const std::span<const Tok> tokens = tree_.tokens(nid);
+  e->key = tree_.key(nid);
   for (std::int64_t lc : lcs) {
     const Page& p = page(tree_.page(nid, lc));
-    StoredBlockC b;
-    b.lc = lc;
-    b.tier = p.tier;
-    b.priority = p.priority;
-    e.blocks.push_back(b);
+    e->blocks.push_back(StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(p.tier), p.priority});
   }
-  e.partial = static_cast<std::int64_t>(tokens.size()) < B_;
-  e.id = event_id();
-  emit(std::move(e), tokens);
+  e->partial = static_cast<std::int64_t>(tokens.size()) < B_;
 }
 
 void Manager::count(std::int64_t lc, int counter, std::int64_t n) {
@@ -748,10 +742,7 @@ std::vector<CopyOpC> Manager::drain_copy_ops() {
 void Manager::clear_reusable() {
   tick();
   drop_all_droppable();
-  EventC e;
-  e.kind = EventKind::cleared;
-  e.id = event_id();
-  emit(std::move(e));
+  new_event(EventKind::cleared);
 }
 
 void Manager::shutdown() {
@@ -1226,14 +1217,12 @@ void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int
   Page* q = &page(old);
   restate(*q, [&] { q->node = kNoNode; });
   if (q->tier != p->tier) {
-    EventC e;
-    e.kind = EventKind::tier_changed;
-    e.id = event_id();
-    e.key = tree_.key(nid);
-    e.lc = lc;
-    e.old_tier = q->tier;
-    e.new_tier = p->tier;
-    emit(std::move(e));
+    if (EventC* e = new_event(EventKind::tier_changed)) {
+      e->key = tree_.key(nid);
+      e->lc = lc;
+      e->old_tier = q->tier;
+      e->new_tier = p->tier;
+    }
   }
   if (q->locks == 0 && q->holds == 0) free_page(q);
 }

@@ -86,7 +86,8 @@ struct CopyOpC {
 };
 
 struct StoredBlockC {  // key and tokens are the event's (one block, several life cycles)
-  std::int64_t lc = 0, tier = 0, priority = 0;
+  std::int32_t lc = 0, tier = 0;
+  std::int64_t priority = 0;
 };
 
 // The blocks of one stored event (one per life cycle that gained a page).  Inline up to
@@ -115,15 +116,15 @@ enum class EventKind { stored, removed, tier_changed, cleared };
 
 struct EventC {
   EventKind kind = EventKind::cleared;
+  bool has_parent = false;  // stored
+  bool partial = false;     // stored
   std::int64_t id = 0;
   // stored
-  bool has_parent = false;
   Digest parent_key{};
   StoredBlocks blocks;
   // number of tokens of the stored block; the codes themselves sit in the manager's event
   // token queue, in event order (no per-event allocation, nothing shared with the tree)
   std::uint32_t ntokens = 0;
-  bool partial = false;
   // stored / removed / tier_changed
   Digest key{};
   std::int64_t lc = 0, old_tier = 0, new_tier = 0;
@@ -339,8 +340,9 @@ class Manager {
 
   // --- copy ops, events, stats
   void copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason);
-  // Buffer `e` (a stored event with its block's `tokens`), dropping the oldest when full.
-  void emit(EventC e, std::span<const Tok> tokens = {});
+  // A new buffered event with the next id (a stored event also buffers its block's
+  // `tokens`), the oldest dropped when full; nullptr when no events are kept (max_events 0).
+  EventC* new_event(EventKind kind, std::span<const Tok> tokens = {});
   std::int64_t event_id() { return next_event_++; }
   void emit_removed(const Digest& key, std::int64_t lc);
   void emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs);
