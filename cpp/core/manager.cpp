@@ -219,36 +219,36 @@ std::vector<TokenOut> Manager::decode_all(std::span<const Tok> codes) const {
   return out;
 }
 
-void Manager::append_bytes(std::vector<std::uint8_t>& out, Tok c) const {
-  if (c & kDigestCode) {
-    const Digest& d = tree_.digest(c);
-    out.insert(out.end(), d.begin(), d.end());
-  } else {
-    const std::uint8_t le[4] = {static_cast<std::uint8_t>(c), static_cast<std::uint8_t>(c >> 8),
-                                static_cast<std::uint8_t>(c >> 16), static_cast<std::uint8_t>(c >> 24)};
-    out.insert(out.end(), le, le + 4);
+void Manager::feed(KeyChainFn& chain, std::span<const Tok> tokens) const {
+  // Runs of int codes go in as they are (an int's code is its value); digests one by one.
+  std::size_t i = 0;
+  while (i < tokens.size()) {
+    std::size_t j = i;
+    while (j < tokens.size() && !(tokens[j] & kDigestCode)) ++j;
+    chain.append_ints(tokens.data() + i, j - i);
+    if (j < tokens.size()) {
+      const Digest& d = tree_.digest(tokens[j]);
+      chain.append_digest(std::span<const std::uint8_t, kDigestTokenBytes>(d.data(), kDigestTokenBytes));
+      ++j;
+    }
+    i = j;
   }
+  chain.finish();
 }
 
 Digest Manager::block_key_of(const Digest& parent, std::span<const Tok> tokens) const {
-  std::vector<std::uint8_t> bytes;
-  bytes.reserve(tokens.size() * 4);
-  for (Tok c : tokens) append_bytes(bytes, c);
-  return block_key(parent, bytes);
+  Digest key{};
+  KeyChainFn chain(parent, static_cast<std::uint32_t>(B_), [&key](const Digest& k) { key = k; });
+  feed(chain, tokens);
+  return key;
 }
 
 std::vector<Digest> Manager::chain(const Digest& root, std::span<const Tok> tokens) const {
-  TokenBytes tb(static_cast<std::uint32_t>(B_));
-  tb.reserve(tokens.size());
-  for (Tok c : tokens) {
-    if (c & kDigestCode) {
-      const Digest& d = tree_.digest(c);
-      tb.append_digest(std::span<const std::uint8_t, kDigestTokenBytes>(d.data(), kDigestTokenBytes));
-    } else {
-      tb.append_int(c);
-    }
-  }
-  return chain_keys(root, tb);
+  std::vector<Digest> keys;
+  keys.reserve(tokens.size() / static_cast<std::size_t>(B_) + 1);
+  KeyChainFn chain(root, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
+  feed(chain, tokens);
+  return keys;
 }
 
 // ====================================================================== tree bookkeeping
@@ -1038,10 +1038,14 @@ void Manager::commit(std::int64_t serial, std::span<const TokenArg> tokens_in) {
                    " (" + std::to_string(ncommitted) + " committed)");
   }
   if (tokens_in.empty()) return;
-  const std::vector<Tok> toks = intern_all(tokens_in);
+  try {
+    for (const TokenArg& t : tokens_in) r.tokens.push_back(intern(t));
+  } catch (...) {
+    r.tokens.resize(static_cast<std::size_t>(ncommitted));  // nothing changed
+    throw;
+  }
   tick();
   const std::int64_t old = ncommitted;
-  r.tokens.insert(r.tokens.end(), toks.begin(), toks.end());
   const auto now = static_cast<std::int64_t>(r.tokens.size());
   r.history = std::max(r.history, now);
   for (std::int64_t lc : attn_lcs_) {

@@ -10,6 +10,7 @@
 #include <array>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <memory_resource>
@@ -23,6 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/block_keys.h"
 #include "core/radix_tree.h"
 #include "core/sha256.h"
 
@@ -270,7 +272,9 @@ class Manager {
   std::vector<Tok> intern_all(std::span<const TokenArg> tokens);
   TokenOut decode(Tok t) const;
   std::vector<TokenOut> decode_all(std::span<const Tok> codes) const;
-  void append_bytes(std::vector<std::uint8_t>& out, Tok t) const;
+  using KeyChainFn = KeyChain<std::function<void(const Digest&)>>;
+  // Feed `tokens` into `chain` and finish it (the keys of its blocks go to its callback).
+  void feed(KeyChainFn& chain, std::span<const Tok> tokens) const;
   Digest block_key_of(const Digest& parent, std::span<const Tok> tokens) const;
   std::vector<Digest> chain(const Digest& root, std::span<const Tok> tokens) const;
 
