@@ -6,7 +6,9 @@
 
 Every op comes from the :mod:`kvcm.ops` vocabulary — every public call, bad input included
 (out-of-range / wrong-type tokens, bad scopes and priorities, wrong status, shrinking
-capacity, commits beyond capacity, unknown life cycles, short buffers) — over hybrid
+capacity, commits beyond capacity, unknown life cycles, short buffers), batched decode steps
+(``resize_batch`` / ``commit_batch`` with lists, arrays, numpy and torch containers;
+repeated, closed, suspended and foreign caches, length mismatches) — over hybrid
 (full attention + window/sinks + ssm), pure-ssm and attention-only models, 1–3 tiers
 (disk under a temp dir), partial reuse on/off, several scopes and tight quotas.  After every
 step: the outcomes (result or error type), every cache's properties, ``snapshot()``
