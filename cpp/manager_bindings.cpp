@@ -219,6 +219,167 @@ kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::v
 
 }  // namespace
 
+// ---------------------------------------------------------------- batched decode step
+// resize_batch / commit_batch: argument conversion for Manager::resize_batch/commit_batch.
+// Check order (kvcm.api.KVCacheManager.resize_batch, matched by the python backend): the
+// caches, then each other argument's container and items, then its length; the checks
+// that need manager state run in the core under the lock.
+namespace {
+
+// The core serial of each item of a batch, from the list of batch keys the Python wrapper
+// extracted with one comprehension (kvcm.cpp_backend: a cache's _batch_key is the tuple
+// (its manager's core, its serial)); -1 for a cache of another manager.  Comparing the
+// core object by identity needs no per-cache Python call, and the key's reference keeps
+// that core alive, so two live managers can never be confused.
+std::vector<std::int64_t> batch_serials(nb::handle mgr_obj, nb::handle keys_obj) {
+  PyObject* keys = keys_obj.ptr();
+  if (!PyList_CheckExact(keys)) throw nb::type_error("batch keys must be a list");
+  const Py_ssize_t n = PyList_GET_SIZE(keys);
+  std::vector<std::int64_t> out(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* key = PyList_GET_ITEM(keys, i);
+    if (!PyTuple_CheckExact(key) || PyTuple_GET_SIZE(key) != 2) throw nb::type_error("a batch key is a 2-tuple");
+    std::int64_t serial = -1;
+    if (PyTuple_GET_ITEM(key, 0) == mgr_obj.ptr()) {
+      const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(key, 1));
+      if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+      serial = v;
+    }
+    out[static_cast<std::size_t>(i)] = serial;
+  }
+  return out;
+}
+
+// kvcm.api.check_count for item `i` of a batch argument (messages name "capacities[i]").
+[[noreturn]] void bad_count(const std::string& name, std::size_t i, const std::string& value, bool too_large) {
+  const std::string at = name + "[" + std::to_string(i) + "]";
+  if (too_large) throw nb::value_error((at + " " + value + " is too large").c_str());
+  throw nb::value_error((at + " must be >= 0, got " + value).c_str());
+}
+
+void counts_from_sequence(std::vector<std::int64_t>& out, PyObject* seq, const std::string& name) {
+  // exact list/tuple only: the loop runs no Python code, so the sequence cannot change under us
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out.resize(static_cast<std::size_t>(n));
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    const auto i = static_cast<std::size_t>(k);
+    PyObject* v = items[k];
+    if (!PyLong_Check(v) || PyBool_Check(v)) {
+      throw nb::type_error((name + "[" + std::to_string(i) + "] must be an int, got " + type_name(v)).c_str());
+    }
+    int overflow = 0;
+    const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred()) throw nb::python_error();
+    if (overflow != 0 || x < 0) bad_count(name, i, nb::cast<std::string>(nb::str(nb::handle(v))), overflow > 0);
+    out[i] = static_cast<std::int64_t>(x);
+  }
+}
+
+template <typename T>
+void counts_from_buffer_items(std::vector<std::int64_t>& out, const Py_buffer& view, const std::string& name) {
+  const auto n = static_cast<std::size_t>(view.shape[0]);
+  const Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
+  const auto* base = static_cast<const char*>(view.buf);
+  out.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    T v;
+    std::memcpy(&v, base + static_cast<Py_ssize_t>(i) * stride, sizeof v);
+    if constexpr (std::is_signed_v<T>) {
+      if (v < 0) bad_count(name, i, std::to_string(v), false);
+    } else if constexpr (sizeof(T) == 8) {
+      if (v > static_cast<T>(INT64_MAX)) bad_count(name, i, std::to_string(v), true);
+    }
+    out[i] = static_cast<std::int64_t>(v);
+  }
+}
+
+// A 1-D buffer of native integers (array('i'/'q'), numpy int arrays, memoryviews):
+// converted without a Python-level loop.  False for any other buffer (floats, bools,
+// 2-D, ...), which then goes through tolist() like the python backend.
+bool counts_from_buffer(std::vector<std::int64_t>& out, PyObject* obj, const std::string& name) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_STRIDES) != 0) {
+    PyErr_Clear();
+    return false;
+  }
+  struct Release {
+    Py_buffer* v;
+    ~Release() { PyBuffer_Release(v); }
+  } release{&view};
+  if (view.ndim != 1 || view.format == nullptr) return false;
+  const char* f = view.format;
+  if (*f == '@' || *f == '=' || *f == '<') ++f;
+  if (f[0] == '\0' || f[1] != '\0') return false;
+  const bool is_signed = std::strchr("bhilqn", f[0]) != nullptr;
+  const bool is_unsigned = std::strchr("BHILQN", f[0]) != nullptr;
+  if (!is_signed && !is_unsigned) return false;
+  switch (view.itemsize) {
+    case 1: is_signed ? counts_from_buffer_items<std::int8_t>(out, view, name) : counts_from_buffer_items<std::uint8_t>(out, view, name); return true;
+    case 2: is_signed ? counts_from_buffer_items<std::int16_t>(out, view, name) : counts_from_buffer_items<std::uint16_t>(out, view, name); return true;
+    case 4: is_signed ? counts_from_buffer_items<std::int32_t>(out, view, name) : counts_from_buffer_items<std::uint32_t>(out, view, name); return true;
+    case 8: is_signed ? counts_from_buffer_items<std::int64_t>(out, view, name) : counts_from_buffer_items<std::uint64_t>(out, view, name); return true;
+    default: return false;
+  }
+}
+
+// kvcm.api.check_counts(obj, name, n, what): a list/tuple of ints or an integer array
+// (array, numpy, CPU torch tensor) of n counts.  Same errors as the python backend.
+std::vector<std::int64_t> batch_counts(nb::handle obj_in, const std::string& name, std::size_t n, const char* what) {
+  std::vector<std::int64_t> out;
+  nb::object obj = nb::borrow(obj_in);
+  bool done = false;
+  if (PyList_CheckExact(obj.ptr()) || PyTuple_CheckExact(obj.ptr())) {
+    counts_from_sequence(out, obj.ptr(), name);
+    done = true;
+  } else if (PyObject_HasAttrString(obj.ptr(), "tolist")) {
+    if (!PyObject_CheckBuffer(obj.ptr()) && PyObject_HasAttrString(obj.ptr(), "numpy")) {
+      // a torch tensor has no buffer protocol; its numpy() view shares its memory (CPU only)
+      nb::object arr = nb::steal(PyObject_CallMethod(obj.ptr(), "numpy", nullptr));
+      if (arr.is_valid()) {
+        done = counts_from_buffer(out, arr.ptr(), name);
+      } else {
+        PyErr_Clear();  // e.g. a CUDA tensor: tolist() below copies it
+      }
+    } else {
+      done = counts_from_buffer(out, obj.ptr(), name);
+    }
+    if (!done) {
+      nb::object list = nb::steal(PyObject_CallMethod(obj.ptr(), "tolist", nullptr));
+      if (!list.is_valid()) throw nb::python_error();
+      if (!PyList_CheckExact(list.ptr())) {
+        throw nb::type_error((name + ".tolist() must return a list, got " + type_name(list.ptr())).c_str());
+      }
+      counts_from_sequence(out, list.ptr(), name);
+      done = true;
+    }
+  }
+  if (!done) {
+    throw nb::type_error((std::string(what) + "(): " + name +
+                          " must be a list or tuple of ints or an integer array, got " + type_name(obj.ptr()))
+                             .c_str());
+  }
+  if (out.size() != n) {
+    throw nb::value_error((std::string(what) + "(): " + name + " has " + std::to_string(out.size()) +
+                           " items for " + std::to_string(n) + " caches")
+                              .c_str());
+  }
+  return out;
+}
+
+nb::list bool_list(const std::vector<std::uint8_t>& v) {
+  nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(v.size())));
+  if (!out.is_valid()) throw nb::python_error();
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    PyObject* b = v[i] ? Py_True : Py_False;
+    Py_INCREF(b);
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), b);
+  }
+  return nb::borrow<nb::list>(out);
+}
+
+}  // namespace
+
 void bind_manager(nb::module_& m) {
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
@@ -389,4 +550,43 @@ void bind_manager(nb::module_& m) {
             return v.size();
           },
           "serial"_a, "lc"_a, "out"_a);
+
+  // ---------------------------------------------------------------- batched decode step
+  // Module functions (not Manager methods) so the class definition above stays untouched.
+  m.def(
+      "resize_batch",
+      [](nb::handle mgr_obj, nb::handle keys_obj, nb::handle capacities_obj, nb::handle histories_obj) {
+        Manager& mgr = nb::cast<Manager&>(mgr_obj);
+        const std::vector<std::int64_t> serials = batch_serials(mgr_obj, keys_obj);
+        Manager::check_batch_serials(serials, "resize_batch");
+        const std::vector<std::int64_t> capacities = batch_counts(capacities_obj, "capacities", serials.size(), "resize_batch");
+        std::vector<std::int64_t> histories;
+        if (!histories_obj.is_none()) histories = batch_counts(histories_obj, "history_lengths", serials.size(), "resize_batch");
+        std::vector<std::uint8_t> results(serials.size(), 0);
+        locked(mgr, [&] { mgr.resize_batch(serials, capacities, histories, results); });
+        return bool_list(results);
+      },
+      "manager"_a, "keys"_a, "capacities"_a, "history_lengths"_a.none(),
+      nb::sig("def resize_batch(manager: Manager, keys: list[tuple[Manager, int]], capacities: object, "
+              "history_lengths: object | None) -> list[bool]"),
+      "Manager.resize for each (cache, capacity, history) in order, the whole batch validated first "
+      "(kvcm.api.KVCacheManager.resize_batch); keys: each cache's (core, serial).");
+  m.def(
+      "commit_batch",
+      [](nb::handle mgr_obj, nb::handle keys_obj, nb::handle tokens_obj) {
+        Manager& mgr = nb::cast<Manager&>(mgr_obj);
+        const std::vector<std::int64_t> serials = batch_serials(mgr_obj, keys_obj);
+        Manager::check_batch_serials(serials, "commit_batch");
+        const TokenBuf tokens = parse_tokens(tokens_obj, "tokens");
+        if (tokens.args.size() != serials.size()) {
+          throw nb::value_error(("commit_batch(): tokens has " + std::to_string(tokens.args.size()) +
+                                 " items for " + std::to_string(serials.size()) + " caches")
+                                    .c_str());
+        }
+        locked(mgr, [&] { mgr.commit_batch(serials, tokens.args); });
+      },
+      "manager"_a, "keys"_a, "tokens"_a.none(),
+      nb::sig("def commit_batch(manager: Manager, keys: list[tuple[Manager, int]], tokens: object) -> None"),
+      "Manager.commit of one token per cache, in order, the whole batch validated first "
+      "(kvcm.api.KVCacheManager.commit_batch); keys: each cache's (core, serial).");
 }

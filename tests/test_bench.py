@@ -56,6 +56,15 @@ def test_micro_bench_quick(name):
     _check_micro(p.stdout, name)
 
 
+def test_decode_bench_times_the_batched_step_and_judges_it():
+    p = run_bench("decode")
+    assert p.returncode == 0, p.stdout + p.stderr
+    row = re.search(r"^batched: us / step \(median\)\s+(.*)$", p.stdout, re.MULTILINE)
+    assert row and re.fullmatch(rf"{CELL}\s+{CELL}\s+\d+\.\dx", row.group(1).strip()), p.stdout
+    assert re.search(r"^target: cpp < 100 us per 256-request step \(batched\) -> (met|not met)", p.stdout,
+                     re.MULTILINE), p.stdout  # fmt: skip
+
+
 def test_evict_bench_evicts():
     p = run_bench("evict")
     assert p.returncode == 0, p.stderr

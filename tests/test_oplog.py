@@ -45,6 +45,10 @@ def workload(m) -> None:
     a.page_indices(0)
     buf = array.array("i", [0] * 8)
     assert a.page_indices_into(0, buf) == 4
+    assert m.resize_batch([a], array.array("q", [9])) == [True]  # an int array: recorded with its type
+    m.commit_batch((a,), array.array("i", [6]))
+    with pytest.raises(ValueError):
+        m.resize_batch([a, a], [10, 11])  # the same cache twice
     a.suspend()
     m.probe_reuse([1, 2, 3], ReuseScope(lora_id=0))
     m.probe_reuse_detail([1, 2, 3])
@@ -132,7 +136,8 @@ def test_malformed_ops_raise_operror(op, match):
 
 def test_every_public_call_has_an_op():
     manager_methods = {"create_kv_cache", "probe_reuse", "probe_reuse_detail", "drain_copy_ops", "clear_reusable",
-                       "shutdown", "stats", "take_iteration_stats", "take_events"}  # fmt: skip
+                       "shutdown", "stats", "take_iteration_stats", "take_events",
+                       "resize_batch", "commit_batch"}  # fmt: skip
     cache_methods = {
         "resume",
         "suspend",
@@ -176,6 +181,57 @@ def test_apply_on_the_python_backend():
     assert json.loads(json.dumps(O.apply(m, caches, {"op": "stats"}))) == O.apply(m, caches, {"op": "stats"})
 
 
+def test_batch_ops_json_forms_and_apply():
+    """Batch ops: handles, foreign / non-cache items, and int containers keep their type."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    for v in ([1, 2], array.array("q", [1, 2]), array.array("i", [3]), np.array([4, 5], dtype=np.int32),
+              np.array([1.5]), torch.tensor([6, 7], dtype=torch.int64)):  # fmt: skip
+        enc = O.encode_container(v)
+        json.dumps(enc)
+        dec = O.decode_container(enc)
+        def as_list(x):
+            return x if isinstance(x, list) else x.tolist()
+
+        assert type(dec) is type(v) and as_list(dec) == as_list(v)
+        assert str(getattr(dec, "dtype", "")) == str(getattr(v, "dtype", "")) and enc == O.encode_container(dec)
+    assert O.encode_container([D, 1]) == [{"digest": D.hex()}, 1] and O.decode_container([{"digest": D.hex()}]) == [D]
+    with pytest.raises(O.OpError, match="does not exist"):
+        O.validate_op({"op": "resize_batch", "args": {"caches": [0, 3], "capacities": [1, 1]}}, 2)
+    O.validate_op({"op": "resize_batch", "args": {"caches": [{"foreign": True}, {"value": 9}, True], "capacities": []}}, 0)
+    m = py_manager()
+    caches: list = []
+    for _ in range(2):
+        O.apply(m, caches, O.op("create_kv_cache"))
+        O.apply(m, caches, {"op": "resume", "cache": len(caches) - 1})
+    rb = {"op": "resize_batch", "args": {"caches": [0, 1], "capacities": {"numpy": "int64", "values": [3, 2]}}}
+    assert O.apply(m, caches, rb) == {"result": [True, True]}
+    cb = {"op": "commit_batch", "args": {"caches": [1, 0], "tokens": {"torch": "int32", "values": [7, 8]}}}
+    assert O.apply(m, caches, cb) == {"result": None}
+    assert [c.committed_tokens for c in caches] == [[8], [7]]
+    for items, err in (([0, {"foreign": True}], "ValueError"), ([{"value": 0}], "TypeError"), ("ab", "TypeError"),
+                       ([0, 0], "ValueError")):  # fmt: skip
+        out = O.apply(m, caches, {"op": "commit_batch", "args": {"caches": items, "tokens": [1] * len(items)}})
+        assert out == {"error": err}, (items, out)
+    assert [c.committed_tokens for c in caches] == [[8], [7]]
+
+
+def test_run_ops_remaps_batch_handles():
+    """A subsequence of a log (as minimisation runs): batch handles follow the creates that
+    ran; a batch naming a cache that was not created is skipped."""
+    ops = [
+        {"op": "create_kv_cache", "outcome": {"result": 0}},
+        {"op": "create_kv_cache", "outcome": {"result": 1}},
+        {"op": "resume", "cache": 1},
+        {"op": "resize_batch", "args": {"caches": [1], "capacities": [2]}},
+        {"op": "resize_batch", "args": {"caches": [0, 1], "capacities": [2, 3]}},
+    ]
+    d, recs = L.run_ops(config(), lambda c: [py_manager(c)], ["python"], ops[1:])
+    assert d is None
+    assert [r["op"] for r in recs] == ["create_kv_cache", "resume", "resize_batch"]
+    assert recs[-1]["args"]["caches"] == [0] and recs[-1]["outcome"] == {"result": [True]}
+
+
 # ---------------------------------------------------------------------------------------
 # recording
 # ---------------------------------------------------------------------------------------
@@ -217,8 +273,14 @@ def test_recording_proxy_logs_every_public_call(tmp_path, monkeypatch):
     commit = next(r for r in ops if r["op"] == "commit")
     assert commit["args"]["tokens"][3] == {"digest": D.hex()}  # the iterator was recorded
     failed = [r for r in ops if "error" in r["outcome"]]
-    assert [(r["op"], r["outcome"]["error"]) for r in failed] == [("commit", "ValueError")]
+    assert [(r["op"], r["outcome"]["error"]) for r in failed] == [("commit", "ValueError"), ("resize_batch", "ValueError")]
     assert "out of range" in failed[0]["message"]
+    assert "appears twice" in failed[1]["message"] and failed[1]["args"]["caches"] == [0, 0]
+    rb = next(r for r in ops if r["op"] == "resize_batch")
+    assert rb["args"] == {"caches": [0], "capacities": {"array": "q", "values": [9]}, "history_lengths": None}
+    assert rb["outcome"] == {"result": [True]}
+    cb = next(r for r in ops if r["op"] == "commit_batch")
+    assert cb["args"] == {"caches": [0], "tokens": {"array": "i", "values": [6]}}
     pii = next(r for r in ops if r["op"] == "page_indices_into")
     assert pii["args"] == {"lc": 0, "size": 8, "dtype": "int32"}
     assert pii["outcome"]["result"] == {"count": 4, "out": [0, 1, 2, 3]}
@@ -418,7 +480,18 @@ def test_differential_harness_catches_a_divergence_and_prints_a_replayable_log(t
     lines = log.strip().splitlines()
     assert json.loads(lines[0])["kvcm_oplog"] == L.FORMAT_VERSION
     assert json.loads(lines[-1])["op"] == "probe_reuse"
-    assert len(lines) <= 8, f"not minimised: {len(lines)} lines"
+    # minimised: short (the drawn example's own length varies with the op mix), and
+    # 1-minimal: dropping any one op loses the divergence
+    assert len(lines) <= 10, f"not minimised: {len(lines)} lines"
+    recs = [json.loads(x) for x in lines[1:]]
+    cfg = L.config_from_json(json.loads(lines[0])["config"])
+
+    def planted_pair(c):
+        return [L.build_manager(c, "python"), OffByOne(L.build_manager(c, "python"))]
+
+    for i in range(len(recs) - 1):
+        d, _ = L.run_ops(cfg, planted_pair, ["a", "b"], recs[:i] + recs[i + 1 :])
+        assert d is None or d.signature != ("outcome", "probe_reuse"), f"op {i} is not needed"
     path = tmp_path / "shrunk.jsonl"
     path.write_text(log)
     report = L.replay(str(path), ["python"])  # recorded outcomes are the reference side's

@@ -29,6 +29,8 @@ def test_threads_hammering_one_manager_keep_invariants(backend: str) -> None:
                 kv = mgr.create_kv_cache(prompt)
                 if kv.resume() and kv.resize(len(prompt) + 2):
                     kv.commit(prompt[kv.num_committed_tokens:])
+                    if mgr.resize_batch([kv], [kv.capacity + 1]) == [True]:  # a batch holds the lock throughout
+                        mgr.commit_batch([kv], [rng.randrange(5)])
                     kv.page_indices(0)
                     if rng.random() < 0.3:
                         kv.suspend()

@@ -382,6 +382,25 @@ class Manager {
   // counters: [requests, query_tokens, reused_tokens, then 13 per lc]
   std::vector<std::int64_t> totals_, iteration_;
   std::mutex mutex_;
+
+  // ==================================================================== batched decode step
+  // resize_batch / commit_batch (defined in manager_batch.cpp; semantics documented on
+  // kvcm.api.KVCacheManager.resize_batch / commit_batch and in DECISIONS.md).  One call
+  // does what a loop of single calls does, in order, but validates the WHOLE batch before
+  // the first mutation, and runs under one lock: an engine's 256-request decode step is one
+  // Python -> C++ crossing instead of 512.
+ public:
+  // The batch's checks that need no manager state (the bindings run them before parsing
+  // the other arguments, to keep kvcm.api's check order): serials[i] < 0 marks an item
+  // that is not a cache of this manager; no serial may appear twice.  ValueErr naming
+  // the first offending index.
+  static void check_batch_serials(std::span<const std::int64_t> serials, const char* what);
+  // results[i] = what resize(serials[i], capacities[i], histories[i]) returns; an empty
+  // `histories` keeps every cache's history.  All spans have the batch's length.
+  void resize_batch(std::span<const std::int64_t> serials, std::span<const std::int64_t> capacities,
+                    std::span<const std::int64_t> histories, std::span<std::uint8_t> results);
+  // commit(serials[i], {tokens[i]}) for each i: one token per cache.
+  void commit_batch(std::span<const std::int64_t> serials, std::span<const TokenArg> tokens);
 };
 
 }  // namespace kvcm

@@ -164,3 +164,13 @@ class Manager:
     def page_indices(self, serial: int, lc: int) -> list: ...
 
     def page_indices_into(self, serial: int, lc: int, out: object) -> int: ...
+
+def resize_batch(manager: Manager, keys: list[tuple[Manager, int]], capacities: object, history_lengths: object | None) -> list[bool]:
+    """
+    Manager.resize for each (cache, capacity, history) in order, the whole batch validated first (kvcm.api.KVCacheManager.resize_batch); keys: each cache's (core, serial).
+    """
+
+def commit_batch(manager: Manager, keys: list[tuple[Manager, int]], tokens: object) -> None:
+    """
+    Manager.commit of one token per cache, in order, the whole batch validated first (kvcm.api.KVCacheManager.commit_batch); keys: each cache's (core, serial).
+    """

@@ -467,6 +467,44 @@ def check_count(value: Any, name: str) -> int:
     return value
 
 
+MAX_COUNT = 2**63  # counts the C++ core can hold (int64); larger ones are "too large"
+
+
+def check_batch_item(what: str, i: int, item: Any, is_mine: bool) -> None:
+    """Item ``i`` of a batch call's ``caches``: a KVCache (TypeError) of this manager
+    (ValueError); ``is_mine`` is the backend's membership test."""
+    if not isinstance(item, KVCache):
+        raise TypeError(f"{what}(): caches[{i}] must be a KVCache, got {type(item).__name__}")
+    if not is_mine:
+        raise ValueError(f"{what}(): caches[{i}]: not a cache of this manager")
+
+
+def check_counts(values: Any, name: str, n: int, what: str) -> list[int]:
+    """A batch argument of ``n`` counts (``resize_batch``'s capacities / history_lengths):
+    a list or tuple of ints, or an integer array (``array``, numpy, torch: anything with
+    ``tolist()``), each an int (not bool) in ``[0, 2**63)``.  TypeError / ValueError naming
+    ``name[i]`` for the first bad item, then ValueError when the length is not ``n``."""
+    if type(values) in (list, tuple):
+        items = values
+    elif hasattr(values, "tolist") and not isinstance(values, (str, bytes, bytearray)):
+        items = values.tolist()  # one C-level conversion (numpy / torch / array / memoryview)
+        if type(items) is not list:
+            raise TypeError(f"{name}.tolist() must return a list, got {type(items).__name__}")
+    else:
+        raise TypeError(f"{what}(): {name} must be a list or tuple of ints or an integer array, "
+                        f"got {type(values).__name__}")
+    for i, v in enumerate(items):
+        if not _is_int(v):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"{name}[{i}] must be >= 0, got {v}")
+        if v >= MAX_COUNT:
+            raise ValueError(f"{name}[{i}] {v} is too large")
+    if len(items) != n:
+        raise ValueError(f"{what}(): {name} has {len(items)} items for {n} caches")
+    return list(items)
+
+
 def int32_view(out: Any) -> memoryview:
     """A writable 1-D int32 view of ``out`` (numpy array, array('i'), CPU torch tensor)."""
     if not hasattr(out, "__buffer__") and hasattr(out, "numpy"):
@@ -603,6 +641,45 @@ class KVCacheManager(abc.ABC):
     @abc.abstractmethod
     def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
         """Like :meth:`probe_reuse`, with the diagnostic ``num_tokens_before_ssm``."""
+
+    @abc.abstractmethod
+    def resize_batch(self, caches: Sequence[KVCache], capacities: Any, history_lengths: Any = None) -> list[bool]:
+        """``[c.resize(cap, h) for c, cap, h in zip(caches, capacities, history_lengths)]``
+        in one call: the decode step of a batch (``resize(capacity + 1)`` for each active
+        request) without one Python -> backend crossing per request.
+
+        Each item has exactly the effect and result of the single call, run in batch order
+        (a ``False`` undoes only that cache's resize, as the single call does; each True
+        ticks the clock once).  But every argument is checked up front, for the whole
+        batch, before anything changes: a bad one anywhere raises and changes nothing.
+        Checks, in this order (the first failure raises):
+
+        1. ``caches``: a sequence (TypeError); item by item: a KVCache (TypeError) of this
+           manager (ValueError), not one that appeared earlier in the batch (ValueError).
+        2. ``capacities``: a list or tuple of ints, or an integer array (``array('i'/'q')``,
+           numpy, CPU torch tensor; engines keep sequence lengths in arrays), each an int
+           (not bool, TypeError) ``>= 0`` (ValueError); then its length must equal
+           ``len(caches)`` (ValueError).
+        3. ``history_lengths``: None keeps every cache's history; else as ``capacities``.
+        4. Cache by cache, the single call's checks in its order: open (ClosedError),
+           ACTIVE (InvalidStateError), ``committed <= history <= capacity`` and the history
+           not decreasing (ValueError).
+
+        Messages name the offending index (``caches[3]``, ``capacities[3]``)."""
+
+    @abc.abstractmethod
+    def commit_batch(self, caches: Sequence[KVCache], tokens: Any) -> None:
+        """``c.commit([t])`` for each ``(c, t)`` of ``zip(caches, tokens)``, in batch order:
+        one token per cache (the decode step), each item with exactly the effect of the
+        single call.  Every argument is checked up front, before anything changes:
+
+        1. ``caches`` as for :meth:`resize_batch`.
+        2. ``tokens``: anything ``commit`` accepts (a list, ``array('i')``, numpy, torch;
+           each token as in ``commit``: TypeError / ValueError), then its length must equal
+           ``len(caches)`` (ValueError).
+        3. Cache by cache, the single call's checks in its order: open (ClosedError),
+           ACTIVE (InvalidStateError), not stopped (InvalidStateError), room for one more
+           token within its capacity (ValueError)."""
 
     @abc.abstractmethod
     def drain_copy_ops(self) -> list[CopyOp]: ...

@@ -33,7 +33,10 @@ and cache calls are inside the timed regions (token generation is outside).
 
 ``probe`` also times ``block_keys`` of the same prompt (the hashing inside a probe), and
 ``decode`` repeats its steps with the capacity tracked by the caller instead of read from
-``kv.capacity`` (one call fewer per request).
+``kv.capacity`` (one call fewer per request), then runs them batched on a fresh manager
+with the same start: the caller's int64
+array of capacities ``+= 1``, one ``resize_batch``, one ``commit_batch`` of an int32 token
+array, one ``drain_copy_ops()`` per step (the issue #3 target judges this step).
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ def bench_decode(args: argparse.Namespace) -> int:
     step_tokens = [rng.randrange(1, 2**31) for _ in range(steps)]
     blocks_each = -(-(prompt_len + B + 2 * steps + 1) // B) + 1
 
-    def run(backend: str) -> dict[str, Any]:
+    def start(backend: str) -> tuple[Any, list]:
         mgr = KVCacheManager(_config(B, batch * blocks_each + 8), backend=backend)
         kvs = []
         for p in prompts:
@@ -194,6 +197,16 @@ def bench_decode(args: argparse.Namespace) -> int:
             kv.commit(p)
             kvs.append(kv)
         mgr.drain_copy_ops()
+        return mgr, kvs
+
+    def finish(mgr: Any, kvs: list, nsteps: int) -> None:
+        assert all(kv.num_committed_tokens == len(p) + nsteps for kv, p in zip(kvs, prompts, strict=True))
+        for kv in kvs:
+            kv.close()
+        mgr.shutdown()
+
+    def run(backend: str) -> dict[str, Any]:
+        mgr, kvs = start(backend)
         alloc0 = _lc_stat(mgr, "allocated_blocks")
         times = []
         for tok in step_tokens:
@@ -215,11 +228,26 @@ def bench_decode(args: argparse.Namespace) -> int:
                 kv.commit([tok])
             mgr.drain_copy_ops()
             tracked.append(time.perf_counter() - t)
-        assert all(kv.num_committed_tokens == len(p) + 2 * steps for kv, p in zip(kvs, prompts, strict=True))
-        for kv in kvs:
-            kv.close()
-        mgr.shutdown()
+        finish(mgr, kvs, 2 * steps)
+        # the batched step, on a fresh manager (the same start as the per-call steps): the
+        # engine keeps the capacities in an int64 array and the step's tokens in an int32
+        # array; one resize_batch + one commit_batch + one drain
+        mgr, kvs = start(backend)
+        caps_arr, tok_arr = _int_array([kv.capacity for kv in kvs], "q"), _int_array([0] * batch, "i")
+        batched = []
+        for tok in step_tokens:
+            for i in range(batch):
+                tok_arr[i] = tok  # the sampled tokens: the model's output, outside the timing
+            t = time.perf_counter()
+            caps_arr = _plus_one(caps_arr)
+            ok = mgr.resize_batch(kvs, caps_arr)
+            mgr.commit_batch(kvs, tok_arr)
+            mgr.drain_copy_ops()
+            batched.append(time.perf_counter() - t)
+            assert all(ok)
+        finish(mgr, kvs, steps)
         med = statistics.median(times)
+        bmed = statistics.median(batched)
         return {
             "step": 1e6 * med,
             "req": 1e6 * med / batch,
@@ -227,6 +255,9 @@ def bench_decode(args: argparse.Namespace) -> int:
             "max": 1e6 * max(times),
             "alloc": alloc / steps,
             "tracked": 1e6 * statistics.median(tracked),
+            "batched": 1e6 * bmed,
+            "batched_req": 1e6 * bmed / batch,
+            "batched_min": 1e6 * min(batched),
         }
 
     results = _run_both(run)
@@ -241,13 +272,42 @@ def bench_decode(args: argparse.Namespace) -> int:
             ("us / step (mean)", "mean", _us, True),
             ("us / step (max)", "max", _us, True),
             ("us / step (median), capacity tracked by the caller", "tracked", _us, True),
-            ("blocks allocated / step", "alloc", lambda v: f"{v:.1f}", False),
+            ("blocks allocated / step (per-call steps)", "alloc", lambda v: f"{v:.1f}", False),
+            ("batched: us / step (median)", "batched", _us, True),
+            ("batched: us / request (median step / batch)", "batched_req", _us, True),
+            ("batched: us / step (min)", "batched_min", _us, True),
         ],
     )
+    print(f"batched step = caps += 1 on the caller's int64 {_ARRAY_KIND} + resize_batch(caches, caps) + "
+          f"commit_batch(caches, tokens[int32]) + drain_copy_ops()")
     if isinstance(cpp, dict):
-        verdict = "met" if cpp["step"] < 100 else "not met"
-        print(f"target: cpp < 100 us per {batch}-request step -> {verdict} ({cpp['step']:,.1f} us)")
+        verdict = "met" if cpp["batched"] < 100 else "not met"
+        print(f"target: cpp < 100 us per {batch}-request step (batched) -> {verdict} ({cpp['batched']:,.1f} us)")
     return rc
+
+
+try:  # an engine keeps sequence lengths in a numpy array (or a tensor); array.array without numpy
+    import numpy as _np
+
+    _ARRAY_KIND = "numpy array"
+
+    def _int_array(values: list[int], code: str) -> Any:
+        return _np.array(values, dtype=_np.int64 if code == "q" else _np.int32)
+
+    def _plus_one(arr: Any) -> Any:
+        arr += 1  # in place, vectorised
+        return arr
+
+except ImportError:  # pragma: no cover - numpy is a test/bench dependency
+    import array as _array
+
+    _ARRAY_KIND = "array.array"
+
+    def _int_array(values: list[int], code: str) -> Any:
+        return _array.array(code, values)
+
+    def _plus_one(arr: Any) -> Any:
+        return _array.array(arr.typecode, [v + 1 for v in arr])
 
 
 # ---------------------------------------------------------------------------------------

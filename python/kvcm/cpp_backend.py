@@ -28,6 +28,7 @@ from kvcm.api import (
     ReuseScope,
     Status,
     Token,
+    check_batch_item,
     check_priority,
     check_scope,
     check_tokens,
@@ -136,6 +137,35 @@ class CppKVCacheManager(KVCacheManager):
     def check_invariants(self) -> None:
         self._core.check_invariants()
 
+    # ---------------------------------------------------------------- batched decode step
+
+    def resize_batch(self, caches: Sequence[KVCache], capacities: Any, history_lengths: Any = None) -> list[bool]:
+        return _kvcm_cpp.resize_batch(self._core, self._batch_keys(caches, "resize_batch"), capacities,
+                                      history_lengths)
+
+    def commit_batch(self, caches: Sequence[KVCache], tokens: Any) -> None:
+        _kvcm_cpp.commit_batch(self._core, self._batch_keys(caches, "commit_batch"), tokens)
+
+    def _batch_keys(self, caches: Sequence[KVCache], what: str) -> list[tuple]:
+        """Each cache's ``_batch_key`` (its manager's core, its serial): the core tells this
+        manager's caches from others by the core's identity and reports foreign caches
+        and duplicates in batch order.  One comprehension with one attribute load per
+        cache: this is the whole per-cache Python cost of a batched call."""
+        if type(caches) is not list and (not isinstance(caches, Sequence) or isinstance(caches, (str, bytes))):
+            raise TypeError(f"{what}(): caches must be a sequence of KVCache, got {type(caches).__name__}")
+        try:
+            return [c._batch_key for c in caches]
+        except AttributeError:
+            pass
+        # an item that is no CppKVCache: report the first bad item, in batch order
+        seen: set[int] = set()
+        for i, c in enumerate(caches):
+            check_batch_item(what, i, c, isinstance(c, CppKVCache) and c._mgr is self)
+            if c._serial in seen:
+                raise ValueError(f"{what}(): caches[{i}]: the same cache appears twice in the batch")
+            seen.add(c._serial)
+        raise AssertionError("kvcm bug: a batch item without _batch_key passed every check")
+
 
 class CppKVCache(KVCache):
     def __init__(self, mgr: CppKVCacheManager, serial: int, cache_id: int | str, priority: int) -> None:
@@ -145,6 +175,7 @@ class CppKVCache(KVCache):
         self._id = cache_id
         self._prio = priority
         self._final: tuple | None = None  # (info, committed tokens) once closed
+        self._batch_key = (self._core, serial)  # what resize_batch / commit_batch pass to the core
 
     # ------------------------------------------------------------------ properties
 

@@ -253,6 +253,37 @@ class RecordingManager(KVCacheManager):
             lambda: self._inner.probe_reuse_detail(tokens, scope),
         )
 
+    def resize_batch(self, caches, capacities, history_lengths=None) -> list[bool]:
+        items, inner = self._batch_caches(caches)
+        args = {"caches": items, "capacities": capacities, "history_lengths": history_lengths}
+        return self._record(
+            "resize_batch", None, args, lambda: self._inner.resize_batch(inner, capacities, history_lengths)
+        )
+
+    def commit_batch(self, caches, tokens) -> None:
+        tokens = _materialize(tokens)
+        items, inner = self._batch_caches(caches)
+        return self._record(
+            "commit_batch", None, {"caches": items, "tokens": tokens}, lambda: self._inner.commit_batch(inner, tokens)
+        )
+
+    def _batch_caches(self, caches: Any) -> tuple[Any, Any]:
+        """A batch call's ``caches`` as recorded (handles; see kvcm.ops) and as forwarded
+        (this proxy's caches unwrapped, anything else as is, so the inner manager rejects
+        it exactly as it would without the proxy)."""
+        if not isinstance(caches, (list, tuple)):
+            return _ops.normalize(caches), caches
+        items: list[Any] = []
+        inner: list[Any] = []
+        for c in caches:
+            if isinstance(c, RecordingCache) and c._mgr is self:
+                items.append(c._handle)
+                inner.append(c._inner)
+            else:
+                items.append({"foreign": True} if isinstance(c, KVCache) else {"value": _ops.normalize(c)})
+                inner.append(c)
+        return items, type(caches)(inner)
+
     def drain_copy_ops(self):
         return self._record("drain_copy_ops", None, {}, self._inner.drain_copy_ops)
 
@@ -654,6 +685,14 @@ def run_ops(
             if op["cache"] not in handles:
                 continue
             op["cache"] = handles[op["cache"]]
+        items = op.get("args", {}).get("caches")
+        if op["op"] in _ops.BATCH_OPS and isinstance(items, list):
+            def is_handle(h: Any) -> bool:
+                return isinstance(h, int) and not isinstance(h, bool)
+
+            if any(is_handle(h) and h not in handles for h in items):
+                continue  # a cache of the batch was not created in this subsequence
+            op["args"] = dict(op["args"], caches=[handles[h] if is_handle(h) else h for h in items])
         d = ls.step(op)
         if d is not None:
             return d, ls.records

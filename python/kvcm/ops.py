@@ -15,6 +15,15 @@ other JSON value (a string, a float, ``true``, ``null``, an out-of-range int, a 
 digest) is passed through unchanged, so bad input is expressible too.  A token list that
 is not a JSON list (e.g. the string ``"abc"``) is also passed as is.
 
+Batch ops (``resize_batch``, ``commit_batch``) are manager ops whose ``caches`` argument is
+a JSON list of items: an int is a cache handle, ``{"foreign": true}`` a KVCache of no
+manager of this run (a "cache of another manager"), ``{"value": x}`` the raw value ``x``
+(not a cache at all); a non-list ``caches`` is passed as is.  Their integer containers
+(``capacities``, ``history_lengths``, and ``commit_batch``'s ``tokens``) keep their type: a
+JSON list is a list, ``{"array": "q", "values": [...]}`` an ``array.array``,
+``{"numpy": "int32", "values": [...]}`` a numpy array, ``{"torch": "int64", "values":
+[...]}`` a torch tensor (engines keep sequence lengths in arrays).
+
 Scope: ``null`` (default scope), ``{"lora_id": x, "salt": y}`` (either may be missing or
 null), or any other JSON value passed through unchanged (a bad scope).
 
@@ -48,7 +57,11 @@ MANAGER_OPS: dict[str, tuple[str, ...]] = {
     "stats": (),
     "take_iteration_stats": (),
     "shutdown": (),
+    # the batched decode step (``caches``: handles, see the module docstring)
+    "resize_batch": ("caches", "capacities", "history_lengths"),
+    "commit_batch": ("caches", "tokens"),
 }
+BATCH_OPS: frozenset[str] = frozenset({"resize_batch", "commit_batch"})
 CACHE_OPS: dict[str, tuple[str, ...]] = {
     "resume": (),
     "suspend": (),
@@ -153,12 +166,76 @@ def decode_scope(scope: Any) -> Any:
 
 
 _TOKEN_ARGS = {"input_tokens", "tokens"}
+_CONTAINER_ARGS = {"capacities", "history_lengths"}  # batch ops' int containers (and commit_batch's tokens)
+
+
+def encode_container(values: Any) -> Any:
+    """JSON form of a batch op's int / token container, keeping its type (module docstring)."""
+    if values is None or isinstance(values, (str, int, float, bool)):
+        return values
+    if isinstance(values, (list, tuple)):
+        return [encode_token(t) for t in values]
+    if isinstance(values, array.array):
+        return {"array": values.typecode, "values": values.tolist()}
+    module = type(values).__module__.split(".")[0]
+    if module in ("numpy", "torch") and hasattr(values, "dtype") and hasattr(values, "tolist"):
+        return {module: str(values.dtype).removeprefix("torch."), "values": values.tolist()}
+    return encode_tokens(values)
+
+
+def decode_container(values: Any) -> Any:
+    if isinstance(values, list):
+        return [decode_token(t) for t in values]
+    if isinstance(values, dict) and "values" in values:
+        kind = next((k for k in ("array", "numpy", "torch") if k in values), None)
+        try:
+            if kind == "array":
+                return array.array(values["array"], values["values"])
+            if kind == "numpy":
+                import numpy
+
+                return numpy.array(values["values"], dtype=values["numpy"])
+            if kind == "torch":
+                import torch
+
+                return torch.tensor(values["values"], dtype=getattr(torch, values["torch"]))
+        except ImportError as e:
+            raise OpError(f"a {kind} container needs {e.name}") from None
+        except (TypeError, ValueError, AttributeError, OverflowError) as e:
+            raise OpError(f"bad {kind} container {values!r}: {e}") from None
+    return decode_tokens(values)
+
+
+class ForeignCache(KVCache):
+    """What a batch op's ``{"foreign": ...}`` item becomes: a KVCache of no manager of the
+    run (never called: the batch calls reject it before touching it)."""
+
+
+ForeignCache.__abstractmethods__ = frozenset()  # a placeholder: no method is ever called
+
+
+def _decode_caches(items: Any, caches: Sequence[KVCache]) -> Any:
+    if not isinstance(items, list):
+        return items
+    out: list[Any] = []
+    for it in items:
+        if isinstance(it, int) and not isinstance(it, bool):
+            out.append(caches[it])
+        elif isinstance(it, dict) and set(it) == {"foreign"}:
+            out.append(ForeignCache())
+        elif isinstance(it, dict) and set(it) == {"value"}:
+            out.append(it["value"])
+        else:
+            out.append(it)
+    return out
 
 
 def encode_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in args.items():
-        if k in _TOKEN_ARGS:
+        if k in _CONTAINER_ARGS or (k == "tokens" and op == "commit_batch"):
+            out[k] = encode_container(v)
+        elif k in _TOKEN_ARGS:
             out[k] = encode_tokens(v)
         elif k == "scope":
             out[k] = encode_scope(v)
@@ -263,6 +340,12 @@ def validate_op(op: Any, num_caches: int | None = None) -> None:
     unknown = set(args) - set(allowed)
     if unknown:
         raise OpError(f"op {name!r}: unknown args {sorted(unknown)}; allowed: {list(allowed)}")
+    items = args.get("caches")
+    if name in BATCH_OPS and isinstance(items, list):
+        for h in items:
+            is_handle = isinstance(h, int) and not isinstance(h, bool)
+            if is_handle and (h < 0 or (num_caches is not None and h >= num_caches)):
+                raise OpError(f"op {name!r}: cache handle {h} does not exist")
 
 
 def _make_buffer(size: Any, dtype: Any) -> Any:
@@ -287,7 +370,11 @@ def _call(manager: Any, caches: list, op: dict[str, Any]) -> Any:
     raw = op.get("args", {})
     args: dict[str, Any] = {}
     for k, v in raw.items():
-        if k in _TOKEN_ARGS:
+        if k in _CONTAINER_ARGS or (k == "tokens" and name == "commit_batch"):
+            args[k] = decode_container(v)
+        elif k == "caches":
+            args[k] = _decode_caches(v, caches)
+        elif k in _TOKEN_ARGS:
             args[k] = decode_tokens(v)
         elif k == "scope":
             args[k] = decode_scope(v)
@@ -337,17 +424,21 @@ def dumps(value: Any) -> str:
 
 
 __all__ = [
+    "BATCH_OPS",
     "CACHE_OPS",
     "CACHE_PROPS",
     "MANAGER_OPS",
     "OPS",
+    "ForeignCache",
     "OpError",
     "apply",
     "cache_props",
+    "decode_container",
     "decode_scope",
     "decode_tokens",
     "dumps",
     "encode_args",
+    "encode_container",
     "encode_scope",
     "encode_tokens",
     "error_outcome",

@@ -167,9 +167,12 @@ class PyKVCache(KVCache):
 
     @serialized
     def resize(self, capacity: int, history_length: int | None = None) -> bool:
+        return self._resize(*self._resize_args(capacity, history_length))
+
+    def _resize_args(self, capacity: Any, history_length: Any) -> tuple[int, int]:
+        """Every check of ``resize`` (changing nothing): the validated (capacity, history).
+        Shared with ``resize_batch``, which runs it for the whole batch first."""
         self._require(Status.ACTIVE, "resize")
-        mgr = self.mgr
-        B = mgr.B
         capacity = check_count(capacity, "capacity")
         history = self.history if history_length is None else check_count(history_length, "history_length")
         if capacity < len(self.tokens):
@@ -178,6 +181,12 @@ class PyKVCache(KVCache):
             raise ValueError(f"history_length {history} is below the current history {self.history}")
         if history > capacity:
             raise ValueError(f"capacity {capacity} is below history_length {history}")
+        return capacity, history
+
+    def _resize(self, capacity: int, history: int) -> bool:
+        """``resize`` with arguments :meth:`_resize_args` accepted (under the manager lock)."""
+        mgr = self.mgr
+        B = mgr.B
         nb = -(-capacity // B)
         releases: list[tuple[int, int]] = []  # (lc, ordinal)
         allocs: list[tuple[int, int]] = []
@@ -228,13 +237,24 @@ class PyKVCache(KVCache):
 
     @serialized
     def commit(self, tokens: Sequence[Token]) -> None:
+        self._require_committable()
+        toks = check_tokens(tokens)
+        self._check_room(len(toks))
+        self._commit(toks)
+
+    def _require_committable(self) -> None:
+        """The status checks of ``commit`` (shared with ``commit_batch``)."""
         self._require(Status.ACTIVE, "commit")
         if self.stopped:
             raise InvalidStateError("commit after stop_committing()")
-        toks = check_tokens(tokens)
-        if len(self.tokens) + len(toks) > self.capacity_:
+
+    def _check_room(self, n: int) -> None:
+        if len(self.tokens) + n > self.capacity_:
             raise ValueError(
-                f"commit of {len(toks)} tokens exceeds capacity {self.capacity_} ({len(self.tokens)} committed)")
+                f"commit of {n} tokens exceeds capacity {self.capacity_} ({len(self.tokens)} committed)")
+
+    def _commit(self, toks: list[Token]) -> None:
+        """``commit`` of already checked tokens (under the manager lock)."""
         if not toks:
             return
         mgr = self.mgr

@@ -15,10 +15,12 @@ from typing import Any
 from kvcm.api import (
     GPU,
     ClearedEvent,
+    ClosedError,
     CopyOp,
     Event,
     InvalidStateError,
     InvariantError,
+    KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
     OutOfPagesError,
@@ -29,6 +31,8 @@ from kvcm.api import (
     StoredEvent,
     TierChangedEvent,
     Token,
+    check_batch_item,
+    check_counts,
     check_priority,
     check_scope,
     check_tokens,
@@ -40,6 +44,14 @@ from kvcm.python_backend.tree import NO_PAGE, RadixTree
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped")
+
+
+def _at(what: str, i: int, check):
+    """Run one batch item's check; its error names the item (same type, for the caller)."""
+    try:
+        return check()
+    except (ClosedError, InvalidStateError, ValueError, TypeError) as e:
+        raise type(e)(f"{what}(): caches[{i}]: {e}") from None
 
 
 def serialized(method):
@@ -127,6 +139,48 @@ class PyKVCacheManager(KVCacheManager):
         keys = chain_keys(root_key, toks[: len(toks) // self.B * self.B], self.B)
         m, mbs, _path = self.match(self.tree.roots[root_key].id, toks, keys)
         return ReuseProbe(m, mbs)
+
+    # ---------------------------------------------------------------- batched decode step
+    # (semantics and check order: kvcm.api.KVCacheManager.resize_batch / commit_batch)
+
+    @serialized
+    def resize_batch(self, caches: Sequence[KVCache], capacities: Any, history_lengths: Any = None) -> list[bool]:
+        what = "resize_batch"
+        reqs = self._batch_caches(caches, what)
+        n = len(reqs)
+        caps = check_counts(capacities, "capacities", n, what)
+        hists = [None] * n if history_lengths is None else check_counts(history_lengths, "history_lengths", n, what)
+        args = [_at(what, i, lambda r=r, c=c, h=h: r._resize_args(c, h))
+                for i, (r, c, h) in enumerate(zip(reqs, caps, hists))]
+        # validated as a whole: now the single calls' bodies, in batch order
+        return [r._resize(c, h) for r, (c, h) in zip(reqs, args)]
+
+    @serialized
+    def commit_batch(self, caches: Sequence[KVCache], tokens: Any) -> None:
+        what = "commit_batch"
+        reqs = self._batch_caches(caches, what)
+        toks = check_tokens(tokens)
+        if len(toks) != len(reqs):
+            raise ValueError(f"{what}(): tokens has {len(toks)} items for {len(reqs)} caches")
+        for i, r in enumerate(reqs):
+            _at(what, i, r._require_committable)
+            _at(what, i, lambda r=r: r._check_room(1))
+        for r, t in zip(reqs, toks):
+            r._commit([t])
+
+    def _batch_caches(self, caches: Any, what: str) -> list:
+        """Check 1 of the batch calls: the caches, item by item in batch order."""
+        from kvcm.python_backend.cache import PyKVCache
+
+        if type(caches) is not list and (not isinstance(caches, Sequence) or isinstance(caches, (str, bytes))):
+            raise TypeError(f"{what}(): caches must be a sequence of KVCache, got {type(caches).__name__}")
+        seen: set[int] = set()
+        for i, c in enumerate(caches):
+            check_batch_item(what, i, c, isinstance(c, PyKVCache) and c.mgr is self)
+            if c.serial in seen:
+                raise ValueError(f"{what}(): caches[{i}]: the same cache appears twice in the batch")
+            seen.add(c.serial)
+        return list(caches)
 
     @serialized
     def drain_copy_ops(self) -> list[CopyOp]:
