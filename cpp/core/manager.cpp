@@ -959,8 +959,13 @@ void Manager::suspend(std::int64_t serial) {
 
 bool Manager::resize(std::int64_t serial, std::int64_t capacity, std::optional<std::int64_t> history_arg) {
   Request& r = req(serial);
-  require(r, ReqStatus::active, "resize");
   const std::int64_t history = history_arg ? *history_arg : r.history;
+  check_resize(r, capacity, history);
+  return resize_checked(r, capacity, history);
+}
+
+void Manager::check_resize(const Request& r, std::int64_t capacity, std::int64_t history) const {
+  require(r, ReqStatus::active, "resize");
   const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
   if (capacity < ncommitted) {
     throw ValueErr("capacity " + std::to_string(capacity) + " is below the " + std::to_string(ncommitted) +
@@ -973,8 +978,15 @@ bool Manager::resize(std::int64_t serial, std::int64_t capacity, std::optional<s
   if (history > capacity) {
     throw ValueErr("capacity " + std::to_string(capacity) + " is below history_length " + std::to_string(history));
   }
+}
+
+bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t history) {
   const std::int64_t nb = ceildiv(capacity, B_);
-  std::vector<std::pair<std::int64_t, std::int64_t>> releases, allocs;
+  // (lc, block) pairs; members so a decode step's resize does not allocate
+  std::vector<std::pair<std::int64_t, std::int64_t>>& releases = scratch_releases_;
+  std::vector<std::pair<std::int64_t, std::int64_t>>& allocs = scratch_allocs_;
+  releases.clear();
+  allocs.clear();
   for (std::int64_t lc : attn_lcs_) {
     const auto [lo, hi] = stale_range(lc, history);
     const auto& pages = r.pages[static_cast<std::size_t>(lc)];
@@ -1029,15 +1041,23 @@ bool Manager::resize(std::int64_t serial, std::int64_t capacity, std::optional<s
 
 void Manager::commit(std::int64_t serial, std::span<const TokenArg> tokens_in) {
   Request& r = req(serial);
+  check_commit(r, static_cast<std::int64_t>(tokens_in.size()));
+  commit_checked(r, tokens_in);
+}
+
+void Manager::check_commit(const Request& r, std::int64_t nnew) const {
   require(r, ReqStatus::active, "commit");
   if (r.stopped) throw InvalidStateErr("commit after stop_committing()");
   const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
-  const auto nnew = static_cast<std::int64_t>(tokens_in.size());
   if (ncommitted + nnew > r.capacity) {
     throw ValueErr("commit of " + std::to_string(nnew) + " tokens exceeds capacity " + std::to_string(r.capacity) +
                    " (" + std::to_string(ncommitted) + " committed)");
   }
+}
+
+void Manager::commit_checked(Request& r, std::span<const TokenArg> tokens_in) {
   if (tokens_in.empty()) return;
+  const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
   try {
     for (const TokenArg& t : tokens_in) r.tokens.push_back(intern(t));
   } catch (...) {
@@ -1474,7 +1494,8 @@ std::string Manager::snapshot_json() {
   }
   o += "],\"requests\":[";
   first = true;
-  for (const auto& [serial, r] : requests_) {
+  for (const std::int64_t serial : open_serials()) {
+    const Request& r = requests_.at(serial);
     if (!first) o += ',';
     first = false;
     o += "{\"serial\":";
@@ -1638,6 +1659,14 @@ std::string Manager::snapshot_json() {
   return o;
 }
 
+std::vector<std::int64_t> Manager::open_serials() const {
+  std::vector<std::int64_t> out;
+  out.reserve(requests_.size());
+  for (const auto& [serial, r] : requests_) out.push_back(serial);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 std::vector<std::int64_t> Manager::live_pages() const {
   std::vector<std::int64_t> out;
   out.reserve(static_cast<std::size_t>(page_slots_) - free_pages_.size());
@@ -1698,7 +1727,8 @@ void Manager::check_invariants() {
   }
   // --- page users, recomputed from the requests
   std::unordered_map<std::int64_t, std::int64_t> locks, holds, refs;
-  for (auto& [serial, r] : requests_) {
+  for (const std::int64_t serial : open_serials()) {
+    const Request& r = requests_.at(serial);
     const std::string rid = "request " + S(serial);
     const auto nc = static_cast<std::int64_t>(r.tokens.size());
     check(nc <= r.history && r.history <= r.capacity,

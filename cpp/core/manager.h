@@ -289,6 +289,12 @@ class Manager {
   const Request& req(std::int64_t serial) const;
   static void require(const Request& r, ReqStatus s, const char* what);
   std::pair<std::int64_t, std::int64_t> stale_range(std::int64_t lc, std::int64_t history) const;
+  // The single calls are check_x (raises, changes nothing) then x_checked (the work); the
+  // batched calls run every item's check before the first x_checked.
+  void check_resize(const Request& r, std::int64_t capacity, std::int64_t history) const;
+  bool resize_checked(Request& r, std::int64_t capacity, std::int64_t history);
+  void check_commit(const Request& r, std::int64_t ntokens) const;
+  void commit_checked(Request& r, std::span<const TokenArg> tokens);
   std::vector<Page*> used_pages(Request& r);
   std::vector<Page*> cow_sources(Request& r);
   void ensure_room(std::int64_t tier, std::int64_t lc);
@@ -315,6 +321,7 @@ class Manager {
   bool page_alive(std::int64_t handle) const noexcept;
   std::int64_t page_serial(std::int64_t handle) const { return handle < 0 ? -1 : page(handle).serial; }
   std::vector<std::int64_t> live_pages() const;  // handles, by serial
+  std::vector<std::int64_t> open_serials() const;  // the open requests' serials, ascending
   Page* new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
                  std::int64_t ordinal);
   void use(Page* p, bool active, std::int64_t priority);
@@ -373,7 +380,10 @@ class Manager {
   std::int64_t page_slots_ = 0;           // slots handed out so far (live or free)
   std::vector<std::int64_t> free_pages_;  // freed slots (LIFO)
   std::int64_t clock_ = 0, next_page_ = 0, next_request_ = 0, next_event_ = 0;
-  std::map<std::int64_t, Request> requests_;
+  // open requests by serial (a hash map: a decode step looks up hundreds per call; the
+  // few places that list them sort by serial)
+  std::unordered_map<std::int64_t, Request> requests_;
+  std::vector<std::pair<std::int64_t, std::int64_t>> scratch_releases_, scratch_allocs_;  // resize_checked
   std::vector<CopyOpC> copy_ops_;
   std::deque<EventC> events_;
   std::deque<Tok> event_tokens_;  // the buffered stored events' tokens, in event order
@@ -401,6 +411,14 @@ class Manager {
                     std::span<const std::int64_t> histories, std::span<std::uint8_t> results);
   // commit(serials[i], {tokens[i]}) for each i: one token per cache.
   void commit_batch(std::span<const std::int64_t> serials, std::span<const TokenArg> tokens);
+
+ private:
+  // Item by item: the open request of serials[i] (else ClosedErr), then check(i, request);
+  // errors name the item.  The requests go into a reused member vector.
+  template <typename Check>
+  std::vector<Request*>& check_batch(std::span<const std::int64_t> serials, const char* what, const char* single,
+                                     Check check);
+  std::vector<Request*> scratch_batch_;
 };
 
 }  // namespace kvcm

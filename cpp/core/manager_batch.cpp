@@ -81,6 +81,21 @@ void Manager::check_batch_serials(std::span<const std::int64_t> serials, const c
   if (first_foreign < serials.size()) throw ValueErr(item(what, first_foreign) + "not a cache of this manager");
 }
 
+template <typename Check>
+std::vector<Manager::Request*>& Manager::check_batch(std::span<const std::int64_t> serials, const char* what,
+                                                     const char* single, Check check) {
+  std::vector<Request*>& out = scratch_batch_;
+  out.clear();
+  out.reserve(serials.size());
+  for (std::size_t i = 0; i < serials.size(); ++i) {
+    const auto it = requests_.find(serials[i]);
+    if (it == requests_.end()) throw ClosedErr(item(what, i) + single + "() on a closed cache");
+    with_index(what, i, [&] { check(i, it->second); });
+    out.push_back(&it->second);
+  }
+  return out;
+}
+
 void Manager::resize_batch(std::span<const std::int64_t> serials, std::span<const std::int64_t> capacities,
                            std::span<const std::int64_t> histories, std::span<std::uint8_t> results) {
   const std::size_t n = serials.size();
@@ -88,36 +103,18 @@ void Manager::resize_batch(std::span<const std::int64_t> serials, std::span<cons
     throw InternalErr("kvcm bug: resize_batch spans of different lengths");
   }
   check_batch_serials(serials, "resize_batch");
-  // Validation pass: the single call's checks, in its order, for every item.
-  for (std::size_t i = 0; i < n; ++i) {
-    with_index("resize_batch", i, [&] {
-      const auto it = requests_.find(serials[i]);
-      if (it == requests_.end()) throw ClosedErr("resize() on a closed cache");
-      const Request& r = it->second;
-      require(r, ReqStatus::active, "resize");
-      const std::int64_t capacity = capacities[i];
-      const std::int64_t history = histories.empty() ? r.history : histories[i];
-      const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
-      if (capacity < ncommitted) {
-        throw ValueErr("capacity " + std::to_string(capacity) + " is below the " + std::to_string(ncommitted) +
-                       " committed tokens");
-      }
-      if (history < r.history) {
-        throw ValueErr("history_length " + std::to_string(history) + " is below the current history " +
-                       std::to_string(r.history));
-      }
-      if (history > capacity) {
-        throw ValueErr("capacity " + std::to_string(capacity) + " is below history_length " +
-                       std::to_string(history));
-      }
-    });
-  }
+  // Validation pass: the single call's checks, in its order, item by item (one lookup
+  // each: the execution pass reuses the pointers; no call below opens or closes a request,
+  // and the hash map keeps its elements in place).
+  const std::vector<Request*>& reqs =
+      check_batch(serials, "resize_batch", "resize", [&](std::size_t i, const Request& r) {
+        check_resize(r, capacities[i], histories.empty() ? r.history : histories[i]);
+      });
   // Execution pass: nothing above changed state; from here on nothing can raise a
   // documented error (a False result is a per-item outcome, as for the single call).
   for (std::size_t i = 0; i < n; ++i) {
-    const std::optional<std::int64_t> history =
-        histories.empty() ? std::nullopt : std::optional<std::int64_t>(histories[i]);
-    results[i] = resize(serials[i], capacities[i], history) ? 1 : 0;
+    Request& r = *reqs[i];
+    results[i] = resize_checked(r, capacities[i], histories.empty() ? r.history : histories[i]) ? 1 : 0;
   }
 }
 
@@ -125,21 +122,9 @@ void Manager::commit_batch(std::span<const std::int64_t> serials, std::span<cons
   const std::size_t n = serials.size();
   if (tokens.size() != n) throw InternalErr("kvcm bug: commit_batch spans of different lengths");
   check_batch_serials(serials, "commit_batch");
-  for (std::size_t i = 0; i < n; ++i) {
-    with_index("commit_batch", i, [&] {
-      const auto it = requests_.find(serials[i]);
-      if (it == requests_.end()) throw ClosedErr("commit() on a closed cache");
-      const Request& r = it->second;
-      require(r, ReqStatus::active, "commit");
-      if (r.stopped) throw InvalidStateErr("commit after stop_committing()");
-      const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
-      if (ncommitted + 1 > r.capacity) {
-        throw ValueErr("commit of 1 tokens exceeds capacity " + std::to_string(r.capacity) + " (" +
-                       std::to_string(ncommitted) + " committed)");
-      }
-    });
-  }
-  for (std::size_t i = 0; i < n; ++i) commit(serials[i], tokens.subspan(i, 1));
+  const std::vector<Request*>& reqs = check_batch(
+      serials, "commit_batch", "commit", [this](std::size_t, const Request& r) { check_commit(r, 1); });
+  for (std::size_t i = 0; i < n; ++i) commit_checked(*reqs[i], tokens.subspan(i, 1));
 }
 
 }  // namespace kvcm
