@@ -19,6 +19,7 @@ shows ``error: <type>`` in its column, its traceback on stderr, and makes the ex
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import sys
@@ -219,6 +220,9 @@ def run_replays(
 
     results: dict[str, Any] = {}
     for b in backends:
+        # The previous backend's cyclic garbage (the python backend leaves millions of
+        # objects) must not be collected on the next backend's clock.
+        gc.collect()
         res, why = _run_guarded(
             lambda b=b: replay(
                 trace,
