@@ -76,18 +76,17 @@ using kvcm::pyconv::type_name;
 // A validated token sequence (kvcm.api.check_tokens semantics), converted once.  Digests
 // are copied (a deque keeps their addresses stable), so the core can run without the GIL.
 struct TokenBuf {
-  std::vector<kvcm::TokenArg> args;
-  std::deque<kvcm::Digest> digests;
+  std::vector<std::uint32_t> codes;  // kvcm::TokenSeq layout
+  std::vector<kvcm::Digest> digests;
 
+  kvcm::TokenSeq seq() const { return {codes, digests}; }
   // kvcm::pyconv::TokenSink
-  void reserve(std::size_t n) { args.reserve(n); }
-  void append_ints(const std::uint32_t* v, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) args.push_back({v[i], nullptr});
-  }
+  void reserve(std::size_t n) { codes.reserve(n); }
+  void append_ints(const std::uint32_t* v, std::size_t n) { codes.insert(codes.end(), v, v + n); }
   void append_digest(kvcm::pyconv::DigestSpan d) {
     kvcm::Digest& copy = digests.emplace_back();
     std::memcpy(copy.data(), d.data(), copy.size());
-    args.push_back({0, copy.data()});
+    codes.push_back(kvcm::kDigestCode | static_cast<std::uint32_t>(digests.size() - 1));
   }
 };
 
@@ -398,7 +397,7 @@ void bind_manager(nb::module_& m) {
   });
 
   nb::class_<TokenBuf>(m, "Tokens", "A validated token sequence, converted once (see parse_tokens).")
-      .def("__len__", [](const TokenBuf& t) { return t.args.size(); });
+      .def("__len__", [](const TokenBuf& t) { return t.codes.size(); });
   m.def("parse_tokens", &parse_tokens, "tokens"_a.none(), "name"_a = "tokens",
         nb::sig("def parse_tokens(tokens: object, name: str = 'tokens') -> Tokens"),
         "kvcm.api.check_tokens without a Python-level loop (lists, tuples, int buffers such as numpy "
@@ -429,14 +428,14 @@ void bind_manager(nb::module_& m) {
           "create",
           [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority) {
             auto l = opt_u64(lora), s = opt_u64(salt);
-            return locked(mgr, [&] { return mgr.create(t.args, l, s, priority); });
+            return locked(mgr, [&] { return mgr.create(t.seq(), l, s, priority); });
           },
           "tokens"_a, "lora_id"_a.none(), "salt"_a.none(), "priority"_a)
       .def(
           "probe",
           [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt) {
             auto l = opt_u64(lora), s = opt_u64(salt);
-            return locked(mgr, [&] { return mgr.probe(t.args, l, s); });
+            return locked(mgr, [&] { return mgr.probe(t.seq(), l, s); });
           },
           "tokens"_a, "lora_id"_a.none(), "salt"_a.none())
       .def("drain_copy_ops",
@@ -507,7 +506,7 @@ void bind_manager(nb::module_& m) {
             });
             if (info.stopped) throw kvcm::InvalidStateErr("commit after stop_committing()");
             const TokenBuf t = parse_tokens(tokens, "tokens");
-            locked(mgr, [&] { mgr.commit(serial, t.args); });
+            locked(mgr, [&] { mgr.commit(serial, t.seq()); });
           },
           "serial"_a, "tokens"_a)
       .def(
@@ -578,12 +577,12 @@ void bind_manager(nb::module_& m) {
         const std::vector<std::int64_t> serials = batch_serials(mgr_obj, keys_obj);
         Manager::check_batch_serials(serials, "commit_batch");
         const TokenBuf tokens = parse_tokens(tokens_obj, "tokens");
-        if (tokens.args.size() != serials.size()) {
-          throw nb::value_error(("commit_batch(): tokens has " + std::to_string(tokens.args.size()) +
+        if (tokens.codes.size() != serials.size()) {
+          throw nb::value_error(("commit_batch(): tokens has " + std::to_string(tokens.codes.size()) +
                                  " items for " + std::to_string(serials.size()) + " caches")
                                     .c_str());
         }
-        locked(mgr, [&] { mgr.commit_batch(serials, tokens.args); });
+        locked(mgr, [&] { mgr.commit_batch(serials, tokens.seq()); });
       },
       "manager"_a, "keys"_a, "tokens"_a.none(),
       nb::sig("def commit_batch(manager: Manager, keys: list[tuple[Manager, int]], tokens: object) -> None"),

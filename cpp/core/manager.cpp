@@ -101,6 +101,26 @@ void j_tok_snap(std::string& o, const TokenOut& t) {  // snapshot: int or {"dige
   }
 }
 
+// Feed `codes` into `chain` and finish it (the keys of its blocks go to its callback):
+// runs of int codes go in as they are (an int's code is its value), each digest code as
+// the bytes digest_of(code) names.
+template <typename Chain, typename DigestOf>
+void feed(Chain& chain, std::span<const Tok> codes, DigestOf digest_of) {
+  std::size_t i = 0;
+  while (i < codes.size()) {
+    std::size_t j = i;
+    while (j < codes.size() && !(codes[j] & kDigestCode)) ++j;
+    chain.append_ints(codes.data() + i, j - i);
+    if (j < codes.size()) {
+      const Digest& d = digest_of(codes[j]);
+      chain.append_digest(std::span<const std::uint8_t, kDigestTokenBytes>(d.data(), kDigestTokenBytes));
+      ++j;
+    }
+    i = j;
+  }
+  chain.finish();
+}
+
 }  // namespace
 
 // ====================================================================== pools
@@ -203,11 +223,14 @@ Manager::Manager(ManagerConfig cfg)
 
 // ====================================================================== tokens
 
-std::vector<Tok> Manager::intern_all(std::span<const TokenArg> tokens) {
-  std::vector<Tok> out;
-  out.reserve(tokens.size());
-  for (const TokenArg& t : tokens) out.push_back(intern(t));
-  return out;
+void Manager::intern_into(TokenSeq tokens, std::vector<Tok>& out) {
+  if (tokens.digests.empty()) {  // all ints: their codes are final
+    out.insert(out.end(), tokens.codes.begin(), tokens.codes.end());
+    return;
+  }
+  for (Tok c : tokens.codes) {
+    out.push_back((c & kDigestCode) ? tree_.intern(TokenArg{0, tokens.digests[c & ~kDigestCode].data()}) : c);
+  }
 }
 
 TokenOut Manager::decode(Tok c) const { return tree_.decode(c); }
@@ -219,27 +242,10 @@ std::vector<TokenOut> Manager::decode_all(std::span<const Tok> codes) const {
   return out;
 }
 
-void Manager::feed(KeyChainFn& chain, std::span<const Tok> tokens) const {
-  // Runs of int codes go in as they are (an int's code is its value); digests one by one.
-  std::size_t i = 0;
-  while (i < tokens.size()) {
-    std::size_t j = i;
-    while (j < tokens.size() && !(tokens[j] & kDigestCode)) ++j;
-    chain.append_ints(tokens.data() + i, j - i);
-    if (j < tokens.size()) {
-      const Digest& d = tree_.digest(tokens[j]);
-      chain.append_digest(std::span<const std::uint8_t, kDigestTokenBytes>(d.data(), kDigestTokenBytes));
-      ++j;
-    }
-    i = j;
-  }
-  chain.finish();
-}
-
 Digest Manager::block_key_of(const Digest& parent, std::span<const Tok> tokens) const {
   Digest key{};
   KeyChainFn chain(parent, static_cast<std::uint32_t>(B_), [&key](const Digest& k) { key = k; });
-  feed(chain, tokens);
+  feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
   return key;
 }
 
@@ -247,7 +253,7 @@ std::vector<Digest> Manager::chain(const Digest& root, std::span<const Tok> toke
   std::vector<Digest> keys;
   keys.reserve(tokens.size() / static_cast<std::size_t>(B_) + 1);
   KeyChainFn chain(root, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
-  feed(chain, tokens);
+  feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
   return keys;
 }
 
@@ -656,10 +662,12 @@ void Manager::stats_view(std::string& o, const std::vector<std::int64_t>& c) con
 
 // ====================================================================== manager calls
 
-std::int64_t Manager::create(std::span<const TokenArg> tokens_in, std::optional<std::uint64_t> lora,
+std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lora,
                              std::optional<std::uint64_t> salt, std::int64_t priority) {
   if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
-  std::vector<Tok> tokens = intern_all(tokens_in);
+  std::vector<Tok> tokens;
+  tokens.reserve(tokens_in.size());
+  intern_into(tokens_in, tokens);
   tick();
   const std::int64_t serial = next_request_++;
   Request& r = requests_[serial];
@@ -709,27 +717,26 @@ std::int64_t Manager::create(std::span<const TokenArg> tokens_in, std::optional<
   return serial;
 }
 
-std::pair<std::int64_t, std::int64_t> Manager::probe(std::span<const TokenArg> tokens_in,
-                                                     std::optional<std::uint64_t> lora,
+std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::optional<std::uint64_t> lora,
                                                      std::optional<std::uint64_t> salt) {
   const Digest root_key = scope_root_key(lora, salt);
   auto it = roots_.find(root_key);
   if (it == roots_.end() || tokens_in.empty()) return {0, 0};
-  // encode without interning (a probe has no side effect)
-  TokenBytes tb(static_cast<std::uint32_t>(B_));
-  const auto n = static_cast<std::int64_t>(tokens_in.size());
-  const std::int64_t nfull = n / B_ * B_;
-  tb.reserve(static_cast<std::size_t>(nfull));
-  for (std::int64_t i = 0; i < nfull; ++i) {
-    const TokenArg& t = tokens_in[static_cast<std::size_t>(i)];
-    if (t.digest != nullptr) {
-      tb.append_digest(std::span<const std::uint8_t, kDigestTokenBytes>(t.digest, kDigestTokenBytes));
-    } else {
-      tb.append_int(t.value);
+  // Look the digests up without interning them: a probe has no side effect.
+  std::vector<Tok> codes(tokens_in.codes.begin(), tokens_in.codes.end());
+  if (!tokens_in.digests.empty()) {
+    for (Tok& c : codes) {
+      if (c & kDigestCode) c = tree_.lookup(TokenArg{0, tokens_in.digests[c & ~kDigestCode].data()});
     }
   }
-  const std::vector<Digest> keys = chain_keys(root_key, tb);
-  const MatchResult mr = tree_.match(it->second, tokens_in, keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+  const std::size_t nfull = tokens_in.size() / static_cast<std::size_t>(B_) * static_cast<std::size_t>(B_);
+  std::vector<Digest> keys;
+  keys.reserve(nfull / static_cast<std::size_t>(B_));
+  KeyChainFn chain(root_key, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
+  feed(chain, tokens_in.codes.first(nfull),
+       [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
+  const MatchResult mr =
+      tree_.match(it->second, std::span<const Tok>(codes), keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
   return {mr.m, mr.m_before_ssm};
 }
 
@@ -1039,7 +1046,7 @@ bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t his
   return true;
 }
 
-void Manager::commit(std::int64_t serial, std::span<const TokenArg> tokens_in) {
+void Manager::commit(std::int64_t serial, TokenSeq tokens_in) {
   Request& r = req(serial);
   check_commit(r, static_cast<std::int64_t>(tokens_in.size()));
   commit_checked(r, tokens_in);
@@ -1055,11 +1062,11 @@ void Manager::check_commit(const Request& r, std::int64_t nnew) const {
   }
 }
 
-void Manager::commit_checked(Request& r, std::span<const TokenArg> tokens_in) {
+void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
   if (tokens_in.empty()) return;
   const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
   try {
-    for (const TokenArg& t : tokens_in) r.tokens.push_back(intern(t));
+    intern_into(tokens_in, r.tokens);
   } catch (...) {
     r.tokens.resize(static_cast<std::size_t>(ncommitted));  // nothing changed
     throw;

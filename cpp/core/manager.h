@@ -82,6 +82,17 @@ inline constexpr Tok kDigestCode = 0x80000000u;
 
 enum class ReqStatus : int { suspended = 0, active = 1, closed = 2 };
 
+// A validated token sequence as the bindings hand it over: ints as their values, the k-th
+// digest token (in order of appearance) as kDigestCode | k with its bytes in digests[k].
+// An all-int prompt is then already in the manager's code space: no per-token work.
+struct TokenSeq {
+  std::span<const std::uint32_t> codes;
+  std::span<const Digest> digests;
+  std::size_t size() const noexcept { return codes.size(); }
+  bool empty() const noexcept { return codes.empty(); }
+  TokenSeq subseq(std::size_t at, std::size_t n) const { return {codes.subspan(at, n), digests}; }
+};
+
 struct CopyOpC {
   std::int64_t lc, src_tier, src_slot, dst_tier, dst_slot;
   const char* reason;
@@ -184,9 +195,9 @@ class Manager {
 
   // ---------------------------------------------------------------- manager calls
   // Validated arguments only (the Python layer checks them first).
-  std::int64_t create(std::span<const TokenArg> tokens, std::optional<std::uint64_t> lora,
+  std::int64_t create(TokenSeq tokens, std::optional<std::uint64_t> lora,
                       std::optional<std::uint64_t> salt, std::int64_t priority);
-  std::pair<std::int64_t, std::int64_t> probe(std::span<const TokenArg> tokens, std::optional<std::uint64_t> lora,
+  std::pair<std::int64_t, std::int64_t> probe(TokenSeq tokens, std::optional<std::uint64_t> lora,
                                               std::optional<std::uint64_t> salt);
   std::vector<CopyOpC> drain_copy_ops();
   void clear_reusable();
@@ -206,7 +217,7 @@ class Manager {
   bool resume(std::int64_t serial);
   void suspend(std::int64_t serial);
   bool resize(std::int64_t serial, std::int64_t capacity, std::optional<std::int64_t> history);
-  void commit(std::int64_t serial, std::span<const TokenArg> tokens);
+  void commit(std::int64_t serial, TokenSeq tokens);
   void stop_committing(std::int64_t serial);
   ClosedTokens close(std::int64_t serial);
   std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc);
@@ -268,13 +279,11 @@ class Manager {
   };
 
   // --- helpers: tokens
-  Tok intern(const TokenArg& t) { return tree_.intern(t); }
-  std::vector<Tok> intern_all(std::span<const TokenArg> tokens);
+  // Append the manager codes of `tokens` to `out` (interning their digests).
+  void intern_into(TokenSeq tokens, std::vector<Tok>& out);
   TokenOut decode(Tok t) const;
   std::vector<TokenOut> decode_all(std::span<const Tok> codes) const;
   using KeyChainFn = KeyChain<std::function<void(const Digest&)>>;
-  // Feed `tokens` into `chain` and finish it (the keys of its blocks go to its callback).
-  void feed(KeyChainFn& chain, std::span<const Tok> tokens) const;
   Digest block_key_of(const Digest& parent, std::span<const Tok> tokens) const;
   std::vector<Digest> chain(const Digest& root, std::span<const Tok> tokens) const;
 
@@ -294,7 +303,7 @@ class Manager {
   void check_resize(const Request& r, std::int64_t capacity, std::int64_t history) const;
   bool resize_checked(Request& r, std::int64_t capacity, std::int64_t history);
   void check_commit(const Request& r, std::int64_t ntokens) const;
-  void commit_checked(Request& r, std::span<const TokenArg> tokens);
+  void commit_checked(Request& r, TokenSeq tokens);
   std::vector<Page*> used_pages(Request& r);
   std::vector<Page*> cow_sources(Request& r);
   void ensure_room(std::int64_t tier, std::int64_t lc);
@@ -410,7 +419,7 @@ class Manager {
   void resize_batch(std::span<const std::int64_t> serials, std::span<const std::int64_t> capacities,
                     std::span<const std::int64_t> histories, std::span<std::uint8_t> results);
   // commit(serials[i], {tokens[i]}) for each i: one token per cache.
-  void commit_batch(std::span<const std::int64_t> serials, std::span<const TokenArg> tokens);
+  void commit_batch(std::span<const std::int64_t> serials, TokenSeq tokens);
 
  private:
   // Item by item: the open request of serials[i] (else ClosedErr), then check(i, request);

@@ -118,13 +118,13 @@ void Manager::resize_batch(std::span<const std::int64_t> serials, std::span<cons
   }
 }
 
-void Manager::commit_batch(std::span<const std::int64_t> serials, std::span<const TokenArg> tokens) {
+void Manager::commit_batch(std::span<const std::int64_t> serials, TokenSeq tokens) {
   const std::size_t n = serials.size();
   if (tokens.size() != n) throw InternalErr("kvcm bug: commit_batch spans of different lengths");
   check_batch_serials(serials, "commit_batch");
   const std::vector<Request*>& reqs = check_batch(
       serials, "commit_batch", "commit", [this](std::size_t, const Request& r) { check_commit(r, 1); });
-  for (std::size_t i = 0; i < n; ++i) commit_checked(*reqs[i], tokens.subspan(i, 1));
+  for (std::size_t i = 0; i < n; ++i) commit_checked(*reqs[i], tokens.subseq(i, 1));
 }
 
 }  // namespace kvcm
