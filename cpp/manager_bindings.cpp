@@ -121,15 +121,15 @@ nb::tuple token_tuple(std::span<const kvcm::TokenOut> toks) {
   return nb::borrow<nb::tuple>(out);
 }
 
-nb::object event_obj(const kvcm::EventC& e, std::span<const kvcm::TokenOut> tokens) {
+nb::object event_obj(const kvcm::EventC& e, std::span<const kvcm::TokenOut> tokens,
+                     std::span<const kvcm::StoredBlockC> stored) {
   const Api& a = api();
   switch (e.kind) {
     case kvcm::EventKind::stored: {
       nb::list blocks;
       nb::bytes key = to_bytes(e.key);
       nb::tuple toks = token_tuple(tokens);
-      for (std::size_t i = 0; i < e.blocks.size(); ++i) {
-        const kvcm::StoredBlockC& b = e.blocks[i];
+      for (const kvcm::StoredBlockC& b : stored) {
         blocks.append(h(a.StoredBlock)(key, tokens.size(), toks, b.lc, b.tier, b.priority));
       }
       nb::object parent = e.has_parent ? nb::object(to_bytes(e.parent_key)) : nb::none();
@@ -454,10 +454,13 @@ void bind_manager(nb::module_& m) {
            [](Manager& mgr) {
              const kvcm::TakenEvents taken = quick(mgr, [&] { return mgr.take_events(); });
              nb::list out;
-             std::size_t at = 0;  // the stored events' tokens follow one another in taken.tokens
+             // the stored events' tokens and blocks follow one another in taken.tokens / .blocks
+             std::size_t tok_at = 0, blk_at = 0;
              for (const kvcm::EventC& e : taken.events) {
-               out.append(event_obj(e, std::span<const kvcm::TokenOut>(taken.tokens).subspan(at, e.ntokens)));
-               at += e.ntokens;
+               out.append(event_obj(e, std::span<const kvcm::TokenOut>(taken.tokens).subspan(tok_at, e.ntokens),
+                                    std::span<const kvcm::StoredBlockC>(taken.blocks).subspan(blk_at, e.nblocks)));
+               tok_at += e.ntokens;
+               blk_at += e.nblocks;
              }
              return out;
            })

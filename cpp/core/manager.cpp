@@ -555,7 +555,10 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
     return nullptr;
   }
   if (static_cast<std::int64_t>(events_.size()) >= cfg_.max_events) {
-    event_tokens_.erase(event_tokens_.begin(), event_tokens_.begin() + events_.front().ntokens);
+    const auto [ntok, nblk] = event_sizes_.front();
+    event_tokens_.erase(event_tokens_.begin(), event_tokens_.begin() + ntok);
+    event_blocks_.erase(event_blocks_.begin(), event_blocks_.begin() + nblk);
+    event_sizes_.pop_front();
     events_.pop_front();
     ++events_dropped_;
   }
@@ -564,6 +567,7 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
   e.id = id;
   e.ntokens = static_cast<std::uint32_t>(tokens.size());
   event_tokens_.insert(event_tokens_.end(), tokens.begin(), tokens.end());
+  event_sizes_.emplace_back(e.ntokens, 0);
   return &e;
 }
 
@@ -574,7 +578,7 @@ void Manager::emit_removed(const Digest& key, std::int64_t lc) {
   }
 }
 
-void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
+void Manager::emit_stored(NodeId nid, std::span<const std::int64_t> lcs) {
   if (lcs.empty()) return;
   const std::span<const Tok> tokens = tree_.tokens(nid);
   EventC* e = new_event(EventKind::stored, tokens);
@@ -587,7 +591,9 @@ void Manager::emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs) {
   e->key = tree_.key(nid);
   for (std::int64_t lc : lcs) {
     const Page& p = page(tree_.page(nid, lc));
-    e->blocks.push_back(StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(p.tier), p.priority});
+    event_blocks_.push_back(StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(p.tier), p.priority});
+    ++e->nblocks;
+    ++event_sizes_.back().second;
   }
   e->partial = static_cast<std::int64_t>(tokens.size()) < B_;
 }
@@ -778,8 +784,11 @@ TakenEvents Manager::take_events() {
   out.events.assign(std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
   out.tokens.reserve(event_tokens_.size());
   for (Tok c : event_tokens_) out.tokens.push_back(decode(c));
+  out.blocks.assign(event_blocks_.begin(), event_blocks_.end());
   events_.clear();
   event_tokens_.clear();
+  event_blocks_.clear();
+  event_sizes_.clear();
   return out;
 }
 
@@ -1298,7 +1307,8 @@ void Manager::attach(NodeId parent, NodeId nid) {
     }
   }
   retire_nodes(siblings, false);
-  std::vector<std::int64_t> lcs;
+  std::vector<std::int64_t>& lcs = scratch_lcs_;
+  lcs.clear();
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
     if (tree_.page(nid, lc) != kNoPage) lcs.push_back(lc);
   }
@@ -1587,7 +1597,7 @@ std::string Manager::snapshot_json() {
     o += ']';
   }
   o += "],\"events\":[";
-  std::size_t tok_at = 0;  // where the next stored event's tokens start in event_tokens_
+  std::size_t tok_at = 0, blk_at = 0;  // where the next stored event's tokens / blocks start
   for (std::size_t k = 0; k < events_.size(); ++k) {
     const EventC& e = events_[k];
     if (k) o += ',';
@@ -1604,8 +1614,8 @@ std::string Manager::snapshot_json() {
         o += ",\"partial\":";
         j_bool(o, e.partial);
         o += ",\"blocks\":[";
-        for (std::size_t b = 0; b < e.blocks.size(); ++b) {
-          const StoredBlockC& sb = e.blocks[b];
+        for (std::size_t b = 0; b < e.nblocks; ++b) {
+          const StoredBlockC& sb = event_blocks_[blk_at + b];
           if (b) o += ',';
           o += '[';
           j_hex(o, e.key);
@@ -1626,6 +1636,7 @@ std::string Manager::snapshot_json() {
         }
         o += ']';
         tok_at += e.ntokens;
+        blk_at += e.nblocks;
         break;
       case EventKind::removed:
         o += ",\"kind\":\"removed\",\"keys\":[";

@@ -21,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -103,45 +104,24 @@ struct StoredBlockC {  // key and tokens are the event's (one block, several lif
   std::int64_t priority = 0;
 };
 
-// The blocks of one stored event (one per life cycle that gained a page).  Inline up to
-// kInline entries: emitting an event must not allocate on the commit path.
-class StoredBlocks {
- public:
-  static constexpr std::size_t kInline = 4;
-  void push_back(const StoredBlockC& b) {
-    if (n_ < kInline) {
-      inline_[n_] = b;
-    } else {
-      more_.push_back(b);
-    }
-    ++n_;
-  }
-  std::size_t size() const noexcept { return n_; }
-  const StoredBlockC& operator[](std::size_t i) const noexcept { return i < kInline ? inline_[i] : more_[i - kInline]; }
-
- private:
-  std::array<StoredBlockC, kInline> inline_{};
-  std::vector<StoredBlockC> more_;
-  std::size_t n_ = 0;
-};
-
 enum class EventKind { stored, removed, tier_changed, cleared };
 
+// One buffered event.  Trivially destructible on purpose: when the buffer is full the
+// oldest event is dropped without touching its (cold) memory.  A stored event's variable
+// parts — its block's tokens and its per-life-cycle blocks — sit in the manager's side
+// queues, in event order.
 struct EventC {
   EventKind kind = EventKind::cleared;
-  bool has_parent = false;  // stored
-  bool partial = false;     // stored
+  bool has_parent = false;    // stored
+  bool partial = false;       // stored
+  std::uint32_t ntokens = 0;  // stored: tokens of the block
+  std::uint32_t nblocks = 0;  // stored: life cycles announced
   std::int64_t id = 0;
-  // stored
-  Digest parent_key{};
-  StoredBlocks blocks;
-  // number of tokens of the stored block; the codes themselves sit in the manager's event
-  // token queue, in event order (no per-event allocation, nothing shared with the tree)
-  std::uint32_t ntokens = 0;
-  // stored / removed / tier_changed
-  Digest key{};
-  std::int64_t lc = 0, old_tier = 0, new_tier = 0;
+  std::int64_t lc = 0, old_tier = 0, new_tier = 0;  // removed / tier_changed
+  Digest key{};                                     // stored / removed / tier_changed
+  Digest parent_key{};                              // stored
 };
+static_assert(std::is_trivially_destructible_v<EventC>);
 
 // The committed tokens of a cache that was just closed (moved out, not copied): the
 // Python layer keeps them so a closed cache still answers committed_tokens.
@@ -153,11 +133,12 @@ struct ClosedTokens {
   std::vector<TokenOut> decode() const;
 };
 
-// What take_events() hands out: the events and the stored events' tokens, concatenated in
-// event order (event i's tokens follow those of the stored events before it).
+// What take_events() hands out: the events, and the stored events' tokens and blocks,
+// each concatenated in event order (event i's follow those of the stored events before it).
 struct TakenEvents {
   std::vector<EventC> events;
   std::vector<TokenOut> tokens;
+  std::vector<StoredBlockC> blocks;
 };
 
 struct RequestInfo {
@@ -365,7 +346,7 @@ class Manager {
   EventC* new_event(EventKind kind, std::span<const Tok> tokens = {});
   std::int64_t event_id() { return next_event_++; }
   void emit_removed(const Digest& key, std::int64_t lc);
-  void emit_stored(NodeId nid, const std::vector<std::int64_t>& lcs);
+  void emit_stored(NodeId nid, std::span<const std::int64_t> lcs);
   void count(std::int64_t lc, int counter, std::int64_t n = 1);
   void record_match(std::int64_t n_query, std::int64_t m);
   void stats_view(std::string& out, const std::vector<std::int64_t>& counters) const;
@@ -393,9 +374,14 @@ class Manager {
   // few places that list them sort by serial)
   std::unordered_map<std::int64_t, Request> requests_;
   std::vector<std::pair<std::int64_t, std::int64_t>> scratch_releases_, scratch_allocs_;  // resize_checked
+  std::vector<std::int64_t> scratch_lcs_;  // attach
   std::vector<CopyOpC> copy_ops_;
   std::deque<EventC> events_;
-  std::deque<Tok> event_tokens_;  // the buffered stored events' tokens, in event order
+  std::deque<Tok> event_tokens_;           // the buffered stored events' tokens, in event order
+  std::deque<StoredBlockC> event_blocks_;  // ... and their blocks
+  // (ntokens, nblocks) of each buffered event, oldest first: what dropping the oldest
+  // event must remove from the side queues, read without touching the event itself
+  std::deque<std::pair<std::uint32_t, std::uint32_t>> event_sizes_;
   std::int64_t events_dropped_ = 0;
   bool is_shutdown_ = false;
   // counters: [requests, query_tokens, reused_tokens, then 13 per lc]
