@@ -321,12 +321,47 @@ Manager::Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_
 void Manager::unindex(Page& p) {
   Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
   pool.count(p.idx_state, -1);
-  if (p.idx_state == kHeld) {
-    pool.held_set.erase({p.idx_key, p.handle});
-  } else if (p.idx_state == kDroppable) {
-    pool.droppable_set.erase({p.idx_key, p.handle});
+  if (p.idx_state == kHeld || p.idx_state == kDroppable) {
+    EvictIndex& ix = pool.index_of(p.idx_state);
+    if (!p.in_list) {
+      ix.set.erase({p.idx_key, p.handle});
+    } else {
+      if (p.prev >= 0) {
+        page(p.prev).next = p.next;
+      } else {
+        ix.head = p.next;
+      }
+      if (p.next >= 0) {
+        page(p.next).prev = p.prev;
+      } else {
+        ix.tail = p.prev;
+      }
+      // [run, tail] keeps one last_used: step run forward, or onto the new tail
+      if (ix.run == p.handle) ix.run = p.next >= 0 ? p.next : ix.tail;
+      --ix.list_size;
+      p.in_list = false;
+      p.prev = p.next = -1;
+    }
   }
   p.idx_state = kNone;
+}
+
+void Manager::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
+  const std::int64_t after = before >= 0 ? page(before).prev : ix.tail;
+  p.prev = after;
+  p.next = before;
+  if (after >= 0) {
+    page(after).next = p.handle;
+  } else {
+    ix.head = p.handle;
+  }
+  if (before >= 0) {
+    page(before).prev = p.handle;
+  } else {
+    ix.tail = p.handle;
+  }
+  p.in_list = true;
+  ++ix.list_size;
 }
 
 void Manager::index(Page& p) {
@@ -334,11 +369,23 @@ void Manager::index(Page& p) {
   p.idx_state = p.state();
   p.idx_key = p.evict_key();
   pool.count(p.idx_state, +1);
-  if (p.idx_state == kHeld) {
-    pool.held_set.insert({p.idx_key, p.handle});
-  } else if (p.idx_state == kDroppable) {
-    pool.droppable_set.insert({p.idx_key, p.handle});
+  if (p.idx_state != kHeld && p.idx_state != kDroppable) return;
+  EvictIndex& ix = pool.index_of(p.idx_state);
+  const std::int64_t last_used = std::get<1>(p.idx_key);
+  if (ix.tail < 0 || page(ix.tail).idx_key < p.idx_key) {  // newest: append
+    const bool same_run = ix.tail >= 0 && std::get<1>(page(ix.tail).idx_key) == last_used;
+    list_insert(ix, p, -1);
+    if (!same_run) ix.run = p.handle;
+    return;
   }
+  const Page& r = page(ix.run);
+  if (std::get<1>(r.idx_key) == last_used && p.idx_key < r.idx_key &&
+      (r.prev < 0 || page(r.prev).idx_key < p.idx_key)) {  // just before the tail's run
+    list_insert(ix, p, ix.run);
+    ix.run = p.handle;
+    return;
+  }
+  ix.set.insert({p.idx_key, p.handle});
 }
 
 void Manager::use(Page* p, bool active, std::int64_t priority) {
@@ -409,9 +456,13 @@ std::int64_t Manager::capacity_of(std::int64_t tier, std::int64_t lc, const std:
 }
 
 Manager::Page* Manager::peek(Pool& pool, int state) {
-  const std::pmr::set<EvictEntry>& s = state == kHeld ? pool.held_set : pool.droppable_set;
-  if (s.empty()) return nullptr;
-  return &page(s.begin()->second);
+  const EvictIndex& ix = pool.index_of(state);
+  Page* first = ix.head >= 0 ? &page(ix.head) : nullptr;
+  if (!ix.set.empty()) {
+    const EvictEntry& e = *ix.set.begin();
+    if (first == nullptr || e.first < first->idx_key) return &page(e.second);
+  }
+  return first;
 }
 
 Manager::Page* Manager::victim(Pool& pool) {
@@ -1740,7 +1791,18 @@ void Manager::check_invariants() {
         nh += p->state() == kHeld;
         nd += p->state() == kDroppable;
       }
-      check(pool.held_set.size() == nh && pool.droppable_set.size() == nd, where + ": eviction index out of sync");
+      check(pool.held_index.size() == nh && pool.droppable_index.size() == nd, where + ": eviction index out of sync");
+      for (const EvictIndex* ix : {&pool.held_index, &pool.droppable_index}) {
+        std::size_t n = 0;
+        const Page* before = nullptr;
+        for (std::int64_t h = ix->head; h >= 0; h = page(h).next) {
+          const Page& q = page(h);
+          check(q.in_list && (before == nullptr || before->idx_key < q.idx_key), where + ": eviction list out of order");
+          before = &q;
+          ++n;
+        }
+        check(n == ix->list_size, where + ": eviction list size out of sync");
+      }
     }
   }
   // --- page users, recomputed from the requests

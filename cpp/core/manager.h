@@ -218,6 +218,9 @@ class Manager {
     std::int64_t locks = 0, holds = 0;
     int idx_state = kNone;  // the state this page is counted/indexed under in its pool
     EvictKey idx_key{};
+    // links of the eviction index's ordered list (EvictIndex), when the page is on it
+    bool in_list = false;
+    std::int64_t prev = -1, next = -1;
     int state() const noexcept {
       if (locks) return kLocked;
       if (holds) return kHeld;
@@ -227,14 +230,30 @@ class Manager {
     EvictKey evict_key() const noexcept { return {priority, last_used, -ordinal, serial}; }
   };
 
+  // The HELD (or the DROPPABLE) pages of one pool in eviction order.  Pages mostly arrive
+  // in order — a page released now carries the newest last_used, and the pages a call
+  // releases together come by ascending ordinal, i.e. each sorts just before the previous
+  // one — so they go on an intrusive list threaded through the pages: an append at the
+  // tail, or an insert just before `run`, in O(1) without allocating.  Any other arrival
+  // (e.g. a page suspended with an old last_used) goes into the ordered set.  The next
+  // victim is the smaller of the two heads.  Invariants: the list is sorted by key; every
+  // page from `run` to `tail` has the tail's last_used.
+  struct EvictIndex {
+    std::pmr::set<EvictEntry> set;
+    std::int64_t head = -1, tail = -1, run = -1;  // page handles (-1: empty list)
+    std::size_t list_size = 0;
+    explicit EvictIndex(std::pmr::memory_resource* mem) : set(mem) {}
+    std::size_t size() const noexcept { return set.size() + list_size; }
+  };
+
   struct Pool {
     std::int64_t tier = 0, lc = 0, total = 0;
     FreeSlots free_slots;
     std::int64_t locked = 0, held = 0, droppable = 0;
-    // the HELD / DROPPABLE pages by eviction order; nodes come from the manager's pool
-    std::pmr::set<EvictEntry> held_set, droppable_set;
+    EvictIndex held_index, droppable_index;  // set nodes come from the manager's pool resource
     Pool(std::int64_t tier_, std::int64_t lc_, std::int64_t total_, std::pmr::memory_resource* mem)
-        : tier(tier_), lc(lc_), total(total_), free_slots(total_), held_set(mem), droppable_set(mem) {}
+        : tier(tier_), lc(lc_), total(total_), free_slots(total_), held_index(mem), droppable_index(mem) {}
+    EvictIndex& index_of(int state) noexcept { return state == kHeld ? held_index : droppable_index; }
     std::int64_t nfree() const noexcept { return free_slots.size(); }
     std::int64_t take_slot() noexcept { return free_slots.take(); }
     void give_slot(std::int64_t slot);
@@ -318,6 +337,8 @@ class Manager {
   void unuse(Page* p, bool active);
   void set_active(Page* p, bool active);
   void unindex(Page& p);
+  // Link `p` into `ix`'s list just before page `before` (-1: at the tail).
+  void list_insert(EvictIndex& ix, Page& p, std::int64_t before);
   void index(Page& p);
   template <typename F>
   void restate(Page& p, F change) {
