@@ -307,11 +307,11 @@ Manager::Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_
   p = Page{};
   p.handle = handle;
   p.serial = next_page_++;
-  p.lc = lc;
-  p.tier = tier;
+  p.lc = static_cast<std::uint8_t>(lc);
+  p.tier = static_cast<std::uint8_t>(tier);
   p.slot = pool.take_slot();
-  p.coverage = coverage;
-  p.priority = priority;
+  p.coverage = static_cast<std::int32_t>(coverage);
+  p.priority = static_cast<std::int32_t>(priority);
   p.last_used = clock_;
   p.ordinal = ordinal;
   count(lc, kAllocatedBlocks);
@@ -324,7 +324,7 @@ void Manager::unindex(Page& p) {
   if (p.idx_state == kHeld || p.idx_state == kDroppable) {
     EvictIndex& ix = pool.index_of(p.idx_state);
     if (!p.in_list) {
-      ix.set.erase({p.idx_key, p.handle});
+      ix.set.erase({p.idx_key(), p.handle});
     } else {
       if (p.prev >= 0) {
         page(p.prev).next = p.next;
@@ -366,26 +366,28 @@ void Manager::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
 
 void Manager::index(Page& p) {
   Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
-  p.idx_state = p.state();
-  p.idx_key = p.evict_key();
+  p.idx_state = static_cast<std::uint8_t>(p.state());
+  p.idx_priority = p.priority;
+  p.idx_last_used = p.last_used;
   pool.count(p.idx_state, +1);
   if (p.idx_state != kHeld && p.idx_state != kDroppable) return;
   EvictIndex& ix = pool.index_of(p.idx_state);
-  const std::int64_t last_used = std::get<1>(p.idx_key);
-  if (ix.tail < 0 || page(ix.tail).idx_key < p.idx_key) {  // newest: append
-    const bool same_run = ix.tail >= 0 && std::get<1>(page(ix.tail).idx_key) == last_used;
+  const std::int64_t last_used = p.idx_last_used;
+  const EvictKey key = p.idx_key();
+  if (ix.tail < 0 || page(ix.tail).idx_key() < key) {  // newest: append
+    const bool same_run = ix.tail >= 0 && page(ix.tail).idx_last_used == last_used;
     list_insert(ix, p, -1);
     if (!same_run) ix.run = p.handle;
     return;
   }
   const Page& r = page(ix.run);
-  if (std::get<1>(r.idx_key) == last_used && p.idx_key < r.idx_key &&
-      (r.prev < 0 || page(r.prev).idx_key < p.idx_key)) {  // just before the tail's run
+  if (r.idx_last_used == last_used && key < r.idx_key() &&
+      (r.prev < 0 || page(r.prev).idx_key() < key)) {  // just before the tail's run
     list_insert(ix, p, ix.run);
     ix.run = p.handle;
     return;
   }
-  ix.set.insert({p.idx_key, p.handle});
+  ix.set.insert({key, p.handle});
 }
 
 void Manager::use(Page* p, bool active, std::int64_t priority) {
@@ -396,7 +398,7 @@ void Manager::use(Page* p, bool active, std::int64_t priority) {
       ++p->holds;
     }
     p->last_used = clock_;
-    p->priority = std::max(p->priority, priority);
+    p->priority = static_cast<std::int32_t>(std::max<std::int64_t>(p->priority, priority));
   });
 }
 
@@ -460,7 +462,7 @@ Manager::Page* Manager::peek(Pool& pool, int state) {
   Page* first = ix.head >= 0 ? &page(ix.head) : nullptr;
   if (!ix.set.empty()) {
     const EvictEntry& e = *ix.set.begin();
-    if (first == nullptr || e.first < first->idx_key) return &page(e.second);
+    if (first == nullptr || e.first < first->idx_key()) return &page(e.second);
   }
   return first;
 }
@@ -502,7 +504,7 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
   const std::int64_t new_slot = dst_pool.take_slot();
   unindex(*p);
   pools_[static_cast<std::size_t>(old_tier)][static_cast<std::size_t>(p->lc)].give_slot(old_slot);
-  p->tier = dst;
+  p->tier = static_cast<std::uint8_t>(dst);
   p->slot = new_slot;
   index(*p);
   copy_ops_.push_back(CopyOpC{p->lc, old_tier, old_slot, dst, new_slot, reason});
@@ -1140,7 +1142,7 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
       const std::int64_t s = page_at(r, lc, i);
       if (s < 0) continue;
       Page& p = page(s);
-      if (p.node == kNoNode) p.coverage = std::min(B_, now - i * B_);
+      if (p.node == kNoNode) p.coverage = static_cast<std::int32_t>(std::min(B_, now - i * B_));
     }
   }
   for (std::int64_t i = old / B_; i < now / B_; ++i) {
@@ -1393,7 +1395,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
       const std::int64_t s = page_at(r, lc, i);
       if (s < 0) continue;
       Page& p = page(s);
-      p.coverage = ntok;
+      p.coverage = static_cast<std::int32_t>(ntok);
       tree_.set_page(nid, lc, p.handle, ntok);
       p.node = nid;  // a used page: its state does not depend on the node
     }
@@ -1415,7 +1417,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
     const std::int64_t s = page_at(r, lc, i);
     if (s < 0) continue;
     Page* p = &page(s);
-    p->coverage = ntok;
+    p->coverage = static_cast<std::int32_t>(ntok);
     const PageHandle qh = tree_.page(existing, lc);
     if (qh == kNoPage || tree_.coverage(existing, lc) < ntok) {
       install(existing, lc, p, gained);
@@ -1797,7 +1799,7 @@ void Manager::check_invariants() {
         const Page* before = nullptr;
         for (std::int64_t h = ix->head; h >= 0; h = page(h).next) {
           const Page& q = page(h);
-          check(q.in_list && (before == nullptr || before->idx_key < q.idx_key), where + ": eviction list out of order");
+          check(q.in_list && (before == nullptr || before->idx_key() < q.idx_key()), where + ": eviction list out of order");
           before = &q;
           ++n;
         }

@@ -211,16 +211,25 @@ class Manager {
   // handle never decides the order).
   using EvictEntry = std::pair<EvictKey, std::int64_t>;
 
+  // One slot's worth of KV (or ssm state) in one pool.  Kept small: a cached block costs
+  // one Page besides its tree node.
   struct Page {
-    std::int64_t serial = 0, lc = 0, tier = 0, slot = 0, coverage = 0, priority = 0, last_used = 0, ordinal = 0;
-    std::int64_t handle = -1;  // this page's slot in the page slab
-    NodeId node = kNoNode;
-    std::int64_t locks = 0, holds = 0;
-    int idx_state = kNone;  // the state this page is counted/indexed under in its pool
-    EvictKey idx_key{};
-    // links of the eviction index's ordered list (EvictIndex), when the page is on it
+    std::int64_t serial = 0;     // creation number (snapshots, the eviction tie-break)
+    std::int64_t last_used = 0;  // clock of the last use / release
+    std::int64_t ordinal = 0;    // block position in its request's chain
+    std::int64_t slot = 0;
+    std::int64_t handle = -1;    // this page's slot in the page slab
+    NodeId node = kNoNode;       // the tree block holding it (kNoNode: private to a request)
+    std::int64_t prev = -1, next = -1;  // links of the eviction index's list (in_list)
+    std::int64_t idx_last_used = 0;     // the key it is indexed under: (idx_priority,
+    std::int32_t idx_priority = 0;      //   idx_last_used, -ordinal, serial)
+    std::int32_t priority = 0;   // 0..100
+    std::int32_t coverage = 0;   // tokens of the block it holds (<= B)
+    std::int32_t locks = 0, holds = 0;  // users ACTIVE / SUSPENDED
+    std::uint8_t lc = 0, tier = 0;
+    std::uint8_t idx_state = kNone;  // the state this page is counted/indexed under in its pool
     bool in_list = false;
-    std::int64_t prev = -1, next = -1;
+    EvictKey idx_key() const noexcept { return {idx_priority, idx_last_used, -ordinal, serial}; }
     int state() const noexcept {
       if (locks) return kLocked;
       if (holds) return kHeld;
