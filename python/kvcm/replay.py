@@ -212,7 +212,8 @@ def replay(
             reused = kv.num_reused_tokens
             for op in mgr.drain_copy_ops():
                 ops[op.reason] += 1
-            kv.commit(prompt[kv.num_committed_tokens :])
+            start = kv.num_committed_tokens
+            kv.commit(prompt[start:] if start else prompt)  # no copy when nothing was reused
             for tok in outputs:
                 if not kv.resize(kv.capacity + 1):
                     res.preemptions += 1
