@@ -297,29 +297,10 @@ void counts_from_buffer_items(std::vector<std::int64_t>& out, const Py_buffer& v
 // converted without a Python-level loop.  False for any other buffer (floats, bools,
 // 2-D, ...), which then goes through tolist() like the python backend.
 bool counts_from_buffer(std::vector<std::int64_t>& out, PyObject* obj, const std::string& name) {
-  Py_buffer view;
-  if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_STRIDES) != 0) {
-    PyErr_Clear();
-    return false;
-  }
-  struct Release {
-    Py_buffer* v;
-    ~Release() { PyBuffer_Release(v); }
-  } release{&view};
-  if (view.ndim != 1 || view.format == nullptr) return false;
-  const char* f = view.format;
-  if (*f == '@' || *f == '=' || *f == '<') ++f;
-  if (f[0] == '\0' || f[1] != '\0') return false;
-  const bool is_signed = std::strchr("bhilqn", f[0]) != nullptr;
-  const bool is_unsigned = std::strchr("BHILQN", f[0]) != nullptr;
-  if (!is_signed && !is_unsigned) return false;
-  switch (view.itemsize) {
-    case 1: is_signed ? counts_from_buffer_items<std::int8_t>(out, view, name) : counts_from_buffer_items<std::uint8_t>(out, view, name); return true;
-    case 2: is_signed ? counts_from_buffer_items<std::int16_t>(out, view, name) : counts_from_buffer_items<std::uint16_t>(out, view, name); return true;
-    case 4: is_signed ? counts_from_buffer_items<std::int32_t>(out, view, name) : counts_from_buffer_items<std::uint32_t>(out, view, name); return true;
-    case 8: is_signed ? counts_from_buffer_items<std::int64_t>(out, view, name) : counts_from_buffer_items<std::uint64_t>(out, view, name); return true;
-    default: return false;
-  }
+  kvcm::pyconv::BufferView bv;
+  if (!bv.acquire(obj, PyBUF_FORMAT | PyBUF_STRIDES)) return false;
+  return kvcm::pyconv::with_int_type(
+      bv.get(), [&](auto item) { counts_from_buffer_items<decltype(item)>(out, bv.get(), name); });
 }
 
 // kvcm.api.check_counts(obj, name, n, what): a list/tuple of ints or an integer array

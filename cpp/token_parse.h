@@ -231,42 +231,47 @@ enum class BufferGil { hold, release };
 // Below this many items, dropping and retaking the GIL costs more than it lets others run.
 inline constexpr Py_ssize_t kReleaseGilItems = 4096;
 
-template <TokenSink S>
-bool try_parse_buffer(S& out, PyObject* obj, std::string_view name, BufferGil gil = BufferGil::hold) {
-  BufferView bv;
-  if (!bv.acquire(obj, PyBUF_FORMAT | PyBUF_STRIDES)) return false;
-  const Py_buffer& view = bv.get();
+// Calls fn(T{}) with T the element type of a 1-D buffer of native integers (array('i'),
+// numpy int arrays, memoryviews) and returns true; returns false without calling fn for
+// any other buffer (floats, bools, 2-D, other formats).
+template <typename Fn>
+bool with_int_type(const Py_buffer& view, Fn&& fn) {
   if (view.ndim != 1 || view.format == nullptr) return false;
   const char* f = view.format;
   if (*f == '@' || *f == '=' || *f == '<') ++f;
   if (f[0] == '\0' || f[1] != '\0') return false;
   const bool is_signed = std::strchr("bhilqn", f[0]) != nullptr;
-  const bool is_unsigned = std::strchr("BHILQN", f[0]) != nullptr;
-  if (!is_signed && !is_unsigned) return false;
-  if (view.itemsize != 1 && view.itemsize != 2 && view.itemsize != 4 && view.itemsize != 8) return false;
-  // Released after the checks above and retaken (also when a bad value throws) before bv
-  // gives the buffer back.  The out-of-range error is built without touching Python.
-  std::optional<nb::gil_scoped_release> unlocked;
-  if (gil == BufferGil::release && view.shape[0] >= kReleaseGilItems) unlocked.emplace();
+  if (!is_signed && std::strchr("BHILQN", f[0]) == nullptr) return false;
   switch (view.itemsize) {
     case 1:
-      is_signed ? parse_buffer_items<std::int8_t>(out, view, name) : parse_buffer_items<std::uint8_t>(out, view, name);
+      is_signed ? fn(std::int8_t{}) : fn(std::uint8_t{});
       return true;
     case 2:
-      is_signed ? parse_buffer_items<std::int16_t>(out, view, name)
-                : parse_buffer_items<std::uint16_t>(out, view, name);
+      is_signed ? fn(std::int16_t{}) : fn(std::uint16_t{});
       return true;
     case 4:
-      is_signed ? parse_buffer_items<std::int32_t>(out, view, name)
-                : parse_buffer_items<std::uint32_t>(out, view, name);
+      is_signed ? fn(std::int32_t{}) : fn(std::uint32_t{});
       return true;
     case 8:
-      is_signed ? parse_buffer_items<std::int64_t>(out, view, name)
-                : parse_buffer_items<std::uint64_t>(out, view, name);
+      is_signed ? fn(std::int64_t{}) : fn(std::uint64_t{});
       return true;
     default:
       return false;
   }
+}
+
+template <TokenSink S>
+bool try_parse_buffer(S& out, PyObject* obj, std::string_view name, BufferGil gil = BufferGil::hold) {
+  BufferView bv;
+  if (!bv.acquire(obj, PyBUF_FORMAT | PyBUF_STRIDES)) return false;
+  const Py_buffer& view = bv.get();
+  return with_int_type(view, [&](auto item) {
+    // Released after the format checks and retaken (also when a bad value throws) before
+    // bv gives the buffer back.  The out-of-range error is built without touching Python.
+    std::optional<nb::gil_scoped_release> unlocked;
+    if (gil == BufferGil::release && view.shape[0] >= kReleaseGilItems) unlocked.emplace();
+    parse_buffer_items<decltype(item)>(out, view, name);
+  });
 }
 
 // kvcm.api.check_tokens(tokens, name) into `out`: the same tokens, the same errors.  Fast

@@ -227,15 +227,11 @@ MatchResult RadixTree::match(NodeId root, std::span<const Code> tokens, std::spa
 // ---------------------------------------------------------------- tokens
 
 RadixTree::Code RadixTree::intern_slow(const TokenArg& t) {
-  if (t.digest == nullptr) {
-    if (t.value & kDigestBit) throw std::invalid_argument("token out of range [0, 2**31)");
-    return t.value;
-  }
+  const Code known = lookup(t);  // ints (range-checked) and digests seen before
+  if (known != kUnknownDigest) return known;
+  if (digests_.size() >= (kUnknownDigest & ~kDigestBit)) throw std::length_error("too many distinct digest tokens");
   Digest d;
   std::memcpy(d.data(), t.digest, d.size());
-  auto it = digest_ids_.find(d);
-  if (it != digest_ids_.end()) return kDigestBit | it->second;
-  if (digests_.size() >= (kUnknownDigest & ~kDigestBit)) throw std::length_error("too many distinct digest tokens");
   const auto id = static_cast<Code>(digests_.size());
   digests_.push_back(d);
   digest_ids_.emplace(d, id);

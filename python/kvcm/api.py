@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -470,13 +470,24 @@ def check_count(value: Any, name: str) -> int:
 MAX_COUNT = 2**63  # counts the C++ core can hold (int64); larger ones are "too large"
 
 
-def check_batch_item(what: str, i: int, item: Any, is_mine: bool) -> None:
-    """Item ``i`` of a batch call's ``caches``: a KVCache (TypeError) of this manager
-    (ValueError); ``is_mine`` is the backend's membership test."""
-    if not isinstance(item, KVCache):
-        raise TypeError(f"{what}(): caches[{i}] must be a KVCache, got {type(item).__name__}")
-    if not is_mine:
-        raise ValueError(f"{what}(): caches[{i}]: not a cache of this manager")
+def check_batch_caches(what: str, caches: Any, is_mine: Callable[[Any], bool], key: Callable[[Any], Any]) -> list:
+    """Check 1 of the batch calls, item by item in batch order: ``caches`` is a sequence
+    (TypeError), each item a KVCache (TypeError) of this manager (ValueError; ``is_mine``
+    is the backend's membership test), none twice (ValueError; ``key`` tells caches
+    apart).  Returns the caches as a list."""
+    if type(caches) is not list and (not isinstance(caches, Sequence) or isinstance(caches, (str, bytes))):
+        raise TypeError(f"{what}(): caches must be a sequence of KVCache, got {type(caches).__name__}")
+    seen: set[Any] = set()
+    for i, c in enumerate(caches):
+        if not isinstance(c, KVCache):
+            raise TypeError(f"{what}(): caches[{i}] must be a KVCache, got {type(c).__name__}")
+        if not is_mine(c):
+            raise ValueError(f"{what}(): caches[{i}]: not a cache of this manager")
+        k = key(c)
+        if k in seen:
+            raise ValueError(f"{what}(): caches[{i}]: the same cache appears twice in the batch")
+        seen.add(k)
+    return list(caches)
 
 
 def check_counts(values: Any, name: str, n: int, what: str) -> list[int]:

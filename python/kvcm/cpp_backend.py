@@ -28,7 +28,7 @@ from kvcm.api import (
     ReuseScope,
     Status,
     Token,
-    check_batch_item,
+    check_batch_caches,
     check_priority,
     check_scope,
     check_tokens,
@@ -158,12 +158,7 @@ class CppKVCacheManager(KVCacheManager):
         except AttributeError:
             pass
         # an item that is no CppKVCache: report the first bad item, in batch order
-        seen: set[int] = set()
-        for i, c in enumerate(caches):
-            check_batch_item(what, i, c, isinstance(c, CppKVCache) and c._mgr is self)
-            if c._serial in seen:
-                raise ValueError(f"{what}(): caches[{i}]: the same cache appears twice in the batch")
-            seen.add(c._serial)
+        check_batch_caches(what, caches, lambda c: isinstance(c, CppKVCache) and c._mgr is self, lambda c: c._serial)
         raise AssertionError("kvcm bug: a batch item without _batch_key passed every check")
 
 

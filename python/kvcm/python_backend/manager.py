@@ -31,7 +31,7 @@ from kvcm.api import (
     StoredEvent,
     TierChangedEvent,
     Token,
-    check_batch_item,
+    check_batch_caches,
     check_counts,
     check_priority,
     check_scope,
@@ -172,15 +172,8 @@ class PyKVCacheManager(KVCacheManager):
         """Check 1 of the batch calls: the caches, item by item in batch order."""
         from kvcm.python_backend.cache import PyKVCache
 
-        if type(caches) is not list and (not isinstance(caches, Sequence) or isinstance(caches, (str, bytes))):
-            raise TypeError(f"{what}(): caches must be a sequence of KVCache, got {type(caches).__name__}")
-        seen: set[int] = set()
-        for i, c in enumerate(caches):
-            check_batch_item(what, i, c, isinstance(c, PyKVCache) and c.mgr is self)
-            if c.serial in seen:
-                raise ValueError(f"{what}(): caches[{i}]: the same cache appears twice in the batch")
-            seen.add(c.serial)
-        return list(caches)
+        return check_batch_caches(what, caches, lambda c: isinstance(c, PyKVCache) and c.mgr is self,
+                                  lambda c: c.serial)
 
     @serialized
     def drain_copy_ops(self) -> list[CopyOp]:
