@@ -327,12 +327,12 @@ void Manager::unindex(Page& p) {
       ix.set.erase({p.idx_key(), p.handle});
     } else {
       if (p.prev >= 0) {
-        page(p.prev).next = p.next;
+        slab(p.prev).next = p.next;
       } else {
         ix.head = p.next;
       }
       if (p.next >= 0) {
-        page(p.next).prev = p.prev;
+        slab(p.next).prev = p.prev;
       } else {
         ix.tail = p.prev;
       }
@@ -347,16 +347,16 @@ void Manager::unindex(Page& p) {
 }
 
 void Manager::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
-  const std::int64_t after = before >= 0 ? page(before).prev : ix.tail;
+  const std::int64_t after = before >= 0 ? slab(before).prev : ix.tail;
   p.prev = after;
   p.next = before;
   if (after >= 0) {
-    page(after).next = p.handle;
+    slab(after).next = p.handle;
   } else {
     ix.head = p.handle;
   }
   if (before >= 0) {
-    page(before).prev = p.handle;
+    slab(before).prev = p.handle;
   } else {
     ix.tail = p.handle;
   }
@@ -374,15 +374,15 @@ void Manager::index(Page& p) {
   EvictIndex& ix = pool.index_of(p.idx_state);
   const std::int64_t last_used = p.idx_last_used;
   const EvictKey key = p.idx_key();
-  if (ix.tail < 0 || page(ix.tail).idx_key() < key) {  // newest: append
-    const bool same_run = ix.tail >= 0 && page(ix.tail).idx_last_used == last_used;
+  if (ix.tail < 0 || slab(ix.tail).idx_key() < key) {  // newest: append
+    const bool same_run = ix.tail >= 0 && slab(ix.tail).idx_last_used == last_used;
     list_insert(ix, p, -1);
     if (!same_run) ix.run = p.handle;
     return;
   }
-  const Page& r = page(ix.run);
+  const Page& r = slab(ix.run);
   if (r.idx_last_used == last_used && key < r.idx_key() &&
-      (r.prev < 0 || page(r.prev).idx_key() < key)) {  // just before the tail's run
+      (r.prev < 0 || slab(r.prev).idx_key() < key)) {  // just before the tail's run
     list_insert(ix, p, ix.run);
     ix.run = p.handle;
     return;
@@ -459,7 +459,7 @@ std::int64_t Manager::capacity_of(std::int64_t tier, std::int64_t lc, const std:
 
 Manager::Page* Manager::peek(Pool& pool, int state) {
   const EvictIndex& ix = pool.index_of(state);
-  Page* first = ix.head >= 0 ? &page(ix.head) : nullptr;
+  Page* first = ix.head >= 0 ? &slab(ix.head) : nullptr;
   if (!ix.set.empty()) {
     const EvictEntry& e = *ix.set.begin();
     if (first == nullptr || e.first < first->idx_key()) return &page(e.second);
@@ -1323,6 +1323,18 @@ void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int
 void Manager::attach(NodeId parent, NodeId nid) {
   const std::vector<NodeId> siblings = tree_.attach(parent, nid);
   const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  std::vector<std::int64_t>& lcs = scratch_lcs_;
+  if (siblings.empty()) {  // the common case: nothing stepped aside
+    lcs.clear();
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      const PageHandle h = tree_.page(nid, lc);
+      if (h == kNoPage) continue;
+      page(h).node = nid;
+      lcs.push_back(lc);
+    }
+    emit_stored(nid, lcs);
+    return;
+  }
   std::vector<std::vector<std::int64_t>> had(siblings.size());
   auto sib_index = [&](NodeId id) -> std::int64_t {
     for (std::size_t k = 0; k < siblings.size(); ++k) {
@@ -1346,10 +1358,10 @@ void Manager::attach(NodeId parent, NodeId nid) {
     }
   }
   for (std::size_t k = 0; k < siblings.size(); ++k) {
-    std::vector<std::int64_t> lcs = had[k];
-    std::sort(lcs.begin(), lcs.end());
+    std::vector<std::int64_t> lost = had[k];
+    std::sort(lost.begin(), lost.end());
     const Digest key = tree_.key(siblings[k]);
-    for (std::int64_t lc : lcs) emit_removed(key, lc);
+    for (std::int64_t lc : lost) emit_removed(key, lc);
   }
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
     const PageHandle h = tree_.page(nid, lc);
@@ -1360,7 +1372,6 @@ void Manager::attach(NodeId parent, NodeId nid) {
     }
   }
   retire_nodes(siblings, false);
-  std::vector<std::int64_t>& lcs = scratch_lcs_;
   lcs.clear();
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
     if (tree_.page(nid, lc) != kNoPage) lcs.push_back(lc);

@@ -337,6 +337,11 @@ class Manager {
   const Page& page(std::int64_t handle) const;
   Page* page_ptr(std::int64_t handle) { return handle < 0 ? nullptr : &page(handle); }
   bool page_alive(std::int64_t handle) const noexcept;
+  // Unchecked: for handles the manager's own links hold (the eviction list), always live.
+  Page& slab(std::int64_t handle) noexcept {
+    const auto h = static_cast<std::size_t>(handle);
+    return page_chunks_[h / kPageChunk][h % kPageChunk];
+  }
   std::int64_t page_serial(std::int64_t handle) const { return handle < 0 ? -1 : page(handle).serial; }
   std::vector<std::int64_t> live_pages() const;  // handles, by serial
   std::vector<std::int64_t> open_serials() const;  // the open requests' serials, ascending
