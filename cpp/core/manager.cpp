@@ -609,8 +609,8 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
   }
   if (static_cast<std::int64_t>(events_.size()) >= cfg_.max_events) {
     const auto [ntok, nblk] = event_sizes_.front();
-    event_tokens_.erase(event_tokens_.begin(), event_tokens_.begin() + ntok);
-    event_blocks_.erase(event_blocks_.begin(), event_blocks_.begin() + nblk);
+    event_tokens_.pop_front(ntok);
+    event_blocks_.pop_front(nblk);
     event_sizes_.pop_front();
     events_.pop_front();
     ++events_dropped_;
@@ -619,7 +619,7 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
   e.kind = kind;
   e.id = id;
   e.ntokens = static_cast<std::uint32_t>(tokens.size());
-  event_tokens_.insert(event_tokens_.end(), tokens.begin(), tokens.end());
+  event_tokens_.append(tokens.begin(), tokens.end());
   event_sizes_.emplace_back(e.ntokens, 0);
   return &e;
 }
@@ -644,7 +644,7 @@ void Manager::emit_stored(NodeId nid, std::span<const std::int64_t> lcs) {
   e->key = tree_.key(nid);
   for (std::int64_t lc : lcs) {
     const Page& p = page(tree_.page(nid, lc));
-    event_blocks_.push_back(StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(p.tier), p.priority});
+    event_blocks_.emplace_back(StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(p.tier), p.priority});
     ++e->nblocks;
     ++event_sizes_.back().second;
   }
@@ -834,7 +834,7 @@ std::string Manager::stats_json(bool take_iteration) {
 
 TakenEvents Manager::take_events() {
   TakenEvents out;
-  out.events.assign(std::make_move_iterator(events_.begin()), std::make_move_iterator(events_.end()));
+  out.events.assign(events_.begin(), events_.end());
   out.tokens.reserve(event_tokens_.size());
   for (Tok c : event_tokens_) out.tokens.push_back(decode(c));
   out.blocks.assign(event_blocks_.begin(), event_blocks_.end());

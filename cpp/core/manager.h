@@ -168,6 +168,51 @@ class FreeSlots {
   std::int64_t count_ = 0;
 };
 
+// A FIFO over one vector: popping advances a head index, and the dead prefix is dropped
+// when the vector would otherwise grow while it is the larger half.  Pushes and pops are
+// amortised O(1), memory is contiguous and reused; std::deque frees and allocates a chunk
+// every few elements, which the event buffer (one push and one pop per event once full)
+// felt on every commit.
+template <typename T>
+class Fifo {
+ public:
+  std::size_t size() const noexcept { return v_.size() - head_; }
+  bool empty() const noexcept { return size() == 0; }
+  const T& operator[](std::size_t i) const noexcept { return v_[head_ + i]; }
+  const T& front() const noexcept { return v_[head_]; }
+  T& back() noexcept { return v_.back(); }
+  auto begin() const noexcept { return v_.begin() + static_cast<std::ptrdiff_t>(head_); }
+  auto end() const noexcept { return v_.end(); }
+  template <typename... A>
+  T& emplace_back(A&&... a) {
+    make_room(1);
+    return v_.emplace_back(std::forward<A>(a)...);
+  }
+  template <typename It>
+  void append(It first, It last) {
+    make_room(static_cast<std::size_t>(std::distance(first, last)));
+    v_.insert(v_.end(), first, last);
+  }
+  void pop_front(std::size_t n = 1) noexcept {
+    head_ += n;
+    if (head_ == v_.size()) clear();
+  }
+  void clear() noexcept {
+    v_.clear();
+    head_ = 0;
+  }
+
+ private:
+  void make_room(std::size_t n) {
+    if (v_.size() + n > v_.capacity() && head_ >= v_.size() / 2) {
+      v_.erase(v_.begin(), v_.begin() + static_cast<std::ptrdiff_t>(head_));
+      head_ = 0;
+    }
+  }
+  std::vector<T> v_;
+  std::size_t head_ = 0;
+};
+
 class Manager {
  public:
   explicit Manager(ManagerConfig cfg);
@@ -411,12 +456,12 @@ class Manager {
   std::vector<std::pair<std::int64_t, std::int64_t>> scratch_releases_, scratch_allocs_;  // resize_checked
   std::vector<std::int64_t> scratch_lcs_;  // attach
   std::vector<CopyOpC> copy_ops_;
-  std::deque<EventC> events_;
-  std::deque<Tok> event_tokens_;           // the buffered stored events' tokens, in event order
-  std::deque<StoredBlockC> event_blocks_;  // ... and their blocks
+  Fifo<EventC> events_;
+  Fifo<Tok> event_tokens_;           // the buffered stored events' tokens, in event order
+  Fifo<StoredBlockC> event_blocks_;  // ... and their blocks
   // (ntokens, nblocks) of each buffered event, oldest first: what dropping the oldest
   // event must remove from the side queues, read without touching the event itself
-  std::deque<std::pair<std::uint32_t, std::uint32_t>> event_sizes_;
+  Fifo<std::pair<std::uint32_t, std::uint32_t>> event_sizes_;
   std::int64_t events_dropped_ = 0;
   bool is_shutdown_ = false;
   // counters: [requests, query_tokens, reused_tokens, then 13 per lc]
