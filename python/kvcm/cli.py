@@ -418,19 +418,27 @@ def bench_replay(args: argparse.Namespace) -> int:
     trace = load_trace(limit=args.limit if args.limit is not None else DEFAULT_BENCH_LIMIT)
     uniq = unique_blocks(trace, B)
     tight = max(1, int(0.1 * uniq))
-    print(f"replay: {len(trace)} requests of the shipped trace, tokens_per_block={B}, {_fmt_int(uniq)} unique blocks")
+    print(
+        f"replay: {len(trace)} requests of the shipped trace, tokens_per_block={B}, {_fmt_int(uniq)} unique blocks, "
+        f"each backend's fastest of {args.repeat} run(s) (a shared machine's noise only ever adds time)"
+    )
     rc = 0
     for label, gpu, host in (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight)):
-        results = run_replays(
-            ("python", "cpp"),
-            trace,
-            tokens_per_block=B,
-            gpu_blocks=gpu,
-            host_blocks=host,
-            partial=True,
-            outputs=False,
-            progress=not args.no_progress,
-        )
+        results: dict[str, Any] = {}
+        for _ in range(args.repeat):
+            for b, res in run_replays(
+                ("python", "cpp"),
+                trace,
+                tokens_per_block=B,
+                gpu_blocks=gpu,
+                host_blocks=host,
+                partial=True,
+                outputs=False,
+                progress=not args.no_progress,
+            ).items():
+                prev = results.get(b)
+                if prev is None or (not isinstance(prev, str) and (isinstance(res, str) or res.manager_s < prev.manager_s)):
+                    results[b] = res  # a failure wins: it is reported
         rows = _result_rows(results)
         py, cpp = results.get("python"), results.get("cpp")
         ok = not isinstance(py, str) and not isinstance(cpp, str)
@@ -518,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--block-size", type=_int_in(1, 4096), default=32)
     b.add_argument("--key-tokens", type=_int_in(1), default=1_000_000, help="tokens hashed by the keys bench")
-    b.add_argument("--repeat", type=_int_in(1), default=3, help="keys bench: best of N")
+    b.add_argument("--repeat", type=_int_in(1), default=3, help="keys and replay benches: best of N")
     b.add_argument("--no-progress", action="store_true")
     from kvcm.bench import add_arguments as add_micro_bench_arguments
 
