@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcm import ReuseScope
 from kvcm.keys import block_keys_py
+from spec_reference import spec_keys
 
 try:
     from kvcm import _kvcm_cpp
@@ -35,23 +36,6 @@ needs_numpy = pytest.mark.skipif(np is None, reason="numpy not installed")
 
 D1 = b"\x11" * 32
 D2 = hashlib.sha256(b"image").digest()
-
-
-def spec_keys(tokens, B, scope=None):
-    """SPEC sec. 3 written out with hashlib, independent of kvcm.keys."""
-    scope = scope or ReuseScope()
-    mask = (scope.lora_id is not None) | (scope.salt is not None) << 1
-    root = bytes([mask])
-    for v in (scope.lora_id, scope.salt):
-        if v is not None:
-            root += struct.pack("<Q", v)
-    key = hashlib.sha256(root).digest()
-    out = []
-    for i in range(0, len(tokens), B):
-        data = b"".join(t if isinstance(t, bytes) else struct.pack("<I", t) for t in tokens[i : i + B])
-        key = hashlib.sha256(key + data).digest()
-        out.append(key)
-    return out
 
 
 # Pinned values: keys must be stable across runs, platforms and processes.

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import array
 import hashlib
-import struct
 import threading
 
 import kvcm
@@ -15,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcm.api import check_tokens
+from spec_reference import spec_keys
 
 ext = pytest.importorskip("kvcm._kvcm_cpp")
 np = pytest.importorskip("numpy")
@@ -22,17 +22,6 @@ np = pytest.importorskip("numpy")
 D = hashlib.sha256(b"digest token").digest()
 CHUNK = 32  # kChunkTokens in cpp/token_parse.h
 BIG = 5000  # above kReleaseGilItems (4096): the buffer path runs without the GIL
-
-
-def spec_keys(tokens, B):
-    """SPEC sec. 3 for the default scope, with hashlib only."""
-    key = hashlib.sha256(b"\x00").digest()
-    out = []
-    for i in range(0, len(tokens), B):
-        data = b"".join(t if isinstance(t, bytes) else struct.pack("<I", t) for t in tokens[i : i + B])
-        key = hashlib.sha256(key + data).digest()
-        out.append(key)
-    return out
 
 
 def error_of(fn, *args):
