@@ -188,8 +188,9 @@ def tier_changes(events) -> list[tuple[bytes, int, int, int]]:
 
 
 def pool(stats: dict, tier: int, lc: int) -> dict:
-    """``{total, free, locked, held, droppable}`` slot counts of pool ``(tier, lc)``."""
-    entry = stats["tiers"][tier]["lc"][lc]
+    """``{total, free, locked, held, droppable}`` slot counts of pool ``(tier, lc)``;
+    ``tier`` is SPEC's number (gpu 0, host 1, disk 2), each ``stats["tiers"]`` entry's ``tier``."""
+    (entry,) = [t["lc"][lc] for t in stats["tiers"] if t["tier"] == tier]
     return {k: entry[k] for k in ("total", "free", "locked", "held", "droppable")}
 
 

@@ -17,6 +17,7 @@ from parity.helpers import (
     op,
     ops,
     removed,
+    stored_blocks,
     tier_changes,
     toks,
     unchanged,
@@ -388,4 +389,49 @@ def test_resume_onboards_before_copy_on_write(make_manager):
     assert sorted(dst.values()) == [0, 1]
     assert got[2] == op(0, GPU, dst[0], GPU, 2, "cow")  # copies the onboarded partial page
     assert b.page_indices(0) == [dst[1], 2]
+    mgr.check_invariants()
+
+
+def _page_tiers(mgr) -> list[int]:
+    return [p["tier"] for p in mgr.snapshot()["pages"]]
+
+
+def test_gpu_disk_config_reports_disk_as_tier_2(make_manager):
+    """SPEC sec. 1 numbers tiers by kind (DECISIONS "Tier numbers"): with no host tier the
+    disk tier is still 2 in copy ops, events, stats and snapshot(), never its position 1."""
+    mgr = make_manager(attn_cfg(gpu=1, disk=2))
+    kp, kq = keys(P[:4])[0], keys(Q[:4])[0]
+    fill(mgr, P[:4])  # gpu 0
+    assert [b.tier for b in stored_blocks(mgr.take_events())] == [GPU]
+    fill(mgr, Q[:4])  # P: gpu 0 -> disk 0
+    assert ops(mgr) == [op(0, GPU, 0, DISK, 0, "offload")]
+    ev = mgr.take_events()
+    assert tier_changes(ev) == [(kp, 0, GPU, DISK)]
+    assert [b.tier for b in stored_blocks(ev)] == [GPU]  # Q's block
+    assert [t["tier"] for t in mgr.stats()["tiers"]] == [GPU, DISK]
+    assert [t["kind"] for t in mgr.stats()["tiers"]] == ["gpu", "disk"]
+    snap = mgr.snapshot()
+    assert [(t["tier"], t["kind"]) for t in snap["pools"]] == [(GPU, "gpu"), (DISK, "disk")]
+    assert sorted(_page_tiers(mgr)) == [GPU, DISK]
+    assert counts(mgr, DISK) == (2, 1, 0, 0, 1)
+    d = mgr.create_kv_cache(P[:4])  # P onboards disk -> gpu; Q goes gpu -> disk first
+    assert d.resume() is True
+    assert ops(mgr) == [op(0, GPU, 0, DISK, 1, "offload"), op(0, DISK, 0, GPU, 0, "onboard")]
+    assert tier_changes(mgr.take_events()) == [(kq, 0, GPU, DISK), (kp, 0, DISK, GPU)]
+    assert sorted(_page_tiers(mgr)) == [GPU, DISK]
+    mgr.check_invariants()
+
+
+def test_gpu_host_disk_config_tier_numbers_unchanged(make_manager):
+    """With every tier present, SPEC's numbers are the config positions: 0, 1, 2."""
+    mgr = make_manager(attn_cfg(gpu=1, host=1, disk=1))
+    fill(mgr, P[:4])
+    fill(mgr, Q[:4])
+    fill(mgr, R[:4])  # P: host -> disk, Q: gpu -> host
+    assert ops(mgr) == [op(0, GPU, 0, HOST, 0, "offload"), op(0, HOST, 0, DISK, 0, "offload"),
+                        op(0, GPU, 0, HOST, 0, "offload")]  # fmt: skip
+    assert [(t["tier"], t["kind"]) for t in mgr.stats()["tiers"]] == [(GPU, "gpu"), (HOST, "host"), (DISK, "disk")]
+    assert [(t["tier"], t["kind"]) for t in mgr.snapshot()["pools"]] == [(GPU, "gpu"), (HOST, "host"), (DISK, "disk")]
+    assert sorted(_page_tiers(mgr)) == [GPU, HOST, DISK]
+    assert [counts(mgr, t)[4] for t in (GPU, HOST, DISK)] == [1, 1, 1]
     mgr.check_invariants()

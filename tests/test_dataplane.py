@@ -204,6 +204,36 @@ def test_a_tier_the_config_lacks_is_unknown(tmp_path):
             p.pool("disk", 0)
 
 
+def test_gpu_disk_config_disk_tier_is_2_as_in_copy_ops(tmp_path):
+    """SPEC sec. 1 numbers tiers by kind: with no host tier the manager's copy ops say 2
+    for disk, and the data plane executes them (1 names no tier of this config)."""
+    import kvcm
+
+    cfg = config(tmp_path, gpu=1, host=0, disk=2)
+    with DataPlane(cfg, shapes=SHAPES) as p:
+        fill(p)
+        assert p.pool(DISK, 0) is p.pool("disk", 0) and p.kv(0, DISK).shape[0] == 2
+        mgr = kvcm.KVCacheManager(cfg, backend="python")
+        a = mgr.create_kv_cache()
+        assert a.resume() and a.resize(B)
+        a.commit([1, 2, 3, 4])
+        a.close()
+        b = mgr.create_kv_cache()
+        assert b.resume() and b.resize(B)  # a's pages: gpu 0 -> disk 0
+        ops = mgr.drain_copy_ops()
+        assert {(op.src_tier, op.dst_tier) for op in ops} == {(GPU, DISK)}
+        gpu_before = [p.pool(GPU, lc)[0].clone() for lc in range(3)]
+        p.apply(ops)
+        for op in ops:
+            assert torch.equal(p.pool(DISK, op.lc)[op.dst_slot], gpu_before[op.lc])
+        assert p.routes == {"gpu->disk": len(ops)}
+        for bad in (CopyOp(0, GPU, 0, HOST, 0, "offload"), CopyOp(0, 3, 0, GPU, 0, "onboard")):
+            with pytest.raises(ValueError, match="unknown dst tier 1|unknown src tier 3"):
+                p.apply([bad])
+        with pytest.raises(ValueError, match="unknown tier 1"):
+            p.pool(1, 0)
+
+
 def test_ops_as_json_lists(plane):
     op = CopyOp(2, GPU, 1, HOST, 1, "offload")
     state = snapshot(plane)

@@ -24,6 +24,8 @@ TIERS = {
     "tight-host": {"gpu_slots": 14, "host_slots": 200},
     # a tight gpu and a tiny host: pages cascade to disk and are onboarded from it
     "gpu-host-disk": {"gpu_slots": 14, "host_slots": 4, "disk_slots": 300},
+    # no host tier: pages go straight to disk (tier 2 in copy ops, SPEC sec. 1) and back
+    "gpu-disk": {"gpu_slots": 14, "disk_slots": 300},
 }
 
 
@@ -74,9 +76,12 @@ def test_generation_through_kvcm_equals_no_cache_run(model, make_manager, worklo
         assert copies["offload"] == copies["onboard"] == 0
     else:
         assert copies["offload"] > 0 and copies["onboard"] > 0
-        assert routes.get("gpu->host", 0) > 0 and routes.get("host->gpu", 0) + routes.get("disk->gpu", 0) > 0
+        first = "disk" if tiers == "gpu-disk" else "host"
+        assert routes.get(f"gpu->{first}", 0) > 0 and routes.get("host->gpu", 0) + routes.get("disk->gpu", 0) > 0
     if tiers == "gpu-host-disk":
         assert routes.get("host->disk", 0) > 0
+    if tiers == "gpu-disk":
+        assert set(routes) <= {"gpu->disk", "disk->gpu", "gpu->gpu"}, routes
     if workload == "multi-turn":
         # each turn extends the previous: reuse ends inside a block (partial-block reuse)
         assert any(r.reused_tokens % B for r in out.requests)
@@ -84,7 +89,7 @@ def test_generation_through_kvcm_equals_no_cache_run(model, make_manager, worklo
         assert c["max_stale_blocks"] > 0  # the window slid: stale blocks were never read
         if tiers != "unbounded":
             assert c["preemptions"] > 0  # suspended mid-decode, resumed later
-        if tiers == "gpu-host-disk":
+        if tiers in ("gpu-host-disk", "gpu-disk"):
             assert routes.get("disk->gpu", 0) > 0
 
 

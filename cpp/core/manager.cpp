@@ -209,6 +209,9 @@ Manager::Manager(ManagerConfig cfg)
       attn_lcs_.push_back(lc);
     }
   }
+  for (const std::string& kind : cfg_.tier_kinds) {
+    tier_id_.push_back(kind == "gpu" ? 0 : kind == "host" ? 1 : 2);
+  }
   pools_.resize(static_cast<std::size_t>(num_tiers_));
   for (std::int64_t t = 0; t < num_tiers_; ++t) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
@@ -507,7 +510,7 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
   p->tier = static_cast<std::uint8_t>(dst);
   p->slot = new_slot;
   index(*p);
-  copy_ops_.push_back(CopyOpC{p->lc, old_tier, old_slot, dst, new_slot, reason});
+  copy_ops_.push_back(CopyOpC{p->lc, tier_id(old_tier), old_slot, tier_id(dst), new_slot, reason});
   const std::int64_t nbytes = cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes;
   const bool off = std::strcmp(reason, "offload") == 0;
   count(p->lc, off ? kOffloads : kOnboards);
@@ -516,8 +519,8 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
     if (EventC* e = new_event(EventKind::tier_changed)) {
       e->key = tree_.key(p->node);
       e->lc = p->lc;
-      e->old_tier = old_tier;
-      e->new_tier = dst;
+      e->old_tier = tier_id(old_tier);
+      e->new_tier = tier_id(dst);
     }
   }
 }
@@ -598,7 +601,7 @@ void Manager::drop_all_droppable() {
 // ====================================================================== copy ops, events, stats
 
 void Manager::copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason) {
-  copy_ops_.push_back(CopyOpC{lc, src->tier, src->slot, dst->tier, dst->slot, reason});
+  copy_ops_.push_back(CopyOpC{lc, tier_id(src->tier), src->slot, tier_id(dst->tier), dst->slot, reason});
 }
 
 EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
@@ -644,7 +647,8 @@ void Manager::emit_stored(NodeId nid, std::span<const std::int64_t> lcs) {
   e->key = tree_.key(nid);
   for (std::int64_t lc : lcs) {
     const Page& p = page(tree_.page(nid, lc));
-    event_blocks_.emplace_back(StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(p.tier), p.priority});
+    event_blocks_.emplace_back(
+        StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(tier_id(p.tier)), p.priority});
     ++e->nblocks;
     ++event_sizes_.back().second;
   }
@@ -694,7 +698,9 @@ void Manager::stats_view(std::string& o, const std::vector<std::int64_t>& c) con
   o += "],\"tiers\":[";
   for (std::size_t t = 0; t < pools_.size(); ++t) {
     if (t) o += ',';
-    o += "{\"kind\":";
+    o += "{\"tier\":";
+    j_int(o, tier_id_[t]);
+    o += ",\"kind\":";
     j_str(o, cfg_.tier_kinds[t].c_str());
     o += ",\"lc\":[";
     for (std::size_t lc = 0; lc < nlc; ++lc) {
@@ -1313,8 +1319,8 @@ void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int
     if (EventC* e = new_event(EventKind::tier_changed)) {
       e->key = tree_.key(nid);
       e->lc = lc;
-      e->old_tier = q->tier;
-      e->new_tier = p->tier;
+      e->old_tier = tier_id(q->tier);
+      e->new_tier = tier_id(p->tier);
     }
   }
   if (q->locks == 0 && q->holds == 0) free_page(q);
@@ -1531,7 +1537,7 @@ std::string Manager::snapshot_json() {
     o += ",\"lc\":";
     j_int(o, p.lc);
     o += ",\"tier\":";
-    j_int(o, p.tier);
+    j_int(o, tier_id(p.tier));
     o += ",\"slot\":";
     j_int(o, p.slot);
     o += ",\"coverage\":";
@@ -1555,7 +1561,11 @@ std::string Manager::snapshot_json() {
   o += "],\"pools\":[";
   for (std::size_t t = 0; t < pools_.size(); ++t) {
     if (t) o += ',';
-    o += '[';
+    o += "{\"tier\":";
+    j_int(o, tier_id_[t]);
+    o += ",\"kind\":";
+    j_str(o, cfg_.tier_kinds[t].c_str());
+    o += ",\"lc\":[";
     for (std::size_t lc = 0; lc < pools_[t].size(); ++lc) {
       const Pool& p = pools_[t][lc];
       if (lc) o += ',';
@@ -1571,7 +1581,7 @@ std::string Manager::snapshot_json() {
       }
       o += "]}";
     }
-    o += ']';
+    o += "]}";
   }
   o += "],\"requests\":[";
   first = true;

@@ -427,6 +427,8 @@ class Manager {
   std::int64_t event_id() { return next_event_++; }
   void emit_removed(const Digest& key, std::int64_t lc);
   void emit_stored(NodeId nid, std::span<const std::int64_t> lcs);
+  // the SPEC tier number of config position ``t`` (see tier_id_)
+  std::int64_t tier_id(std::int64_t t) const { return tier_id_[static_cast<std::size_t>(t)]; }
   void count(std::int64_t lc, int counter, std::int64_t n = 1);
   void record_match(std::int64_t n_query, std::int64_t m);
   void stats_view(std::string& out, const std::vector<std::int64_t>& counters) const;
@@ -437,6 +439,9 @@ class Manager {
   ManagerConfig cfg_;
   std::int64_t B_;
   std::int64_t num_tiers_;
+  // SPEC sec. 1 tier number (gpu 0, host 1, disk 2) of each config position: pools are
+  // indexed by position; copy ops, events, stats and snapshots report these numbers.
+  std::vector<std::int64_t> tier_id_;
   std::vector<std::int64_t> attn_lcs_;
   std::int64_t ssm_lc_ = -1;
   // eviction-index nodes: recycled here instead of a malloc per index change

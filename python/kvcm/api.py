@@ -146,6 +146,12 @@ class ResolvedConfig:
         return self.config.tokens_per_block
 
     @property
+    def tier_ids(self) -> tuple[int, ...]:
+        """SPEC sec. 1 tier number (gpu 0, host 1, disk 2) of each configured tier, by
+        config position: what copy ops, events, stats and snapshots report (DECISIONS.md)."""
+        return tuple(TIER_KINDS.index(k) for k in self.tier_kinds)
+
+    @property
     def ssm_lc(self) -> int | None:
         for lc in self.life_cycles:
             if lc.kind == "ssm":
@@ -302,7 +308,9 @@ CopyReason = Literal["offload", "onboard", "cow", "snapshot"]
 
 @dataclass(frozen=True)
 class CopyOp:
-    """Copy one page: the engine executes these in order before using the step's indices."""
+    """Copy one page: the engine executes these in order before using the step's indices.
+    Tiers are SPEC's numbers by kind (``GPU, HOST, DISK = 0, 1, 2``), whatever tiers the
+    config lists: with gpu + disk only, disk is still 2."""
 
     lc: int
     src_tier: int

@@ -39,7 +39,9 @@ ops are cut into maximal *runs* in which no slot written by one op is read or wr
 another, and each run is executed as one gather (``index_select``) plus one scatter
 (``index_copy_``) per ``(src tier, dst tier, lc)``.  Every op is validated first (known
 tier and lc, slot in range, known reason): a bad op raises ``ValueError`` and nothing is
-copied.
+copied.  A tier given as an int (in ops, :meth:`DataPlane.pool`, the views) is SPEC's
+number by kind, as the manager's copy ops carry it: gpu 0, host 1, disk 2 (a gpu + disk
+config has tiers 0 and 2); ``self.pools`` itself is indexed by config position.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ class DataPlane:
         self.B = config.tokens_per_block
         self.life_cycles = rc.life_cycles
         self.tier_kinds = rc.tier_kinds
+        # an int tier is SPEC's number by kind (gpu 0, host 1, disk 2), as in copy ops;
+        # pools are indexed by config position
+        self._tier_pos = {tid: pos for pos, tid in enumerate(rc.tier_ids)}
         self.num_slots = rc.slots  # [tier][lc]
         self.device = torch.device(device)
         self.dtype = torch.float32 if dtype is None else dtype
@@ -120,7 +125,7 @@ class DataPlane:
 
         pin = torch.cuda.is_available()
         self._files: list[str] = []
-        self.pools: list[list[Any]] = []  # [tier][lc] uint8[num_slots, slot_bytes]
+        self.pools: list[list[Any]] = []  # [config position][lc] uint8[num_slots, slot_bytes]
         for t, tier in enumerate(config.tiers):
             row = []
             for lc in self.life_cycles:
@@ -176,9 +181,12 @@ class DataPlane:
             if tier not in self.tier_kinds:
                 raise ValueError(f"no {tier!r} tier; tiers: {', '.join(self.tier_kinds)}")
             return self.tier_kinds.index(tier)
-        if isinstance(tier, bool) or not isinstance(tier, int) or not 0 <= tier < len(self.tier_kinds):
-            raise ValueError(f"unknown tier {tier!r}; tiers are 0..{len(self.tier_kinds) - 1}")
-        return tier
+        if isinstance(tier, bool) or not isinstance(tier, int) or tier not in self._tier_pos:
+            raise ValueError(f"unknown tier {tier!r}; tiers are {self._tier_names()}")
+        return self._tier_pos[tier]
+
+    def _tier_names(self) -> str:
+        return ", ".join(f"{t} ({self.tier_kinds[p]})" for t, p in self._tier_pos.items())
 
     # ------------------------------------------------------------------ copy ops
 
@@ -197,10 +205,11 @@ class DataPlane:
             raise ValueError(f"{op}: unknown life cycle {op.lc}")
         for side in ("src", "dst"):
             t, s = getattr(op, f"{side}_tier"), getattr(op, f"{side}_slot")
-            if not 0 <= t < len(self.tier_kinds):
-                raise ValueError(f"{op}: unknown {side} tier {t}; tiers are 0..{len(self.tier_kinds) - 1}")
-            if not 0 <= s < self.num_slots[t][op.lc]:
-                raise ValueError(f"{op}: {side} slot {s} out of range [0, {self.num_slots[t][op.lc]})")
+            if t not in self._tier_pos:
+                raise ValueError(f"{op}: unknown {side} tier {t}; tiers are {self._tier_names()}")
+            n = self.num_slots[self._tier_pos[t]][op.lc]
+            if not 0 <= s < n:
+                raise ValueError(f"{op}: {side} slot {s} out of range [0, {n})")
         if op.reason not in COPY_REASONS:
             raise ValueError(f"{op}: unknown reason {op.reason!r}")
         return op
@@ -243,11 +252,11 @@ class DataPlane:
             dst.append(op.dst_slot)
             self.copies[op.reason] += 1
             self.copy_bytes[op.reason] += self.life_cycles[op.lc].slot_bytes
-            route = f"{self.tier_kinds[op.src_tier]}->{self.tier_kinds[op.dst_tier]}"
+            route = f"{self.tier_kinds[self._tier_pos[op.src_tier]]}->{self.tier_kinds[self._tier_pos[op.dst_tier]]}"
             self.routes[route] = self.routes.get(route, 0) + 1
         # a run's reads and writes are disjoint, so its groups may go in any order
         for (st, dt, lc), (src, dst) in groups.items():
-            sp, dp = self.pools[st][lc], self.pools[dt][lc]
+            sp, dp = self.pools[self._tier_pos[st]][lc], self.pools[self._tier_pos[dt]][lc]
             rows = sp.index_select(0, torch.tensor(src, dtype=torch.long, device=sp.device))
             dp.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dp.device), rows.to(dp.device))
             self.kernel_calls += 1

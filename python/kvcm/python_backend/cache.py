@@ -478,7 +478,7 @@ class PyKVCache(KVCache):
             q.node = NO_NODE
         mgr._restate(q, unlink)
         if q.tier != p.tier:
-            mgr.emit(TierChangedEvent(mgr._event_id(), tree.key(nid), lc, q.tier, p.tier))
+            mgr.emit(TierChangedEvent(mgr._event_id(), tree.key(nid), lc, mgr.tier_ids[q.tier], mgr.tier_ids[p.tier]))
         if q.locks == 0 and q.holds == 0:
             mgr.free_page(q)
 

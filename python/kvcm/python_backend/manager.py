@@ -79,6 +79,9 @@ class PyKVCacheManager(KVCacheManager):
         self.attn_lcs = [lc.id for lc in self.lcs if lc.kind == "attn"]
         self.ssm_lc = rc.ssm_lc
         self.num_tiers = len(rc.tier_kinds)
+        # pools are indexed by config position; copy ops, events, stats and snapshots
+        # report SPEC's tier number by kind (gpu 0, host 1, disk 2): tier_ids maps at that boundary
+        self.tier_ids = rc.tier_ids
         self.pools = [[Pool(t, lc.id, rc.slots[t][lc.id]) for lc in self.lcs] for t in range(self.num_tiers)]
         self.tree = RadixTree(self.B, [(lc.kind, lc.window, lc.sinks) for lc in self.lcs])
         self.pages: dict[int, Page] = {}  # live pages by serial (= tree page handle)
@@ -364,13 +367,14 @@ class PyKVCacheManager(KVCacheManager):
         page.version += 1
         dst_pool.count(state, +1)
         dst_pool.push(page)
-        self.copy_ops.append(CopyOp(page.lc, old_tier, old_slot, dst, new_slot, reason))
+        tid = self.tier_ids
+        self.copy_ops.append(CopyOp(page.lc, tid[old_tier], old_slot, tid[dst], new_slot, reason))
         nbytes = self.lcs[page.lc].slot_bytes
         kind = "offloads" if reason == "offload" else "onboards"
         self.count(page.lc, kind)
         self.count(page.lc, kind[:-1] + "_bytes", nbytes)
         if page.node != NO_NODE and self.tree.is_attached(page.node):
-            self.emit(TierChangedEvent(self._event_id(), self.tree.key(page.node), page.lc, old_tier, dst))
+            self.emit(TierChangedEvent(self._event_id(), self.tree.key(page.node), page.lc, tid[old_tier], tid[dst]))
 
     def drop(self, page: Page) -> None:
         """Drop a DROPPABLE page: unlink it from its block, prune, free its slot."""
@@ -442,7 +446,8 @@ class PyKVCacheManager(KVCacheManager):
     # --- copy ops, events
 
     def copy(self, lc: int, src: Page, dst: Page, reason: str) -> None:
-        self.copy_ops.append(CopyOp(lc, src.tier, src.slot, dst.tier, dst.slot, reason))
+        tid = self.tier_ids
+        self.copy_ops.append(CopyOp(lc, tid[src.tier], src.slot, tid[dst.tier], dst.slot, reason))
 
     def emit(self, event: Event) -> None:
         if self._config.max_events == 0:
@@ -464,7 +469,7 @@ class PyKVCacheManager(KVCacheManager):
         n = self.tree.nodes[node_id]
         parent_key = n.parent.key if n.parent is not None else None
         blocks = tuple(
-            StoredBlock(n.key, len(n.tokens), n.tokens, lc, self.pages[n.pages[lc]].tier,
+            StoredBlock(n.key, len(n.tokens), n.tokens, lc, self.tier_ids[self.pages[n.pages[lc]].tier],
                         self.pages[n.pages[lc]].priority)
             for lc in lcs
         )
@@ -501,6 +506,7 @@ class PyKVCacheManager(KVCacheManager):
             "lc": [dict(c) for c in counters["lc"]],
             "tiers": [
                 {
+                    "tier": self.tier_ids[t],
                     "kind": self._rc.tier_kinds[t],
                     "lc": [
                         {"total": p.total, "free": p.nfree, "locked": p.locked, "held": p.held,

@@ -35,7 +35,7 @@ def snapshot(mgr) -> dict:
     for serial in sorted(mgr.pages):
         p = mgr.pages[serial]
         pages.append({
-            "serial": p.serial, "lc": p.lc, "tier": p.tier, "slot": p.slot, "coverage": p.coverage,
+            "serial": p.serial, "lc": p.lc, "tier": mgr.tier_ids[p.tier], "slot": p.slot, "coverage": p.coverage,
             "state": p.state, "priority": p.priority, "last_used": p.last_used, "ordinal": p.ordinal,
             "node": p.node if p.node != NO_NODE else None, "locks": p.locks, "holds": p.holds,
         })
@@ -63,8 +63,9 @@ def snapshot(mgr) -> dict:
         "clock": mgr.clock,
         "tree": nodes,
         "pages": pages,
-        "pools": [[{"total": p.total, "free": p.nfree, "free_slots": sorted(p.free_slots)} for p in tier]
-                  for tier in mgr.pools],
+        "pools": [{"tier": mgr.tier_ids[t], "kind": mgr._rc.tier_kinds[t],
+                   "lc": [{"total": p.total, "free": p.nfree, "free_slots": sorted(p.free_slots)} for p in tier]}
+                  for t, tier in enumerate(mgr.pools)],
         "requests": requests,
         "stats": mgr.stats(),
         "iteration_stats": mgr._stats_view(mgr.iteration),
