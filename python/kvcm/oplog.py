@@ -9,7 +9,16 @@ one line per public call).  ``{pid}`` in the path is replaced by the process id.
     {"m": "<pid>.<n>", "step": 0, "op": "create_kv_cache", "args": {...}, "outcome": {...}}
 
 Several managers may write to one file: ``m`` tells their records apart and each replays
-independently.  Only state-visible public calls are recorded (the :mod:`kvcm.ops`
+independently.
+
+Recording never changes what a call does (SPEC sec. 15): a record is taken under the
+proxy's lock together with the call it records, so records from several threads are in
+the order the calls took effect; a write that fails (a full disk, an I/O error) stops that
+file's logging with one :class:`OpLogWarning`, and ``RecordingManager.oplog_error`` then
+says why; the line cut short is cut off, so the file stays a replayable prefix.  The file
+is opened once per process and path: created ``0600`` (an existing one is tightened to
+``0600``), never through a symlink, and only if it is a regular file of this user with one
+link; otherwise building the manager raises an ``OSError`` that names ``KVCM_OPLOG``.  Only state-visible public calls are recorded (the :mod:`kvcm.ops`
 vocabulary); property reads, ``snapshot()`` and ``check_invariants()`` are not.
 
 Replay: :func:`replay` (``python -m kvcm oplog-replay PATH [--backend python,cpp]``, wired
@@ -23,15 +32,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import itertools
 import json
 import os
+import stat
 import sys
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvcm import ops as _ops
 from kvcm.api import (
@@ -117,23 +130,162 @@ def oplog_path() -> str | None:
     return p or None
 
 
-class _LogWriter:
-    """Appends JSON lines to one file; shared by every manager of a process logging there."""
+class OpLogWarning(RuntimeWarning):
+    """The op log stopped recording (a write failed); the calls themselves went on."""
 
-    _lock = threading.Lock()
+
+def _open_log(path: str) -> int:
+    """Open ``path`` for appending, the way a file that holds prompts must be: created
+    ``0600`` (an existing one of ours is tightened to ``0600``), never through a symlink
+    (``O_NOFOLLOW``), and only a regular file of this user with no other hard link.
+    Raises OSError saying why."""
+    d = os.path.dirname(path)
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o600)  # O_NONBLOCK: a FIFO without a reader fails, not hangs
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise OSError(e.errno, "is a symbolic link (refused: the op log holds prompts)") from None
+        if e.errno == errno.ENXIO:
+            raise OSError(e.errno, "is not a regular file") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "is not a regular file")
+        if st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"belongs to uid {st.st_uid}, not to this user (uid {os.geteuid()})")
+        if st.st_nlink != 1:
+            raise OSError(errno.EMLINK, f"has {st.st_nlink} hard links (refused: the op log holds prompts)")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.fchmod(fd, 0o600)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _LogFile:
+    """One op-log file open for appending, shared by every manager of this process that
+    logs to it (one descriptor; ``lock`` keeps each record one contiguous line)."""
+
+    _open: ClassVar[dict[str, _LogFile]] = {}
+    _registry: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.lock = threading.Lock()
+        self.error: str | None = None  # why writing stopped; None while it works
+        self.users = 0
+
+    @classmethod
+    def acquire(cls, path: str) -> _LogFile:
+        """The open file for ``path`` (opened now when none is, or when the open one
+        failed: a new manager gets a fresh, complete stream)."""
+        with cls._registry:
+            f = cls._open.get(path)
+            if f is None or f.error is not None:
+                f = cls._open[path] = cls(path, _open_log(path))
+            f.users += 1
+            return f
+
+    def release(self) -> None:
+        with self._registry:
+            self.users -= 1
+            if self.users == 0:
+                if self._open.get(self.path) is self:
+                    del self._open[self.path]
+                with self.lock:
+                    fd, self.fd = self.fd, -1
+                if fd >= 0:
+                    os.close(fd)
+
+    def append(self, line: str) -> str | None:
+        """Append one line; the error that stopped this file (now or before), else None.
+        Never raises.  A line cut short by the failure is cut off again, so the file stays
+        a replayable prefix."""
+        data = (line + "\n").encode("utf-8")
+        with self.lock:
+            if self.error is not None:
+                return self.error
+            done = 0
+            try:
+                while done < len(data):
+                    done += os.write(self.fd, data[done:])
+            except OSError as e:
+                if done:
+                    try:
+                        os.ftruncate(self.fd, os.fstat(self.fd).st_size - done)
+                    except OSError:
+                        pass
+                self.error = f"writing {self.path} failed: {e}"
+                warnings.warn(
+                    f"kvcm op log ({ENV_VAR}): {self.error}; op logging stopped, the log is incomplete "
+                    "(the calls themselves are unaffected)",
+                    OpLogWarning,
+                    stacklevel=5,
+                )
+            return self.error
+
+
+def _release(f: _LogFile) -> None:
+    f.release()
+
+
+class _LogWriter:
+    """One manager's stream in an op-log file: its id ``m``, its step counter, and whether
+    it still records.  :meth:`write` never raises: the op log never changes a call."""
+
     _counter = itertools.count()
 
-    def __init__(self, path: str) -> None:
-        self.path = path.replace("{pid}", str(os.getpid()))
-        d = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(d, exist_ok=True)
+    def __init__(self, path: str, *, from_env: bool = True) -> None:
+        self.path = os.path.abspath(path.replace("{pid}", str(os.getpid())))
+        try:
+            self._file = _LogFile.acquire(self.path)
+        except OSError as e:
+            where = f"{ENV_VAR}={path!r}" if from_env else f"op log {path!r}"
+            raise OSError(e.errno, f"{where}: cannot open {self.path} for the op log: {e.strerror or e}") from None
+        weakref.finalize(self, _release, self._file)
         self.m = f"{os.getpid()}.{next(self._counter)}"
         self.step = 0
+        self._error: str | None = None
+
+    @property
+    def error(self) -> str | None:
+        return self._error or self._file.error
 
     def write(self, record: dict[str, Any]) -> None:
-        line = _ops.dumps(record)
-        with self._lock, open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        if self.error is not None:
+            return
+        try:
+            line = _ops.dumps(record)
+        except Exception as e:  # noqa: BLE001 - an unencodable record stops the log, not the call
+            self._stop(f"cannot encode a {record.get('op', 'header')!r} record: {type(e).__name__}: {e}")
+            return
+        self._file.append(line)
+
+    def encode(self, name: str, args: dict[str, Any]) -> dict[str, Any] | None:
+        """The JSON form of a call's arguments, or None (logging stopped, or they cannot be
+        encoded: that stops this stream's logging)."""
+        if self.error is not None:
+            return None
+        try:
+            return _ops.encode_args(name, args)
+        except Exception as e:  # noqa: BLE001 - as in write()
+            self._stop(f"cannot encode the arguments of {name}: {type(e).__name__}: {e}")
+            return None
+
+    def _stop(self, why: str) -> None:
+        self._error = why
+        warnings.warn(
+            f"kvcm op log ({ENV_VAR}) {self.path}: {why}; op logging of manager {self.m} stopped, "
+            "the log is incomplete (the calls themselves are unaffected)",
+            OpLogWarning,
+            stacklevel=5,
+        )
 
 
 class RecordingManager(KVCacheManager):
@@ -157,17 +309,22 @@ class RecordingManager(KVCacheManager):
         from kvcm._select import manager_class
 
         backend = kw.pop("backend", None)
-        inner = manager_class(backend)(*args, **kw)
-        self._setup(inner, path)
+        log = _LogWriter(path)  # an unusable path fails before any manager exists
+        self._setup(manager_class(backend)(*args, **kw), log)
 
-    def _setup(self, inner: KVCacheManager, path: str) -> None:
+    def _setup(self, inner: KVCacheManager, log: _LogWriter) -> None:
         self._inner = inner
-        self._log = _LogWriter(path)
+        self._log = log
         self._caches: list[RecordingCache] = []
-        self._log.write(
+        # Held around each call *and* its record: the file's order is the order the calls
+        # took effect (both backends serialise a manager's calls; every call of this
+        # manager goes through this proxy, so this lock admits them in that same order).
+        # Reentrant: a token iterable may call back into a cache of this manager.
+        self._call_lock = threading.RLock()
+        log.write(
             {
                 "kvcm_oplog": FORMAT_VERSION,
-                "m": self._log.m,
+                "m": log.m,
                 "backend": getattr(inner, "backend_name", type(inner).__name__),
                 "config": config_to_json(inner.config),
             }
@@ -175,28 +332,47 @@ class RecordingManager(KVCacheManager):
 
     # -- recording ------------------------------------------------------------------
     def _record(self, name: str, cache: int | None, args: dict[str, Any], call, post=None) -> Any:
-        rec: dict[str, Any] = {"m": self._log.m, "step": self._log.step, "op": name}
-        if cache is not None:
-            rec["cache"] = cache
-        if args:
-            rec["args"] = _ops.encode_args(name, args)
-        self._log.step += 1
-        try:
-            result = call()
-        except Exception as e:
-            rec["outcome"] = _ops.error_outcome(e)
-            rec["message"] = str(e)
-            self._log.write(rec)
-            raise
-        if name == "create_kv_cache":
-            wrapped = RecordingCache(result, self, len(self._caches))
-            self._caches.append(wrapped)
-            rec["outcome"] = {"result": wrapped._handle}
-            self._log.write(rec)
-            return wrapped
-        rec["outcome"] = {"result": post(result) if post is not None else _ops.normalize(result)}
-        self._log.write(rec)
-        return result
+        with self._call_lock:
+            log = self._log
+            rec: dict[str, Any] | None = None
+            if log.error is None:
+                rec = {"m": log.m, "step": log.step, "op": name}
+                if cache is not None:
+                    rec["cache"] = cache
+                if args:
+                    enc = log.encode(name, args)
+                    rec = None if enc is None else dict(rec, args=enc)
+            log.step += 1
+            try:
+                result = call()
+            except Exception as e:
+                if rec is not None:
+                    rec["outcome"] = _ops.error_outcome(e)
+                    rec["message"] = str(e)
+                    log.write(rec)
+                raise
+            if name == "create_kv_cache":
+                result = RecordingCache(result, self, len(self._caches))
+                self._caches.append(result)
+                if rec is not None:
+                    rec["outcome"] = {"result": result._handle}
+                    log.write(rec)
+                return result
+            if rec is not None:
+                try:
+                    rec["outcome"] = {"result": post(result) if post is not None else _ops.normalize(result)}
+                except Exception as e:  # noqa: BLE001 - as in _LogWriter.write
+                    log._stop(f"cannot encode the result of {name}: {type(e).__name__}: {e}")
+                else:
+                    log.write(rec)
+            return result
+
+    @property
+    def oplog_error(self) -> str | None:
+        """None while this manager's calls are being logged; once a write failed (e.g. the
+        disk is full) or a record could not be encoded, why logging stopped (an
+        :class:`OpLogWarning` said so once).  The calls themselves are never affected."""
+        return self._log.error
 
     # -- forwarded, unrecorded -----------------------------------------------------
     @property
@@ -409,8 +585,9 @@ def _buffer_spec(out: Any) -> tuple[int, str]:
 
 def wrap(manager: KVCacheManager, path: str) -> RecordingManager:
     """A recording proxy around an already-built manager, logging to ``path``."""
+    log = _LogWriter(path, from_env=False)
     proxy = RecordingManager.__new__(RecordingManager)
-    proxy._setup(manager, path)
+    proxy._setup(manager, log)
     return proxy
 
 
@@ -431,7 +608,9 @@ def maybe_wrap(manager: KVCacheManager) -> KVCacheManager:
     path = oplog_path()
     if path is None or isinstance(manager, RecordingManager):
         return manager
-    return wrap(manager, path)
+    proxy = RecordingManager.__new__(RecordingManager)
+    proxy._setup(manager, _LogWriter(path))
+    return proxy
 
 
 # ---------------------------------------------------------------------------------------
@@ -827,6 +1006,7 @@ __all__ = [
     "ENV_VAR",
     "Divergence",
     "Lockstep",
+    "OpLogWarning",
     "RecordingCache",
     "RecordingManager",
     "ReplayReport",
