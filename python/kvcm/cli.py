@@ -9,6 +9,12 @@ Subcommands::
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
 
+Exit status (every command): 0 success; 1 a failure the command reports -- a backend that
+raised an unexpected error (``replay``, ``bench``), a divergence (``oplog-replay``), outputs
+that differ from the no-cache run (``demo``); 2 bad usage or bad input -- an option out of
+range, an unreadable or malformed trace or op log (one line on stderr naming the file, the
+line and the field, never a traceback), an unusable ``--device``, an empty replay.
+
 ``replay`` runs each backend in turn on the same trace and prints a side-by-side table;
 a backend that raises NotImplementedError shows ``not implemented yet (issue #3)`` in its
 column (likewise ``unavailable (...)`` for one that is not built).  The exit code is 0
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import platform
 import sys
@@ -39,6 +46,11 @@ DEFAULT_REPLAY_LIMIT = 1000
 DEFAULT_BENCH_LIMIT = 500
 NOT_IMPLEMENTED = "not implemented yet (issue #3)"
 ERROR_PREFIX = "error: "
+REPLAY_EXIT_CODES = (
+    "exit status: 0 at least one backend ran and none failed; 1 a backend raised an unexpected error "
+    "(traceback on stderr); 2 bad usage, or an unreadable or malformed trace (one line naming the file, "
+    "line and field), or nothing to replay. A quota above what the replay can use is capped (noted)."
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -76,8 +88,8 @@ def _frac(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < v:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return v
 
 
@@ -176,6 +188,16 @@ def _quota(blocks: int | None, frac: float | None, unique: Callable[[], int]) ->
     return None
 
 
+def _capped(what: str, quota: int | None, most: int) -> int | None:
+    """A quota above what the replay can ever use (``most``: every block of every request,
+    plus one) behaves exactly like ``most`` -- nothing is evicted either way -- but would
+    make the pools allocate per-slot state for it: capped, with a note."""
+    if quota is None or quota <= most:
+        return quota
+    print(f"note: {what} quota {_fmt_int(quota)} blocks is more than this replay can use; capped at {_fmt_int(most)}")
+    return most
+
+
 def _result_rows(results: dict[str, Any]) -> list[list[str]]:
     def row(label: str, f: Callable[[Any], str]) -> list[str]:
         out = [label]
@@ -252,6 +274,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         limit = DEFAULT_REPLAY_LIMIT
     start = args.start
     trace = full[start:] if limit is None else full[start : start + limit]
+    name = os.path.basename(args.trace) if args.trace else "shipped Mooncake synthetic trace"
+    if not trace:
+        why = f"it has {len(full)}" + (f", --start {start}" if start else "") + (
+            f", --limit {limit}" if limit is not None else ""
+        )
+        print(f"replay: {args.trace or name}: no requests to replay ({why})", file=sys.stderr)
+        return 2
     B = args.block_size
     uniq: list[int] = []
 
@@ -260,9 +289,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             uniq.append(unique_blocks(trace, B))
         return uniq[0]
 
-    gpu = _quota(args.gpu_blocks, args.gpu_frac, unique)
-    host = _quota(args.host_blocks, args.host_frac, unique)
-    name = os.path.basename(args.trace) if args.trace else "shipped Mooncake synthetic trace"
+    most = total_blocks(trace, B, args.outputs) + 1
+    gpu = _capped("gpu", _quota(args.gpu_blocks, args.gpu_frac, unique), most)
+    host = _capped("host", _quota(args.host_blocks, args.host_frac, unique), most)
     gpu_desc = (
         f"{_fmt_int(gpu)} blocks"
         if gpu is not None
@@ -489,12 +518,22 @@ def cmd_oplog_replay(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvcm", description="kvcm: a KV-cache block manager")
+    p = argparse.ArgumentParser(
+        prog="python -m kvcm",
+        description="kvcm: a KV-cache block manager",
+        epilog="exit status: 0 success; 1 a failure the command reports (a backend error, a divergence, a "
+        "mismatch); 2 bad usage or bad input (one line naming the file, line and field). "
+        "See each command's --help.",
+    )
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     sub.add_parser("info", help="active backend, version, cpp extension and build details")
 
-    r = sub.add_parser("replay", help="replay a trace on one or more backends, side by side")
+    r = sub.add_parser(
+        "replay",
+        help="replay a trace on one or more backends, side by side",
+        epilog=REPLAY_EXIT_CODES,
+    )
     r.add_argument("trace", nargs="?", default=None, help="a .jsonl or .jsonl.gz trace (default: the shipped one)")
     r.add_argument("--backend", type=_backends, default=["python", "cpp"], help="comma-separated (default python,cpp)")
     r.add_argument("--block-size", type=_int_in(1, 4096), default=32, help="tokens_per_block (default 32)")

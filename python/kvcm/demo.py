@@ -6,8 +6,10 @@ tier (a temporary directory), and prints per backend: tokens reused, copy ops by
 (and by route), and whether the outputs are identical to a no-cache run of the same model.
 
 Exit code: 0 when at least one backend ran and every backend that ran matched the no-cache
-run; 1 on a mismatch or an unexpected error; a backend without the request life cycle yet
-(NotImplementedError) or not built is reported and does not fail the demo.
+run; 1 on a mismatch or an unexpected error; 2 on bad usage (an unknown backend, a
+``--device`` -- or ``KVCM_ENGINE_DEVICE`` -- that torch cannot use); a backend without the
+request life cycle yet (NotImplementedError) or not built is reported and does not fail
+the demo.
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ def _mark(ok: bool) -> str:
     except (UnicodeEncodeError, LookupError):
         sym = "OK" if ok else "FAIL"
     return sym
+
+
+def _unusable_device(device: str) -> str | None:
+    """Why torch cannot put a tensor on ``device`` (one line), or None when it can."""
+    import torch
+
+    try:
+        torch.empty(1, device=torch.device(device))
+    except (RuntimeError, ValueError, TypeError, AssertionError) as e:
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return None
 
 
 def run_backend(backend: str, workload_name: str, device: str | None) -> dict:
@@ -83,7 +96,12 @@ def _guarded(backend: str, workload: str, device: str | None) -> tuple[dict | No
 def main(argv: Sequence[str] | None = None) -> int:
     from kvcm.engine import BUILTIN_WORKLOADS, ModelConfig, default_device
 
-    p = argparse.ArgumentParser(prog="python -m kvcm demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kvcm demo",
+        description=__doc__.split("\n\n")[0],
+        epilog="exit status: 0 every backend that ran matched the no-cache run; 1 a mismatch or an unexpected "
+        "error; 2 bad usage (an unknown backend, an unusable --device)",
+    )
     p.add_argument("--backend", default="python,cpp", help="comma-separated backends (default python,cpp)")
     p.add_argument("--workload", choices=sorted(BUILTIN_WORKLOADS), default="multi-turn")
     p.add_argument("--device", default=None, help="where the gpu tier lives (default $KVCM_ENGINE_DEVICE or cpu)")
@@ -94,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for b in backends:
         if b not in BACKENDS:
             p.error(f"unknown backend {b!r}; choices: {', '.join(BACKENDS)}")
+    why = _unusable_device(args.device or default_device())
+    if why is not None:
+        where = "--device" if args.device else "KVCM_ENGINE_DEVICE"
+        p.error(f"{where} {args.device or default_device()!r}: {why}")
 
     from kvcm.engine import builtin_workload, torch_threads
 

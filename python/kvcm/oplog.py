@@ -54,6 +54,7 @@ from kvcm.api import (
     KVCacheManagerConfig,
     SsmLayer,
     Tier,
+    resolve_config,
 )
 
 ENV_VAR = "KVCM_OPLOG"
@@ -96,28 +97,78 @@ def config_to_json(config: KVCacheManagerConfig) -> dict[str, Any]:
 
 
 def config_from_json(data: dict[str, Any]) -> KVCacheManagerConfig:
+    """The config of a log's header; a malformed one raises ValueError naming the field
+    (``config.layers[1]: unknown keys ['colour']``), an invalid one the shared validator's
+    ConfigError (also a ValueError)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"config: must be an object, got {_json_kind(data)}")  # noqa: TRY004 - a malformed log is a ValueError
     fields = {f.name for f in dataclasses.fields(KVCacheManagerConfig)}
     unknown = set(data) - fields
     if unknown:
         raise ValueError(f"config: unknown keys {sorted(unknown)}")
     kw = dict(data)
     layers = []
-    for d in kw.get("layers", []):
+    raw_layers = kw.get("layers", [])
+    if not isinstance(raw_layers, list):
+        raise ValueError(f"config.layers: must be a list, got {_json_kind(raw_layers)}")  # noqa: TRY004 - a malformed log is a ValueError
+    for i, d in enumerate(raw_layers):
+        if not isinstance(d, dict):
+            raise ValueError(f"config.layers[{i}]: must be an object, got {_json_kind(d)}")  # noqa: TRY004 - a malformed log is a ValueError
         d = dict(d)
         kind = d.pop("type", None)
         if kind == "attention":
-            layers.append(AttentionLayer(**d))
+            cls: type = AttentionLayer
         elif kind == "ssm":
-            layers.append(SsmLayer(**d))
+            cls = SsmLayer
         else:
-            raise ValueError(f"config: unknown layer type {kind!r}")
+            raise ValueError(f"config.layers[{i}].type: unknown layer type {kind!r}; choices: attention, ssm")
+        layers.append(_build(cls, d, f"config.layers[{i}]"))
     kw["layers"] = layers
-    kw["tiers"] = [Tier(**t) for t in kw.get("tiers", [])]
+    raw_tiers = kw.get("tiers", [])
+    if not isinstance(raw_tiers, list):
+        raise ValueError(f"config.tiers: must be a list, got {_json_kind(raw_tiers)}")  # noqa: TRY004 - a malformed log is a ValueError
+    tiers = []
+    for i, t in enumerate(raw_tiers):
+        if not isinstance(t, dict):
+            raise ValueError(f"config.tiers[{i}]: must be an object, got {_json_kind(t)}")  # noqa: TRY004 - a malformed log is a ValueError
+        tiers.append(_build(Tier, t, f"config.tiers[{i}]"))
+    kw["tiers"] = tiers
     pr = kw.get("pool_ratio")
     if pr is not None:
         items = pr.items() if isinstance(pr, dict) else pr
-        kw["pool_ratio"] = {int(k): w for k, w in items}
-    return KVCacheManagerConfig(**kw)
+        try:
+            kw["pool_ratio"] = {int(k): w for k, w in items}
+        except (TypeError, ValueError):
+            raise ValueError(f"config.pool_ratio: must be [[lc, weight], ...], got {_short(pr)}") from None
+    try:
+        return KVCacheManagerConfig(**kw)
+    except TypeError as e:  # a required field is missing, or a field of the wrong shape
+        raise ValueError(f"config: {e}") from None
+
+
+def _build(cls: type, d: dict[str, Any], where: str) -> Any:
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(d) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {names}")
+    try:
+        return cls(**d)
+    except TypeError as e:  # a required field is missing
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _json_kind(v: Any) -> str:
+    if isinstance(v, dict):
+        return "an object"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, bool) or v is None:
+        return json.dumps(v)
+    if isinstance(v, (int, float)):
+        return "a number"
+    return type(v).__name__
 
 
 # ---------------------------------------------------------------------------------------
@@ -626,14 +677,33 @@ class LoggedManager:
     config: dict[str, Any]
     backend: str | None
     ops: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)  # the log line of each op (1-based)
+
+
+class LogFormatError(ValueError):
+    """A malformed op log: ``str()`` is one line naming the file, the line and the field."""
+
+    def __init__(self, source: str, line: int | None, message: str) -> None:
+        super().__init__(f"{source}:{line}: {message}" if line is not None else f"{source}: {message}")
+        self.source = source
+        self.line = line
 
 
 def read_log(path_or_lines: str | Iterable[str]) -> list[LoggedManager]:
-    """Parse a log (a path, or an iterable of JSON lines) into manager streams."""
+    """Parse a log (a path, or an iterable of JSON lines) into manager streams.  A
+    malformed log raises :class:`LogFormatError` (a ValueError) naming the line and field:
+    each record must be a JSON object; a header (``kvcm_oplog``) needs this format version
+    and a valid ``config``; an op record must be a well-formed op (:func:`kvcm.ops.validate_op`)
+    with an object ``outcome``."""
     if isinstance(path_or_lines, str):
+        source = path_or_lines
         with open(path_or_lines, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+            try:
+                lines = f.read().splitlines()
+            except UnicodeDecodeError as e:
+                raise LogFormatError(source, None, f"not UTF-8 text ({e})") from None
     else:
+        source = "<op log>"
         lines = list(path_or_lines)
     streams: dict[str, LoggedManager] = {}
     order: list[str] = []
@@ -641,20 +711,50 @@ def read_log(path_or_lines: str | Iterable[str]) -> list[LoggedManager]:
         line = line.strip()
         if not line:
             continue
+
+        def bad(message: str, lineno: int = lineno) -> LogFormatError:
+            return LogFormatError(source, lineno, message)
+
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"op log line {lineno}: not JSON ({e})") from None
-        m = str(rec.get("m", "0"))
+            raise bad(f"not JSON ({e})") from None
+        except RecursionError:
+            raise bad("JSON nested too deeply") from None
+        if not isinstance(rec, dict):
+            raise bad(f"a record must be a JSON object, got {_json_kind(rec)}")
+        m = rec.get("m", "0")
+        if not isinstance(m, (str, int)) or isinstance(m, bool):
+            raise bad(f"m: must be a string, got {_json_kind(m)}")
+        m = str(m)
         if "kvcm_oplog" in rec:
+            if rec["kvcm_oplog"] != FORMAT_VERSION:
+                raise bad(f"kvcm_oplog: unsupported format version {_short(rec['kvcm_oplog'])} (this kvcm reads {FORMAT_VERSION})")
             if m in streams:
-                raise ValueError(f"op log line {lineno}: manager {m} declared twice")
-            streams[m] = LoggedManager(m=m, config=rec["config"], backend=rec.get("backend"))
+                raise bad(f"manager {m} declared twice")
+            if "config" not in rec:
+                raise bad(f"config: missing from the header of manager {m}")
+            try:
+                resolve_config(config_from_json(rec["config"]))  # checked here: a bad one is a bad log
+            except ValueError as e:
+                msg = str(e)
+                raise bad(msg if msg.startswith("config") else f"config.{msg}") from None
+            except RecursionError:
+                raise bad("config: nested too deeply") from None
+            backend = rec.get("backend")
+            streams[m] = LoggedManager(m=m, config=rec["config"], backend=backend if isinstance(backend, str) else None)
             order.append(m)
             continue
         if m not in streams:
-            raise ValueError(f"op log line {lineno}: op for manager {m} before its config line")
+            raise bad(f"op for manager {m} before its config line")
+        try:
+            _ops.validate_op(rec)
+        except _ops.OpError as e:
+            raise bad(str(e)) from None
+        if "outcome" in rec and not isinstance(rec["outcome"], dict):
+            raise bad(f"outcome: must be an object, got {_json_kind(rec['outcome'])}")
         streams[m].ops.append(rec)
+        streams[m].lines.append(lineno)
     return [streams[m] for m in order]
 
 
@@ -678,6 +778,7 @@ class Divergence:
     kind: str
     detail: str
     outcomes: dict[str, Any] = field(default_factory=dict)  # "recorded" / side name -> outcome
+    line: int | None = None  # the op's line in the replayed log file, when known
 
     @property
     def signature(self) -> tuple[str, str]:
@@ -952,16 +1053,19 @@ def replay(
             report.divergence = Divergence(stream.m, -1, {"op": "<construct>"}, "construct", f"{type(e).__name__}: {e}")
             break
         ls = Lockstep(managers, backends, check_invariants=check_invariants, m=stream.m)
-        for rec in stream.ops:
+        for rec, lineno in zip(stream.ops, stream.lines):
             op = {k: v for k, v in rec.items() if k in ("op", "args", "cache")}
             d = ls.step(op, rec.get("outcome"))
             report.steps += 1
             if d is not None:
+                d.line = lineno
                 report.divergence = d
                 break
         if report.divergence is not None:
             d = report.divergence
-            if minimize_divergence and (len(backends) > 1 or d.kind in ("invariants", "not_implemented")):
+            if d.kind != "op" and minimize_divergence and (
+                len(backends) > 1 or d.kind in ("invariants", "not_implemented")
+            ):
                 recs = minimize(config, factory, backends, stream.ops[: d.step + 1], d.signature)
                 report.minimized = format_log(stream.config, recs, m=stream.m)
             break
@@ -970,8 +1074,14 @@ def replay(
 
 def main_replay(argv: Sequence[str] | None = None) -> int:
     """``python -m kvcm oplog-replay PATH [--backend python,cpp] [--minimize OUT]``;
-    exit 0 = no divergence, 1 = divergence, 2 = bad usage / unreadable log."""
-    p = argparse.ArgumentParser(prog="python -m kvcm oplog-replay", description="Replay a kvcm op log (KVCM_OPLOG).")
+    exit 0 = no divergence, 1 = divergence, 2 = bad usage / unreadable or malformed log
+    (one line on stderr naming the file, the line and the field)."""
+    p = argparse.ArgumentParser(
+        prog="python -m kvcm oplog-replay",
+        description="Replay a kvcm op log (KVCM_OPLOG).",
+        epilog="exit status: 0 no divergence, 1 a divergence (printed), 2 bad usage or an unreadable or malformed "
+        "log (one line naming the file, line and field)",
+    )
     p.add_argument("path")
     p.add_argument("--backend", default="python,cpp", help="comma-separated backends (default: python,cpp)")
     p.add_argument("--no-invariants", action="store_true", help="skip check_invariants() after each step")
@@ -986,8 +1096,15 @@ def main_replay(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         report = replay(a.path, backends, check_invariants=not a.no_invariants, minimize_divergence=bool(a.minimize))
-    except (OSError, ValueError) as e:
+    except LogFormatError as e:
         print(f"oplog-replay: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"oplog-replay: {a.path}: {e}", file=sys.stderr)
+        return 2
+    d = report.divergence
+    if d is not None and d.kind == "op":  # an op the log cannot mean (e.g. a cache never created)
+        print(f"oplog-replay: {LogFormatError(a.path, d.line, d.detail)}", file=sys.stderr)
         return 2
     print(report)
     if a.minimize and not report.ok:
@@ -1006,6 +1123,7 @@ __all__ = [
     "ENV_VAR",
     "Divergence",
     "Lockstep",
+    "LogFormatError",
     "OpLogWarning",
     "RecordingCache",
     "RecordingManager",

@@ -5,9 +5,12 @@ The package ships one workload: the synthetic trace of the Mooncake FAST'25 trac
 ``kvcm/data/LICENSE-mooncake-trace.md``), stored gzipped as
 ``kvcm/data/mooncake_synthetic_trace.jsonl.gz``.  3,993 requests, ~61.2M prompt tokens.
 
-Trace format (one JSON object per line): ``timestamp`` (ms), ``input_length`` (prompt
-tokens), ``output_length`` (generated tokens), ``hash_ids`` (one id per 512-token prompt
-block; equal ids at equal positions mean a shared prefix).
+Trace format (one JSON object per line): ``timestamp`` (ms, a finite number, optional),
+``input_length`` (prompt tokens, an integer >= 0), ``output_length`` (generated tokens, an
+integer >= 0, optional), ``hash_ids`` (a list of integers >= 0, one per 512-token prompt
+block, covering ``input_length``; equal ids at equal positions mean a shared prefix).
+Anything else (``5.7`` or ``true`` as a length, a string of hash ids, a truncated
+``.gz``) is rejected by :func:`load_trace` with a ValueError naming file, line and field.
 
 Token expansion (the rule of the trace's README, so every block size sees the same sharing):
 
@@ -31,7 +34,9 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 import os
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -70,29 +75,82 @@ def _open_text(path: str) -> io.TextIOBase:
     return open(path, encoding="utf-8")
 
 
+def _lines(f: Iterable[str], source: str) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a text stream; a stream that cannot be read to its end
+    (a truncated or corrupt ``.gz``, bytes that are not UTF-8) raises ValueError naming
+    the file and the line where reading stopped."""
+    lineno = 0
+    it = iter(f)
+    while True:
+        try:
+            line = next(it)
+        except StopIteration:
+            return
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise ValueError(f"{source}:{lineno + 1}: truncated or corrupt gzip data ({e})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{source}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
+        lineno += 1
+        yield lineno, line
+
+
+def _count(obj: dict, name: str, where: str, default: int | None = None) -> int:
+    """A length field: a JSON integer >= 0 (not a bool, not a float such as 5.7 or 1e400)."""
+    if name not in obj and default is not None:
+        return default
+    if name not in obj:
+        raise ValueError(f"{where}: {name}: missing")
+    v = obj[name]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{where}: {name}: must be an integer >= 0, got {json.dumps(v)}")  # noqa: TRY004 - a malformed trace is a ValueError
+    if v < 0:
+        raise ValueError(f"{where}: {name}: must be an integer >= 0, got {v}")
+    return v
+
+
+def _record(obj: object, where: str) -> tuple[tuple[int, ...], int, int, float]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: not a trace record (a JSON object), got {json.dumps(obj)[:40]}")  # noqa: TRY004 - a malformed trace is a ValueError
+    if "hash_ids" not in obj:
+        raise ValueError(f"{where}: hash_ids: missing")
+    raw = obj["hash_ids"]
+    if not isinstance(raw, list):
+        raise ValueError(f"{where}: hash_ids: must be a list of integers >= 0, got {json.dumps(raw)[:40]}")  # noqa: TRY004 - a malformed trace is a ValueError
+    for i, h in enumerate(raw):
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise ValueError(f"{where}: hash_ids[{i}]: must be an integer >= 0, got {json.dumps(h)[:40]}")
+    input_length = _count(obj, "input_length", where)
+    output_length = _count(obj, "output_length", where, default=0)
+    ts = obj.get("timestamp", 0)
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise ValueError(f"{where}: timestamp: must be a finite number, got {json.dumps(ts)[:40]}")
+    return tuple(raw), input_length, output_length, float(ts)
+
+
 def _parse(lines: Iterable[str], source: str) -> list[TraceRequest]:
+    """Records of a trace; the first malformed one raises ValueError with one line naming
+    the file, the line and the field (``trace.jsonl:3: input_length: must be an integer
+    >= 0, got 5.7``)."""
     out: list[TraceRequest] = []
-    for lineno, line in enumerate(lines, 1):
+    for lineno, line in _lines(lines, source):
         line = line.strip()
         if not line:
             continue
+        where = f"{source}:{lineno}"
         try:
             obj = json.loads(line)
-            hash_ids = tuple(int(h) for h in obj["hash_ids"])
-            input_length = int(obj["input_length"])
-            output_length = int(obj.get("output_length", 0))
-            timestamp = float(obj.get("timestamp", 0))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{source}:{lineno}: not a trace record ({e})") from None
-        if input_length < 0 or output_length < 0:
-            raise ValueError(f"{source}:{lineno}: negative length")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(f"{where}: JSON nested too deeply") from None
+        except ValueError as e:  # e.g. an integer literal past Python's digit limit
+            raise ValueError(f"{where}: not a trace record ({e})") from None
+        hash_ids, input_length, output_length, timestamp = _record(obj, where)
         if len(hash_ids) * HASH_BLOCK_TOKENS < input_length:
             raise ValueError(
-                f"{source}:{lineno}: {len(hash_ids)} hash ids cover only "
+                f"{where}: input_length: {len(hash_ids)} hash ids cover only "
                 f"{len(hash_ids) * HASH_BLOCK_TOKENS} of {input_length} input tokens"
             )
-        if any(h < 0 for h in hash_ids):
-            raise ValueError(f"{source}:{lineno}: negative hash id")
         out.append(TraceRequest(len(out), timestamp, input_length, output_length, hash_ids))
     return out
 
