@@ -215,7 +215,7 @@ def _result_rows(results: dict[str, Any]) -> list[list[str]]:
         ),
         row("onboards", lambda r: _fmt_int(r.onboards)),
         row("failed / preempted", lambda r: f"{r.failed} / {r.preemptions}"),
-        row("requests/s", lambda r: f"{r.requests_per_s:,.1f}"),
+        row("requests/s", lambda r: f"{r.requests_per_s:,.1f}" if r.requests else "n/a"),
         row("us/block", lambda r: f"{r.us_per_block:.2f}"),
         row("manager s / wall s", lambda r: f"{r.manager_s:.2f} / {r.wall_s:.2f}"),
     ]
