@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from kvcm import AttentionLayer, CopyOp, KVCacheManagerConfig, SsmLayer, Tier
-from kvcm.dataplane import DataPlane
+from kvcm.dataplane import DataPlane, DiskPool
 
 B = 4
 # lc 0: layers 0 and 3 (full attention, 32 + 16 bytes/token); lc 1: layer 1 (window);
@@ -42,16 +42,25 @@ def plane(tmp_path):
         yield p
 
 
+def raw(pool) -> torch.Tensor:
+    """A copy of a pool's bytes (a disk pool is read through its checksummed records)."""
+    return pool.read_all() if isinstance(pool, DiskPool) else pool.clone()
+
+
 def fill(p: DataPlane) -> None:
     """Distinct bytes everywhere, so every copy is visible."""
     for t, row in enumerate(p.pools):
         for lc, pool in enumerate(row):
-            n = pool.numel()
-            pool.view(-1).copy_((torch.arange(n) * 7 + t * 31 + lc * 101) % 251)
+            n = pool.shape[0] * pool.shape[1]
+            data = ((torch.arange(n) * 7 + t * 31 + lc * 101) % 251).to(torch.uint8).view(pool.shape)
+            if isinstance(pool, DiskPool):
+                pool.write_all(data)
+            else:
+                pool.copy_(data)
 
 
 def snapshot(p: DataPlane) -> list[list[torch.Tensor]]:
-    return [[pool.clone() for pool in row] for row in p.pools]
+    return [[raw(pool) for pool in row] for row in p.pools]
 
 
 def sequential(p: DataPlane, state: list[list[torch.Tensor]], ops) -> None:
@@ -61,7 +70,7 @@ def sequential(p: DataPlane, state: list[list[torch.Tensor]], ops) -> None:
 
 
 def same(p: DataPlane, state) -> bool:
-    return all(torch.equal(a.cpu(), b.cpu()) for ra, rb in zip(p.pools, state, strict=True)
+    return all(torch.equal(raw(a).cpu(), b.cpu()) for ra, rb in zip(p.pools, state, strict=True)
                for a, b in zip(ra, rb, strict=True))
 
 
@@ -69,7 +78,7 @@ def test_pools_follow_the_config(plane):
     assert plane.tier_kinds == ("gpu", "host", "disk")
     for t, n in enumerate((6, 5, 7)):
         assert [tuple(pool.shape) for pool in plane.pools[t]] == [(n, 192), (n, 64), (n, 24)]
-        assert all(pool.dtype == torch.uint8 for pool in plane.pools[t])
+        assert all(raw(pool).dtype == torch.uint8 for pool in plane.pools[t])
     assert plane.pool("gpu", 0).device == torch.device("cpu")
     assert [plane.lc_of(i) for i in range(4)] == [0, 1, 2, 0]
 
@@ -152,7 +161,7 @@ def test_swaps_and_chains_keep_sequential_semantics(plane):
     assert same(plane, state)
     assert torch.equal(plane.pool("gpu", 0)[0], before[GPU][0][1])
     assert torch.equal(plane.pool("gpu", 0)[1], before[GPU][0][0])
-    assert torch.equal(plane.pool("disk", 1)[4], before[GPU][1][2])
+    assert torch.equal(raw(plane.pool("disk", 1))[4], before[GPU][1][2])
     assert plane.runs < len(ops)  # still batched where it could be
     assert DataPlane.runs_of(ops) == [ops[0:1], ops[1:2], ops[2:4], ops[4:6]]
 
@@ -215,12 +224,17 @@ def test_ops_as_json_lists(plane):
 def test_disk_tier_is_a_file_under_its_path(tmp_path):
     p = DataPlane(config(tmp_path), shapes=SHAPES)
     files = sorted(os.listdir(tmp_path / "pool"))
-    assert len(files) == 3 and all(f.startswith("kvcm-pool-") for f in files)
-    p.state(2, "disk")[6] = 4.25
+    assert len(files) == 3 and all(f.startswith(f"kvcm-pool-{os.getpid()}-") for f in files)
+    state = torch.full((6,), 4.25).view(torch.uint8)
+    p.pool("disk", 2).write_rows([6], state.view(1, 24))
     lc2 = next(f for f in files if f.endswith("-lc2.bin"))
-    raw = (tmp_path / "pool" / lc2).read_bytes()
-    assert len(raw) == 7 * 24
-    assert torch.equal(torch.frombuffer(bytearray(raw[6 * 24:]), dtype=torch.float32), torch.full((6,), 4.25))
+    data = (tmp_path / "pool" / lc2).read_bytes()
+    rec = 24 + 8  # slot bytes + crc32 trailer
+    assert len(data) == 7 * rec  # the whole file is reserved up front
+    assert torch.equal(torch.frombuffer(bytearray(data[6 * rec:6 * rec + 24]), dtype=torch.float32),
+                       torch.full((6,), 4.25))
+    with pytest.raises(ValueError, match="no tensor views"):
+        p.state(2, "disk")
     p.close()
     assert os.listdir(tmp_path / "pool") == []
 
