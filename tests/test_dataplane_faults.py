@@ -52,7 +52,7 @@ def small_fs(request, tmp_path, monkeypatch):
         if not _mount_tmpfs(d, "64k"):
             pytest.skip("cannot mount a tmpfs here (needs root); the injected variant runs instead")
         yield d
-        subprocess.run(["umount", str(d)], check=False)
+        subprocess.run(["umount", "-l", str(d)], check=False)
         return
     real = os.posix_fallocate
     used = {"bytes": 0}
@@ -149,7 +149,7 @@ def test_write_to_a_truncated_file_on_a_full_filesystem_is_a_copy_error(tmp_path
         assert p.copies["cow"] == 1 and p.copies["offload"] == 0
     finally:
         p.close()
-        subprocess.run(["umount", str(d)], check=False)
+        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def test_corrupted_disk_page_fails_its_checksum(tmp_path):

@@ -347,10 +347,11 @@ class Engine:
         except CopyError as e:
             self.counters["copy_failures"] += 1
             for cache_id in self.mgr.forget_copies(e.ops):
-                r = self._by_id[cache_id]
-                r.rolled_back = True
-                r.rollbacks += 1
                 self.counters["rollbacks"] += 1
+                r = self._by_id.get(cache_id)
+                if r is not None:  # (a cache of this manager that is not the engine's)
+                    r.rolled_back = True
+                    r.rollbacks += 1
 
     def close(self) -> None:
         self.plane.close()
