@@ -424,6 +424,16 @@ void bind_manager(nb::module_& m) {
              std::vector<kvcm::CopyOpC> ops = quick(mgr, [&] { return mgr.drain_copy_ops(); });
              return copy_op_list(ops);
            })
+      .def(
+          "forget_copies",
+          [](Manager& mgr, const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                                                        std::int64_t, std::string>>& items) {
+            std::vector<kvcm::CopyOpC> ops;  // reasons point into `items`, alive for the call
+            ops.reserve(items.size());
+            for (const auto& [lc, st, ss, dt, ds, reason] : items) ops.push_back({lc, st, ss, dt, ds, reason.c_str()});
+            return locked(mgr, [&] { return mgr.forget_copies(ops); });
+          },
+          "ops"_a)
       .def("clear_reusable", [](Manager& mgr) { locked(mgr, [&] { mgr.clear_reusable(); }); })
       .def("shutdown", [](Manager& mgr) { locked(mgr, [&] { mgr.shutdown(); }); })
       .def("is_shutdown", [](Manager& mgr) { return quick(mgr, [&] { return mgr.is_shutdown(); }); })

@@ -170,6 +170,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.config: KVCacheManagerConfig | None = None
         self.bases: list[list] = []
         self.disabled: set[str] = set()
+        self.last_drain: list[list] = []  # the last drain's ops not reported yet (JSON form)
 
     @property
     def names(self) -> list[str]:
@@ -228,7 +229,10 @@ class DifferentialMachine(RuleBasedStateMachine):
             if d.kind == "not_implemented":
                 raise NotImplementedError(d.detail)
             self.fail(d)
-        return self.ls.records[-1]["outcome"]
+        out = self.ls.records[-1]["outcome"]
+        if op["op"] == "drain_copy_ops" and isinstance(out.get("result"), list):
+            self.last_drain = list(out["result"])
+        return out
 
     def fail(self, d) -> None:
         """Minimise the ops so far to a shortest sequence with the same divergence and
@@ -405,6 +409,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.run({"op": "commit", "cache": h, "args": {"tokens": tokens}})
         if data.draw(st.integers(0, 2)) == 0:
             self.run({"op": "drain_copy_ops"})
+            if self.last_drain and data.draw(st.integers(0, 3)) == 0:  # the data plane failed
+                self.op_forget_copies(data)
 
     def preempt(self, data, h: int) -> None:
         """Out of pages: suspend or close some other open request (or this one)."""
@@ -551,6 +557,24 @@ class DifferentialMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 2)) > 0:
             self.run({"op": "drain_copy_ops"})
 
+    def op_forget_copies(self, data) -> None:
+        """A data plane that failed: report the ops from some position of the last drain
+        on (what DataPlane.apply's CopyError lists), a random subset, or bad input."""
+        ops = list(self.last_drain)
+        kind = data.draw(st.sampled_from(["suffix", "suffix", "subset", "bad"]))
+        if kind == "suffix" and ops:
+            ops = ops[data.draw(st.integers(0, len(ops) - 1)):]
+        elif kind == "subset" and ops:
+            ops = [o for o in ops if data.draw(st.booleans())]
+        elif kind == "bad":
+            bad = data.draw(st.sampled_from([[0, 0, 99, 1, 0, "offload"], [0, 0, 0, 0, 1, "teleport"],
+                                             {"value": 3}, {"value": [0, 0, 0, 0, 0, "cow"]}]))
+            ops = [*ops[:1], bad]
+        self.run({"op": "forget_copies", "args": {"ops": ops}})
+        if kind != "bad" and self.ls.records[-1]["outcome"].get("result") is not None:
+            for o in ops:
+                self.last_drain.remove(o)
+
     def op_probe(self, data) -> None:
         args: dict = {}
         args["tokens"] = self.maybe_bad_tokens(data, self.request_tokens(data, args))
@@ -572,6 +596,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         ("page_indices", 25),
         ("probe", 25),
         ("drain_copy_ops", 30),
+        ("forget_copies", 12),
         ("take_events", 15),
         ("stats", 10),
         ("take_iteration_stats", 10),

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from kvcm import AttentionLayer, CopyOp, KVCacheManagerConfig, SsmLayer, Tier
-from kvcm.dataplane import DataPlane
+from kvcm.dataplane import DataPlane, DiskPool
 
 B = 4
 # lc 0: layers 0 and 3 (full attention, 32 + 16 bytes/token); lc 1: layer 1 (window);
@@ -42,16 +42,25 @@ def plane(tmp_path):
         yield p
 
 
+def raw(pool) -> torch.Tensor:
+    """A copy of a pool's bytes (a disk pool is read through its checksummed records)."""
+    return pool.read_all() if isinstance(pool, DiskPool) else pool.clone()
+
+
 def fill(p: DataPlane) -> None:
     """Distinct bytes everywhere, so every copy is visible."""
     for t, row in enumerate(p.pools):
         for lc, pool in enumerate(row):
-            n = pool.numel()
-            pool.view(-1).copy_((torch.arange(n) * 7 + t * 31 + lc * 101) % 251)
+            n = pool.shape[0] * pool.shape[1]
+            data = ((torch.arange(n) * 7 + t * 31 + lc * 101) % 251).to(torch.uint8).view(pool.shape)
+            if isinstance(pool, DiskPool):
+                pool.write_all(data)
+            else:
+                pool.copy_(data)
 
 
 def snapshot(p: DataPlane) -> list[list[torch.Tensor]]:
-    return [[pool.clone() for pool in row] for row in p.pools]
+    return [[raw(pool) for pool in row] for row in p.pools]
 
 
 def sequential(p: DataPlane, state: list[list[torch.Tensor]], ops) -> None:
@@ -61,7 +70,7 @@ def sequential(p: DataPlane, state: list[list[torch.Tensor]], ops) -> None:
 
 
 def same(p: DataPlane, state) -> bool:
-    return all(torch.equal(a.cpu(), b.cpu()) for ra, rb in zip(p.pools, state, strict=True)
+    return all(torch.equal(raw(a).cpu(), b.cpu()) for ra, rb in zip(p.pools, state, strict=True)
                for a, b in zip(ra, rb, strict=True))
 
 
@@ -69,7 +78,7 @@ def test_pools_follow_the_config(plane):
     assert plane.tier_kinds == ("gpu", "host", "disk")
     for t, n in enumerate((6, 5, 7)):
         assert [tuple(pool.shape) for pool in plane.pools[t]] == [(n, 192), (n, 64), (n, 24)]
-        assert all(pool.dtype == torch.uint8 for pool in plane.pools[t])
+        assert all(raw(pool).dtype == torch.uint8 for pool in plane.pools[t])
     assert plane.pool("gpu", 0).device == torch.device("cpu")
     assert [plane.lc_of(i) for i in range(4)] == [0, 1, 2, 0]
 
@@ -152,7 +161,7 @@ def test_swaps_and_chains_keep_sequential_semantics(plane):
     assert same(plane, state)
     assert torch.equal(plane.pool("gpu", 0)[0], before[GPU][0][1])
     assert torch.equal(plane.pool("gpu", 0)[1], before[GPU][0][0])
-    assert torch.equal(plane.pool("disk", 1)[4], before[GPU][1][2])
+    assert torch.equal(raw(plane.pool("disk", 1))[4], before[GPU][1][2])
     assert plane.runs < len(ops)  # still batched where it could be
     assert DataPlane.runs_of(ops) == [ops[0:1], ops[1:2], ops[2:4], ops[4:6]]
 
@@ -212,7 +221,7 @@ def test_gpu_disk_config_disk_tier_is_2_as_in_copy_ops(tmp_path):
     cfg = config(tmp_path, gpu=1, host=0, disk=2)
     with DataPlane(cfg, shapes=SHAPES) as p:
         fill(p)
-        assert p.pool(DISK, 0) is p.pool("disk", 0) and p.kv(0, DISK).shape[0] == 2
+        assert p.pool(DISK, 0) is p.pool("disk", 0) and p.pool(DISK, 0).num_slots == 2
         mgr = kvcm.KVCacheManager(cfg, backend="python")
         a = mgr.create_kv_cache()
         assert a.resume() and a.resize(B)
@@ -225,7 +234,7 @@ def test_gpu_disk_config_disk_tier_is_2_as_in_copy_ops(tmp_path):
         gpu_before = [p.pool(GPU, lc)[0].clone() for lc in range(3)]
         p.apply(ops)
         for op in ops:
-            assert torch.equal(p.pool(DISK, op.lc)[op.dst_slot], gpu_before[op.lc])
+            assert p.pool(DISK, op.lc).read(op.dst_slot) == gpu_before[op.lc].numpy().tobytes()
         assert p.routes == {"gpu->disk": len(ops)}
         for bad in (CopyOp(0, GPU, 0, HOST, 0, "offload"), CopyOp(0, 3, 0, GPU, 0, "onboard")):
             with pytest.raises(ValueError, match="unknown dst tier 1|unknown src tier 3"):
@@ -245,12 +254,17 @@ def test_ops_as_json_lists(plane):
 def test_disk_tier_is_a_file_under_its_path(tmp_path):
     p = DataPlane(config(tmp_path), shapes=SHAPES)
     files = sorted(os.listdir(tmp_path / "pool"))
-    assert len(files) == 3 and all(f.startswith("kvcm-pool-") for f in files)
-    p.state(2, "disk")[6] = 4.25
+    assert len(files) == 3 and all(f.startswith(f"kvcm-pool-{os.getpid()}-") for f in files)
+    state = torch.full((6,), 4.25).view(torch.uint8)
+    p.pool("disk", 2).write_rows([6], state.view(1, 24))
     lc2 = next(f for f in files if f.endswith("-lc2.bin"))
-    raw = (tmp_path / "pool" / lc2).read_bytes()
-    assert len(raw) == 7 * 24
-    assert torch.equal(torch.frombuffer(bytearray(raw[6 * 24:]), dtype=torch.float32), torch.full((6,), 4.25))
+    data = (tmp_path / "pool" / lc2).read_bytes()
+    rec = 24 + 8  # slot bytes + crc32 trailer
+    assert len(data) == 7 * rec  # the whole file is reserved up front
+    assert torch.equal(torch.frombuffer(bytearray(data[6 * rec:6 * rec + 24]), dtype=torch.float32),
+                       torch.full((6,), 4.25))
+    with pytest.raises(ValueError, match="no tensor views"):
+        p.state(2, "disk")
     p.close()
     assert os.listdir(tmp_path / "pool") == []
 

@@ -58,6 +58,7 @@ def workload(m) -> None:
     a.close()
     b = m.create_kv_cache([1, 2])
     m.drain_copy_ops()
+    assert m.forget_copies([]) == []  # nothing failed
     m.take_events()
     m.stats()
     m.take_iteration_stats()
@@ -138,7 +139,7 @@ def test_malformed_ops_raise_operror(op, match):
 def test_every_public_call_has_an_op():
     manager_methods = {"create_kv_cache", "probe_reuse", "probe_reuse_detail", "drain_copy_ops", "clear_reusable",
                        "shutdown", "stats", "take_iteration_stats", "take_events",
-                       "resize_batch", "commit_batch"}  # fmt: skip
+                       "resize_batch", "commit_batch", "forget_copies"}  # fmt: skip
     cache_methods = {
         "resume",
         "suspend",
@@ -441,6 +442,33 @@ def test_record_and_replay_on_the_active_backend(backend, tmp_path, monkeypatch)
     m = L.maybe_wrap(L.build_manager(config(), backend))
     workload(m)
     report = L.replay(str(path), [backend])
+    assert report.ok, str(report)
+
+
+def test_forget_copies_is_recorded_and_replayed(tmp_path, monkeypatch):
+    """The failed-copies call (issue 8) in the op log: its ops as JSON lists, bad input
+    too, replayed on both backends with the same outcomes and snapshots."""
+    path = tmp_path / "log.jsonl"
+    monkeypatch.setenv(L.ENV_VAR, str(path))
+    cfg = KVCacheManagerConfig(tokens_per_block=4, layers=[AttentionLayer(0, 1)],
+                               tiers=[Tier("gpu", 8), Tier("host", 16)])
+    m = L.maybe_wrap(L.build_manager(cfg, "python"))
+    for base in (100, 200):
+        kv = m.create_kv_cache(id=f"r{base}")
+        assert kv.resume() and kv.resize(8)
+        kv.commit(list(range(base, base + 8)))
+        kv.suspend()
+    ops = m.drain_copy_ops()
+    assert [o.reason for o in ops] == ["offload", "offload"]
+    with pytest.raises(TypeError):
+        m.forget_copies([ops[0], "x"])
+    assert m.forget_copies(ops[1:]) == ["r100"]
+    recs = [json.loads(x) for x in path.read_text().splitlines()[1:]]
+    forgets = [r for r in recs if r["op"] == "forget_copies"]
+    assert forgets[0]["args"]["ops"] == [ops[0].to_json(), {"value": "x"}]
+    assert forgets[0]["outcome"] == {"error": "TypeError"}
+    assert forgets[1]["args"]["ops"] == [ops[1].to_json()] and forgets[1]["outcome"] == {"result": ["r100"]}
+    report = L.replay(str(path), ["python", "cpp"])
     assert report.ok, str(report)
 
 

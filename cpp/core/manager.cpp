@@ -34,12 +34,13 @@ enum Counter : int {
   kCows,
   kSnapshotsTaken,
   kSnapshotsSkipped,
+  kLostPages,
   kNumCounters
 };
 constexpr const char* kCounterNames[kNumCounters] = {
     "reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads",       "offload_bytes",
     "onboards",      "onboard_bytes", "drops",         "drop_bytes",       "cows",           "snapshots_taken",
-    "snapshots_skipped"};
+    "snapshots_skipped", "lost_pages"};
 constexpr std::size_t kHeader = 3;  // requests, query_tokens, reused_tokens
 
 const char* state_name(int s) {
@@ -511,6 +512,7 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
   p->slot = new_slot;
   index(*p);
   copy_ops_.push_back(CopyOpC{p->lc, tier_id(old_tier), old_slot, tier_id(dst), new_slot, reason});
+  copy_pages_.emplace_back(p->handle, p->serial);
   const std::int64_t nbytes = cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes;
   const bool off = std::strcmp(reason, "offload") == 0;
   count(p->lc, off ? kOffloads : kOnboards);
@@ -602,6 +604,7 @@ void Manager::drop_all_droppable() {
 
 void Manager::copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason) {
   copy_ops_.push_back(CopyOpC{lc, tier_id(src->tier), src->slot, tier_id(dst->tier), dst->slot, reason});
+  copy_pages_.emplace_back(dst->handle, dst->serial);
 }
 
 EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
@@ -745,16 +748,23 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   const auto n = static_cast<std::int64_t>(tokens.size());
   const std::int64_t nfull = n / B_;
   r.keys = chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(nfull * B_)));
+  const std::int64_t m = match_and_hold(r, tokens, r.keys);
+  r.input_tokens = std::move(tokens);
+  r.reused = m;
+  record_match(n, m);
+  return serial;
+}
+
+// Python twin: PyKVCache._match_and_hold (SPEC sec. 6, 7: create's match and holds).
+std::int64_t Manager::match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys) {
   std::int64_t m = 0;
   std::vector<NodeId> path;
   if (!tokens.empty()) {
-    MatchResult mr =
-        tree_.match(r.root, std::span<const Tok>(tokens), r.keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+    MatchResult mr = tree_.match(r.root, tokens, keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
     m = mr.m;
     path = std::move(mr.path);
   }
   r.tokens.assign(tokens.begin(), tokens.begin() + m);
-  r.reused = m;
   r.capacity = m;
   r.history = m;
   r.blocks = path;
@@ -767,19 +777,122 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
       const auto jj = static_cast<std::int64_t>(j);
       if (lo <= jj && jj < hi) continue;
       Page* p = &page(tree_.page(path[j], lc));
-      use(p, false, priority);
+      use(p, false, r.priority);
       r.pages[static_cast<std::size_t>(lc)][j] = p->handle;
     }
   }
+  r.live = r.snap = -1;
   if (ssm_lc_ >= 0 && m > 0) {
     Page* s = &page(tree_.page(path.back(), ssm_lc_));
     r.snap = s->handle;
-    use(s, false, priority);
+    use(s, false, r.priority);
   }
   r.cow_block = m % B_ ? m / B_ : -1;
-  r.input_tokens = std::move(tokens);
-  record_match(n, m);
-  return serial;
+  return m;
+}
+
+// Python twin: PyKVCache._rollback_point (SPEC sec. 15; DECISIONS.md "Failed copies").
+std::optional<std::int64_t> Manager::rollback_point(Request& r, const std::vector<std::int64_t>& lost) {
+  auto is_lost = [&lost](std::int64_t h) { return h >= 0 && std::find(lost.begin(), lost.end(), h) != lost.end(); };
+  std::optional<std::int64_t> point;
+  for (std::int64_t lc : attn_lcs_) {
+    const auto& v = r.pages[static_cast<std::size_t>(lc)];
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (is_lost(v[i])) {
+        const std::int64_t at = static_cast<std::int64_t>(i) * B_;
+        point = point ? std::min(*point, at) : at;
+        break;
+      }
+    }
+  }
+  const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
+  if ((is_lost(r.snap) || is_lost(r.live)) && !point) point = ncommitted;
+  if (point) point = std::min(*point, ncommitted);
+  return point;
+}
+
+// Python twin: PyKVCache._roll_back (SPEC sec. 15): release everything, then match the
+// committed tokens before `point` again and hold them as a SUSPENDED request.
+void Manager::roll_back(Request& r, std::int64_t point) {
+  const bool active = r.status == ReqStatus::active;
+  for (Page* p : used_pages(r)) unuse(p, active);
+  r.live = r.snap = -1;
+  for (auto& v : r.pages) v.clear();
+  for (NodeId nid : r.blocks) {
+    if (nid != kNoNode) tree_.unref(nid);
+  }
+  r.blocks.clear();
+  r.status = ReqStatus::suspended;
+  r.stopped = false;
+  std::vector<Tok> tokens(r.tokens.begin(), r.tokens.begin() + point);
+  const std::vector<Digest> keys =
+      chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(point / B_ * B_)));
+  match_and_hold(r, tokens, keys);
+}
+
+// Python twin: PyKVCacheManager.forget_copies (SPEC sec. 15; DECISIONS.md "Failed copies").
+std::vector<std::int64_t> Manager::forget_copies(std::span<const CopyOpC> ops) {
+  auto same = [](const CopyOpC& a, const CopyOpC& b) {
+    return a.lc == b.lc && a.src_tier == b.src_tier && a.src_slot == b.src_slot && a.dst_tier == b.dst_tier &&
+           a.dst_slot == b.dst_slot && std::strcmp(a.reason, b.reason) == 0;
+  };
+  std::vector<bool> taken(issued_.size(), false);
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    std::size_t k = 0;
+    while (k < issued_.size() && (taken[k] || !same(issued_[k].op, ops[i]))) ++k;
+    if (k == issued_.size()) {
+      const CopyOpC& o = ops[i];
+      throw ValueErr("forget_copies(): ops[" + std::to_string(i) + "] [" + std::to_string(o.lc) + ", " +
+                     std::to_string(o.src_tier) + ", " + std::to_string(o.src_slot) + ", " +
+                     std::to_string(o.dst_tier) + ", " + std::to_string(o.dst_slot) + ", '" + o.reason +
+                     "'] is not an unreported op of the last drain_copy_ops()");
+    }
+    taken[k] = true;
+  }
+  std::vector<std::int64_t> out;
+  if (ops.empty()) return out;
+  tick();
+  std::vector<std::int64_t> lost;  // (handle) of each lost page still alive, issue order
+  std::vector<std::int64_t> lost_serials;
+  std::vector<IssuedOp> keep;
+  for (std::size_t k = 0; k < issued_.size(); ++k) {
+    const IssuedOp& e = issued_[k];
+    if (!taken[k]) {
+      keep.push_back(e);
+      continue;
+    }
+    if (page_alive(e.handle) && page(e.handle).serial == e.serial &&
+        std::find(lost.begin(), lost.end(), e.handle) == lost.end()) {
+      lost.push_back(e.handle);
+      lost_serials.push_back(e.serial);
+    }
+  }
+  issued_ = std::move(keep);
+  // the requests that use a lost page, and where each rolls back to (before any change)
+  std::vector<std::pair<std::int64_t, std::int64_t>> resets;  // (serial, point)
+  for (std::int64_t serial : open_serials()) {
+    if (auto point = rollback_point(requests_.at(serial), lost)) resets.emplace_back(serial, *point);
+  }
+  // unlink the lost committed pages (SPEC sec. 5 pruning, removed events)
+  for (std::size_t k = 0; k < lost.size(); ++k) {
+    const std::int64_t h = lost[k];
+    if (!page_alive(h) || page(h).serial != lost_serials[k]) continue;  // freed with an earlier subtree
+    Page* p = &page(h);
+    count(p->lc, kLostPages);
+    if (p->node != kNoNode) {
+      if (tree_.is_attached(p->node)) {
+        unlink_committed(p);
+      } else {
+        unlink_from_node(p);
+      }
+      if (p->locks == 0 && p->holds == 0) free_page(p);
+    }
+  }
+  for (const auto& [serial, point] : resets) {
+    roll_back(requests_.at(serial), point);
+    out.push_back(serial);
+  }
+  return out;
 }
 
 std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::optional<std::uint64_t> lora,
@@ -808,6 +921,10 @@ std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::op
 std::vector<CopyOpC> Manager::drain_copy_ops() {
   std::vector<CopyOpC> out;
   out.swap(copy_ops_);
+  issued_.clear();
+  issued_.reserve(out.size());
+  for (std::size_t k = 0; k < out.size(); ++k) issued_.push_back({out[k], copy_pages_[k].first, copy_pages_[k].second});
+  copy_pages_.clear();
   return out;
 }
 
@@ -1668,6 +1785,20 @@ std::string Manager::snapshot_json() {
     j_int(o, c.dst_slot);
     o += ',';
     j_str(o, c.reason);
+    o += ']';
+  }
+  o += "],\"issued_copy_ops\":[";
+  for (std::size_t k = 0; k < issued_.size(); ++k) {
+    const CopyOpC& c = issued_[k].op;
+    if (k) o += ',';
+    o += '[';
+    for (std::int64_t v : {c.lc, c.src_tier, c.src_slot, c.dst_tier, c.dst_slot}) {
+      j_int(o, v);
+      o += ',';
+    }
+    j_str(o, c.reason);
+    o += ',';
+    j_int(o, issued_[k].serial);
     o += ']';
   }
   o += "],\"events\":[";

@@ -226,6 +226,11 @@ class Manager {
   std::pair<std::int64_t, std::int64_t> probe(TokenSeq tokens, std::optional<std::uint64_t> lora,
                                               std::optional<std::uint64_t> salt);
   std::vector<CopyOpC> drain_copy_ops();
+  // Failed copies (SPEC sec. 15): forget the pages the given ops of the last drain were
+  // meant to fill and roll back the requests that used them; returns their serials in
+  // creation order.  ValueErr (nothing changed) naming the first op that is not an
+  // unreported op of the last drain.  Types are checked by the Python layer.
+  std::vector<std::int64_t> forget_copies(std::span<const CopyOpC> ops);
   void clear_reusable();
   void shutdown();
   bool is_shutdown() const noexcept { return is_shutdown_; }
@@ -370,6 +375,11 @@ class Manager {
   void attach(NodeId parent, NodeId nid);
   void insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot);
   void set_block(Request& r, std::int64_t i, NodeId nid);
+  // Match `tokens` (full-block `keys`) and hold what it found, as a fresh SUSPENDED
+  // request (create, and the roll-back of forget_copies); returns the match length.
+  std::int64_t match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys);
+  std::optional<std::int64_t> rollback_point(Request& r, const std::vector<std::int64_t>& lost_handles);
+  void roll_back(Request& r, std::int64_t point);
   void stop(Request& r);
   void release_stale(Request& r);
   std::int64_t page_at(const Request& r, std::int64_t lc, std::int64_t i) const;
@@ -461,6 +471,14 @@ class Manager {
   std::vector<std::pair<std::int64_t, std::int64_t>> scratch_releases_, scratch_allocs_;  // resize_checked
   std::vector<std::int64_t> scratch_lcs_;  // attach
   std::vector<CopyOpC> copy_ops_;
+  // (handle, serial) of the page each pending op fills, and the ops of the last drain not
+  // reported yet with theirs (forget_copies)
+  std::vector<std::pair<std::int64_t, std::int64_t>> copy_pages_;
+  struct IssuedOp {
+    CopyOpC op;
+    std::int64_t handle, serial;
+  };
+  std::vector<IssuedOp> issued_;
   Fifo<EventC> events_;
   Fifo<Tok> event_tokens_;           // the buffered stored events' tokens, in event order
   Fifo<StoredBlockC> event_blocks_;  // ... and their blocks

@@ -47,6 +47,21 @@ class InvariantError(KvcmError):
     """``check_invariants()`` found a broken internal rule (always a kvcm bug)."""
 
 
+class CopyError(KvcmError):
+    """Some copy ops did not complete (sec. 15): raised by ``DataPlane.apply``.
+
+    ``ops`` lists, in their order in the applied list, every op whose destination bytes
+    cannot be trusted: the op(s) that failed and every op after them that was not executed.
+    ``cause`` is the first underlying exception (an ``OSError`` for a disk I/O failure, a
+    short read or a checksum mismatch).  Report ``ops`` to the manager with
+    :meth:`KVCacheManager.forget_copies`, then recompute what it rolled back."""
+
+    def __init__(self, message: str, ops: Sequence[CopyOp] = (), cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.ops: list[CopyOp] = list(ops)
+        self.cause = cause
+
+
 # ---------------------------------------------------------------------------------------
 # Configuration (sec. 2)
 # ---------------------------------------------------------------------------------------
@@ -524,6 +539,24 @@ def check_counts(values: Any, name: str, n: int, what: str) -> list[int]:
     return list(items)
 
 
+def check_copy_ops(ops: Any, what: str = "forget_copies") -> list[CopyOp]:
+    """The type checks of :meth:`KVCacheManager.forget_copies` (shared by both backends):
+    ``ops`` is a list or tuple (TypeError), each item a ``CopyOp`` (TypeError) whose slots
+    and tiers are ints (not bool) and whose reason is a str (TypeError).  Whether each op
+    was issued is the backend's check (ValueError)."""
+    if type(ops) not in (list, tuple):
+        raise TypeError(f"{what}(): ops must be a list or tuple of CopyOp, got {type(ops).__name__}")
+    for i, op in enumerate(ops):
+        if not isinstance(op, CopyOp):
+            raise TypeError(f"{what}(): ops[{i}] must be a CopyOp, got {type(op).__name__}")
+        for name in ("lc", "src_tier", "src_slot", "dst_tier", "dst_slot"):
+            if not _is_int(getattr(op, name)):
+                raise TypeError(f"{what}(): ops[{i}].{name} must be an int, got {type(getattr(op, name)).__name__}")
+        if type(op.reason) is not str:
+            raise TypeError(f"{what}(): ops[{i}].reason must be a str, got {type(op.reason).__name__}")
+    return list(ops)
+
+
 def int32_view(out: Any) -> memoryview:
     """A writable 1-D int32 view of ``out`` (numpy array, array('i'), CPU torch tensor)."""
     if not hasattr(out, "__buffer__") and hasattr(out, "numpy"):
@@ -704,6 +737,24 @@ class KVCacheManager(abc.ABC):
     def drain_copy_ops(self) -> list[CopyOp]: ...
 
     @abc.abstractmethod
+    def forget_copies(self, ops: Sequence[CopyOp]) -> list[int | str]:
+        """Report copy ops of the last :meth:`drain_copy_ops` that did not complete
+        (``CopyError.ops``; SPEC sec. 15, DECISIONS.md "Failed copies").
+
+        The manager forgets exactly the pages those ops were meant to fill: a committed
+        one is unlinked from its block (pruning and ``removed`` events as for a drop), and
+        every open cache that uses one of them is rolled back: its pages are released, its
+        committed tokens are cut to before the first lost block and matched again (as
+        ``create_kv_cache`` does, so the ssm state restarts from a snapshot or from 0), and
+        it becomes SUSPENDED with ``capacity = history_length = num_committed_tokens``; the
+        engine resumes it and recomputes from there.  Returns the ids of the rolled-back
+        caches in creation order.  Ticks the clock once when ``ops`` is not empty.
+
+        Bad input raises and changes nothing: ``ops`` not a list/tuple of CopyOp
+        (TypeError); an op that the last drain did not return, or one already reported
+        (ValueError)."""
+
+    @abc.abstractmethod
     def clear_reusable(self) -> None:
         """Drop every DROPPABLE page and prune the tree."""
 
@@ -734,6 +785,7 @@ __all__ = [
     "ClearedEvent",
     "ClosedError",
     "ConfigError",
+    "CopyError",
     "CopyOp",
     "Event",
     "InvalidStateError",

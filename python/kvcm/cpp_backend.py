@@ -16,6 +16,7 @@ from typing import Any
 
 from kvcm import _kvcm_cpp
 from kvcm.api import (
+    MAX_COUNT,
     ClosedError,
     CopyOp,
     Event,
@@ -29,6 +30,7 @@ from kvcm.api import (
     Status,
     Token,
     check_batch_caches,
+    check_copy_ops,
     check_priority,
     check_scope,
     check_tokens,
@@ -37,6 +39,7 @@ from kvcm.api import (
 )
 
 RadixTree = _kvcm_cpp.RadixTree
+COPY_REASONS = ("offload", "onboard", "cow", "snapshot")
 _parse_tokens = _kvcm_cpp.parse_tokens
 
 
@@ -111,6 +114,19 @@ class CppKVCacheManager(KVCacheManager):
 
     def drain_copy_ops(self) -> list[CopyOp]:
         return self._core.drain_copy_ops()
+
+    def forget_copies(self, ops: Sequence[CopyOp]) -> list[int | str]:
+        ops = check_copy_ops(ops)
+        items = []
+        for i, op in enumerate(ops):
+            values = (op.lc, op.src_tier, op.src_slot, op.dst_tier, op.dst_slot)
+            if op.reason not in COPY_REASONS or not all(-MAX_COUNT <= v < MAX_COUNT for v in values):
+                # never issued (the core compares int64s and C strings)
+                raise ValueError(f"forget_copies(): ops[{i}] {op.to_json()} is not an unreported op of the "
+                                 "last drain_copy_ops()")
+            items.append((*values, op.reason))
+        serials = self._core.forget_copies(items)
+        return [self._open[s]._id for s in serials]
 
     def clear_reusable(self) -> None:
         self._core.clear_reusable()

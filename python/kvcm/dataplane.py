@@ -11,9 +11,25 @@ One pool tensor per ``(tier, life cycle)``, shaped ``uint8[num_slots, slot_bytes
 
 * ``gpu``  — on the engine's ``device`` (``cpu`` when there is no accelerator);
 * ``host`` — CPU memory, pinned when CUDA is available (fast, async-capable H2D/D2H);
-* ``disk`` — a file-backed tensor (``torch.from_file(..., shared=True)``, an mmap) in a
-  fresh file ``kvcm-pool-*-lc<lc>.bin`` under the tier's ``path``, removed by
-  :meth:`DataPlane.close`.
+* ``disk`` — a :class:`DiskPool`: a file ``kvcm-pool-<pid>-<random>-lc<lc>.bin`` under the
+  tier's ``path``, read and written with explicit ``os.pread`` / ``os.pwrite`` (never an
+  mmap: a full filesystem or a truncated file must be an ``OSError``, never a SIGBUS).
+
+Disk files (SPEC sec. 15)
+-------------------------
+* **Space is reserved** when the plane is built (``os.posix_fallocate`` of the whole file):
+  a filesystem too small raises ``OSError(ENOSPC)`` naming the tier and the path, and the
+  plane removes every file it created.
+* **Each slot is a record** of ``slot_bytes`` data bytes then an 8-byte trailer: the
+  ``zlib.crc32`` of the data (little-endian uint32) and the magic ``b"KVCP"``.  The trailer
+  is written with the page and verified on every read: a mismatch, a never-written slot or
+  a short read (a truncated file) raises ``OSError(EIO)`` — the op did not complete.
+* **Stale files**: the plane holds an exclusive ``flock`` on each of its files while it is
+  open (the kernel drops it when the process dies).  A new plane removes every
+  ``kvcm-pool-*`` file in its directory whose lock it can take: the file of a crashed run.
+  A file is created under a temporary name, locked, and only then renamed to
+  ``kvcm-pool-*``, so a live plane's file is never seen unlocked.  (``flock`` is advisory
+  and per host: do not share one disk directory between hosts.)
 
 Byte layout of one slot
 -----------------------
@@ -37,26 +53,42 @@ Copy ops
 semantics — the result always equals running them one by one in order — but batched: the
 ops are cut into maximal *runs* in which no slot written by one op is read or written by
 another, and each run is executed as one gather (``index_select``) plus one scatter
-(``index_copy_``) per ``(src tier, dst tier, lc)``.  Every op is validated first (known
-tier and lc, slot in range, known reason): a bad op raises ``ValueError`` and nothing is
-copied.  A tier given as an int (in ops, :meth:`DataPlane.pool`, the views) is SPEC's
-number by kind, as the manager's copy ops carry it: gpu 0, host 1, disk 2 (a gpu + disk
-config has tiers 0 and 2); ``self.pools`` itself is indexed by config position.
+(``index_copy_``) per ``(src tier, dst tier, lc)``; a disk side goes op by op
+(``pread`` / ``pwrite``).  Every op is validated first (known tier and lc, slot in range,
+known reason): a bad op raises ``ValueError`` and nothing is copied.
+
+Failures (SPEC sec. 15): when an op fails (an ``OSError`` of disk I/O or a checksum, or any
+exception of a torch copy, e.g. out of memory), :meth:`DataPlane.apply` finishes the run it
+is in (the run's ops are independent of each other), executes **nothing after that run**,
+and raises :class:`kvcm.api.CopyError` whose ``ops`` are the failed ops of the run and
+every op after the run, in order: exactly the ops whose destination cannot be trusted.
+The engine passes them to ``KVCacheManager.forget_copies``.
+
+A tier given as an int (in ops, :meth:`DataPlane.pool`, the views) is SPEC's number by
+kind, as the manager's copy ops carry it: gpu 0, host 1, disk 2 (a gpu + disk config has
+tiers 0 and 2); ``self.pools`` itself is indexed by config position.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import math
 import os
+import struct
 import tempfile
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
-from kvcm.api import AttentionLayer, CopyOp, KVCacheManagerConfig, resolve_config
+from kvcm.api import AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig, resolve_config
 
 COPY_REASONS = ("offload", "onboard", "cow", "snapshot")
+POOL_PREFIX = "kvcm-pool-"
+TRAILER = struct.Struct("<I4s")  # crc32 of the slot's data, magic
+MAGIC = b"KVCP"
 
 
 def _torch():
@@ -65,10 +97,126 @@ def _torch():
     return torch
 
 
-def _remove_files(paths: list[str]) -> None:
-    for p in paths:
+def _close_files(files: list[tuple[str, int]]) -> None:
+    """Remove each file, then close its descriptor (which drops its lock)."""
+    for path, fd in files:
         with contextlib.suppress(OSError):
-            os.remove(p)
+            os.remove(path)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def remove_stale_pool_files(directory: str) -> list[str]:
+    """Remove the ``kvcm-pool-*`` files in ``directory`` that no live plane holds (their
+    ``flock`` is free: the plane that made them is gone).  Returns the removed paths."""
+    removed = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(POOL_PREFIX):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # held by a live plane
+            continue
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                os.remove(path)
+                removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+class DiskPool:
+    """The slots of one ``(disk tier, lc)``: a reserved file of ``num_slots`` records of
+    ``slot_bytes`` data + an 8-byte checksum trailer, read and written with explicit
+    ``pread`` / ``pwrite`` (see the module docstring).  Every failure is an ``OSError``."""
+
+    def __init__(self, fd: int, path: str, num_slots: int, slot_bytes: int) -> None:
+        self.fd = fd
+        self.path = path
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.record = slot_bytes + TRAILER.size
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_slots, self.slot_bytes)
+
+    def __len__(self) -> int:
+        return self.num_slots
+
+    def read(self, slot: int) -> bytes:
+        """The data of ``slot``, verified (OSError EIO on a short read or a bad checksum)."""
+        rec = os.pread(self.fd, self.record, slot * self.record)
+        if len(rec) != self.record:
+            raise OSError(errno.EIO, f"short read of disk slot {slot}: {len(rec)} of {self.record} bytes "
+                                     "(was the pool file truncated?)", self.path)
+        data = memoryview(rec)[:self.slot_bytes]
+        crc, magic = TRAILER.unpack_from(rec, self.slot_bytes)
+        if magic != MAGIC or crc != zlib.crc32(data):
+            raise OSError(errno.EIO, f"checksum mismatch in disk slot {slot} (never written, or corrupted)",
+                          self.path)
+        return bytes(data)
+
+    def write(self, slot: int, data: bytes) -> None:
+        """Write ``data`` (``slot_bytes`` bytes) and its checksum trailer into ``slot``."""
+        buf = bytes(data) + TRAILER.pack(zlib.crc32(data), MAGIC)
+        n = os.pwrite(self.fd, buf, slot * self.record)
+        if n != len(buf):
+            raise OSError(errno.EIO, f"short write to disk slot {slot}: {n} of {len(buf)} bytes", self.path)
+
+    def read_rows(self, slots: Sequence[int]):
+        """``uint8[len(slots), slot_bytes]`` (cpu) of the verified data of ``slots``."""
+        torch = _torch()
+        out = torch.empty((len(slots), self.slot_bytes), dtype=torch.uint8)
+        for i, s in enumerate(slots):
+            out[i] = torch.frombuffer(bytearray(self.read(s)), dtype=torch.uint8)
+        return out
+
+    def write_rows(self, slots: Sequence[int], rows) -> None:
+        """Write ``rows`` (``uint8[len(slots), slot_bytes]``, any device) into ``slots``."""
+        rows = rows.to("cpu").contiguous()
+        for i, s in enumerate(slots):
+            self.write(s, rows[i].numpy().tobytes())
+
+    def read_all(self):
+        return self.read_rows(range(self.num_slots))
+
+    def write_all(self, rows) -> None:
+        self.write_rows(range(self.num_slots), rows)
+
+
+def _create_disk_file(directory: str, lc: int, nbytes: int, tier: int) -> tuple[str, int]:
+    """A locked, fully reserved pool file (see the module docstring); OSError naming the
+    tier and path when it cannot be made (nothing is left behind)."""
+    fd, tmp = tempfile.mkstemp(prefix=".kvcm-new-", suffix=".bin", dir=directory)
+    path = tmp
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = os.path.join(directory, f"{POOL_PREFIX}{os.getpid()}-{os.path.basename(tmp)[10:-4]}-lc{lc}.bin")
+        os.rename(tmp, path)
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        os.close(fd)
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise OSError(e.errno, f"disk tier (tier {tier}): cannot reserve {nbytes} bytes for life cycle {lc} "
+                               f"at {path}: {why}", path) from e
+    return path, fd
 
 
 class DataPlane:
@@ -112,6 +260,10 @@ class DataPlane:
                 layer = layers[lid]
                 unit = layer.bytes_per_token if isinstance(layer, AttentionLayer) else layer.state_bytes
                 shape = tuple(shapes.pop(lid, (unit // itemsize,)))
+                bad = [d for d in shape if isinstance(d, bool) or not isinstance(d, int) or d < 1]
+                if bad:
+                    raise ValueError(f"layer {lid}: shape {shape} has a dimension that is not a positive int: "
+                                     f"{bad[0]!r}")
                 if math.prod(shape) * itemsize != unit:
                     raise ValueError(f"layer {lid}: shape {shape} of {self.dtype} is not {unit} bytes")
                 nbytes = unit * self.B if lc.kind == "attn" else unit
@@ -124,25 +276,34 @@ class DataPlane:
             raise ValueError(f"shapes given for unknown layers {sorted(shapes)}")
 
         pin = torch.cuda.is_available()
-        self._files: list[str] = []
-        self.pools: list[list[Any]] = []  # [config position][lc] uint8[num_slots, slot_bytes]
-        for t, tier in enumerate(config.tiers):
-            row = []
-            for lc in self.life_cycles:
-                n, sb = self.num_slots[t][lc.id], lc.slot_bytes
-                if tier.kind == "gpu":
-                    pool = torch.zeros((n, sb), dtype=torch.uint8, device=self.device)
-                elif tier.kind == "host":
-                    pool = torch.zeros((n, sb), dtype=torch.uint8, pin_memory=pin)
-                else:  # disk: an mmap'd file, created sparse and sized by from_file
+        self._files: list[tuple[str, int]] = []  # (path, locked fd) of each disk pool file
+        self._finalizer = weakref.finalize(self, _close_files, self._files)
+        self.pools: list[list[Any]] = []  # [config position][lc] uint8[num_slots, slot_bytes] or a DiskPool
+        try:
+            for t, tier in enumerate(config.tiers):
+                row = []
+                if tier.kind == "disk":
                     os.makedirs(tier.path, exist_ok=True)
-                    fd, path = tempfile.mkstemp(prefix="kvcm-pool-", suffix=f"-lc{lc.id}.bin", dir=tier.path)
-                    os.close(fd)
-                    self._files.append(path)
-                    pool = torch.from_file(path, shared=True, size=n * sb, dtype=torch.uint8).view(n, sb)
-                row.append(pool)
-            self.pools.append(row)
-        self._finalizer = weakref.finalize(self, _remove_files, list(self._files))
+                    remove_stale_pool_files(tier.path)  # files of crashed runs (module docstring)
+                for lc in self.life_cycles:
+                    n, sb = self.num_slots[t][lc.id], lc.slot_bytes
+                    if tier.kind == "gpu":
+                        pool = torch.zeros((n, sb), dtype=torch.uint8, device=self.device)
+                    elif tier.kind == "host":
+                        pool = torch.zeros((n, sb), dtype=torch.uint8, pin_memory=pin)
+                    else:  # disk: a reserved, locked file read and written with pread/pwrite
+                        path, fd = _create_disk_file(tier.path, lc.id, n * (sb + TRAILER.size), rc.tier_ids[t])
+                        self._files.append((path, fd))
+                        pool = DiskPool(fd, path, n, sb)
+                    row.append(pool)
+                self.pools.append(row)
+        except BaseException:
+            self.pools = []
+            self._finalizer()
+            raise
+        # a test hook (fault injection): called with each op just before it is executed;
+        # an exception it raises makes that op fail as an I/O error would
+        self.fault: Callable[[CopyOp], None] | None = None
         self.copies = dict.fromkeys(COPY_REASONS, 0)  # ops executed, by reason
         self.copy_bytes = dict.fromkeys(COPY_REASONS, 0)
         self.routes: dict[str, int] = {}  # ops executed by route, e.g. "gpu->host"
@@ -174,6 +335,9 @@ class DataPlane:
             raise ValueError(f"layer {layer_id} is not an {kind} layer")
         off, nbytes, shape = self._layer_region[layer_id]
         raw = self.pools[self._tier(tier)][lc]
+        if isinstance(raw, DiskPool):
+            raise ValueError("the disk tier has no tensor views: it is read and written with explicit file I/O "  # noqa: TRY004
+                             "(DiskPool.read_rows / write_rows)")
         return raw[:, off:off + nbytes].view(self.dtype).view(raw.shape[0], *shape)
 
     def _tier(self, tier: int | str) -> int:
@@ -216,10 +380,19 @@ class DataPlane:
 
     def apply(self, ops: Iterable[Any]) -> int:
         """Execute ``ops`` in order (sequential semantics, batched); returns how many.
-        Every op is validated before anything is copied."""
+        Every op is validated before anything is copied (ValueError).  A failed op raises
+        :class:`kvcm.api.CopyError` after its run, naming every op not completed (module
+        docstring)."""
         checked = [self.check(op) for op in ops]
+        done = 0
         for run in self.runs_of(checked):
-            self._execute(run)
+            failed, cause = self._execute(run)
+            if failed:
+                failed_ids = {id(op) for op in failed}
+                lost = [op for op in run if id(op) in failed_ids] + checked[done + len(run):]
+                raise CopyError(f"{len(lost)} of {len(checked)} copy ops did not complete "
+                                f"(first failure: {failed[0].to_json()}: {cause})", lost, cause)
+            done += len(run)
         return len(checked)
 
     @staticmethod
@@ -243,24 +416,64 @@ class DataPlane:
             runs.append(run)
         return runs
 
-    def _execute(self, run: list[CopyOp]) -> None:
+    def _execute(self, run: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
+        """Execute one run of independent ops; returns (the ops that failed, the first
+        failure).  Only completed ops are counted in the stats."""
         torch = _torch()
-        groups: dict[tuple[int, int, int], tuple[list[int], list[int]]] = {}
+        groups: dict[tuple[int, int, int], list[CopyOp]] = {}
+        failed: list[CopyOp] = []
+        cause: BaseException | None = None
         for op in run:
-            src, dst = groups.setdefault((op.src_tier, op.dst_tier, op.lc), ([], []))
-            src.append(op.src_slot)
-            dst.append(op.dst_slot)
-            self.copies[op.reason] += 1
-            self.copy_bytes[op.reason] += self.life_cycles[op.lc].slot_bytes
-            route = f"{self.tier_kinds[self._tier_pos[op.src_tier]]}->{self.tier_kinds[self._tier_pos[op.dst_tier]]}"
-            self.routes[route] = self.routes.get(route, 0) + 1
+            if self.fault is not None:
+                try:
+                    self.fault(op)
+                except Exception as e:  # noqa: BLE001 - any injected failure fails the op
+                    failed.append(op)
+                    cause = cause or e
+                    continue
+            groups.setdefault((op.src_tier, op.dst_tier, op.lc), []).append(op)
         # a run's reads and writes are disjoint, so its groups may go in any order
-        for (st, dt, lc), (src, dst) in groups.items():
+        for (st, dt, lc), group in groups.items():
             sp, dp = self.pools[self._tier_pos[st]][lc], self.pools[self._tier_pos[dt]][lc]
-            rows = sp.index_select(0, torch.tensor(src, dtype=torch.long, device=sp.device))
-            dp.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dp.device), rows.to(dp.device))
+            if isinstance(sp, DiskPool) or isinstance(dp, DiskPool):
+                for op in group:
+                    try:
+                        if isinstance(sp, DiskPool):
+                            row = torch.frombuffer(bytearray(sp.read(op.src_slot)), dtype=torch.uint8)
+                        else:
+                            row = sp[op.src_slot]
+                        if isinstance(dp, DiskPool):
+                            dp.write(op.dst_slot, row.cpu().numpy().tobytes())
+                        else:
+                            dp[op.dst_slot] = row.to(dp.device)
+                    except OSError as e:
+                        failed.append(op)
+                        cause = cause or e
+                        continue
+                    self._count(op)
+                self.kernel_calls += 1
+                continue
+            src = [op.src_slot for op in group]
+            dst = [op.dst_slot for op in group]
+            try:
+                rows = sp.index_select(0, torch.tensor(src, dtype=torch.long, device=sp.device))
+                dp.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dp.device), rows.to(dp.device))
+            except (RuntimeError, MemoryError, OSError) as e:  # e.g. out of (device) memory
+                failed.extend(group)
+                cause = cause or e
+                continue
+            for op in group:
+                self._count(op)
             self.kernel_calls += 1
         self.runs += 1
+        failed.sort(key=run.index)
+        return failed, cause
+
+    def _count(self, op: CopyOp) -> None:
+        self.copies[op.reason] += 1
+        self.copy_bytes[op.reason] += self.life_cycles[op.lc].slot_bytes
+        route = f"{self.tier_kinds[self._tier_pos[op.src_tier]]}->{self.tier_kinds[self._tier_pos[op.dst_tier]]}"
+        self.routes[route] = self.routes.get(route, 0) + 1
 
     def stats(self) -> dict:
         return {"copies": dict(self.copies), "copy_bytes": dict(self.copy_bytes), "routes": dict(self.routes),
@@ -268,7 +481,7 @@ class DataPlane:
                 "kernel_calls": self.kernel_calls}
 
     def close(self) -> None:
-        """Drop the pools and remove the disk tier's files."""
+        """Drop the pools and remove the disk tier's files (idempotent)."""
         self.pools = []
         self._finalizer()
 
@@ -279,4 +492,4 @@ class DataPlane:
         self.close()
 
 
-__all__ = ["COPY_REASONS", "DataPlane"]
+__all__ = ["COPY_REASONS", "DataPlane", "DiskPool", "remove_stale_pool_files"]

@@ -31,6 +31,13 @@ admitted running request is suspended (its pages become HELD and may be offloade
 resumed later (suspending frees gpu slots only through a colder tier: with a gpu-only config
 a request that cannot grow raises RuntimeError).  Copy ops are applied right after every manager call that can emit them, so
 they always run before the step that uses the new page indices.
+
+Failed copies (SPEC sec. 15): when ``DataPlane.apply`` raises ``CopyError`` (a disk I/O
+error, a checksum mismatch, ...), :meth:`Engine.sync` reports its ops with
+``forget_copies``; each request the manager rolled back (now SUSPENDED, with fewer committed
+tokens) is taken out of the running batch and admitted again later, recomputing the K/V of
+its prompt and of the tokens it already generated from its new committed length (the
+tokens and logits it already produced were computed from verified bytes and are kept).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.api import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
+from kvcm.api import AttentionLayer, CopyError, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
 from kvcm.dataplane import DataPlane
 
 
@@ -301,7 +308,9 @@ class Request:
     reused_tokens: int = 0
     preemptions: int = 0
     kv: Any = None
-    started: bool = False  # prefilled
+    started: bool = False  # prefilled: its K/V covers prompt + output[:-1]
+    rolled_back: bool = False  # the manager rolled it back (failed copies); not handled yet
+    rollbacks: int = 0
 
     @property
     def done(self) -> bool:
@@ -325,11 +334,24 @@ class Engine:
         self.ssm_layers = [i for i, (kind, _) in enumerate(model.layers) if kind == "ssm"]
         self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "prefill_tokens": 0,
                          "decode_steps": 0, "preemptions": 0, "resume_failures": 0,
-                         "max_stale_blocks": 0}  # most -1 (stale) entries seen in one windowed page table
+                         "max_stale_blocks": 0,  # most -1 (stale) entries seen in one windowed page table
+                         "copy_failures": 0, "rollbacks": 0, "recomputed_tokens": 0}
+        self._by_id: dict[Any, Request] = {}  # open request by its cache id
 
     def sync(self) -> None:
-        """Execute the manager's pending copy ops (before any page index is used)."""
-        self.plane.apply(self.mgr.drain_copy_ops())
+        """Execute the manager's pending copy ops (before any page index is used).  Ops that
+        did not complete are reported to the manager; the requests it rolls back are
+        flagged (``rolled_back``) and recomputed by the scheduler."""
+        try:
+            self.plane.apply(self.mgr.drain_copy_ops())
+        except CopyError as e:
+            self.counters["copy_failures"] += 1
+            for cache_id in self.mgr.forget_copies(e.ops):
+                self.counters["rollbacks"] += 1
+                r = self._by_id.get(cache_id)
+                if r is not None:  # (a cache of this manager that is not the engine's)
+                    r.rolled_back = True
+                    r.rollbacks += 1
 
     def close(self) -> None:
         self.plane.close()
@@ -340,6 +362,7 @@ class Engine:
         waiting: deque[Request] = deque(requests)
         running: list[Request] = []
         while waiting or running:
+            self._requeue_rolled_back(running, waiting)
             while waiting and len(running) < self.max_batch and self._admit(waiting[0]):
                 r = waiting.popleft()
                 if r.done:
@@ -349,55 +372,88 @@ class Engine:
             if not running:
                 raise RuntimeError("the gpu quota cannot hold even one request")
             for r in running.copy():  # grow by one token, preempting the newest on failure
-                while r in running and not r.kv.resize(r.kv.capacity + 1):
+                while r in running and not r.rolled_back and not r.kv.resize(r.kv.capacity + 1):
                     if len(running) == 1 or len(self.plane.tier_kinds) == 1:
                         raise RuntimeError("gpu quota exhausted and nothing can be preempted")
                     self._preempt(running.pop(), waiting)
                 self.sync()
+            self._requeue_rolled_back(running, waiting)
             for r in running.copy():
+                if r.rolled_back:  # by an earlier request's step: handled next round
+                    continue
                 self._decode(r)
-                if r.done:
+                if r.done and not r.rolled_back:
                     running.remove(r)
                     self._finish(r)
         return list(requests)
+
+    def _requeue_rolled_back(self, running: list[Request], waiting: deque[Request]) -> None:
+        """Requests the manager rolled back are SUSPENDED with fewer committed tokens: they
+        wait to be admitted again and recompute from there."""
+        for r in running.copy():
+            if r.rolled_back:
+                running.remove(r)
+                waiting.appendleft(r)
+        for r in waiting:
+            if r.rolled_back:
+                r.rolled_back = False
+                r.started = False
 
     def _admit(self, r: Request) -> bool:
         kv = r.kv
         if kv is None:
             # match all but the last prompt token: its logits must be computed to sample
             kv = r.kv = self.mgr.create_kv_cache(r.prompt[:-1], r.scope)
+            self._by_id[kv.id] = r
             r.reused_tokens = kv.num_reused_tokens
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(r.prompt)
             self.counters["reused_tokens"] += r.reused_tokens
-        if not kv.resume():
-            self.counters["resume_failures"] += 1
-            return False
-        self.sync()
-        if r.started:
+        while True:  # again after each roll-back of this request during its admission
+            r.rolled_back = False
+            r.started = r.started and kv.num_committed_tokens == self._kv_target(r)
+            if not kv.resume():
+                self.counters["resume_failures"] += 1
+                return False
+            self.sync()
+            if r.rolled_back:
+                continue
+            if r.started:
+                return True
+            if not kv.resize(self._kv_target(r)):
+                kv.suspend()
+                self.sync()
+                self.counters["resume_failures"] += 1
+                return False
+            self.sync()
+            if r.rolled_back:
+                continue
+            if kv.num_committed_tokens == 0 and self.ssm_lc is not None:  # no snapshot: start from zeros
+                slot = kv.page_indices(self.ssm_lc)[0]
+                for layer_id in self.ssm_layers:
+                    self.plane.state(layer_id)[slot].zero_()
+            if not self._prefill(r):
+                continue
+            r.started = True
             return True
-        if not kv.resize(len(r.prompt)):
-            kv.suspend()
-            self.counters["resume_failures"] += 1
-            return False
-        self.sync()
-        if kv.num_committed_tokens == 0 and self.ssm_lc is not None:  # no snapshot: start from zeros
-            slot = kv.page_indices(self.ssm_lc)[0]
-            for layer_id in self.ssm_layers:
-                self.plane.state(layer_id)[slot].zero_()
-        self._prefill(r)
-        r.started = True
-        return True
+
+    @staticmethod
+    def _kv_target(r: Request) -> int:
+        """Tokens whose K/V a started request holds: the prompt and every generated token
+        but the last (the next decode step's input)."""
+        return len(r.prompt) + max(len(r.output) - 1, 0)
 
     def _preempt(self, r: Request, waiting: deque[Request]) -> None:
-        r.kv.suspend()
-        self.sync()
+        if not r.rolled_back:  # a rolled-back request is SUSPENDED already
+            r.kv.suspend()
+            self.sync()
         r.preemptions += 1
         self.counters["preemptions"] += 1
         waiting.appendleft(r)
 
     def _finish(self, r: Request) -> None:
         r.kv.close()  # commits the partial tail + its ssm snapshot: a copy op
+        self._by_id.pop(r.kv.id, None)
         self.sync()
 
     # ------------------------------------------------------------------ model steps
@@ -415,31 +471,40 @@ class Engine:
         slot = kv.page_indices(self.ssm_lc)[0] if self.ssm_lc is not None else -1
         return self.model.forward_paged(tokens, start, self.plane, pages, slot)
 
-    def _prefill(self, r: Request) -> None:
-        kv, n = r.kv, len(r.prompt)
+    def _prefill(self, r: Request) -> bool:
+        """Compute the K/V of ``prompt + output[:-1]`` from the committed length on (the
+        whole unreused prompt, or what a roll-back dropped), then sample the first output
+        token if there is none yet.  False: the request was rolled back meanwhile."""
+        kv = r.kv
+        seq = r.prompt + r.output
+        n = self._kv_target(r)
         c = kv.num_committed_tokens
-        self.counters["prefill_tokens"] += n - c
+        self.counters["prefill_tokens" if not r.rollbacks else "recomputed_tokens"] += n - c
         logits = None
         while c < n:
             e = min(n, (c // self.chunk + 1) * self.chunk)
-            logits = self._forward(r, r.prompt[c:e], c)
-            kv.commit(r.prompt[c:e])  # ends on a block boundary: an ssm snapshot (copy op)
+            logits = self._forward(r, seq[c:e], c)
+            kv.commit(seq[c:e])  # ends on a block boundary: an ssm snapshot (copy op)
             self.sync()
+            if r.rolled_back:
+                return False
             c = e
-        last = logits[-1].cpu()
-        r.output.append(int(last.argmax()))
-        r.logits.append(last)
+        if not r.output:
+            last = logits[-1].cpu()
+            r.output.append(int(last.argmax()))
+            r.logits.append(last)
+        return True
 
     def _decode(self, r: Request) -> None:
         kv = r.kv
         tok = r.output[-1]
         logits = self._forward(r, [tok], kv.num_committed_tokens)
         kv.commit([tok])
-        self.sync()
-        last = logits[-1].cpu()
+        last = logits[-1].cpu()  # computed from verified bytes: kept even if the sync fails
         r.output.append(int(last.argmax()))
         r.logits.append(last)
         self.counters["decode_steps"] += 1
+        self.sync()
 
 
 # ---------------------------------------------------------------------------------------

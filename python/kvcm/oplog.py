@@ -514,6 +514,9 @@ class RecordingManager(KVCacheManager):
     def drain_copy_ops(self):
         return self._record("drain_copy_ops", None, {}, self._inner.drain_copy_ops)
 
+    def forget_copies(self, ops):
+        return self._record("forget_copies", None, {"ops": ops}, lambda: self._inner.forget_copies(ops))
+
     def clear_reusable(self) -> None:
         return self._record("clear_reusable", None, {}, self._inner.clear_reusable)
 

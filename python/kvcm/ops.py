@@ -24,6 +24,10 @@ JSON list is a list, ``{"array": "q", "values": [...]}`` an ``array.array``,
 ``{"numpy": "int32", "values": [...]}`` a numpy array, ``{"torch": "int64", "values":
 [...]}`` a torch tensor (engines keep sequence lengths in arrays).
 
+``forget_copies``' ``ops`` is a JSON list whose items are ``CopyOp.to_json()`` lists (each
+becomes a ``CopyOp``) or ``{"value": x}`` (the raw value ``x``, bad input); a non-list is
+passed as is.
+
 Scope: ``null`` (default scope), ``{"lora_id": x, "salt": y}`` (either may be missing or
 null), or any other JSON value passed through unchanged (a bad scope).
 
@@ -60,6 +64,8 @@ MANAGER_OPS: dict[str, tuple[str, ...]] = {
     # the batched decode step (``caches``: handles, see the module docstring)
     "resize_batch": ("caches", "capacities", "history_lengths"),
     "commit_batch": ("caches", "tokens"),
+    # failed copies (``ops``: see the module docstring)
+    "forget_copies": ("ops",),
 }
 BATCH_OPS: frozenset[str] = frozenset({"resize_batch", "commit_batch"})
 CACHE_OPS: dict[str, tuple[str, ...]] = {
@@ -230,10 +236,33 @@ def _decode_caches(items: Any, caches: Sequence[KVCache]) -> Any:
     return out
 
 
+def encode_copy_ops(ops: Any) -> Any:
+    """JSON form of ``forget_copies``' ``ops`` (module docstring)."""
+    if not isinstance(ops, (list, tuple)):
+        return normalize(ops)
+    return [op.to_json() if isinstance(op, CopyOp) else {"value": normalize(op)} for op in ops]
+
+
+def decode_copy_ops(ops: Any) -> Any:
+    if not isinstance(ops, list):
+        return ops
+    out: list[Any] = []
+    for it in ops:
+        if isinstance(it, list) and len(it) == 6:
+            out.append(CopyOp(*it))
+        elif isinstance(it, dict) and set(it) == {"value"}:
+            out.append(it["value"])
+        else:
+            out.append(it)
+    return out
+
+
 def encode_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in args.items():
-        if k in _CONTAINER_ARGS or (k == "tokens" and op == "commit_batch"):
+        if k == "ops" and op == "forget_copies":
+            out[k] = encode_copy_ops(v)
+        elif k in _CONTAINER_ARGS or (k == "tokens" and op == "commit_batch"):
             out[k] = encode_container(v)
         elif k in _TOKEN_ARGS:
             out[k] = encode_tokens(v)
@@ -372,6 +401,8 @@ def _call(manager: Any, caches: list, op: dict[str, Any]) -> Any:
     for k, v in raw.items():
         if k in _CONTAINER_ARGS or (k == "tokens" and name == "commit_batch"):
             args[k] = decode_container(v)
+        elif k == "ops" and name == "forget_copies":
+            args[k] = decode_copy_ops(v)
         elif k == "caches":
             args[k] = _decode_caches(v, caches)
         elif k in _TOKEN_ARGS:

@@ -43,9 +43,20 @@ class PyKVCache(KVCache):
         from kvcm.keys import chain_keys
 
         self.keys: list[bytes] = chain_keys(root_key, tokens[: nfull * B], B)  # key per full block
-        m, _mbs, path = mgr.match(self.root, tokens, self.keys) if tokens else (0, 0, [])
+        self.pages: dict[int, list[Page | None]] = {}
+        self.live: Page | None = None  # the live ssm state
+        self.snap: Page | None = None  # matched ssm snapshot, held until the first resume copies it
+        self._reused = self._match_and_hold(tokens, self.keys)
+        mgr.requests[serial] = self
+        mgr.record_match(len(tokens), self._reused)
+
+    def _match_and_hold(self, tokens: list, keys: list[bytes]) -> int:
+        """Match ``tokens`` and hold what the match found, as a fresh SUSPENDED request
+        (create, and the roll-back of ``forget_copies``); returns the match length."""
+        mgr = self.mgr
+        B = mgr.B
+        m, _mbs, path = mgr.match(self.root, tokens, keys) if tokens else (0, 0, [])
         self.tokens: list[Token] = tokens[:m]  # committed tokens
-        self._reused = m
         self.capacity_ = m
         self.history = m
         # blocks[i]: tree node this request references for ordinal i (-1: none)
@@ -53,25 +64,63 @@ class PyKVCache(KVCache):
         for nid in path:
             mgr.tree.ref(nid)
         # pages[lc][i]: page used for block i of attention lc (None: none/stale)
-        self.pages: dict[int, list[Page | None]] = {lc: [None] * len(path) for lc in mgr.attn_lcs}
+        self.pages = {lc: [None] * len(path) for lc in mgr.attn_lcs}
         for lc in mgr.attn_lcs:
             lo, hi = mgr.lcs[lc].stale_range(m, B)
             for j, nid in enumerate(path):
                 if lo <= j < hi:
                     continue
                 page = mgr.pages[mgr.tree.page(nid, lc)]
-                mgr.use(page, False, priority)
+                mgr.use(page, False, self._priority)
                 self.pages[lc][j] = page
-        self.live: Page | None = None  # the live ssm state
-        self.snap: Page | None = None  # matched ssm snapshot, held until the first resume copies it
+        self.live = None
+        self.snap = None
         if mgr.ssm_lc is not None and m > 0:
             nid = path[-1]
             self.snap = mgr.pages[mgr.tree.page(nid, mgr.ssm_lc)]
-            mgr.use(self.snap, False, priority)
+            mgr.use(self.snap, False, self._priority)
         # the block a partial match ends in: copied to private pages on first resume
         self.cow_block = m // B if m % B else -1
-        mgr.requests[serial] = self
-        mgr.record_match(len(tokens), m)
+        return m
+
+    def _rollback_point(self, lost: set[int]) -> int | None:
+        """Where this request rolls back to when the pages ``lost`` (serials) are forgotten:
+        the start of the first block whose page it uses is lost; its committed length when
+        the live ssm state or the matched snapshot is lost (the re-match then finds an
+        earlier snapshot).  None: it uses no lost page."""
+        B = self.mgr.B
+        point = None
+        for lc in self.mgr.attn_lcs:
+            for i, p in enumerate(self.pages[lc]):
+                if p is not None and p.serial in lost:
+                    point = i * B if point is None else min(point, i * B)
+                    break
+        for p in (self.snap, self.live):
+            if p is not None and p.serial in lost:
+                point = len(self.tokens) if point is None else point
+        return None if point is None else min(point, len(self.tokens))
+
+    def _roll_back(self, point: int) -> None:
+        """``forget_copies``: release everything, then match ``tokens[:point]`` again and
+        hold it as a SUSPENDED request (DECISIONS.md "Failed copies")."""
+        mgr = self.mgr
+        active = self._status == Status.ACTIVE
+        for p in self._used_pages():
+            mgr.unuse(p, active)
+        self.live = self.snap = None
+        for lc in mgr.attn_lcs:
+            self.pages[lc] = []
+        for nid in self.blocks:
+            if nid != NO_NODE:
+                mgr.tree.unref(nid)
+        self.blocks = []
+        self._status = Status.SUSPENDED
+        self.stopped = False
+        tokens = self.tokens[:point]
+        from kvcm.keys import chain_keys
+
+        keys = chain_keys(mgr.root_key(self.scope), tokens[: len(tokens) // mgr.B * mgr.B], mgr.B)
+        self._match_and_hold(tokens, keys)
 
     # ------------------------------------------------------------------ properties
 

@@ -32,6 +32,7 @@ from kvcm.api import (
     TierChangedEvent,
     Token,
     check_batch_caches,
+    check_copy_ops,
     check_counts,
     check_priority,
     check_scope,
@@ -43,7 +44,8 @@ from kvcm.python_backend.pools import DROPPABLE, HELD, NO_NODE, Page, Pool
 from kvcm.python_backend.tree import NO_PAGE, RadixTree
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
-                "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped")
+                "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped",
+                "lost_pages")
 
 
 def _at(what: str, i: int, check):
@@ -90,6 +92,9 @@ class PyKVCacheManager(KVCacheManager):
         self.next_request = 0  # creation serial of requests; also the default request id
         self.requests: dict[int, Any] = {}  # serial -> live (not closed) PyKVCache
         self.copy_ops: list[CopyOp] = []
+        self.copy_pages: list[int] = []  # serial of the page each pending op fills
+        # the ops of the last drain not reported yet, with the page each fills (forget_copies)
+        self.issued: list[tuple[CopyOp, int]] = []
         self.events: deque[Event] = deque()
         self.events_dropped = 0
         self.next_event = 0
@@ -181,7 +186,55 @@ class PyKVCacheManager(KVCacheManager):
     @serialized
     def drain_copy_ops(self) -> list[CopyOp]:
         ops, self.copy_ops = self.copy_ops, []
+        pages, self.copy_pages = self.copy_pages, []
+        self.issued = list(zip(ops, pages))
         return ops
+
+    @serialized
+    def forget_copies(self, ops: Sequence[CopyOp]) -> list[int | str]:
+        """Failed copies (sec. 15; contract: kvcm.api.KVCacheManager.forget_copies)."""
+        ops = check_copy_ops(ops)
+        pending: dict[CopyOp, list[int]] = {}  # op -> its indices in self.issued, in order
+        for k, (iop, _) in enumerate(self.issued):
+            pending.setdefault(iop, []).append(k)
+        taken: set[int] = set()  # indices into self.issued, one per reported op
+        for i, op in enumerate(ops):
+            ks = pending.get(op)
+            if not ks:
+                raise ValueError(f"forget_copies(): ops[{i}] {op.to_json()} is not an unreported op of the "
+                                 "last drain_copy_ops()")
+            taken.add(ks.pop(0))
+        if not taken:
+            return []
+        self.tick()
+        lost: list[Page] = []
+        for k in sorted(taken):
+            page = self.pages.get(self.issued[k][1])
+            if page is not None and page not in lost:
+                lost.append(page)
+        self.issued = [e for k, e in enumerate(self.issued) if k not in taken]
+        lost_serials = {p.serial for p in lost}
+        # the caches that use a lost page, and where each rolls back to (before any change)
+        resets = []
+        for serial in sorted(self.requests):
+            r = self.requests[serial]
+            point = r._rollback_point(lost_serials)
+            if point is not None:
+                resets.append((r, point))
+        for page in lost:  # unlink lost committed pages (sec. 5 pruning, removed events)
+            if self.pages.get(page.serial) is not page:
+                continue  # freed with a subtree an earlier unlink removed
+            self.count(page.lc, "lost_pages")
+            if page.node != NO_NODE:
+                if self.tree.is_attached(page.node):
+                    self.unlink_committed(page)
+                else:
+                    self._unlink_from_node(page)
+                if page.locks == 0 and page.holds == 0:
+                    self.free_page(page)
+        for r, point in resets:
+            r._roll_back(point)
+        return [r.id for r, _ in resets]
 
     @serialized
     def clear_reusable(self) -> None:
@@ -369,6 +422,7 @@ class PyKVCacheManager(KVCacheManager):
         dst_pool.push(page)
         tid = self.tier_ids
         self.copy_ops.append(CopyOp(page.lc, tid[old_tier], old_slot, tid[dst], new_slot, reason))
+        self.copy_pages.append(page.serial)
         nbytes = self.lcs[page.lc].slot_bytes
         kind = "offloads" if reason == "offload" else "onboards"
         self.count(page.lc, kind)
@@ -448,6 +502,7 @@ class PyKVCacheManager(KVCacheManager):
     def copy(self, lc: int, src: Page, dst: Page, reason: str) -> None:
         tid = self.tier_ids
         self.copy_ops.append(CopyOp(lc, tid[src.tier], src.slot, tid[dst.tier], dst.slot, reason))
+        self.copy_pages.append(dst.serial)
 
     def emit(self, event: Event) -> None:
         if self._config.max_events == 0:

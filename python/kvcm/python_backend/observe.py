@@ -70,6 +70,7 @@ def snapshot(mgr) -> dict:
         "stats": mgr.stats(),
         "iteration_stats": mgr._stats_view(mgr.iteration),
         "copy_ops": [op.to_json() for op in mgr.copy_ops],
+        "issued_copy_ops": [[*op.to_json(), serial] for op, serial in mgr.issued],
         "events": [e.to_json() for e in mgr.events],
         "events_dropped": mgr.events_dropped,
         "next": {"event": mgr.next_event, "page": mgr.next_page, "request": mgr.next_request,
