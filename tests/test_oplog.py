@@ -39,7 +39,7 @@ def workload(m) -> None:
     a = m.create_kv_cache([1, 2, 3, D, 5], scope=ReuseScope(lora_id=0), priority=70, id="a")
     assert a.resume()
     assert a.resize(7)
-    a.commit(iter([1, 2, 3, D, 5]))  # an iterator: recorded and forwarded intact
+    a.commit((1, 2, 3, D, 5))  # a tuple: recorded as a list
     with pytest.raises(ValueError):
         a.commit([-1])
     a.page_indices(0)
@@ -271,7 +271,7 @@ def test_recording_proxy_logs_every_public_call(tmp_path, monkeypatch):
     assert create["args"]["scope"] == {"lora_id": 0, "salt": None}
     assert create["outcome"] == {"result": 0}
     commit = next(r for r in ops if r["op"] == "commit")
-    assert commit["args"]["tokens"][3] == {"digest": D.hex()}  # the iterator was recorded
+    assert commit["args"]["tokens"][3] == {"digest": D.hex()}  # the tuple was recorded
     failed = [r for r in ops if "error" in r["outcome"]]
     assert [(r["op"], r["outcome"]["error"]) for r in failed] == [("commit", "ValueError"), ("resize_batch", "ValueError")]
     assert "out of range" in failed[0]["message"]
@@ -496,3 +496,25 @@ def test_differential_harness_catches_a_divergence_and_prints_a_replayable_log(t
     path.write_text(log)
     report = L.replay(str(path), ["python"])  # recorded outcomes are the reference side's
     assert report.ok, str(report)
+
+
+def test_recording_does_not_change_what_tokens_are_accepted(tmp_path, monkeypatch):
+    """Issue 8 (items 6/13, SPEC sec. 15 "observability never changes outcomes"): an
+    iterator is refused with the op log on exactly as with it off (it used to be turned
+    into a list first, so the recorded call succeeded where the plain one fails)."""
+    errors = {}
+
+    def run(m):
+        a = m.create_kv_cache()
+        assert a.resume() and a.resize(8)
+        for name, bad in (("iter", iter([1, 2])), ("gen", (t for t in [1, 2])), ("set", {1, 2})):
+            with pytest.raises(TypeError) as ei:
+                a.commit(bad)
+            errors.setdefault(name, []).append(str(ei.value))
+        assert a.num_committed_tokens == 0
+
+    run(py_manager())
+    path = record(tmp_path, monkeypatch, run=run)
+    assert all(len(set(v)) == 1 and len(v) == 2 for v in errors.values()), errors
+    ops = [json.loads(x) for x in read_lines(path)][1:]
+    assert [r["outcome"] for r in ops if r["op"] == "commit"] == [{"error": "TypeError"}] * 3
