@@ -184,6 +184,10 @@ class _Sub(int):
         ({"enable_partial_reuse": 1}, "enable_partial_reuse"),
         ({"tiers": [Tier("gpu", 2**40)]}, "tiers.quota_bytes"),  # 2**38 slots: page indices are int32
         ({"tiers": [Tier(5, 64)]}, "tiers.kind"),
+        ({"layers": 5}, "layers"),
+        ({"layers": AttentionLayer(0, 1)}, "layers"),
+        ({"tiers": Tier("gpu", 64)}, "tiers"),
+        ({"tiers": None}, "tiers"),
     ]
     + [({"layers": [AttentionLayer(0, v)]}, "layers.bytes_per_token") for v in _HUGE]
     + [({"layers": [AttentionLayer(0, 1, window=v)]}, "layers.window") for v in _HUGE]

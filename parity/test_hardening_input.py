@@ -264,6 +264,17 @@ def test_batch_tokens_that_suspend_a_cache_cannot_commit(make_manager):
     assert snap(mgr) == seen["mid"]
 
 
+def test_commit_reads_its_tokens_before_the_status(make_manager):
+    mgr = make_manager(attn_cfg(gpu=4))
+    kv = _active(mgr)
+    kv.suspend()
+    _raises(mgr, lambda: kv.commit([-1]), ValueError, "tokens: token -1 out of range [0, 2**31)")
+    _raises(mgr, lambda: kv.commit([1]), InvalidStateError, "commit() needs a ACTIVE cache, this one is SUSPENDED")
+    kv.close()
+    _raises(mgr, lambda: kv.commit("x"), TypeError, "tokens must be a sequence of tokens, got str")
+    _raises(mgr, lambda: kv.commit([1]), ClosedError, "commit() on a closed cache")
+
+
 def test_iterators_and_generators_are_no_token_sequences(make_manager):
     mgr = make_manager(attn_cfg(gpu=4))
     kv = _active(mgr)

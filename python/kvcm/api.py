@@ -126,8 +126,11 @@ class KVCacheManagerConfig:
 
     def __post_init__(self) -> None:
         # Freeze the sequences so the config is hashable-in-spirit and cannot change later.
-        object.__setattr__(self, "layers", tuple(self.layers))
-        object.__setattr__(self, "tiers", tuple(self.tiers))
+        # (anything that is no list of layers / tiers is left for resolve_config's ConfigError)
+        for name in ("layers", "tiers"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):
+                object.__setattr__(self, name, tuple(value))
         if isinstance(self.pool_ratio, Mapping):  # anything else is resolve_config's ConfigError
             object.__setattr__(self, "pool_ratio", dict(self.pool_ratio))
 
@@ -218,6 +221,8 @@ def resolve_config(config: KVCacheManagerConfig) -> ResolvedConfig:
     B = config.tokens_per_block
     if not _config_int(B) or not 1 <= B <= 4096:
         raise ConfigError("tokens_per_block", f"must be an int in 1..4096, got {B!r}")
+    if not isinstance(config.layers, tuple):
+        raise ConfigError("layers", f"must be a list of layers, got {type(config.layers).__name__}")
     if not config.layers:
         raise ConfigError("layers", "at least one layer is required")
     seen_ids: set[int] = set()
@@ -273,6 +278,8 @@ def resolve_config(config: KVCacheManagerConfig) -> ResolvedConfig:
         for i, k in enumerate(lc_keys)
     )
 
+    if not isinstance(config.tiers, tuple):
+        raise ConfigError("tiers", f"must be a list of tiers, got {type(config.tiers).__name__}")
     if not config.tiers:
         raise ConfigError("tiers", "a gpu tier is required")
     kinds: list[str] = []
