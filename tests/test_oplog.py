@@ -518,3 +518,27 @@ def test_recording_does_not_change_what_tokens_are_accepted(tmp_path, monkeypatc
     assert all(len(set(v)) == 1 and len(v) == 2 for v in errors.values()), errors
     ops = [json.loads(x) for x in read_lines(path)][1:]
     assert [r["outcome"] for r in ops if r["op"] == "commit"] == [{"error": "TypeError"}] * 3
+
+
+def test_crafted_log_with_huge_resizes_replays_at_once(tmp_path):
+    """Issue 8 item 4, through the op log: a crafted log asking for huge capacities is
+    refused in O(1) on both backends (False, nothing changed; 2**63 a ValueError), where it
+    used to take seconds and gigabytes (cpp) or exhaust memory (python)."""
+    import time
+
+    recs = [
+        {"op": "create_kv_cache", "args": {"input_tokens": [1, 2, 3]}, "outcome": {"result": 0}},
+        {"op": "resume", "cache": 0, "outcome": {"result": True}},
+        {"op": "resize", "cache": 0, "args": {"capacity": 10**9}, "outcome": {"result": False}},
+        {"op": "resize", "cache": 0, "args": {"capacity": 2**62, "history_length": 2**62}, "outcome": {"result": False}},
+        {"op": "resize", "cache": 0, "args": {"capacity": 2**63}, "outcome": {"error": "ValueError"}},
+        {"op": "resize_batch", "args": {"caches": [0], "capacities": [2**40]}, "outcome": {"result": [False]}},
+        {"op": "resize", "cache": 0, "args": {"capacity": 8}, "outcome": {"result": True}},
+    ]
+    path = tmp_path / "huge.jsonl"
+    path.write_text(L.format_log(config(), recs))
+    t0 = time.perf_counter()
+    report = L.replay(str(path), ["python", "cpp"])
+    assert report.ok, report.divergence
+    assert report.steps == len(recs)
+    assert time.perf_counter() - t0 < 5.0
