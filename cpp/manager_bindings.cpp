@@ -173,18 +173,26 @@ nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
   return nb::borrow<nb::list>(out);
 }
 
-// kvcm.api.check_count: an int (not bool) >= 0, same errors and messages.
+// The text of an int argument's value in an error: an int subclass by its int value
+// (kvcm.api.as_int), never through a method the subclass could override.
+std::string int_text(PyObject* v, long long x, int overflow) {
+  return overflow == 0 ? std::to_string(x) : kvcm::pyconv::exact_int_str(v);
+}
+
+// Python twin: kvcm.api.check_count (SPEC sec. 10): an int (not bool; a subclass by its
+// value) in [0, 2**63), same errors and messages.
 std::int64_t check_count(nb::handle o, const char* name) {
   PyObject* v = o.ptr();
   if (!PyLong_Check(v) || PyBool_Check(v)) {
     throw nb::type_error((std::string(name) + " must be an int, got " + type_name(v)).c_str());
   }
   int overflow = 0;
-  const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+  const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);  // an int's digits: no method call
   if (x == -1 && PyErr_Occurred()) throw nb::python_error();
-  const std::string text = nb::cast<std::string>(nb::str(o));
-  if (overflow < 0 || x < 0) throw nb::value_error((std::string(name) + " must be >= 0, got " + text).c_str());
-  if (overflow > 0) throw nb::value_error((std::string(name) + " " + text + " is too large").c_str());
+  if (overflow < 0 || (overflow == 0 && x < 0)) {
+    throw nb::value_error((std::string(name) + " must be >= 0, got " + int_text(v, x, overflow)).c_str());
+  }
+  if (overflow > 0) throw nb::value_error((std::string(name) + " " + int_text(v, x, overflow) + " is too large").c_str());
   return static_cast<std::int64_t>(x);
 }
 
@@ -270,7 +278,7 @@ void counts_from_sequence(std::vector<std::int64_t>& out, PyObject* seq, const s
     int overflow = 0;
     const long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (x == -1 && PyErr_Occurred()) throw nb::python_error();
-    if (overflow != 0 || x < 0) bad_count(name, i, nb::cast<std::string>(nb::str(nb::handle(v))), overflow > 0);
+    if (overflow != 0 || x < 0) bad_count(name, i, int_text(v, x, overflow), overflow > 0);
     out[i] = static_cast<std::int64_t>(x);
   }
 }
@@ -493,16 +501,13 @@ void bind_manager(nb::module_& m) {
       .def(
           "commit",
           [](Manager& mgr, std::int64_t serial, nb::handle tokens) {
-            // the python backend's order: status, stopped, then the tokens
-            const kvcm::RequestInfo info = quick(mgr, [&] {
-              mgr.require_status(serial, kvcm::ReqStatus::active, "commit");
-              return mgr.info(serial);
-            });
-            if (info.stopped) throw kvcm::InvalidStateErr("commit after stop_committing()");
+            // Python twin: PyKVCache.commit (SPEC sec. 7, DECISIONS "Tokens"): the tokens
+            // first (any Python code they run runs before any state is looked at), then
+            // status, stopped and room, checked in the core under the lock
             const TokenBuf t = parse_tokens(tokens, "tokens");
             locked(mgr, [&] { mgr.commit(serial, t.seq()); });
           },
-          "serial"_a, "tokens"_a)
+          "serial"_a, "tokens"_a.none())
       .def(
           "stop_committing",
           [](Manager& mgr, std::int64_t serial) { locked(mgr, [&] { mgr.stop_committing(serial); }); }, "serial"_a)
@@ -559,7 +564,7 @@ void bind_manager(nb::module_& m) {
         locked(mgr, [&] { mgr.resize_batch(serials, capacities, histories, results); });
         return bool_list(results);
       },
-      "manager"_a, "keys"_a, "capacities"_a, "history_lengths"_a.none(),
+      "manager"_a, "keys"_a, "capacities"_a.none(), "history_lengths"_a.none(),
       nb::sig("def resize_batch(manager: Manager, keys: list[tuple[Manager, int]], capacities: object, "
               "history_lengths: object | None) -> list[bool]"),
       "Manager.resize for each (cache, capacity, history) in order, the whole batch validated first "

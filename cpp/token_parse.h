@@ -107,6 +107,14 @@ inline bool small_exact_int(PyObject* t, std::uint32_t& out) noexcept {
 #endif
 }
 
+// str() of the int value of `t` (an int or int subclass), read without calling any method
+// a subclass could override (kvcm.api.as_int: int.__index__ of the base type).
+inline std::string exact_int_str(PyObject* t) {
+  nb::object v = nb::steal(PyLong_Type.tp_as_number->nb_index(t));
+  if (!v.is_valid()) throw nb::python_error();
+  return nb::cast<std::string>(nb::str(v));
+}
+
 // Any list item that small_exact_int declined: check_tokens' checks and messages (bool is
 // rejected; int subclasses are accepted by value; bytes must be exact and 32 long).
 template <TokenSink S>
@@ -116,10 +124,9 @@ void parse_checked_item(S& out, PyObject* t, std::string_view name) {
     const long long v = PyLong_AsLongLongAndOverflow(t, &overflow);
     if (v == -1 && PyErr_Occurred()) throw nb::python_error();
     if (overflow != 0 || v < 0 || static_cast<unsigned long long>(v) >= kTokenLimit) {
-      // str(int(t)): an int subclass is reported by its int value, like check_tokens does.
-      nb::object as_int = nb::steal(PyNumber_Long(t));
-      if (!as_int.is_valid()) throw nb::python_error();
-      raise_out_of_range(name, nb::cast<std::string>(nb::str(as_int)));
+      // An int subclass is reported by its int value, like check_tokens does (kvcm.api.as_int).
+      if (overflow == 0) raise_out_of_range(name, std::to_string(v));
+      raise_out_of_range(name, exact_int_str(t));
     }
     const auto u = static_cast<std::uint32_t>(v);
     out.append_ints(&u, 1);
@@ -275,22 +282,25 @@ bool try_parse_buffer(S& out, PyObject* obj, std::string_view name, BufferGil gi
 }
 
 // kvcm.api.check_tokens(tokens, name) into `out`: the same tokens, the same errors.  Fast
-// paths for exact list/tuple and int buffers; anything else (generators, torch tensors,
-// list subclasses, nested arrays...) is normalised by check_tokens itself, so its errors
-// match by construction.
+// paths for exact list/tuple and 1-D int buffers; anything else (torch tensors, list
+// subclasses, ranges, nested arrays, generators...) is normalised or rejected by
+// check_tokens itself, so its errors match by construction.
+// Python twin: kvcm.api.check_tokens / _token_items (the one rule for a token sequence,
+// DECISIONS "Tokens"; SPEC sec. 1 and 10).
 template <TokenSink S>
 void parse_tokens(S& out, nb::handle tokens, std::string_view name, BufferGil buffer_gil = BufferGil::hold) {
   PyObject* obj = tokens.ptr();
-  if (obj == Py_None) return;
-  if (PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj)) {
+  if (obj == Py_None || PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj)) {
     throw nb::type_error((std::string(name) + " must be a sequence of tokens, got " + type_name(obj)).c_str());
   }
   if (PyList_CheckExact(obj) || PyTuple_CheckExact(obj)) {
     parse_sequence(out, obj, name);
     return;
   }
-  // check_tokens converts via .tolist() exactly when this attribute exists (and obj is no list).
-  if (!PyList_Check(obj) && PyObject_HasAttrString(obj, "tolist") && PyObject_CheckBuffer(obj)) {
+  // check_tokens converts via .tolist() exactly when this attribute exists (and obj is no
+  // list).  Memoryviews take check_tokens' path: one over bytes is rejected there.
+  if (!PyList_Check(obj) && !PyMemoryView_Check(obj) && PyObject_HasAttrString(obj, "tolist") &&
+      PyObject_CheckBuffer(obj)) {
     if (try_parse_buffer(out, obj, name, buffer_gil)) return;
   }
   nb::object normalised =

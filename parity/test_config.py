@@ -147,3 +147,111 @@ def test_extreme_block_sizes_are_valid(make_manager):
         assert kv.page_indices(0) == [0, 1]
         kv.close()
         mgr.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 8: every integer field bounded so derived quantities fit int64; floats checked
+# without overflow; Tier.path checked (DECISIONS "Configuration bounds").
+# ---------------------------------------------------------------------------------------
+
+_HUGE = [2**63, 2**64, 2**100]
+
+
+class _Sub(int):
+    def __index__(self):
+        return 4
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"layers": [AttentionLayer(0, 2**62)]}, "layers.bytes_per_token"),  # B * 2**62 >= 2**63
+        ({"layers": [AttentionLayer(0, 2**61), AttentionLayer(1, 2**61)]}, "layers.bytes_per_token"),
+        ({"layers": [SsmLayer(0, 2**62), SsmLayer(1, 2**62)]}, "layers.state_bytes"),
+        ({"tokens_per_block": _Sub(4)}, "tokens_per_block"),
+        ({"tokens_per_block": True}, "tokens_per_block"),
+        ({"layers": [AttentionLayer(0, 1, window=_Sub(8))]}, "layers.window"),
+        ({"pool_ratio": {0: 10**400}}, "pool_ratio"),
+        ({"pool_ratio": {0: float("nan")}}, "pool_ratio"),
+        ({"pool_ratio": {0: float("inf")}}, "pool_ratio"),
+        ({"pool_ratio": {0: 2.0**70}}, "pool_ratio"),
+        ({"pool_ratio": {True: 1.0}}, "pool_ratio"),
+        ({"pool_ratio": [1.0]}, "pool_ratio"),
+        ({"max_util_for_resume": 10**400}, "max_util_for_resume"),
+        ({"max_util_for_resume": float("nan")}, "max_util_for_resume"),
+        ({"max_util_for_resume": float("inf")}, "max_util_for_resume"),
+        ({"max_util_for_resume": True}, "max_util_for_resume"),
+        ({"enable_partial_reuse": 1}, "enable_partial_reuse"),
+        ({"tiers": [Tier("gpu", 2**40)]}, "tiers.quota_bytes"),  # 2**38 slots: page indices are int32
+        ({"tiers": [Tier(5, 64)]}, "tiers.kind"),
+        ({"layers": 5}, "layers"),
+        ({"layers": AttentionLayer(0, 1)}, "layers"),
+        ({"tiers": Tier("gpu", 64)}, "tiers"),
+        ({"tiers": None}, "tiers"),
+    ]
+    + [({"layers": [AttentionLayer(0, v)]}, "layers.bytes_per_token") for v in _HUGE]
+    + [({"layers": [AttentionLayer(0, 1, window=v)]}, "layers.window") for v in _HUGE]
+    + [({"layers": [AttentionLayer(0, 1, window=8, sink_tokens=v)]}, "layers.sink_tokens") for v in _HUGE]
+    + [({"layers": [SsmLayer(0, v)]}, "layers.state_bytes") for v in _HUGE]
+    + [({"layers": [AttentionLayer(v, 1)]}, "layers.layer_id") for v in _HUGE]
+    + [({"tiers": [Tier("gpu", v)]}, "tiers.quota_bytes") for v in _HUGE]
+    + [({"reuse_match_backoff": v}, "reuse_match_backoff") for v in _HUGE]
+    + [({"max_events": v}, "max_events") for v in _HUGE],
+)
+def test_config_values_past_int64_or_float_are_config_errors(make_manager, kw, field):
+    err = _config_error(make_manager, _cfg(**kw))
+    assert err.field == field
+    assert str(err).startswith(field + ": ")
+
+
+def test_config_at_the_int64_edges_works(make_manager):
+    # the largest accepted window and sinks: no overflow in the stale-range arithmetic
+    cfg = _cfg(layers=[AttentionLayer(0, 1, window=2**63 - 1, sink_tokens=2**63 - 1)],
+               reuse_match_backoff=2**63 - 1, max_events=2**63 - 1, pool_ratio={0: 2.0**64})
+    mgr = make_manager(cfg)
+    kv = mgr.create_kv_cache(toks(3))
+    assert kv.resume() and kv.resize(8, history_length=8)
+    kv.commit(toks(6))
+    assert kv.page_indices(0) == [0, 1]
+    assert kv.resize(2**63 - 1) is False  # more blocks than the pool could ever hold
+    kv.close()
+    assert mgr.probe_reuse(toks(6)) == 0  # the backoff swallows every match
+    mgr.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "path,why",
+    [
+        (5, "must be a str or os.PathLike, got int"),
+        (b"/tmp/kvcm-disk", "must be a str or os.PathLike, got bytes"),
+        ("/tmp/kvcm\0disk", "contains a NUL character"),
+        ("", "a disk tier needs a path"),
+        (None, "a disk tier needs a path"),
+    ],
+)
+def test_config_error_bad_disk_path(make_manager, path, why):
+    err = _config_error(make_manager, _cfg(tiers=[Tier("gpu", 64), Tier("disk", 64, path=path)]))
+    assert err.field == "tiers.path"
+    assert str(err) == f"tiers.path: {why}"
+
+
+def test_config_error_disk_path_is_a_regular_file(make_manager, tmp_path):
+    f = tmp_path / "a-file"
+    f.write_bytes(b"x")
+    err = _config_error(make_manager, _cfg(tiers=[Tier("gpu", 64), Tier("disk", 64, path=str(f))]))
+    assert err.field == "tiers.path"
+    assert "exists and is not a directory" in str(err)
+
+
+def test_config_error_path_on_a_non_disk_tier(make_manager, tmp_path):
+    for tiers in ([Tier("gpu", 64, path=str(tmp_path))], [Tier("gpu", 64), Tier("host", 64, path=str(tmp_path))]):
+        err = _config_error(make_manager, _cfg(tiers=tiers))
+        assert err.field == "tiers.path"
+        assert "only a disk tier takes a path" in str(err)
+
+
+def test_disk_path_may_be_pathlike_or_missing_and_is_not_created(make_manager, tmp_path):
+    make_manager(_cfg(tiers=[Tier("gpu", 64), Tier("disk", 64, path=tmp_path)]))  # a pathlib.Path
+    missing = tmp_path / "not" / "yet"
+    make_manager(_cfg(tiers=[Tier("gpu", 64), Tier("disk", 64, path=str(missing))]))
+    assert not missing.exists()  # the data plane creates it when it is built, the validator never

@@ -40,7 +40,7 @@ def workload(m) -> None:
     a = m.create_kv_cache([1, 2, 3, D, 5], scope=ReuseScope(lora_id=0), priority=70, id="a")
     assert a.resume()
     assert a.resize(7)
-    a.commit(iter([1, 2, 3, D, 5]))  # an iterator: recorded and forwarded intact
+    a.commit((1, 2, 3, D, 5))  # a tuple: recorded as a list
     with pytest.raises(ValueError):
         a.commit([-1])
     a.page_indices(0)
@@ -273,7 +273,7 @@ def test_recording_proxy_logs_every_public_call(tmp_path, monkeypatch):
     assert create["args"]["scope"] == {"lora_id": 0, "salt": None}
     assert create["outcome"] == {"result": 0}
     commit = next(r for r in ops if r["op"] == "commit")
-    assert commit["args"]["tokens"][3] == {"digest": D.hex()}  # the iterator was recorded
+    assert commit["args"]["tokens"][3] == {"digest": D.hex()}  # the tuple was recorded
     failed = [r for r in ops if "error" in r["outcome"]]
     assert [(r["op"], r["outcome"]["error"]) for r in failed] == [("commit", "ValueError"), ("resize_batch", "ValueError")]
     assert "out of range" in failed[0]["message"]
@@ -950,3 +950,49 @@ def test_oplog_replay_divergence_still_exits_1(tmp_path, capsys):
     code, _ = _cli_replay(tmp_path, capsys, [lines[0], lines[1], json.dumps(rec)])
     assert code == 1
     assert _cli_replay(tmp_path, capsys, _log_lines())[0] == 0
+
+
+def test_recording_does_not_change_what_tokens_are_accepted(tmp_path, monkeypatch):
+    """Issue 8 (items 6/13, SPEC sec. 15 "observability never changes outcomes"): an
+    iterator is refused with the op log on exactly as with it off (it used to be turned
+    into a list first, so the recorded call succeeded where the plain one fails)."""
+    errors = {}
+
+    def run(m):
+        a = m.create_kv_cache()
+        assert a.resume() and a.resize(8)
+        for name, bad in (("iter", iter([1, 2])), ("gen", (t for t in [1, 2])), ("set", {1, 2})):
+            with pytest.raises(TypeError) as ei:
+                a.commit(bad)
+            errors.setdefault(name, []).append(str(ei.value))
+        assert a.num_committed_tokens == 0
+
+    run(py_manager())
+    path = record(tmp_path, monkeypatch, run=run)
+    assert all(len(set(v)) == 1 and len(v) == 2 for v in errors.values()), errors
+    ops = [json.loads(x) for x in read_lines(path)][1:]
+    assert [r["outcome"] for r in ops if r["op"] == "commit"] == [{"error": "TypeError"}] * 3
+
+
+def test_crafted_log_with_huge_resizes_replays_at_once(tmp_path):
+    """Issue 8 item 4, through the op log: a crafted log asking for huge capacities is
+    refused in O(1) on both backends (False, nothing changed; 2**63 a ValueError), where it
+    used to take seconds and gigabytes (cpp) or exhaust memory (python)."""
+    import time
+
+    recs = [
+        {"op": "create_kv_cache", "args": {"input_tokens": [1, 2, 3]}, "outcome": {"result": 0}},
+        {"op": "resume", "cache": 0, "outcome": {"result": True}},
+        {"op": "resize", "cache": 0, "args": {"capacity": 10**9}, "outcome": {"result": False}},
+        {"op": "resize", "cache": 0, "args": {"capacity": 2**62, "history_length": 2**62}, "outcome": {"result": False}},
+        {"op": "resize", "cache": 0, "args": {"capacity": 2**63}, "outcome": {"error": "ValueError"}},
+        {"op": "resize_batch", "args": {"caches": [0], "capacities": [2**40]}, "outcome": {"result": [False]}},
+        {"op": "resize", "cache": 0, "args": {"capacity": 8}, "outcome": {"result": True}},
+    ]
+    path = tmp_path / "huge.jsonl"
+    path.write_text(L.format_log(config(), recs))
+    t0 = time.perf_counter()
+    report = L.replay(str(path), ["python", "cpp"])
+    assert report.ok, report.divergence
+    assert report.steps == len(recs)
+    assert time.perf_counter() - t0 < 5.0

@@ -52,3 +52,38 @@ def test_threads_hammering_one_manager_keep_invariants(backend: str) -> None:
     stats = mgr.stats()
     assert stats["requests"] == 600
     assert stats["reused_tokens"] > 0
+
+
+def test_properties_read_while_another_thread_closes_the_cache(backend: str) -> None:
+    """Issue 8 item 14: a closed cache answers its properties, also when the close runs on
+    another thread while they are read (cpp raised ClosedError in that window)."""
+    config = KVCacheManagerConfig(tokens_per_block=4, layers=[AttentionLayer(0, 1)], tiers=[Tier("gpu", 4 * 64)])
+    mgr = kvcm.KVCacheManager(config, backend=backend)
+    errors: list[BaseException] = []
+    for i in range(150):
+        prompt = [1000 + i, *range(9)]  # no reuse: every cache starts empty
+        kv = mgr.create_kv_cache(prompt)
+        assert kv.resume() and kv.resize(12)
+        kv.commit(prompt)
+        go = threading.Event()
+
+        def close(kv=kv, go=go) -> None:
+            go.wait()
+            kv.close()
+
+        t = threading.Thread(target=close)
+        t.start()
+        go.set()
+        try:
+            while True:
+                seen = (kv.status, kv.capacity, kv.history_length, kv.num_committed_tokens,
+                        kv.num_reused_tokens, kv.committed_tokens)
+                assert seen[1:] == (12, 10, 10, 0, prompt)
+                if seen[0] is Status.CLOSED:
+                    break
+        except Exception as e:  # noqa: BLE001 - collected, asserted below
+            errors.append(e)
+        t.join()
+        assert kv.status is Status.CLOSED and kv.committed_tokens == prompt
+    assert not errors, f"{len(errors)} reads failed, e.g. {errors[0]!r}"
+    mgr.check_invariants()

@@ -928,7 +928,9 @@ std::vector<CopyOpC> Manager::drain_copy_ops() {
   return out;
 }
 
+// Python twin: PyKVCacheManager.clear_reusable (manager.py); DECISIONS "Shut-down manager".
 void Manager::clear_reusable() {
+  if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
   tick();
   drop_all_droppable();
   new_event(EventKind::cleared);
@@ -1014,7 +1016,8 @@ std::pair<std::int64_t, std::int64_t> Manager::stale_range(std::int64_t lc, std:
   const LcConfig& l = cfg_.lcs[static_cast<std::size_t>(lc)];
   if (l.ssm || l.window < 0) return {0, 0};
   const std::int64_t nsink = ceildiv(l.sinks, B_);
-  return {nsink, std::max(nsink, floordiv(history + 1 - l.window, B_))};
+  // (history + 1 - window) // B, written so that no history < 2**63 overflows
+  return {nsink, std::max(nsink, floordiv(history - (l.window - 1), B_))};
 }
 
 std::int64_t Manager::page_at(const Request& r, std::int64_t lc, std::int64_t i) const {
@@ -1172,26 +1175,48 @@ void Manager::check_resize(const Request& r, std::int64_t capacity, std::int64_t
   }
 }
 
+// Python twin: PyKVCache._could_hold (cache.py); SPEC sec. 7 (resize: out of pages -> False).
+bool Manager::could_hold(std::int64_t nb, std::int64_t history) const {
+  if (attn_lcs_.empty()) return true;
+  if (nb > kMaxRequestBlocks) return false;
+  for (std::int64_t lc : attn_lcs_) {
+    const auto [lo, hi] = stale_range(lc, history);
+    const std::int64_t stale = std::max<std::int64_t>(0, std::min(hi, nb) - std::min(lo, nb));
+    if (nb - stale > pools_[0][static_cast<std::size_t>(lc)].total) return false;
+  }
+  return true;
+}
+
+// Python twin: PyKVCache._resize (cache.py); SPEC sec. 7 (resize) and DECISIONS "All-or-nothing".
 bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t history) {
   const std::int64_t nb = ceildiv(capacity, B_);
+  if (!could_hold(nb, history)) return false;
   // (lc, block) pairs; members so a decode step's resize does not allocate
   std::vector<std::pair<std::int64_t, std::int64_t>>& releases = scratch_releases_;
   std::vector<std::pair<std::int64_t, std::int64_t>>& allocs = scratch_allocs_;
   releases.clear();
   allocs.clear();
+  // Only ordinals that can hold a page are visited: none is held in the stale range of
+  // the current history, and none is allocated in the new one.
   for (std::int64_t lc : attn_lcs_) {
     const auto [lo, hi] = stale_range(lc, history);
+    const std::int64_t old_hi = stale_range(lc, r.history).second;
     const auto& pages = r.pages[static_cast<std::size_t>(lc)];
-    for (std::size_t i = 0; i < pages.size(); ++i) {
-      const auto ii = static_cast<std::int64_t>(i);
-      if (pages[i] >= 0 && (ii >= nb || (lo <= ii && ii < hi))) releases.emplace_back(lc, ii);
-    }
-    for (std::int64_t i = 0; i < nb; ++i) {
-      if ((i >= static_cast<std::int64_t>(pages.size()) || pages[static_cast<std::size_t>(i)] < 0) &&
-          !(lo <= i && i < hi)) {
-        allocs.emplace_back(lc, i);
+    const auto n = static_cast<std::int64_t>(pages.size());
+    const auto visit_release = [&](std::int64_t from, std::int64_t to) {
+      for (std::int64_t i = from; i < to; ++i) {
+        if (pages[static_cast<std::size_t>(i)] >= 0 && (i >= nb || (lo <= i && i < hi))) releases.emplace_back(lc, i);
       }
-    }
+    };
+    visit_release(0, std::min(lo, n));
+    visit_release(old_hi, n);
+    const auto visit_alloc = [&](std::int64_t from, std::int64_t to) {
+      for (std::int64_t i = from; i < to; ++i) {
+        if (i >= n || pages[static_cast<std::size_t>(i)] < 0) allocs.emplace_back(lc, i);
+      }
+    };
+    visit_alloc(0, std::min(lo, nb));
+    visit_alloc(hi, nb);
   }
   for (std::int64_t lc : attn_lcs_) {
     std::int64_t n = 0;
@@ -1232,7 +1257,9 @@ bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t his
 }
 
 void Manager::commit(std::int64_t serial, TokenSeq tokens_in) {
-  Request& r = req(serial);
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("commit() on a closed cache");
+  Request& r = it->second;
   check_commit(r, static_cast<std::int64_t>(tokens_in.size()));
   commit_checked(r, tokens_in);
 }
@@ -1258,6 +1285,7 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
   }
   tick();
   const std::int64_t old = ncommitted;
+  const std::int64_t old_history = r.history;
   const auto now = static_cast<std::int64_t>(r.tokens.size());
   r.history = std::max(r.history, now);
   for (std::int64_t lc : attn_lcs_) {
@@ -1274,16 +1302,20 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
     const std::span<const Tok> block(r.tokens.data() + i * B_, static_cast<std::size_t>(B_));
     insert_block(r, i, block, snapshot);
   }
-  release_stale(r);
+  release_stale(r, old_history, old / B_);
 }
 
-void Manager::release_stale(Request& r) {
+// Python twin: PyKVCache._release_stale (cache.py); DECISIONS "Tree and events" (stale pages
+// released at the end of the commit).  Ordinals stale at old_history hold no page already,
+// except those this commit wrote (from first_block on).
+void Manager::release_stale(Request& r, std::int64_t old_history, std::int64_t first_block) {
   const bool active = r.status == ReqStatus::active;
   for (std::int64_t lc : attn_lcs_) {
     const auto [lo, hi] = stale_range(lc, r.history);
+    const std::int64_t start = std::max(lo, std::min(stale_range(lc, old_history).second, first_block));
     auto& pages = r.pages[static_cast<std::size_t>(lc)];
     const std::int64_t end = std::min(hi, static_cast<std::int64_t>(pages.size()));
-    for (std::int64_t i = lo; i < end; ++i) {
+    for (std::int64_t i = start; i < end; ++i) {
       const std::int64_t s = pages[static_cast<std::size_t>(i)];
       if (s >= 0) {
         pages[static_cast<std::size_t>(i)] = -1;

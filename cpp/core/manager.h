@@ -77,6 +77,9 @@ struct ManagerConfig {
   std::int64_t max_events = 10000;
 };
 
+// A request's page table has at most this many block ordinals (kvcm.api.MAX_REQUEST_BLOCKS).
+inline constexpr std::int64_t kMaxRequestBlocks = std::int64_t{1} << 24;
+
 // A token code: ints as themselves (< 2**31), digests as kDigestCode | interned id.
 using Tok = std::uint32_t;
 inline constexpr Tok kDigestCode = 0x80000000u;
@@ -381,7 +384,9 @@ class Manager {
   std::optional<std::int64_t> rollback_point(Request& r, const std::vector<std::int64_t>& lost_handles);
   void roll_back(Request& r, std::int64_t point);
   void stop(Request& r);
-  void release_stale(Request& r);
+  void release_stale(Request& r, std::int64_t old_history, std::int64_t first_block);
+  // O(1): false when the pools could never hold ceil(capacity / B) = nb blocks at `history`.
+  bool could_hold(std::int64_t nb, std::int64_t history) const;
   std::int64_t page_at(const Request& r, std::int64_t lc, std::int64_t i) const;
 
   // --- pages

@@ -11,6 +11,7 @@ mutex held.  Caches are addressed in C++ by their creation serial; ids live here
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,11 +30,14 @@ from kvcm.api import (
     ReuseScope,
     Status,
     Token,
+    as_int,
     check_batch_caches,
+    check_cache_id,
     check_copy_ops,
     check_priority,
     check_scope,
     check_tokens,
+    default_cache_id,
     int32_view,
     resolve_config,
 )
@@ -47,12 +51,13 @@ def block_keys_cpp(tokens: Any, tokens_per_block: int, scope: ReuseScope | None 
     """``kvcm.block_keys`` on the C++ core: same keys, same errors as ``block_keys_py``."""
     if type(tokens_per_block) is not int or not 1 <= tokens_per_block <= 4096:
         raise ValueError(f"tokens_per_block must be an int in 1..4096, got {tokens_per_block!r}")
-    if scope is not None and not isinstance(scope, ReuseScope):
-        # block_keys_py checks the tokens before the scope; keep that error order.
-        check_tokens(tokens)
-        check_scope(scope)
     if scope is None:
         return _kvcm_cpp.block_keys(tokens, tokens_per_block)
+    try:
+        scope = check_scope(scope)  # re-validated: a ReuseScope can be forged
+    except (TypeError, ValueError):
+        check_tokens(tokens)  # block_keys_py checks the tokens before the scope; keep that error order
+        raise
     return _kvcm_cpp.block_keys(tokens, tokens_per_block, scope.lora_id, scope.salt)
 
 
@@ -74,6 +79,10 @@ class CppKVCacheManager(KVCacheManager):
             config.enable_partial_reuse, config.reuse_match_backoff, float(config.max_util_for_resume),
             config.max_events)
         self._open: dict[int, CppKVCache] = {}  # serial -> open cache
+        self._ids: set[int | str] = set()  # ids of the open caches
+        # held while a cache is created or closed: the open ids, and a cache's final record
+        # (a property read that finds the cache closed in the core waits here for it)
+        self._lock = threading.Lock()
 
     @property
     def config(self) -> KVCacheManagerConfig:
@@ -90,17 +99,21 @@ class CppKVCacheManager(KVCacheManager):
         priority: int | None = None,
         id: int | str | None = None,
     ) -> KVCache:
-        tokens = _parse_tokens(input_tokens, "input_tokens")  # check_tokens, without a Python loop
+        # check_tokens, without a Python loop; first, so any Python code the tokens run
+        # (tolist, __iter__) runs before this call looks at any state
+        tokens = _parse_tokens(() if input_tokens is None else input_tokens, "input_tokens")
         scope = check_scope(scope)
         prio = check_priority(priority, self._config.default_priority)
-        if id is not None:
-            if isinstance(id, bool) or not isinstance(id, (int, str)):
-                raise TypeError(f"id must be an int or str, got {type(id).__name__}")
-            if any(c._id == id for c in list(self._open.values())):
-                raise ValueError(f"id {id!r} is already used by an open cache")
-        serial = self._core.create(tokens, scope.lora_id, scope.salt, prio)
-        cache = CppKVCache(self, serial, serial if id is None else id, prio)
-        self._open[serial] = cache
+        cache_id = check_cache_id(id)
+        with self._lock:  # the open ids change only under it (create / close from several threads)
+            if cache_id is not None and cache_id in self._ids:
+                raise ValueError(f"id {cache_id!r} is already used by an open cache")
+            serial = self._core.create(tokens, scope.lora_id, scope.salt, prio)
+            if cache_id is None:
+                cache_id = default_cache_id(serial, self._ids)
+            cache = CppKVCache(self, serial, cache_id, prio)
+            self._open[serial] = cache
+            self._ids.add(cache_id)
         return cache
 
     def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
@@ -191,9 +204,22 @@ class CppKVCache(KVCache):
     # ------------------------------------------------------------------ properties
 
     def _info(self) -> tuple:
-        if self._final is not None:
-            return self._final[0]
-        return self._core.info(self._serial)
+        final = self._final
+        if final is not None:
+            return final[0]
+        try:
+            return self._core.info(self._serial)
+        except ClosedError:
+            return self._final_record()[0]
+
+    def _final_record(self) -> tuple:
+        """The record close() leaves behind, for a read that found the cache closed in the
+        core: another thread is closing it and sets the record under the manager's lock."""
+        with self._mgr._lock:
+            final = self._final
+        if final is None:
+            raise AssertionError("kvcm bug: a cache closed in the core has no final record")
+        return final
 
     @property
     def id(self) -> int | str:
@@ -201,9 +227,7 @@ class CppKVCache(KVCache):
 
     @property
     def status(self) -> Status:
-        if self._final is not None:
-            return Status.CLOSED
-        return _STATUS[self._core.info(self._serial)[0]]
+        return _STATUS[self._info()[0]]
 
     @property
     def capacity(self) -> int:
@@ -219,9 +243,13 @@ class CppKVCache(KVCache):
 
     @property
     def committed_tokens(self) -> list[Token]:
-        if self._final is not None:
-            return self._final[1].tolist()
-        return self._core.committed_tokens(self._serial)
+        final = self._final
+        if final is None:
+            try:
+                return self._core.committed_tokens(self._serial)
+            except ClosedError:
+                final = self._final_record()
+        return final[1].tolist()
 
     @property
     def num_reused_tokens(self) -> int:
@@ -259,8 +287,12 @@ class CppKVCache(KVCache):
         return self._core.resize(self._serial, capacity, history_length)
 
     def commit(self, tokens: Sequence[Token]) -> None:
-        self._require_open("commit")
-        # status, stopped, then kvcm.api.check_tokens semantics, then the commit (all in C++)
+        # the tokens first (kvcm.api.check_tokens semantics): any Python code they run
+        # cannot slip a commit past a suspend or close; then status, stopped, room.  The
+        # binding parses them and the core checks the rest, in one call.
+        if self._final is not None:
+            _parse_tokens(tokens, "tokens")
+            self._require_open("commit")
         self._core.commit(self._serial, tokens)
 
     def stop_committing(self) -> None:
@@ -270,29 +302,34 @@ class CppKVCache(KVCache):
     def close(self) -> None:
         if self._final is not None:
             return
-        closed = self._core.close(self._serial)  # final state; tokens moved out of the core, decoded on demand
-        if not closed.closed_now:  # another thread closed it first
-            return
-        self._final = (closed.info, closed)
-        self._mgr._open.pop(self._serial, None)
+        mgr = self._mgr
+        with mgr._lock:
+            closed = self._core.close(self._serial)  # final state; tokens moved out of the core, decoded on demand
+            if not closed.closed_now:  # another thread closed it first
+                return
+            self._final = (closed.info, closed)
+            mgr._open.pop(self._serial, None)
+            mgr._ids.discard(self._id)
 
     def page_indices(self, lc: int) -> list[int]:
         self._require(Status.ACTIVE, "page_indices")
-        self._check_lc(lc)
+        lc = self._check_lc(lc)
         return self._core.page_indices(self._serial, lc)
 
     def page_indices_into(self, lc: int, out: Any) -> int:
         self._require(Status.ACTIVE, "page_indices_into")
-        self._check_lc(lc)
+        lc = self._check_lc(lc)
         view = int32_view(out)
         return self._core.page_indices_into(self._serial, lc, view)
 
-    def _check_lc(self, lc: Any) -> None:
-        if isinstance(lc, bool) or not isinstance(lc, int):
+    def _check_lc(self, lc: Any) -> int:
+        value = as_int(lc)
+        if value is None:
             raise TypeError(f"lc must be an int, got {type(lc).__name__}")
         n = len(self._mgr._rc.life_cycles)
-        if not 0 <= lc < n:
-            raise ValueError(f"unknown life cycle {lc}; this model has {n}")
+        if not 0 <= value < n:
+            raise ValueError(f"unknown life cycle {value}; this model has {n}")
+        return value
 
 
 __all__ = ["CppKVCache", "CppKVCacheManager", "RadixTree", "block_keys_cpp"]

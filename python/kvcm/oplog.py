@@ -537,13 +537,10 @@ class RecordingManager(KVCacheManager):
 
 
 def _materialize(tokens: Any) -> Any:
-    """A one-shot iterator would be consumed by the encoder: make it a list first."""
-    if tokens is None or hasattr(tokens, "__len__") or isinstance(tokens, (int, float)):
-        return tokens
-    try:
-        return list(tokens)
-    except TypeError:
-        return tokens
+    """Tokens are forwarded as given: iterators and generators are no token sequence
+    (DECISIONS "Tokens"), so materialising them here would make a call that fails without
+    the op log succeed with it.  The encoder records them by repr without consuming them."""
+    return tokens
 
 
 class RecordingCache(KVCache):

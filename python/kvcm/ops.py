@@ -133,6 +133,8 @@ def encode_tokens(tokens: Any) -> Any:
             tokens = tokens.tolist()
         except Exception:  # noqa: BLE001 - unencodable: recorded by repr
             return {"repr": repr(tokens)}
+    elif not isinstance(tokens, Sequence):  # an iterator (not consumed), dict, set...: refused by the call
+        return {"repr": repr(tokens)}
     try:
         seq = list(tokens)
     except TypeError:

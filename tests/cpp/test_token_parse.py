@@ -169,10 +169,12 @@ def test_manager_parser_keeps_every_token():
     parsed = ext.parse_tokens(tokens)
     assert len(parsed) == len(tokens)
     assert len(ext.parse_tokens(np.array(tokens[-500:], dtype=np.int64))) == 500
-    assert len(ext.parse_tokens(None)) == 0
-    assert error_of(ext.parse_tokens, "abc", "prompt") == error_of(check_tokens, "abc", "prompt")
+    assert len(ext.parse_tokens(())) == 0
+    for bad in (None, "abc", (t for t in [1, 2]), {1: 2}, {1, 2}, memoryview(b"abcd"), np.zeros((2, 2), np.int32)):
+        assert error_of(ext.parse_tokens, bad, "prompt") == error_of(check_tokens, bad, "prompt")
+        assert error_of(ext.parse_tokens, bad, "prompt")[0] is TypeError
     assert error_of(ext.parse_tokens, [1, -1], "prompt") == error_of(check_tokens, [1, -1], "prompt")
-    assert error_of(ext.parse_tokens, (t for t in [1, True]), "prompt") == (
+    assert error_of(ext.parse_tokens, [1, True], "prompt") == (
         TypeError,
         "prompt: a token must be an int or 32 bytes, got bool",
     )

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvcm.api import (
     GPU,
+    MAX_REQUEST_BLOCKS,
     ClosedError,
     InvalidStateError,
     KVCache,
@@ -15,6 +16,7 @@ from kvcm.api import (
     Status,
     TierChangedEvent,
     Token,
+    as_int,
     check_count,
     check_tokens,
     int32_view,
@@ -237,16 +239,24 @@ class PyKVCache(KVCache):
         mgr = self.mgr
         B = mgr.B
         nb = -(-capacity // B)
+        if not self._could_hold(nb, history):
+            return False
         releases: list[tuple[int, int]] = []  # (lc, ordinal)
         allocs: list[tuple[int, int]] = []
+        # Only ordinals that can hold a page are visited: the request has no page in the
+        # stale range at its current history (released when it became stale), and none is
+        # allocated in the new one; so the work follows the pages, not the capacity.
         for lc in mgr.attn_lcs:
-            lo, hi = mgr.lcs[lc].stale_range(history, B)
+            life = mgr.lcs[lc]
+            lo, hi = life.stale_range(history, B)
+            old_hi = life.stale_range(self.history, B)[1]
             pages = self.pages[lc]
-            for i, p in enumerate(pages):
-                if p is not None and (i >= nb or lo <= i < hi):
+            n = len(pages)
+            for i in (*range(min(lo, n)), *range(old_hi, n)):
+                if pages[i] is not None and (i >= nb or lo <= i < hi):
                     releases.append((lc, i))
-            for i in range(nb):
-                if (i >= len(pages) or pages[i] is None) and not lo <= i < hi:
+            for i in (*range(min(lo, nb)), *range(hi, nb)):
+                if i >= n or pages[i] is None:
                     allocs.append((lc, i))
         # feasibility from counters, with the releases applied (DECISIONS.md)
         for lc in mgr.attn_lcs:
@@ -284,10 +294,29 @@ class PyKVCache(KVCache):
             self.pages[lc][i] = self._alloc_private(lc, 0, i)
         return True
 
+    def _could_hold(self, nb: int, history: int) -> bool:
+        """O(1) refusal of a resize the pools could never hold (sec. 7: out of pages ->
+        False): per attention lc, the non-stale blocks below ``nb`` need a gpu page each
+        (windowed: sink + window blocks; ssm needs none per block), which cannot exceed the
+        lc's gpu pool; and the page table is bounded by MAX_REQUEST_BLOCKS.  Exactly the
+        cases the full feasibility check would refuse too, except the table bound."""
+        mgr = self.mgr
+        if not mgr.attn_lcs:
+            return True
+        if nb > MAX_REQUEST_BLOCKS:
+            return False
+        for lc in mgr.attn_lcs:
+            lo, hi = mgr.lcs[lc].stale_range(history, mgr.B)
+            if nb - max(0, min(hi, nb) - min(lo, nb)) > mgr.pools[GPU][lc].total:
+                return False
+        return True
+
     @serialized
     def commit(self, tokens: Sequence[Token]) -> None:
-        self._require_committable()
+        # the tokens first: any Python code they run (tolist, __iter__) runs before the
+        # status is looked at, so it cannot slip a commit past a suspend or close
         toks = check_tokens(tokens)
+        self._require_committable()
         self._check_room(len(toks))
         self._commit(toks)
 
@@ -310,6 +339,7 @@ class PyKVCache(KVCache):
         B = mgr.B
         mgr.tick()
         old = len(self.tokens)
+        old_history = self.history
         self.tokens.extend(toks)
         new = len(self.tokens)
         self.history = max(self.history, new)
@@ -321,16 +351,21 @@ class PyKVCache(KVCache):
         for i in range(old // B, new // B):
             snapshot = mgr.ssm_lc is not None and i == new // B - 1 and new % B == 0
             self._insert_block(i, self.tokens[i * B:(i + 1) * B], snapshot)
-        self._release_stale()
+        self._release_stale(old_history, old // B)
 
-    def _release_stale(self) -> None:
-        """Blocks that slid out of a window stop being used at once (they stay in the tree)."""
+    def _release_stale(self, old_history: int, first_block: int) -> None:
+        """Blocks that slid out of a window stop being used at once (they stay in the tree).
+        Ordinals stale at ``old_history`` hold no page already, except those this commit
+        wrote (from ``first_block`` on): the scan starts there, so a decode step's cost does
+        not grow with the request's length."""
         mgr = self.mgr
         active = self._status == Status.ACTIVE
         for lc in mgr.attn_lcs:
-            lo, hi = mgr.lcs[lc].stale_range(self.history, mgr.B)
+            life = mgr.lcs[lc]
+            lo, hi = life.stale_range(self.history, mgr.B)
+            start = max(lo, min(life.stale_range(old_history, mgr.B)[1], first_block))
             pages = self.pages[lc]
-            for i in range(lo, min(hi, len(pages))):
+            for i in range(start, min(hi, len(pages))):
                 if pages[i] is not None:
                     page, pages[i] = pages[i], None
                     mgr.unuse(page, active)
@@ -363,11 +398,12 @@ class PyKVCache(KVCache):
         self.blocks = []
         self._status = Status.CLOSED
         del mgr.requests[self.serial]
+        mgr.open_ids.discard(self._id)
 
     @serialized
     def page_indices(self, lc: int) -> list[int]:
         self._require(Status.ACTIVE, "page_indices")
-        self._check_lc(lc)
+        lc = self._check_lc(lc)
         if lc == self.mgr.ssm_lc:
             return [self.live.slot]
         nb = -(-self.capacity_ // self.mgr.B)
@@ -377,7 +413,7 @@ class PyKVCache(KVCache):
     @serialized
     def page_indices_into(self, lc: int, out: Any) -> int:
         self._require(Status.ACTIVE, "page_indices_into")
-        self._check_lc(lc)
+        lc = self._check_lc(lc)
         view = int32_view(out)
         values = self.page_indices(lc)
         if len(values) > len(view):
@@ -397,11 +433,13 @@ class PyKVCache(KVCache):
         if self._status != status:
             raise InvalidStateError(f"{what}() needs a {status.value} cache, this one is {self._status.value}")
 
-    def _check_lc(self, lc: Any) -> None:
-        if isinstance(lc, bool) or not isinstance(lc, int):
+    def _check_lc(self, lc: Any) -> int:
+        value = as_int(lc)
+        if value is None:
             raise TypeError(f"lc must be an int, got {type(lc).__name__}")
-        if not 0 <= lc < len(self.mgr.lcs):
-            raise ValueError(f"unknown life cycle {lc}; this model has {len(self.mgr.lcs)}")
+        if not 0 <= value < len(self.mgr.lcs):
+            raise ValueError(f"unknown life cycle {value}; this model has {len(self.mgr.lcs)}")
+        return value
 
     def _used_pages(self) -> list[Page]:
         """Every page this request uses, in the canonical order (lc, ordinal; snap; live)."""

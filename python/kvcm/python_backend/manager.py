@@ -32,11 +32,13 @@ from kvcm.api import (
     TierChangedEvent,
     Token,
     check_batch_caches,
+    check_cache_id,
     check_copy_ops,
     check_counts,
     check_priority,
     check_scope,
     check_tokens,
+    default_cache_id,
     resolve_config,
 )
 from kvcm.keys import chain_keys, scope_root_key
@@ -91,6 +93,7 @@ class PyKVCacheManager(KVCacheManager):
         self.next_page = 0
         self.next_request = 0  # creation serial of requests; also the default request id
         self.requests: dict[int, Any] = {}  # serial -> live (not closed) PyKVCache
+        self.open_ids: set[int | str] = set()  # ids of the open caches
         self.copy_ops: list[CopyOp] = []
         self.copy_pages: list[int] = []  # serial of the page each pending op fills
         # the ops of the last drain not reported yet, with the page each fills (forget_copies)
@@ -119,20 +122,24 @@ class PyKVCacheManager(KVCacheManager):
                         priority: int | None = None, id: int | str | None = None):
         from kvcm.python_backend.cache import PyKVCache
 
-        tokens = check_tokens(input_tokens, "input_tokens")
+        # the tokens are read first: any Python code they run (tolist, __iter__) runs
+        # before this call looks at any state (DECISIONS "Tokens")
+        tokens = check_tokens(() if input_tokens is None else input_tokens, "input_tokens")
         scope = check_scope(scope)
         prio = check_priority(priority, self._config.default_priority)
-        if id is not None:
-            if isinstance(id, bool) or not isinstance(id, (int, str)):
-                raise TypeError(f"id must be an int or str, got {type(id).__name__}")
-            if any(r.id == id for r in self.requests.values()):
-                raise ValueError(f"id {id!r} is already used by an open cache")
+        cache_id = check_cache_id(id)
+        if cache_id is not None and cache_id in self.open_ids:
+            raise ValueError(f"id {cache_id!r} is already used by an open cache")
         if self.is_shutdown:
             raise InvalidStateError("the manager is shut down")
         self.tick()
         serial = self.next_request
         self.next_request += 1
-        return PyKVCache(self, serial, serial if id is None else id, tokens, scope, prio)
+        if cache_id is None:
+            cache_id = default_cache_id(serial, self.open_ids)
+        cache = PyKVCache(self, serial, cache_id, tokens, scope, prio)
+        self.open_ids.add(cache_id)
+        return cache
 
     def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
         return self.probe_reuse_detail(tokens, scope).num_tokens
@@ -238,6 +245,8 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def clear_reusable(self) -> None:
+        if self.is_shutdown:
+            raise InvalidStateError("the manager is shut down")
         self.tick()
         self._drop_all_droppable()
         self.emit(ClearedEvent(self._event_id()))
