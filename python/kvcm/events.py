@@ -96,6 +96,7 @@ class EventPublisher:
         self.published = 0  # batches sent
         self.replays_served = 0
         self.snapshots_served = 0
+        self.thread_s = 0.0  # time the publisher thread spent on batches (reporting only)
         self._ctx = context or zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
@@ -127,7 +128,8 @@ class EventPublisher:
             raise RuntimeError("publisher is closed")
         ts = self._clock() if self._clock is not None else float(self._step)
         self._step += 1
-        events = [e for e in events if e.event_id >= self._next_event]
+        if events and events[0].event_id < self._next_event:  # already in the loaded snapshot
+            events = [e for e in events if e.event_id >= self._next_event]
         if events and events[0].event_id != self._next_event:
             self._lost = True  # the manager's event buffer overflowed
         if self._lost:
@@ -193,9 +195,11 @@ class EventPublisher:
                     item = self._queue.get(timeout=_POLL_S)
                 except queue.Empty:
                     continue
+                t0 = time.perf_counter()
                 try:
                     self._handle(item)
                 finally:
+                    self.thread_s += time.perf_counter() - t0
                     self._queue.task_done()
         except BaseException as e:  # noqa: BLE001 - surfaced by flush()
             self._error = e

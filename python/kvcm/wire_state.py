@@ -213,16 +213,19 @@ class WireState:
         parent = None if first else blk.parent
         scope = blk.scope
         lora = scope.lora_id if scope is not None else None
-        tokens: list[int] = []
         extra: list[tuple] = []
         if first and scope is not None and scope.salt is not None:
             extra.append(("salt", scope.salt))
-        for i, t in enumerate(blk.tokens):
-            if isinstance(t, int):
-                tokens.append(t)
-            else:
-                tokens.append(DIGEST_PLACEHOLDER)
-                extra.append(("digest", i, t.hex()))
+        if bytes in set(map(type, blk.tokens)):
+            tokens: list[int] = []
+            for i, t in enumerate(blk.tokens):
+                if isinstance(t, int):
+                    tokens.append(t)
+                else:
+                    tokens.append(DIGEST_PLACEHOLDER)
+                    extra.append(("digest", i, t.hex()))
+        else:
+            tokens = list(blk.tokens)
         block_extra = tuple(extra) if extra else None
         last = out[-1] if out else None
         if (isinstance(last, BlockStored) and last.group_idx == lc and last.medium == medium
