@@ -6,9 +6,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 import kvcm
+import pytest
 from kvcm.cli import main
 from kvcm.events import EventPublisher
 from kvcm.events_cli import watch
