@@ -118,7 +118,9 @@ class EventPublisher:
     # ------------------------------------------------------------------ scheduler side
 
     def register_scope(self, scope: ReuseScope) -> None:
-        """Name ``scope``'s first blocks without a parent hash, with its lora_id / salt."""
+        """Name ``scope``'s first blocks without a parent hash, with its lora_id / salt.
+        Ordered with the steps (it goes through the queue, so it may wait while the queue
+        is full; call it when a scope comes into use, not per step)."""
         self._queue.put(("scope", 0.0, scope))
 
     def publish(self, events: Sequence[Event]) -> bool:
