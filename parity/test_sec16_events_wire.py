@@ -91,7 +91,7 @@ def test_wire_payloads_are_byte_identical(backend: str) -> None:
         ref_batches, ref_snap = published("python", ctx)
         got_batches, got_snap = published(backend, ctx)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
     assert [s for s, _ in ref_batches] == list(range(len(ref_batches))) and len(ref_batches) >= 7
     assert got_batches == ref_batches
     assert got_snap == ref_snap and ref_snap[0][0] == len(ref_batches)
@@ -119,7 +119,7 @@ def test_wire_first_events_of_a_prompt(make_manager) -> None:
             assert pub.flush()
             [(seq, payload)] = payloads(pub, ctx, seq_bytes(0))
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)
     k = keys(p)
     batch = Decoder().decode(payload)
     assert seq == 0 and batch.ts == 0.0

@@ -25,7 +25,7 @@ TIMEOUT_MS = 3000
 def ctx() -> Iterator[zmq.Context]:
     c = zmq.Context()
     yield c
-    c.term()
+    c.destroy(linger=0)
 
 
 def sub_socket(ctx: zmq.Context, pub: EventPublisher) -> zmq.Socket:

@@ -9,6 +9,7 @@ configured with ``enable_partial_reuse=False``, see ``kvcm.router``).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -97,7 +98,7 @@ def step(mgr: kvcm.KVCacheManager, op: Op, held: list) -> None:
 def ctx() -> Iterator[zmq.Context]:
     c = zmq.Context()
     yield c
-    c.term()
+    c.destroy(linger=0)
 
 
 class Fleet:
@@ -234,3 +235,44 @@ def test_hybrid_instance_with_evicted_snapshot_is_not_advertised_past_the_last_s
             assert router.reuse("h", prompt) == 8  # not advertised past the last snapshot
             assert router.reuse("h", prompt[:12]) == 8
         mgr.check_invariants()
+
+
+def test_publisher_restart_on_the_same_endpoints_is_healed_by_snapshot(ctx: zmq.Context) -> None:
+    cfg = config("hybrid", gpu_pages=40, host_pages=8)
+    prompts = [b[:n] for b in BASES for n in (8, 20, 40)]
+    m1 = kvcm.KVCacheManager(cfg)
+    pub1 = EventPublisher(m1, context=ctx)
+    router = RouterIndex(RouterModel.from_config(cfg))
+    sub = FleetSubscriber(router, {"a": (pub1.endpoint, pub1.replay_endpoint)}, context=ctx)
+    try:
+        for i, p in enumerate(prompts):
+            step(m1, Op(0, i % 3, len(p), 0, 4, False, False, False, True, False), [])
+            pub1.publish(m1.take_events())
+        assert pub1.flush()
+        sub.sync({"a": pub1.next_seq})
+        assert any(router.reuse("a", p) > 0 for p in prompts)
+        endpoints = (pub1.endpoint, pub1.replay_endpoint)
+        pub1.close()
+        m2 = kvcm.KVCacheManager(cfg)  # the engine restarted: empty cache, sequence from 0
+        pub2 = None
+        for _ in range(100):  # the old sockets release their ports asynchronously
+            try:
+                pub2 = EventPublisher(m2, *endpoints, context=ctx)
+                break
+            except zmq.ZMQError:
+                time.sleep(0.02)
+        assert pub2 is not None
+        try:
+            step(m2, Op(0, 0, 12, 0, 4, False, False, False, True, False), [])
+            pub2.publish(m2.take_events())
+            assert pub2.flush()
+            sub.sync({"a": pub2.next_seq})
+            assert sub.restarts >= 1
+            for p in prompts:
+                assert router.reuse("a", p) == m2.probe_reuse(p)
+            assert router.reuse("a", BASES[0][:12]) == 12
+        finally:
+            pub2.close()
+    finally:
+        sub.close()
+        pub1.close()

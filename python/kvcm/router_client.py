@@ -4,7 +4,10 @@ Per instance: a SUB socket on its PUB endpoint and a DEALER socket on its replay
 (frames as vLLM's replay clients: an empty delimiter, then the request).  Every batch carries
 a sequence number; the client tracks the next one it needs, ``expected``:
 
-* a batch with ``seq == expected`` is applied; ``seq < expected`` is a duplicate, ignored;
+* a batch with ``seq == expected`` is applied; ``seq < expected`` was already applied
+  through a replay, ignored — unless it is not above the last *live* sequence number: PUB/SUB
+  keeps order, so that means the publisher restarted (its numbers start again at 0), and the
+  client takes a snapshot;
 * ``seq > expected`` is a **gap** (lost messages, or a subscription that started late): the
   client asks the replay endpoint for everything from ``expected`` and applies it in order;
   if the publisher's buffer no longer holds ``expected``, it falls back to a snapshot;
@@ -35,6 +38,7 @@ class _Feed:
     sub: zmq.Socket
     replay: zmq.Socket
     expected: int = -1  # -1: no snapshot yet
+    last_live: int = -1  # the last sequence number received live
 
 
 class FleetSubscriber:
@@ -58,6 +62,7 @@ class FleetSubscriber:
         self.snapshots = 0
         self.dropped = 0
         self.applied = 0
+        self.restarts = 0  # publisher restarts detected
         self._dec = Decoder()
         self._ctx = context or zmq.Context.instance()
         self._feeds: dict[Any, _Feed] = {}
@@ -100,6 +105,11 @@ class FleetSubscriber:
                     _topic, sq, payload = sock.recv_multipart()
                     n += 1
                     seq = seq_of(sq)
+                    restarted = seq <= feed.last_live
+                    feed.last_live = seq
+                    if restarted:
+                        self.restarts += 1
+                        self._snapshot(feed)
                     if self.drop is not None and self.drop(feed.name, seq):
                         self.dropped += 1
                         continue
@@ -110,6 +120,10 @@ class FleetSubscriber:
         (its publisher's ``next_seq``), healing missing tails by replay.  Bounded."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
+            for n, t in targets.items():
+                if self._feeds[n].expected > t:  # ahead of its publisher: it restarted
+                    self.restarts += 1
+                    self._snapshot(self._feeds[n])
             behind = [self._feeds[n] for n, t in targets.items() if self._feeds[n].expected < t]
             if not behind:
                 return
