@@ -101,3 +101,12 @@ def test_events_command_watches_a_publisher(capsys: pytest.CaptureFixture) -> No
         assert not t.is_alive()
     out = capsys.readouterr().out
     assert "(snapshot)" in out and "stored   group=2 mamba" in out and "sliding_window(9)" in out
+
+
+def test_events_bench_measures_publish_cost_with_a_subscriber() -> None:
+    from kvcm.events_cli import bench
+
+    r = bench(limit=15, backend=None, block_size=32)
+    assert r["steps"] == 15 and r["events"] > 0
+    assert 0 < r["received"] <= r["batches"]  # a subscriber was attached and received
+    assert 0 < r["publish_us_median"] and 0 < r["thread_us_per_event"]
