@@ -172,12 +172,14 @@ class EventPublisher:
         """Send what is queued (up to ``timeout``), stop the thread, close the sockets."""
         if self._stop.is_set():
             return
-        self.flush(timeout)
-        self._stop.set()
-        self._thread.join(timeout)
-        self._pub.close(linger=0)
-        if self._replay is not None:
-            self._replay.close(linger=0)
+        try:
+            self.flush(timeout)
+        finally:
+            self._stop.set()
+            self._thread.join(timeout)
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
 
     def __enter__(self) -> Self:
         return self
