@@ -8,6 +8,8 @@ Subcommands::
     bench [replay|keys|probe|decode|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
+    events --connect ENDPOINT [--replay ENDPOINT] [--snapshot] | --demo | --bench   (kvcm.events_cli)
+    route [TRACE] --instances N[,M] [--policy kv,round-robin,random,least-loaded] [--plot PNG]  (kvcm.route_cli)
 
 Exit status (every command): 0 success; 1 a failure the command reports -- a backend that
 raised an unexpected error (``replay``, ``bench``), a divergence (``oplog-replay``), outputs
@@ -584,6 +586,20 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     d.add_argument("args", nargs=argparse.REMAINDER)
+
+    e = sub.add_parser(
+        "events",
+        help="watch a KV-event stream (--connect ENDPOINT [--replay ENDPOINT]), --demo, --bench (kvcm.events_cli)",
+        add_help=False,
+    )
+    e.add_argument("args", nargs=argparse.REMAINDER)
+
+    rt = sub.add_parser(
+        "route",
+        help="compare routing policies over N instances behind the router index (kvcm.route_cli)",
+        add_help=False,
+    )
+    rt.add_argument("args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -595,6 +611,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvcm.demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv[:1] == ["events"]:
+        from kvcm.events_cli import main as events_main
+
+        return events_main(argv[1:])
+    if argv[:1] == ["route"]:
+        from kvcm.route_cli import main as route_main
+
+        return route_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:

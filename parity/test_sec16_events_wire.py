@@ -1,0 +1,131 @@
+"""SPEC sec. 16: events on the wire.
+
+``test_wire_payloads_are_byte_identical[cpp]`` drives a python and a cpp manager through
+the same op sequence, each behind an ``EventPublisher`` on real sockets (127.0.0.1), and
+compares every published payload byte for byte, and the snapshot answer ([python]: two
+python managers, which catches nondeterminism).  ``ts`` is the step number, so nothing
+wall-clock-dependent is on the wire.
+"""
+
+from __future__ import annotations
+
+import kvcm
+import zmq
+from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
+from kvcm.events import EventPublisher
+from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, BlockRemoved, BlockStored, Decoder, seq_bytes, seq_of
+
+from parity.helpers import B, keys, toks
+
+SLOT = 8 * B + 8 * B + 64
+DIGEST = bytes(range(32))
+
+
+def hybrid_config() -> KVCacheManagerConfig:
+    return KVCacheManagerConfig(
+        tokens_per_block=B,
+        layers=[AttentionLayer(0, 8), AttentionLayer(1, 8, window=9, sink_tokens=2), SsmLayer(2, 64)],
+        tiers=[Tier("gpu", 6 * SLOT), Tier("host", 4 * SLOT)],
+    )
+
+
+def workload(mgr: kvcm.KVCacheManager, pub: EventPublisher) -> None:
+    """Stores, snapshots, offloads, drops, partial tails, scopes, digests, a held request,
+    clear_reusable: one ``publish`` per step."""
+    scope = ReuseScope(lora_id=3, salt=11)
+    held = None
+    prompts = [(toks(10, 100), None), (toks(8, 200), scope), ([1, DIGEST, 2, 3, 4, 5, 6, 7], None),
+               (toks(12, 300), None), (toks(10, 100) + toks(6, 900), None), (toks(16, 400), scope)]
+    for i, (p, s) in enumerate(prompts):
+        kv = mgr.create_kv_cache(p, s)
+        if kv.resume() and kv.resize(len(p)):
+            n = kv.num_committed_tokens
+            while n < len(p):
+                kv.commit(p[n:n + 4])
+                n += 4
+        if i == 1:
+            kv.suspend()
+            held = kv
+        else:
+            kv.close()
+        pub.publish(mgr.take_events())
+    mgr.clear_reusable()
+    pub.publish(mgr.take_events())
+    assert held is not None
+    held.close()
+    pub.publish(mgr.take_events())
+
+
+def payloads(pub: EventPublisher, ctx: zmq.Context, request: bytes) -> list[tuple[int, bytes]]:
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(pub.replay_endpoint)
+    s.send_multipart([b"", request])
+    out = []
+    try:
+        while True:
+            assert s.poll(3000), "no answer from the replay endpoint"
+            _, sq, payload = s.recv_multipart()
+            if sq == END_SEQ:
+                return out
+            out.append((seq_of(sq), payload))
+    finally:
+        s.close(linger=0)
+
+
+def published(backend: str, ctx: zmq.Context) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+    mgr = kvcm.KVCacheManager(hybrid_config(), backend=backend)
+    with EventPublisher(mgr, context=ctx, scopes=[ReuseScope(lora_id=3, salt=11)]) as pub:
+        workload(mgr, pub)
+        assert pub.flush()
+        batches = payloads(pub, ctx, seq_bytes(0))
+        snapshot = payloads(pub, ctx, SNAPSHOT_REQUEST)
+    mgr.check_invariants()
+    mgr.shutdown()
+    return batches, snapshot
+
+
+def test_wire_payloads_are_byte_identical(backend: str) -> None:
+    ctx = zmq.Context()
+    try:
+        ref_batches, ref_snap = published("python", ctx)
+        got_batches, got_snap = published(backend, ctx)
+    finally:
+        ctx.destroy(linger=0)
+    assert [s for s, _ in ref_batches] == list(range(len(ref_batches))) and len(ref_batches) >= 7
+    assert got_batches == ref_batches
+    assert got_snap == ref_snap and ref_snap[0][0] == len(ref_batches)
+    kinds = {type(e).__name__ for _, p in ref_batches for e in Decoder().decode(p).events}
+    assert kinds == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+    media = {e.medium for _, p in ref_batches for e in Decoder().decode(p).events if isinstance(e, BlockStored)}
+    assert media == {"GPU", "CPU"}
+
+
+def test_wire_first_events_of_a_prompt(make_manager) -> None:
+    """A 10-token prompt committed in chunks of 4: two full blocks announced per life cycle,
+    chained by parent hash; the partial tail is not announced."""
+    mgr = make_manager(hybrid_config())
+    ctx = zmq.Context()
+    try:
+        with EventPublisher(mgr, context=ctx) as pub:
+            p = toks(10, 100)
+            kv = mgr.create_kv_cache(p)
+            assert kv.resume() and kv.resize(10)
+            kv.commit(p[:4])
+            kv.commit(p[4:8])
+            kv.commit(p[8:])
+            kv.close()
+            pub.publish(mgr.take_events())
+            assert pub.flush()
+            [(seq, payload)] = payloads(pub, ctx, seq_bytes(0))
+    finally:
+        ctx.destroy(linger=0)
+    k = keys(p)
+    batch = Decoder().decode(payload)
+    assert seq == 0 and batch.ts == 0.0
+    assert [(e.block_hashes, e.parent_block_hash, e.group_idx, e.medium) for e in batch.events] == [
+        ([k[0]], None, 0, "GPU"), ([k[0]], None, 1, "GPU"), ([k[0]], None, 2, "GPU"),
+        ([k[1]], k[0], 0, "GPU"), ([k[1]], k[0], 1, "GPU"), ([k[1]], k[0], 2, "GPU"),
+    ]
+    assert not any(isinstance(e, BlockRemoved) for e in batch.events)
+    mgr.check_invariants()

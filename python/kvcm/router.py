@@ -1,0 +1,236 @@
+"""A reference router index built from the KV-event stream alone (SPEC sec. 16).
+
+``RouterIndex`` holds, per instance, the blocks its wire stream announced and answers
+``reuse(instance, tokens, scope)``: how many prompt tokens that instance would reuse.  It
+never talks to a manager; sockets, sequence numbers, gaps and snapshots are
+``kvcm.router_client``'s job, which feeds decoded batches to :meth:`RouterIndex.apply`.
+
+What it answers (hybrid-aware, the fixed point of SPEC sec. 6 over whole blocks):
+
+1. ``k_0..k_{n-1}`` = ``block_keys(tokens, B, scope)`` of the prompt's *full* blocks
+   (a partial block is never on the wire: it cannot be matched by hash).
+2. The matched path is ``k_0..k_{L-1}`` with ``L - 1`` the last index whose key the index
+   holds.  The index holds a key while the block has a page in some life cycle, or is the
+   parent (by ``parent_block_hash``) of a block it holds: SPEC's tree invariant says an
+   attached block has a page or a child, and a block's ancestors are attached with it; a
+   key chain (``k_i = sha256(k_{i-1} || tokens)``) places every prompt block under the
+   previous one, so holding ``k_i`` proves ``k_0..k_i`` are all in the tree.
+3. ``m = L * B``, then until nothing changes, life cycle by life cycle:
+   ssm — ``m`` = the end of the last path block below ``m`` holding a snapshot, else 0;
+   attention — with history ``m``, the first non-stale block (SPEC sec. 7 stale rule, from
+   ``kv_cache_spec_sliding_window`` and the ``kvcm_sink_tokens`` extension) below ``m``
+   without a page of that life cycle cuts ``m`` to its start.  Pages on any medium count.
+
+Exactness: for an instance configured with ``enable_partial_reuse=False`` and
+``reuse_match_backoff=0`` this equals ``manager.probe_reuse(tokens, scope)`` after every step
+(every page of a full block then covers the whole block, so the wire's per-block presence
+is all the fixed point reads).  With partial reuse on, kvcm can move a partial block's page
+(covering fewer tokens) into a full block without an event saying so; the router counts
+such a page as whole, so treat its answer as an estimate there.  One corner is outside what
+the stream can tell even then: a window of 1 token, no full attention and no ssm, where a
+chain of page-less blocks off the prompt's path keeps a page-less prompt block attached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcm.api import KVCacheManagerConfig, LifeCycle, ReuseScope, Token, resolve_config
+from kvcm.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, AllBlocksCleared, BlockRemoved, BlockStored
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One life cycle as the router sees it (``group_idx`` is its position)."""
+
+    kind: str  # full_attention | sliding_window | mamba
+    window: int | None = None
+    sinks: int = 0
+
+    @staticmethod
+    def of(lc: LifeCycle) -> GroupSpec:
+        if lc.kind == "ssm":
+            return GroupSpec(KIND_MAMBA)
+        if lc.window is None:
+            return GroupSpec(KIND_FULL)
+        return GroupSpec(KIND_WINDOW, lc.window, lc.sinks)
+
+
+@dataclass(frozen=True)
+class RouterModel:
+    """What the router must know about the model: block size and life cycles."""
+
+    block_size: int
+    groups: tuple[GroupSpec, ...]
+
+    @staticmethod
+    def from_config(config: KVCacheManagerConfig) -> RouterModel:
+        rc = resolve_config(config)
+        return RouterModel(config.tokens_per_block, tuple(GroupSpec.of(lc) for lc in rc.life_cycles))
+
+
+@dataclass
+class _Entry:
+    parent: bytes | None
+    pages: dict[int, str] = field(default_factory=dict)  # group -> medium
+    live_children: int = 0
+
+    @property
+    def live(self) -> bool:
+        return bool(self.pages) or self.live_children > 0
+
+
+class InstanceIndex:
+    """The announced blocks of one instance."""
+
+    def __init__(self, model: RouterModel) -> None:
+        self.model = model
+        self.blocks: dict[bytes, _Entry] = {}
+
+    def clear(self) -> None:
+        self.blocks.clear()
+
+    def apply(self, events: Iterable[Any]) -> None:
+        for e in events:
+            if isinstance(e, BlockStored):
+                self._check(e)
+                parent = e.parent_block_hash
+                for h in e.block_hashes:
+                    self._store(bytes(h), parent, e.group_idx or 0, e.medium)
+                    parent = h
+            elif isinstance(e, BlockRemoved):
+                for h in e.block_hashes:
+                    self._remove(bytes(h), e.group_idx or 0, e.medium)
+            elif isinstance(e, AllBlocksCleared):
+                self.clear()
+
+    def _check(self, e: Any) -> None:
+        g = e.group_idx or 0
+        m = self.model
+        if e.block_size != m.block_size or g >= len(m.groups):
+            raise ValueError(f"event for block size {e.block_size}, group {g} does not fit the router's model {m}")
+        spec = m.groups[g]
+        if e.kv_cache_spec_kind is not None and (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
+                                                 e.kvcm_sink_tokens or 0) != (spec.kind, spec.window, spec.sinks):
+            raise ValueError(f"group {g} announced as {e.kv_cache_spec_kind}/{e.kv_cache_spec_sliding_window}/"
+                             f"{e.kvcm_sink_tokens}, the router's model says {spec}")
+
+    def _store(self, key: bytes, parent: bytes | None, group: int, medium: str | None) -> None:
+        e = self.blocks.get(key)
+        if e is None:
+            e = self.blocks[key] = _Entry(parent)
+        elif e.parent is None and parent is not None:
+            if e.live:
+                self._adjust(parent, +1)
+            e.parent = parent
+        was = e.live
+        e.pages[group] = medium or ""
+        if not was:
+            self._adjust(e.parent, +1)
+
+    def _remove(self, key: bytes, group: int, medium: str | None) -> None:
+        e = self.blocks.get(key)
+        if e is None or e.pages.get(group) != (medium or ""):
+            return
+        del e.pages[group]
+        if not e.live:
+            del self.blocks[key]
+            self._adjust(e.parent, -1)
+
+    def _adjust(self, key: bytes | None, delta: int) -> None:
+        """A child of ``key`` became live (+1) or dead (-1); propagate up the chain."""
+        while key is not None:
+            e = self.blocks.get(key)
+            if e is None:
+                if delta < 0:
+                    return
+                e = self.blocks[key] = _Entry(None)
+            was = e.live
+            e.live_children += delta
+            if e.live == was:
+                return
+            if not e.live:
+                del self.blocks[key]
+            key = e.parent
+
+    # ------------------------------------------------------------------ the answer
+
+    def reuse_keys(self, keys: Sequence[bytes]) -> int:
+        """Reusable tokens for a prompt whose full-block keys are ``keys``."""
+        B = self.model.block_size
+        blocks = self.blocks
+        last = -1
+        for i, k in enumerate(keys):
+            if k in blocks:
+                last = i
+        path = [blocks.get(k) for k in keys[: last + 1]]
+        pages = [e.pages if e is not None else {} for e in path]
+        m = len(path) * B
+        while True:
+            m0 = m
+            for g, spec in enumerate(self.model.groups):
+                nb = m // B
+                if spec.kind == KIND_MAMBA:
+                    cut = 0
+                    for j in range(nb - 1, -1, -1):
+                        if g in pages[j]:
+                            cut = (j + 1) * B
+                            break
+                    m = cut
+                    continue
+                lo, hi = 0, 0
+                if spec.window is not None:
+                    lo = -(-spec.sinks // B)
+                    hi = max(lo, (m + 1 - spec.window) // B)
+                for j in range(nb):
+                    if lo <= j < hi:
+                        continue
+                    if g not in pages[j]:
+                        m = j * B
+                        break
+            if m == m0:
+                return m
+
+
+class RouterIndex:
+    """Per-instance indexes of one model's fleet."""
+
+    def __init__(self, model: RouterModel) -> None:
+        self.model = model
+        self.instances: dict[Any, InstanceIndex] = {}
+
+    def instance(self, name: Any) -> InstanceIndex:
+        idx = self.instances.get(name)
+        if idx is None:
+            idx = self.instances[name] = InstanceIndex(self.model)
+        return idx
+
+    def apply(self, name: Any, batch: Any) -> None:
+        """Apply one decoded ``KVEventBatch`` of instance ``name``."""
+        self.instance(name).apply(batch.events)
+
+    def reset(self, name: Any, batch: Any) -> None:
+        """Replace instance ``name``'s state by a snapshot batch."""
+        idx = self.instance(name)
+        idx.clear()
+        idx.apply(batch.events)
+
+    def keys(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[bytes]:
+        from kvcm import block_keys
+
+        B = self.model.block_size
+        n = len(tokens) // B
+        return block_keys(list(tokens[: n * B]), B, scope) if n else []
+
+    def reuse(self, name: Any, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
+        return self.instance(name).reuse_keys(self.keys(tokens, scope))
+
+    def reuse_all(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> dict[Any, int]:
+        """``{instance: reusable tokens}`` for every known instance (keys hashed once)."""
+        keys = self.keys(tokens, scope)
+        return {name: idx.reuse_keys(keys) for name, idx in self.instances.items()}
+
+
+__all__ = ["GroupSpec", "InstanceIndex", "RouterIndex", "RouterModel"]

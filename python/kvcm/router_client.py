@@ -1,0 +1,210 @@
+"""The router's side of the wire: subscribe to many instances and keep a ``RouterIndex`` exact.
+
+Per instance: a SUB socket on its PUB endpoint and a DEALER socket on its replay endpoint
+(frames as vLLM's replay clients: an empty delimiter, then the request).  Every batch carries
+a sequence number; the client tracks the next one it needs, ``expected``:
+
+* a batch with ``seq == expected`` is applied; ``seq < expected`` was already applied
+  through a replay, ignored — unless it is not above the last *live* sequence number: PUB/SUB
+  keeps order, so that means the publisher restarted (its numbers start again at 0), and the
+  client takes a snapshot;
+* ``seq > expected`` is a **gap** (lost messages, or a subscription that started late): the
+  client asks the replay endpoint for everything from ``expected`` and applies it in order;
+  if the publisher's buffer no longer holds ``expected``, it falls back to a snapshot;
+* a **snapshot** (``b"kvcm:snapshot"`` request, see ``kvcm.events``) replaces the instance's
+  state and sets ``expected`` to the sequence number it is stamped with.  A router that
+  starts (or restarts) takes one snapshot per instance before anything else.
+
+All waits are bounded (``timeout``); a publisher that does not answer raises TimeoutError.
+``drop`` (tests) discards live messages before they are looked at, as a lossy network would.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Self
+
+import zmq
+
+from kvcm.router import RouterIndex
+from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, Decoder, seq_bytes, seq_of
+
+
+@dataclass
+class _Feed:
+    name: Any
+    sub: zmq.Socket
+    replay: zmq.Socket
+    expected: int = -1  # -1: no snapshot yet
+    last_live: int = -1  # the last sequence number received live
+
+
+class FleetSubscriber:
+    """Feeds a ``RouterIndex`` from the wire streams of many instances."""
+
+    def __init__(
+        self,
+        router: RouterIndex,
+        instances: Mapping[Any, tuple[str, str]],
+        *,
+        topic: str = "kvcm",
+        timeout: float = 5.0,
+        drop: Callable[[Any, int], bool] | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self.router = router
+        self.timeout = timeout
+        self.drop = drop
+        self.gaps = 0
+        self.replays = 0
+        self.snapshots = 0
+        self.dropped = 0
+        self.applied = 0
+        self.restarts = 0  # publisher restarts detected
+        self._dec = Decoder()
+        self._ctx = context or zmq.Context.instance()
+        self._feeds: dict[Any, _Feed] = {}
+        self._by_sock: dict[zmq.Socket, _Feed] = {}
+        self._poller = zmq.Poller()
+        for name, (endpoint, replay_endpoint) in instances.items():
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+            sub.connect(endpoint)
+            rep = self._ctx.socket(zmq.DEALER)
+            rep.setsockopt(zmq.LINGER, 0)
+            rep.connect(replay_endpoint)
+            feed = _Feed(name, sub, rep)
+            self._feeds[name] = feed
+            self._by_sock[sub] = feed
+            self._poller.register(sub, zmq.POLLIN)
+        for feed in self._feeds.values():
+            self._snapshot(feed)
+
+    def expected(self, name: Any) -> int:
+        """The next sequence number instance ``name``'s index needs."""
+        return self._feeds[name].expected
+
+    # ------------------------------------------------------------------ receiving
+
+    def poll(self, timeout: float = 0.0) -> int:
+        """Apply what has arrived (waiting up to ``timeout`` s for the first message);
+        returns the number of live messages looked at."""
+        n = 0
+        wait_ms = int(timeout * 1000)
+        while True:
+            ready = dict(self._poller.poll(wait_ms))
+            if not ready:
+                return n
+            wait_ms = 0
+            for sock in ready:
+                feed = self._by_sock[sock]
+                while sock.poll(0):
+                    _topic, sq, payload = sock.recv_multipart()
+                    n += 1
+                    seq = seq_of(sq)
+                    restarted = seq <= feed.last_live
+                    feed.last_live = seq
+                    if restarted:
+                        self.restarts += 1
+                        self._snapshot(feed)
+                    if self.drop is not None and self.drop(feed.name, seq):
+                        self.dropped += 1
+                        continue
+                    self._live(feed, seq, payload)
+
+    def sync(self, targets: Mapping[Any, int], timeout: float | None = None) -> None:
+        """Wait until each instance's index has applied every batch below ``targets[name]``
+        (its publisher's ``next_seq``), healing missing tails by replay.  Bounded."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            for n, t in targets.items():
+                if self._feeds[n].expected > t:  # ahead of its publisher: it restarted
+                    self.restarts += 1
+                    self._snapshot(self._feeds[n])
+            behind = [self._feeds[n] for n, t in targets.items() if self._feeds[n].expected < t]
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router behind for {[(f.name, f.expected) for f in behind]}")
+            if self.poll(0.02) == 0:
+                for f in behind:  # nothing more is coming live: the tail was lost
+                    if f.expected < targets[f.name]:
+                        self._replay(f)
+
+    def _live(self, feed: _Feed, seq: int, payload: bytes) -> None:
+        if seq < feed.expected:
+            return
+        if seq > feed.expected:
+            self.gaps += 1
+            self._replay(feed)
+            if seq < feed.expected:
+                return
+            if seq > feed.expected:  # the replay buffer no longer reaches back
+                self._snapshot(feed)
+                if seq != feed.expected:
+                    if seq > feed.expected:
+                        self._replay(feed)
+                    return
+        self._apply(feed, seq, payload)
+
+    def _apply(self, feed: _Feed, seq: int, payload: bytes) -> None:
+        self.router.apply(feed.name, self._dec.decode(payload))
+        feed.expected = seq + 1
+        self.applied += 1
+
+    # ------------------------------------------------------------------ requests
+
+    def _request(self, feed: _Feed, request: bytes) -> list[tuple[int, bytes]]:
+        rep = feed.replay
+        while rep.poll(0):  # a late answer to an earlier, timed-out request
+            rep.recv_multipart()
+        rep.send_multipart([b"", request])
+        out: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not rep.poll(int(left * 1000) + 1):
+                raise TimeoutError(f"instance {feed.name!r}: no answer from the replay endpoint")
+            frames = rep.recv_multipart()
+            sq, payload = frames[-2], frames[-1]
+            if sq == END_SEQ:
+                return out
+            out.append((seq_of(sq), payload))
+
+    def _replay(self, feed: _Feed) -> None:
+        if feed.expected < 0:
+            self._snapshot(feed)
+            return
+        self.replays += 1
+        for seq, payload in self._request(feed, seq_bytes(feed.expected)):
+            if seq == feed.expected:
+                self._apply(feed, seq, payload)
+            elif seq > feed.expected:  # the buffer starts after what we need
+                self._snapshot(feed)
+                return
+
+    def _snapshot(self, feed: _Feed) -> None:
+        self.snapshots += 1
+        answer = self._request(feed, SNAPSHOT_REQUEST)
+        if len(answer) != 1:
+            raise ValueError(f"instance {feed.name!r}: a snapshot answer has {len(answer)} batches")
+        seq, payload = answer[0]
+        self.router.reset(feed.name, self._dec.decode(payload))
+        feed.expected = seq
+
+    def close(self) -> None:
+        for feed in self._feeds.values():
+            feed.sub.close(linger=0)
+            feed.replay.close(linger=0)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["FleetSubscriber"]
