@@ -173,7 +173,7 @@ def test_full_queue_drops_and_counts_without_blocking_then_resets(ctx: zmq.Conte
             for p in prompts:
                 run(mgr, p)
                 results.append(pub.publish(mgr.take_events()))
-            assert time.perf_counter() - t0 < 1.0  # publish never waited for the thread
+            assert time.perf_counter() - t0 < 4.0  # publish never waited for the gated thread (5 s)
             assert results[0] and False in results and pub.dropped == results.count(False)
         finally:
             gate.set()
@@ -181,7 +181,8 @@ def test_full_queue_drops_and_counts_without_blocking_then_resets(ctx: zmq.Conte
         run(mgr, list(range(900, 904)))
         assert pub.publish(mgr.take_events())  # after a drop: a reset batch instead
         pub.flush()
-        assert pub.resets == 1
+        # one reset per drop streak: 1 or 2 streaks, by when the thread took the first step
+        assert 1 <= pub.resets <= 2
         router = RouterIndex(RouterModel.from_config(hybrid()))
         with FleetSubscriber(router, {"a": (pub.endpoint, pub.replay_endpoint)}, context=ctx) as sub:
             sub.sync({"a": pub.next_seq})
