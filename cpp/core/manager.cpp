@@ -507,7 +507,7 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
   p->tier = static_cast<std::uint8_t>(dst);
   p->slot = new_slot;
   index(*p);
-  copy_ops_.push_back(CopyOpC{p->lc, old_tier, old_slot, dst, new_slot, reason});
+  add_copy_op(CopyOpC{p->lc, old_tier, old_slot, dst, new_slot, reason});
   const std::int64_t nbytes = cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes;
   const bool off = std::strcmp(reason, "offload") == 0;
   count(p->lc, off ? kOffloads : kOnboards);
@@ -598,7 +598,15 @@ void Manager::drop_all_droppable() {
 // ====================================================================== copy ops, events, stats
 
 void Manager::copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason) {
-  copy_ops_.push_back(CopyOpC{lc, src->tier, src->slot, dst->tier, dst->slot, reason});
+  add_copy_op(CopyOpC{lc, src->tier, src->slot, dst->tier, dst->slot, reason});
+}
+
+// python: PyKVCacheManager._add_copy_op (SPEC sec. 8, 15): warned once, at the call's end.
+void Manager::add_copy_op(const CopyOpC& op) {
+  copy_ops_.push_back(op);
+  if (static_cast<std::int64_t>(copy_ops_.size()) == cfg_.pending_copy_ops_warning && !copy_ops_warned_) {
+    copy_ops_warned_ = copy_ops_warn_due_ = true;
+  }
 }
 
 EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
@@ -716,6 +724,8 @@ void Manager::stats_view(std::string& o, const std::vector<std::int64_t>& c) con
   }
   o += "],\"events_dropped\":";
   j_int(o, events_dropped_);
+  o += ",\"pending_copy_ops\":";
+  j_int(o, static_cast<std::int64_t>(copy_ops_.size()));
   o += '}';
 }
 

@@ -75,6 +75,7 @@ struct ManagerConfig {
   std::int64_t reuse_match_backoff = 0;
   double max_util_for_resume = 1.0;
   std::int64_t max_events = 10000;
+  std::int64_t pending_copy_ops_warning = 1000000;  // 0: never warn
 };
 
 // A token code: ints as themselves (< 2**31), digests as kDigestCode | interned id.
@@ -226,6 +227,15 @@ class Manager {
   std::pair<std::int64_t, std::int64_t> probe(TokenSeq tokens, std::optional<std::uint64_t> lora,
                                               std::optional<std::uint64_t> salt);
   std::vector<CopyOpC> drain_copy_ops();
+  // Sec. 15: the pending copy ops reached the warning figure during the last call (only once
+  // per manager): returns the figure and clears the flag, else 0.  The bindings then issue
+  // kvcm.api.warn_pending_copy_ops (python twin: PyKVCacheManager._add_copy_op).
+  std::int64_t take_copy_ops_warning() noexcept {
+    const std::int64_t due = copy_ops_warn_due_ ? cfg_.pending_copy_ops_warning : 0;
+    copy_ops_warn_due_ = false;
+    return due;
+  }
+  void set_pending_copy_ops_warning(std::int64_t n) noexcept { cfg_.pending_copy_ops_warning = n; }
   void clear_reusable();
   void shutdown();
   bool is_shutdown() const noexcept { return is_shutdown_; }
@@ -421,6 +431,7 @@ class Manager {
 
   // --- copy ops, events, stats
   void copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason);
+  void add_copy_op(const CopyOpC& op);
   // A new buffered event with the next id (a stored event also buffers its block's
   // `tokens`), the oldest dropped when full; nullptr when no events are kept (max_events 0).
   EventC* new_event(EventKind kind, std::span<const Tok> tokens = {});
@@ -456,6 +467,7 @@ class Manager {
   std::vector<std::pair<std::int64_t, std::int64_t>> scratch_releases_, scratch_allocs_;  // resize_checked
   std::vector<std::int64_t> scratch_lcs_;  // attach
   std::vector<CopyOpC> copy_ops_;
+  bool copy_ops_warned_ = false, copy_ops_warn_due_ = false;
   Fifo<EventC> events_;
   Fifo<Tok> event_tokens_;           // the buffered stored events' tokens, in event order
   Fifo<StoredBlockC> event_blocks_;  // ... and their blocks

@@ -37,6 +37,7 @@ from kvcm.api import (
     check_scope,
     check_tokens,
     resolve_config,
+    warn_pending_copy_ops,
 )
 from kvcm.keys import chain_keys, scope_root_key
 from kvcm.python_backend.pools import DROPPABLE, HELD, NO_NODE, Page, Pool
@@ -60,8 +61,13 @@ def serialized(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with (self.mgr if hasattr(self, "mgr") else self).lock:
-            return method(self, *args, **kwargs)
+        mgr = self.mgr if hasattr(self, "mgr") else self
+        with mgr.lock:
+            result = method(self, *args, **kwargs)
+            if mgr.copy_ops_warn_due:  # after the call's work: the warning never changes it
+                mgr.copy_ops_warn_due = False
+                warn_pending_copy_ops(mgr.copy_ops_warn_at)
+            return result
 
     return wrapper
 
@@ -87,6 +93,11 @@ class PyKVCacheManager(KVCacheManager):
         self.next_request = 0  # creation serial of requests; also the default request id
         self.requests: dict[int, Any] = {}  # serial -> live (not closed) PyKVCache
         self.copy_ops: list[CopyOp] = []
+        # sec. 15: undrained copy ops are a visible bound: stats()["pending_copy_ops"] and one
+        # PendingCopyOpsWarning when they reach the configured figure (DECISIONS.md)
+        self.copy_ops_warn_at = config.pending_copy_ops_warning
+        self.copy_ops_warned = False
+        self.copy_ops_warn_due = False
         self.events: deque[Event] = deque()
         self.events_dropped = 0
         self.next_event = 0
@@ -364,7 +375,7 @@ class PyKVCacheManager(KVCacheManager):
         page.version += 1
         dst_pool.count(state, +1)
         dst_pool.push(page)
-        self.copy_ops.append(CopyOp(page.lc, old_tier, old_slot, dst, new_slot, reason))
+        self._add_copy_op(CopyOp(page.lc, old_tier, old_slot, dst, new_slot, reason))
         nbytes = self.lcs[page.lc].slot_bytes
         kind = "offloads" if reason == "offload" else "onboards"
         self.count(page.lc, kind)
@@ -442,7 +453,12 @@ class PyKVCacheManager(KVCacheManager):
     # --- copy ops, events
 
     def copy(self, lc: int, src: Page, dst: Page, reason: str) -> None:
-        self.copy_ops.append(CopyOp(lc, src.tier, src.slot, dst.tier, dst.slot, reason))
+        self._add_copy_op(CopyOp(lc, src.tier, src.slot, dst.tier, dst.slot, reason))
+
+    def _add_copy_op(self, op: CopyOp) -> None:
+        self.copy_ops.append(op)
+        if len(self.copy_ops) == self.copy_ops_warn_at and not self.copy_ops_warned:
+            self.copy_ops_warned = self.copy_ops_warn_due = True  # warned once, at the call's end
 
     def emit(self, event: Event) -> None:
         if self._config.max_events == 0:
@@ -511,6 +527,7 @@ class PyKVCacheManager(KVCacheManager):
                 for t in range(self.num_tiers)
             ],
             "events_dropped": self.events_dropped,
+            "pending_copy_ops": len(self.copy_ops),
         }
 
     def check(self, cond: bool, message: str) -> None:
