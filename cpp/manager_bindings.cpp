@@ -475,6 +475,15 @@ void bind_manager(nb::module_& m) {
            })
       .def("snapshot_json", [](Manager& mgr) { return locked(mgr, [&] { return mgr.snapshot_json(); }); })
       .def("check_invariants", [](Manager& mgr) { locked(mgr, [&] { mgr.check_invariants(); }); })
+      .def("internal_sizes",
+           [](Manager& mgr) {
+             const auto sizes = quick(mgr, [&] { return mgr.internal_sizes(); });
+             nb::dict out;
+             for (const auto& [name, v] : sizes) out[name.c_str()] = v;
+             return out;
+           },
+           nb::sig("def internal_sizes(self) -> dict[str, int]"),
+           "Sizes of the core's internal tables (bounded-memory tests, SPEC sec. 15).")
       // ---------------------------------------------------------------- requests
       .def(
           "info",

@@ -53,3 +53,64 @@ def test_pending_copy_ops_warning_zero_never_warns(make_manager):
 def test_pending_copy_ops_warning_is_validated(make_manager, bad):
     with pytest.raises(ConfigError, match="pending_copy_ops_warning"):
         make_manager(attn_cfg(pending_copy_ops_warning=bad))
+
+
+# ---------------------------------------------------------------- item 8: one root per scope
+
+
+def _roots(mgr) -> list[dict]:
+    return [n for n in mgr.snapshot()["tree"] if n["root"]]
+
+
+def test_every_distinct_scope_leaves_a_root_forever(make_manager):
+    """A scope root with nothing under it and no open request is released (sec. 15)."""
+    mgr = make_manager(attn_cfg(gpu=64))
+    for salt in range(20):
+        kv = mgr.create_kv_cache(toks(6), scope=ReuseScope(salt=salt))
+        cached = max(0, salt - 10)  # scopes with committed blocks so far
+        assert len(_roots(mgr)) == cached + 1  # the open request keeps its root
+        if salt < 10:
+            kv.close()  # nothing committed: the root goes with the request
+            assert _roots(mgr) == []
+            continue
+        assert kv.resume() and kv.resize(6)
+        kv.commit(toks(6))
+        kv.close()  # the cached blocks keep the root
+    roots = _roots(mgr)
+    assert len(roots) == 10 and all(r["children"] and r["refs"] == 0 for r in roots)
+    mgr.clear_reusable()  # nothing cached: no root left
+    assert mgr.snapshot()["tree"] == []
+    mgr.check_invariants()
+    # a scope used again gets a fresh root (a new node id on both backends)
+    kv = mgr.create_kv_cache(toks(6), scope=ReuseScope(salt=3))
+    (root,) = _roots(mgr)
+    assert root["refs"] == 1 and root["id"] == mgr.snapshot()["next"]["node"] - 1
+    kv.close()
+    assert _roots(mgr) == []
+
+
+def test_scope_root_released_when_eviction_empties_it(make_manager):
+    mgr = make_manager(attn_cfg(gpu=2))
+    fill(mgr, toks(8, base=100), close=True)  # 2 blocks fill the gpu
+    before = _roots(mgr)
+    assert len(before) == 1
+    fill(mgr, toks(8, base=200), close=True)  # evicts both blocks of the first request
+    # (same default scope: the root stays, holding the new blocks)
+    assert [r["id"] for r in _roots(mgr)] == [before[0]["id"]]
+    kv = mgr.create_kv_cache(None, scope=ReuseScope(lora_id=1))
+    assert kv.resume() and kv.resize(8)
+    kv.commit(toks(8, base=400))  # evicts the default scope's last blocks
+    kv.close()
+    ids = {r["id"] for r in _roots(mgr)}
+    assert before[0]["id"] not in ids and len(ids) == 1
+    mgr.check_invariants()
+
+
+def test_probe_with_a_new_scope_allocates_nothing(make_manager):
+    mgr = make_manager(attn_cfg(gpu=8))
+    fill(mgr, toks(8))
+    snap = mgr.snapshot()
+    for salt in range(50):
+        assert mgr.probe_reuse(toks(8), ReuseScope(salt=salt)) == 0
+        assert mgr.probe_reuse_detail(toks(8), ReuseScope(lora_id=salt)).num_tokens == 0
+    assert mgr.snapshot() == snap

@@ -58,7 +58,8 @@ class TreeLockstep(RuleBasedStateMachine):
         self.py = PyTree(B, preset)
         self.cc = CppTree(B, preset)
         self.next_page = 100
-        self.both("root", SCOPE_KEYS[0])
+        root = self.both("root", SCOPE_KEYS[0])[1]
+        self.both("ref", root)  # as the manager refs the root of an open request's scope
 
     # ---------------------------------------------------------------- helpers
 
@@ -125,6 +126,8 @@ class TreeLockstep(RuleBasedStateMachine):
         # Extend an attached node by a chain of blocks with pages, the way commits do, so
         # matches walk deep and the fixed point has coverage to cut on.
         attached = sorted(i for i, n in self.py.nodes.items() if n.attached or n.is_root)
+        if not attached:  # every root was released (unused scopes leave nothing behind)
+            attached = [self.both("root", SCOPE_KEYS[0])[1]]
         parent = data.draw(st.sampled_from(attached), label="parent")
         for d in range(depth):
             key = data.draw(st.sampled_from(KEYS), label="key")

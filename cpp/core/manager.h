@@ -236,6 +236,9 @@ class Manager {
     return due;
   }
   void set_pending_copy_ops_warning(std::int64_t n) noexcept { cfg_.pending_copy_ops_warning = n; }
+  // Sizes of the manager's internal tables (tests of SPEC sec. 15: what a long-running
+  // server keeps must stay bounded by the live state), as (name, count) pairs.
+  std::vector<std::pair<std::string, std::int64_t>> internal_sizes() const;
   void clear_reusable();
   void shutdown();
   bool is_shutdown() const noexcept { return is_shutdown_; }
@@ -353,7 +356,6 @@ class Manager {
 
   // --- tree bookkeeping
   NodeId new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal);
-  NodeId root_for(const Digest& key);
   // The creation number snapshots show for a node handle (kNoNode stays kNoNode).
   std::int64_t node_uid(NodeId id) const { return id == kNoNode ? kNoNode : tree_.uid(id); }
 
@@ -378,7 +380,8 @@ class Manager {
   void switch_block(Request& r, std::int64_t j, NodeId orphan, NodeId existing);
   void install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained);
   void attach(NodeId parent, NodeId nid);
-  void insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot);
+  void insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot,
+                    bool defer_prune = false);
   void set_block(Request& r, std::int64_t i, NodeId nid);
   void stop(Request& r);
   void release_stale(Request& r);
@@ -454,7 +457,6 @@ class Manager {
   std::pmr::unsynchronized_pool_resource evict_nodes_;
   std::vector<std::vector<Pool>> pools_;  // [tier][lc]
   RadixTree tree_;
-  std::unordered_map<Digest, NodeId, DigestHash> roots_;
   // The page slab: fixed-size chunks, so a Page* stays valid while pages are added.
   static constexpr std::size_t kPageChunk = 4096;
   std::vector<std::unique_ptr<Page[]>> page_chunks_;
@@ -472,7 +474,9 @@ class Manager {
   Fifo<Tok> event_tokens_;           // the buffered stored events' tokens, in event order
   Fifo<StoredBlockC> event_blocks_;  // ... and their blocks
   // (ntokens, nblocks) of each buffered event, oldest first: what dropping the oldest
-  // event must remove from the side queues, read without touching the event itself
+  // event must remove from the side queues, read without touching the event itself;
+  // ntokens carries kEventHasDigest when its tokens hold digest references to release
+  static constexpr std::uint32_t kEventHasDigest = 0x80000000u;
   Fifo<std::pair<std::uint32_t, std::uint32_t>> event_sizes_;
   std::int64_t events_dropped_ = 0;
   bool is_shutdown_ = false;

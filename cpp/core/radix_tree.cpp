@@ -41,11 +41,23 @@ NodeId RadixTree::root(const Digest& scope_key) {
   return r;
 }
 
+NodeId RadixTree::find_root(const Digest& scope_key) const {
+  auto it = roots_.find(scope_key);
+  return it != roots_.end() ? static_cast<NodeId>(it->second) : kNoNode;
+}
+
 NodeId RadixTree::new_block(const Digest& key, std::span<const TokenArg> tokens, std::int64_t ordinal) {
   std::vector<Code> codes;
   codes.reserve(tokens.size());
-  for (const TokenArg& t : tokens) codes.push_back(intern(t));
-  return new_block(key, std::span<const Code>(codes), ordinal);
+  try {
+    for (const TokenArg& t : tokens) codes.push_back(intern(t));
+    const NodeId id = new_block(key, std::span<const Code>(codes), ordinal);  // the node retains them
+    release_all(codes);
+    return id;
+  } catch (...) {
+    release_all(codes);
+    throw;
+  }
 }
 
 NodeId RadixTree::new_block(const Digest& key, std::span<const Code> tokens, std::int64_t ordinal) {
@@ -59,6 +71,7 @@ NodeId RadixTree::new_block(const Digest& key, std::span<const Code> tokens, std
   }
   const Ref r = make_node(key, tokens.size(), ordinal, /*is_root=*/false);
   std::copy(src, src + tokens.size(), arena(r));
+  retain_all(codes(r));  // released by erase_node
   return r;
 }
 
@@ -150,6 +163,7 @@ std::vector<NodeId> RadixTree::prune_upward(NodeId node) {
     maybe_delete(n);  // pageless: nothing for the caller to free first
     n = parent;
   }
+  if (n != kNil && at(n).is_root) release_root_if_unused(n);  // not listed: it is no block
   return out;
 }
 
@@ -228,14 +242,32 @@ MatchResult RadixTree::match(NodeId root, std::span<const Code> tokens, std::spa
 
 RadixTree::Code RadixTree::intern_slow(const TokenArg& t) {
   const Code known = lookup(t);  // ints (range-checked) and digests seen before
-  if (known != kUnknownDigest) return known;
-  if (digests_.size() >= (kUnknownDigest & ~kDigestBit)) throw std::length_error("too many distinct digest tokens");
+  if (known != kUnknownDigest) {
+    retain(known);
+    return known;
+  }
   Digest d;
   std::memcpy(d.data(), t.digest, d.size());
-  const auto id = static_cast<Code>(digests_.size());
-  digests_.push_back(d);
-  digest_ids_.emplace(d, id);
+  Code id;
+  if (!free_digests_.empty()) {
+    id = free_digests_.back();
+    digests_[id] = d;
+  } else {
+    if (digests_.size() >= (kUnknownDigest & ~kDigestBit)) throw std::length_error("too many distinct digest tokens");
+    id = static_cast<Code>(digests_.size());
+    digests_.push_back(d);
+    digest_refs_.push_back(0);
+  }
+  digest_ids_.emplace(d, id);  // may throw: nothing changed yet but the slot's bytes
+  if (!free_digests_.empty() && free_digests_.back() == id) free_digests_.pop_back();
+  digest_refs_[id] = 1;
   return kDigestBit | id;
+}
+
+void RadixTree::release_digest(Code id) noexcept {
+  if (--digest_refs_[id] != 0) return;
+  digest_ids_.erase(digests_[id]);
+  free_digests_.push_back(id);
 }
 
 RadixTree::Code RadixTree::lookup(const TokenArg& t) const {
@@ -415,7 +447,19 @@ bool RadixTree::deletable(Ref r) const noexcept {
   return n.alive && !n.attached && !n.is_root && n.refs == 0 && !node_has_page(r);
 }
 
+// tree.py: RadixTree._maybe_delete, its root branch (SPEC sec. 15: no scope is kept forever).
+void RadixTree::release_root_if_unused(Ref r) {
+  const Node& n = at(r);
+  if (!n.alive || !n.is_root || n.refs != 0 || n.first_child != kNil) return;
+  roots_.erase(n.key);
+  erase_node(r);
+}
+
 void RadixTree::maybe_delete(Ref start) {
+  if (at(start).is_root) {
+    release_root_if_unused(start);
+    return;
+  }
   // Iterative (tree.py recurses): a dying node's children become detached and may die too.
   // Every node has one parent, so no node is queued twice; the order of deletions does
   // not change the resulting state (slots are internal; uids are what anyone sees).
@@ -440,6 +484,7 @@ void RadixTree::maybe_delete(Ref start) {
 }
 
 void RadixTree::erase_node(Ref r) {
+  release_all(codes(r));  // the references new_block took
   Node& n = at(r);
   n.alive = false;
   n.first_child = kNil;

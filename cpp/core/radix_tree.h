@@ -6,9 +6,10 @@
 // never reused) and pages by int handles owned by the manager; the tree knows page
 // presence and coverage, not tiers or states.
 //
-// Node life time: a node exists while it is attached (roots always are), while a request
-// references it (ref/unref), or while it still holds a page.  Anything else is deleted
-// at once, so orphans disappear with their last user.
+// Node life time: a node exists while it is attached, while a request references it
+// (ref/unref), or while it still holds a page.  Anything else is deleted at once, so
+// orphans disappear with their last user.  A root lives while it has a child or a
+// reference (the manager refs the root of each open request's scope; SPEC sec. 15).
 //
 // Layout (the manager's hot path and its memory per cached block): nodes live in one slab
 // addressed by slot, children are an intrusive list plus one tree-wide hash table, and a
@@ -107,8 +108,11 @@ class RadixTree {
  public:
   // Tokens are stored encoded as u32 codes: ints as themselves (< 2**31), digests as
   // kDigestBit | id in an interning table.  Equal tokens have equal codes, so prefix checks
-  // are plain integer compares.  The table only grows (a digest id stays valid for as long
-  // as anything — a node, a request, an event — may hold its code).
+  // are plain integer compares.  Each digest id is reference counted: every stored copy of
+  // its code (a node's tokens, and on the manager's side a request's tokens or a buffered
+  // event's) holds one reference; the last release frees the id for reuse, so the table is
+  // bounded by the live digest tokens (SPEC sec. 15; the python backend keeps the bytes
+  // objects themselves, which Python frees the same way).
   using Code = std::uint32_t;
   static constexpr Code kDigestBit = 0x80000000u;
   static constexpr Code kUnknownDigest = 0xFFFFFFFFu;  // a query digest no one interned
@@ -119,8 +123,11 @@ class RadixTree {
   // Node ids are handles: slots of the node slab, reused after a node is deleted.  The
   // creation-order number tree.py calls the id is uid(node) (dumps and snapshots show it).
 
-  // The root of a scope, created on first use.
+  // The root of a scope, created on first use (the caller refs it; a root with no child and
+  // no reference is released by unref, prune_upward or collect).
   NodeId root(const Digest& scope_key);
+  // The root of a scope if it exists, else kNoNode (creates nothing: probes use it).
+  NodeId find_root(const Digest& scope_key) const;
   // A detached block with no pages and no references (caller refs or attaches it).
   NodeId new_block(const Digest& key, std::span<const TokenArg> tokens, std::int64_t ordinal);
   NodeId new_block(const Digest& key, std::span<const Code> tokens, std::int64_t ordinal);
@@ -153,10 +160,28 @@ class RadixTree {
                     std::int64_t backoff) const;
 
   // ------------------------------------------------------------ tokens
+  // The code of `t`; for a digest, one new reference the caller owns (release it).
   Code intern(const TokenArg& t) {
     if (t.digest == nullptr && !(t.value & kDigestBit)) return t.value;  // the common case, inline
     return intern_slow(t);
   }
+  // One more / one less reference to a digest code (ints: nothing to do).
+  void retain(Code c) noexcept {
+    if (c & kDigestBit) ++digest_refs_[c & ~kDigestBit];
+  }
+  void release(Code c) noexcept {
+    if (c & kDigestBit) release_digest(c & ~kDigestBit);
+  }
+  void retain_all(std::span<const Code> codes) noexcept {
+    for (Code c : codes) retain(c);
+  }
+  void release_all(std::span<const Code> codes) noexcept {
+    for (Code c : codes) release(c);
+  }
+  // Distinct digest tokens interned now (each referenced by something live).
+  std::size_t num_digests() const noexcept { return digest_ids_.size(); }
+  // Slots of the digest table (live or free for reuse): its memory.
+  std::size_t digest_slots() const noexcept { return digests_.size(); }
   // The code of `t` without interning (kUnknownDigest for a digest never interned).
   Code lookup(const TokenArg& t) const;
   TokenOut decode(Code c) const;
@@ -182,6 +207,8 @@ class RadixTree {
   // One past the largest uid ever made (uids are never reused).
   std::int64_t next_uid() const noexcept { return next_uid_; }
   std::size_t num_nodes() const noexcept { return nodes_.size() - free_.size(); }
+  std::size_t node_slots() const noexcept { return nodes_.size(); }
+  std::size_t num_roots() const noexcept { return roots_.size(); }
   std::int64_t tokens_per_block() const noexcept { return B_; }
   std::size_t num_life_cycles() const noexcept { return lcs_.size(); }
   // Canonical picture: every live node by uid; ids in the dump (node, parent, children)
@@ -224,6 +251,7 @@ class RadixTree {
   void link(Ref parent, Ref child);
   void unlink(Ref r);
   void maybe_delete(Ref r);
+  void release_root_if_unused(Ref r);
   bool deletable(Ref r) const noexcept;
   void erase_node(Ref r);
   std::vector<Ref> children_by_key(Ref r) const;
@@ -232,6 +260,7 @@ class RadixTree {
   std::int64_t fixed_point(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const;
   std::vector<Code> encode_query(std::span<const TokenArg> tokens) const;
   Code intern_slow(const TokenArg& t);
+  void release_digest(Code id) noexcept;
 
   // --- children_: open addressing (linear probing, backward-shift deletion) over node
   // slots, keyed by (parent, key).  Holds exactly the nodes that have a parent.  Each
@@ -264,8 +293,10 @@ class RadixTree {
   std::unordered_map<Digest, Ref, DigestHash> roots_;
   std::int64_t next_uid_ = 0;
 
-  std::unordered_map<Digest, Code, DigestHash> digest_ids_;
-  std::vector<Digest> digests_;
+  std::unordered_map<Digest, Code, DigestHash> digest_ids_;  // live digests only
+  std::vector<Digest> digests_;             // by id
+  std::vector<std::uint32_t> digest_refs_;  // by id; 0: free
+  std::vector<Code> free_digests_;          // free ids (LIFO)
 };
 
 }  // namespace kvcm

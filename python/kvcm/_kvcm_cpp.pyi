@@ -144,6 +144,11 @@ class Manager:
 
     def check_invariants(self) -> None: ...
 
+    def internal_sizes(self) -> dict[str, int]:
+        """
+        Sizes of the core's internal tables (bounded-memory tests, SPEC sec. 15).
+        """
+
     def info(self, serial: int) -> tuple: ...
 
     def committed_tokens(self, serial: int) -> list: ...

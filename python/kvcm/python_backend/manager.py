@@ -104,7 +104,6 @@ class PyKVCacheManager(KVCacheManager):
         self.is_shutdown = False
         self.totals = self._zero_counters()
         self.iteration = self._zero_counters()
-        self._root_keys: dict[ReuseScope, bytes] = {}
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ public API
@@ -144,7 +143,7 @@ class PyKVCacheManager(KVCacheManager):
     def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
         toks = check_tokens(tokens)
         scope = check_scope(scope)
-        root_key = self.root_key(scope)
+        root_key = scope_root_key(scope)  # nothing is kept for a scope (sec. 15)
         if root_key not in self.tree.roots or not toks:
             return ReuseProbe(0, 0)
         keys = chain_keys(root_key, toks[: len(toks) // self.B * self.B], self.B)
@@ -240,12 +239,6 @@ class PyKVCacheManager(KVCacheManager):
     def tick(self) -> int:
         self.clock += 1
         return self.clock
-
-    def root_key(self, scope: ReuseScope) -> bytes:
-        key = self._root_keys.get(scope)
-        if key is None:
-            key = self._root_keys[scope] = scope_root_key(scope)
-        return key
 
     def match(self, root: int, tokens: list, keys: list[bytes]) -> tuple[int, int, list[int]]:
         cfg = self._config

@@ -5,9 +5,11 @@ the manager owns, so the C++ port (``kvcm._kvcm_cpp.RadixTree``) has the same su
 the two can be compared step by step.  The tree knows page *presence and coverage*, not
 tiers or states: those belong to the manager.
 
-Node life time: a node exists while it is attached (roots always are), while a request
-references it (``ref``/``unref``), or while it still holds a page.  Anything else is
-deleted at once, so orphans disappear with their last user.
+Node life time: a node exists while it is attached, while a request references it
+(``ref``/``unref``), or while it still holds a page.  Anything else is deleted at once, so
+orphans disappear with their last user.  A root lives while it has a child or a reference
+(the manager refs the root of each open request's scope): an unused scope leaves nothing
+behind (SPEC sec. 15).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class RadixTree:
     # ---------------------------------------------------------------- public API
 
     def root(self, scope_key: bytes) -> int:
-        """The root of a scope, created on first use."""
+        """The root of a scope, created on first use (the caller refs it; a root with no
+        child and no reference is released by ``unref``, ``prune_upward`` or ``collect``)."""
         node = self.roots.get(scope_key)
         if node is None:
             node = self._new(scope_key, (), -1, is_root=True)
@@ -152,6 +155,8 @@ class RadixTree:
             out.append(n.id)
             self._maybe_delete(n)  # pageless: nothing for the caller to free first
             n = parent
+        if n is not None and n.is_root:
+            self._maybe_delete(n)  # an unused root goes too (not listed: it is no block)
         return out
 
     def set_page(self, node: int, lc: int, page: int, coverage: int) -> int:
@@ -265,6 +270,11 @@ class RadixTree:
         n.attached = False
 
     def _maybe_delete(self, n: Node) -> None:
+        if n.is_root:
+            if n.refs == 0 and not n.children and self.roots.get(n.key) is n:
+                del self.roots[n.key]
+                del self.nodes[n.id]
+            return
         if not n.attached and not n.is_root and n.refs == 0 and not n.has_page() and n.id in self.nodes:
             for k in n.children.values():  # only reachable through a detached, dying node
                 k.parent = None
