@@ -6,9 +6,9 @@ from __future__ import annotations
 import warnings
 
 import pytest
-
 from kvcm import ConfigError, ReuseScope
 from kvcm.api import PendingCopyOpsWarning
+
 from parity.helpers import attn_cfg, fill, ops, toks
 
 

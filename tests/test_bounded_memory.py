@@ -19,8 +19,6 @@ import random
 import time
 import tracemalloc
 
-import pytest
-
 import kvcm
 from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
 
