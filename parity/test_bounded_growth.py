@@ -9,7 +9,7 @@ import pytest
 from kvcm import ConfigError, ReuseScope
 from kvcm.api import PendingCopyOpsWarning
 
-from parity.helpers import attn_cfg, fill, ops, toks
+from parity.helpers import attn_cfg, fill, keys, ops, toks
 
 
 def _pending(mgr) -> int:
@@ -114,3 +114,51 @@ def test_probe_with_a_new_scope_allocates_nothing(make_manager):
         assert mgr.probe_reuse(toks(8), ReuseScope(salt=salt)) == 0
         assert mgr.probe_reuse_detail(toks(8), ReuseScope(lora_id=salt)).num_tokens == 0
     assert mgr.snapshot() == snap
+
+
+# ---------------------------------------------------------------- item 11: fan-out under one block
+
+
+def _node_key(mgr, node_id) -> bytes:
+    (node,) = [n for n in mgr.snapshot()["tree"] if n["id"] == node_id]
+    return bytes.fromhex(node["key"])
+
+
+def test_fan_out_ties_go_to_the_smallest_key(make_manager):
+    """Many continuations of one block share their first token: the partial match takes
+    the child with the longest common run, ties to the smallest key; a partial tail's
+    covering sibling is the one with most tokens, ties to the smallest key."""
+    mgr = make_manager(attn_cfg(gpu=200))
+    system = toks(4, base=1)
+    full = [[9, 1000 + i, 7, 7] for i in range(40)]
+    part = [[9, 2000 + i] for i in range(40)]
+    for cont in full + part:
+        kv = mgr.create_kv_cache(None)
+        assert kv.resume() and kv.resize(8)
+        kv.commit(system + cont)
+        kv.close()  # a partial continuation enters the tree as a partial block
+    parent = keys(system)[0]
+    full_keys = [keys(system + c)[1] for c in full]
+    part_keys = [keys(system + c)[1] for c in part]
+    assert len({n["id"] for n in mgr.snapshot()["tree"]}) == 1 + 1 + 80  # root, system, fan-out
+    # partial match: [9, 5] shares one token with all 80: the smallest key wins
+    kv = mgr.create_kv_cache(system + [9, 5])
+    assert kv.num_reused_tokens == 5
+    (req,) = mgr.snapshot()["requests"]
+    assert _node_key(mgr, req["blocks"][1]) == min(full_keys + part_keys)
+    kv.close()
+    # a longer run beats a smaller key: 2 tokens into part[7], 3 into full[3]
+    assert mgr.probe_reuse(system + [9, 2007, 7]) == 6
+    assert mgr.probe_reuse(system + [9, 1003, 7, 8]) == 7
+    # covering sibling of the tail [9]: the full continuations (4 tokens) beat the partial
+    # ones (2 tokens); among them the smallest key
+    kv = mgr.create_kv_cache(None)
+    assert kv.resume() and kv.resize(5)
+    kv.commit(system + [9])
+    kv.stop_committing()
+    (req,) = mgr.snapshot()["requests"]
+    assert _node_key(mgr, req["blocks"][1]) == min(full_keys)
+    kv.close()
+    (system_node,) = [n for n in mgr.snapshot()["tree"] if n["key"] == parent.hex()]
+    assert len(system_node["children"]) == 80
+    mgr.check_invariants()

@@ -229,3 +229,48 @@ def test_pure_ssm_commit_of_many_blocks_is_quadratic(backend: str) -> None:
     t_small = min(_ssm_commit(backend, small)[0] for _ in range(5))
     t_large = min(_ssm_commit(backend, large)[0] for _ in range(3))
     assert t_large < 24 * max(t_small, 20e-6), f"{small} blocks: {t_small:.5f}s, {large} blocks: {t_large:.5f}s"
+
+
+# ---------------------------------------------------------------- item 11: fan-out under one block
+
+
+def _fanout(backend: str, n: int) -> tuple[float, float]:
+    """``n`` continuations of one system block that all start with token 9 (half as full
+    blocks, half as partial tails), then the best-of time of a probe that shares only that
+    token with each of them, and of a request whose partial tail [9] is covered by all."""
+    cfg = KVCacheManagerConfig(tokens_per_block=B, layers=[AttentionLayer(0, 1)], tiers=[Tier("gpu", (n + 16) * B)],
+                               max_events=0)
+    mgr = kvcm.KVCacheManager(cfg, backend=backend)
+    system = [1, 2, 3, 4]
+    for i in range(n):
+        kv = mgr.create_kv_cache(None)
+        assert kv.resume() and kv.resize(8)
+        kv.commit(system + [9, 1000 + i] + ([7, 7] if i % 2 else []))
+        kv.close()
+    query = system + [9, 5, 5, 5]
+    probe = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        assert mgr.probe_reuse(query) == 5
+        probe.append(time.perf_counter() - t0)
+    request = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        kv = mgr.create_kv_cache(None)
+        assert kv.resume() and kv.resize(5)
+        kv.commit(system + [9])
+        kv.close()  # the tail [9] finds its covering sibling among all n
+        request.append(time.perf_counter() - t0)
+    mgr.check_invariants()
+    return min(probe), min(request)
+
+
+def test_many_continuations_sharing_their_first_token_scan_every_sibling(backend: str) -> None:
+    """Partial matching and the covering-sibling search cost the same with 128 or
+    thousands of siblings sharing the first token (before: linear in the fan-out)."""
+    large = 16384 if backend == "cpp" else 4096
+    p_small, r_small = _fanout(backend, 128)
+    p_large, r_large = _fanout(backend, large)
+    floor = 20e-6  # below this the timer, not the work, decides
+    assert p_large < 4 * max(p_small, floor), f"probe: {p_small * 1e6:.1f}us at 128, {p_large * 1e6:.1f}us at {large}"
+    assert r_large < 4 * max(r_small, floor), f"request: {r_small * 1e6:.1f}us at 128, {r_large * 1e6:.1f}us at {large}"

@@ -209,6 +209,7 @@ class RadixTree {
   std::size_t num_nodes() const noexcept { return nodes_.size() - free_.size(); }
   std::size_t node_slots() const noexcept { return nodes_.size(); }
   std::size_t num_roots() const noexcept { return roots_.size(); }
+  std::size_t trie_node_slots() const noexcept { return tnodes_.size(); }
   std::int64_t tokens_per_block() const noexcept { return B_; }
   std::size_t num_life_cycles() const noexcept { return lcs_.size(); }
   // Canonical picture: every live node by uid; ids in the dump (node, parent, children)
@@ -232,8 +233,47 @@ class RadixTree {
     Ref parent = kNil;           // kNil when detached (an orphan) or a root
     Ref first_child = kNil, prev_sibling = kNil, next_sibling = kNil;
     std::uint32_t npartial = 0;  // children with fewer than B tokens (attach looks at them only)
+    std::uint32_t index = kNil;  // root of the children's token trie (kNil: no indexed child)
+    std::uint32_t tnode = kNil;  // the trie node this block ends at in its parent's index
+    Ref tnext = kNil;            // next sibling with the very same tokens (rare)
     bool alive = false, is_root = false, attached = false;
   };
+
+  // The children index (tree.py: class _Trie): per parent, a compressed trie over the
+  // children's token sequences, so partial matching (sec. 6 step 1), covering siblings
+  // (find_existing) and prefix siblings (attach) walk O(tokens) trie nodes instead of
+  // scanning every sibling with the same first token (SPEC sec. 15).  A trie node's prefix
+  // is spelled by arena(rep)[0, depth); `leaf` heads the list (Node::tnext) of children
+  // whose tokens end here; best / cover aggregate the children below (smallest key / most
+  // tokens then smallest key).  Every node but the root has a leaf or two kids.
+  using TRef = std::uint32_t;
+  struct TNode {
+    Ref rep = kNil, leaf = kNil, best = kNil, cover = kNil;
+    TRef up = kNil, first_kid = kNil, next_kid = kNil, prev_kid = kNil;
+    std::uint32_t depth = 0;
+    Code tok = 0;  // the first token of the edge from `up`
+  };
+  struct KidEntry {  // the kid table: (up, tok) -> trie node, open addressing
+    TRef ref = kNil, up = kNil;
+    Code tok = 0;
+  };
+  TNode& tn(TRef t) noexcept { return tnodes_[t]; }
+  const TNode& tn(TRef t) const noexcept { return tnodes_[t]; }
+  TRef new_tnode(std::uint32_t depth, Ref rep, TRef up, Code tok);
+  void free_tnode(TRef t) noexcept;
+  void add_kid(TRef up, TRef kid);
+  void remove_kid(TRef kid) noexcept;
+  void remove_kid_entry_only(TRef kid) noexcept;
+  TRef find_kid(TRef up, Code tok) const noexcept;
+  std::size_t kid_slot(TRef up, Code tok) const noexcept;
+  void kid_table_grow();
+  bool covers_more(Ref a, Ref b) const noexcept;
+  std::uint32_t edge_end(std::span<const Code> q, std::size_t qstart, TRef c, std::uint32_t d) const noexcept;
+  std::pair<TRef, std::uint32_t> walk(Ref p, std::span<const Code> q, std::size_t start) const;
+  void index_add(Ref p, Ref n);
+  void index_remove(Ref p, Ref n);
+  void index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const;
+  void index_clear(Ref p);  // p loses every child at once (remove_subtree, a dying node)
 
   Node& at(Ref r) noexcept { return nodes_[r]; }
   const Node& at(Ref r) const noexcept { return nodes_[r]; }
@@ -291,6 +331,10 @@ class RadixTree {
   std::vector<Entry> children_;    // the child table (ref kNil = empty); size a power of two
   std::size_t num_children_ = 0;
   std::unordered_map<Digest, Ref, DigestHash> roots_;
+  std::vector<TNode> tnodes_;      // the children tries' nodes (slab)
+  std::vector<TRef> tfree_;        // dead trie slots (LIFO)
+  std::vector<KidEntry> tkids_ = std::vector<KidEntry>(16);  // size a power of two
+  std::size_t num_tkids_ = 0;
   std::int64_t next_uid_ = 0;
 
   std::unordered_map<Digest, Code, DigestHash> digest_ids_;  // live digests only

@@ -150,8 +150,8 @@ def check_invariants(mgr) -> None:
         for key, c in n.children.items():
             check(c.key == key and c.parent is n, f"block {nid}: child {c.id} link broken")
             check(len(n.tokens) == B or n.is_root, f"block {nid}: a partial block has children")
-        grouped = sorted(c.id for g in n.by_first.values() for c in g)
-        check(grouped == sorted(c.id for c in n.children.values()), f"block {nid}: first-token index out of sync")
+        check(tree.index_leaves(nid) == sorted(c.id for c in n.children.values() if c.tokens),
+              f"block {nid}: children index out of sync")
         if n.is_root:
             check(tree.roots.get(n.key) is n, f"root {nid}: not the root of its scope")
             check(bool(n.children) or n.refs > 0, f"root {nid}: unused (no child, no request) but not released")
