@@ -66,7 +66,7 @@ def assert_flat(before: dict[str, int], after: dict[str, int], backend: str, n_r
         grown = after["traced_bytes"] - before["traced_bytes"]
         assert grown < 40 * n_requests, f"python backend grew by {grown} bytes over {n_requests} requests"
         return
-    for name in ("tree_node_slots", "roots", "digests", "digest_slots", "page_slots"):
+    for name in ("tree_node_slots", "trie_node_slots", "roots", "digests", "digest_slots", "page_slots"):
         slack = before[name] // 10 + 16  # high-water marks may still creep a little
         assert after[name] <= before[name] + slack, (
             f"cpp core: {name} grew from {before[name]} to {after[name]} over {n_requests} requests")

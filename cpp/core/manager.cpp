@@ -1779,6 +1779,7 @@ std::vector<std::pair<std::string, std::int64_t>> Manager::internal_sizes() cons
   return {{"tree_nodes", n(tree_.num_nodes())},
           {"tree_node_slots", n(tree_.node_slots())},
           {"roots", n(tree_.num_roots())},
+          {"trie_node_slots", n(tree_.trie_node_slots())},
           {"digests", n(tree_.num_digests())},
           {"digest_slots", n(tree_.digest_slots())},
           {"pages", page_slots_ - n(free_pages_.size())},

@@ -373,6 +373,10 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::in
   if (!free_.empty()) {
     r = free_.back();
     free_.pop_back();
+    // a slot is reused clean: set_page(n, lc, kNoPage, c) can leave a coverage behind
+    const std::size_t nlc = lcs_.size();
+    std::fill_n(pages_.begin() + static_cast<std::ptrdiff_t>(r * nlc), nlc, kNoPage);
+    std::fill_n(coverage_.begin() + static_cast<std::ptrdiff_t>(r * nlc), nlc, 0);
   } else {
     if (nodes_.size() >= kNil) throw std::length_error("too many radix-tree nodes");
     r = static_cast<Ref>(nodes_.size());
@@ -442,7 +446,7 @@ bool RadixTree::deletable(Ref r) const noexcept {
 // tree.py: RadixTree._maybe_delete, its root branch (SPEC sec. 15: no scope is kept forever).
 void RadixTree::release_root_if_unused(Ref r) {
   const Node& n = at(r);
-  if (!n.alive || !n.is_root || n.refs != 0 || n.first_child != kNil) return;
+  if (!n.alive || !n.is_root || n.refs != 0 || n.first_child != kNil || node_has_page(r)) return;
   roots_.erase(n.key);
   erase_node(r);
 }

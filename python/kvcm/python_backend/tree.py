@@ -308,7 +308,7 @@ class RadixTree:
 
     def _maybe_delete(self, n: Node) -> None:
         if n.is_root:
-            if n.refs == 0 and not n.children and self.roots.get(n.key) is n:
+            if n.refs == 0 and not n.children and not n.has_page() and self.roots.get(n.key) is n:
                 del self.roots[n.key]
                 del self.nodes[n.id]
             return
