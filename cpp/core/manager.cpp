@@ -771,7 +771,8 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
     path = std::move(mr.path);
   }
   r.tokens.assign(tokens.begin(), tokens.begin() + m);
-  tree_.retain_all(r.tokens);  // input_tokens keeps the references of `tokens`
+  r.has_digests = !tokens_in.digests.empty();
+  if (r.has_digests) tree_.retain_all(r.tokens);  // input_tokens keeps the references of `tokens`
   r.reused = m;
   r.capacity = m;
   r.history = m;
@@ -1154,6 +1155,7 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
   const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
   try {
     intern_into(tokens_in, r.tokens);
+    r.has_digests = r.has_digests || !tokens_in.digests.empty();
   } catch (...) {
     r.tokens.resize(static_cast<std::size_t>(ncommitted));  // nothing changed
     throw;
@@ -1253,8 +1255,10 @@ ClosedTokens Manager::close(std::int64_t serial) {
     if (!seen) out.digests.emplace_back(c, tree_.digest(c));
   }
   // the request's digest references (ClosedTokens carries its own copies of the bytes)
-  tree_.release_all(out.codes);
-  tree_.release_all(r.input_tokens);
+  if (r.has_digests) {
+    tree_.release_all(out.codes);
+    tree_.release_all(r.input_tokens);
+  }
   requests_.erase(it);
   return out;
 }

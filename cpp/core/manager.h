@@ -343,6 +343,7 @@ class Manager {
     std::vector<std::vector<std::int64_t>> pages;  // [lc][ordinal] page serial or -1 (attention lcs)
     std::int64_t live = -1, snap = -1;
     std::int64_t cow_block = -1;
+    bool has_digests = false;  // its tokens hold digest references (released at close)
   };
 
   // --- helpers: tokens

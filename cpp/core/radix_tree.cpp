@@ -22,8 +22,13 @@ const T& at_index(const std::vector<T>& v, std::int64_t i) {
 
 }  // namespace
 
-RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles)
-    : B_(tokens_per_block), lcs_(std::move(life_cycles)), children_(16) {
+RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles,
+                     std::uint32_t index_threshold)
+    : B_(tokens_per_block),
+      lcs_(std::move(life_cycles)),
+      index_build_(index_threshold),
+      index_drop_(index_threshold / 2),
+      children_(16) {
   if (B_ < 1) throw std::invalid_argument("tokens_per_block must be >= 1");
 }
 
@@ -96,7 +101,11 @@ std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
   // Shorter partial siblings whose tokens prefix the node's (same first token) step aside.
   std::vector<Ref> detached;
   if (at(r).ntok > 0 && at(p).npartial > 0) {
-    index_prefixes(p, r, detached);
+    if (at(p).index != kNil) {
+      index_prefixes(p, r, detached);
+    } else {
+      prefixes_scan(p, r, detached);
+    }
     std::sort(detached.begin(), detached.end(), [this](Ref a, Ref b) { return at(a).key < at(b).key; });
   }
   const std::size_t nlc = lcs_.size();
@@ -136,6 +145,7 @@ std::vector<NodeId> RadixTree::remove_subtree(NodeId node) {
     }
     at(n).first_child = kNil;
     at(n).npartial = 0;
+    at(n).nchildren = 0;
     stack.insert(stack.end(), kids.rbegin(), kids.rend());  // pre-order, smallest key first
   }
   return out;
@@ -416,7 +426,12 @@ void RadixTree::link(Ref parent, Ref child) {
   p.first_child = child;
   if (c.ntok > 0 && static_cast<std::int64_t>(c.ntok) < B_) ++p.npartial;
   table_insert(child);
-  index_add(parent, child);
+  ++p.nchildren;
+  if (p.index != kNil) {
+    index_add(parent, child);
+  } else if (p.nchildren > index_build_) {
+    index_build(parent);
+  }
 }
 
 void RadixTree::unlink(Ref r) {
@@ -431,7 +446,14 @@ void RadixTree::unlink(Ref r) {
     }
     if (n.next_sibling != kNil) at(n.next_sibling).prev_sibling = n.prev_sibling;
     if (n.ntok > 0 && static_cast<std::int64_t>(n.ntok) < B_) --p.npartial;
-    index_remove(n.parent, r);
+    --p.nchildren;
+    if (p.index != kNil) {
+      if (p.nchildren <= index_drop_) {
+        index_clear(n.parent);  // few enough to scan again (r's trie node goes too)
+      } else {
+        index_remove(n.parent, r);
+      }
+    }
   }
   n.parent = kNil;
   n.prev_sibling = n.next_sibling = kNil;
@@ -483,6 +505,7 @@ void RadixTree::maybe_delete(Ref start) {
 void RadixTree::erase_node(Ref r) {
   release_all(codes(r));  // the references new_block took
   Node& n = at(r);
+  n.nchildren = 0;
   n.alive = false;
   n.first_child = kNil;
   n.npartial = 0;
@@ -500,6 +523,7 @@ std::vector<RadixTree::Ref> RadixTree::children_by_key(Ref r) const {
 // end all start with `tokens`; the trie's cover aggregate is the one with the most tokens.
 NodeId RadixTree::covering(Ref p, std::span<const Code> tokens) const {
   if (tokens.empty() || static_cast<std::int64_t>(tokens.size()) >= B_) return kNoNode;
+  if (at(p).index == kNil) return covering_scan(p, tokens);
   const auto [t, d] = walk(p, tokens, 0);
   if (t == kNil || d < tokens.size()) return kNoNode;
   const Ref best = tn(t).cover;
@@ -510,6 +534,7 @@ std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run(Ref node, std::sp
                                                                std::size_t start) const {
   // tree.py: RadixTree._longest_run (SPEC sec. 6 step 1): the children below the walk's end
   // are exactly those sharing the longest leading run d; ties go to the smallest key.
+  if (at(node).index == kNil) return longest_run_scan(node, tokens, start);
   const auto [t, d] = walk(node, tokens, start);
   if (t == kNil || d == 0) return {kNil, 0};
   return {tn(t).best, static_cast<std::int64_t>(d)};
@@ -744,6 +769,53 @@ void RadixTree::index_clear(Ref p) {
     for (TRef k = tn(v).first_kid; k != kNil; k = tn(k).next_kid) stack.push_back(k);
     if (tn(v).up != kNil) remove_kid_entry_only(v);
     free_tnode(v);
+  }
+}
+
+void RadixTree::index_build(Ref p) {
+  for (Ref c = at(p).first_child; c != kNil; c = at(c).next_sibling) index_add(p, c);
+}
+
+// The same answers as the trie, for a parent with few children (no trie): a bounded scan.
+NodeId RadixTree::covering_scan(Ref p, std::span<const Code> tokens) const {
+  Ref best = kNil;
+  for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
+    const Node& sn = at(s);
+    if (sn.ntok > tokens.size() && std::equal(tokens.begin(), tokens.end(), arena(s)) &&
+        (best == kNil || covers_more(s, best))) {
+      best = s;
+    }
+  }
+  return best != kNil ? static_cast<NodeId>(best) : kNoNode;
+}
+
+std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run_scan(Ref node, std::span<const Code> tokens,
+                                                                    std::size_t start) const {
+  Ref best = kNil;
+  std::int64_t best_run = 0;
+  for (Ref c = at(node).first_child; c != kNil; c = at(c).next_sibling) {
+    const Node& cn = at(c);
+    const Code* mine = arena(c);
+    const std::size_t limit = std::min<std::size_t>(cn.ntok, tokens.size() - start);
+    std::size_t run = 0;
+    while (run < limit && mine[run] == tokens[start + run]) ++run;
+    const auto r = static_cast<std::int64_t>(run);
+    if (r > 0 && (r > best_run || (r == best_run && cn.key < at(best).key))) {
+      best = c;
+      best_run = r;
+    }
+  }
+  return {best, best_run};
+}
+
+void RadixTree::prefixes_scan(Ref p, Ref n, std::vector<Ref>& out) const {
+  const std::span<const Code> mine = codes(n);
+  for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
+    const Node& sn = at(s);
+    if (sn.ntok > 0 && sn.ntok < mine.size() && static_cast<std::int64_t>(sn.ntok) < B_ &&
+        std::equal(arena(s), arena(s) + sn.ntok, mine.begin())) {
+      out.push_back(s);
+    }
   }
 }
 

@@ -117,7 +117,11 @@ class RadixTree {
   static constexpr Code kDigestBit = 0x80000000u;
   static constexpr Code kUnknownDigest = 0xFFFFFFFFu;  // a query digest no one interned
 
-  RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles);
+  static constexpr std::uint32_t kIndexBuild = 16;  // the default index_threshold
+  // index_threshold: a parent with more children than this indexes them in a trie (dropped
+  // again at half); the default suits the manager, tests lower it to drive the trie hard.
+  RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles,
+            std::uint32_t index_threshold = kIndexBuild);
 
   // ------------------------------------------------------------ mutations
   // Node ids are handles: slots of the node slab, reused after a node is deleted.  The
@@ -233,7 +237,8 @@ class RadixTree {
     Ref parent = kNil;           // kNil when detached (an orphan) or a root
     Ref first_child = kNil, prev_sibling = kNil, next_sibling = kNil;
     std::uint32_t npartial = 0;  // children with fewer than B tokens (attach looks at them only)
-    std::uint32_t index = kNil;  // root of the children's token trie (kNil: no indexed child)
+    std::uint32_t nchildren = 0;  // linked children
+    std::uint32_t index = kNil;  // root of the children's token trie (kNil: none, scan them)
     std::uint32_t tnode = kNil;  // the trie node this block ends at in its parent's index
     Ref tnext = kNil;            // next sibling with the very same tokens (rare)
     bool alive = false, is_root = false, attached = false;
@@ -246,6 +251,9 @@ class RadixTree {
   // is spelled by arena(rep)[0, depth); `leaf` heads the list (Node::tnext) of children
   // whose tokens end here; best / cover aggregate the children below (smallest key / most
   // tokens then smallest key).  Every node but the root has a leaf or two kids.
+  // A parent with few children has no trie (they are scanned, a bounded cost): the trie is
+  // built when it gets more than index_threshold children and dropped at half that, so a
+  // chain's blocks (one child each) pay nothing for it on the hot path.
   using TRef = std::uint32_t;
   struct TNode {
     Ref rep = kNil, leaf = kNil, best = kNil, cover = kNil;
@@ -274,6 +282,10 @@ class RadixTree {
   void index_remove(Ref p, Ref n);
   void index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const;
   void index_clear(Ref p);  // p loses every child at once (remove_subtree, a dying node)
+  void index_build(Ref p);
+  NodeId covering_scan(Ref p, std::span<const Code> tokens) const;
+  std::pair<Ref, std::int64_t> longest_run_scan(Ref node, std::span<const Code> tokens, std::size_t start) const;
+  void prefixes_scan(Ref p, Ref n, std::vector<Ref>& out) const;
 
   Node& at(Ref r) noexcept { return nodes_[r]; }
   const Node& at(Ref r) const noexcept { return nodes_[r]; }
@@ -323,6 +335,7 @@ class RadixTree {
 
   std::int64_t B_;
   std::vector<LifeCycleSpec> lcs_;
+  std::uint32_t index_build_, index_drop_;  // trie above index_build_ children, none at index_drop_
   std::vector<Node> nodes_;        // the slab; a slot is reused after its node dies
   std::vector<Ref> free_;          // dead slots (LIFO)
   std::vector<Code> arena_;              // [slot * B + i]: token i of the node in slot
