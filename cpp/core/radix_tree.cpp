@@ -42,6 +42,7 @@ NodeId RadixTree::root(const Digest& scope_key) {
   return r;
 }
 
+// tree.py: the `roots` lookup of PyKVCacheManager.probe_reuse_detail (SPEC sec. 6, 15).
 NodeId RadixTree::find_root(const Digest& scope_key) const {
   auto it = roots_.find(scope_key);
   return it != roots_.end() ? static_cast<NodeId>(it->second) : kNoNode;
@@ -776,7 +777,8 @@ void RadixTree::index_build(Ref p) {
   for (Ref c = at(p).first_child; c != kNil; c = at(c).next_sibling) index_add(p, c);
 }
 
-// The same answers as the trie, for a parent with few children (no trie): a bounded scan.
+// The same answers as the trie, for a parent with few children (no trie): a bounded scan
+// (tree.py: _covering / _longest_run / _index_prefixes; SPEC sec. 5 and 6 step 1).
 NodeId RadixTree::covering_scan(Ref p, std::span<const Code> tokens) const {
   Ref best = kNil;
   for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
