@@ -633,11 +633,9 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
   e.ntokens = static_cast<std::uint32_t>(tokens.size());
   event_tokens_.append(tokens.begin(), tokens.end());
   std::uint32_t sized = e.ntokens;
-  for (Tok c : tokens) {
-    if (c & kDigestCode) {
-      tree_.retain(c);  // the buffered event holds its digests (released when dropped or taken)
-      sized |= kEventHasDigest;
-    }
+  if (RadixTree::any_digest(tokens)) {
+    tree_.retain_all(tokens);  // the buffered event holds its digests (released when dropped or taken)
+    sized |= kEventHasDigest;
   }
   event_sizes_.emplace_back(sized, 0);
   return &e;
@@ -862,7 +860,9 @@ TakenEvents Manager::take_events() {
   out.events.assign(events_.begin(), events_.end());
   out.tokens.reserve(event_tokens_.size());
   for (Tok c : event_tokens_) out.tokens.push_back(decode(c));
-  for (Tok c : event_tokens_) tree_.release(c);
+  for (Tok c : event_tokens_) {
+    if (c & kDigestCode) tree_.release(c);
+  }
   out.blocks.assign(event_blocks_.begin(), event_blocks_.end());
   events_.clear();
   event_tokens_.clear();

@@ -73,7 +73,10 @@ NodeId RadixTree::new_block(const Digest& key, std::span<const Code> tokens, std
   }
   const Ref r = make_node(key, tokens.size(), ordinal, /*is_root=*/false);
   std::copy(src, src + tokens.size(), arena(r));
-  retain_all(codes(r));  // released by erase_node
+  if (any_digest(codes(r))) {
+    retain_all(codes(r));  // released by erase_node
+    at(r).has_digest = true;
+  }
   return r;
 }
 
@@ -504,8 +507,8 @@ void RadixTree::maybe_delete(Ref start) {
 }
 
 void RadixTree::erase_node(Ref r) {
-  release_all(codes(r));  // the references new_block took
   Node& n = at(r);
+  if (n.has_digest) release_all(codes(r));  // the references new_block took
   n.nchildren = 0;
   n.alive = false;
   n.first_child = kNil;

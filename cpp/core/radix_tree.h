@@ -182,6 +182,12 @@ class RadixTree {
   void release_all(std::span<const Code> codes) noexcept {
     for (Code c : codes) release(c);
   }
+  // Whether any code is a digest (an OR over the codes: vectorised, no branch per token).
+  static bool any_digest(std::span<const Code> codes) noexcept {
+    Code acc = 0;
+    for (Code c : codes) acc |= c;
+    return (acc & kDigestBit) != 0;
+  }
   // Distinct digest tokens interned now (each referenced by something live).
   std::size_t num_digests() const noexcept { return digest_ids_.size(); }
   // Slots of the digest table (live or free for reuse): its memory.
@@ -242,6 +248,7 @@ class RadixTree {
     std::uint32_t tnode = kNil;  // the trie node this block ends at in its parent's index
     Ref tnext = kNil;            // next sibling with the very same tokens (rare)
     bool alive = false, is_root = false, attached = false;
+    bool has_digest = false;  // its tokens hold digest references (released by erase_node)
   };
 
   // The children index (tree.py: class _Trie): per parent, a compressed trie over the
