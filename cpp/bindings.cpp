@@ -242,12 +242,12 @@ void bind_radix_tree(nb::module_& m) {
                         "C++ port of kvcm.python_backend.tree.RadixTree (same methods, same results).")
       .def(
           "__init__",
-          [](RadixTree* self, std::int64_t tokens_per_block, nb::handle life_cycles) {
-            new (self) RadixTree(tokens_per_block, to_life_cycles(life_cycles));
+          [](RadixTree* self, std::int64_t tokens_per_block, nb::handle life_cycles, std::uint32_t index_threshold) {
+            new (self) RadixTree(tokens_per_block, to_life_cycles(life_cycles), index_threshold);
           },
-          "tokens_per_block"_a, "life_cycles"_a,
+          "tokens_per_block"_a, "life_cycles"_a, "index_threshold"_a = RadixTree::kIndexBuild,
           nb::sig("def __init__(self, tokens_per_block: int, "
-                  "life_cycles: typing.Sequence[tuple[str, int | None, int]]) -> None"))
+                  "life_cycles: typing.Sequence[tuple[str, int | None, int]], index_threshold: int = 16) -> None"))
       .def("root", [u](RadixTree& t, nb::handle key) { return u(t, t.root(to_digest(key, "scope_key"))); },
            "scope_key"_a, nb::sig("def root(self, scope_key: bytes) -> int"))
       .def(

@@ -55,11 +55,36 @@ nb::handle h(PyObject* o) { return nb::handle(o); }
 
 // Long calls: release the GIL, then take the manager's mutex (always in this order; the
 // locked section never touches Python, so a thread holding the mutex never waits for the GIL).
+// After the call (GIL held again): the one-time pending-copy-ops warning (SPEC sec. 15),
+// issued through kvcm.api.warn_pending_copy_ops so both backends say the same.
+void warn_if_due(std::int64_t pending) {
+  if (pending == 0) return;
+  static PyObject* warn = api_attr("warn_pending_copy_ops");  // kept alive for the process
+  h(warn)(pending);
+}
+
 template <typename F>
 auto locked(Manager& m, F&& f) {
-  nb::gil_scoped_release release;
-  std::lock_guard<std::mutex> lock(m.mutex());
-  return f();
+  std::int64_t warn = 0;
+  if constexpr (std::is_void_v<decltype(f())>) {
+    {
+      nb::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(m.mutex());
+      f();
+      warn = m.take_copy_ops_warning();
+    }
+    warn_if_due(warn);
+  } else {
+    auto result = [&] {
+      nb::gil_scoped_release release;
+      std::lock_guard<std::mutex> lock(m.mutex());
+      auto r = f();
+      warn = m.take_copy_ops_warning();
+      return r;
+    }();
+    warn_if_due(warn);
+    return result;
+  }
 }
 
 // Short calls (queries): take the mutex without the GIL round trip when it is free; when it
@@ -443,6 +468,9 @@ void bind_manager(nb::module_& m) {
           },
           "ops"_a)
       .def("clear_reusable", [](Manager& mgr) { locked(mgr, [&] { mgr.clear_reusable(); }); })
+      .def(
+          "set_pending_copy_ops_warning",
+          [](Manager& mgr, std::int64_t n) { quick(mgr, [&] { mgr.set_pending_copy_ops_warning(n); }); }, "n"_a)
       .def("shutdown", [](Manager& mgr) { locked(mgr, [&] { mgr.shutdown(); }); })
       .def("is_shutdown", [](Manager& mgr) { return quick(mgr, [&] { return mgr.is_shutdown(); }); })
       .def("num_open", [](Manager& mgr) { return quick(mgr, [&] { return mgr.num_open(); }); })
@@ -465,6 +493,15 @@ void bind_manager(nb::module_& m) {
            })
       .def("snapshot_json", [](Manager& mgr) { return locked(mgr, [&] { return mgr.snapshot_json(); }); })
       .def("check_invariants", [](Manager& mgr) { locked(mgr, [&] { mgr.check_invariants(); }); })
+      .def("internal_sizes",
+           [](Manager& mgr) {
+             const auto sizes = quick(mgr, [&] { return mgr.internal_sizes(); });
+             nb::dict out;
+             for (const auto& [name, v] : sizes) out[name.c_str()] = v;
+             return out;
+           },
+           nb::sig("def internal_sizes(self) -> dict[str, int]"),
+           "Sizes of the core's internal tables (bounded-memory tests, SPEC sec. 15).")
       // ---------------------------------------------------------------- requests
       .def(
           "info",

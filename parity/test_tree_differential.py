@@ -51,14 +51,18 @@ def _outcome(fn, *args):
 
 
 class TreeLockstep(RuleBasedStateMachine):
-    @initialize(B=st.integers(1, 4), preset=st.sampled_from(PRESETS))
-    def setup(self, B, preset):
+    # index_threshold: the C++ tree scans up to that many children and indexes more in a
+    # trie (python always uses its trie); 0 and 2 drive the C++ trie through building,
+    # growing, shrinking and dropping it with the few keys drawn here.
+    @initialize(B=st.integers(1, 4), preset=st.sampled_from(PRESETS), index_threshold=st.sampled_from([0, 2, 16]))
+    def setup(self, B, preset, index_threshold):
         self.B = B
         self.lcs = preset
         self.py = PyTree(B, preset)
-        self.cc = CppTree(B, preset)
+        self.cc = CppTree(B, preset, index_threshold)
         self.next_page = 100
-        self.both("root", SCOPE_KEYS[0])
+        root = self.both("root", SCOPE_KEYS[0])[1]
+        self.both("ref", root)  # as the manager refs the root of an open request's scope
 
     # ---------------------------------------------------------------- helpers
 
@@ -125,6 +129,8 @@ class TreeLockstep(RuleBasedStateMachine):
         # Extend an attached node by a chain of blocks with pages, the way commits do, so
         # matches walk deep and the fixed point has coverage to cut on.
         attached = sorted(i for i, n in self.py.nodes.items() if n.attached or n.is_root)
+        if not attached:  # every root was released (unused scopes leave nothing behind)
+            attached = [self.both("root", SCOPE_KEYS[0])[1]]
         parent = data.draw(st.sampled_from(attached), label="parent")
         for d in range(depth):
             key = data.draw(st.sampled_from(KEYS), label="key")

@@ -232,8 +232,16 @@ void Manager::intern_into(TokenSeq tokens, std::vector<Tok>& out) {
     out.insert(out.end(), tokens.codes.begin(), tokens.codes.end());
     return;
   }
-  for (Tok c : tokens.codes) {
-    out.push_back((c & kDigestCode) ? tree_.intern(TokenArg{0, tokens.digests[c & ~kDigestCode].data()}) : c);
+  const std::size_t before = out.size();
+  try {
+    out.reserve(before + tokens.size());
+    for (Tok c : tokens.codes) {
+      out.push_back((c & kDigestCode) ? tree_.intern(TokenArg{0, tokens.digests[c & ~kDigestCode].data()}) : c);
+    }
+  } catch (...) {  // nothing changed: give back what was interned
+    tree_.release_all(std::span<const Tok>(out).subspan(before));
+    out.resize(before);
+    throw;
   }
 }
 
@@ -265,14 +273,6 @@ std::vector<Digest> Manager::chain(const Digest& root, std::span<const Tok> toke
 
 NodeId Manager::new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal) {
   return tree_.new_block(key, tokens, ordinal);
-}
-
-NodeId Manager::root_for(const Digest& key) {
-  auto it = roots_.find(key);
-  if (it != roots_.end()) return it->second;
-  const NodeId id = tree_.root(key);
-  roots_.emplace(key, id);
-  return id;
 }
 
 // ====================================================================== pages
@@ -511,7 +511,7 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
   p->tier = static_cast<std::uint8_t>(dst);
   p->slot = new_slot;
   index(*p);
-  copy_ops_.push_back(CopyOpC{p->lc, tier_id(old_tier), old_slot, tier_id(dst), new_slot, reason});
+  add_copy_op(CopyOpC{p->lc, tier_id(old_tier), old_slot, tier_id(dst), new_slot, reason});
   copy_pages_.emplace_back(p->handle, p->serial);
   const std::int64_t nbytes = cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes;
   const bool off = std::strcmp(reason, "offload") == 0;
@@ -603,8 +603,16 @@ void Manager::drop_all_droppable() {
 // ====================================================================== copy ops, events, stats
 
 void Manager::copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason) {
-  copy_ops_.push_back(CopyOpC{lc, tier_id(src->tier), src->slot, tier_id(dst->tier), dst->slot, reason});
+  add_copy_op(CopyOpC{lc, tier_id(src->tier), src->slot, tier_id(dst->tier), dst->slot, reason});
   copy_pages_.emplace_back(dst->handle, dst->serial);
+}
+
+// python: PyKVCacheManager._add_copy_op (SPEC sec. 8, 15): warned once, at the call's end.
+void Manager::add_copy_op(const CopyOpC& op) {
+  copy_ops_.push_back(op);
+  if (static_cast<std::int64_t>(copy_ops_.size()) == cfg_.pending_copy_ops_warning && !copy_ops_warned_) {
+    copy_ops_warned_ = copy_ops_warn_due_ = true;
+  }
 }
 
 EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
@@ -614,7 +622,11 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
     return nullptr;
   }
   if (static_cast<std::int64_t>(events_.size()) >= cfg_.max_events) {
-    const auto [ntok, nblk] = event_sizes_.front();
+    const auto [sized, nblk] = event_sizes_.front();
+    const std::uint32_t ntok = sized & ~kEventHasDigest;
+    if (sized & kEventHasDigest) {  // the digests it referenced (rare: most events skip this)
+      for (std::size_t i = 0; i < ntok; ++i) tree_.release(event_tokens_[i]);
+    }
     event_tokens_.pop_front(ntok);
     event_blocks_.pop_front(nblk);
     event_sizes_.pop_front();
@@ -626,7 +638,12 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
   e.id = id;
   e.ntokens = static_cast<std::uint32_t>(tokens.size());
   event_tokens_.append(tokens.begin(), tokens.end());
-  event_sizes_.emplace_back(e.ntokens, 0);
+  std::uint32_t sized = e.ntokens;
+  if (RadixTree::any_digest(tokens)) {
+    tree_.retain_all(tokens);  // the buffered event holds its digests (released when dropped or taken)
+    sized |= kEventHasDigest;
+  }
+  event_sizes_.emplace_back(sized, 0);
   return &e;
 }
 
@@ -725,6 +742,8 @@ void Manager::stats_view(std::string& o, const std::vector<std::int64_t>& c) con
   }
   o += "],\"events_dropped\":";
   j_int(o, events_dropped_);
+  o += ",\"pending_copy_ops\":";
+  j_int(o, static_cast<std::int64_t>(copy_ops_.size()));
   o += '}';
 }
 
@@ -733,7 +752,7 @@ void Manager::stats_view(std::string& o, const std::vector<std::int64_t>& c) con
 std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lora,
                              std::optional<std::uint64_t> salt, std::int64_t priority) {
   if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
-  std::vector<Tok> tokens;
+  std::vector<Tok> tokens;  // holds one reference per digest token (sec. 15)
   tokens.reserve(tokens_in.size());
   intern_into(tokens_in, tokens);
   tick();
@@ -744,10 +763,13 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   r.salt = salt;
   r.priority = priority;
   r.root_key = scope_root_key(lora, salt);
-  r.root = root_for(r.root_key);
+  // the scope root lives at least as long as the request (python: PyKVCache.__init__, sec. 15)
+  r.root = tree_.root(r.root_key);
+  tree_.ref(r.root);
   const auto n = static_cast<std::int64_t>(tokens.size());
   const std::int64_t nfull = n / B_;
   r.keys = chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(nfull * B_)));
+  r.has_digests = !tokens_in.digests.empty();
   const std::int64_t m = match_and_hold(r, tokens, r.keys);
   r.input_tokens = std::move(tokens);
   r.reused = m;
@@ -765,6 +787,8 @@ std::int64_t Manager::match_and_hold(Request& r, std::span<const Tok> tokens, st
     path = std::move(mr.path);
   }
   r.tokens.assign(tokens.begin(), tokens.begin() + m);
+  // r.tokens holds its own digest references (the caller's tokens keep theirs; sec. 15)
+  if (r.has_digests) tree_.retain_all(r.tokens);
   r.capacity = m;
   r.history = m;
   r.blocks = path;
@@ -824,10 +848,14 @@ void Manager::roll_back(Request& r, std::int64_t point) {
   r.blocks.clear();
   r.status = ReqStatus::suspended;
   r.stopped = false;
-  std::vector<Tok> tokens(r.tokens.begin(), r.tokens.begin() + point);
+  // the old tokens' digest references are released only after the re-match took its own
+  // (a digest only they reference must not be freed while its code is still in use)
+  const std::vector<Tok> old = std::move(r.tokens);
+  const std::vector<Tok> tokens(old.begin(), old.begin() + point);
   const std::vector<Digest> keys =
       chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(point / B_ * B_)));
   match_and_hold(r, tokens, keys);
+  if (r.has_digests) tree_.release_all(old);
 }
 
 // Python twin: PyKVCacheManager.forget_copies (SPEC sec. 15; DECISIONS.md "Failed copies").
@@ -898,8 +926,8 @@ std::vector<std::int64_t> Manager::forget_copies(std::span<const CopyOpC> ops) {
 std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::optional<std::uint64_t> lora,
                                                      std::optional<std::uint64_t> salt) {
   const Digest root_key = scope_root_key(lora, salt);
-  auto it = roots_.find(root_key);
-  if (it == roots_.end() || tokens_in.empty()) return {0, 0};
+  const NodeId root = tree_.find_root(root_key);  // a probe creates nothing (sec. 6, 15)
+  if (root == kNoNode || tokens_in.empty()) return {0, 0};
   // Look the digests up without interning them: a probe has no side effect.
   std::vector<Tok> codes(tokens_in.codes.begin(), tokens_in.codes.end());
   if (!tokens_in.digests.empty()) {
@@ -914,7 +942,7 @@ std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::op
   feed(chain, tokens_in.codes.first(nfull),
        [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
   const MatchResult mr =
-      tree_.match(it->second, std::span<const Tok>(codes), keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+      tree_.match(root, std::span<const Tok>(codes), keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
   return {mr.m, mr.m_before_ssm};
 }
 
@@ -962,6 +990,9 @@ TakenEvents Manager::take_events() {
   out.events.assign(events_.begin(), events_.end());
   out.tokens.reserve(event_tokens_.size());
   for (Tok c : event_tokens_) out.tokens.push_back(decode(c));
+  for (Tok c : event_tokens_) {
+    if (c & kDigestCode) tree_.release(c);
+  }
   out.blocks.assign(event_blocks_.begin(), event_blocks_.end());
   events_.clear();
   event_tokens_.clear();
@@ -1279,6 +1310,7 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
   const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
   try {
     intern_into(tokens_in, r.tokens);
+    r.has_digests = r.has_digests || !tokens_in.digests.empty();
   } catch (...) {
     r.tokens.resize(static_cast<std::size_t>(ncommitted));  // nothing changed
     throw;
@@ -1296,11 +1328,12 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
       if (p.node == kNoNode) p.coverage = static_cast<std::int32_t>(std::min(B_, now - i * B_));
     }
   }
-  for (std::int64_t i = old / B_; i < now / B_; ++i) {
-    const bool snapshot = ssm_lc_ >= 0 && i == now / B_ - 1 && now % B_ == 0;
+  const std::int64_t last = now / B_ - 1;
+  for (std::int64_t i = old / B_; i <= last; ++i) {
+    const bool snapshot = ssm_lc_ >= 0 && i == last && now % B_ == 0;
     // r.tokens does not change during insert_block, so a view of it is safe
     const std::span<const Tok> block(r.tokens.data() + i * B_, static_cast<std::size_t>(B_));
-    insert_block(r, i, block, snapshot);
+    insert_block(r, i, block, snapshot, /*defer_prune=*/i < last);
   }
   release_stale(r, old_history, old / B_);
 }
@@ -1366,6 +1399,7 @@ ClosedTokens Manager::close(std::int64_t serial) {
     if (nid != kNoNode) tree_.unref(nid);
   }
   r.blocks.clear();
+  tree_.unref(r.root);  // may release an unused scope root
   r.status = ReqStatus::closed;
   out.closed_now = true;
   out.capacity = r.capacity;
@@ -1379,6 +1413,11 @@ ClosedTokens Manager::close(std::int64_t serial) {
     bool seen = false;
     for (const auto& [code, d] : out.digests) seen = seen || code == c;
     if (!seen) out.digests.emplace_back(c, tree_.digest(c));
+  }
+  // the request's digest references (ClosedTokens carries its own copies of the bytes)
+  if (r.has_digests) {
+    tree_.release_all(out.codes);
+    tree_.release_all(r.input_tokens);
   }
   requests_.erase(it);
   return out;
@@ -1534,7 +1573,10 @@ void Manager::attach(NodeId parent, NodeId nid) {
   emit_stored(nid, lcs);
 }
 
-void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot) {
+// python: PyKVCache._insert_block (SPEC sec. 5, 7); defer_prune: more blocks of this commit
+// follow, so a pageless new block leaves its parent chain attached (no quadratic re-attach).
+void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot,
+                           bool defer_prune) {
   const auto ntok = static_cast<std::int64_t>(tokens.size());
   const Digest key = key_for(r, i, tokens);
   NodeId parent = parent_for(r, i);
@@ -1573,7 +1615,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
     set_block(r, i, nid);
     if (tree_.has_page(nid)) {
       attach(parent, nid);
-    } else {
+    } else if (!defer_prune) {
       tree_.prune_upward(parent);  // a re-attached chain must not stay childless
     }
     return;
@@ -1914,6 +1956,22 @@ std::string Manager::snapshot_json() {
   return o;
 }
 
+std::vector<std::pair<std::string, std::int64_t>> Manager::internal_sizes() const {
+  const auto n = [](std::size_t v) { return static_cast<std::int64_t>(v); };
+  return {{"tree_nodes", n(tree_.num_nodes())},
+          {"tree_node_slots", n(tree_.node_slots())},
+          {"roots", n(tree_.num_roots())},
+          {"trie_node_slots", n(tree_.trie_node_slots())},
+          {"digests", n(tree_.num_digests())},
+          {"digest_slots", n(tree_.digest_slots())},
+          {"pages", page_slots_ - n(free_pages_.size())},
+          {"page_slots", page_slots_},
+          {"requests", n(requests_.size())},
+          {"copy_ops", n(copy_ops_.size())},
+          {"events", n(events_.size())},
+          {"event_tokens", n(event_tokens_.size())}};
+}
+
 std::vector<std::int64_t> Manager::open_serials() const {
   std::vector<std::int64_t> out;
   out.reserve(requests_.size());
@@ -2038,6 +2096,8 @@ void Manager::check_invariants() {
         refs[tree_.uid(nid)] += 1;
       }
     }
+    check(tree_.exists(r.root) && tree_.find_root(r.root_key) == r.root, rid + ": its scope root is gone");
+    refs[tree_.uid(r.root)] += 1;
   }
   const std::vector<NodeDump> dump = tree_.dump();
   std::unordered_map<NodeId, const NodeDump*> nodes;
@@ -2082,7 +2142,12 @@ void Manager::check_invariants() {
       check(nodes.count(c) != 0 && nodes[c]->parent == n.id, bid + ": child " + S(c) + " link broken");
       check(static_cast<std::int64_t>(n.tokens.size()) == B_ || n.is_root, bid + ": a partial block has children");
     }
-    if (n.is_root) continue;
+    if (n.is_root) {
+      check(tree_.find_root(n.key) != kNoNode && tree_.uid(tree_.find_root(n.key)) == n.id,
+            "root " + S(n.id) + ": not the root of its scope");
+      check(!n.children.empty() || n.refs > 0, "root " + S(n.id) + ": unused (no child, no request) but not released");
+      continue;
+    }
     bool expect_attached = false;
     if (n.parent != kNoNode && nodes.count(n.parent)) {
       const NodeDump& p = *nodes[n.parent];

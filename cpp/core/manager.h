@@ -75,6 +75,7 @@ struct ManagerConfig {
   std::int64_t reuse_match_backoff = 0;
   double max_util_for_resume = 1.0;
   std::int64_t max_events = 10000;
+  std::int64_t pending_copy_ops_warning = 1000000;  // 0: never warn
 };
 
 // A request's page table has at most this many block ordinals (kvcm.api.MAX_REQUEST_BLOCKS).
@@ -234,6 +235,18 @@ class Manager {
   // creation order.  ValueErr (nothing changed) naming the first op that is not an
   // unreported op of the last drain.  Types are checked by the Python layer.
   std::vector<std::int64_t> forget_copies(std::span<const CopyOpC> ops);
+  // Sec. 15: the pending copy ops reached the warning figure during the last call (only once
+  // per manager): returns the figure and clears the flag, else 0.  The bindings then issue
+  // kvcm.api.warn_pending_copy_ops (python twin: PyKVCacheManager._add_copy_op).
+  std::int64_t take_copy_ops_warning() noexcept {
+    const std::int64_t due = copy_ops_warn_due_ ? cfg_.pending_copy_ops_warning : 0;
+    copy_ops_warn_due_ = false;
+    return due;
+  }
+  void set_pending_copy_ops_warning(std::int64_t n) noexcept { cfg_.pending_copy_ops_warning = n; }
+  // Sizes of the manager's internal tables (tests of SPEC sec. 15: what a long-running
+  // server keeps must stay bounded by the live state), as (name, count) pairs.
+  std::vector<std::pair<std::string, std::int64_t>> internal_sizes() const;
   void clear_reusable();
   void shutdown();
   bool is_shutdown() const noexcept { return is_shutdown_; }
@@ -338,6 +351,7 @@ class Manager {
     std::vector<std::vector<std::int64_t>> pages;  // [lc][ordinal] page serial or -1 (attention lcs)
     std::int64_t live = -1, snap = -1;
     std::int64_t cow_block = -1;
+    bool has_digests = false;  // its tokens hold digest references (released at close)
   };
 
   // --- helpers: tokens
@@ -351,7 +365,6 @@ class Manager {
 
   // --- tree bookkeeping
   NodeId new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal);
-  NodeId root_for(const Digest& key);
   // The creation number snapshots show for a node handle (kNoNode stays kNoNode).
   std::int64_t node_uid(NodeId id) const { return id == kNoNode ? kNoNode : tree_.uid(id); }
 
@@ -376,7 +389,8 @@ class Manager {
   void switch_block(Request& r, std::int64_t j, NodeId orphan, NodeId existing);
   void install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained);
   void attach(NodeId parent, NodeId nid);
-  void insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot);
+  void insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot,
+                    bool defer_prune = false);
   void set_block(Request& r, std::int64_t i, NodeId nid);
   // Match `tokens` (full-block `keys`) and hold what it found, as a fresh SUSPENDED
   // request (create, and the roll-back of forget_copies); returns the match length.
@@ -436,6 +450,7 @@ class Manager {
 
   // --- copy ops, events, stats
   void copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason);
+  void add_copy_op(const CopyOpC& op);
   // A new buffered event with the next id (a stored event also buffers its block's
   // `tokens`), the oldest dropped when full; nullptr when no events are kept (max_events 0).
   EventC* new_event(EventKind kind, std::span<const Tok> tokens = {});
@@ -463,7 +478,6 @@ class Manager {
   std::pmr::unsynchronized_pool_resource evict_nodes_;
   std::vector<std::vector<Pool>> pools_;  // [tier][lc]
   RadixTree tree_;
-  std::unordered_map<Digest, NodeId, DigestHash> roots_;
   // The page slab: fixed-size chunks, so a Page* stays valid while pages are added.
   static constexpr std::size_t kPageChunk = 4096;
   std::vector<std::unique_ptr<Page[]>> page_chunks_;
@@ -484,11 +498,14 @@ class Manager {
     std::int64_t handle, serial;
   };
   std::vector<IssuedOp> issued_;
+  bool copy_ops_warned_ = false, copy_ops_warn_due_ = false;
   Fifo<EventC> events_;
   Fifo<Tok> event_tokens_;           // the buffered stored events' tokens, in event order
   Fifo<StoredBlockC> event_blocks_;  // ... and their blocks
   // (ntokens, nblocks) of each buffered event, oldest first: what dropping the oldest
-  // event must remove from the side queues, read without touching the event itself
+  // event must remove from the side queues, read without touching the event itself;
+  // ntokens carries kEventHasDigest when its tokens hold digest references to release
+  static constexpr std::uint32_t kEventHasDigest = 0x80000000u;
   Fifo<std::pair<std::uint32_t, std::uint32_t>> event_sizes_;
   std::int64_t events_dropped_ = 0;
   bool is_shutdown_ = false;

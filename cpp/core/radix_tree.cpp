@@ -20,14 +20,15 @@ const T& at_index(const std::vector<T>& v, std::int64_t i) {
   return v[static_cast<std::size_t>(i)];
 }
 
-bool starts_with(std::span<const std::uint32_t> longer, std::span<const std::uint32_t> prefix) noexcept {
-  return prefix.size() <= longer.size() && std::equal(prefix.begin(), prefix.end(), longer.begin());
-}
-
 }  // namespace
 
-RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles)
-    : B_(tokens_per_block), lcs_(std::move(life_cycles)), children_(16) {
+RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles,
+                     std::uint32_t index_threshold)
+    : B_(tokens_per_block),
+      lcs_(std::move(life_cycles)),
+      index_build_(index_threshold),
+      index_drop_(index_threshold / 2),
+      children_(16) {
   if (B_ < 1) throw std::invalid_argument("tokens_per_block must be >= 1");
 }
 
@@ -41,11 +42,24 @@ NodeId RadixTree::root(const Digest& scope_key) {
   return r;
 }
 
+// tree.py: the `roots` lookup of PyKVCacheManager.probe_reuse_detail (SPEC sec. 6, 15).
+NodeId RadixTree::find_root(const Digest& scope_key) const {
+  auto it = roots_.find(scope_key);
+  return it != roots_.end() ? static_cast<NodeId>(it->second) : kNoNode;
+}
+
 NodeId RadixTree::new_block(const Digest& key, std::span<const TokenArg> tokens, std::int64_t ordinal) {
   std::vector<Code> codes;
   codes.reserve(tokens.size());
-  for (const TokenArg& t : tokens) codes.push_back(intern(t));
-  return new_block(key, std::span<const Code>(codes), ordinal);
+  try {
+    for (const TokenArg& t : tokens) codes.push_back(intern(t));
+    const NodeId id = new_block(key, std::span<const Code>(codes), ordinal);  // the node retains them
+    release_all(codes);
+    return id;
+  } catch (...) {
+    release_all(codes);
+    throw;
+  }
 }
 
 NodeId RadixTree::new_block(const Digest& key, std::span<const Code> tokens, std::int64_t ordinal) {
@@ -59,6 +73,10 @@ NodeId RadixTree::new_block(const Digest& key, std::span<const Code> tokens, std
   }
   const Ref r = make_node(key, tokens.size(), ordinal, /*is_root=*/false);
   std::copy(src, src + tokens.size(), arena(r));
+  if (any_digest(codes(r))) {
+    retain_all(codes(r));  // released by erase_node
+    at(r).has_digest = true;
+  }
   return r;
 }
 
@@ -87,13 +105,10 @@ std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
   // Shorter partial siblings whose tokens prefix the node's (same first token) step aside.
   std::vector<Ref> detached;
   if (at(r).ntok > 0 && at(p).npartial > 0) {
-    const std::span<const Code> mine = codes(r);
-    for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
-      const Node& sn = at(s);
-      if (sn.ntok > 0 && sn.ntok < at(r).ntok && static_cast<std::int64_t>(sn.ntok) < B_ && first(s) == mine[0] &&
-          starts_with(mine, codes(s))) {
-        detached.push_back(s);
-      }
+    if (at(p).index != kNil) {
+      index_prefixes(p, r, detached);
+    } else {
+      prefixes_scan(p, r, detached);
     }
     std::sort(detached.begin(), detached.end(), [this](Ref a, Ref b) { return at(a).key < at(b).key; });
   }
@@ -124,6 +139,7 @@ std::vector<NodeId> RadixTree::remove_subtree(NodeId node) {
     stack.pop_back();
     out.push_back(n);
     const std::vector<Ref> kids = children_by_key(n);
+    index_clear(n);
     for (Ref k : kids) {
       table_erase(k);
       Node& kn = at(k);
@@ -133,6 +149,7 @@ std::vector<NodeId> RadixTree::remove_subtree(NodeId node) {
     }
     at(n).first_child = kNil;
     at(n).npartial = 0;
+    at(n).nchildren = 0;
     stack.insert(stack.end(), kids.rbegin(), kids.rend());  // pre-order, smallest key first
   }
   return out;
@@ -150,6 +167,7 @@ std::vector<NodeId> RadixTree::prune_upward(NodeId node) {
     maybe_delete(n);  // pageless: nothing for the caller to free first
     n = parent;
   }
+  if (n != kNil && at(n).is_root) release_root_if_unused(n);  // not listed: it is no block
   return out;
 }
 
@@ -228,14 +246,32 @@ MatchResult RadixTree::match(NodeId root, std::span<const Code> tokens, std::spa
 
 RadixTree::Code RadixTree::intern_slow(const TokenArg& t) {
   const Code known = lookup(t);  // ints (range-checked) and digests seen before
-  if (known != kUnknownDigest) return known;
-  if (digests_.size() >= (kUnknownDigest & ~kDigestBit)) throw std::length_error("too many distinct digest tokens");
+  if (known != kUnknownDigest) {
+    retain(known);
+    return known;
+  }
   Digest d;
   std::memcpy(d.data(), t.digest, d.size());
-  const auto id = static_cast<Code>(digests_.size());
-  digests_.push_back(d);
-  digest_ids_.emplace(d, id);
+  Code id;
+  if (!free_digests_.empty()) {
+    id = free_digests_.back();
+    digests_[id] = d;
+  } else {
+    if (digests_.size() >= (kUnknownDigest & ~kDigestBit)) throw std::length_error("too many distinct digest tokens");
+    id = static_cast<Code>(digests_.size());
+    digests_.push_back(d);
+    digest_refs_.push_back(0);
+  }
+  digest_ids_.emplace(d, id);  // may throw: nothing changed yet but the slot's bytes
+  if (!free_digests_.empty() && free_digests_.back() == id) free_digests_.pop_back();
+  digest_refs_[id] = 1;
   return kDigestBit | id;
+}
+
+void RadixTree::release_digest(Code id) noexcept {
+  if (--digest_refs_[id] != 0) return;
+  digest_ids_.erase(digests_[id]);
+  free_digests_.push_back(id);
 }
 
 RadixTree::Code RadixTree::lookup(const TokenArg& t) const {
@@ -351,6 +387,10 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::in
   if (!free_.empty()) {
     r = free_.back();
     free_.pop_back();
+    // a slot is reused clean: set_page(n, lc, kNoPage, c) can leave a coverage behind
+    const std::size_t nlc = lcs_.size();
+    std::fill_n(pages_.begin() + static_cast<std::ptrdiff_t>(r * nlc), nlc, kNoPage);
+    std::fill_n(coverage_.begin() + static_cast<std::ptrdiff_t>(r * nlc), nlc, 0);
   } else {
     if (nodes_.size() >= kNil) throw std::length_error("too many radix-tree nodes");
     r = static_cast<Ref>(nodes_.size());
@@ -390,6 +430,12 @@ void RadixTree::link(Ref parent, Ref child) {
   p.first_child = child;
   if (c.ntok > 0 && static_cast<std::int64_t>(c.ntok) < B_) ++p.npartial;
   table_insert(child);
+  ++p.nchildren;
+  if (p.index != kNil) {
+    index_add(parent, child);
+  } else if (p.nchildren > index_build_) {
+    index_build(parent);
+  }
 }
 
 void RadixTree::unlink(Ref r) {
@@ -404,6 +450,14 @@ void RadixTree::unlink(Ref r) {
     }
     if (n.next_sibling != kNil) at(n.next_sibling).prev_sibling = n.prev_sibling;
     if (n.ntok > 0 && static_cast<std::int64_t>(n.ntok) < B_) --p.npartial;
+    --p.nchildren;
+    if (p.index != kNil) {
+      if (p.nchildren <= index_drop_) {
+        index_clear(n.parent);  // few enough to scan again (r's trie node goes too)
+      } else {
+        index_remove(n.parent, r);
+      }
+    }
   }
   n.parent = kNil;
   n.prev_sibling = n.next_sibling = kNil;
@@ -415,7 +469,19 @@ bool RadixTree::deletable(Ref r) const noexcept {
   return n.alive && !n.attached && !n.is_root && n.refs == 0 && !node_has_page(r);
 }
 
+// tree.py: RadixTree._maybe_delete, its root branch (SPEC sec. 15: no scope is kept forever).
+void RadixTree::release_root_if_unused(Ref r) {
+  const Node& n = at(r);
+  if (!n.alive || !n.is_root || n.refs != 0 || n.first_child != kNil || node_has_page(r)) return;
+  roots_.erase(n.key);
+  erase_node(r);
+}
+
 void RadixTree::maybe_delete(Ref start) {
+  if (at(start).is_root) {
+    release_root_if_unused(start);
+    return;
+  }
   // Iterative (tree.py recurses): a dying node's children become detached and may die too.
   // Every node has one parent, so no node is queued twice; the order of deletions does
   // not change the resulting state (slots are internal; uids are what anyone sees).
@@ -425,6 +491,7 @@ void RadixTree::maybe_delete(Ref start) {
     const Ref r = work.back();
     work.pop_back();
     if (!deletable(r)) continue;
+    index_clear(r);
     for (Ref c = at(r).first_child; c != kNil;) {
       const Ref next = at(c).next_sibling;
       table_erase(c);
@@ -441,6 +508,8 @@ void RadixTree::maybe_delete(Ref start) {
 
 void RadixTree::erase_node(Ref r) {
   Node& n = at(r);
+  if (n.has_digest) release_all(codes(r));  // the references new_block took
+  n.nchildren = 0;
   n.alive = false;
   n.first_child = kNil;
   n.npartial = 0;
@@ -454,38 +523,25 @@ std::vector<RadixTree::Ref> RadixTree::children_by_key(Ref r) const {
   return kids;
 }
 
+// tree.py: RadixTree._covering (SPEC sec. 5 find_existing): the children below the walk's
+// end all start with `tokens`; the trie's cover aggregate is the one with the most tokens.
 NodeId RadixTree::covering(Ref p, std::span<const Code> tokens) const {
   if (tokens.empty() || static_cast<std::int64_t>(tokens.size()) >= B_) return kNoNode;
-  Ref best = kNil;
-  for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
-    const Node& sn = at(s);
-    if (sn.ntok > tokens.size() && first(s) == tokens[0] && starts_with(codes(s), tokens)) {
-      // Most tokens first; ties by smaller key.
-      if (best == kNil || sn.ntok > at(best).ntok || (sn.ntok == at(best).ntok && sn.key < at(best).key)) best = s;
-    }
-  }
-  return best != kNil ? static_cast<NodeId>(best) : kNoNode;
+  if (at(p).index == kNil) return covering_scan(p, tokens);
+  const auto [t, d] = walk(p, tokens, 0);
+  if (t == kNil || d < tokens.size()) return kNoNode;
+  const Ref best = tn(t).cover;
+  return at(best).ntok > tokens.size() ? static_cast<NodeId>(best) : kNoNode;
 }
 
 std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run(Ref node, std::span<const Code> tokens,
                                                                std::size_t start) const {
-  Ref best = kNil;
-  std::int64_t best_run = 0;
-  const Code first = tokens[start];
-  for (Ref c = at(node).first_child; c != kNil; c = at(c).next_sibling) {
-    const Node& cn = at(c);
-    if (cn.ntok == 0 || this->first(c) != first) continue;
-    const Code* mine = arena(c);
-    const std::size_t limit = std::min<std::size_t>(cn.ntok, tokens.size() - start);
-    std::size_t run = 0;
-    while (run < limit && mine[run] == tokens[start + run]) ++run;
-    const auto r = static_cast<std::int64_t>(run);
-    if (r > best_run || (r == best_run && best != kNil && cn.key < at(best).key)) {
-      best = c;
-      best_run = r;
-    }
-  }
-  return {best, best_run};
+  // tree.py: RadixTree._longest_run (SPEC sec. 6 step 1): the children below the walk's end
+  // are exactly those sharing the longest leading run d; ties go to the smallest key.
+  if (at(node).index == kNil) return longest_run_scan(node, tokens, start);
+  const auto [t, d] = walk(node, tokens, start);
+  if (t == kNil || d == 0) return {kNil, 0};
+  return {tn(t).best, static_cast<std::int64_t>(d)};
 }
 
 std::int64_t RadixTree::fixed_point(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const {
@@ -528,6 +584,316 @@ std::int64_t RadixTree::fixed_point(const std::vector<Ref>& path, std::int64_t m
       }
     }
     if (m == m0) return m;
+  }
+}
+
+// ---------------------------------------------------------------- the children index
+// tree.py: class _Trie and RadixTree._walk / _index_add / _index_remove / _index_prefixes.
+
+RadixTree::TRef RadixTree::new_tnode(std::uint32_t depth, Ref rep, TRef up, Code tok) {
+  TRef t;
+  if (!tfree_.empty()) {
+    t = tfree_.back();
+    tfree_.pop_back();
+  } else {
+    if (tnodes_.size() >= kNil) throw std::length_error("too many trie nodes");
+    t = static_cast<TRef>(tnodes_.size());
+    tnodes_.emplace_back();
+  }
+  TNode& x = tn(t);
+  x = TNode{};
+  x.depth = depth;
+  x.rep = rep;
+  x.up = up;
+  x.tok = tok;
+  return t;
+}
+
+void RadixTree::free_tnode(TRef t) noexcept {
+  tn(t) = TNode{};
+  tfree_.push_back(t);
+}
+
+bool RadixTree::covers_more(Ref a, Ref b) const noexcept {
+  return at(a).ntok > at(b).ntok || (at(a).ntok == at(b).ntok && at(a).key < at(b).key);
+}
+
+std::uint32_t RadixTree::edge_end(std::span<const Code> q, std::size_t qstart, TRef c, std::uint32_t d) const noexcept {
+  const auto stop = static_cast<std::uint32_t>(std::min<std::size_t>(tn(c).depth, q.size() - qstart));
+  const Code* ct = arena(tn(c).rep);
+  std::uint32_t e = d + 1;  // the edge's first token matched through the kid table
+  while (e < stop && ct[e] == q[qstart + e]) ++e;
+  return e;
+}
+
+std::pair<RadixTree::TRef, std::uint32_t> RadixTree::walk(Ref p, std::span<const Code> q, std::size_t start) const {
+  TRef v = at(p).index;
+  if (v == kNil) return {kNil, 0};
+  std::uint32_t d = 0;
+  const std::size_t n = q.size() - start;
+  while (d < n) {
+    const TRef c = find_kid(v, q[start + d]);
+    if (c == kNil) break;
+    const std::uint32_t e = edge_end(q, start, c, d);
+    if (e < tn(c).depth) return {c, e};
+    v = c;
+    d = e;
+  }
+  return {v, d};
+}
+
+void RadixTree::index_add(Ref p, Ref n) {
+  const std::span<const Code> t = codes(n);
+  if (t.empty()) return;
+  if (at(p).index == kNil) at(p).index = new_tnode(0, kNil, kNil, 0);
+  TRef v = at(p).index;
+  const auto len = static_cast<std::uint32_t>(t.size());
+  while (true) {
+    if (tn(v).depth == len) {
+      at(n).tnext = tn(v).leaf;
+      tn(v).leaf = n;
+      at(n).tnode = v;
+      break;
+    }
+    const Code tok = t[tn(v).depth];
+    const TRef c = find_kid(v, tok);
+    if (c == kNil) {
+      const TRef leaf = new_tnode(len, n, v, tok);
+      tn(leaf).leaf = n;
+      at(n).tnext = kNil;
+      at(n).tnode = leaf;
+      add_kid(v, leaf);
+      break;
+    }
+    const std::uint32_t e = edge_end(t, 0, c, tn(v).depth);
+    if (e == tn(c).depth) {
+      v = c;
+      continue;
+    }
+    // split the edge where t leaves it
+    const TRef mid = new_tnode(e, tn(c).rep, v, tok);
+    remove_kid(c);
+    tn(c).tok = arena(tn(c).rep)[e];
+    tn(mid).best = tn(c).best;
+    tn(mid).cover = tn(c).cover;
+    add_kid(v, mid);
+    add_kid(mid, c);
+    v = mid;
+  }
+  for (TRef x = at(n).tnode; x != kNil; x = tn(x).up) {
+    TNode& xn = tn(x);
+    if (xn.best == kNil || at(n).key < at(xn.best).key) xn.best = n;
+    if (xn.cover == kNil || covers_more(n, xn.cover)) xn.cover = n;
+  }
+}
+
+void RadixTree::index_remove(Ref p, Ref n) {
+  TRef v = at(n).tnode;
+  if (v == kNil) return;
+  at(n).tnode = kNil;
+  if (tn(v).leaf == n) {
+    tn(v).leaf = at(n).tnext;
+  } else {
+    Ref x = tn(v).leaf;
+    while (at(x).tnext != n) x = at(x).tnext;
+    at(x).tnext = at(n).tnext;
+  }
+  at(n).tnext = kNil;
+  if (tn(v).leaf == kNil && tn(v).first_kid == kNil && tn(v).up != kNil) {  // a bare leaf: drop it
+    const TRef up = tn(v).up;
+    remove_kid(v);
+    free_tnode(v);
+    v = up;
+  }
+  if (tn(v).up != kNil && tn(v).leaf == kNil && tn(v).first_kid != kNil &&
+      tn(tn(v).first_kid).next_kid == kNil) {  // one kid left: merge it into v's place
+    const TRef only = tn(v).first_kid;
+    const TRef up = tn(v).up;
+    remove_kid(only);
+    remove_kid(v);
+    tn(only).tok = tn(v).tok;
+    free_tnode(v);
+    add_kid(up, only);
+    v = up;
+  }
+  if (tn(v).up == kNil && tn(v).first_kid == kNil && tn(v).leaf == kNil) {
+    free_tnode(v);
+    at(p).index = kNil;
+    return;
+  }
+  for (; v != kNil; v = tn(v).up) {  // aggregates and labels that named n
+    TNode& vn = tn(v);
+    if (vn.best == n || vn.cover == n) {
+      Ref best = vn.leaf, cover = vn.leaf;
+      for (Ref x = best != kNil ? at(best).tnext : kNil; x != kNil; x = at(x).tnext) {
+        if (at(x).key < at(best).key) best = x;
+        if (covers_more(x, cover)) cover = x;
+      }
+      for (TRef k = vn.first_kid; k != kNil; k = tn(k).next_kid) {
+        if (best == kNil || at(tn(k).best).key < at(best).key) best = tn(k).best;
+        if (cover == kNil || covers_more(tn(k).cover, cover)) cover = tn(k).cover;
+      }
+      vn.best = best;
+      vn.cover = cover;
+    }
+    if (vn.rep == n) vn.rep = vn.best;
+  }
+}
+
+void RadixTree::index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const {
+  const std::span<const Code> t = codes(n);
+  TRef v = at(p).index;
+  if (v == kNil || t.empty()) return;
+  while (true) {
+    const TNode& vn = tn(v);
+    if (vn.depth < t.size() && static_cast<std::int64_t>(vn.depth) < B_) {
+      for (Ref x = vn.leaf; x != kNil; x = at(x).tnext) out.push_back(x);
+    }
+    if (vn.depth >= t.size()) return;
+    const TRef c = find_kid(v, t[vn.depth]);
+    if (c == kNil || edge_end(t, 0, c, vn.depth) < tn(c).depth) return;
+    v = c;
+  }
+}
+
+void RadixTree::index_clear(Ref p) {
+  const TRef root = at(p).index;
+  if (root == kNil) return;
+  at(p).index = kNil;
+  std::vector<TRef> stack{root};
+  while (!stack.empty()) {
+    const TRef v = stack.back();
+    stack.pop_back();
+    for (Ref x = tn(v).leaf; x != kNil;) {
+      const Ref next = at(x).tnext;
+      at(x).tnode = kNil;
+      at(x).tnext = kNil;
+      x = next;
+    }
+    for (TRef k = tn(v).first_kid; k != kNil; k = tn(k).next_kid) stack.push_back(k);
+    if (tn(v).up != kNil) remove_kid_entry_only(v);
+    free_tnode(v);
+  }
+}
+
+void RadixTree::index_build(Ref p) {
+  for (Ref c = at(p).first_child; c != kNil; c = at(c).next_sibling) index_add(p, c);
+}
+
+// The same answers as the trie, for a parent with few children (no trie): a bounded scan
+// (tree.py: _covering / _longest_run / _index_prefixes; SPEC sec. 5 and 6 step 1).
+NodeId RadixTree::covering_scan(Ref p, std::span<const Code> tokens) const {
+  Ref best = kNil;
+  for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
+    const Node& sn = at(s);
+    if (sn.ntok > tokens.size() && std::equal(tokens.begin(), tokens.end(), arena(s)) &&
+        (best == kNil || covers_more(s, best))) {
+      best = s;
+    }
+  }
+  return best != kNil ? static_cast<NodeId>(best) : kNoNode;
+}
+
+std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run_scan(Ref node, std::span<const Code> tokens,
+                                                                    std::size_t start) const {
+  Ref best = kNil;
+  std::int64_t best_run = 0;
+  for (Ref c = at(node).first_child; c != kNil; c = at(c).next_sibling) {
+    const Node& cn = at(c);
+    const Code* mine = arena(c);
+    const std::size_t limit = std::min<std::size_t>(cn.ntok, tokens.size() - start);
+    std::size_t run = 0;
+    while (run < limit && mine[run] == tokens[start + run]) ++run;
+    const auto r = static_cast<std::int64_t>(run);
+    if (r > 0 && (r > best_run || (r == best_run && cn.key < at(best).key))) {
+      best = c;
+      best_run = r;
+    }
+  }
+  return {best, best_run};
+}
+
+void RadixTree::prefixes_scan(Ref p, Ref n, std::vector<Ref>& out) const {
+  const std::span<const Code> mine = codes(n);
+  for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {
+    const Node& sn = at(s);
+    if (sn.ntok > 0 && sn.ntok < mine.size() && static_cast<std::int64_t>(sn.ntok) < B_ &&
+        std::equal(arena(s), arena(s) + sn.ntok, mine.begin())) {
+      out.push_back(s);
+    }
+  }
+}
+
+// --- the kid table: (up, tok) -> trie node; open addressing with backward-shift deletion,
+// like the child table below.  Kids are also linked per node (first_kid / next_kid).
+
+std::size_t RadixTree::kid_slot(TRef up, Code tok) const noexcept {
+  const std::uint64_t h = ((static_cast<std::uint64_t>(up) << 32) | tok) * 0x9E3779B97F4A7C15ull;
+  return static_cast<std::size_t>(h >> 32) & (tkids_.size() - 1);
+}
+
+RadixTree::TRef RadixTree::find_kid(TRef up, Code tok) const noexcept {
+  const std::size_t mask = tkids_.size() - 1;
+  for (std::size_t i = kid_slot(up, tok);; i = (i + 1) & mask) {
+    const KidEntry& e = tkids_[i];
+    if (e.ref == kNil) return kNil;
+    if (e.up == up && e.tok == tok) return e.ref;
+  }
+}
+
+void RadixTree::add_kid(TRef up, TRef kid) {
+  if ((num_tkids_ + 1) * 2 > tkids_.size()) kid_table_grow();
+  TNode& k = tn(kid);
+  k.up = up;
+  k.prev_kid = kNil;
+  k.next_kid = tn(up).first_kid;
+  if (k.next_kid != kNil) tn(k.next_kid).prev_kid = kid;
+  tn(up).first_kid = kid;
+  const std::size_t mask = tkids_.size() - 1;
+  std::size_t i = kid_slot(up, k.tok);
+  while (tkids_[i].ref != kNil) i = (i + 1) & mask;
+  tkids_[i] = KidEntry{kid, up, k.tok};
+  ++num_tkids_;
+}
+
+void RadixTree::remove_kid(TRef kid) noexcept {
+  TNode& k = tn(kid);
+  if (k.prev_kid != kNil) {
+    tn(k.prev_kid).next_kid = k.next_kid;
+  } else {
+    tn(k.up).first_kid = k.next_kid;
+  }
+  if (k.next_kid != kNil) tn(k.next_kid).prev_kid = k.prev_kid;
+  remove_kid_entry_only(kid);
+  k.prev_kid = k.next_kid = kNil;
+  k.up = kNil;
+}
+
+void RadixTree::remove_kid_entry_only(TRef kid) noexcept {
+  const std::size_t mask = tkids_.size() - 1;
+  std::size_t i = kid_slot(tn(kid).up, tn(kid).tok);
+  while (tkids_[i].ref != kid) i = (i + 1) & mask;
+  for (std::size_t j = (i + 1) & mask; tkids_[j].ref != kNil; j = (j + 1) & mask) {
+    const std::size_t home = kid_slot(tkids_[j].up, tkids_[j].tok);
+    const bool stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+    if (!stays) {
+      tkids_[i] = tkids_[j];
+      i = j;
+    }
+  }
+  tkids_[i] = KidEntry{};
+  --num_tkids_;
+}
+
+void RadixTree::kid_table_grow() {
+  std::vector<KidEntry> old(tkids_.size() * 2);
+  old.swap(tkids_);
+  const std::size_t mask = tkids_.size() - 1;
+  for (const KidEntry& e : old) {
+    if (e.ref == kNil) continue;
+    std::size_t i = kid_slot(e.up, e.tok);
+    while (tkids_[i].ref != kNil) i = (i + 1) & mask;
+    tkids_[i] = e;
   }
 }
 

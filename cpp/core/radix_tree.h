@@ -6,9 +6,10 @@
 // never reused) and pages by int handles owned by the manager; the tree knows page
 // presence and coverage, not tiers or states.
 //
-// Node life time: a node exists while it is attached (roots always are), while a request
-// references it (ref/unref), or while it still holds a page.  Anything else is deleted
-// at once, so orphans disappear with their last user.
+// Node life time: a node exists while it is attached, while a request references it
+// (ref/unref), or while it still holds a page.  Anything else is deleted at once, so
+// orphans disappear with their last user.  A root lives while it has a child or a
+// reference (the manager refs the root of each open request's scope; SPEC sec. 15).
 //
 // Layout (the manager's hot path and its memory per cached block): nodes live in one slab
 // addressed by slot, children are an intrusive list plus one tree-wide hash table, and a
@@ -107,20 +108,30 @@ class RadixTree {
  public:
   // Tokens are stored encoded as u32 codes: ints as themselves (< 2**31), digests as
   // kDigestBit | id in an interning table.  Equal tokens have equal codes, so prefix checks
-  // are plain integer compares.  The table only grows (a digest id stays valid for as long
-  // as anything — a node, a request, an event — may hold its code).
+  // are plain integer compares.  Each digest id is reference counted: every stored copy of
+  // its code (a node's tokens, and on the manager's side a request's tokens or a buffered
+  // event's) holds one reference; the last release frees the id for reuse, so the table is
+  // bounded by the live digest tokens (SPEC sec. 15; the python backend keeps the bytes
+  // objects themselves, which Python frees the same way).
   using Code = std::uint32_t;
   static constexpr Code kDigestBit = 0x80000000u;
   static constexpr Code kUnknownDigest = 0xFFFFFFFFu;  // a query digest no one interned
 
-  RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles);
+  static constexpr std::uint32_t kIndexBuild = 16;  // the default index_threshold
+  // index_threshold: a parent with more children than this indexes them in a trie (dropped
+  // again at half); the default suits the manager, tests lower it to drive the trie hard.
+  RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> life_cycles,
+            std::uint32_t index_threshold = kIndexBuild);
 
   // ------------------------------------------------------------ mutations
   // Node ids are handles: slots of the node slab, reused after a node is deleted.  The
   // creation-order number tree.py calls the id is uid(node) (dumps and snapshots show it).
 
-  // The root of a scope, created on first use.
+  // The root of a scope, created on first use (the caller refs it; a root with no child and
+  // no reference is released by unref, prune_upward or collect).
   NodeId root(const Digest& scope_key);
+  // The root of a scope if it exists, else kNoNode (creates nothing: probes use it).
+  NodeId find_root(const Digest& scope_key) const;
   // A detached block with no pages and no references (caller refs or attaches it).
   NodeId new_block(const Digest& key, std::span<const TokenArg> tokens, std::int64_t ordinal);
   NodeId new_block(const Digest& key, std::span<const Code> tokens, std::int64_t ordinal);
@@ -153,10 +164,34 @@ class RadixTree {
                     std::int64_t backoff) const;
 
   // ------------------------------------------------------------ tokens
+  // The code of `t`; for a digest, one new reference the caller owns (release it).
   Code intern(const TokenArg& t) {
     if (t.digest == nullptr && !(t.value & kDigestBit)) return t.value;  // the common case, inline
     return intern_slow(t);
   }
+  // One more / one less reference to a digest code (ints: nothing to do).
+  void retain(Code c) noexcept {
+    if (c & kDigestBit) ++digest_refs_[c & ~kDigestBit];
+  }
+  void release(Code c) noexcept {
+    if (c & kDigestBit) release_digest(c & ~kDigestBit);
+  }
+  void retain_all(std::span<const Code> codes) noexcept {
+    for (Code c : codes) retain(c);
+  }
+  void release_all(std::span<const Code> codes) noexcept {
+    for (Code c : codes) release(c);
+  }
+  // Whether any code is a digest (an OR over the codes: vectorised, no branch per token).
+  static bool any_digest(std::span<const Code> codes) noexcept {
+    Code acc = 0;
+    for (Code c : codes) acc |= c;
+    return (acc & kDigestBit) != 0;
+  }
+  // Distinct digest tokens interned now (each referenced by something live).
+  std::size_t num_digests() const noexcept { return digest_ids_.size(); }
+  // Slots of the digest table (live or free for reuse): its memory.
+  std::size_t digest_slots() const noexcept { return digests_.size(); }
   // The code of `t` without interning (kUnknownDigest for a digest never interned).
   Code lookup(const TokenArg& t) const;
   TokenOut decode(Code c) const;
@@ -182,6 +217,9 @@ class RadixTree {
   // One past the largest uid ever made (uids are never reused).
   std::int64_t next_uid() const noexcept { return next_uid_; }
   std::size_t num_nodes() const noexcept { return nodes_.size() - free_.size(); }
+  std::size_t node_slots() const noexcept { return nodes_.size(); }
+  std::size_t num_roots() const noexcept { return roots_.size(); }
+  std::size_t trie_node_slots() const noexcept { return tnodes_.size(); }
   std::int64_t tokens_per_block() const noexcept { return B_; }
   std::size_t num_life_cycles() const noexcept { return lcs_.size(); }
   // Canonical picture: every live node by uid; ids in the dump (node, parent, children)
@@ -205,8 +243,56 @@ class RadixTree {
     Ref parent = kNil;           // kNil when detached (an orphan) or a root
     Ref first_child = kNil, prev_sibling = kNil, next_sibling = kNil;
     std::uint32_t npartial = 0;  // children with fewer than B tokens (attach looks at them only)
+    std::uint32_t nchildren = 0;  // linked children
+    std::uint32_t index = kNil;  // root of the children's token trie (kNil: none, scan them)
+    std::uint32_t tnode = kNil;  // the trie node this block ends at in its parent's index
+    Ref tnext = kNil;            // next sibling with the very same tokens (rare)
     bool alive = false, is_root = false, attached = false;
+    bool has_digest = false;  // its tokens hold digest references (released by erase_node)
   };
+
+  // The children index (tree.py: class _Trie): per parent, a compressed trie over the
+  // children's token sequences, so partial matching (sec. 6 step 1), covering siblings
+  // (find_existing) and prefix siblings (attach) walk O(tokens) trie nodes instead of
+  // scanning every sibling with the same first token (SPEC sec. 15).  A trie node's prefix
+  // is spelled by arena(rep)[0, depth); `leaf` heads the list (Node::tnext) of children
+  // whose tokens end here; best / cover aggregate the children below (smallest key / most
+  // tokens then smallest key).  Every node but the root has a leaf or two kids.
+  // A parent with few children has no trie (they are scanned, a bounded cost): the trie is
+  // built when it gets more than index_threshold children and dropped at half that, so a
+  // chain's blocks (one child each) pay nothing for it on the hot path.
+  using TRef = std::uint32_t;
+  struct TNode {
+    Ref rep = kNil, leaf = kNil, best = kNil, cover = kNil;
+    TRef up = kNil, first_kid = kNil, next_kid = kNil, prev_kid = kNil;
+    std::uint32_t depth = 0;
+    Code tok = 0;  // the first token of the edge from `up`
+  };
+  struct KidEntry {  // the kid table: (up, tok) -> trie node, open addressing
+    TRef ref = kNil, up = kNil;
+    Code tok = 0;
+  };
+  TNode& tn(TRef t) noexcept { return tnodes_[t]; }
+  const TNode& tn(TRef t) const noexcept { return tnodes_[t]; }
+  TRef new_tnode(std::uint32_t depth, Ref rep, TRef up, Code tok);
+  void free_tnode(TRef t) noexcept;
+  void add_kid(TRef up, TRef kid);
+  void remove_kid(TRef kid) noexcept;
+  void remove_kid_entry_only(TRef kid) noexcept;
+  TRef find_kid(TRef up, Code tok) const noexcept;
+  std::size_t kid_slot(TRef up, Code tok) const noexcept;
+  void kid_table_grow();
+  bool covers_more(Ref a, Ref b) const noexcept;
+  std::uint32_t edge_end(std::span<const Code> q, std::size_t qstart, TRef c, std::uint32_t d) const noexcept;
+  std::pair<TRef, std::uint32_t> walk(Ref p, std::span<const Code> q, std::size_t start) const;
+  void index_add(Ref p, Ref n);
+  void index_remove(Ref p, Ref n);
+  void index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const;
+  void index_clear(Ref p);  // p loses every child at once (remove_subtree, a dying node)
+  void index_build(Ref p);
+  NodeId covering_scan(Ref p, std::span<const Code> tokens) const;
+  std::pair<Ref, std::int64_t> longest_run_scan(Ref node, std::span<const Code> tokens, std::size_t start) const;
+  void prefixes_scan(Ref p, Ref n, std::vector<Ref>& out) const;
 
   Node& at(Ref r) noexcept { return nodes_[r]; }
   const Node& at(Ref r) const noexcept { return nodes_[r]; }
@@ -224,6 +310,7 @@ class RadixTree {
   void link(Ref parent, Ref child);
   void unlink(Ref r);
   void maybe_delete(Ref r);
+  void release_root_if_unused(Ref r);
   bool deletable(Ref r) const noexcept;
   void erase_node(Ref r);
   std::vector<Ref> children_by_key(Ref r) const;
@@ -232,6 +319,7 @@ class RadixTree {
   std::int64_t fixed_point(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const;
   std::vector<Code> encode_query(std::span<const TokenArg> tokens) const;
   Code intern_slow(const TokenArg& t);
+  void release_digest(Code id) noexcept;
 
   // --- children_: open addressing (linear probing, backward-shift deletion) over node
   // slots, keyed by (parent, key).  Holds exactly the nodes that have a parent.  Each
@@ -254,6 +342,7 @@ class RadixTree {
 
   std::int64_t B_;
   std::vector<LifeCycleSpec> lcs_;
+  std::uint32_t index_build_, index_drop_;  // trie above index_build_ children, none at index_drop_
   std::vector<Node> nodes_;        // the slab; a slot is reused after its node dies
   std::vector<Ref> free_;          // dead slots (LIFO)
   std::vector<Code> arena_;              // [slot * B + i]: token i of the node in slot
@@ -262,10 +351,16 @@ class RadixTree {
   std::vector<Entry> children_;    // the child table (ref kNil = empty); size a power of two
   std::size_t num_children_ = 0;
   std::unordered_map<Digest, Ref, DigestHash> roots_;
+  std::vector<TNode> tnodes_;      // the children tries' nodes (slab)
+  std::vector<TRef> tfree_;        // dead trie slots (LIFO)
+  std::vector<KidEntry> tkids_ = std::vector<KidEntry>(16);  // size a power of two
+  std::size_t num_tkids_ = 0;
   std::int64_t next_uid_ = 0;
 
-  std::unordered_map<Digest, Code, DigestHash> digest_ids_;
-  std::vector<Digest> digests_;
+  std::unordered_map<Digest, Code, DigestHash> digest_ids_;  // live digests only
+  std::vector<Digest> digests_;             // by id
+  std::vector<std::uint32_t> digest_refs_;  // by id; 0: free
+  std::vector<Code> free_digests_;          // free ids (LIFO)
 };
 
 }  // namespace kvcm

@@ -10,6 +10,7 @@ import abc
 import enum
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -61,6 +62,19 @@ class CopyError(KvcmError):
         super().__init__(message)
         self.ops: list[CopyOp] = list(ops)
         self.cause = cause
+
+
+class PendingCopyOpsWarning(RuntimeWarning):
+    """Issued once per manager when undrained copy ops reach
+    ``KVCacheManagerConfig.pending_copy_ops_warning`` (the engine forgot ``drain_copy_ops()``)."""
+
+
+def warn_pending_copy_ops(pending: int) -> None:
+    """The one-time warning of both backends (issued after the call that crossed the threshold)."""
+    warnings.warn(
+        f"kvcm: {pending} copy ops are pending: call drain_copy_ops() and execute them every step "
+        f"(stats()['pending_copy_ops'] shows the figure; KVCacheManagerConfig.pending_copy_ops_warning "
+        f"sets this threshold)", PendingCopyOpsWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------
@@ -138,6 +152,8 @@ class KVCacheManagerConfig:
     max_util_for_resume: float = 1.0
     default_priority: int = 50
     max_events: int = 10_000
+    # warn once (PendingCopyOpsWarning) when this many copy ops are pending; 0: never
+    pending_copy_ops_warning: int = 1_000_000
 
     def __post_init__(self) -> None:
         # Freeze the sequences so the config is hashable-in-spirit and cannot change later.
@@ -368,6 +384,9 @@ def resolve_config(config: KVCacheManagerConfig) -> ResolvedConfig:
         raise ConfigError("default_priority", f"must be an int in 0..100, got {config.default_priority!r}")
     if not _config_int(config.max_events) or not 0 <= config.max_events < INT64_LIMIT:
         raise ConfigError("max_events", f"must be an int in [0, 2**63), got {config.max_events!r}")
+    w = config.pending_copy_ops_warning
+    if not _config_int(w) or not 0 <= w < INT64_LIMIT:
+        raise ConfigError("pending_copy_ops_warning", f"must be an int in [0, 2**63), got {w!r}")
     return ResolvedConfig(config=config, life_cycles=life_cycles, slots=tuple(slots), tier_kinds=tuple(kinds))
 
 
@@ -950,6 +969,7 @@ __all__ = [
     "KvcmError",
     "LifeCycle",
     "OutOfPagesError",
+    "PendingCopyOpsWarning",
     "RemovedEvent",
     "ResolvedConfig",
     "ReuseProbe",

@@ -78,6 +78,7 @@ class CppKVCacheManager(KVCacheManager):
             config.tokens_per_block, lcs, [list(s) for s in rc.slots], list(rc.tier_kinds),
             config.enable_partial_reuse, config.reuse_match_backoff, float(config.max_util_for_resume),
             config.max_events)
+        self._core.set_pending_copy_ops_warning(config.pending_copy_ops_warning)
         self._open: dict[int, CppKVCache] = {}  # serial -> open cache
         self._ids: set[int | str] = set()  # ids of the open caches
         # held while a cache is created or closed: the open ids, and a cache's final record

@@ -21,7 +21,7 @@ from kvcm.api import (
     check_tokens,
     int32_view,
 )
-from kvcm.keys import block_key
+from kvcm.keys import block_key, chain_keys, scope_root_key
 from kvcm.python_backend.manager import serialized
 from kvcm.python_backend.pools import NO_NODE, Page
 from kvcm.python_backend.tree import NO_PAGE
@@ -37,14 +37,15 @@ class PyKVCache(KVCache):
         self._priority = priority
         self._status = Status.SUSPENDED
         self.stopped = False  # stop_committing() ran: no more commits
-        self.root = mgr.tree.root(mgr.root_key(scope))
+        self.root_key = scope_root_key(scope)
+        # the root of the scope lives at least as long as this request (sec. 15: released
+        # with its last child and its last request)
+        self.root = mgr.tree.root(self.root_key)
+        mgr.tree.ref(self.root)
         # full-block keys of the input, hashed once and reused by commit for the same tokens
         self.input_tokens = tokens
-        root_key = mgr.root_key(scope)
         nfull = len(tokens) // B
-        from kvcm.keys import chain_keys
-
-        self.keys: list[bytes] = chain_keys(root_key, tokens[: nfull * B], B)  # key per full block
+        self.keys: list[bytes] = chain_keys(self.root_key, tokens[: nfull * B], B)  # key per full block
         self.pages: dict[int, list[Page | None]] = {}
         self.live: Page | None = None  # the live ssm state
         self.snap: Page | None = None  # matched ssm snapshot, held until the first resume copies it
@@ -121,7 +122,7 @@ class PyKVCache(KVCache):
         tokens = self.tokens[:point]
         from kvcm.keys import chain_keys
 
-        keys = chain_keys(mgr.root_key(self.scope), tokens[: len(tokens) // mgr.B * mgr.B], mgr.B)
+        keys = chain_keys(self.root_key, tokens[: len(tokens) // mgr.B * mgr.B], mgr.B)
         self._match_and_hold(tokens, keys)
 
     # ------------------------------------------------------------------ properties
@@ -348,9 +349,10 @@ class PyKVCache(KVCache):
                 p = self.pages[lc][i] if i < len(self.pages[lc]) else None
                 if p is not None and p.node == NO_NODE:
                     p.coverage = min(B, new - i * B)
+        last = new // B - 1
         for i in range(old // B, new // B):
-            snapshot = mgr.ssm_lc is not None and i == new // B - 1 and new % B == 0
-            self._insert_block(i, self.tokens[i * B:(i + 1) * B], snapshot)
+            snapshot = mgr.ssm_lc is not None and i == last and new % B == 0
+            self._insert_block(i, self.tokens[i * B:(i + 1) * B], snapshot, defer_prune=i < last)
         self._release_stale(old_history, old // B)
 
     def _release_stale(self, old_history: int, first_block: int) -> None:
@@ -396,6 +398,7 @@ class PyKVCache(KVCache):
             if nid != NO_NODE:
                 mgr.tree.unref(nid)
         self.blocks = []
+        mgr.tree.unref(self.root)  # may release an unused scope root
         self._status = Status.CLOSED
         del mgr.requests[self.serial]
         mgr.open_ids.discard(self._id)
@@ -498,7 +501,7 @@ class PyKVCache(KVCache):
     def _key(self, i: int, tokens: list) -> bytes:
         """Key of block ``i`` holding ``tokens`` (input keys are reused when they apply)."""
         B = self.mgr.B
-        parent = self.mgr.tree.key(self.blocks[i - 1]) if i > 0 else self.mgr.root_key(self.scope)
+        parent = self.mgr.tree.key(self.blocks[i - 1]) if i > 0 else self.root_key
         if (len(tokens) == B and i < len(self.keys) and (i == 0 or self.keys[i - 1] == parent)
                 and self.input_tokens[i * B:(i + 1) * B] == tokens):
             return self.keys[i]  # same parent key and tokens: the hash done at create
@@ -597,8 +600,14 @@ class PyKVCache(KVCache):
         mgr.retire_nodes(siblings, announce=False)
         mgr.emit_stored(nid, [lc for lc in range(len(mgr.lcs)) if node.pages[lc] != NO_PAGE])
 
-    def _insert_block(self, i: int, tokens: list, want_snapshot: bool) -> None:
-        """Commit block ``i`` (full, or the partial tail) into the tree (sec. 5 and 7)."""
+    def _insert_block(self, i: int, tokens: list, want_snapshot: bool, defer_prune: bool = False) -> None:
+        """Commit block ``i`` (full, or the partial tail) into the tree (sec. 5 and 7).
+
+        ``defer_prune``: more blocks of this commit follow.  A new block without a page
+        stays detached, and pruning its parent chain now would only have the next block
+        re-attach the whole chain again (quadratic in the blocks of one pure-ssm commit):
+        the chain stays attached until the commit's last block, whose insertion prunes (or
+        keeps) it exactly as it would have been (DECISIONS.md)."""
         mgr = self.mgr
         tree = mgr.tree
         ntok = len(tokens)
@@ -633,7 +642,7 @@ class PyKVCache(KVCache):
             self._set_block(i, nid)
             if tree.nodes[nid].has_page():
                 self._attach(parent, nid, [])
-            else:
+            elif not defer_prune:
                 tree.prune_upward(parent)  # a re-attached chain must not stay childless
             return
         gained: list[int] = []

@@ -40,6 +40,7 @@ from kvcm.api import (
     check_tokens,
     default_cache_id,
     resolve_config,
+    warn_pending_copy_ops,
 )
 from kvcm.keys import chain_keys, scope_root_key
 from kvcm.python_backend.pools import DROPPABLE, HELD, NO_NODE, Page, Pool
@@ -64,8 +65,13 @@ def serialized(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with (self.mgr if hasattr(self, "mgr") else self).lock:
-            return method(self, *args, **kwargs)
+        mgr = self.mgr if hasattr(self, "mgr") else self
+        with mgr.lock:
+            result = method(self, *args, **kwargs)
+            if mgr.copy_ops_warn_due:  # after the call's work: the warning never changes it
+                mgr.copy_ops_warn_due = False
+                warn_pending_copy_ops(mgr.copy_ops_warn_at)
+            return result
 
     return wrapper
 
@@ -98,13 +104,17 @@ class PyKVCacheManager(KVCacheManager):
         self.copy_pages: list[int] = []  # serial of the page each pending op fills
         # the ops of the last drain not reported yet, with the page each fills (forget_copies)
         self.issued: list[tuple[CopyOp, int]] = []
+        # sec. 15: undrained copy ops are a visible bound: stats()["pending_copy_ops"] and one
+        # PendingCopyOpsWarning when they reach the configured figure (DECISIONS.md)
+        self.copy_ops_warn_at = config.pending_copy_ops_warning
+        self.copy_ops_warned = False
+        self.copy_ops_warn_due = False
         self.events: deque[Event] = deque()
         self.events_dropped = 0
         self.next_event = 0
         self.is_shutdown = False
         self.totals = self._zero_counters()
         self.iteration = self._zero_counters()
-        self._root_keys: dict[ReuseScope, bytes] = {}
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ public API
@@ -148,7 +158,7 @@ class PyKVCacheManager(KVCacheManager):
     def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
         toks = check_tokens(tokens)
         scope = check_scope(scope)
-        root_key = self.root_key(scope)
+        root_key = scope_root_key(scope)  # nothing is kept for a scope (sec. 15)
         if root_key not in self.tree.roots or not toks:
             return ReuseProbe(0, 0)
         keys = chain_keys(root_key, toks[: len(toks) // self.B * self.B], self.B)
@@ -295,12 +305,6 @@ class PyKVCacheManager(KVCacheManager):
         self.clock += 1
         return self.clock
 
-    def root_key(self, scope: ReuseScope) -> bytes:
-        key = self._root_keys.get(scope)
-        if key is None:
-            key = self._root_keys[scope] = scope_root_key(scope)
-        return key
-
     def match(self, root: int, tokens: list, keys: list[bytes]) -> tuple[int, int, list[int]]:
         cfg = self._config
         return self.tree.match(root, tokens, keys, cfg.enable_partial_reuse, cfg.reuse_match_backoff)
@@ -430,7 +434,7 @@ class PyKVCacheManager(KVCacheManager):
         dst_pool.count(state, +1)
         dst_pool.push(page)
         tid = self.tier_ids
-        self.copy_ops.append(CopyOp(page.lc, tid[old_tier], old_slot, tid[dst], new_slot, reason))
+        self._add_copy_op(CopyOp(page.lc, tid[old_tier], old_slot, tid[dst], new_slot, reason))
         self.copy_pages.append(page.serial)
         nbytes = self.lcs[page.lc].slot_bytes
         kind = "offloads" if reason == "offload" else "onboards"
@@ -510,8 +514,13 @@ class PyKVCacheManager(KVCacheManager):
 
     def copy(self, lc: int, src: Page, dst: Page, reason: str) -> None:
         tid = self.tier_ids
-        self.copy_ops.append(CopyOp(lc, tid[src.tier], src.slot, tid[dst.tier], dst.slot, reason))
+        self._add_copy_op(CopyOp(lc, tid[src.tier], src.slot, tid[dst.tier], dst.slot, reason))
         self.copy_pages.append(dst.serial)
+
+    def _add_copy_op(self, op: CopyOp) -> None:
+        self.copy_ops.append(op)
+        if len(self.copy_ops) == self.copy_ops_warn_at and not self.copy_ops_warned:
+            self.copy_ops_warned = self.copy_ops_warn_due = True  # warned once, at the call's end
 
     def emit(self, event: Event) -> None:
         if self._config.max_events == 0:
@@ -581,6 +590,7 @@ class PyKVCacheManager(KVCacheManager):
                 for t in range(self.num_tiers)
             ],
             "events_dropped": self.events_dropped,
+            "pending_copy_ops": len(self.copy_ops),
         }
 
     def check(self, cond: bool, message: str) -> None:

@@ -126,6 +126,8 @@ def check_invariants(mgr) -> None:
             if nid != NO_NODE:
                 check(nid in tree.nodes, f"request {r.id}: references deleted block {nid}")
                 refs[nid] = refs.get(nid, 0) + 1
+        check(r.root in tree.nodes and tree.nodes[r.root].is_root, f"request {r.id}: its scope root is gone")
+        refs[r.root] = refs.get(r.root, 0) + 1
     for p in mgr.pages.values():
         check(p.locks == locks.get(p.serial, 0), f"page {p.serial}: {p.locks} locks, {locks.get(p.serial, 0)} users ACTIVE")
         check(p.holds == holds.get(p.serial, 0), f"page {p.serial}: {p.holds} holds, {holds.get(p.serial, 0)} users SUSPENDED")
@@ -150,9 +152,11 @@ def check_invariants(mgr) -> None:
         for key, c in n.children.items():
             check(c.key == key and c.parent is n, f"block {nid}: child {c.id} link broken")
             check(len(n.tokens) == B or n.is_root, f"block {nid}: a partial block has children")
-        grouped = sorted(c.id for g in n.by_first.values() for c in g)
-        check(grouped == sorted(c.id for c in n.children.values()), f"block {nid}: first-token index out of sync")
+        check(tree.index_leaves(nid) == sorted(c.id for c in n.children.values() if c.tokens),
+              f"block {nid}: children index out of sync")
         if n.is_root:
+            check(tree.roots.get(n.key) is n, f"root {nid}: not the root of its scope")
+            check(bool(n.children) or n.refs > 0, f"root {nid}: unused (no child, no request) but not released")
             continue
         expect_attached = n.parent is not None and n.parent.attached and n.parent.children.get(n.key) is n
         check(n.attached == expect_attached, f"block {nid}: attached flag {n.attached} but links say {expect_attached}")

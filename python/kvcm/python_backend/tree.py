@@ -5,9 +5,11 @@ the manager owns, so the C++ port (``kvcm._kvcm_cpp.RadixTree``) has the same su
 the two can be compared step by step.  The tree knows page *presence and coverage*, not
 tiers or states: those belong to the manager.
 
-Node life time: a node exists while it is attached (roots always are), while a request
-references it (``ref``/``unref``), or while it still holds a page.  Anything else is
-deleted at once, so orphans disappear with their last user.
+Node life time: a node exists while it is attached, while a request references it
+(``ref``/``unref``), or while it still holds a page.  Anything else is deleted at once, so
+orphans disappear with their last user.  A root lives while it has a child or a reference
+(the manager refs the root of each open request's scope): an unused scope leaves nothing
+behind (SPEC sec. 15).
 """
 
 from __future__ import annotations
@@ -23,16 +25,18 @@ class Node:
 
     __slots__ = (
         "attached",
-        "by_first",
         "children",
         "coverage",
         "id",
+        "index",
         "is_root",
         "key",
         "ordinal",
         "pages",
         "parent",
         "refs",
+        "tnext",
+        "tnode",
         "tokens",
     )
 
@@ -41,9 +45,11 @@ class Node:
         self.key = key  # sha256 chain key (a root's key is its scope key)
         self.parent: Node | None = None  # None when detached (an orphan) or a root
         self.children: dict[bytes, Node] = {}  # only full blocks have children
-        # children grouped by first token: partial matching and covering-sibling search
-        # only ever look at children that share the first token, so they never scan all.
-        self.by_first: dict[object, list[Node]] = {}
+        # the children's tokens as a compressed trie (None: no child): partial matching,
+        # covering siblings and prefix siblings walk it instead of scanning siblings
+        self.index: _Trie | None = None
+        self.tnode: _Trie | None = None  # where this block sits in its parent's index
+        self.tnext: Node | None = None  # the next sibling with the very same tokens (rare)
         self.tokens = tokens  # B tokens for a full block, fewer for a partial one
         self.ordinal = ordinal  # block index in the sequence; -1 for a root
         self.is_root = is_root
@@ -54,6 +60,46 @@ class Node:
 
     def has_page(self) -> bool:
         return any(p != NO_PAGE for p in self.pages)
+
+
+class _Trie:
+    """A node of a parent's children index: a compressed trie over the children's token
+    sequences (SPEC sec. 5 find_existing, sec. 6 step 1).  ``depth`` tokens of prefix, spelled
+    by ``rep.tokens[:depth]`` (any child below); ``leaf`` is the child whose tokens end here
+    (more of them, linked by ``Node.tnext``, when siblings with different keys share tokens).
+    Aggregates over the children below: ``best`` the smallest key, ``cover`` the most tokens
+    (ties: smaller key).  Every node but the root has a leaf or two kids, so a parent with
+    n children has fewer than 2n trie nodes, and a walk costs O(tokens), not O(siblings)."""
+
+    __slots__ = ("best", "cover", "depth", "kids", "leaf", "rep", "tok", "up")
+
+    def __init__(self, depth: int, rep: Node | None, up: _Trie | None, tok: object) -> None:
+        self.depth = depth
+        self.rep = rep
+        self.up = up  # None for the root
+        self.tok = tok  # the first token of the edge from ``up`` (the key in up.kids)
+        self.kids: dict[object, _Trie] | None = None
+        self.leaf: Node | None = None
+        self.best: Node | None = None
+        self.cover: Node | None = None
+
+
+def _covers_more(a: Node, b: Node) -> bool:
+    """``a`` before ``b`` as a covering sibling: most tokens first, ties by smaller key."""
+    return len(a.tokens) > len(b.tokens) or (len(a.tokens) == len(b.tokens) and a.key < b.key)
+
+
+def _edge_end(q: Sequence, qstart: int, c: _Trie, d: int) -> int:
+    """How far (in depth) ``q[qstart:]`` follows the edge into ``c`` from depth ``d``, whose
+    first token is known to match: the first mismatch, or where ``q`` or the edge ends."""
+    stop = min(c.depth, len(q) - qstart)
+    ct = c.rep.tokens
+    e = d + 1
+    if ct[e:stop] == tuple(q[qstart + e:qstart + stop]):
+        return stop
+    while e < stop and ct[e] == q[qstart + e]:
+        e += 1
+    return e
 
 
 class RadixTree:
@@ -71,7 +117,8 @@ class RadixTree:
     # ---------------------------------------------------------------- public API
 
     def root(self, scope_key: bytes) -> int:
-        """The root of a scope, created on first use."""
+        """The root of a scope, created on first use (the caller refs it; a root with no
+        child and no reference is released by ``unref``, ``prune_upward`` or ``collect``)."""
         node = self.roots.get(scope_key)
         if node is None:
             node = self._new(scope_key, (), -1, is_root=True)
@@ -99,11 +146,7 @@ class RadixTree:
         p, n = self.nodes[parent], self.nodes[node]
         assert n.parent is None and not n.attached and not n.is_root, "attach: node is linked"
         assert n.key not in p.children, "attach: key already present (use find_existing)"
-        detached: list[Node] = []
-        if n.tokens:
-            for s in sorted(p.by_first.get(n.tokens[0], ()), key=lambda x: x.key):
-                if len(s.tokens) < len(n.tokens) and len(s.tokens) < self.B and n.tokens[: len(s.tokens)] == s.tokens:
-                    detached.append(s)
+        detached = sorted(self._index_prefixes(p, n), key=lambda x: x.key)
         for s in detached:
             self._unlink(s)
             for lc in range(self.num_lcs):
@@ -113,8 +156,7 @@ class RadixTree:
         n.parent = p
         n.attached = True
         p.children[n.key] = n
-        if n.tokens:
-            p.by_first.setdefault(n.tokens[0], []).append(n)
+        self._index_add(p, n)
         return [s.id for s in detached]
 
     def detach(self, node: int) -> None:
@@ -137,8 +179,9 @@ class RadixTree:
             for k in kids:
                 k.parent = None
                 k.attached = False
+                k.tnode = k.tnext = None
             n.children.clear()
-            n.by_first.clear()
+            n.index = None
             stack.extend(reversed(kids))
         return out
 
@@ -152,6 +195,8 @@ class RadixTree:
             out.append(n.id)
             self._maybe_delete(n)  # pageless: nothing for the caller to free first
             n = parent
+        if n is not None and n.is_root:
+            self._maybe_delete(n)  # an unused root goes too (not listed: it is no block)
         return out
 
     def set_page(self, node: int, lc: int, page: int, coverage: int) -> int:
@@ -257,45 +302,180 @@ class RadixTree:
         p = n.parent
         if p is not None:
             del p.children[n.key]
-            group = p.by_first[n.tokens[0]]
-            group.remove(n)
-            if not group:
-                del p.by_first[n.tokens[0]]
+            self._index_remove(p, n)
         n.parent = None
         n.attached = False
 
     def _maybe_delete(self, n: Node) -> None:
+        if n.is_root:
+            if n.refs == 0 and not n.children and not n.has_page() and self.roots.get(n.key) is n:
+                del self.roots[n.key]
+                del self.nodes[n.id]
+            return
         if not n.attached and not n.is_root and n.refs == 0 and not n.has_page() and n.id in self.nodes:
             for k in n.children.values():  # only reachable through a detached, dying node
                 k.parent = None
                 k.attached = False
+                k.tnode = k.tnext = None
                 self._maybe_delete(k)
             n.children.clear()
-            n.by_first.clear()
+            n.index = None
             del self.nodes[n.id]
 
     def _covering(self, p: Node, tokens: tuple) -> int:
         if not tokens or len(tokens) >= self.B:
             return NO_NODE
-        best: Node | None = None
-        for s in p.by_first.get(tokens[0], ()):
-            if (len(s.tokens) > len(tokens) and s.tokens[: len(tokens)] == tokens
-                    and (best is None or (len(s.tokens), _neg(s.key)) > (len(best.tokens), _neg(best.key)))):
-                best = s
-        return best.id if best is not None else NO_NODE
+        at, d = self._walk(p, tokens, 0)
+        if d < len(tokens):
+            return NO_NODE
+        best = at.cover  # every child below starts with ``tokens``
+        return best.id if len(best.tokens) > len(tokens) else NO_NODE
 
     def _longest_run(self, node: Node, tokens: Sequence, start: int) -> tuple[Node | None, int]:
-        best: Node | None = None
-        best_run = 0
-        for c in node.by_first.get(tokens[start], ()):
-            limit = min(len(c.tokens), len(tokens) - start)
-            run = 0
-            ct = c.tokens
-            while run < limit and ct[run] == tokens[start + run]:
-                run += 1
-            if run > best_run or (run == best_run and best is not None and c.key < best.key):
-                best, best_run = c, run
-        return best, best_run
+        # the children below ``at`` are exactly those sharing the longest run ``d``
+        at, d = self._walk(node, tokens, start)
+        return (at.best, d) if d > 0 else (None, 0)
+
+    # ---------------------------------------------------------------- children index
+
+    def _walk(self, p: Node, q: Sequence, start: int) -> tuple[_Trie | None, int]:
+        """Follow ``q[start:]`` down ``p``'s index: ``(at, d)`` where the children below
+        ``at`` are exactly those whose common leading run with ``q[start:]`` is ``d``."""
+        v = p.index
+        if v is None:
+            return None, 0
+        d = 0
+        n = len(q) - start
+        while d < n:
+            c = v.kids.get(q[start + d]) if v.kids else None
+            if c is None:
+                break
+            e = _edge_end(q, start, c, d)
+            if e < c.depth:
+                return c, e
+            v, d = c, e
+        return v, d
+
+    def _index_add(self, p: Node, n: Node) -> None:
+        t = n.tokens
+        if not t:
+            return
+        if p.index is None:
+            p.index = _Trie(0, None, None, None)
+        v = p.index
+        while True:
+            if v.depth == len(t):
+                n.tnext = v.leaf
+                v.leaf = n
+                n.tnode = v
+                break
+            tok = t[v.depth]
+            c = v.kids.get(tok) if v.kids else None
+            if c is None:
+                leaf = _Trie(len(t), n, v, tok)
+                leaf.leaf = n
+                n.tnext = None
+                if v.kids is None:
+                    v.kids = {}
+                v.kids[tok] = leaf
+                n.tnode = leaf
+                break
+            e = _edge_end(t, 0, c, v.depth)
+            if e == c.depth:
+                v = c
+                continue
+            mid = _Trie(e, c.rep, v, tok)  # split the edge where ``t`` leaves it
+            ct = c.rep.tokens[e]
+            mid.kids = {ct: c}
+            mid.best, mid.cover = c.best, c.cover
+            c.up, c.tok = mid, ct
+            v.kids[tok] = mid
+            v = mid
+        x = n.tnode
+        while x is not None:
+            if x.best is None or n.key < x.best.key:
+                x.best = n
+            if x.cover is None or _covers_more(n, x.cover):
+                x.cover = n
+            x = x.up
+
+    def _index_remove(self, p: Node, n: Node) -> None:
+        v = n.tnode
+        if v is None:
+            return
+        n.tnode = None
+        if v.leaf is n:
+            v.leaf = n.tnext
+        else:
+            x = v.leaf
+            while x.tnext is not n:
+                x = x.tnext
+            x.tnext = n.tnext
+        n.tnext = None
+        if v.leaf is None and not v.kids and v.up is not None:  # a bare leaf: drop it
+            up = v.up
+            del up.kids[v.tok]
+            v = up
+        if v.up is not None and v.leaf is None and len(v.kids) == 1:  # one kid left: merge
+            (only,) = v.kids.values()
+            only.up, only.tok = v.up, v.tok
+            v.up.kids[v.tok] = only
+            v = v.up
+        if v.up is None and not v.kids and v.leaf is None:
+            p.index = None
+            return
+        while v is not None:  # aggregates and labels that named ``n``
+            if v.best is n or v.cover is n:
+                best = cover = v.leaf
+                x = v.leaf.tnext if v.leaf is not None else None
+                while x is not None:
+                    if x.key < best.key:
+                        best = x
+                    if _covers_more(x, cover):
+                        cover = x
+                    x = x.tnext
+                for k in v.kids.values() if v.kids else ():
+                    if best is None or k.best.key < best.key:
+                        best = k.best
+                    if cover is None or _covers_more(k.cover, cover):
+                        cover = k.cover
+                v.best, v.cover = best, cover
+            if v.rep is n:
+                v.rep = v.best
+            v = v.up
+
+    def _index_prefixes(self, p: Node, n: Node) -> list[Node]:
+        """Partial children whose tokens are a proper prefix of ``n``'s (attach)."""
+        out: list[Node] = []
+        t = n.tokens
+        v = p.index
+        if v is None or not t:
+            return out
+        while True:
+            if v.depth < len(t) and v.depth < self.B:
+                x = v.leaf
+                while x is not None:
+                    out.append(x)
+                    x = x.tnext
+            if v.depth >= len(t):
+                return out
+            c = v.kids.get(t[v.depth]) if v.kids else None
+            if c is None or _edge_end(t, 0, c, v.depth) < c.depth:
+                return out
+            v = c
+
+    def index_leaves(self, node: int) -> list[int]:
+        """The children the index of ``node`` holds, sorted (invariant checks)."""
+        out: list[int] = []
+        stack = [self.nodes[node].index] if self.nodes[node].index is not None else []
+        while stack:
+            v = stack.pop()
+            x = v.leaf
+            while x is not None:
+                out.append(x.id)
+                x = x.tnext
+            stack.extend(v.kids.values() if v.kids else ())
+        return sorted(out)
 
     def _fixed_point(self, path: list[Node], m: int, use_ssm: bool) -> int:
         B = self.B
@@ -332,11 +512,6 @@ def _stale(window: int | None, sinks: int, history: int, B: int) -> tuple[int, i
         return 0, 0
     nsink = -(-sinks // B)
     return nsink, max(nsink, (history + 1 - window) // B)
-
-
-def _neg(key: bytes) -> bytes:
-    # "ties by smaller key" inside a max(): invert every byte
-    return bytes(255 - b for b in key)
 
 
 # TREE-READY
