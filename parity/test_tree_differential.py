@@ -23,6 +23,7 @@ tree_mod = pytest.importorskip("kvcm.python_backend.tree")
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from kvcm.api import LifeCycle
 
 PyTree = tree_mod.RadixTree
 CppTree = _kvcm_cpp.RadixTree
@@ -43,6 +44,11 @@ PRESETS = [
 ]
 
 
+def _life_cycles(preset):
+    """The python tree takes the life-cycle type; the C++ binding its (kind, window, sinks)."""
+    return [LifeCycle(i, k, w, s, 0, ()) for i, (k, w, s) in enumerate(preset)]
+
+
 def _outcome(fn, *args):
     try:
         return ("ok", fn(*args))
@@ -58,7 +64,7 @@ class TreeLockstep(RuleBasedStateMachine):
     def setup(self, B, preset, index_threshold):
         self.B = B
         self.lcs = preset
-        self.py = PyTree(B, preset)
+        self.py = PyTree(B, _life_cycles(preset))
         self.cc = CppTree(B, preset, index_threshold)
         self.next_page = 100
         root = self.both("root", SCOPE_KEYS[0])[1]
@@ -265,8 +271,8 @@ test_tree_lockstep = TreeLockstep.TestCase
 
 def test_tree_basic_shapes():
     """A hand-written scenario: partial sibling adoption, covering siblings, matching."""
-    for Tree in (PyTree, CppTree):
-        t = Tree(2, [("attn", None, 0), ("ssm", None, 0)])
+    preset = [("attn", None, 0), ("ssm", None, 0)]
+    for t in (PyTree(2, _life_cycles(preset)), CppTree(2, preset)):
         r = t.root(SCOPE_KEYS[0])
         a = t.new_block(KEYS[0], [1, 2], 0)
         assert t.attach(r, a) == []

@@ -1,21 +1,22 @@
-"""The reference manager: pages, eviction, copy ops, stats, events (SPEC sec. 4, 8, 9, 11).
+"""The manager: page users, moves, eviction, copy ops, events and stats (SPEC sec. 4, 8, 9, 15).
 
-Request life cycles live in ``cache.py``; the radix tree in ``tree.py``.  Everything here
-is deterministic: no wall clock, no hash-seed or dict-order dependence in what is observable.
+C++ twin: ``cpp/core/manager.{h,cpp}``.  One request's life cycle lives in ``request.py``,
+the batched decode step in ``batch.py``, the radix tree in ``tree.py``, slot pools and the
+victim choice in ``pools.py``, snapshot and invariant checks in ``observe.py``.  Everything
+here is deterministic: no wall clock, no hash-seed or dict-order dependence in what is
+observable.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcm.api import (
     GPU,
     ClearedEvent,
-    ClosedError,
     CopyOp,
     Event,
     InvalidStateError,
@@ -23,7 +24,6 @@ from kvcm.api import (
     KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
-    OutOfPagesError,
     RemovedEvent,
     ReuseProbe,
     ReuseScope,
@@ -31,49 +31,24 @@ from kvcm.api import (
     StoredEvent,
     TierChangedEvent,
     Token,
-    check_batch_caches,
     check_cache_id,
     check_copy_ops,
-    check_counts,
     check_priority,
     check_scope,
     check_tokens,
     default_cache_id,
     resolve_config,
-    warn_pending_copy_ops,
 )
 from kvcm.keys import chain_keys, scope_root_key
-from kvcm.python_backend.pools import DROPPABLE, HELD, NO_NODE, Page, Pool
+from kvcm.python_backend import batch, observe
+from kvcm.python_backend.locking import serialized
+from kvcm.python_backend.pools import DROPPABLE, NO_NODE, Page, Pool
+from kvcm.python_backend.request import PyKVCache
 from kvcm.python_backend.tree import NO_PAGE, RadixTree
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped",
                 "lost_pages")
-
-
-def _at(what: str, i: int, check):
-    """Run one batch item's check; its error names the item (same type, for the caller)."""
-    try:
-        return check()
-    except (ClosedError, InvalidStateError, ValueError, TypeError) as e:
-        raise type(e)(f"{what}(): caches[{i}]: {e}") from None
-
-
-def serialized(method):
-    """Run a public call under the manager's lock: one scheduler thread is the intended
-    use, but concurrent calls must never interleave half-way (SPEC sec. 10)."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        mgr = self.mgr if hasattr(self, "mgr") else self
-        with mgr.lock:
-            result = method(self, *args, **kwargs)
-            if mgr.copy_ops_warn_due:  # after the call's work: the warning never changes it
-                mgr.copy_ops_warn_due = False
-                warn_pending_copy_ops(mgr.copy_ops_warn_at)
-            return result
-
-    return wrapper
 
 
 class PyKVCacheManager(KVCacheManager):
@@ -93,12 +68,12 @@ class PyKVCacheManager(KVCacheManager):
         # report SPEC's tier number by kind (gpu 0, host 1, disk 2): tier_ids maps at that boundary
         self.tier_ids = rc.tier_ids
         self.pools = [[Pool(t, lc.id, rc.slots[t][lc.id]) for lc in self.lcs] for t in range(self.num_tiers)]
-        self.tree = RadixTree(self.B, [(lc.kind, lc.window, lc.sinks) for lc in self.lcs])
+        self.tree = RadixTree(self.B, self.lcs)
         self.pages: dict[int, Page] = {}  # live pages by serial (= tree page handle)
         self.clock = 0  # logical clock (sec. 4): ticks once per state-changing public call
         self.next_page = 0
         self.next_request = 0  # creation serial of requests; also the default request id
-        self.requests: dict[int, Any] = {}  # serial -> live (not closed) PyKVCache
+        self.requests: dict[int, PyKVCache] = {}  # serial -> live (not closed) cache
         self.open_ids: set[int | str] = set()  # ids of the open caches
         self.copy_ops: list[CopyOp] = []
         self.copy_pages: list[int] = []  # serial of the page each pending op fills
@@ -129,9 +104,8 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def create_kv_cache(self, input_tokens: Sequence[Token] | None = None, scope: ReuseScope | None = None,
-                        priority: int | None = None, id: int | str | None = None):
-        from kvcm.python_backend.cache import PyKVCache
-
+                        priority: int | None = None, id: int | str | None = None) -> PyKVCache:
+        """SPEC sec. 7 create_kv_cache: match once and hold the match, SUSPENDED."""
         # the tokens are read first: any Python code they run (tolist, __iter__) runs
         # before this call looks at any state (DECISIONS "Tokens")
         tokens = check_tokens(() if input_tokens is None else input_tokens, "input_tokens")
@@ -156,6 +130,7 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
+        """SPEC sec. 6 probe_reuse: the match with no side effect (no tick, no LRU touch, no stats)."""
         toks = check_tokens(tokens)
         scope = check_scope(scope)
         root_key = scope_root_key(scope)  # nothing is kept for a scope (sec. 15)
@@ -166,39 +141,14 @@ class PyKVCacheManager(KVCacheManager):
         return ReuseProbe(m, mbs)
 
     # ---------------------------------------------------------------- batched decode step
-    # (semantics and check order: kvcm.api.KVCacheManager.resize_batch / commit_batch)
 
     @serialized
     def resize_batch(self, caches: Sequence[KVCache], capacities: Any, history_lengths: Any = None) -> list[bool]:
-        what = "resize_batch"
-        reqs = self._batch_caches(caches, what)
-        n = len(reqs)
-        caps = check_counts(capacities, "capacities", n, what)
-        hists = [None] * n if history_lengths is None else check_counts(history_lengths, "history_lengths", n, what)
-        args = [_at(what, i, lambda r=r, c=c, h=h: r._resize_args(c, h))
-                for i, (r, c, h) in enumerate(zip(reqs, caps, hists))]
-        # validated as a whole: now the single calls' bodies, in batch order
-        return [r._resize(c, h) for r, (c, h) in zip(reqs, args)]
+        return batch.resize_batch(self, caches, capacities, history_lengths)
 
     @serialized
     def commit_batch(self, caches: Sequence[KVCache], tokens: Any) -> None:
-        what = "commit_batch"
-        reqs = self._batch_caches(caches, what)
-        toks = check_tokens(tokens)
-        if len(toks) != len(reqs):
-            raise ValueError(f"{what}(): tokens has {len(toks)} items for {len(reqs)} caches")
-        for i, r in enumerate(reqs):
-            _at(what, i, r._require_committable)
-            _at(what, i, lambda r=r: r._check_room(1))
-        for r, t in zip(reqs, toks):
-            r._commit([t])
-
-    def _batch_caches(self, caches: Any, what: str) -> list:
-        """Check 1 of the batch calls: the caches, item by item in batch order."""
-        from kvcm.python_backend.cache import PyKVCache
-
-        return check_batch_caches(what, caches, lambda c: isinstance(c, PyKVCache) and c.mgr is self,
-                                  lambda c: c.serial)
+        batch.commit_batch(self, caches, tokens)
 
     @serialized
     def drain_copy_ops(self) -> list[CopyOp]:
@@ -209,7 +159,7 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def forget_copies(self, ops: Sequence[CopyOp]) -> list[int | str]:
-        """Failed copies (sec. 15; contract: kvcm.api.KVCacheManager.forget_copies)."""
+        """SPEC sec. 15 failed copies (contract: kvcm.api.KVCacheManager.forget_copies)."""
         ops = check_copy_ops(ops)
         pending: dict[CopyOp, list[int]] = {}  # op -> its indices in self.issued, in order
         for k, (iop, _) in enumerate(self.issued):
@@ -235,7 +185,7 @@ class PyKVCacheManager(KVCacheManager):
         resets = []
         for serial in sorted(self.requests):
             r = self.requests[serial]
-            point = r._rollback_point(lost_serials)
+            point = r.rollback_point(lost_serials)
             if point is not None:
                 resets.append((r, point))
         for page in lost:  # unlink lost committed pages (sec. 5 pruning, removed events)
@@ -246,23 +196,25 @@ class PyKVCacheManager(KVCacheManager):
                 if self.tree.is_attached(page.node):
                     self.unlink_committed(page)
                 else:
-                    self._unlink_from_node(page)
+                    self.unlink_from_node(page)
                 if page.locks == 0 and page.holds == 0:
                     self.free_page(page)
         for r, point in resets:
-            r._roll_back(point)
+            r.roll_back(point)
         return [r.id for r, _ in resets]
 
     @serialized
     def clear_reusable(self) -> None:
+        """SPEC sec. 8: drop every DROPPABLE page and prune the tree."""
         if self.is_shutdown:
             raise InvalidStateError("the manager is shut down")
         self.tick()
         self._drop_all_droppable()
-        self.emit(ClearedEvent(self._event_id()))
+        self.emit(ClearedEvent(self.event_id()))
 
     @serialized
     def shutdown(self) -> None:
+        """SPEC sec. 8: needs every cache closed; drops what is reusable."""
         if self.requests:
             raise InvalidStateError(f"shutdown needs every cache closed; {len(self.requests)} still open")
         if self.is_shutdown:
@@ -273,11 +225,11 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def stats(self) -> dict:
-        return self._stats_view(self.totals)
+        return self.stats_view(self.totals)
 
     @serialized
     def take_iteration_stats(self) -> dict:
-        view = self._stats_view(self.iteration)
+        view = self.stats_view(self.iteration)
         self.iteration = self._zero_counters()
         return view
 
@@ -289,15 +241,11 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def snapshot(self) -> dict:
-        from kvcm.python_backend.observe import snapshot
-
-        return snapshot(self)
+        return observe.snapshot(self)
 
     @serialized
     def check_invariants(self) -> None:
-        from kvcm.python_backend.observe import check_invariants
-
-        check_invariants(self)
+        observe.check_invariants(self)
 
     # ------------------------------------------------------------------ services for caches
 
@@ -309,11 +257,11 @@ class PyKVCacheManager(KVCacheManager):
         cfg = self._config
         return self.tree.match(root, tokens, keys, cfg.enable_partial_reuse, cfg.reuse_match_backoff)
 
-    # --- page users.  Every change of a page's state goes through _restate so the pool
-    # counters and eviction heaps never disagree with the derived state.
+    # --- page users.  Every change of a page's state goes through restate so the pool
+    # counters and eviction heaps never disagree with the derived state (sec. 4).
 
     def new_page(self, tier: int, lc: int, coverage: int, priority: int, ordinal: int) -> Page:
-        """A private page in the lowest free slot (the caller made room) with no user yet."""
+        """SPEC sec. 4: a private page in the lowest free slot (the caller made room), no user yet."""
         pool = self.pools[tier][lc]
         page = Page(self.next_page, lc, tier, pool.take_slot(), coverage, priority, self.clock, ordinal)
         self.next_page += 1
@@ -322,7 +270,7 @@ class PyKVCacheManager(KVCacheManager):
         return page
 
     def use(self, page: Page, active: bool, priority: int) -> None:
-        """A request starts using ``page`` (LRU touch, priority raised to the request's)."""
+        """SPEC sec. 4: a request starts using ``page`` (LRU touch, priority raised to the request's)."""
         def change() -> None:
             if active:
                 page.locks += 1
@@ -330,10 +278,10 @@ class PyKVCacheManager(KVCacheManager):
                 page.holds += 1
             page.last_used = self.clock
             page.priority = max(page.priority, priority)
-        self._restate(page, change)
+        self.restate(page, change)
 
     def unuse(self, page: Page, active: bool) -> None:
-        """A request stops using ``page``: a private or orphaned page with no user left is
+        """SPEC sec. 4: a request stops using ``page``: a private or orphaned page with no user left is
         freed; a tree page becomes DROPPABLE."""
         def change() -> None:
             if active:
@@ -341,7 +289,7 @@ class PyKVCacheManager(KVCacheManager):
             else:
                 page.holds -= 1
             page.last_used = self.clock
-        self._restate(page, change)
+        self.restate(page, change)
         if page.locks == 0 and page.holds == 0:
             if page.node == NO_NODE:
                 self.free_page(page)
@@ -349,7 +297,7 @@ class PyKVCacheManager(KVCacheManager):
                 self.free_orphan_page(page)
 
     def set_active(self, page: Page, active: bool) -> None:
-        """suspend/resume: LOCKED <-> HELD without touching LRU."""
+        """SPEC sec. 7 suspend/resume: LOCKED <-> HELD without touching LRU."""
         def change() -> None:
             if active:
                 page.holds -= 1
@@ -357,82 +305,73 @@ class PyKVCacheManager(KVCacheManager):
             else:
                 page.locks -= 1
                 page.holds += 1
-        self._restate(page, change)
+        self.restate(page, change)
 
-    def _restate(self, page: Page, change) -> None:
+    def restate(self, page: Page, change: Callable[[], None]) -> None:
+        """Apply ``change`` to ``page`` with its pool's counters and eviction index kept in step."""
         pool = self.pools[page.tier][page.lc]
-        pool.count(page.state, -1)
+        pool.unindex(page)
         change()
-        page.version += 1
-        pool.count(page.state, +1)
-        pool.push(page)
+        pool.index(page)
 
     def free_page(self, page: Page) -> None:
+        """Its slot back to the pool (SPEC sec. 4: the lowest free slot is handed out next)."""
         pool = self.pools[page.tier][page.lc]
-        pool.count(page.state, -1)
+        pool.unindex(page)
         pool.give_slot(page.slot)
         page.slot = -1
-        page.version += 1
         del self.pages[page.serial]
 
     # --- eviction (sec. 8)
 
     def can_allocate(self, tier: int, lc: int, n: int, adjust: dict | None = None) -> bool:
         """Whether ``n`` pages fit into pool (tier, lc) after eviction, without changing
-        anything.  ``adjust`` overrides the gpu pool's (free, held, droppable) counters."""
-        return self._capacity(tier, lc, adjust) >= n
+        anything.  ``adjust`` overrides the gpu pool's (free, held, droppable) counters.
+        SPEC sec. 8: what eviction could free, HELD pages only where a colder tier takes them."""
+        return self._capacity_of(tier, lc, adjust) >= n
 
-    def _capacity(self, tier: int, lc: int, adjust: dict | None) -> int:
+    def _capacity_of(self, tier: int, lc: int, adjust: dict | None) -> int:
         pool = self.pools[tier][lc]
         free, held, droppable = pool.nfree, pool.held, pool.droppable
         if adjust is not None and tier == GPU:
             free, held, droppable = adjust["free"], adjust["held"], adjust["droppable"]
         if tier == self.num_tiers - 1:
             return free + droppable
-        return free + droppable + min(held, self._capacity(tier + 1, lc, None))
+        return free + droppable + min(held, self._capacity_of(tier + 1, lc, None))
 
     def make_room(self, tier: int, lc: int) -> bool:
-        """Ensure pool (tier, lc) has a free slot, evicting one victim if needed."""
+        """SPEC sec. 8: ensure pool (tier, lc) has a free slot, evicting one victim if needed:
+        moved one tier colder (which may evict there first), else dropped (``Pool.victim``
+        holds the order and which pages may go)."""
         pool = self.pools[tier][lc]
         if pool.nfree:
             return True
-        victim = pool.victim()
-        if victim is None:
-            return False
         if tier < self.num_tiers - 1:
+            victim = pool.victim(movable=True)
+            if victim is None:
+                return False
             if self.make_room(tier + 1, lc):
                 if pool.nfree:  # a drop down there removed a subtree and freed a slot here
                     return True
                 self.move(victim, tier + 1, "offload")
                 return True
-            if victim.state == HELD:
-                victim = pool.peek(DROPPABLE)
-                if victim is None:
-                    return False
-        elif victim.state == HELD:
-            victim = pool.peek(DROPPABLE)
-            if victim is None:
-                return False
+            # the colder tier cannot take it (and nothing changed): only a drop is left
+        victim = pool.victim(movable=False)
+        if victim is None:
+            return False
         self.drop(victim)
         return True
 
-    def allocate(self, tier: int, lc: int, coverage: int, priority: int, ordinal: int) -> Page:
-        if not self.make_room(tier, lc):
-            raise OutOfPagesError(f"no {self._rc.tier_kinds[tier]} slot for life cycle {lc}")
-        return self.new_page(tier, lc, coverage, priority, ordinal)
-
     def move(self, page: Page, dst: int, reason: str) -> None:
-        """Move ``page`` to a free slot of tier ``dst`` (the caller made room)."""
+        """SPEC sec. 8: move ``page`` to a free slot of tier ``dst`` (the caller made room), with
+        its copy op (offload / onboard) and ``tier_changed`` event."""
         src_pool, dst_pool = self.pools[page.tier][page.lc], self.pools[dst][page.lc]
         old_tier, old_slot = page.tier, page.slot
-        state = page.state
         new_slot = dst_pool.take_slot()
-        src_pool.count(state, -1)
+        src_pool.unindex(page)
         src_pool.give_slot(old_slot)
         page.tier, page.slot = dst, new_slot
-        page.version += 1
-        dst_pool.count(state, +1)
-        dst_pool.push(page)
+        dst_pool.index(page)
         tid = self.tier_ids
         self._add_copy_op(CopyOp(page.lc, tid[old_tier], old_slot, tid[dst], new_slot, reason))
         self.copy_pages.append(page.serial)
@@ -441,10 +380,10 @@ class PyKVCacheManager(KVCacheManager):
         self.count(page.lc, kind)
         self.count(page.lc, kind[:-1] + "_bytes", nbytes)
         if page.node != NO_NODE and self.tree.is_attached(page.node):
-            self.emit(TierChangedEvent(self._event_id(), self.tree.key(page.node), page.lc, tid[old_tier], tid[dst]))
+            self.emit(TierChangedEvent(self.event_id(), self.tree.key(page.node), page.lc, tid[old_tier], tid[dst]))
 
     def drop(self, page: Page) -> None:
-        """Drop a DROPPABLE page: unlink it from its block, prune, free its slot."""
+        """SPEC sec. 8: drop a DROPPABLE page: unlink it from its block, prune, free its slot."""
         assert page.state == DROPPABLE
         self.count(page.lc, "drops")
         self.count(page.lc, "drop_bytes", self.lcs[page.lc].slot_bytes)
@@ -457,8 +396,8 @@ class PyKVCacheManager(KVCacheManager):
         node, lc = page.node, page.lc
         key = self.tree.key(node)
         ordinal = self.tree.nodes[node].ordinal
-        self._unlink_from_node(page)
-        self.emit(RemovedEvent(self._event_id(), (key,), lc))
+        self.unlink_from_node(page)
+        self.emit_removed(key, lc)
         life = self.lcs[lc]
         if life.is_full_attention or (life.kind == "attn" and ordinal < life.num_sink_blocks(self.B)):
             parent = self.tree.parent(node)
@@ -468,17 +407,18 @@ class PyKVCacheManager(KVCacheManager):
         else:
             self.tree.prune_upward(node)
 
-    def _unlink_from_node(self, page: Page) -> None:
+    def unlink_from_node(self, page: Page) -> None:
+        """``page`` leaves its block's slot (no event, no pruning: the callers do those)."""
         node = page.node
 
         def change() -> None:
             page.node = NO_NODE
 
-        self._restate(page, change)
+        self.restate(page, change)
         self.tree.clear_page(node, page.lc)  # may delete a dead orphan node
 
     def retire_nodes(self, node_ids: list[int], announce: bool = True) -> None:
-        """Blocks just detached: announce their pages gone, free the pages nobody uses
+        """SPEC sec. 5 pruning: blocks just detached: announce their pages gone, free the pages nobody uses
         (counted as drops); pages with users stay with the orphan."""
         for nid in node_ids:
             n = self.tree.nodes[nid]
@@ -487,7 +427,7 @@ class PyKVCacheManager(KVCacheManager):
                 if h == NO_PAGE:
                     continue
                 if announce:
-                    self.emit(RemovedEvent(self._event_id(), (n.key,), lc))
+                    self.emit_removed(n.key, lc)
                 page = self.pages[h]
                 if page.locks == 0 and page.holds == 0:
                     self.count(lc, "drops")
@@ -497,10 +437,11 @@ class PyKVCacheManager(KVCacheManager):
 
     def free_orphan_page(self, page: Page) -> None:
         """Free a page nobody uses whose block is detached (or about to be forgotten)."""
-        self._unlink_from_node(page)
+        self.unlink_from_node(page)
         self.free_page(page)
 
     def _drop_all_droppable(self) -> None:
+        """SPEC sec. 8 clear_reusable / shutdown: every DROPPABLE page goes, until none is left."""
         progress = True
         while progress:
             progress = False
@@ -518,11 +459,13 @@ class PyKVCacheManager(KVCacheManager):
         self.copy_pages.append(dst.serial)
 
     def _add_copy_op(self, op: CopyOp) -> None:
+        """SPEC sec. 8 copy ops, and sec. 15's one warning when the pending ones reach the figure."""
         self.copy_ops.append(op)
         if len(self.copy_ops) == self.copy_ops_warn_at and not self.copy_ops_warned:
             self.copy_ops_warned = self.copy_ops_warn_due = True  # warned once, at the call's end
 
     def emit(self, event: Event) -> None:
+        """SPEC sec. 9 / 15: buffer ``event``; the oldest is dropped (and counted) when full."""
         if self._config.max_events == 0:
             self.events_dropped += 1
             return
@@ -531,12 +474,16 @@ class PyKVCacheManager(KVCacheManager):
             self.events_dropped += 1
         self.events.append(event)
 
-    def _event_id(self) -> int:
+    def event_id(self) -> int:
         self.next_event += 1
         return self.next_event - 1
 
+    def emit_removed(self, key: bytes, lc: int) -> None:
+        """SPEC sec. 9: ``removed`` for a block that lost its last page of ``lc`` or was detached."""
+        self.emit(RemovedEvent(self.event_id(), (key,), lc))
+
     def emit_stored(self, node_id: int, lcs: list[int]) -> None:
-        """``stored`` for a block that just gained (or regained) pages of ``lcs``."""
+        """SPEC sec. 9: ``stored`` for a block that just gained (or regained) pages of ``lcs``."""
         if not lcs:
             return
         n = self.tree.nodes[node_id]
@@ -546,7 +493,7 @@ class PyKVCacheManager(KVCacheManager):
                         self.pages[n.pages[lc]].priority)
             for lc in lcs
         )
-        self.emit(StoredEvent(self._event_id(), parent_key, blocks, len(n.tokens) < self.B))
+        self.emit(StoredEvent(self.event_id(), parent_key, blocks, len(n.tokens) < self.B))
 
     # --- stats
 
@@ -571,7 +518,8 @@ class PyKVCacheManager(KVCacheManager):
                 d["reused_blocks"] += -(-m // B)
                 d["missed_blocks"] += -(-n_query // B) - -(-m // B)
 
-    def _stats_view(self, counters: dict) -> dict:
+    def stats_view(self, counters: dict) -> dict:
+        """SPEC sec. 9: the stats dict of ``counters`` (cumulative or this iteration's)."""
         return {
             "requests": counters["requests"],
             "query_tokens": counters["query_tokens"],

@@ -1,4 +1,8 @@
-"""Pages and per-(tier, lc) slot pools with their eviction order (SPEC sec. 4 and 8)."""
+"""Pages, per-(tier, lc) slot pools, their eviction index and the victim choice (SPEC sec. 4, 8).
+
+C++ twin: ``cpp/core/pools.{h,cpp}``.  ``Pool.victim`` is the one home of sec. 8's order and
+of which pages may be evicted (HELD moved only, DROPPABLE moved or dropped, LOCKED never).
+"""
 
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ class Page:
         return None
 
     def evict_key(self) -> tuple[int, int, int, int]:
+        """SPEC sec. 8 eviction order: lower first."""
         return (self.priority, self.last_used, -self.ordinal, self.serial)
 
 
@@ -80,28 +85,44 @@ class Pool:
         return len(self.free_slots)
 
     def take_slot(self) -> int:
+        """SPEC sec. 4: the lowest-numbered free slot."""
         return heapq.heappop(self.free_slots)
 
     def give_slot(self, slot: int) -> None:
         heapq.heappush(self.free_slots, slot)
 
-    def count(self, state: str | None, delta: int) -> None:
-        if state == LOCKED:
-            self.locked += delta
-        elif state == HELD:
-            self.held += delta
-        elif state == DROPPABLE:
-            self.droppable += delta
-
-    def push(self, page: Page) -> None:
+    def unindex(self, page: Page) -> None:
+        """Before a change of ``page``'s state, eviction key or place: it leaves its state's
+        count, and the version bump turns its heap entry stale (SPEC sec. 4 states)."""
         state = page.state
-        if state in self._heaps:
-            heap = self._heaps[state]
-            heapq.heappush(heap, (page.evict_key(), page.version, page))
-            if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
-                self._compact(state)
+        if state == LOCKED:
+            self.locked -= 1
+        elif state == HELD:
+            self.held -= 1
+        elif state == DROPPABLE:
+            self.droppable -= 1
+        page.version += 1
+
+    def index(self, page: Page) -> None:
+        """After the change: ``page`` is counted under its new state and, when it is a victim
+        candidate (HELD or DROPPABLE), pushed with its new eviction key (SPEC sec. 8)."""
+        state = page.state
+        if state == LOCKED:
+            self.locked += 1
+            return
+        if state == HELD:
+            self.held += 1
+        elif state == DROPPABLE:
+            self.droppable += 1
+        else:
+            return
+        heap = self._heaps[state]
+        heapq.heappush(heap, (page.evict_key(), page.version, page))
+        if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
+            self._compact(state)
 
     def peek(self, state: str) -> Page | None:
+        """The lowest page of ``state`` by eviction key (stale heap entries dropped)."""
         heap = self._heaps[state]
         while heap:
             _key, version, page = heap[0]
@@ -110,9 +131,16 @@ class Pool:
             heapq.heappop(heap)
         return None
 
-    def victim(self) -> Page | None:
-        """The lowest non-LOCKED page by (priority, last_used, ordinal desc, serial)."""
-        h, d = self.peek(HELD), self.peek(DROPPABLE)
+    def victim(self, movable: bool) -> Page | None:
+        """SPEC sec. 8: the page to evict from this pool, the one home of the order and the
+        skip rules.  Candidates are the non-LOCKED pages, lowest ``(priority, last_used,
+        ordinal desc, serial)`` first.  ``movable``: the victim can go one tier colder, so
+        HELD pages qualify; otherwise (the coldest tier, or a colder tier that cannot take
+        it) only a DROPPABLE page can go (it is dropped) and HELD ones are skipped."""
+        d = self.peek(DROPPABLE)
+        if not movable:
+            return d
+        h = self.peek(HELD)
         if h is None:
             return d
         if d is None:

@@ -1,4 +1,6 @@
-"""The radix tree of committed blocks (SPEC sec. 5) and the match walk (sec. 6).
+"""The radix tree of committed blocks (SPEC sec. 5), the match walk and its pruning (sec. 6).
+
+C++ twin: ``cpp/core/tree.{h,cpp}``.
 
 Nodes are addressed by int ids (creation order, never reused) and pages by int handles
 the manager owns, so the C++ port (``kvcm._kvcm_cpp.RadixTree``) has the same surface and
@@ -15,6 +17,8 @@ behind (SPEC sec. 15).
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from kvcm.api import LifeCycle
 
 NO_PAGE = -1
 NO_NODE = -1
@@ -103,12 +107,11 @@ def _edge_end(q: Sequence, qstart: int, c: _Trie, d: int) -> int:
 
 
 class RadixTree:
-    """Blocks of all scopes.  ``life_cycles``: ``(kind, window, sinks)`` per lc id, kind in
-    {"attn", "ssm"}, window ``None`` for full attention."""
+    """Blocks of all scopes.  ``life_cycles``: the model's life cycles, by id."""
 
-    def __init__(self, tokens_per_block: int, life_cycles: Sequence[tuple[str, int | None, int]]) -> None:
+    def __init__(self, tokens_per_block: int, life_cycles: Sequence[LifeCycle]) -> None:
         self.B = tokens_per_block
-        self.lcs = [(k, w, s) for k, w, s in life_cycles]
+        self.lcs = list(life_cycles)
         self.num_lcs = len(self.lcs)
         self.nodes: dict[int, Node] = {}
         self.roots: dict[bytes, Node] = {}
@@ -117,7 +120,7 @@ class RadixTree:
     # ---------------------------------------------------------------- public API
 
     def root(self, scope_key: bytes) -> int:
-        """The root of a scope, created on first use (the caller refs it; a root with no
+        """SPEC sec. 5 / 15: the root of a scope, created on first use (the caller refs it; a root with no
         child and no reference is released by ``unref``, ``prune_upward`` or ``collect``)."""
         node = self.roots.get(scope_key)
         if node is None:
@@ -130,7 +133,7 @@ class RadixTree:
         return self._new(key, tuple(tokens), ordinal, is_root=False).id
 
     def find_existing(self, parent: int, key: bytes, tokens: Sequence) -> int:
-        """The child of ``parent`` with ``key``, else a covering sibling (a longer child whose
+        """SPEC sec. 5 find_existing: the child of ``parent`` with ``key``, else a covering sibling (a longer child whose
         tokens start with ``tokens``; most tokens first, ties by smaller key), else -1."""
         p = self.nodes[parent]
         hit = p.children.get(key)
@@ -139,7 +142,7 @@ class RadixTree:
         return self._covering(p, tuple(tokens))
 
     def attach(self, parent: int, node: int) -> list[int]:
-        """Link ``node`` under ``parent``.  Shorter partial siblings whose tokens prefix the
+        """SPEC sec. 5 attach: link ``node`` under ``parent``.  Shorter partial siblings whose tokens prefix the
         node's are detached; per lc the node adopts a sibling's page where it has none or
         a smaller coverage (the displaced page swaps into the sibling).  Returns the
         detached siblings in key order; the caller frees their unused pages."""
@@ -165,7 +168,7 @@ class RadixTree:
         self._unlink(self.nodes[node])
 
     def remove_subtree(self, node: int) -> list[int]:
-        """Detach ``node`` and every descendant (pre-order, children by key); each detached
+        """SPEC sec. 5 pruning (full attention, sink blocks): detach ``node`` and every descendant (pre-order, children by key); each detached
         node loses its children links.  Returns the detached ids; the caller frees their
         unused pages and then calls :meth:`collect` on each."""
         out: list[int] = []
@@ -186,7 +189,7 @@ class RadixTree:
         return out
 
     def prune_upward(self, node: int) -> list[int]:
-        """From ``node`` up: detach while attached, childless and pageless (sec. 5)."""
+        """SPEC sec. 5 pruning: from ``node`` up, detach while attached, childless and pageless."""
         out: list[int] = []
         n: Node | None = self.nodes[node]
         while n is not None and n.attached and not n.is_root and not n.children and not n.has_page():
@@ -233,7 +236,7 @@ class RadixTree:
 
     def match(self, root: int, tokens: Sequence, keys: Sequence[bytes], partial: bool, backoff: int,
               ) -> tuple[int, int, list[int]]:
-        """Match ``tokens`` (``keys``: at least the full-block keys) under ``root``.
+        """SPEC sec. 6: match ``tokens`` (``keys``: at least the full-block keys) under ``root``.
         Returns ``(m, m_before_ssm, path)`` where ``path`` holds the ``ceil(m / B)``
         matched block ids (sec. 6)."""
         B = self.B
@@ -253,8 +256,8 @@ class RadixTree:
                 path.append(best)
                 m += run
         m = max(0, m - backoff)
-        m_before_ssm = self._fixed_point(path, m, use_ssm=False)
-        m = self._fixed_point(path, m, use_ssm=True)
+        m_before_ssm = self.prune_match(path, m, use_ssm=False)
+        m = self.prune_match(path, m, use_ssm=True)
         return m, m_before_ssm, [x.id for x in path[: -(-m // B)]]
 
     # ---------------------------------------------------------------- queries
@@ -307,6 +310,8 @@ class RadixTree:
         n.attached = False
 
     def _maybe_delete(self, n: Node) -> None:
+        """Node life time (module docstring): an orphan goes with its last user (sec. 5), an
+        unused scope root with its last child and request (sec. 15)."""
         if n.is_root:
             if n.refs == 0 and not n.children and not n.has_page() and self.roots.get(n.key) is n:
                 del self.roots[n.key]
@@ -323,6 +328,7 @@ class RadixTree:
             del self.nodes[n.id]
 
     def _covering(self, p: Node, tokens: tuple) -> int:
+        """SPEC sec. 5 find_existing: the covering sibling of a partial block's ``tokens``."""
         if not tokens or len(tokens) >= self.B:
             return NO_NODE
         at, d = self._walk(p, tokens, 0)
@@ -357,6 +363,7 @@ class RadixTree:
         return v, d
 
     def _index_add(self, p: Node, n: Node) -> None:
+        """Put child ``n`` into ``p``'s trie (SPEC sec. 15: a match does not scan siblings)."""
         t = n.tokens
         if not t:
             return
@@ -400,6 +407,7 @@ class RadixTree:
             x = x.up
 
     def _index_remove(self, p: Node, n: Node) -> None:
+        """Take child ``n`` out of ``p``'s trie, merging and re-labelling what it named."""
         v = n.tnode
         if v is None:
             return
@@ -445,7 +453,7 @@ class RadixTree:
             v = v.up
 
     def _index_prefixes(self, p: Node, n: Node) -> list[Node]:
-        """Partial children whose tokens are a proper prefix of ``n``'s (attach)."""
+        """SPEC sec. 5 attach: partial children whose tokens are a proper prefix of ``n``'s."""
         out: list[Node] = []
         t = n.tokens
         v = p.index
@@ -477,12 +485,16 @@ class RadixTree:
             stack.extend(v.kids.values() if v.kids else ())
         return sorted(out)
 
-    def _fixed_point(self, path: list[Node], m: int, use_ssm: bool) -> int:
+    def prune_match(self, path: list[Node], m: int, use_ssm: bool) -> int:
+        """SPEC sec. 6 step 3: shorten the match length ``m`` along ``path`` to a fixed point.
+        ssm: the match ends exactly at a snapshot; attention: every non-stale block below
+        ``m`` needs a page covering its matched tokens.  ``use_ssm`` False gives
+        ``m_before_ssm`` (step 4)."""
         B = self.B
         while True:
             m0 = m
-            for lc, (kind, window, sinks) in enumerate(self.lcs):
-                if kind == "ssm":
+            for lc, life in enumerate(self.lcs):
+                if life.kind == "ssm":
                     if not use_ssm:
                         continue
                     cut = 0
@@ -493,7 +505,7 @@ class RadixTree:
                             break
                     m = cut
                     continue
-                lo, hi = _stale(window, sinks, m, B)
+                lo, hi = life.stale_range(m, B)
                 for j in range(-(-m // B)):
                     if lo <= j < hi:
                         continue
@@ -504,14 +516,6 @@ class RadixTree:
                         break
             if m == m0:
                 return m
-
-
-def _stale(window: int | None, sinks: int, history: int, B: int) -> tuple[int, int]:
-    """Stale block ordinals ``[lo, hi)`` of a windowed lc at ``history`` (sec. 7)."""
-    if window is None:
-        return 0, 0
-    nsink = -(-sinks // B)
-    return nsink, max(nsink, (history + 1 - window) // B)
 
 
 # TREE-READY

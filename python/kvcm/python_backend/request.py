@@ -1,4 +1,10 @@
-"""One request's cache: the life cycle of SPEC sec. 7 and orphan re-attachment (sec. 5)."""
+"""One request's cache: the life cycle of SPEC sec. 7 and orphan re-attachment (sec. 5).
+
+C++ twin: ``cpp/core/request.{h,cpp}`` (there the request functions are ``Manager`` members
+taking the ``Request``).  The single calls are ``check_x`` (raises, changes nothing) then
+``x_checked`` (the work), so ``batch.py`` can check a whole batch first.  The manager
+(``manager.py``) creates requests; this module does not import it (no import cycle).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,6 @@ from kvcm.api import (
     ClosedError,
     InvalidStateError,
     KVCache,
-    RemovedEvent,
     ReuseScope,
     Status,
     TierChangedEvent,
@@ -22,15 +27,15 @@ from kvcm.api import (
     int32_view,
 )
 from kvcm.keys import block_key, chain_keys, scope_root_key
-from kvcm.python_backend.manager import serialized
+from kvcm.python_backend.locking import serialized
 from kvcm.python_backend.pools import NO_NODE, Page
 from kvcm.python_backend.tree import NO_PAGE
 
 
 class PyKVCache(KVCache):
-    def __init__(self, mgr, serial: int, cache_id: int | str, tokens: list, scope: ReuseScope, priority: int) -> None:
+    def __init__(self, mgr: Any, serial: int, cache_id: int | str, tokens: list, scope: ReuseScope, priority: int) -> None:
         B = mgr.B
-        self.mgr = mgr
+        self.mgr = mgr  # the PyKVCacheManager that created it
         self.serial = serial  # creation order in the manager
         self._id = cache_id
         self.scope = scope
@@ -49,18 +54,19 @@ class PyKVCache(KVCache):
         self.pages: dict[int, list[Page | None]] = {}
         self.live: Page | None = None  # the live ssm state
         self.snap: Page | None = None  # matched ssm snapshot, held until the first resume copies it
-        self._reused = self._match_and_hold(tokens, self.keys)
+        self._reused = self.match_and_hold(tokens, self.keys)
         mgr.requests[serial] = self
         mgr.record_match(len(tokens), self._reused)
 
-    def _match_and_hold(self, tokens: list, keys: list[bytes]) -> int:
-        """Match ``tokens`` and hold what the match found, as a fresh SUSPENDED request
+    def match_and_hold(self, tokens: list, keys: list[bytes]) -> int:
+        """SPEC sec. 7 create: match ``tokens`` and hold what the match found (the pages of
+        the non-stale blocks, the snapshot at the match end), as a fresh SUSPENDED request
         (create, and the roll-back of ``forget_copies``); returns the match length."""
         mgr = self.mgr
         B = mgr.B
         m, _mbs, path = mgr.match(self.root, tokens, keys) if tokens else (0, 0, [])
         self.tokens: list[Token] = tokens[:m]  # committed tokens
-        self.capacity_ = m
+        self._capacity = m
         self.history = m
         # blocks[i]: tree node this request references for ordinal i (-1: none)
         self.blocks: list[int] = list(path)
@@ -86,8 +92,8 @@ class PyKVCache(KVCache):
         self.cow_block = m // B if m % B else -1
         return m
 
-    def _rollback_point(self, lost: set[int]) -> int | None:
-        """Where this request rolls back to when the pages ``lost`` (serials) are forgotten:
+    def rollback_point(self, lost: set[int]) -> int | None:
+        """SPEC sec. 15: where this request rolls back to when the pages ``lost`` (serials) are forgotten:
         the start of the first block whose page it uses is lost; its committed length when
         the live ssm state or the matched snapshot is lost (the re-match then finds an
         earlier snapshot).  None: it uses no lost page."""
@@ -103,27 +109,16 @@ class PyKVCache(KVCache):
                 point = len(self.tokens) if point is None else point
         return None if point is None else min(point, len(self.tokens))
 
-    def _roll_back(self, point: int) -> None:
-        """``forget_copies``: release everything, then match ``tokens[:point]`` again and
+    def roll_back(self, point: int) -> None:
+        """SPEC sec. 15 ``forget_copies``: release everything, then match ``tokens[:point]`` again and
         hold it as a SUSPENDED request (DECISIONS.md "Failed copies")."""
         mgr = self.mgr
-        active = self._status == Status.ACTIVE
-        for p in self._used_pages():
-            mgr.unuse(p, active)
-        self.live = self.snap = None
-        for lc in mgr.attn_lcs:
-            self.pages[lc] = []
-        for nid in self.blocks:
-            if nid != NO_NODE:
-                mgr.tree.unref(nid)
-        self.blocks = []
+        self._release_all()
         self._status = Status.SUSPENDED
         self.stopped = False
         tokens = self.tokens[:point]
-        from kvcm.keys import chain_keys
-
         keys = chain_keys(self.root_key, tokens[: len(tokens) // mgr.B * mgr.B], mgr.B)
-        self._match_and_hold(tokens, keys)
+        self.match_and_hold(tokens, keys)
 
     # ------------------------------------------------------------------ properties
 
@@ -137,7 +132,7 @@ class PyKVCache(KVCache):
 
     @property
     def capacity(self) -> int:
-        return self.capacity_
+        return self._capacity
 
     @property
     def history_length(self) -> int:
@@ -163,10 +158,11 @@ class PyKVCache(KVCache):
 
     @serialized
     def resume(self) -> bool:
+        """SPEC sec. 7 resume: every used page LOCKED on gpu, all or nothing."""
         self._require(Status.SUSPENDED, "resume")
         mgr = self.mgr
-        used = self._used_pages()
-        cow_sources = self._cow_sources()
+        used = self.used_pages()
+        cow_sources = self.cow_sources()
         need = dict.fromkeys(range(len(mgr.lcs)), 0)  # gpu slots to allocate per lc
         locked_after = {lc: mgr.pools[GPU][lc].locked for lc in range(len(mgr.lcs))}
         held_gpu = {lc: mgr.pools[GPU][lc].held for lc in range(len(mgr.lcs))}
@@ -211,18 +207,19 @@ class PyKVCache(KVCache):
 
     @serialized
     def suspend(self) -> None:
+        """SPEC sec. 7 suspend: LOCKED -> HELD."""
         self._require(Status.ACTIVE, "suspend")
         self.mgr.tick()
-        for p in self._used_pages():
+        for p in self.used_pages():
             self.mgr.set_active(p, False)
         self._status = Status.SUSPENDED
 
     @serialized
     def resize(self, capacity: int, history_length: int | None = None) -> bool:
-        return self._resize(*self._resize_args(capacity, history_length))
+        return self.resize_checked(*self.check_resize(capacity, history_length))
 
-    def _resize_args(self, capacity: Any, history_length: Any) -> tuple[int, int]:
-        """Every check of ``resize`` (changing nothing): the validated (capacity, history).
+    def check_resize(self, capacity: Any, history_length: Any) -> tuple[int, int]:
+        """SPEC sec. 7 / 10: every check of ``resize`` (changing nothing): the validated (capacity, history).
         Shared with ``resize_batch``, which runs it for the whole batch first."""
         self._require(Status.ACTIVE, "resize")
         capacity = check_count(capacity, "capacity")
@@ -235,8 +232,10 @@ class PyKVCache(KVCache):
             raise ValueError(f"capacity {capacity} is below history_length {history}")
         return capacity, history
 
-    def _resize(self, capacity: int, history: int) -> bool:
-        """``resize`` with arguments :meth:`_resize_args` accepted (under the manager lock)."""
+    def resize_checked(self, capacity: int, history: int) -> bool:
+        """SPEC sec. 7 resize with arguments :meth:`check_resize` accepted (under the manager
+        lock): allocate pages for new non-stale blocks, free those beyond the capacity,
+        release those that became stale; all or nothing."""
         mgr = self.mgr
         B = mgr.B
         nb = -(-capacity // B)
@@ -281,7 +280,7 @@ class PyKVCache(KVCache):
                 return False
 
         mgr.tick()
-        self.capacity_ = capacity
+        self._capacity = capacity
         self.history = history
         for lc, i in releases:
             page = self.pages[lc][i]
@@ -314,26 +313,27 @@ class PyKVCache(KVCache):
 
     @serialized
     def commit(self, tokens: Sequence[Token]) -> None:
+        """SPEC sec. 7 commit (checks first, sec. 10: a failed call changes nothing)."""
         # the tokens first: any Python code they run (tolist, __iter__) runs before the
         # status is looked at, so it cannot slip a commit past a suspend or close
         toks = check_tokens(tokens)
-        self._require_committable()
-        self._check_room(len(toks))
-        self._commit(toks)
+        self.check_commit(len(toks))
+        self.commit_checked(toks)
 
-    def _require_committable(self) -> None:
-        """The status checks of ``commit`` (shared with ``commit_batch``)."""
+    def check_commit(self, n: int) -> None:
+        """Every check of a ``commit`` of ``n`` tokens, changing nothing (shared with
+        ``commit_batch``): the status, then the room (sec. 7: committed + n <= capacity)."""
         self._require(Status.ACTIVE, "commit")
         if self.stopped:
             raise InvalidStateError("commit after stop_committing()")
-
-    def _check_room(self, n: int) -> None:
-        if len(self.tokens) + n > self.capacity_:
+        if len(self.tokens) + n > self._capacity:
             raise ValueError(
-                f"commit of {n} tokens exceeds capacity {self.capacity_} ({len(self.tokens)} committed)")
+                f"commit of {n} tokens exceeds capacity {self._capacity} ({len(self.tokens)} committed)")
 
-    def _commit(self, toks: list[Token]) -> None:
-        """``commit`` of already checked tokens (under the manager lock)."""
+    def commit_checked(self, toks: list[Token]) -> None:
+        """SPEC sec. 7 commit of tokens :meth:`check_commit` accepted (under the manager lock):
+        each block that becomes full goes into the tree, a snapshot where the commit ends on
+        a block boundary."""
         if not toks:
             return
         mgr = self.mgr
@@ -356,7 +356,7 @@ class PyKVCache(KVCache):
         self._release_stale(old_history, old // B)
 
     def _release_stale(self, old_history: int, first_block: int) -> None:
-        """Blocks that slid out of a window stop being used at once (they stay in the tree).
+        """SPEC sec. 7: blocks that slid out of a window stop being used at once (they stay in the tree).
         Ordinals stale at ``old_history`` hold no page already, except those this commit
         wrote (from ``first_block`` on): the scan starts there, so a decode step's cost does
         not grow with the request's length."""
@@ -374,6 +374,7 @@ class PyKVCache(KVCache):
 
     @serialized
     def stop_committing(self) -> None:
+        """SPEC sec. 7 stop_committing: the partial tail goes into the tree."""
         self._require_open("stop_committing")
         if self.stopped:
             return
@@ -382,22 +383,14 @@ class PyKVCache(KVCache):
 
     @serialized
     def close(self) -> None:
+        """SPEC sec. 7 close: stop_committing, then release everything; idempotent."""
         if self._status == Status.CLOSED:
             return
         mgr = self.mgr
         mgr.tick()
         if not self.stopped:
             self._stop()
-        active = self._status == Status.ACTIVE
-        for p in self._used_pages():
-            mgr.unuse(p, active)
-        self.live = self.snap = None
-        for lc in mgr.attn_lcs:
-            self.pages[lc] = []
-        for nid in self.blocks:
-            if nid != NO_NODE:
-                mgr.tree.unref(nid)
-        self.blocks = []
+        self._release_all()
         mgr.tree.unref(self.root)  # may release an unused scope root
         self._status = Status.CLOSED
         del mgr.requests[self.serial]
@@ -405,16 +398,18 @@ class PyKVCache(KVCache):
 
     @serialized
     def page_indices(self, lc: int) -> list[int]:
+        """SPEC sec. 7: gpu slot per block ordinal, -1 for stale or absent; ssm: the live slot."""
         self._require(Status.ACTIVE, "page_indices")
         lc = self._check_lc(lc)
         if lc == self.mgr.ssm_lc:
             return [self.live.slot]
-        nb = -(-self.capacity_ // self.mgr.B)
+        nb = -(-self._capacity // self.mgr.B)
         pages = self.pages[lc]
         return [pages[i].slot if i < len(pages) and pages[i] is not None else -1 for i in range(nb)]
 
     @serialized
     def page_indices_into(self, lc: int, out: Any) -> int:
+        """SPEC sec. 7: the zero-copy variant of page_indices (a caller's int32 buffer)."""
         self._require(Status.ACTIVE, "page_indices_into")
         lc = self._check_lc(lc)
         view = int32_view(out)
@@ -444,7 +439,21 @@ class PyKVCache(KVCache):
             raise ValueError(f"unknown life cycle {value}; this model has {len(self.mgr.lcs)}")
         return value
 
-    def _used_pages(self) -> list[Page]:
+    def _release_all(self) -> None:
+        """Stop using every page and tree block (close, and the roll-back of forget_copies)."""
+        mgr = self.mgr
+        active = self._status == Status.ACTIVE
+        for p in self.used_pages():
+            mgr.unuse(p, active)
+        self.live = self.snap = None
+        for lc in mgr.attn_lcs:
+            self.pages[lc] = []
+        for nid in self.blocks:
+            if nid != NO_NODE:
+                mgr.tree.unref(nid)
+        self.blocks = []
+
+    def used_pages(self) -> list[Page]:
         """Every page this request uses, in the canonical order (lc, ordinal; snap; live)."""
         out = [p for lc in self.mgr.attn_lcs for p in self.pages[lc] if p is not None]
         if self.snap is not None:
@@ -453,7 +462,9 @@ class PyKVCache(KVCache):
             out.append(self.live)
         return out
 
-    def _cow_sources(self) -> list[Page]:
+    def cow_sources(self) -> list[Page]:
+        """The pages the first resume copies (sec. 7 copy-on-write): the block a match ends
+        inside, and the matched ssm snapshot."""
         out: list[Page] = []
         if self.cow_block >= 0:
             for lc in self.mgr.attn_lcs:
@@ -465,17 +476,19 @@ class PyKVCache(KVCache):
         return out
 
     def _ensure_room(self, tier: int, lc: int) -> None:
+        """make_room where a feasibility check already promised the slot."""
         if not self.mgr.make_room(tier, lc):
             raise AssertionError("kvcm bug: a feasibility check passed but eviction found no slot")
 
     def _alloc_private(self, lc: int, coverage: int, ordinal: int) -> Page:
+        """A new gpu page private to this request, in its state (LOCKED or HELD)."""
         self._ensure_room(GPU, lc)
         page = self.mgr.new_page(GPU, lc, coverage, self._priority, ordinal)
         self.mgr.use(page, self._status == Status.ACTIVE, self._priority)
         return page
 
     def _copy_on_write(self) -> None:
-        """First resume after a match ending inside a block or at a snapshot (sec. 7)."""
+        """SPEC sec. 7: first resume after a match ending inside a block or at a snapshot."""
         mgr = self.mgr
         j = self.cow_block
         if j >= 0:
@@ -498,8 +511,8 @@ class PyKVCache(KVCache):
             mgr.unuse(self.snap, True)
             self.snap = None
 
-    def _key(self, i: int, tokens: list) -> bytes:
-        """Key of block ``i`` holding ``tokens`` (input keys are reused when they apply)."""
+    def _key_for(self, i: int, tokens: list) -> bytes:
+        """SPEC sec. 3: key of block ``i`` holding ``tokens`` (input keys are reused when they apply)."""
         B = self.mgr.B
         parent = self.mgr.tree.key(self.blocks[i - 1]) if i > 0 else self.root_key
         if (len(tokens) == B and i < len(self.keys) and (i == 0 or self.keys[i - 1] == parent)
@@ -526,12 +539,12 @@ class PyKVCache(KVCache):
             if existing != NO_NODE:
                 self._switch_block(j, orphan, existing)
             else:
-                self._attach(parent, orphan, [lc for lc, h in enumerate(node.pages) if h != NO_PAGE])
+                self._attach(parent, orphan)
             parent = self.blocks[j]
         return parent
 
     def _switch_block(self, j: int, orphan: int, existing: int) -> None:
-        """Another request inserted an equivalent block meanwhile: use it, moving this
+        """SPEC sec. 5 re-attachment: another request inserted an equivalent block meanwhile: use it, moving this
         request's pages into it where they cover more."""
         mgr = self.mgr
         tree = mgr.tree
@@ -547,7 +560,8 @@ class PyKVCache(KVCache):
         mgr.emit_stored(existing, gained)
 
     def _install(self, nid: int, lc: int, p: Page, gained: list[int]) -> None:
-        """Make ``p`` the page of block ``nid`` for ``lc`` (it covers more than the old one)."""
+        """SPEC sec. 5: make ``p`` the page of block ``nid`` for ``lc`` (a slot keeps only the
+        page with the largest coverage)."""
         mgr = self.mgr
         tree = mgr.tree
         if p.node != NO_NODE:  # moving from an orphan block
@@ -558,7 +572,7 @@ class PyKVCache(KVCache):
         if p.locks or p.holds:
             p.node = nid  # a used page: its state does not depend on the node
         else:
-            mgr._restate(p, lambda: setattr(p, "node", nid))
+            mgr.restate(p, lambda: setattr(p, "node", nid))
         if old == NO_PAGE:
             gained.append(lc)
             return
@@ -566,14 +580,14 @@ class PyKVCache(KVCache):
 
         def unlink() -> None:
             q.node = NO_NODE
-        mgr._restate(q, unlink)
+        mgr.restate(q, unlink)
         if q.tier != p.tier:
-            mgr.emit(TierChangedEvent(mgr._event_id(), tree.key(nid), lc, mgr.tier_ids[q.tier], mgr.tier_ids[p.tier]))
+            mgr.emit(TierChangedEvent(mgr.event_id(), tree.key(nid), lc, mgr.tier_ids[q.tier], mgr.tier_ids[p.tier]))
         if q.locks == 0 and q.holds == 0:
             mgr.free_page(q)
 
-    def _attach(self, parent: int, nid: int, lcs_before: list[int]) -> None:
-        """Link block ``nid`` under ``parent`` and announce it: ``removed`` for every lc the
+    def _attach(self, parent: int, nid: int) -> None:
+        """SPEC sec. 5 attach: link block ``nid`` under ``parent`` and announce it: ``removed`` for every lc the
         detached partial siblings had (adopted pages included), then ``stored``."""
         mgr = self.mgr
         tree = mgr.tree
@@ -589,7 +603,7 @@ class PyKVCache(KVCache):
                 had[mgr.pages[h].node].add(lc)
         for sid in siblings:
             for lc in sorted(had[sid]):
-                mgr.emit(RemovedEvent(mgr._event_id(), (tree.nodes[sid].key,), lc))
+                mgr.emit_removed(tree.nodes[sid].key, lc)
         for lc in range(len(mgr.lcs)):
             if node.pages[lc] != NO_PAGE:
                 mgr.pages[node.pages[lc]].node = nid
@@ -611,7 +625,7 @@ class PyKVCache(KVCache):
         mgr = self.mgr
         tree = mgr.tree
         ntok = len(tokens)
-        key = self._key(i, tokens)
+        key = self._key_for(i, tokens)
         parent = self._parent_for(i)
         existing = tree.find_existing(parent, key, tokens)
         snap: Page | None = None
@@ -637,11 +651,11 @@ class PyKVCache(KVCache):
                     p.node = nid  # a used page: its state does not depend on the node
             if snap is not None:
                 tree.set_page(nid, ssm, snap.serial, ntok)
-                mgr._restate(snap, lambda: setattr(snap, "node", nid))
+                mgr.restate(snap, lambda: setattr(snap, "node", nid))
             tree.ref(nid)
             self._set_block(i, nid)
             if tree.nodes[nid].has_page():
-                self._attach(parent, nid, [])
+                self._attach(parent, nid)
             elif not defer_prune:
                 tree.prune_upward(parent)  # a re-attached chain must not stay childless
             return
@@ -668,6 +682,7 @@ class PyKVCache(KVCache):
         mgr.emit_stored(existing, gained)
 
     def _set_block(self, i: int, nid: int) -> None:
+        """This request now references block ``nid`` for ordinal ``i`` (instead of any other)."""
         if i < len(self.blocks):
             if self.blocks[i] != NO_NODE:
                 self.mgr.tree.unref(self.blocks[i])
@@ -677,7 +692,7 @@ class PyKVCache(KVCache):
             self.blocks.append(nid)
 
     def _stop(self) -> None:
-        """stop_committing without the clock tick (close() reuses it)."""
+        """SPEC sec. 7 stop_committing without the clock tick (close() reuses it)."""
         mgr = self.mgr
         B = mgr.B
         self.stopped = True
