@@ -83,7 +83,8 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
-from kvcm.api import AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig, resolve_config
+from kvcm.api import AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig
+from kvcm.config import resolve_config
 
 COPY_REASONS = ("offload", "onboard", "cow", "snapshot")
 POOL_PREFIX = "kvcm-pool-"

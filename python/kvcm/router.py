@@ -37,7 +37,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.api import KVCacheManagerConfig, LifeCycle, ReuseScope, Token, resolve_config
+from kvcm.api import KVCacheManagerConfig, ReuseScope, Token
+from kvcm.config import LifeCycle, resolve_config
 from kvcm.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, AllBlocksCleared, BlockRemoved, BlockStored
 
 

@@ -7,8 +7,6 @@ from typing import Any
 
 from kvcm.api import (
     GPU,
-    MAX_REQUEST_BLOCKS,
-    ClosedError,
     InvalidStateError,
     KVCache,
     RemovedEvent,
@@ -17,10 +15,8 @@ from kvcm.api import (
     TierChangedEvent,
     Token,
     as_int,
-    check_count,
-    check_tokens,
-    int32_view,
 )
+from kvcm.checks import MAX_REQUEST_BLOCKS, check_count, check_tokens, closed_error, int32_view, status_error
 from kvcm.keys import block_key
 from kvcm.python_backend.manager import serialized
 from kvcm.python_backend.pools import NO_NODE, Page
@@ -426,12 +422,12 @@ class PyKVCache(KVCache):
 
     def _require_open(self, what: str) -> None:
         if self._status == Status.CLOSED:
-            raise ClosedError(f"{what}() on a closed cache")
+            raise closed_error(what)
 
     def _require(self, status: Status, what: str) -> None:
         self._require_open(what)
         if self._status != status:
-            raise InvalidStateError(f"{what}() needs a {status.value} cache, this one is {self._status.value}")
+            raise status_error(what, status, self._status)
 
     def _check_lc(self, lc: Any) -> int:
         value = as_int(lc)

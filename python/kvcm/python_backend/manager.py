@@ -31,6 +31,8 @@ from kvcm.api import (
     StoredEvent,
     TierChangedEvent,
     Token,
+)
+from kvcm.checks import (
     check_batch_caches,
     check_cache_id,
     check_copy_ops,
@@ -39,8 +41,8 @@ from kvcm.api import (
     check_scope,
     check_tokens,
     default_cache_id,
-    resolve_config,
 )
+from kvcm.config import resolve_config
 from kvcm.keys import chain_keys, scope_root_key
 from kvcm.python_backend.pools import DROPPABLE, HELD, NO_NODE, Page, Pool
 from kvcm.python_backend.tree import NO_PAGE, RadixTree

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvcm.config import stale_range
+
 NO_PAGE = -1
 NO_NODE = -1
 
@@ -328,10 +330,7 @@ class RadixTree:
 
 def _stale(window: int | None, sinks: int, history: int, B: int) -> tuple[int, int]:
     """Stale block ordinals ``[lo, hi)`` of a windowed lc at ``history`` (sec. 7)."""
-    if window is None:
-        return 0, 0
-    nsink = -(-sinks // B)
-    return nsink, max(nsink, (history + 1 - window) // B)
+    return stale_range(window, sinks, history, B)  # the one formula: kvcm.config
 
 
 def _neg(key: bytes) -> bytes:
