@@ -54,14 +54,9 @@ from typing import Any
 
 from kvcm import block_keys
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
+from kvcm.cli_common import exit_code, format_table, int_in, ratio, run_guarded
 
 BACKENDS = ("python", "cpp")
-
-
-def _cli():  # the table helpers live in kvcm.cli (which imports this module lazily)
-    from kvcm import cli
-
-    return cli
 
 
 def _config(B: int, gpu_blocks: int, host_blocks: int = 0, max_events: int = 10_000) -> KVCacheManagerConfig:
@@ -83,10 +78,9 @@ def _lc_stat(mgr: KVCacheManager, name: str) -> int:
 
 def _run_both(fn: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
     """``{backend: metrics dict or the reason it did not run}``."""
-    cli = _cli()
     out: dict[str, Any] = {}
     for b in BACKENDS:
-        res, why = cli._run_guarded(lambda b=b: fn(b))
+        res, why = run_guarded(lambda b=b: fn(b))
         out[b] = res if why is None else why
         gc.collect()
     return out
@@ -94,7 +88,6 @@ def _run_both(fn: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
 
 def _print(title: str, results: dict[str, Any], rows: list[tuple[str, str, Callable[[Any], str], bool]]) -> int:
     """rows: (label, metric key, formatter, ratio?)."""
-    cli = _cli()
     table = []
     for label, key, fmt, with_ratio in rows:
         line = [label]
@@ -103,15 +96,15 @@ def _print(title: str, results: dict[str, Any], rows: list[tuple[str, str, Calla
             line.append("" if isinstance(r, str) or key not in r else fmt(r[key]))
         py, cpp = results.get("python"), results.get("cpp")
         ok = with_ratio and isinstance(py, dict) and isinstance(cpp, dict)
-        line.append(cli._ratio(py.get(key), cpp.get(key)) if ok else "")
+        line.append(ratio(py.get(key), cpp.get(key)) if ok else "")
         table.append(line)
     for j, b in enumerate(BACKENDS, 1):  # a backend that did not run: why, in its first row
         if isinstance(results[b], str):
             table[0][j] = results[b]
     print(f"\n{title}")
-    print(cli._table(["", *BACKENDS, "python/cpp"], table))
+    print(format_table(["", *BACKENDS, "python/cpp"], table))
     sys.stdout.flush()
-    return cli._exit_code(results)
+    return exit_code(results)
 
 
 def _us(v: float) -> str:
@@ -542,7 +535,7 @@ MICRO = {"probe": bench_probe, "decode": bench_decode, "evict": bench_evict, "me
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The micro benches' options on the ``bench`` subparser."""
-    pos = _cli()._int_in(1)
+    pos = int_in(1)
     p.add_argument("--probe-tokens", type=pos, default=16_384, help="probe: cached prompt length (default 16384)")
     p.add_argument("--decode-batch", type=pos, default=256, help="decode: ACTIVE requests (default 256)")
     p.add_argument("--decode-steps", type=pos, default=200, help="decode: steps timed (default 200)")

@@ -32,10 +32,17 @@ import math
 import os
 import platform
 import sys
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+# The shared table / run helpers, under the names this module has always used for them.
+from kvcm.cli_common import best_of as _best_of
+from kvcm.cli_common import exit_code as _exit_code
+from kvcm.cli_common import fmt_int as _fmt_int
+from kvcm.cli_common import format_table as _table
+from kvcm.cli_common import int_in as _int_in
+from kvcm.cli_common import ratio as _ratio
+from kvcm.cli_common import run_guarded as _run_guarded
 
 # The default replay: a prefix of the shipped trace the python backend replays in about
 # 30 s at tokens_per_block=32 (measured on a 2-core machine: 1,000 requests, 11.9M prompt
@@ -46,8 +53,6 @@ DEFAULT_REPLAY_LIMIT = 1000
 # ``bench replay`` runs each backend twice (unbounded, then a tight quota that evicts and
 # is ~4x slower on python), so it defaults to a shorter prefix.
 DEFAULT_BENCH_LIMIT = 500
-NOT_IMPLEMENTED = "not implemented yet (issue #3)"
-ERROR_PREFIX = "error: "
 REPLAY_EXIT_CODES = (
     "exit status: 0 at least one backend ran and none failed; 1 a backend raised an unexpected error "
     "(traceback on stderr); 2 bad usage, or an unreadable or malformed trace (one line naming the file, "
@@ -72,19 +77,6 @@ def _backends(arg: str) -> list[str]:
     return names
 
 
-def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"{v} out of range {lo}..{hi if hi is not None else ''}")
-        return v
-
-    return parse
-
-
 def _frac(text: str) -> float:
     try:
         v = float(text)
@@ -93,37 +85,6 @@ def _frac(text: str) -> float:
     if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return v
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    cols = len(header)
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(cols)]
-    lines = []
-    for r in [header, *rows]:
-        cells = [str(r[0]).ljust(widths[0])] + [str(r[i]).rjust(widths[i]) for i in range(1, cols)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _fmt_int(n: int) -> str:
-    return f"{n:,}"
-
-
-def _run_guarded(fn: Callable[[], Any]) -> tuple[Any, str | None]:
-    """``(result, None)``, or ``(None, why)`` when the backend cannot run it."""
-    from kvcm import BackendUnavailableError
-
-    try:
-        return fn(), None
-    except NotImplementedError:
-        return None, NOT_IMPLEMENTED
-    except BackendUnavailableError as e:
-        return None, f"unavailable ({str(e).split(':')[0]})"
-    except ImportError as e:  # a backend module not written yet
-        return None, f"unavailable ({e})"
-    except Exception as e:  # noqa: BLE001 - a bug: shown in its column, traceback on stderr
-        traceback.print_exc()
-        return None, f"{ERROR_PREFIX}{type(e).__name__}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -329,32 +290,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return _exit_code(results)
 
 
-def _exit_code(results: dict[str, Any]) -> int:
-    """0 when at least one backend ran and none failed with an unexpected error (a backend
-    that is not implemented yet or not built is not an error)."""
-    ran = [r for r in results.values() if not isinstance(r, str)]
-    crashed = [r for r in results.values() if isinstance(r, str) and r.startswith(ERROR_PREFIX)]
-    return 0 if ran and not crashed else 1
-
-
 # ---------------------------------------------------------------------------------------
 # bench
 # ---------------------------------------------------------------------------------------
-
-
-def _best_of(fn: Callable[[], Any], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def _ratio(py: float | None, cpp: float | None) -> str:
-    if py is None or cpp is None or cpp == 0:
-        return "n/a"
-    return f"{py / cpp:.1f}x"
 
 
 def bench_keys(args: argparse.Namespace) -> None:
