@@ -171,20 +171,24 @@ def bench_probe(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def bench_decode(args: argparse.Namespace) -> int:
-    B = args.block_size
-    batch = args.decode_batch
-    steps = 20 if args.quick else args.decode_steps
-    prompt_len = 512
-    rng = random.Random(2)
-    prompts = [_tokens(rng, prompt_len + i % B) for i in range(batch)]
-    step_tokens = [rng.randrange(1, 2**31) for _ in range(steps)]
-    blocks_each = -(-(prompt_len + B + 2 * steps + 1) // B) + 1
+class _DecodeBench:
+    """The decode bench's workload: ``batch`` ACTIVE requests with prompts of
+    ``prompt_len .. prompt_len + B - 1`` tokens, then ``steps`` decode steps, timed three
+    ways (per call, per call with the capacity tracked by the caller, batched)."""
 
-    def start(backend: str) -> tuple[Any, list]:
-        mgr = KVCacheManager(_config(B, batch * blocks_each + 8), backend=backend)
+    prompt_len = 512
+
+    def __init__(self, B: int, batch: int, steps: int) -> None:
+        self.B, self.batch, self.steps = B, batch, steps
+        rng = random.Random(2)
+        self.prompts = [_tokens(rng, self.prompt_len + i % B) for i in range(batch)]
+        self.step_tokens = [rng.randrange(1, 2**31) for _ in range(steps)]
+        self.blocks_each = -(-(self.prompt_len + B + 2 * steps + 1) // B) + 1
+
+    def start(self, backend: str) -> tuple[Any, list]:
+        mgr = KVCacheManager(_config(self.B, self.batch * self.blocks_each + 8), backend=backend)
         kvs = []
-        for p in prompts:
+        for p in self.prompts:
             kv = mgr.create_kv_cache(p)
             assert kv.resume() and kv.resize(len(p))
             kv.commit(p)
@@ -192,28 +196,28 @@ def bench_decode(args: argparse.Namespace) -> int:
         mgr.drain_copy_ops()
         return mgr, kvs
 
-    def finish(mgr: Any, kvs: list, nsteps: int) -> None:
-        assert all(kv.num_committed_tokens == len(p) + nsteps for kv, p in zip(kvs, prompts, strict=True))
+    def finish(self, mgr: Any, kvs: list, nsteps: int) -> None:
+        assert all(kv.num_committed_tokens == len(p) + nsteps for kv, p in zip(kvs, self.prompts, strict=True))
         for kv in kvs:
             kv.close()
         mgr.shutdown()
 
-    def run(backend: str) -> dict[str, Any]:
-        mgr, kvs = start(backend)
-        alloc0 = _lc_stat(mgr, "allocated_blocks")
+    def per_call_steps(self, mgr: Any, kvs: list) -> list[float]:
         times = []
-        for tok in step_tokens:
+        for tok in self.step_tokens:
             t = time.perf_counter()
             for kv in kvs:
                 kv.resize(kv.capacity + 1)
                 kv.commit([tok])
             mgr.drain_copy_ops()
             times.append(time.perf_counter() - t)
-        alloc = _lc_stat(mgr, "allocated_blocks") - alloc0
-        # the same steps with the capacity tracked by the engine (no kv.capacity read)
+        return times
+
+    def tracked_steps(self, mgr: Any, kvs: list) -> list[float]:
+        """The same steps with the capacity tracked by the engine (no kv.capacity read)."""
         caps = [kv.capacity for kv in kvs]
         tracked = []
-        for tok in step_tokens:
+        for tok in self.step_tokens:
             t = time.perf_counter()
             for i, kv in enumerate(kvs):
                 caps[i] += 1
@@ -221,15 +225,15 @@ def bench_decode(args: argparse.Namespace) -> int:
                 kv.commit([tok])
             mgr.drain_copy_ops()
             tracked.append(time.perf_counter() - t)
-        finish(mgr, kvs, 2 * steps)
-        # the batched step, on a fresh manager (the same start as the per-call steps): the
-        # engine keeps the capacities in an int64 array and the step's tokens in an int32
-        # array; one resize_batch + one commit_batch + one drain
-        mgr, kvs = start(backend)
-        caps_arr, tok_arr = _int_array([kv.capacity for kv in kvs], "q"), _int_array([0] * batch, "i")
+        return tracked
+
+    def batched_steps(self, mgr: Any, kvs: list) -> list[float]:
+        """The engine keeps the capacities in an int64 array and the step's tokens in an
+        int32 array; one resize_batch + one commit_batch + one drain per step."""
+        caps_arr, tok_arr = _int_array([kv.capacity for kv in kvs], "q"), _int_array([0] * self.batch, "i")
         batched = []
-        for tok in step_tokens:
-            for i in range(batch):
+        for tok in self.step_tokens:
+            for i in range(self.batch):
                 tok_arr[i] = tok  # the sampled tokens: the model's output, outside the timing
             t = time.perf_counter()
             caps_arr = _plus_one(caps_arr)
@@ -238,38 +242,60 @@ def bench_decode(args: argparse.Namespace) -> int:
             mgr.drain_copy_ops()
             batched.append(time.perf_counter() - t)
             assert all(ok)
-        finish(mgr, kvs, steps)
+        return batched
+
+    def run(self, backend: str) -> dict[str, Any]:
+        mgr, kvs = self.start(backend)
+        alloc0 = _lc_stat(mgr, "allocated_blocks")
+        times = self.per_call_steps(mgr, kvs)
+        alloc = _lc_stat(mgr, "allocated_blocks") - alloc0
+        tracked = self.tracked_steps(mgr, kvs)
+        self.finish(mgr, kvs, 2 * self.steps)
+        # the batched step, on a fresh manager (the same start as the per-call steps)
+        mgr, kvs = self.start(backend)
+        batched = self.batched_steps(mgr, kvs)
+        self.finish(mgr, kvs, self.steps)
         med = statistics.median(times)
         bmed = statistics.median(batched)
         return {
             "step": 1e6 * med,
-            "req": 1e6 * med / batch,
+            "req": 1e6 * med / self.batch,
             "mean": 1e6 * statistics.fmean(times),
             "max": 1e6 * max(times),
-            "alloc": alloc / steps,
+            "alloc": alloc / self.steps,
             "tracked": 1e6 * statistics.median(tracked),
             "batched": 1e6 * bmed,
-            "batched_req": 1e6 * bmed / batch,
+            "batched_req": 1e6 * bmed / self.batch,
             "batched_min": 1e6 * min(batched),
         }
 
-    results = _run_both(run)
+
+_DECODE_ROWS: list[tuple[str, str, Callable[[Any], str], bool]] = [
+    ("us / step (median)", "step", _us, True),
+    ("us / request (median step / batch)", "req", _us, True),
+    ("us / step (mean)", "mean", _us, True),
+    ("us / step (max)", "max", _us, True),
+    ("us / step (median), capacity tracked by the caller", "tracked", _us, True),
+    ("blocks allocated / step (per-call steps)", "alloc", lambda v: f"{v:.1f}", False),
+    ("batched: us / step (median)", "batched", _us, True),
+    ("batched: us / request (median step / batch)", "batched_req", _us, True),
+    ("batched: us / step (min)", "batched_min", _us, True),
+]
+
+
+def bench_decode(args: argparse.Namespace) -> int:
+    B = args.block_size
+    batch = args.decode_batch
+    steps = 20 if args.quick else args.decode_steps
+    work = _DecodeBench(B, batch, steps)
+    prompt_len = work.prompt_len
+    results = _run_both(work.run)
     cpp = results.get("cpp")
     rc = _print(
         f"decode: one step of {batch} ACTIVE requests (each resize(capacity+1) + commit([tok]), then one "
         f"drain_copy_ops()), {steps} steps, prompts {prompt_len}..{prompt_len + B - 1} tokens, tokens_per_block={B}",
         results,
-        [
-            ("us / step (median)", "step", _us, True),
-            ("us / request (median step / batch)", "req", _us, True),
-            ("us / step (mean)", "mean", _us, True),
-            ("us / step (max)", "max", _us, True),
-            ("us / step (median), capacity tracked by the caller", "tracked", _us, True),
-            ("blocks allocated / step (per-call steps)", "alloc", lambda v: f"{v:.1f}", False),
-            ("batched: us / step (median)", "batched", _us, True),
-            ("batched: us / request (median step / batch)", "batched_req", _us, True),
-            ("batched: us / step (min)", "batched_min", _us, True),
-        ],
+        _DECODE_ROWS,
     )
     print(f"batched step = caps += 1 on the caller's int64 {_ARRAY_KIND} + resize_batch(caches, caps) + "
           f"commit_batch(caches, tokens[int32]) + drain_copy_ops()")

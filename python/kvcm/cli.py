@@ -296,77 +296,16 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def bench_keys(args: argparse.Namespace) -> None:
-    import array
-    import hashlib
-    import struct
-
-    import kvcm
-    from kvcm.keys import scope_root_key
-    from kvcm.trace import expand_prompt, load_trace
-
     B = args.block_size
-    tokens: list[int] = []
-    for req in load_trace():
-        tokens.extend(expand_prompt(req))
-        if len(tokens) >= args.key_tokens:
-            break
-    del tokens[args.key_tokens :]
+    tokens = _trace_tokens(args.key_tokens)
     n = len(tokens)
     print(f"keys: block_keys of {_fmt_int(n)} tokens, tokens_per_block={B}, best of {args.repeat}")
-
-    # The same tokens in each input form engines pass: a list (the target's case), and the
-    # int32 buffers that skip the per-object conversion.
-    inputs: list[tuple[str, Any]] = [("", tokens), (" array('i')", array.array("i", tokens))]
-    try:
-        import numpy as np
-    except ImportError:
-        np = None
-    if np is not None:
-        inputs.append((" numpy int32", np.asarray(tokens, dtype=np.int32)))
-
-    def timed(b: str, toks: Any) -> float:
-        kvcm.block_keys(toks, B, backend=b)  # warm-up, untimed: first-call effects are not throughput
-        return _best_of(lambda: kvcm.block_keys(toks, B, backend=b), args.repeat)
-
+    inputs = _key_inputs(tokens)
     rates: dict[str, float | None] = {}
-    rows = []
-    for label, toks in inputs:
-        for b in ("python", "cpp"):
-            dt, why = _run_guarded(lambda b=b, toks=toks: timed(b, toks))
-            rates[f"{b}{label}"] = n / dt if why is None else None
-            rows.append([f"block_keys{label} [{b}]", f"{n / dt / 1e6:.2f} M tokens/s" if why is None else why])
-
-    packed = struct.pack(f"<{n}I", *tokens)
-    step = 4 * B
-    root = scope_root_key(None)
-
-    def raw_loop() -> None:
-        key = root
-        sha = hashlib.sha256
-        for i in range(0, len(packed), step):
-            key = sha(key + packed[i : i + step]).digest()
-
-    dt = _best_of(raw_loop, args.repeat)
-    rates["hashlib"] = n / dt
-    rows.append(["hashlib raw loop (pre-packed)", f"{n / dt / 1e6:.2f} M tokens/s"])
-
-    raw = None
-    try:
-        raw = getattr(kvcm.cpp_extension(), "raw_sha256_loop", None)
-    except ImportError:
-        pass
-    if callable(raw):
-        nblocks = -(-n // B)
-        try:
-            # raw_sha256_loop(n_blocks, block_bytes) -> elapsed ns of the chained hashes
-            dt = min(raw(nblocks, step) for _ in range(args.repeat)) / 1e9
-        except (TypeError, ValueError) as e:
-            rows.append(["cpp raw_sha256_loop", f"call failed ({e})"])
-        else:
-            rates["cpp_raw"] = n / dt
-            rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
-    else:
-        rows.append(["cpp raw_sha256_loop", "not available"])
+    rows: list[list[str]] = []
+    _time_block_keys(inputs, n, B, args.repeat, rates, rows)
+    _time_hashlib_floor(tokens, B, args.repeat, rates, rows)
+    _time_cpp_raw_floor(n, B, args.repeat, rates, rows)
     py, cpp = rates.get("python"), rates.get("cpp")
     rows.append(["speedup cpp/python (block_keys)", _ratio(cpp, py)])
     rows.append(["speedup hashlib/python (Python floor)", _ratio(rates.get("hashlib"), py)])
@@ -378,6 +317,97 @@ def bench_keys(args: argparse.Namespace) -> None:
         ratio = f"{floor / cpp_rate:.2f}x" if floor and cpp_rate else "n/a"
         rows.append([f"cpp{label or ' list'} time / raw floor{target}", ratio])
     print(_table(["", "throughput"], rows))
+
+
+def _trace_tokens(count: int) -> list[int]:
+    """The first ``count`` prompt tokens of the shipped trace."""
+    from kvcm.trace import expand_prompt, load_trace
+
+    tokens: list[int] = []
+    for req in load_trace():
+        tokens.extend(expand_prompt(req))
+        if len(tokens) >= count:
+            break
+    del tokens[count:]
+    return tokens
+
+
+def _key_inputs(tokens: list[int]) -> list[tuple[str, Any]]:
+    """The same tokens in each input form engines pass: a list (the target's case), and
+    the int32 buffers that skip the per-object conversion."""
+    import array
+
+    inputs: list[tuple[str, Any]] = [("", tokens), (" array('i')", array.array("i", tokens))]
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        inputs.append((" numpy int32", np.asarray(tokens, dtype=np.int32)))
+    return inputs
+
+
+def _time_block_keys(inputs: list[tuple[str, Any]], n: int, B: int, repeat: int,
+                     rates: dict[str, float | None], rows: list[list[str]]) -> None:
+    """``kvcm.block_keys`` on each backend and input form."""
+    import kvcm
+
+    def timed(b: str, toks: Any) -> float:
+        kvcm.block_keys(toks, B, backend=b)  # warm-up, untimed: first-call effects are not throughput
+        return _best_of(lambda: kvcm.block_keys(toks, B, backend=b), repeat)
+
+    for label, toks in inputs:
+        for b in ("python", "cpp"):
+            dt, why = _run_guarded(lambda b=b, toks=toks: timed(b, toks))
+            rates[f"{b}{label}"] = n / dt if why is None else None
+            rows.append([f"block_keys{label} [{b}]", f"{n / dt / 1e6:.2f} M tokens/s" if why is None else why])
+
+
+def _time_hashlib_floor(tokens: list[int], B: int, repeat: int, rates: dict[str, float | None],
+                        rows: list[list[str]]) -> None:
+    """The Python floor: chained hashlib.sha256 over pre-packed blocks."""
+    import hashlib
+    import struct
+
+    from kvcm.keys import scope_root_key
+
+    n = len(tokens)
+    packed = struct.pack(f"<{n}I", *tokens)
+    step = 4 * B
+    root = scope_root_key(None)
+
+    def raw_loop() -> None:
+        key = root
+        sha = hashlib.sha256
+        for i in range(0, len(packed), step):
+            key = sha(key + packed[i : i + step]).digest()
+
+    dt = _best_of(raw_loop, repeat)
+    rates["hashlib"] = n / dt
+    rows.append(["hashlib raw loop (pre-packed)", f"{n / dt / 1e6:.2f} M tokens/s"])
+
+
+def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | None], rows: list[list[str]]) -> None:
+    """The C++ floor: the extension's chained SHA-256 loop without token conversion."""
+    import kvcm
+
+    raw = None
+    try:
+        raw = getattr(kvcm.cpp_extension(), "raw_sha256_loop", None)
+    except ImportError:
+        pass
+    if not callable(raw):
+        rows.append(["cpp raw_sha256_loop", "not available"])
+        return
+    nblocks = -(-n // B)
+    try:
+        # raw_sha256_loop(n_blocks, block_bytes) -> elapsed ns of the chained hashes
+        dt = min(raw(nblocks, 4 * B) for _ in range(repeat)) / 1e9
+    except (TypeError, ValueError) as e:
+        rows.append(["cpp raw_sha256_loop", f"call failed ({e})"])
+    else:
+        rates["cpp_raw"] = n / dt
+        rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
 
 
 def bench_replay(args: argparse.Namespace) -> int:
@@ -468,7 +498,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     sub.add_parser("info", help="active backend, version, cpp extension and build details")
+    _add_replay_parser(sub)
+    _add_bench_parser(sub)
+    # commands that parse their own arguments (each module's --help)
+    for name, help_text in _PASS_THROUGH:
+        sub.add_parser(name, help=help_text, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
+    return p
 
+
+# (command, help) of the commands whose arguments their own module parses
+_PASS_THROUGH = (
+    ("oplog-replay", "replay a KVCM_OPLOG file on backends: PATH [--backend python,cpp] (kvcm.oplog)"),
+    ("demo", "reference engine on a multi-turn workload: reuse, copies, exactness per backend (kvcm.demo)"),
+    ("events", "watch a KV-event stream (--connect ENDPOINT [--replay ENDPOINT]), --demo, --bench (kvcm.events_cli)"),
+    ("route", "compare routing policies over N instances behind the router index (kvcm.route_cli)"),
+)
+
+
+def _add_replay_parser(sub: Any) -> None:
     r = sub.add_parser(
         "replay",
         help="replay a trace on one or more backends, side by side",
@@ -496,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--outputs", action="store_true", help="also decode and commit the output tokens")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
+
+def _add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="measure both backends and print python/cpp ratios")
     b.add_argument(
         "what", nargs="?", choices=["replay", "keys", "probe", "decode", "evict", "memory", "all"], default="all"
@@ -510,35 +559,6 @@ def build_parser() -> argparse.ArgumentParser:
     from kvcm.bench import add_arguments as add_micro_bench_arguments
 
     add_micro_bench_arguments(b)
-
-    o = sub.add_parser(
-        "oplog-replay",
-        help="replay a KVCM_OPLOG file on backends: PATH [--backend python,cpp] (kvcm.oplog)",
-        add_help=False,
-    )
-    o.add_argument("args", nargs=argparse.REMAINDER)
-
-    d = sub.add_parser(
-        "demo",
-        help="reference engine on a multi-turn workload: reuse, copies, exactness per backend (kvcm.demo)",
-        add_help=False,
-    )
-    d.add_argument("args", nargs=argparse.REMAINDER)
-
-    e = sub.add_parser(
-        "events",
-        help="watch a KV-event stream (--connect ENDPOINT [--replay ENDPOINT]), --demo, --bench (kvcm.events_cli)",
-        add_help=False,
-    )
-    e.add_argument("args", nargs=argparse.REMAINDER)
-
-    rt = sub.add_parser(
-        "route",
-        help="compare routing policies over N instances behind the router index (kvcm.route_cli)",
-        add_help=False,
-    )
-    rt.add_argument("args", nargs=argparse.REMAINDER)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
