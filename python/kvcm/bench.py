@@ -55,6 +55,7 @@ from typing import Any
 from kvcm import block_keys
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
 from kvcm.cli_common import exit_code, format_table, int_in, ratio, run_guarded
+from kvcm.config import ceildiv
 
 BACKENDS = ("python", "cpp")
 
@@ -123,7 +124,7 @@ def bench_probe(args: argparse.Namespace) -> int:
     min_s = 0.3 if args.quick else 2.0
 
     def run(backend: str) -> dict[str, Any]:
-        mgr = KVCacheManager(_config(B, -(-n_tokens // B) + 8), backend=backend)
+        mgr = KVCacheManager(_config(B, ceildiv(n_tokens, B) + 8), backend=backend)
         kv = mgr.create_kv_cache(prompt)
         assert kv.resume() and kv.resize(len(prompt))
         mgr.drain_copy_ops()
@@ -145,7 +146,7 @@ def bench_probe(args: argparse.Namespace) -> int:
         med = statistics.median(times)
         return {
             "us": 1e6 * med,
-            "us_block": 1e6 * med / -(-n_tokens // B),
+            "us_block": 1e6 * med / ceildiv(n_tokens, B),
             "keys": 1e6 * statistics.median(keys),
             "matched": matched,
             "n": len(times),
@@ -183,7 +184,7 @@ class _DecodeBench:
         rng = random.Random(2)
         self.prompts = [_tokens(rng, self.prompt_len + i % B) for i in range(batch)]
         self.step_tokens = [rng.randrange(1, 2**31) for _ in range(steps)]
-        self.blocks_each = -(-(self.prompt_len + B + 2 * steps + 1) // B) + 1
+        self.blocks_each = ceildiv(self.prompt_len + B + 2 * steps + 1, B) + 1
 
     def start(self, backend: str) -> tuple[Any, list]:
         mgr = KVCacheManager(_config(self.B, self.batch * self.blocks_each + 8), backend=backend)
@@ -338,7 +339,7 @@ def bench_evict(args: argparse.Namespace) -> int:
     B = args.block_size
     gpu, host = args.evict_gpu_blocks, args.evict_host_blocks
     per_req = 16
-    warm = -(-(gpu + host) // per_req) + 2  # fills both tiers: afterwards every allocation evicts
+    warm = ceildiv(gpu + host, per_req) + 2  # fills both tiers: afterwards every allocation evicts
     n_req = 100 if args.quick else args.evict_requests
     rng = random.Random(3)
     prompts = [_tokens(rng, per_req * B) for _ in range(warm + n_req)]

@@ -34,7 +34,9 @@ def _is_int(v: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------
-# Status errors: a call on a closed cache, or in the wrong status (sec. 7, 10)
+# Status errors: a call on a closed cache, in the wrong status, or on a shut-down manager
+# (sec. 7, 10).  The C++ core raises the same texts for the checks it runs itself
+# (cpp/core: InvalidStateErr); the parity suite compares them.
 # ---------------------------------------------------------------------------------------
 
 
@@ -46,6 +48,21 @@ def closed_error(what: str) -> ClosedError:
 def status_error(what: str, need: Status, have: Status) -> InvalidStateError:
     """The error of ``what()`` on a cache in status ``have`` when it needs ``need``."""
     return InvalidStateError(f"{what}() needs a {need.value} cache, this one is {have.value}")
+
+
+def stopped_error() -> InvalidStateError:
+    """The error of ``commit`` after ``stop_committing()``."""
+    return InvalidStateError("commit after stop_committing()")
+
+
+def shut_down_error() -> InvalidStateError:
+    """The error of a manager call after ``shutdown()``."""
+    return InvalidStateError("the manager is shut down")
+
+
+def still_open_error(n_open: int) -> InvalidStateError:
+    """The error of ``shutdown()`` while ``n_open`` caches are open."""
+    return InvalidStateError(f"shutdown needs every cache closed; {n_open} still open")
 
 
 # ---------------------------------------------------------------------------------------
@@ -277,5 +294,8 @@ __all__ = [
     "closed_error",
     "default_cache_id",
     "int32_view",
+    "shut_down_error",
     "status_error",
+    "still_open_error",
+    "stopped_error",
 ]

@@ -43,6 +43,7 @@ from kvcm.cli_common import format_table as _table
 from kvcm.cli_common import int_in as _int_in
 from kvcm.cli_common import ratio as _ratio
 from kvcm.cli_common import run_guarded as _run_guarded
+from kvcm.config import ceildiv
 
 # The default replay: a prefix of the shipped trace the python backend replays in about
 # 30 s at tokens_per_block=32 (measured on a 2-core machine: 1,000 requests, 11.9M prompt
@@ -399,7 +400,7 @@ def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | No
     if not callable(raw):
         rows.append(["cpp raw_sha256_loop", "not available"])
         return
-    nblocks = -(-n // B)
+    nblocks = ceildiv(n, B)
     try:
         # raw_sha256_loop(n_blocks, block_bytes) -> elapsed ns of the chained hashes
         dt = min(raw(nblocks, 4 * B) for _ in range(repeat)) / 1e9

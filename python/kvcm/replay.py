@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
+from kvcm.config import ceildiv
 from kvcm.trace import TraceRequest, expand_outputs, expand_prompt, load_trace, total_blocks
 
 BYTES_PER_TOKEN_PER_LAYER = 1
@@ -219,7 +220,7 @@ def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, o
     n = len(prompt)
     res.requests += 1
     res.prompt_tokens += n
-    res.prompt_blocks += -(-n // B)
+    res.prompt_blocks += ceildiv(n, B)
     ts = clock()
     kv = mgr.create_kv_cache(prompt)
     ok = kv.resume()
@@ -249,7 +250,7 @@ def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, o
     kv.close()
     spent = clock() - ts
     res.reused_tokens += reused
-    res.reused_blocks += -(-reused // B)
+    res.reused_blocks += ceildiv(reused, B)
     return spent
 
 

@@ -7,7 +7,6 @@ from typing import Any
 
 from kvcm.api import (
     GPU,
-    InvalidStateError,
     KVCache,
     RemovedEvent,
     ReuseScope,
@@ -16,7 +15,15 @@ from kvcm.api import (
     Token,
     as_int,
 )
-from kvcm.checks import MAX_REQUEST_BLOCKS, check_count, check_tokens, closed_error, int32_view, status_error
+from kvcm.checks import (
+    MAX_REQUEST_BLOCKS,
+    check_count,
+    check_tokens,
+    closed_error,
+    int32_view,
+    status_error,
+    stopped_error,
+)
 from kvcm.keys import block_key
 from kvcm.python_backend.manager import serialized
 from kvcm.python_backend.pools import NO_NODE, Page
@@ -320,7 +327,7 @@ class PyKVCache(KVCache):
         """The status checks of ``commit`` (shared with ``commit_batch``)."""
         self._require(Status.ACTIVE, "commit")
         if self.stopped:
-            raise InvalidStateError("commit after stop_committing()")
+            raise stopped_error()
 
     def _check_room(self, n: int) -> None:
         if len(self.tokens) + n > self.capacity_:

@@ -41,6 +41,8 @@ from kvcm.checks import (
     check_scope,
     check_tokens,
     default_cache_id,
+    shut_down_error,
+    still_open_error,
 )
 from kvcm.config import resolve_config
 from kvcm.keys import chain_keys, scope_root_key
@@ -133,7 +135,7 @@ class PyKVCacheManager(KVCacheManager):
         if cache_id is not None and cache_id in self.open_ids:
             raise ValueError(f"id {cache_id!r} is already used by an open cache")
         if self.is_shutdown:
-            raise InvalidStateError("the manager is shut down")
+            raise shut_down_error()
         self.tick()
         serial = self.next_request
         self.next_request += 1
@@ -248,7 +250,7 @@ class PyKVCacheManager(KVCacheManager):
     @serialized
     def clear_reusable(self) -> None:
         if self.is_shutdown:
-            raise InvalidStateError("the manager is shut down")
+            raise shut_down_error()
         self.tick()
         self._drop_all_droppable()
         self.emit(ClearedEvent(self._event_id()))
@@ -256,7 +258,7 @@ class PyKVCacheManager(KVCacheManager):
     @serialized
     def shutdown(self) -> None:
         if self.requests:
-            raise InvalidStateError(f"shutdown needs every cache closed; {len(self.requests)} still open")
+            raise still_open_error(len(self.requests))
         if self.is_shutdown:
             return
         self.tick()
