@@ -1,8 +1,9 @@
 """The one interface of kvcm: value types, errors and the abstract classes.
 
-This module imports nothing of kvcm: it is the bottom layer every other module builds on
-(ARCHITECTURE: ``kvcm.config`` resolves a config, ``kvcm.checks`` holds the argument
-checks, ``kvcm.construct`` builds a backend for ``KVCacheManager(...)``).  Both backends
+This module imports nothing of kvcm (an import contract in pyproject.toml): it is the
+bottom layer every other module builds on.  Above it, ``kvcm.config`` resolves a config,
+``kvcm.checks`` holds the argument checks and ``kvcm.construct`` builds a backend for
+``KVCacheManager(...)``.  Both backends
 (``python`` and ``cpp``) implement the abstract classes here; nothing here is duplicated
 per backend.  SPEC sections are cited as ``sec. N``.
 """
