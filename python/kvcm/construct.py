@@ -14,7 +14,6 @@ from typing import Any
 
 from kvcm._select import manager_class
 from kvcm.api import KVCacheManager, KVCacheManagerConfig, register_manager_factory
-from kvcm.oplog.record import maybe_wrap_class
 
 
 def new_manager(config: KVCacheManagerConfig | None = None, *args: Any, backend: str | None = None,
@@ -23,6 +22,9 @@ def new_manager(config: KVCacheManagerConfig | None = None, *args: Any, backend:
     ``KVCacheManager.__new__`` to return; Python then runs its ``__init__(config, ...,
     backend=...)``.  With ``KVCM_OPLOG`` set it is a recording proxy whose ``__init__``
     builds the real manager."""
+    # imported on first use, as before the split: `import kvcm` does not load the op log
+    from kvcm.oplog.record import maybe_wrap_class
+
     impl = maybe_wrap_class(manager_class(backend))
     return impl.__new__(impl, config, *args, **kw)
 
