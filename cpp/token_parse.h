@@ -1,5 +1,5 @@
 // Python token sequences -> validated tokens, with the exact semantics and messages of
-// kvcm.api.check_tokens.  One implementation for every binding that takes tokens
+// kvcm.checks.check_tokens.  One implementation for every binding that takes tokens
 // (block_keys, the manager calls, the RadixTree port), so their errors cannot drift apart.
 // It reads Python objects, so it lives in the binding layer, not in the core.
 #pragma once
@@ -281,11 +281,11 @@ bool try_parse_buffer(S& out, PyObject* obj, std::string_view name, BufferGil gi
   });
 }
 
-// kvcm.api.check_tokens(tokens, name) into `out`: the same tokens, the same errors.  Fast
+// kvcm.checks.check_tokens(tokens, name) into `out`: the same tokens, the same errors.  Fast
 // paths for exact list/tuple and 1-D int buffers; anything else (torch tensors, list
 // subclasses, ranges, nested arrays, generators...) is normalised or rejected by
 // check_tokens itself, so its errors match by construction.
-// Python twin: kvcm.api.check_tokens / _token_items (the one rule for a token sequence,
+// Python twin: kvcm.checks.check_tokens / _token_items (the one rule for a token sequence,
 // DECISIONS "Tokens"; SPEC sec. 1 and 10).
 template <TokenSink S>
 void parse_tokens(S& out, nb::handle tokens, std::string_view name, BufferGil buffer_gil = BufferGil::hold) {
@@ -304,7 +304,7 @@ void parse_tokens(S& out, nb::handle tokens, std::string_view name, BufferGil bu
     if (try_parse_buffer(out, obj, name, buffer_gil)) return;
   }
   nb::object normalised =
-      nb::module_::import_("kvcm.api").attr("check_tokens")(tokens, nb::str(name.data(), name.size()));
+      nb::module_::import_("kvcm.checks").attr("check_tokens")(tokens, nb::str(name.data(), name.size()));
   if (!PyList_CheckExact(normalised.ptr())) throw nb::type_error("check_tokens did not return a list");
   parse_sequence(out, normalised.ptr(), name);
 }

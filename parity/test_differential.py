@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
 from kvcm import ops as O
-from kvcm.api import resolve_config
+from kvcm.config import resolve_config
 from kvcm.oplog import DOCUMENTED_ERRORS, Lockstep, config_to_json, format_log, minimize
 
 EXAMPLES = int(os.environ.get("KVCM_DIFF_EXAMPLES", "300")) * (10 if os.environ.get("KVCM_DIFF_LONG") == "1" else 1)

@@ -15,7 +15,7 @@ from kvcm import ClosedError, InvalidStateError, ReuseScope, Status
 from parity.helpers import B, attn_cfg, fill, snap, ssm_cfg, toks, unchanged, win_cfg
 
 P = toks(16, base=100)
-MAX_REQUEST_BLOCKS = 2**24  # kvcm.api.MAX_REQUEST_BLOCKS
+MAX_REQUEST_BLOCKS = 2**24  # kvcm.checks.MAX_REQUEST_BLOCKS
 
 
 def _active(mgr, capacity=8, prompt=()):

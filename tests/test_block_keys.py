@@ -10,6 +10,7 @@ import struct
 import threading
 
 import kvcm
+import kvcm.checks
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -245,7 +246,7 @@ def test_bad_tokens_same_error(name, tokens):
     cpp = _error(lambda *a: kvcm.block_keys(*a, backend="cpp"), tokens, 4, None)
     assert py == cpp
     # and the same error as the interface's own token check
-    assert py == _error(kvcm.api.check_tokens, tokens)
+    assert py == _error(kvcm.checks.check_tokens, tokens)
 
 
 @needs_cpp

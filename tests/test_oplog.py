@@ -13,6 +13,7 @@ import pytest
 from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Status, Tier
 from kvcm import oplog as L
 from kvcm import ops as O
+from kvcm.oplog import playback
 
 B = 2
 
@@ -332,7 +333,7 @@ def test_pid_in_path_and_several_managers_in_one_log(tmp_path, monkeypatch):
 
 def test_kvcm_manager_entry_point_records_when_env_is_set(tmp_path, monkeypatch):
     """KVCM_OPLOG at construction → kvcm.KVCacheManager returns the recording proxy
-    (the hook in api.py: ``maybe_wrap_class``)."""
+    (the hook in kvcm.construct: ``maybe_wrap_class``)."""
     path = tmp_path / "log.jsonl"
     monkeypatch.setenv(L.ENV_VAR, str(path))
     m = kvcm.KVCacheManager(config(), backend="python")
@@ -398,7 +399,7 @@ def test_replay_compares_snapshots_across_backends(tmp_path, monkeypatch):
         m = real(cfg, "python")
         return Skewed(m) if backend == "cpp" else m
 
-    monkeypatch.setattr(L, "build_manager", build)
+    monkeypatch.setattr(playback, "build_manager", build)  # what replay() builds each side with
     report = L.replay(path, ["python", "cpp"])
     assert not report.ok and report.divergence.kind == "snapshot"
     assert "/clock" in report.divergence.detail
@@ -546,7 +547,7 @@ def _enospc_after(monkeypatch, n_ok: int) -> list[int]:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(fd, data)
 
-    monkeypatch.setattr(L.os, "write", write)
+    monkeypatch.setattr(os, "write", write)
     return attempts
 
 
@@ -670,7 +671,7 @@ def test_oplog_partial_line_on_a_full_disk_is_cut_off(tmp_path, monkeypatch):
             return real(fd, bytes(data[:8]))
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(L.os, "write", short_then_full)
+    monkeypatch.setattr(os, "write", short_then_full)
     with pytest.warns(L.OpLogWarning):
         m.create_kv_cache([1, 2, 3, 4, 5, 6])
     monkeypatch.undo()

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from kvcm._select import BACKENDS, BackendUnavailableError, cpp_extension, default_backend
+from kvcm._select import BACKENDS, BackendUnavailableError, block_keys_impl, choose_default_backend, cpp_extension
 from kvcm.api import (
     AttentionLayer,
     ClearedEvent,
@@ -20,7 +20,6 @@ from kvcm.api import (
     KVCacheManager,
     KVCacheManagerConfig,
     KvcmError,
-    LifeCycle,
     OutOfPagesError,
     RemovedEvent,
     ReuseProbe,
@@ -32,18 +31,19 @@ from kvcm.api import (
     Tier,
     TierChangedEvent,
 )
+from kvcm.config import LifeCycle
+from kvcm.construct import install
 
 __version__ = "0.1.0"
 
-backend: str = default_backend()
+install()  # KVCacheManager(...) builds through kvcm.construct (the interface knows no backend)
+backend: str = choose_default_backend()
 if backend == "cpp":
     cpp_extension()  # fail the import loudly, naming KVCM_BACKEND=python and how to build
 
 
 def block_keys(tokens, tokens_per_block: int, scope: ReuseScope | None = None, *, backend: str | None = None) -> list[bytes]:
     """One SHA-256 key per full or partial block of ``tokens`` (sec. 3)."""
-    from kvcm._select import block_keys_impl
-
     return block_keys_impl(backend)(tokens, tokens_per_block, scope)
 
 

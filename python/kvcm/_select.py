@@ -2,6 +2,11 @@
 
 Unlike a warning-only fallback, a bad choice fails loudly: an unknown ``KVCM_BACKEND``
 or a missing compiled extension stops the import with a message saying what to do.
+
+This is the only module that imports the backends (``kvcm.python_backend``,
+``kvcm.cpp_backend``); :mod:`kvcm.construct` wires it behind ``KVCacheManager(...)``.
+Backends are imported when first chosen, so the cpp one (which needs the compiled
+extension) is only imported where it is used.
 """
 
 from __future__ import annotations
@@ -36,6 +41,24 @@ def default_backend() -> str:
     return _validate(value, ENV_VAR)
 
 
+# The active default backend (``kvcm.backend``): chosen once, when ``import kvcm`` runs
+# (kvcm/__init__.py calls choose_default_backend), and held here rather than read back
+# from the kvcm package, which imports this module.
+_active: str = DEFAULT_BACKEND
+
+
+def choose_default_backend() -> str:
+    """Read ``KVCM_BACKEND`` (sec. 12) and make it the default of every later call that
+    passes no backend; returns it."""
+    global _active
+    _active = default_backend()
+    return _active
+
+
+def _chosen(backend: str | None) -> str:
+    return _active if backend is None else _validate(backend, "backend")
+
+
 def cpp_extension():
     try:
         from kvcm import _kvcm_cpp
@@ -46,9 +69,7 @@ def cpp_extension():
 
 def manager_class(backend: str | None):
     """The KVCacheManager implementation class of ``backend`` (None → the active default)."""
-    from kvcm import backend as active
-
-    name = active if backend is None else _validate(backend, "backend")
+    name = _chosen(backend)
     if name == "python":
         from kvcm.python_backend import PyKVCacheManager
 
@@ -60,9 +81,8 @@ def manager_class(backend: str | None):
 
 
 def block_keys_impl(backend: str | None):
-    from kvcm import backend as active
-
-    name = active if backend is None else _validate(backend, "backend")
+    """``kvcm.block_keys`` of ``backend`` (None → the active default)."""
+    name = _chosen(backend)
     if name == "python":
         from kvcm.keys import block_keys_py
 

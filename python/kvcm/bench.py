@@ -54,14 +54,10 @@ from typing import Any
 
 from kvcm import block_keys
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
+from kvcm.cli_common import exit_code, format_table, int_in, ratio, run_guarded
+from kvcm.config import ceildiv
 
 BACKENDS = ("python", "cpp")
-
-
-def _cli():  # the table helpers live in kvcm.cli (which imports this module lazily)
-    from kvcm import cli
-
-    return cli
 
 
 def _config(B: int, gpu_blocks: int, host_blocks: int = 0, max_events: int = 10_000) -> KVCacheManagerConfig:
@@ -83,10 +79,9 @@ def _lc_stat(mgr: KVCacheManager, name: str) -> int:
 
 def _run_both(fn: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
     """``{backend: metrics dict or the reason it did not run}``."""
-    cli = _cli()
     out: dict[str, Any] = {}
     for b in BACKENDS:
-        res, why = cli._run_guarded(lambda b=b: fn(b))
+        res, why = run_guarded(lambda b=b: fn(b))
         out[b] = res if why is None else why
         gc.collect()
     return out
@@ -94,7 +89,6 @@ def _run_both(fn: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
 
 def _print(title: str, results: dict[str, Any], rows: list[tuple[str, str, Callable[[Any], str], bool]]) -> int:
     """rows: (label, metric key, formatter, ratio?)."""
-    cli = _cli()
     table = []
     for label, key, fmt, with_ratio in rows:
         line = [label]
@@ -103,15 +97,15 @@ def _print(title: str, results: dict[str, Any], rows: list[tuple[str, str, Calla
             line.append("" if isinstance(r, str) or key not in r else fmt(r[key]))
         py, cpp = results.get("python"), results.get("cpp")
         ok = with_ratio and isinstance(py, dict) and isinstance(cpp, dict)
-        line.append(cli._ratio(py.get(key), cpp.get(key)) if ok else "")
+        line.append(ratio(py.get(key), cpp.get(key)) if ok else "")
         table.append(line)
     for j, b in enumerate(BACKENDS, 1):  # a backend that did not run: why, in its first row
         if isinstance(results[b], str):
             table[0][j] = results[b]
     print(f"\n{title}")
-    print(cli._table(["", *BACKENDS, "python/cpp"], table))
+    print(format_table(["", *BACKENDS, "python/cpp"], table))
     sys.stdout.flush()
-    return cli._exit_code(results)
+    return exit_code(results)
 
 
 def _us(v: float) -> str:
@@ -130,7 +124,7 @@ def bench_probe(args: argparse.Namespace) -> int:
     min_s = 0.3 if args.quick else 2.0
 
     def run(backend: str) -> dict[str, Any]:
-        mgr = KVCacheManager(_config(B, -(-n_tokens // B) + 8), backend=backend)
+        mgr = KVCacheManager(_config(B, ceildiv(n_tokens, B) + 8), backend=backend)
         kv = mgr.create_kv_cache(prompt)
         assert kv.resume() and kv.resize(len(prompt))
         mgr.drain_copy_ops()
@@ -152,7 +146,7 @@ def bench_probe(args: argparse.Namespace) -> int:
         med = statistics.median(times)
         return {
             "us": 1e6 * med,
-            "us_block": 1e6 * med / -(-n_tokens // B),
+            "us_block": 1e6 * med / ceildiv(n_tokens, B),
             "keys": 1e6 * statistics.median(keys),
             "matched": matched,
             "n": len(times),
@@ -178,20 +172,24 @@ def bench_probe(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def bench_decode(args: argparse.Namespace) -> int:
-    B = args.block_size
-    batch = args.decode_batch
-    steps = 20 if args.quick else args.decode_steps
-    prompt_len = 512
-    rng = random.Random(2)
-    prompts = [_tokens(rng, prompt_len + i % B) for i in range(batch)]
-    step_tokens = [rng.randrange(1, 2**31) for _ in range(steps)]
-    blocks_each = -(-(prompt_len + B + 2 * steps + 1) // B) + 1
+class _DecodeBench:
+    """The decode bench's workload: ``batch`` ACTIVE requests with prompts of
+    ``prompt_len .. prompt_len + B - 1`` tokens, then ``steps`` decode steps, timed three
+    ways (per call, per call with the capacity tracked by the caller, batched)."""
 
-    def start(backend: str) -> tuple[Any, list]:
-        mgr = KVCacheManager(_config(B, batch * blocks_each + 8), backend=backend)
+    prompt_len = 512
+
+    def __init__(self, B: int, batch: int, steps: int) -> None:
+        self.B, self.batch, self.steps = B, batch, steps
+        rng = random.Random(2)
+        self.prompts = [_tokens(rng, self.prompt_len + i % B) for i in range(batch)]
+        self.step_tokens = [rng.randrange(1, 2**31) for _ in range(steps)]
+        self.blocks_each = ceildiv(self.prompt_len + B + 2 * steps + 1, B) + 1
+
+    def start(self, backend: str) -> tuple[Any, list]:
+        mgr = KVCacheManager(_config(self.B, self.batch * self.blocks_each + 8), backend=backend)
         kvs = []
-        for p in prompts:
+        for p in self.prompts:
             kv = mgr.create_kv_cache(p)
             assert kv.resume() and kv.resize(len(p))
             kv.commit(p)
@@ -199,28 +197,28 @@ def bench_decode(args: argparse.Namespace) -> int:
         mgr.drain_copy_ops()
         return mgr, kvs
 
-    def finish(mgr: Any, kvs: list, nsteps: int) -> None:
-        assert all(kv.num_committed_tokens == len(p) + nsteps for kv, p in zip(kvs, prompts, strict=True))
+    def finish(self, mgr: Any, kvs: list, nsteps: int) -> None:
+        assert all(kv.num_committed_tokens == len(p) + nsteps for kv, p in zip(kvs, self.prompts, strict=True))
         for kv in kvs:
             kv.close()
         mgr.shutdown()
 
-    def run(backend: str) -> dict[str, Any]:
-        mgr, kvs = start(backend)
-        alloc0 = _lc_stat(mgr, "allocated_blocks")
+    def per_call_steps(self, mgr: Any, kvs: list) -> list[float]:
         times = []
-        for tok in step_tokens:
+        for tok in self.step_tokens:
             t = time.perf_counter()
             for kv in kvs:
                 kv.resize(kv.capacity + 1)
                 kv.commit([tok])
             mgr.drain_copy_ops()
             times.append(time.perf_counter() - t)
-        alloc = _lc_stat(mgr, "allocated_blocks") - alloc0
-        # the same steps with the capacity tracked by the engine (no kv.capacity read)
+        return times
+
+    def tracked_steps(self, mgr: Any, kvs: list) -> list[float]:
+        """The same steps with the capacity tracked by the engine (no kv.capacity read)."""
         caps = [kv.capacity for kv in kvs]
         tracked = []
-        for tok in step_tokens:
+        for tok in self.step_tokens:
             t = time.perf_counter()
             for i, kv in enumerate(kvs):
                 caps[i] += 1
@@ -228,15 +226,15 @@ def bench_decode(args: argparse.Namespace) -> int:
                 kv.commit([tok])
             mgr.drain_copy_ops()
             tracked.append(time.perf_counter() - t)
-        finish(mgr, kvs, 2 * steps)
-        # the batched step, on a fresh manager (the same start as the per-call steps): the
-        # engine keeps the capacities in an int64 array and the step's tokens in an int32
-        # array; one resize_batch + one commit_batch + one drain
-        mgr, kvs = start(backend)
-        caps_arr, tok_arr = _int_array([kv.capacity for kv in kvs], "q"), _int_array([0] * batch, "i")
+        return tracked
+
+    def batched_steps(self, mgr: Any, kvs: list) -> list[float]:
+        """The engine keeps the capacities in an int64 array and the step's tokens in an
+        int32 array; one resize_batch + one commit_batch + one drain per step."""
+        caps_arr, tok_arr = _int_array([kv.capacity for kv in kvs], "q"), _int_array([0] * self.batch, "i")
         batched = []
-        for tok in step_tokens:
-            for i in range(batch):
+        for tok in self.step_tokens:
+            for i in range(self.batch):
                 tok_arr[i] = tok  # the sampled tokens: the model's output, outside the timing
             t = time.perf_counter()
             caps_arr = _plus_one(caps_arr)
@@ -245,38 +243,60 @@ def bench_decode(args: argparse.Namespace) -> int:
             mgr.drain_copy_ops()
             batched.append(time.perf_counter() - t)
             assert all(ok)
-        finish(mgr, kvs, steps)
+        return batched
+
+    def run(self, backend: str) -> dict[str, Any]:
+        mgr, kvs = self.start(backend)
+        alloc0 = _lc_stat(mgr, "allocated_blocks")
+        times = self.per_call_steps(mgr, kvs)
+        alloc = _lc_stat(mgr, "allocated_blocks") - alloc0
+        tracked = self.tracked_steps(mgr, kvs)
+        self.finish(mgr, kvs, 2 * self.steps)
+        # the batched step, on a fresh manager (the same start as the per-call steps)
+        mgr, kvs = self.start(backend)
+        batched = self.batched_steps(mgr, kvs)
+        self.finish(mgr, kvs, self.steps)
         med = statistics.median(times)
         bmed = statistics.median(batched)
         return {
             "step": 1e6 * med,
-            "req": 1e6 * med / batch,
+            "req": 1e6 * med / self.batch,
             "mean": 1e6 * statistics.fmean(times),
             "max": 1e6 * max(times),
-            "alloc": alloc / steps,
+            "alloc": alloc / self.steps,
             "tracked": 1e6 * statistics.median(tracked),
             "batched": 1e6 * bmed,
-            "batched_req": 1e6 * bmed / batch,
+            "batched_req": 1e6 * bmed / self.batch,
             "batched_min": 1e6 * min(batched),
         }
 
-    results = _run_both(run)
+
+_DECODE_ROWS: list[tuple[str, str, Callable[[Any], str], bool]] = [
+    ("us / step (median)", "step", _us, True),
+    ("us / request (median step / batch)", "req", _us, True),
+    ("us / step (mean)", "mean", _us, True),
+    ("us / step (max)", "max", _us, True),
+    ("us / step (median), capacity tracked by the caller", "tracked", _us, True),
+    ("blocks allocated / step (per-call steps)", "alloc", lambda v: f"{v:.1f}", False),
+    ("batched: us / step (median)", "batched", _us, True),
+    ("batched: us / request (median step / batch)", "batched_req", _us, True),
+    ("batched: us / step (min)", "batched_min", _us, True),
+]
+
+
+def bench_decode(args: argparse.Namespace) -> int:
+    B = args.block_size
+    batch = args.decode_batch
+    steps = 20 if args.quick else args.decode_steps
+    work = _DecodeBench(B, batch, steps)
+    prompt_len = work.prompt_len
+    results = _run_both(work.run)
     cpp = results.get("cpp")
     rc = _print(
         f"decode: one step of {batch} ACTIVE requests (each resize(capacity+1) + commit([tok]), then one "
         f"drain_copy_ops()), {steps} steps, prompts {prompt_len}..{prompt_len + B - 1} tokens, tokens_per_block={B}",
         results,
-        [
-            ("us / step (median)", "step", _us, True),
-            ("us / request (median step / batch)", "req", _us, True),
-            ("us / step (mean)", "mean", _us, True),
-            ("us / step (max)", "max", _us, True),
-            ("us / step (median), capacity tracked by the caller", "tracked", _us, True),
-            ("blocks allocated / step (per-call steps)", "alloc", lambda v: f"{v:.1f}", False),
-            ("batched: us / step (median)", "batched", _us, True),
-            ("batched: us / request (median step / batch)", "batched_req", _us, True),
-            ("batched: us / step (min)", "batched_min", _us, True),
-        ],
+        _DECODE_ROWS,
     )
     print(f"batched step = caps += 1 on the caller's int64 {_ARRAY_KIND} + resize_batch(caches, caps) + "
           f"commit_batch(caches, tokens[int32]) + drain_copy_ops()")
@@ -319,7 +339,7 @@ def bench_evict(args: argparse.Namespace) -> int:
     B = args.block_size
     gpu, host = args.evict_gpu_blocks, args.evict_host_blocks
     per_req = 16
-    warm = -(-(gpu + host) // per_req) + 2  # fills both tiers: afterwards every allocation evicts
+    warm = ceildiv(gpu + host, per_req) + 2  # fills both tiers: afterwards every allocation evicts
     n_req = 100 if args.quick else args.evict_requests
     rng = random.Random(3)
     prompts = [_tokens(rng, per_req * B) for _ in range(warm + n_req)]
@@ -542,7 +562,7 @@ MICRO = {"probe": bench_probe, "decode": bench_decode, "evict": bench_evict, "me
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The micro benches' options on the ``bench`` subparser."""
-    pos = _cli()._int_in(1)
+    pos = int_in(1)
     p.add_argument("--probe-tokens", type=pos, default=16_384, help="probe: cached prompt length (default 16384)")
     p.add_argument("--decode-batch", type=pos, default=256, help="decode: ACTIVE requests (default 256)")
     p.add_argument("--decode-steps", type=pos, default=200, help="decode: steps timed (default 200)")

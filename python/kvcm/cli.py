@@ -32,10 +32,18 @@ import math
 import os
 import platform
 import sys
-import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
+
+# The shared table / run helpers, under the names this module has always used for them.
+from kvcm.cli_common import best_of as _best_of
+from kvcm.cli_common import exit_code as _exit_code
+from kvcm.cli_common import fmt_int as _fmt_int
+from kvcm.cli_common import format_table as _table
+from kvcm.cli_common import int_in as _int_in
+from kvcm.cli_common import ratio as _ratio
+from kvcm.cli_common import run_guarded as _run_guarded
+from kvcm.config import ceildiv
 
 # The default replay: a prefix of the shipped trace the python backend replays in about
 # 30 s at tokens_per_block=32 (measured on a 2-core machine: 1,000 requests, 11.9M prompt
@@ -46,8 +54,6 @@ DEFAULT_REPLAY_LIMIT = 1000
 # ``bench replay`` runs each backend twice (unbounded, then a tight quota that evicts and
 # is ~4x slower on python), so it defaults to a shorter prefix.
 DEFAULT_BENCH_LIMIT = 500
-NOT_IMPLEMENTED = "not implemented yet (issue #3)"
-ERROR_PREFIX = "error: "
 REPLAY_EXIT_CODES = (
     "exit status: 0 at least one backend ran and none failed; 1 a backend raised an unexpected error "
     "(traceback on stderr); 2 bad usage, or an unreadable or malformed trace (one line naming the file, "
@@ -72,19 +78,6 @@ def _backends(arg: str) -> list[str]:
     return names
 
 
-def _int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
-        if v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"{v} out of range {lo}..{hi if hi is not None else ''}")
-        return v
-
-    return parse
-
-
 def _frac(text: str) -> float:
     try:
         v = float(text)
@@ -93,37 +86,6 @@ def _frac(text: str) -> float:
     if not (math.isfinite(v) and v > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return v
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    cols = len(header)
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(cols)]
-    lines = []
-    for r in [header, *rows]:
-        cells = [str(r[0]).ljust(widths[0])] + [str(r[i]).rjust(widths[i]) for i in range(1, cols)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def _fmt_int(n: int) -> str:
-    return f"{n:,}"
-
-
-def _run_guarded(fn: Callable[[], Any]) -> tuple[Any, str | None]:
-    """``(result, None)``, or ``(None, why)`` when the backend cannot run it."""
-    from kvcm import BackendUnavailableError
-
-    try:
-        return fn(), None
-    except NotImplementedError:
-        return None, NOT_IMPLEMENTED
-    except BackendUnavailableError as e:
-        return None, f"unavailable ({str(e).split(':')[0]})"
-    except ImportError as e:  # a backend module not written yet
-        return None, f"unavailable ({e})"
-    except Exception as e:  # noqa: BLE001 - a bug: shown in its column, traceback on stderr
-        traceback.print_exc()
-        return None, f"{ERROR_PREFIX}{type(e).__name__}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -329,106 +291,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return _exit_code(results)
 
 
-def _exit_code(results: dict[str, Any]) -> int:
-    """0 when at least one backend ran and none failed with an unexpected error (a backend
-    that is not implemented yet or not built is not an error)."""
-    ran = [r for r in results.values() if not isinstance(r, str)]
-    crashed = [r for r in results.values() if isinstance(r, str) and r.startswith(ERROR_PREFIX)]
-    return 0 if ran and not crashed else 1
-
-
 # ---------------------------------------------------------------------------------------
 # bench
 # ---------------------------------------------------------------------------------------
 
 
-def _best_of(fn: Callable[[], Any], repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def _ratio(py: float | None, cpp: float | None) -> str:
-    if py is None or cpp is None or cpp == 0:
-        return "n/a"
-    return f"{py / cpp:.1f}x"
-
-
 def bench_keys(args: argparse.Namespace) -> None:
-    import array
-    import hashlib
-    import struct
-
-    import kvcm
-    from kvcm.keys import scope_root_key
-    from kvcm.trace import expand_prompt, load_trace
-
     B = args.block_size
-    tokens: list[int] = []
-    for req in load_trace():
-        tokens.extend(expand_prompt(req))
-        if len(tokens) >= args.key_tokens:
-            break
-    del tokens[args.key_tokens :]
+    tokens = _trace_tokens(args.key_tokens)
     n = len(tokens)
     print(f"keys: block_keys of {_fmt_int(n)} tokens, tokens_per_block={B}, best of {args.repeat}")
-
-    # The same tokens in each input form engines pass: a list (the target's case), and the
-    # int32 buffers that skip the per-object conversion.
-    inputs: list[tuple[str, Any]] = [("", tokens), (" array('i')", array.array("i", tokens))]
-    try:
-        import numpy as np
-    except ImportError:
-        np = None
-    if np is not None:
-        inputs.append((" numpy int32", np.asarray(tokens, dtype=np.int32)))
-
-    def timed(b: str, toks: Any) -> float:
-        kvcm.block_keys(toks, B, backend=b)  # warm-up, untimed: first-call effects are not throughput
-        return _best_of(lambda: kvcm.block_keys(toks, B, backend=b), args.repeat)
-
+    inputs = _key_inputs(tokens)
     rates: dict[str, float | None] = {}
-    rows = []
-    for label, toks in inputs:
-        for b in ("python", "cpp"):
-            dt, why = _run_guarded(lambda b=b, toks=toks: timed(b, toks))
-            rates[f"{b}{label}"] = n / dt if why is None else None
-            rows.append([f"block_keys{label} [{b}]", f"{n / dt / 1e6:.2f} M tokens/s" if why is None else why])
-
-    packed = struct.pack(f"<{n}I", *tokens)
-    step = 4 * B
-    root = scope_root_key(None)
-
-    def raw_loop() -> None:
-        key = root
-        sha = hashlib.sha256
-        for i in range(0, len(packed), step):
-            key = sha(key + packed[i : i + step]).digest()
-
-    dt = _best_of(raw_loop, args.repeat)
-    rates["hashlib"] = n / dt
-    rows.append(["hashlib raw loop (pre-packed)", f"{n / dt / 1e6:.2f} M tokens/s"])
-
-    raw = None
-    try:
-        raw = getattr(kvcm.cpp_extension(), "raw_sha256_loop", None)
-    except ImportError:
-        pass
-    if callable(raw):
-        nblocks = -(-n // B)
-        try:
-            # raw_sha256_loop(n_blocks, block_bytes) -> elapsed ns of the chained hashes
-            dt = min(raw(nblocks, step) for _ in range(args.repeat)) / 1e9
-        except (TypeError, ValueError) as e:
-            rows.append(["cpp raw_sha256_loop", f"call failed ({e})"])
-        else:
-            rates["cpp_raw"] = n / dt
-            rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
-    else:
-        rows.append(["cpp raw_sha256_loop", "not available"])
+    rows: list[list[str]] = []
+    _time_block_keys(inputs, n, B, args.repeat, rates, rows)
+    _time_hashlib_floor(tokens, B, args.repeat, rates, rows)
+    _time_cpp_raw_floor(n, B, args.repeat, rates, rows)
     py, cpp = rates.get("python"), rates.get("cpp")
     rows.append(["speedup cpp/python (block_keys)", _ratio(cpp, py)])
     rows.append(["speedup hashlib/python (Python floor)", _ratio(rates.get("hashlib"), py)])
@@ -440,6 +318,97 @@ def bench_keys(args: argparse.Namespace) -> None:
         ratio = f"{floor / cpp_rate:.2f}x" if floor and cpp_rate else "n/a"
         rows.append([f"cpp{label or ' list'} time / raw floor{target}", ratio])
     print(_table(["", "throughput"], rows))
+
+
+def _trace_tokens(count: int) -> list[int]:
+    """The first ``count`` prompt tokens of the shipped trace."""
+    from kvcm.trace import expand_prompt, load_trace
+
+    tokens: list[int] = []
+    for req in load_trace():
+        tokens.extend(expand_prompt(req))
+        if len(tokens) >= count:
+            break
+    del tokens[count:]
+    return tokens
+
+
+def _key_inputs(tokens: list[int]) -> list[tuple[str, Any]]:
+    """The same tokens in each input form engines pass: a list (the target's case), and
+    the int32 buffers that skip the per-object conversion."""
+    import array
+
+    inputs: list[tuple[str, Any]] = [("", tokens), (" array('i')", array.array("i", tokens))]
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        inputs.append((" numpy int32", np.asarray(tokens, dtype=np.int32)))
+    return inputs
+
+
+def _time_block_keys(inputs: list[tuple[str, Any]], n: int, B: int, repeat: int,
+                     rates: dict[str, float | None], rows: list[list[str]]) -> None:
+    """``kvcm.block_keys`` on each backend and input form."""
+    import kvcm
+
+    def timed(b: str, toks: Any) -> float:
+        kvcm.block_keys(toks, B, backend=b)  # warm-up, untimed: first-call effects are not throughput
+        return _best_of(lambda: kvcm.block_keys(toks, B, backend=b), repeat)
+
+    for label, toks in inputs:
+        for b in ("python", "cpp"):
+            dt, why = _run_guarded(lambda b=b, toks=toks: timed(b, toks))
+            rates[f"{b}{label}"] = n / dt if why is None else None
+            rows.append([f"block_keys{label} [{b}]", f"{n / dt / 1e6:.2f} M tokens/s" if why is None else why])
+
+
+def _time_hashlib_floor(tokens: list[int], B: int, repeat: int, rates: dict[str, float | None],
+                        rows: list[list[str]]) -> None:
+    """The Python floor: chained hashlib.sha256 over pre-packed blocks."""
+    import hashlib
+    import struct
+
+    from kvcm.keys import scope_root_key
+
+    n = len(tokens)
+    packed = struct.pack(f"<{n}I", *tokens)
+    step = 4 * B
+    root = scope_root_key(None)
+
+    def raw_loop() -> None:
+        key = root
+        sha = hashlib.sha256
+        for i in range(0, len(packed), step):
+            key = sha(key + packed[i : i + step]).digest()
+
+    dt = _best_of(raw_loop, repeat)
+    rates["hashlib"] = n / dt
+    rows.append(["hashlib raw loop (pre-packed)", f"{n / dt / 1e6:.2f} M tokens/s"])
+
+
+def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | None], rows: list[list[str]]) -> None:
+    """The C++ floor: the extension's chained SHA-256 loop without token conversion."""
+    import kvcm
+
+    raw = None
+    try:
+        raw = getattr(kvcm.cpp_extension(), "raw_sha256_loop", None)
+    except ImportError:
+        pass
+    if not callable(raw):
+        rows.append(["cpp raw_sha256_loop", "not available"])
+        return
+    nblocks = ceildiv(n, B)
+    try:
+        # raw_sha256_loop(n_blocks, block_bytes) -> elapsed ns of the chained hashes
+        dt = min(raw(nblocks, 4 * B) for _ in range(repeat)) / 1e9
+    except (TypeError, ValueError) as e:
+        rows.append(["cpp raw_sha256_loop", f"call failed ({e})"])
+    else:
+        rates["cpp_raw"] = n / dt
+        rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
 
 
 def bench_replay(args: argparse.Namespace) -> int:
@@ -530,7 +499,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     sub.add_parser("info", help="active backend, version, cpp extension and build details")
+    _add_replay_parser(sub)
+    _add_bench_parser(sub)
+    # commands that parse their own arguments (each module's --help)
+    for name, help_text in _PASS_THROUGH:
+        sub.add_parser(name, help=help_text, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
+    return p
 
+
+# (command, help) of the commands whose arguments their own module parses
+_PASS_THROUGH = (
+    ("oplog-replay", "replay a KVCM_OPLOG file on backends: PATH [--backend python,cpp] (kvcm.oplog)"),
+    ("demo", "reference engine on a multi-turn workload: reuse, copies, exactness per backend (kvcm.demo)"),
+    ("events", "watch a KV-event stream (--connect ENDPOINT [--replay ENDPOINT]), --demo, --bench (kvcm.events_cli)"),
+    ("route", "compare routing policies over N instances behind the router index (kvcm.route_cli)"),
+)
+
+
+def _add_replay_parser(sub: Any) -> None:
     r = sub.add_parser(
         "replay",
         help="replay a trace on one or more backends, side by side",
@@ -558,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--outputs", action="store_true", help="also decode and commit the output tokens")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
+
+def _add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="measure both backends and print python/cpp ratios")
     b.add_argument(
         "what", nargs="?", choices=["replay", "keys", "probe", "decode", "evict", "memory", "all"], default="all"
@@ -572,35 +560,6 @@ def build_parser() -> argparse.ArgumentParser:
     from kvcm.bench import add_arguments as add_micro_bench_arguments
 
     add_micro_bench_arguments(b)
-
-    o = sub.add_parser(
-        "oplog-replay",
-        help="replay a KVCM_OPLOG file on backends: PATH [--backend python,cpp] (kvcm.oplog)",
-        add_help=False,
-    )
-    o.add_argument("args", nargs=argparse.REMAINDER)
-
-    d = sub.add_parser(
-        "demo",
-        help="reference engine on a multi-turn workload: reuse, copies, exactness per backend (kvcm.demo)",
-        add_help=False,
-    )
-    d.add_argument("args", nargs=argparse.REMAINDER)
-
-    e = sub.add_parser(
-        "events",
-        help="watch a KV-event stream (--connect ENDPOINT [--replay ENDPOINT]), --demo, --bench (kvcm.events_cli)",
-        add_help=False,
-    )
-    e.add_argument("args", nargs=argparse.REMAINDER)
-
-    rt = sub.add_parser(
-        "route",
-        help="compare routing policies over N instances behind the router index (kvcm.route_cli)",
-        add_help=False,
-    )
-    rt.add_argument("args", nargs=argparse.REMAINDER)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

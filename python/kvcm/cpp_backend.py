@@ -3,7 +3,7 @@
 The manager, its caches, the radix tree and block keys all run in C++
 (``cpp/core/manager.cpp``; a faithful port of the python reference backend).  This module
 is the thin Python face: arguments are validated here with the shared checks of
-:mod:`kvcm.api`, in the same order as the python backend, so bad input raises the same
+:mod:`kvcm.checks`, in the same order as the python backend, so bad input raises the same
 errors on both; the core then does the work with the GIL released and the manager's
 mutex held.  Caches are addressed in C++ by their creation serial; ids live here.
 """
@@ -17,30 +17,32 @@ from typing import Any
 
 from kvcm import _kvcm_cpp
 from kvcm.api import (
-    MAX_COUNT,
     ClosedError,
     CopyOp,
     Event,
-    InvalidStateError,
     KVCache,
     KVCacheManager,
     KVCacheManagerConfig,
-    LifeCycle,
     ReuseProbe,
     ReuseScope,
     Status,
     Token,
     as_int,
+)
+from kvcm.checks import (
+    MAX_COUNT,
     check_batch_caches,
     check_cache_id,
     check_copy_ops,
     check_priority,
     check_scope,
     check_tokens,
+    closed_error,
     default_cache_id,
     int32_view,
-    resolve_config,
+    status_error,
 )
+from kvcm.config import LifeCycle, resolve_config
 
 RadixTree = _kvcm_cpp.RadixTree
 COPY_REASONS = ("offload", "onboard", "cow", "snapshot")
@@ -264,14 +266,14 @@ class CppKVCache(KVCache):
 
     def _require_open(self, what: str) -> None:
         if self._final is not None:
-            raise ClosedError(f"{what}() on a closed cache")
+            raise closed_error(what)
 
     def _require(self, status: Status, what: str) -> tuple:
         self._require_open(what)
         info = self._core.info(self._serial)
         have = _STATUS[info[0]]
         if have != status:
-            raise InvalidStateError(f"{what}() needs a {status.value} cache, this one is {have.value}")
+            raise status_error(what, status, have)
         return info
 
     def resume(self) -> bool:
@@ -284,11 +286,11 @@ class CppKVCache(KVCache):
 
     def resize(self, capacity: int, history_length: int | None = None) -> bool:
         self._require_open("resize")
-        # status, then kvcm.api.check_count on both arguments, then the resize (all in C++)
+        # status, then kvcm.checks.check_count on both arguments, then the resize (all in C++)
         return self._core.resize(self._serial, capacity, history_length)
 
     def commit(self, tokens: Sequence[Token]) -> None:
-        # the tokens first (kvcm.api.check_tokens semantics): any Python code they run
+        # the tokens first (kvcm.checks.check_tokens semantics): any Python code they run
         # cannot slip a commit past a suspend or close; then status, stopped, room.  The
         # binding parses them and the core checks the rest, in one call.
         if self._final is not None:

@@ -83,7 +83,8 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
-from kvcm.api import AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig, resolve_config
+from kvcm.api import AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig
+from kvcm.config import resolve_config
 
 COPY_REASONS = ("offload", "onboard", "cow", "snapshot")
 POOL_PREFIX = "kvcm-pool-"
@@ -248,9 +249,30 @@ class DataPlane:
         self.device = torch.device(device)
         self.dtype = torch.float32 if dtype is None else dtype
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        shapes = dict(shapes or {})
 
-        # where each layer sits inside its lc's slot
+        self._place_layers(config, dict(shapes or {}), itemsize)
+
+        self._files: list[tuple[str, int]] = []  # (path, locked fd) of each disk pool file
+        self._finalizer = weakref.finalize(self, _close_files, self._files)
+        self.pools: list[list[Any]] = []  # [config position][lc] uint8[num_slots, slot_bytes] or a DiskPool
+        try:
+            self._make_pools(torch, config, rc.tier_ids)
+        except BaseException:
+            self.pools = []
+            self._finalizer()
+            raise
+        # a test hook (fault injection): called with each op just before it is executed;
+        # an exception it raises makes that op fail as an I/O error would
+        self.fault: Callable[[CopyOp], None] | None = None
+        self.copies = dict.fromkeys(COPY_REASONS, 0)  # ops executed, by reason
+        self.copy_bytes = dict.fromkeys(COPY_REASONS, 0)
+        self.routes: dict[str, int] = {}  # ops executed by route, e.g. "gpu->host"
+        self.runs = 0  # batched runs executed
+        self.kernel_calls = 0  # gather+scatter pairs issued (one per (src tier, dst tier, lc) per run)
+
+    def _place_layers(self, config: KVCacheManagerConfig, shapes: dict[int, Sequence[int]], itemsize: int) -> None:
+        """Where each layer sits inside its life cycle's slot, and its typed view's shape
+        (``shapes`` is consumed: a shape left over names an unknown layer)."""
         self._layer_lc: dict[int, int] = {}
         self._layer_region: dict[int, tuple[int, int, tuple[int, ...]]] = {}  # id -> (offset, nbytes, view shape)
         layers = {layer.layer_id: layer for layer in config.layers}
@@ -275,40 +297,27 @@ class DataPlane:
         if shapes:
             raise ValueError(f"shapes given for unknown layers {sorted(shapes)}")
 
+    def _make_pools(self, torch: Any, config: KVCacheManagerConfig, tier_ids: Sequence[int]) -> None:
+        """One pool per (tier, life cycle), appended to ``self.pools`` (disk files to
+        ``self._files``, which the caller's finalizer closes on failure)."""
         pin = torch.cuda.is_available()
-        self._files: list[tuple[str, int]] = []  # (path, locked fd) of each disk pool file
-        self._finalizer = weakref.finalize(self, _close_files, self._files)
-        self.pools: list[list[Any]] = []  # [config position][lc] uint8[num_slots, slot_bytes] or a DiskPool
-        try:
-            for t, tier in enumerate(config.tiers):
-                row = []
-                if tier.kind == "disk":
-                    os.makedirs(tier.path, exist_ok=True)
-                    remove_stale_pool_files(tier.path)  # files of crashed runs (module docstring)
-                for lc in self.life_cycles:
-                    n, sb = self.num_slots[t][lc.id], lc.slot_bytes
-                    if tier.kind == "gpu":
-                        pool = torch.zeros((n, sb), dtype=torch.uint8, device=self.device)
-                    elif tier.kind == "host":
-                        pool = torch.zeros((n, sb), dtype=torch.uint8, pin_memory=pin)
-                    else:  # disk: a reserved, locked file read and written with pread/pwrite
-                        path, fd = _create_disk_file(tier.path, lc.id, n * (sb + TRAILER.size), rc.tier_ids[t])
-                        self._files.append((path, fd))
-                        pool = DiskPool(fd, path, n, sb)
-                    row.append(pool)
-                self.pools.append(row)
-        except BaseException:
-            self.pools = []
-            self._finalizer()
-            raise
-        # a test hook (fault injection): called with each op just before it is executed;
-        # an exception it raises makes that op fail as an I/O error would
-        self.fault: Callable[[CopyOp], None] | None = None
-        self.copies = dict.fromkeys(COPY_REASONS, 0)  # ops executed, by reason
-        self.copy_bytes = dict.fromkeys(COPY_REASONS, 0)
-        self.routes: dict[str, int] = {}  # ops executed by route, e.g. "gpu->host"
-        self.runs = 0  # batched runs executed
-        self.kernel_calls = 0  # gather+scatter pairs issued (one per (src tier, dst tier, lc) per run)
+        for t, tier in enumerate(config.tiers):
+            row = []
+            if tier.kind == "disk":
+                os.makedirs(tier.path, exist_ok=True)
+                remove_stale_pool_files(tier.path)  # files of crashed runs (module docstring)
+            for lc in self.life_cycles:
+                n, sb = self.num_slots[t][lc.id], lc.slot_bytes
+                if tier.kind == "gpu":
+                    pool = torch.zeros((n, sb), dtype=torch.uint8, device=self.device)
+                elif tier.kind == "host":
+                    pool = torch.zeros((n, sb), dtype=torch.uint8, pin_memory=pin)
+                else:  # disk: a reserved, locked file read and written with pread/pwrite
+                    path, fd = _create_disk_file(tier.path, lc.id, n * (sb + TRAILER.size), tier_ids[t])
+                    self._files.append((path, fd))
+                    pool = DiskPool(fd, path, n, sb)
+                row.append(pool)
+            self.pools.append(row)
 
     # ------------------------------------------------------------------ views
 

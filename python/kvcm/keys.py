@@ -6,7 +6,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-from kvcm.api import ReuseScope, Token, check_scope, check_tokens
+from kvcm.api import ReuseScope, Token
+from kvcm.checks import check_scope, check_tokens
 
 
 def scope_root_key(scope: ReuseScope | None = None) -> bytes:

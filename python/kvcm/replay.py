@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
+from kvcm.config import ceildiv
 from kvcm.trace import TraceRequest, expand_outputs, expand_prompt, load_trace, total_blocks
 
 BYTES_PER_TOKEN_PER_LAYER = 1
@@ -188,45 +189,7 @@ def replay(
     mgr_s = 0.0
     try:
         for req in trace:
-            prompt = expand_prompt(req)
-            outputs = expand_outputs(req.index, req.output_length) if with_outputs else ()
-            n = len(prompt)
-            res.requests += 1
-            res.prompt_tokens += n
-            res.prompt_blocks += -(-n // B)
-            ts = clock()
-            kv = mgr.create_kv_cache(prompt)
-            ok = kv.resume()
-            if ok:
-                ok = kv.resize(n)
-            if not ok:
-                res.preemptions += 1
-                res.failed += 1
-                kv.close()
-                for op in mgr.drain_copy_ops():
-                    ops[op.reason] += 1
-                mgr_s += clock() - ts
-                if bar:
-                    bar.update()
-                continue
-            reused = kv.num_reused_tokens
-            for op in mgr.drain_copy_ops():
-                ops[op.reason] += 1
-            start = kv.num_committed_tokens
-            kv.commit(prompt[start:] if start else prompt)  # no copy when nothing was reused
-            for tok in outputs:
-                if not kv.resize(kv.capacity + 1):
-                    res.preemptions += 1
-                    res.truncated += 1
-                    break
-                for op in mgr.drain_copy_ops():
-                    ops[op.reason] += 1
-                kv.commit([tok])
-                res.output_tokens += 1
-            kv.close()
-            mgr_s += clock() - ts
-            res.reused_tokens += reused
-            res.reused_blocks += -(-reused // B)
+            mgr_s += _replay_request(mgr, req, res, ops, with_outputs)
             if bar:
                 bar.update()
         for op in mgr.drain_copy_ops():
@@ -242,6 +205,53 @@ def replay(
     res.copy_ops = dict(sorted(ops.items()))
     res.offloads, res.onboards, res.drops = eviction_counts(res.stats)
     return res
+
+
+def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, ops: Counter[str],
+                    with_outputs: bool) -> float:
+    """One request of the replay: create, resume, resize and commit its prompt (a request
+    that does not fit is counted failed and closed), then decode its outputs one token per
+    step.  Counts into ``res`` and ``ops`` (drained copy ops by reason); returns the time
+    spent in manager and cache calls."""
+    B = res.tokens_per_block
+    clock = time.perf_counter
+    prompt = expand_prompt(req)
+    outputs = expand_outputs(req.index, req.output_length) if with_outputs else ()
+    n = len(prompt)
+    res.requests += 1
+    res.prompt_tokens += n
+    res.prompt_blocks += ceildiv(n, B)
+    ts = clock()
+    kv = mgr.create_kv_cache(prompt)
+    ok = kv.resume()
+    if ok:
+        ok = kv.resize(n)
+    if not ok:
+        res.preemptions += 1
+        res.failed += 1
+        kv.close()
+        for op in mgr.drain_copy_ops():
+            ops[op.reason] += 1
+        return clock() - ts
+    reused = kv.num_reused_tokens
+    for op in mgr.drain_copy_ops():
+        ops[op.reason] += 1
+    start = kv.num_committed_tokens
+    kv.commit(prompt[start:] if start else prompt)  # no copy when nothing was reused
+    for tok in outputs:
+        if not kv.resize(kv.capacity + 1):
+            res.preemptions += 1
+            res.truncated += 1
+            break
+        for op in mgr.drain_copy_ops():
+            ops[op.reason] += 1
+        kv.commit([tok])
+        res.output_tokens += 1
+    kv.close()
+    spent = clock() - ts
+    res.reused_tokens += reused
+    res.reused_blocks += ceildiv(reused, B)
+    return spent
 
 
 __all__ = ["ReplayResult", "eviction_counts", "replay", "replay_config", "slot_bytes"]

@@ -38,7 +38,7 @@ def _policies(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str]) -> int:
-    from kvcm.cli import _table
+    from kvcm.cli_common import format_table
     from kvcm.routing import POLICIES, plot, route_trace, table
     from kvcm.trace import load_trace
 
@@ -65,7 +65,7 @@ def main(argv: Sequence[str]) -> int:
     header, rows = table(results)
     print(f"{len(trace)} requests, {sum(r.input_length for r in trace):,} prompt tokens, "
           f"tokens_per_block={args.block_size}")
-    print(_table(header, rows))
+    print(format_table(header, rows))
     if args.plot:
         plot(results, args.plot)
         print(f"plot: {args.plot}")

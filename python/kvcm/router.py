@@ -37,7 +37,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.api import KVCacheManagerConfig, LifeCycle, ReuseScope, Token, resolve_config
+from kvcm.api import KVCacheManagerConfig, ReuseScope, Token
+from kvcm.config import LifeCycle, resolve_config, stale_range
 from kvcm.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -180,10 +181,7 @@ class InstanceIndex:
                             break
                     m = cut
                     continue
-                lo, hi = 0, 0
-                if spec.window is not None:
-                    lo = -(-spec.sinks // B)
-                    hi = max(lo, (m + 1 - spec.window) // B)
+                lo, hi = stale_range(spec.window, spec.sinks, m, B)  # the engine's rule (sec. 7)
                 for j in range(nb):
                     if lo <= j < hi:
                         continue

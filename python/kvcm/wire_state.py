@@ -41,16 +41,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.api import (
-    ClearedEvent,
-    Event,
-    LifeCycle,
-    RemovedEvent,
-    ReuseScope,
-    StoredEvent,
-    TierChangedEvent,
-    Token,
-)
+from kvcm.api import ClearedEvent, Event, RemovedEvent, ReuseScope, StoredEvent, TierChangedEvent, Token
+from kvcm.config import LifeCycle
 from kvcm.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, MEDIA, AllBlocksCleared, BlockRemoved, BlockStored
 
 DIGEST_PLACEHOLDER = -1

@@ -1,5 +1,5 @@
 """The shared token parser (cpp/token_parse.h) behind block_keys, the manager calls and the
-RadixTree port: the same tokens and the same errors as kvcm.api.check_tokens, on the paths the
+RadixTree port: the same tokens and the same errors as kvcm.checks.check_tokens, on the paths the
 small-input tests do not reach (the exact-int fast path's digit cases, chunk and block
 boundaries, long lists, and buffers large enough to be converted without the GIL)."""
 
@@ -13,7 +13,7 @@ import kvcm
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcm.api import check_tokens
+from kvcm.checks import check_tokens
 from spec_reference import spec_keys
 
 ext = pytest.importorskip("kvcm._kvcm_cpp")

@@ -11,14 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvcm.api import (
-    ClosedError,
-    InvalidStateError,
-    KVCache,
-    check_batch_caches,
-    check_counts,
-    check_tokens,
-)
+from kvcm.api import ClosedError, InvalidStateError, KVCache
+from kvcm.checks import check_batch_caches, check_counts, check_tokens
 from kvcm.python_backend.request import PyKVCache
 
 T = TypeVar("T")

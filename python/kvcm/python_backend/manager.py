@@ -19,7 +19,6 @@ from kvcm.api import (
     ClearedEvent,
     CopyOp,
     Event,
-    InvalidStateError,
     InvariantError,
     KVCache,
     KVCacheManager,
@@ -31,14 +30,18 @@ from kvcm.api import (
     StoredEvent,
     TierChangedEvent,
     Token,
+)
+from kvcm.checks import (
     check_cache_id,
     check_copy_ops,
     check_priority,
     check_scope,
     check_tokens,
     default_cache_id,
-    resolve_config,
+    shut_down_error,
+    still_open_error,
 )
+from kvcm.config import resolve_config
 from kvcm.keys import chain_keys, scope_root_key
 from kvcm.python_backend import batch, observe
 from kvcm.python_backend.locking import serialized
@@ -115,7 +118,7 @@ class PyKVCacheManager(KVCacheManager):
         if cache_id is not None and cache_id in self.open_ids:
             raise ValueError(f"id {cache_id!r} is already used by an open cache")
         if self.is_shutdown:
-            raise InvalidStateError("the manager is shut down")
+            raise shut_down_error()
         self.tick()
         serial = self.next_request
         self.next_request += 1
@@ -207,7 +210,7 @@ class PyKVCacheManager(KVCacheManager):
     def clear_reusable(self) -> None:
         """SPEC sec. 8: drop every DROPPABLE page and prune the tree."""
         if self.is_shutdown:
-            raise InvalidStateError("the manager is shut down")
+            raise shut_down_error()
         self.tick()
         self._drop_all_droppable()
         self.emit(ClearedEvent(self.event_id()))
@@ -216,7 +219,7 @@ class PyKVCacheManager(KVCacheManager):
     def shutdown(self) -> None:
         """SPEC sec. 8: needs every cache closed; drops what is reusable."""
         if self.requests:
-            raise InvalidStateError(f"shutdown needs every cache closed; {len(self.requests)} still open")
+            raise still_open_error(len(self.requests))
         if self.is_shutdown:
             return
         self.tick()

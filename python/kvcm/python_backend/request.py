@@ -13,18 +13,21 @@ from typing import Any
 
 from kvcm.api import (
     GPU,
-    MAX_REQUEST_BLOCKS,
-    ClosedError,
-    InvalidStateError,
     KVCache,
     ReuseScope,
     Status,
     TierChangedEvent,
     Token,
     as_int,
+)
+from kvcm.checks import (
+    MAX_REQUEST_BLOCKS,
     check_count,
     check_tokens,
+    closed_error,
     int32_view,
+    status_error,
+    stopped_error,
 )
 from kvcm.keys import block_key, chain_keys, scope_root_key
 from kvcm.python_backend.locking import serialized
@@ -325,7 +328,7 @@ class PyKVCache(KVCache):
         ``commit_batch``): the status, then the room (sec. 7: committed + n <= capacity)."""
         self._require(Status.ACTIVE, "commit")
         if self.stopped:
-            raise InvalidStateError("commit after stop_committing()")
+            raise stopped_error()
         if len(self.tokens) + n > self._capacity:
             raise ValueError(
                 f"commit of {n} tokens exceeds capacity {self._capacity} ({len(self.tokens)} committed)")
@@ -424,12 +427,12 @@ class PyKVCache(KVCache):
 
     def _require_open(self, what: str) -> None:
         if self._status == Status.CLOSED:
-            raise ClosedError(f"{what}() on a closed cache")
+            raise closed_error(what)
 
     def _require(self, status: Status, what: str) -> None:
         self._require_open(what)
         if self._status != status:
-            raise InvalidStateError(f"{what}() needs a {status.value} cache, this one is {self._status.value}")
+            raise status_error(what, status, self._status)
 
     def _check_lc(self, lc: Any) -> int:
         value = as_int(lc)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcm.api import LifeCycle
+from kvcm.config import LifeCycle
 
 NO_PAGE = -1
 NO_NODE = -1

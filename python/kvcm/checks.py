@@ -1,0 +1,301 @@
+"""Argument checks shared by both backends' Python layers (SPEC sec. 10): every bad
+argument raises before anything changes, with one set of messages for both backends
+(the C++ core raises the same texts for the checks it runs itself; the parity suite pins
+them).
+
+Each check normalises what it accepts (a token sequence to a list of ints / digests, an
+int subclass to its int value), so both backends see exactly the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvcm.api import (
+    DIGEST_TOKEN_BYTES,
+    MAX_TOKEN,
+    ClosedError,
+    CopyOp,
+    InvalidStateError,
+    KVCache,
+    ReuseScope,
+    Status,
+    Token,
+    as_int,
+    scope_field,
+)
+
+DEFAULT_SCOPE = ReuseScope()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# ---------------------------------------------------------------------------------------
+# Status errors: a call on a closed cache, in the wrong status, or on a shut-down manager
+# (sec. 7, 10).  The C++ core raises the same texts for the checks it runs itself
+# (cpp/core: InvalidStateErr); the parity suite compares them.
+# ---------------------------------------------------------------------------------------
+
+
+def closed_error(what: str) -> ClosedError:
+    """The error of ``what()`` on a closed cache."""
+    return ClosedError(f"{what}() on a closed cache")
+
+
+def status_error(what: str, need: Status, have: Status) -> InvalidStateError:
+    """The error of ``what()`` on a cache in status ``have`` when it needs ``need``."""
+    return InvalidStateError(f"{what}() needs a {need.value} cache, this one is {have.value}")
+
+
+def stopped_error() -> InvalidStateError:
+    """The error of ``commit`` after ``stop_committing()``."""
+    return InvalidStateError("commit after stop_committing()")
+
+
+def shut_down_error() -> InvalidStateError:
+    """The error of a manager call after ``shutdown()``."""
+    return InvalidStateError("the manager is shut down")
+
+
+def still_open_error(n_open: int) -> InvalidStateError:
+    """The error of ``shutdown()`` while ``n_open`` caches are open."""
+    return InvalidStateError(f"shutdown needs every cache closed; {n_open} still open")
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------
+
+
+def _token_items(tokens: Any, name: str) -> list:
+    """The items of a token sequence other than an exact list / tuple (DECISIONS "Tokens"):
+    a 1-D array (anything with ``tolist()``: numpy, torch, ``array.array``, a memoryview
+    that is not over bytes) or a ``collections.abc.Sequence`` (range, list subclasses...).
+    Rejected (TypeError): None, str, bytes, bytearray and memoryviews of them, dicts, sets,
+    iterators and generators (single use: a failed call would consume them), and arrays of
+    more than one dimension.  Any Python code this runs (``tolist()``, ``__iter__``) runs
+    here, before the call looks at any state."""
+    if tokens is None or isinstance(tokens, (str, bytes, bytearray)):
+        raise TypeError(f"{name} must be a sequence of tokens, got {type(tokens).__name__}")
+    if isinstance(tokens, memoryview) and isinstance(tokens.obj, (bytes, bytearray)):
+        raise TypeError(f"{name} must be a sequence of tokens, got a memoryview of {type(tokens.obj).__name__}")
+    if hasattr(tokens, "tolist"):
+        ndim = getattr(tokens, "ndim", 1)
+        if ndim != 1:
+            raise TypeError(f"{name} must be a 1-D sequence of tokens, got a {ndim}-D {type(tokens).__name__}")
+        items = tokens.tolist()  # numpy / torch / array('i'): one C-level conversion
+        if type(items) is not list:
+            raise TypeError(f"{name}.tolist() must return a list, got {type(items).__name__}")
+        return items
+    if isinstance(tokens, Sequence):
+        return list(tokens)
+    raise TypeError(f"{name} must be a sequence of tokens, got {type(tokens).__name__}")
+
+
+def check_tokens(tokens: Any, name: str = "tokens") -> list[Token]:
+    """Normalise a token sequence to a new list; TypeError/ValueError on a bad token.
+
+    The one rule for what a token sequence is (DECISIONS "Tokens"; the C++ parser in
+    cpp/token_parse.h has the same results and messages): a list or tuple of tokens, or
+    what :func:`_token_items` accepts.  A token is an ``int`` in ``[0, 2**31)`` (not bool;
+    an int subclass counts by its int value) or ``bytes`` (exactly) of length 32."""
+    out = list(tokens) if type(tokens) in (list, tuple) else _token_items(tokens, name)
+    if not out:
+        return out
+    types = set(map(type, out))
+    if types == {int}:  # the common case, checked at C speed
+        if min(out) < 0 or max(out) >= MAX_TOKEN:
+            bad = next(t for t in out if not 0 <= t < MAX_TOKEN)
+            raise ValueError(f"{name}: token {bad} out of range [0, 2**31)")
+        return out
+    for i, t in enumerate(out):
+        tt = type(t)
+        if tt is bytes:
+            if len(t) != DIGEST_TOKEN_BYTES:
+                raise ValueError(f"{name}: a digest token must be 32 bytes, got {len(t)}")
+            continue
+        v = as_int(t)
+        if v is None:
+            raise TypeError(f"{name}: a token must be an int or 32 bytes, got {tt.__name__}")
+        if not 0 <= v < MAX_TOKEN:
+            raise ValueError(f"{name}: token {v} out of range [0, 2**31)")
+        out[i] = v
+    return out
+
+
+def check_scope(scope: Any) -> ReuseScope:
+    """The scope to use: None is the default scope.  The fields are validated again here
+    (a ReuseScope can be forged with ``object.__setattr__``) and an int subclass is read by
+    its value, so both backends key exactly the same scope."""
+    if scope is None:
+        return DEFAULT_SCOPE
+    if not isinstance(scope, ReuseScope):
+        raise TypeError(f"scope must be a ReuseScope or None, got {type(scope).__name__}")
+    lora, salt = scope.lora_id, scope.salt
+    nl, ns = scope_field("lora_id", lora), scope_field("salt", salt)
+    if type(scope) is ReuseScope and nl is lora and ns is salt:
+        return scope
+    return ReuseScope(nl, ns)
+
+
+def check_priority(priority: Any, default: int) -> int:
+    if priority is None:
+        return default
+    value = as_int(priority)
+    if value is None:
+        raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+    if not 0 <= value <= 100:
+        raise ValueError(f"priority must be in 0..100, got {value}")
+    return value
+
+
+MAX_COUNT = 2**63  # counts the C++ core can hold (int64); larger ones are "too large"
+# A request's page table has one entry per block ordinal below its capacity (sec. 7,
+# page_indices); a resize to more ordinals than this is refused like one the pools can
+# never hold (DECISIONS "Resource bounds").
+MAX_REQUEST_BLOCKS = 2**24
+
+
+def check_cache_id(cache_id: Any) -> int | str | None:
+    """A caller-given cache id: None, an int (not bool; a subclass by its value) or a str
+    (a subclass as its plain str), so that comparing ids runs no caller code."""
+    if cache_id is None:
+        return None
+    v = as_int(cache_id)
+    if v is not None:
+        return v
+    if isinstance(cache_id, str):
+        return str.__str__(cache_id)
+    raise TypeError(f"id must be an int or str, got {type(cache_id).__name__}")
+
+
+def default_cache_id(serial: int, open_ids: Any) -> int:
+    """The id of a cache created without one: its creation serial, or the next integer no
+    open cache holds (DECISIONS "API shape")."""
+    i = serial
+    while i in open_ids:
+        i += 1
+    return i
+
+
+def check_count(value: Any, name: str) -> int:
+    """A count argument (``capacity``, ``history_length``): an int (not bool; a subclass by
+    its value) in ``[0, 2**63)``."""
+    v = as_int(value)
+    if v is None:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    if v >= MAX_COUNT:
+        raise ValueError(f"{name} {v} is too large")
+    return v
+
+
+def check_batch_caches(what: str, caches: Any, is_mine: Callable[[Any], bool], key: Callable[[Any], Any]) -> list:
+    """Check 1 of the batch calls, item by item in batch order: ``caches`` is a sequence
+    (TypeError), each item a KVCache (TypeError) of this manager (ValueError; ``is_mine``
+    is the backend's membership test), none twice (ValueError; ``key`` tells caches
+    apart).  Returns the caches as a list."""
+    if type(caches) is not list and (not isinstance(caches, Sequence) or isinstance(caches, (str, bytes))):
+        raise TypeError(f"{what}(): caches must be a sequence of KVCache, got {type(caches).__name__}")
+    seen: set[Any] = set()
+    for i, c in enumerate(caches):
+        if not isinstance(c, KVCache):
+            raise TypeError(f"{what}(): caches[{i}] must be a KVCache, got {type(c).__name__}")
+        if not is_mine(c):
+            raise ValueError(f"{what}(): caches[{i}]: not a cache of this manager")
+        k = key(c)
+        if k in seen:
+            raise ValueError(f"{what}(): caches[{i}]: the same cache appears twice in the batch")
+        seen.add(k)
+    return list(caches)
+
+
+def check_counts(values: Any, name: str, n: int, what: str) -> list[int]:
+    """A batch argument of ``n`` counts (``resize_batch``'s capacities / history_lengths):
+    a list or tuple of ints, or an integer array (``array``, numpy, torch: anything with
+    ``tolist()``), each an int (not bool) in ``[0, 2**63)``.  TypeError / ValueError naming
+    ``name[i]`` for the first bad item, then ValueError when the length is not ``n``."""
+    if type(values) in (list, tuple):
+        items = values
+    elif hasattr(values, "tolist") and not isinstance(values, (str, bytes, bytearray)):
+        items = values.tolist()  # one C-level conversion (numpy / torch / array / memoryview)
+        if type(items) is not list:
+            raise TypeError(f"{name}.tolist() must return a list, got {type(items).__name__}")
+    else:
+        raise TypeError(f"{what}(): {name} must be a list or tuple of ints or an integer array, "
+                        f"got {type(values).__name__}")
+    out = list(items)
+    for i, item in enumerate(out):
+        v = as_int(item)
+        if v is None:
+            raise TypeError(f"{name}[{i}] must be an int, got {type(item).__name__}")
+        if v < 0:
+            raise ValueError(f"{name}[{i}] must be >= 0, got {v}")
+        if v >= MAX_COUNT:
+            raise ValueError(f"{name}[{i}] {v} is too large")
+        out[i] = v
+    if len(out) != n:
+        raise ValueError(f"{what}(): {name} has {len(out)} items for {n} caches")
+    return out
+
+
+def check_copy_ops(ops: Any, what: str = "forget_copies") -> list[CopyOp]:
+    """The type checks of :meth:`KVCacheManager.forget_copies` (shared by both backends):
+    ``ops`` is a list or tuple (TypeError), each item a ``CopyOp`` (TypeError) whose slots
+    and tiers are ints (not bool) and whose reason is a str (TypeError).  Whether each op
+    was issued is the backend's check (ValueError)."""
+    if type(ops) not in (list, tuple):
+        raise TypeError(f"{what}(): ops must be a list or tuple of CopyOp, got {type(ops).__name__}")
+    for i, op in enumerate(ops):
+        if not isinstance(op, CopyOp):
+            raise TypeError(f"{what}(): ops[{i}] must be a CopyOp, got {type(op).__name__}")
+        for name in ("lc", "src_tier", "src_slot", "dst_tier", "dst_slot"):
+            if not _is_int(getattr(op, name)):
+                raise TypeError(f"{what}(): ops[{i}].{name} must be an int, got {type(getattr(op, name)).__name__}")
+        if type(op.reason) is not str:
+            raise TypeError(f"{what}(): ops[{i}].reason must be a str, got {type(op.reason).__name__}")
+    return list(ops)
+
+
+def int32_view(out: Any) -> memoryview:
+    """A writable 1-D int32 view of ``out`` (numpy array, array('i'), CPU torch tensor)."""
+    if not hasattr(out, "__buffer__") and hasattr(out, "numpy"):
+        out = out.numpy()  # a CPU torch tensor shares its memory with the array
+    try:
+        view = memoryview(out)
+    except TypeError:
+        raise TypeError(f"out must be a writable int32 buffer, got {type(out).__name__}") from None
+    if view.readonly:
+        raise ValueError("out is read-only")
+    if view.itemsize != 4 or view.format.lstrip("<=@") not in ("i", "l"):
+        raise ValueError(f"out must be an int32 buffer, got format {view.format!r}")
+    if view.ndim != 1 or not view.c_contiguous:
+        raise ValueError("out must be a contiguous 1-D buffer")
+    return view.cast("B").cast("i")
+
+
+__all__ = [
+    "DEFAULT_SCOPE",
+    "MAX_COUNT",
+    "MAX_REQUEST_BLOCKS",
+    "as_int",
+    "check_batch_caches",
+    "check_cache_id",
+    "check_copy_ops",
+    "check_count",
+    "check_counts",
+    "check_priority",
+    "check_scope",
+    "check_tokens",
+    "closed_error",
+    "default_cache_id",
+    "int32_view",
+    "shut_down_error",
+    "status_error",
+    "still_open_error",
+    "stopped_error",
+]
