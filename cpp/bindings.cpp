@@ -13,7 +13,7 @@
 #include <string>
 
 #include "core/block_keys.h"
-#include "core/radix_tree.h"
+#include "core/tree.h"
 #include "core/sha256.h"
 #include "token_parse.h"
 
