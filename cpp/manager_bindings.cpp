@@ -393,7 +393,10 @@ nb::list bool_list(const std::vector<std::uint8_t>& v) {
 
 }  // namespace
 
-void bind_manager(nb::module_& m) {
+namespace {
+
+// The core's errors as kvcm.api's (and Python's) exception types.
+void register_errors() {
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -409,7 +412,10 @@ void bind_manager(nb::module_& m) {
       PyErr_SetString(PyExc_AssertionError, e.what());
     }
   });
+}
 
+// Tokens (a validated token sequence) and ClosedTokens (what a closed cache still answers).
+void bind_tokens(nb::module_& m) {
   nb::class_<TokenBuf>(m, "Tokens", "A validated token sequence, converted once (see parse_tokens).")
       .def("__len__", [](const TokenBuf& t) { return t.codes.size(); });
   m.def("parse_tokens", &parse_tokens, "tokens"_a.none(), "name"_a = "tokens",
@@ -426,8 +432,11 @@ void bind_manager(nb::module_& m) {
                    })
       .def("__len__", [](const kvcm::ClosedTokens& t) { return t.codes.size(); })
       .def("tolist", [](const kvcm::ClosedTokens& t) { return token_list(t.decode()); });
+}
 
-  nb::class_<Manager>(m, "Manager", "The C++ manager core; driven by kvcm.cpp_backend.")
+// Manager: construction and the manager-level calls (kvcm.api.KVCacheManager).
+void bind_manager_calls(nb::class_<Manager>& cls) {
+  cls
       .def(
           "__init__",
           [](Manager* self, std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
@@ -501,8 +510,32 @@ void bind_manager(nb::module_& m) {
              return out;
            },
            nb::sig("def internal_sizes(self) -> dict[str, int]"),
-           "Sizes of the core's internal tables (bounded-memory tests, SPEC sec. 15).")
-      // ---------------------------------------------------------------- requests
+           "Sizes of the core's internal tables (bounded-memory tests, SPEC sec. 15).");
+}
+
+// Manager.page_indices_into: `out` is a writable, contiguous 1-D int32 buffer (checked by
+// the caller); the values are written straight into it (zero-copy), or nothing on error.
+std::size_t page_indices_into(Manager& mgr, std::int64_t serial, std::int64_t lc, nb::handle out) {
+  std::vector<std::int32_t> v = quick(mgr, [&] { return mgr.page_indices(serial, lc); });
+  Py_buffer view;
+  if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+    throw nb::python_error();
+  }
+  const auto capacity = static_cast<std::size_t>(view.len) / sizeof(std::int32_t);
+  if (v.size() > capacity) {
+    PyBuffer_Release(&view);
+    throw nb::value_error(("buffer holds " + std::to_string(capacity) + " int32 values, " +
+                           std::to_string(v.size()) + " needed")
+                              .c_str());
+  }
+  if (!v.empty()) std::memcpy(view.buf, v.data(), v.size() * sizeof(std::int32_t));
+  PyBuffer_Release(&view);
+  return v.size();
+}
+
+// Manager: the request calls, addressed by the cache's serial (kvcm.api.KVCache).
+void bind_request_calls(nb::class_<Manager>& cls) {
+  cls
       .def(
           "info",
           [](Manager& mgr, std::int64_t serial) {
@@ -563,29 +596,11 @@ void bind_manager(nb::module_& m) {
             return nb::borrow<nb::list>(out);
           },
           "serial"_a, "lc"_a)
-      .def(
-          "page_indices_into",
-          [](Manager& mgr, std::int64_t serial, std::int64_t lc, nb::handle out) {
-            // `out` is a writable, contiguous 1-D int32 buffer (checked by the caller);
-            // the values are written straight into it (zero-copy), or nothing on error.
-            std::vector<std::int32_t> v = quick(mgr, [&] { return mgr.page_indices(serial, lc); });
-            Py_buffer view;
-            if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-              throw nb::python_error();
-            }
-            const auto capacity = static_cast<std::size_t>(view.len) / sizeof(std::int32_t);
-            if (v.size() > capacity) {
-              PyBuffer_Release(&view);
-              throw nb::value_error(("buffer holds " + std::to_string(capacity) + " int32 values, " +
-                                     std::to_string(v.size()) + " needed")
-                                        .c_str());
-            }
-            if (!v.empty()) std::memcpy(view.buf, v.data(), v.size() * sizeof(std::int32_t));
-            PyBuffer_Release(&view);
-            return v.size();
-          },
-          "serial"_a, "lc"_a, "out"_a);
+      .def("page_indices_into", &page_indices_into, "serial"_a, "lc"_a, "out"_a);
+}
 
+// The batched decode step: module functions (not Manager methods).
+void bind_batch(nb::module_& m) {
   // ---------------------------------------------------------------- batched decode step
   // Module functions (not Manager methods) so the class definition above stays untouched.
   m.def(
@@ -624,4 +639,15 @@ void bind_manager(nb::module_& m) {
       nb::sig("def commit_batch(manager: Manager, keys: list[tuple[Manager, int]], tokens: object) -> None"),
       "Manager.commit of one token per cache, in order, the whole batch validated first "
       "(kvcm.api.KVCacheManager.commit_batch); keys: each cache's (core, serial).");
+}
+
+}  // namespace
+
+void bind_manager(nb::module_& m) {
+  register_errors();
+  bind_tokens(m);
+  nb::class_<Manager> cls(m, "Manager", "The C++ manager core; driven by kvcm.cpp_backend.");
+  bind_manager_calls(cls);
+  bind_request_calls(cls);
+  bind_batch(m);
 }

@@ -414,7 +414,11 @@ def bench_keys(args: argparse.Namespace) -> None:
 
     raw = None
     try:
-        raw = getattr(kvcm.cpp_extension(), "raw_sha256_loop", None)
+        # the floor loop is test/bench surface: kvcm._kvcm_cpp_testing, installed beside
+        # the production module (DECISIONS.md "Production surface only")
+        from kvcm import _kvcm_cpp_testing
+
+        raw = getattr(_kvcm_cpp_testing, "raw_sha256_loop", None)
     except ImportError:
         pass
     if callable(raw):
