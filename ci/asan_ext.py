@@ -1,6 +1,7 @@
-"""pytest plugin for ci/sanitize.sh: load ``kvcm._kvcm_cpp`` from the sanitizer build dir
-(``KVCM_EXT_DIR``) instead of the installed extension, so the sanitized build never replaces
-the regular one.  Loaded with ``-p asan_ext`` (``PYTHONPATH=ci``) before any conftest imports kvcm."""
+"""pytest plugin for ci/sanitize.sh: load ``kvcm._kvcm_cpp`` and the test-only
+``kvcm._kvcm_cpp_testing`` from the sanitizer build dir (``KVCM_EXT_DIR``) instead of the
+installed extensions, so the sanitized build never replaces the regular one.  Loaded with
+``-p asan_ext`` (``PYTHONPATH=ci``) before any conftest imports kvcm."""
 
 from __future__ import annotations
 
@@ -10,12 +11,20 @@ import os
 import sys
 
 _dir = os.environ["KVCM_EXT_DIR"]
-_found = sorted(glob.glob(os.path.join(_dir, "_kvcm_cpp*.so")))
-if not _found:
-    raise ImportError(f"no _kvcm_cpp extension in {_dir}")
-_spec = importlib.util.spec_from_file_location("kvcm._kvcm_cpp", _found[0])
-_mod = importlib.util.module_from_spec(_spec)
-sys.modules["kvcm._kvcm_cpp"] = _mod
-_spec.loader.exec_module(_mod)
+
+
+def _load(name: str):
+    found = sorted(glob.glob(os.path.join(_dir, f"{name}.*.so")))
+    if not found:
+        raise ImportError(f"no {name} extension in {_dir}")
+    spec = importlib.util.spec_from_file_location(f"kvcm.{name}", found[0])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[f"kvcm.{name}"] = mod
+    spec.loader.exec_module(mod)
+    return mod, found[0]
+
+
+_mod, _path = _load("_kvcm_cpp")
 if not _mod.build_info()["sanitize"]:
-    raise ImportError(f"{_found[0]} is not a sanitizer build")
+    raise ImportError(f"{_path} is not a sanitizer build")
+_load("_kvcm_cpp_testing")  # built by the same sanitizer build (CMakeLists.txt)

@@ -98,7 +98,7 @@ auto quick(Manager& m, F&& f) {
 
 using kvcm::pyconv::type_name;
 
-// A validated token sequence (kvcm.api.check_tokens semantics), converted once.  Digests
+// A validated token sequence (kvcm.checks.check_tokens semantics), converted once.  Digests
 // are copied (a deque keeps their addresses stable), so the core can run without the GIL.
 struct TokenBuf {
   std::vector<std::uint32_t> codes;  // kvcm::TokenSeq layout
@@ -204,7 +204,7 @@ std::string int_text(PyObject* v, long long x, int overflow) {
   return overflow == 0 ? std::to_string(x) : kvcm::pyconv::exact_int_str(v);
 }
 
-// Python twin: kvcm.api.check_count (SPEC sec. 10): an int (not bool; a subclass by its
+// Python twin: kvcm.checks.check_count (SPEC sec. 10): an int (not bool; a subclass by its
 // value) in [0, 2**63), same errors and messages.
 std::int64_t check_count(nb::handle o, const char* name) {
   PyObject* v = o.ptr();
@@ -282,7 +282,7 @@ std::vector<std::int64_t> batch_serials(nb::handle mgr_obj, nb::handle keys_obj)
   return out;
 }
 
-// kvcm.api.check_count for item `i` of a batch argument (messages name "capacities[i]").
+// kvcm.checks.check_count for item `i` of a batch argument (messages name "capacities[i]").
 [[noreturn]] void bad_count(const std::string& name, std::size_t i, const std::string& value, bool too_large) {
   const std::string at = name + "[" + std::to_string(i) + "]";
   if (too_large) throw nb::value_error((at + " " + value + " is too large").c_str());
@@ -336,7 +336,7 @@ bool counts_from_buffer(std::vector<std::int64_t>& out, PyObject* obj, const std
       bv.get(), [&](auto item) { counts_from_buffer_items<decltype(item)>(out, bv.get(), name); });
 }
 
-// kvcm.api.check_counts(obj, name, n, what): a list/tuple of ints or an integer array
+// kvcm.checks.check_counts(obj, name, n, what): a list/tuple of ints or an integer array
 // (array, numpy, CPU torch tensor) of n counts.  Same errors as the python backend.
 std::vector<std::int64_t> batch_counts(nb::handle obj_in, const std::string& name, std::size_t n, const char* what) {
   std::vector<std::int64_t> out;
@@ -393,7 +393,10 @@ nb::list bool_list(const std::vector<std::uint8_t>& v) {
 
 }  // namespace
 
-void bind_manager(nb::module_& m) {
+namespace {
+
+// The core's errors as kvcm.api's (and Python's) exception types.
+void register_errors() {
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
@@ -409,12 +412,15 @@ void bind_manager(nb::module_& m) {
       PyErr_SetString(PyExc_AssertionError, e.what());
     }
   });
+}
 
+// Tokens (a validated token sequence) and ClosedTokens (what a closed cache still answers).
+void bind_tokens(nb::module_& m) {
   nb::class_<TokenBuf>(m, "Tokens", "A validated token sequence, converted once (see parse_tokens).")
       .def("__len__", [](const TokenBuf& t) { return t.codes.size(); });
   m.def("parse_tokens", &parse_tokens, "tokens"_a.none(), "name"_a = "tokens",
         nb::sig("def parse_tokens(tokens: object, name: str = 'tokens') -> Tokens"),
-        "kvcm.api.check_tokens without a Python-level loop (lists, tuples, int buffers such as numpy "
+        "kvcm.checks.check_tokens without a Python-level loop (lists, tuples, int buffers such as numpy "
         "arrays and array('i')): the same errors, as a Tokens object for the manager calls.");
 
   nb::class_<kvcm::ClosedTokens>(m, "ClosedTokens",
@@ -426,8 +432,11 @@ void bind_manager(nb::module_& m) {
                    })
       .def("__len__", [](const kvcm::ClosedTokens& t) { return t.codes.size(); })
       .def("tolist", [](const kvcm::ClosedTokens& t) { return token_list(t.decode()); });
+}
 
-  nb::class_<Manager>(m, "Manager", "The C++ manager core; driven by kvcm.cpp_backend.")
+// Manager: construction and the manager-level calls (kvcm.api.KVCacheManager).
+void bind_manager_calls(nb::class_<Manager>& cls) {
+  cls
       .def(
           "__init__",
           [](Manager* self, std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
@@ -501,8 +510,32 @@ void bind_manager(nb::module_& m) {
              return out;
            },
            nb::sig("def internal_sizes(self) -> dict[str, int]"),
-           "Sizes of the core's internal tables (bounded-memory tests, SPEC sec. 15).")
-      // ---------------------------------------------------------------- requests
+           "Sizes of the core's internal tables (bounded-memory tests, SPEC sec. 15).");
+}
+
+// Manager.page_indices_into: `out` is a writable, contiguous 1-D int32 buffer (checked by
+// the caller); the values are written straight into it (zero-copy), or nothing on error.
+std::size_t page_indices_into(Manager& mgr, std::int64_t serial, std::int64_t lc, nb::handle out) {
+  std::vector<std::int32_t> v = quick(mgr, [&] { return mgr.page_indices(serial, lc); });
+  Py_buffer view;
+  if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+    throw nb::python_error();
+  }
+  const auto capacity = static_cast<std::size_t>(view.len) / sizeof(std::int32_t);
+  if (v.size() > capacity) {
+    PyBuffer_Release(&view);
+    throw nb::value_error(("buffer holds " + std::to_string(capacity) + " int32 values, " +
+                           std::to_string(v.size()) + " needed")
+                              .c_str());
+  }
+  if (!v.empty()) std::memcpy(view.buf, v.data(), v.size() * sizeof(std::int32_t));
+  PyBuffer_Release(&view);
+  return v.size();
+}
+
+// Manager: the request calls, addressed by the cache's serial (kvcm.api.KVCache).
+void bind_request_calls(nb::class_<Manager>& cls) {
+  cls
       .def(
           "info",
           [](Manager& mgr, std::int64_t serial) {
@@ -563,29 +596,11 @@ void bind_manager(nb::module_& m) {
             return nb::borrow<nb::list>(out);
           },
           "serial"_a, "lc"_a)
-      .def(
-          "page_indices_into",
-          [](Manager& mgr, std::int64_t serial, std::int64_t lc, nb::handle out) {
-            // `out` is a writable, contiguous 1-D int32 buffer (checked by the caller);
-            // the values are written straight into it (zero-copy), or nothing on error.
-            std::vector<std::int32_t> v = quick(mgr, [&] { return mgr.page_indices(serial, lc); });
-            Py_buffer view;
-            if (PyObject_GetBuffer(out.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
-              throw nb::python_error();
-            }
-            const auto capacity = static_cast<std::size_t>(view.len) / sizeof(std::int32_t);
-            if (v.size() > capacity) {
-              PyBuffer_Release(&view);
-              throw nb::value_error(("buffer holds " + std::to_string(capacity) + " int32 values, " +
-                                     std::to_string(v.size()) + " needed")
-                                        .c_str());
-            }
-            if (!v.empty()) std::memcpy(view.buf, v.data(), v.size() * sizeof(std::int32_t));
-            PyBuffer_Release(&view);
-            return v.size();
-          },
-          "serial"_a, "lc"_a, "out"_a);
+      .def("page_indices_into", &page_indices_into, "serial"_a, "lc"_a, "out"_a);
+}
 
+// The batched decode step: module functions (not Manager methods).
+void bind_batch(nb::module_& m) {
   // ---------------------------------------------------------------- batched decode step
   // Module functions (not Manager methods) so the class definition above stays untouched.
   m.def(
@@ -624,4 +639,15 @@ void bind_manager(nb::module_& m) {
       nb::sig("def commit_batch(manager: Manager, keys: list[tuple[Manager, int]], tokens: object) -> None"),
       "Manager.commit of one token per cache, in order, the whole batch validated first "
       "(kvcm.api.KVCacheManager.commit_batch); keys: each cache's (core, serial).");
+}
+
+}  // namespace
+
+void bind_manager(nb::module_& m) {
+  register_errors();
+  bind_tokens(m);
+  nb::class_<Manager> cls(m, "Manager", "The C++ manager core; driven by kvcm.cpp_backend.");
+  bind_manager_calls(cls);
+  bind_request_calls(cls);
+  bind_batch(m);
 }

@@ -17,16 +17,16 @@ import hashlib
 
 import pytest
 
-_kvcm_cpp = pytest.importorskip("kvcm._kvcm_cpp")
+_kvcm_cpp_testing = pytest.importorskip("kvcm._kvcm_cpp_testing")
 tree_mod = pytest.importorskip("kvcm.python_backend.tree")
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from kvcm.api import LifeCycle
+from kvcm.config import LifeCycle
 
 PyTree = tree_mod.RadixTree
-CppTree = _kvcm_cpp.RadixTree
+CppTree = _kvcm_cpp_testing.RadixTree
 
 KEYS = [hashlib.sha256(bytes([i])).digest() for i in range(6)]
 SCOPE_KEYS = [hashlib.sha256(b"scope" + bytes([i])).digest() for i in range(2)]

@@ -1,7 +1,18 @@
-// The KV-cache manager core (SPEC sec. 4, 7, 8, 9, 11): pages, pools, eviction, requests,
-// copy ops, events and stats.  A faithful port of kvcm/python_backend/{manager,cache,pools,
-// observe}.py: the same algorithms with the same order of every side effect, so both
-// backends produce identical page indices, copy ops, events, stats and snapshots.
+// The KV-cache manager core (SPEC sec. 4, 7, 8, 9, 11).  A faithful port of
+// kvcm/python_backend/: the same algorithms with the same order of every side effect, so
+// both backends produce identical page indices, copy ops, events, stats and snapshots.
+//
+// One file per concept, mirroring python_backend/ (docs: DECISIONS.md "Mirrored wings"):
+//   lifecycle.h          life cycles, stale ranges, floordiv / ceildiv  (the config module)
+//   tree.{h,cpp}         radix tree, matching, prune_match              (tree.py)
+//   pools.{h,cpp}        pages, free slots, eviction index, victim      (pools.py)
+//   manager.{h,cpp}      page users, moves, events, stats, manager calls (manager.py)
+//   request.{h,cpp}      one request's life cycle                       (request.py)
+//   batch.cpp            the batched decode step                        (batch.py)
+//   observe.cpp          snapshot and invariant checks                  (observe.py)
+// Each function implementing a SPEC rule is preceded by one line
+//   // py: <file>.py <Class>.<name> — SPEC sec. <N>
+// naming its Python twin (same name, possibly with one leading underscore).
 //
 // Plain C++20, no Python types.  One Manager is not thread-safe by itself; the bindings
 // serialise calls with mutex() (taken after releasing the GIL).
@@ -26,46 +37,16 @@
 #include <vector>
 
 #include "core/block_keys.h"
-#include "core/radix_tree.h"
+#include "core/lifecycle.h"
+#include "core/pools.h"
+#include "core/request.h"
 #include "core/sha256.h"
+#include "core/tree.h"
+#include "core/types.h"
 
 namespace kvcm {
 
-// ------------------------------------------------------------------ errors (kvcm.api types)
-class KvcmCoreError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-class InvalidStateErr : public KvcmCoreError {
- public:
-  using KvcmCoreError::KvcmCoreError;
-};
-class ClosedErr : public KvcmCoreError {
- public:
-  using KvcmCoreError::KvcmCoreError;
-};
-class InvariantErr : public KvcmCoreError {
- public:
-  using KvcmCoreError::KvcmCoreError;
-};
-class ValueErr : public KvcmCoreError {
- public:
-  using KvcmCoreError::KvcmCoreError;
-};
-// A kvcm bug (Python: AssertionError).
-class InternalErr : public std::logic_error {
- public:
-  using std::logic_error::logic_error;
-};
-
 // ------------------------------------------------------------------ configuration
-struct LcConfig {
-  bool ssm = false;
-  std::int64_t window = -1;  // -1: full attention (attention only)
-  std::int64_t sinks = 0;
-  std::int64_t slot_bytes = 0;
-};
-
 struct ManagerConfig {
   std::int64_t tokens_per_block = 1;
   std::vector<LcConfig> lcs;
@@ -76,31 +57,6 @@ struct ManagerConfig {
   double max_util_for_resume = 1.0;
   std::int64_t max_events = 10000;
   std::int64_t pending_copy_ops_warning = 1000000;  // 0: never warn
-};
-
-// A request's page table has at most this many block ordinals (kvcm.api.MAX_REQUEST_BLOCKS).
-inline constexpr std::int64_t kMaxRequestBlocks = std::int64_t{1} << 24;
-
-// A token code: ints as themselves (< 2**31), digests as kDigestCode | interned id.
-using Tok = std::uint32_t;
-inline constexpr Tok kDigestCode = 0x80000000u;
-
-enum class ReqStatus : int { suspended = 0, active = 1, closed = 2 };
-
-// A validated token sequence as the bindings hand it over: ints as their values, the k-th
-// digest token (in order of appearance) as kDigestCode | k with its bytes in digests[k].
-// An all-int prompt is then already in the manager's code space: no per-token work.
-struct TokenSeq {
-  std::span<const std::uint32_t> codes;
-  std::span<const Digest> digests;
-  std::size_t size() const noexcept { return codes.size(); }
-  bool empty() const noexcept { return codes.empty(); }
-  TokenSeq subseq(std::size_t at, std::size_t n) const { return {codes.subspan(at, n), digests}; }
-};
-
-struct CopyOpC {
-  std::int64_t lc, src_tier, src_slot, dst_tier, dst_slot;
-  const char* reason;
 };
 
 struct StoredBlockC {  // key and tokens are the event's (one block, several life cycles)
@@ -127,49 +83,12 @@ struct EventC {
 };
 static_assert(std::is_trivially_destructible_v<EventC>);
 
-// The committed tokens of a cache that was just closed (moved out, not copied): the
-// Python layer keeps them so a closed cache still answers committed_tokens.
-struct ClosedTokens {
-  bool closed_now = false;  // false: the cache was already closed (nothing else is set)
-  std::int64_t capacity = 0, history = 0, num_committed = 0, reused = 0, priority = 0;
-  std::vector<std::uint32_t> codes;
-  std::vector<std::pair<std::uint32_t, Digest>> digests;  // the digest of each digest code used
-  std::vector<TokenOut> decode() const;
-};
-
 // What take_events() hands out: the events, and the stored events' tokens and blocks,
 // each concatenated in event order (event i's follow those of the stored events before it).
 struct TakenEvents {
   std::vector<EventC> events;
   std::vector<TokenOut> tokens;
   std::vector<StoredBlockC> blocks;
-};
-
-struct RequestInfo {
-  ReqStatus status = ReqStatus::suspended;
-  bool stopped = false;
-  std::int64_t capacity = 0, history = 0, num_committed = 0, reused = 0, priority = 0;
-};
-
-// The free slots of one pool.  A new page takes the lowest free slot (the python backend's
-// heap does the same), so slot indices agree between backends.  A two-level bitmap: bit s
-// of words_ is set while slot s is free, bit w of summary_ while words_[w] is non-zero;
-// take() scans summary_ upward from hint_, below which every summary word is zero.
-class FreeSlots {
- public:
-  explicit FreeSlots(std::int64_t n);
-  std::int64_t size() const noexcept { return count_; }
-  std::int64_t take() noexcept;     // precondition: size() > 0
-  bool give(std::int64_t slot) noexcept;  // false: the slot was already free (a kvcm bug)
-  bool contains(std::int64_t slot) const noexcept {
-    return (words_[static_cast<std::size_t>(slot) >> 6] >> (slot & 63)) & 1u;
-  }
-  std::vector<std::int64_t> sorted() const;
-
- private:
-  std::vector<std::uint64_t> words_, summary_;
-  std::size_t hint_ = 0;
-  std::int64_t count_ = 0;
 };
 
 // A FIFO over one vector: popping advances a head index, and the dead prefix is dropped
@@ -237,7 +156,7 @@ class Manager {
   std::vector<std::int64_t> forget_copies(std::span<const CopyOpC> ops);
   // Sec. 15: the pending copy ops reached the warning figure during the last call (only once
   // per manager): returns the figure and clears the flag, else 0.  The bindings then issue
-  // kvcm.api.warn_pending_copy_ops (python twin: PyKVCacheManager._add_copy_op).
+  // kvcm.api.warn_pending_copy_ops (manager.py: PyKVCacheManager.add_copy_op).
   std::int64_t take_copy_ops_warning() noexcept {
     const std::int64_t due = copy_ops_warn_due_ ? cfg_.pending_copy_ops_warning : 0;
     copy_ops_warn_due_ = false;
@@ -271,89 +190,6 @@ class Manager {
   std::size_t num_life_cycles() const noexcept { return cfg_.lcs.size(); }
 
  private:
-  enum State : int { kNone = 0, kLocked = 1, kHeld = 2, kDroppable = 3 };
-  using EvictKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
-  // An eviction-index entry: the key, then the page handle (serials are unique, so the
-  // handle never decides the order).
-  using EvictEntry = std::pair<EvictKey, std::int64_t>;
-
-  // One slot's worth of KV (or ssm state) in one pool.  Kept small: a cached block costs
-  // one Page besides its tree node.
-  struct Page {
-    std::int64_t serial = 0;     // creation number (snapshots, the eviction tie-break)
-    std::int64_t last_used = 0;  // clock of the last use / release
-    std::int64_t ordinal = 0;    // block position in its request's chain
-    std::int64_t slot = 0;
-    std::int64_t handle = -1;    // this page's slot in the page slab
-    NodeId node = kNoNode;       // the tree block holding it (kNoNode: private to a request)
-    std::int64_t prev = -1, next = -1;  // links of the eviction index's list (in_list)
-    std::int64_t idx_last_used = 0;     // the key it is indexed under: (idx_priority,
-    std::int32_t idx_priority = 0;      //   idx_last_used, -ordinal, serial)
-    std::int32_t priority = 0;   // 0..100
-    std::int32_t coverage = 0;   // tokens of the block it holds (<= B)
-    std::int32_t locks = 0, holds = 0;  // users ACTIVE / SUSPENDED
-    std::uint8_t lc = 0, tier = 0;
-    std::uint8_t idx_state = kNone;  // the state this page is counted/indexed under in its pool
-    bool in_list = false;
-    EvictKey idx_key() const noexcept { return {idx_priority, idx_last_used, -ordinal, serial}; }
-    int state() const noexcept {
-      if (locks) return kLocked;
-      if (holds) return kHeld;
-      if (node != kNoNode) return kDroppable;
-      return kNone;
-    }
-    EvictKey evict_key() const noexcept { return {priority, last_used, -ordinal, serial}; }
-  };
-
-  // The HELD (or the DROPPABLE) pages of one pool in eviction order.  Pages mostly arrive
-  // in order — a page released now carries the newest last_used, and the pages a call
-  // releases together come by ascending ordinal, i.e. each sorts just before the previous
-  // one — so they go on an intrusive list threaded through the pages: an append at the
-  // tail, or an insert just before `run`, in O(1) without allocating.  Any other arrival
-  // (e.g. a page suspended with an old last_used) goes into the ordered set.  The next
-  // victim is the smaller of the two heads.  Invariants: the list is sorted by key; every
-  // page from `run` to `tail` has the tail's last_used.
-  struct EvictIndex {
-    std::pmr::set<EvictEntry> set;
-    std::int64_t head = -1, tail = -1, run = -1;  // page handles (-1: empty list)
-    std::size_t list_size = 0;
-    explicit EvictIndex(std::pmr::memory_resource* mem) : set(mem) {}
-    std::size_t size() const noexcept { return set.size() + list_size; }
-  };
-
-  struct Pool {
-    std::int64_t tier = 0, lc = 0, total = 0;
-    FreeSlots free_slots;
-    std::int64_t locked = 0, held = 0, droppable = 0;
-    EvictIndex held_index, droppable_index;  // set nodes come from the manager's pool resource
-    Pool(std::int64_t tier_, std::int64_t lc_, std::int64_t total_, std::pmr::memory_resource* mem)
-        : tier(tier_), lc(lc_), total(total_), free_slots(total_), held_index(mem), droppable_index(mem) {}
-    EvictIndex& index_of(int state) noexcept { return state == kHeld ? held_index : droppable_index; }
-    std::int64_t nfree() const noexcept { return free_slots.size(); }
-    std::int64_t take_slot() noexcept { return free_slots.take(); }
-    void give_slot(std::int64_t slot);
-    void count(int state, std::int64_t delta) noexcept;
-  };
-
-  struct Request {
-    std::int64_t serial = 0;
-    Digest root_key{};
-    NodeId root = kNoNode;
-    std::optional<std::uint64_t> lora, salt;
-    std::int64_t priority = 0;
-    ReqStatus status = ReqStatus::suspended;
-    bool stopped = false;
-    std::vector<Tok> input_tokens;
-    std::vector<Digest> keys;
-    std::vector<Tok> tokens;
-    std::int64_t reused = 0, capacity = 0, history = 0;
-    std::vector<NodeId> blocks;
-    std::vector<std::vector<std::int64_t>> pages;  // [lc][ordinal] page serial or -1 (attention lcs)
-    std::int64_t live = -1, snap = -1;
-    std::int64_t cow_block = -1;
-    bool has_digests = false;  // its tokens hold digest references (released at close)
-  };
-
   // --- helpers: tokens
   // Append the manager codes of `tokens` to `out` (interning their digests).
   void intern_into(TokenSeq tokens, std::vector<Tok>& out);
@@ -439,7 +275,7 @@ class Manager {
   std::int64_t capacity_of(std::int64_t tier, std::int64_t lc, const std::int64_t* adjust);
   bool make_room(std::int64_t tier, std::int64_t lc);
   Page* peek(Pool& pool, int state);
-  Page* victim(Pool& pool);
+  Page* victim(Pool& pool, bool can_offload);
   void move(Page* p, std::int64_t dst, const char* reason);
   void drop(Page* p);
   void unlink_committed(Page* p);
@@ -462,6 +298,23 @@ class Manager {
   void count(std::int64_t lc, int counter, std::int64_t n = 1);
   void record_match(std::int64_t n_query, std::int64_t m);
   void stats_view(std::string& out, const std::vector<std::int64_t>& counters) const;
+  // --- observe.cpp: snapshot_json's sections (one per key of observe.snapshot) and
+  // check_invariants' rule groups
+  void snapshot_tree(std::string& o);
+  void snapshot_pages(std::string& o);
+  void snapshot_pools(std::string& o);
+  void snapshot_requests(std::string& o);
+  void snapshot_copy_ops(std::string& o);
+  void snapshot_events(std::string& o);
+  struct InvariantUsers {  // page users and block references, recomputed from the requests
+    std::unordered_map<std::int64_t, std::int64_t> locks, holds, refs;
+  };
+  using NodeIndex = std::unordered_map<NodeId, const NodeDump*>;
+  void check_pool(std::size_t t, std::size_t lc, const std::vector<std::int64_t>& all);
+  void check_pool_index(const Pool& pool, const std::string& where, const std::vector<const Page*>& used);
+  void check_request(std::int64_t serial, InvariantUsers& users);
+  void check_page_users(const std::vector<std::int64_t>& all, InvariantUsers& users, NodeIndex& nodes);
+  void check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& nodes, InvariantUsers& users);
   void check(bool cond, const std::string& message) const {
     if (!cond) throw InvariantErr(message);
   }
@@ -514,7 +367,7 @@ class Manager {
   std::mutex mutex_;
 
   // ==================================================================== batched decode step
-  // resize_batch / commit_batch (defined in manager_batch.cpp; semantics documented on
+  // resize_batch / commit_batch (defined in batch.cpp; semantics documented on
   // kvcm.api.KVCacheManager.resize_batch / commit_batch and in DECISIONS.md).  One call
   // does what a loop of single calls does, in order, but validates the WHOLE batch before
   // the first mutation, and runs under one lock: an engine's 256-request decode step is one

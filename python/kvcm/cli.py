@@ -389,12 +389,14 @@ def _time_hashlib_floor(tokens: list[int], B: int, repeat: int, rates: dict[str,
 
 
 def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | None], rows: list[list[str]]) -> None:
-    """The C++ floor: the extension's chained SHA-256 loop without token conversion."""
-    import kvcm
-
+    """The C++ floor: the extension's chained SHA-256 loop without token conversion.  It is
+    bench/test surface, so it lives in kvcm._kvcm_cpp_testing, installed beside the production
+    module (DECISIONS.md "Mirrored wings and production surface")."""
     raw = None
     try:
-        raw = getattr(kvcm.cpp_extension(), "raw_sha256_loop", None)
+        from kvcm import _kvcm_cpp_testing
+
+        raw = getattr(_kvcm_cpp_testing, "raw_sha256_loop", None)
     except ImportError:
         pass
     if not callable(raw):

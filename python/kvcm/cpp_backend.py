@@ -1,7 +1,8 @@
 """The ``cpp`` backend: the C++ core (``kvcm._kvcm_cpp``) behind the shared interface.
 
 The manager, its caches, the radix tree and block keys all run in C++
-(``cpp/core/manager.cpp``; a faithful port of the python reference backend).  This module
+(``cpp/core/``, one file per concept like ``python_backend/``; a faithful port of the python
+reference backend).  This module
 is the thin Python face: arguments are validated here with the shared checks of
 :mod:`kvcm.checks`, in the same order as the python backend, so bad input raises the same
 errors on both; the core then does the work with the GIL released and the manager's
@@ -44,7 +45,6 @@ from kvcm.checks import (
 )
 from kvcm.config import LifeCycle, resolve_config
 
-RadixTree = _kvcm_cpp.RadixTree
 COPY_REASONS = ("offload", "onboard", "cow", "snapshot")
 _parse_tokens = _kvcm_cpp.parse_tokens
 
@@ -335,4 +335,4 @@ class CppKVCache(KVCache):
         return value
 
 
-__all__ = ["CppKVCache", "CppKVCacheManager", "RadixTree", "block_keys_cpp"]
+__all__ = ["CppKVCache", "CppKVCacheManager", "block_keys_cpp"]

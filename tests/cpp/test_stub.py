@@ -1,5 +1,6 @@
-"""The hand-checked stub python/kvcm/_kvcm_cpp.pyi must match the built extension
-(regenerate with ``python -m nanobind.stubgen -m kvcm._kvcm_cpp -o python/kvcm/_kvcm_cpp.pyi``)."""
+"""The hand-checked stubs python/kvcm/_kvcm_cpp.pyi and _kvcm_cpp_testing.pyi must match the
+built extensions (regenerate with ``python -m nanobind.stubgen -m kvcm.<module> -o
+python/kvcm/<module>.pyi``)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,20 @@ STUBGEN_VERSION = "3.1."
 if not nanobind.__version__.startswith(STUBGEN_VERSION):
     pytest.skip(f"the golden stub was generated with nanobind {STUBGEN_VERSION}x", allow_module_level=True)
 
-STUB = Path(__file__).resolve().parents[2] / "python" / "kvcm" / "_kvcm_cpp.pyi"
+KVCM_DIR = Path(__file__).resolve().parents[2] / "python" / "kvcm"
 
 
-def test_stub_is_current(tmp_path):
-    out = tmp_path / "_kvcm_cpp.pyi"
+@pytest.mark.parametrize("module", ["_kvcm_cpp", "_kvcm_cpp_testing"])
+def test_stub_is_current(tmp_path, module):
+    pytest.importorskip(f"kvcm.{module}")
+    out = tmp_path / f"{module}.pyi"
     subprocess.run(
-        [sys.executable, "-m", "nanobind.stubgen", "-q", "-m", "kvcm._kvcm_cpp", "-o", str(out)],
+        [sys.executable, "-m", "nanobind.stubgen", "-q", "-m", f"kvcm.{module}", "-o", str(out)],
         check=True,
         capture_output=True,
     )
-    assert out.read_text() == STUB.read_text(), (
-        "python/kvcm/_kvcm_cpp.pyi is stale: regenerate it with "
-        "`python -m nanobind.stubgen -m kvcm._kvcm_cpp -o python/kvcm/_kvcm_cpp.pyi`"
+    stub = KVCM_DIR / f"{module}.pyi"
+    assert out.read_text() == stub.read_text(), (
+        f"python/kvcm/{module}.pyi is stale: regenerate it with "
+        f"`python -m nanobind.stubgen -m kvcm.{module} -o python/kvcm/{module}.pyi`"
     )

@@ -17,6 +17,7 @@ from kvcm.checks import check_tokens
 from spec_reference import spec_keys
 
 ext = pytest.importorskip("kvcm._kvcm_cpp")
+testing = pytest.importorskip("kvcm._kvcm_cpp_testing")
 np = pytest.importorskip("numpy")
 
 D = hashlib.sha256(b"digest token").digest()
@@ -35,7 +36,7 @@ def cpp_keys(tokens, B):
 
 
 def tree_new_block(tokens):
-    tree = ext.RadixTree(4, [("attn", None, 0)])
+    tree = testing.RadixTree(4, [("attn", None, 0)])
     return tree.new_block(b"\x01" * 32, tokens, 0)
 
 

@@ -137,10 +137,11 @@ class PyKVCacheManager(KVCacheManager):
         toks = check_tokens(tokens)
         scope = check_scope(scope)
         root_key = scope_root_key(scope)  # nothing is kept for a scope (sec. 15)
-        if root_key not in self.tree.roots or not toks:
+        root = self.tree.find_root(root_key)
+        if root == NO_NODE or not toks:
             return ReuseProbe(0, 0)
         keys = chain_keys(root_key, toks[: len(toks) // self.B * self.B], self.B)
-        m, mbs, _path = self.match(self.tree.roots[root_key].id, toks, keys)
+        m, mbs, _path = self.match(root, toks, keys)
         return ReuseProbe(m, mbs)
 
     # ---------------------------------------------------------------- batched decode step

@@ -27,15 +27,15 @@ def snapshot(mgr: Any) -> dict:
     request serials)."""
     return {
         "clock": mgr.clock,
-        "tree": _tree_section(mgr.tree),
-        "pages": [_page_entry(mgr, mgr.pages[serial]) for serial in sorted(mgr.pages)],
-        "pools": _pools_section(mgr),
-        "requests": [_request_entry(mgr, serial, mgr.requests[serial]) for serial in sorted(mgr.requests)],
+        "tree": _snapshot_tree(mgr.tree),
+        "pages": _snapshot_pages(mgr),
+        "pools": _snapshot_pools(mgr),
+        "requests": _snapshot_requests(mgr),
         "stats": mgr.stats(),
         "iteration_stats": mgr.stats_view(mgr.iteration),
-        "copy_ops": [op.to_json() for op in mgr.copy_ops],
+        "copy_ops": _snapshot_copy_ops(mgr),
         "issued_copy_ops": [[*op.to_json(), serial] for op, serial in mgr.issued],
-        "events": [e.to_json() for e in mgr.events],
+        "events": _snapshot_events(mgr),
         "events_dropped": mgr.events_dropped,
         "next": {"event": mgr.next_event, "page": mgr.next_page, "request": mgr.next_request,
                  "node": mgr.tree.next_id},
@@ -43,7 +43,7 @@ def snapshot(mgr: Any) -> dict:
     }
 
 
-def _tree_section(tree: RadixTree) -> list[dict]:
+def _snapshot_tree(tree: RadixTree) -> list[dict]:
     """``tree``: every live node by id."""
     out = []
     for nid in sorted(tree.nodes):
@@ -63,6 +63,11 @@ def _tree_section(tree: RadixTree) -> list[dict]:
     return out
 
 
+def _snapshot_pages(mgr: Any) -> list[dict]:
+    """``pages``: every live page by serial."""
+    return [_page_entry(mgr, mgr.pages[serial]) for serial in sorted(mgr.pages)]
+
+
 def _page_entry(mgr: Any, p: Page) -> dict:
     """One entry of ``pages``."""
     return {
@@ -72,11 +77,26 @@ def _page_entry(mgr: Any, p: Page) -> dict:
     }
 
 
-def _pools_section(mgr: Any) -> list[dict]:
+def _snapshot_pools(mgr: Any) -> list[dict]:
     """``pools``: per tier, per life cycle, the free slots."""
     return [{"tier": mgr.tier_ids[t], "kind": mgr._rc.tier_kinds[t],
              "lc": [{"total": p.total, "free": p.nfree, "free_slots": sorted(p.free_slots)} for p in tier]}
             for t, tier in enumerate(mgr.pools)]
+
+
+def _snapshot_requests(mgr: Any) -> list[dict]:
+    """``requests``: the open requests by creation serial."""
+    return [_request_entry(mgr, serial, mgr.requests[serial]) for serial in sorted(mgr.requests)]
+
+
+def _snapshot_copy_ops(mgr: Any) -> list[list]:
+    """``copy_ops``: the pending (undrained) ops in issue order."""
+    return [op.to_json() for op in mgr.copy_ops]
+
+
+def _snapshot_events(mgr: Any) -> list[dict]:
+    """``events``: the buffered events, oldest first."""
+    return [e.to_json() for e in mgr.events]
 
 
 def _request_entry(mgr: Any, serial: int, r: PyKVCache) -> dict:
@@ -115,9 +135,9 @@ def check_invariants(mgr: Any) -> None:
     for r in mgr.requests.values():
         _check_request(mgr, r, locks, holds, refs)
     for p in mgr.pages.values():
-        _check_page(mgr, p, locks, holds)
+        _check_page_users(mgr, p, locks, holds)
     for nid, n in mgr.tree.nodes.items():
-        _check_node(mgr, nid, n, refs)
+        _check_tree_links(mgr, nid, n, refs)
 
 
 def _check_pool(mgr: Any, t: int, lc: int, pool: Pool) -> None:
@@ -171,7 +191,7 @@ def _check_request(mgr: Any, r: PyKVCache, locks: dict[int, int], holds: dict[in
     refs[r.root] = refs.get(r.root, 0) + 1
 
 
-def _check_page(mgr: Any, p: Page, locks: dict[int, int], holds: dict[int, int]) -> None:
+def _check_page_users(mgr: Any, p: Page, locks: dict[int, int], holds: dict[int, int]) -> None:
     """Pages (sec. 4): users as the requests count them, LOCKED only on gpu, a private page
     has a user, a committed one is held by its block."""
     check = mgr.check
@@ -189,7 +209,7 @@ def _check_page(mgr: Any, p: Page, locks: dict[int, int], holds: dict[int, int])
             check(p.locks + p.holds > 0, f"page {p.serial}: orphan block {p.node} page without a user")
 
 
-def _check_node(mgr: Any, nid: int, n: Node, refs: dict[int, int]) -> None:
+def _check_tree_links(mgr: Any, nid: int, n: Node, refs: dict[int, int]) -> None:
     """Tree links and pruning (sec. 5): references, pages linked back, children and their
     index, roots, and no prunable block left attached."""
     check = mgr.check

@@ -128,6 +128,11 @@ class RadixTree:
             self.roots[scope_key] = node
         return node.id
 
+    def find_root(self, scope_key: bytes) -> int:
+        """SPEC sec. 6 / 15: the root of a scope if it exists (a probe allocates nothing)."""
+        node = self.roots.get(scope_key)
+        return node.id if node is not None else NO_NODE
+
     def new_block(self, key: bytes, tokens: Sequence, ordinal: int) -> int:
         """A detached block with no pages and no references (caller refs or attaches it)."""
         return self._new(key, tuple(tokens), ordinal, is_root=False).id
@@ -309,13 +314,18 @@ class RadixTree:
         n.parent = None
         n.attached = False
 
+    def _release_root_if_unused(self, n: Node) -> None:
+        """SPEC sec. 15: no scope is kept forever: a root goes with its last child and its
+        last request."""
+        if n.refs == 0 and not n.children and not n.has_page() and self.roots.get(n.key) is n:
+            del self.roots[n.key]
+            del self.nodes[n.id]
+
     def _maybe_delete(self, n: Node) -> None:
         """Node life time (module docstring): an orphan goes with its last user (sec. 5), an
         unused scope root with its last child and request (sec. 15)."""
         if n.is_root:
-            if n.refs == 0 and not n.children and not n.has_page() and self.roots.get(n.key) is n:
-                del self.roots[n.key]
-                del self.nodes[n.id]
+            self._release_root_if_unused(n)
             return
         if not n.attached and not n.is_root and n.refs == 0 and not n.has_page() and n.id in self.nodes:
             for k in n.children.values():  # only reachable through a detached, dying node

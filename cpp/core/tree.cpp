@@ -1,18 +1,9 @@
-#include "core/radix_tree.h"
+#include "core/tree.h"
 
 #include <algorithm>
 
 namespace kvcm {
 namespace {
-
-// Python's // and ceil-by-negation on ints: the port must agree with tree.py even where
-// the numerator is negative (e.g. history + 1 - window).
-constexpr std::int64_t floordiv(std::int64_t a, std::int64_t b) noexcept {
-  std::int64_t q = a / b;
-  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
-  return q;
-}
-constexpr std::int64_t ceildiv(std::int64_t a, std::int64_t b) noexcept { return -floordiv(-a, b); }
 
 template <typename T>
 const T& at_index(const std::vector<T>& v, std::int64_t i) {
@@ -34,6 +25,7 @@ RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> l
 
 // ---------------------------------------------------------------- public API
 
+// py: tree.py RadixTree.root — SPEC sec. 5
 NodeId RadixTree::root(const Digest& scope_key) {
   auto it = roots_.find(scope_key);
   if (it != roots_.end()) return it->second;
@@ -42,12 +34,14 @@ NodeId RadixTree::root(const Digest& scope_key) {
   return r;
 }
 
-// tree.py: the `roots` lookup of PyKVCacheManager.probe_reuse_detail (SPEC sec. 6, 15).
+// The `roots` lookup of probe_reuse_detail (also SPEC sec. 15).
+// py: tree.py RadixTree.find_root — SPEC sec. 6
 NodeId RadixTree::find_root(const Digest& scope_key) const {
   auto it = roots_.find(scope_key);
   return it != roots_.end() ? static_cast<NodeId>(it->second) : kNoNode;
 }
 
+// py: tree.py RadixTree.new_block — SPEC sec. 5
 NodeId RadixTree::new_block(const Digest& key, std::span<const TokenArg> tokens, std::int64_t ordinal) {
   std::vector<Code> codes;
   codes.reserve(tokens.size());
@@ -80,6 +74,7 @@ NodeId RadixTree::new_block(const Digest& key, std::span<const Code> tokens, std
   return r;
 }
 
+// py: tree.py RadixTree.find_existing — SPEC sec. 5
 NodeId RadixTree::find_existing(NodeId parent, const Digest& key, std::span<const TokenArg> tokens) const {
   const Ref p = ref_of(parent);
   const Ref c = find_child(p, key);
@@ -94,6 +89,7 @@ NodeId RadixTree::find_existing(NodeId parent, const Digest& key, std::span<cons
   return covering(p, tokens);
 }
 
+// py: tree.py RadixTree.attach — SPEC sec. 5
 std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
   const Ref p = ref_of(parent);
   const Ref r = ref_of(node);
@@ -127,8 +123,10 @@ std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
   return {detached.begin(), detached.end()};
 }
 
+// py: tree.py RadixTree.detach — SPEC sec. 5
 void RadixTree::detach(NodeId node) { unlink(ref_of(node)); }
 
+// py: tree.py RadixTree.remove_subtree — SPEC sec. 5
 std::vector<NodeId> RadixTree::remove_subtree(NodeId node) {
   std::vector<NodeId> out;
   const Ref top = ref_of(node);
@@ -155,6 +153,7 @@ std::vector<NodeId> RadixTree::remove_subtree(NodeId node) {
   return out;
 }
 
+// py: tree.py RadixTree.prune_upward — SPEC sec. 5
 std::vector<NodeId> RadixTree::prune_upward(NodeId node) {
   std::vector<NodeId> out;
   Ref n = ref_of(node);
@@ -171,6 +170,7 @@ std::vector<NodeId> RadixTree::prune_upward(NodeId node) {
   return out;
 }
 
+// py: tree.py RadixTree.set_page — SPEC sec. 5
 PageHandle RadixTree::set_page(NodeId node, std::int64_t lc, PageHandle page, std::int64_t coverage) {
   const std::size_t i = ref_of(node) * lcs_.size() + lc_index(lc);
   const PageHandle old = pages_[i];
@@ -179,6 +179,7 @@ PageHandle RadixTree::set_page(NodeId node, std::int64_t lc, PageHandle page, st
   return old;
 }
 
+// py: tree.py RadixTree.clear_page — SPEC sec. 5
 PageHandle RadixTree::clear_page(NodeId node, std::int64_t lc) {
   const Ref r = ref_of(node);
   const std::size_t i = r * lcs_.size() + lc_index(lc);
@@ -189,8 +190,10 @@ PageHandle RadixTree::clear_page(NodeId node, std::int64_t lc) {
   return old;
 }
 
+// py: tree.py RadixTree.ref — SPEC sec. 5
 void RadixTree::ref(NodeId node) { ++at(ref_of(node)).refs; }
 
+// py: tree.py RadixTree.unref — SPEC sec. 5
 void RadixTree::unref(NodeId node) {
   const Ref r = ref_of(node);
   if (at(r).refs == 0) throw TreeAssertion("unref: not referenced");
@@ -198,10 +201,12 @@ void RadixTree::unref(NodeId node) {
   maybe_delete(r);
 }
 
+// py: tree.py RadixTree.collect — SPEC sec. 5
 void RadixTree::collect(NodeId node) {
   if (exists(node)) maybe_delete(static_cast<Ref>(node));
 }
 
+// py: tree.py RadixTree.match — SPEC sec. 6
 MatchResult RadixTree::match(NodeId root, std::span<const TokenArg> tokens, std::span<const Digest> keys,
                              bool partial, std::int64_t backoff) const {
   const std::vector<Code> codes = encode_query(tokens);
@@ -231,8 +236,8 @@ MatchResult RadixTree::match(NodeId root, std::span<const Code> tokens, std::spa
   }
   m = std::max<std::int64_t>(0, m - backoff);
   MatchResult r;
-  r.m_before_ssm = fixed_point(path, m, /*use_ssm=*/false);
-  r.m = fixed_point(path, m, /*use_ssm=*/true);
+  r.m_before_ssm = prune_match(path, m, /*use_ssm=*/false);
+  r.m = prune_match(path, m, /*use_ssm=*/true);
   // path[: ceil(m / B)] with Python slice semantics.
   const auto len = static_cast<std::int64_t>(path.size());
   std::int64_t stop = ceildiv(r.m, B_);
@@ -469,7 +474,8 @@ bool RadixTree::deletable(Ref r) const noexcept {
   return n.alive && !n.attached && !n.is_root && n.refs == 0 && !node_has_page(r);
 }
 
-// tree.py: RadixTree._maybe_delete, its root branch (SPEC sec. 15: no scope is kept forever).
+// maybe_delete's root branch: no scope is kept forever.
+// py: tree.py RadixTree.release_root_if_unused — SPEC sec. 15
 void RadixTree::release_root_if_unused(Ref r) {
   const Node& n = at(r);
   if (!n.alive || !n.is_root || n.refs != 0 || n.first_child != kNil || node_has_page(r)) return;
@@ -477,6 +483,7 @@ void RadixTree::release_root_if_unused(Ref r) {
   erase_node(r);
 }
 
+// py: tree.py RadixTree.maybe_delete — SPEC sec. 5
 void RadixTree::maybe_delete(Ref start) {
   if (at(start).is_root) {
     release_root_if_unused(start);
@@ -523,8 +530,9 @@ std::vector<RadixTree::Ref> RadixTree::children_by_key(Ref r) const {
   return kids;
 }
 
-// tree.py: RadixTree._covering (SPEC sec. 5 find_existing): the children below the walk's
+// find_existing: the children below the walk's
 // end all start with `tokens`; the trie's cover aggregate is the one with the most tokens.
+// py: tree.py RadixTree.covering — SPEC sec. 5
 NodeId RadixTree::covering(Ref p, std::span<const Code> tokens) const {
   if (tokens.empty() || static_cast<std::int64_t>(tokens.size()) >= B_) return kNoNode;
   if (at(p).index == kNil) return covering_scan(p, tokens);
@@ -534,9 +542,10 @@ NodeId RadixTree::covering(Ref p, std::span<const Code> tokens) const {
   return at(best).ntok > tokens.size() ? static_cast<NodeId>(best) : kNoNode;
 }
 
+// py: tree.py RadixTree.longest_run — SPEC sec. 6
 std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run(Ref node, std::span<const Code> tokens,
                                                                std::size_t start) const {
-  // tree.py: RadixTree._longest_run (SPEC sec. 6 step 1): the children below the walk's end
+  // SPEC sec. 6 step 1: the children below the walk's end
   // are exactly those sharing the longest leading run d; ties go to the smallest key.
   if (at(node).index == kNil) return longest_run_scan(node, tokens, start);
   const auto [t, d] = walk(node, tokens, start);
@@ -544,7 +553,8 @@ std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run(Ref node, std::sp
   return {tn(t).best, static_cast<std::int64_t>(d)};
 }
 
-std::int64_t RadixTree::fixed_point(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const {
+// py: tree.py RadixTree.prune_match — SPEC sec. 6
+std::int64_t RadixTree::prune_match(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const {
   const std::int64_t B = B_;
   const std::size_t nlc = lcs_.size();
   while (true) {
@@ -566,12 +576,8 @@ std::int64_t RadixTree::fixed_point(const std::vector<Ref>& path, std::int64_t m
         continue;
       }
       // Attention: every non-stale block below m needs a page covering its matched tokens.
-      std::int64_t lo = 0, hi = 0;
-      if (spec.window) {
-        const std::int64_t nsink = ceildiv(spec.sinks, B);
-        lo = nsink;
-        hi = std::max(nsink, floordiv(m + 1 - *spec.window, B));
-      }
+      const auto [lo, hi] = spec.window ? stale_range(*spec.window, spec.sinks, B, m)
+                                        : std::pair<std::int64_t, std::int64_t>{0, 0};
       const std::int64_t n_blocks = ceildiv(m, B);
       for (std::int64_t j = 0; j < n_blocks; ++j) {
         if (lo <= j && j < hi) continue;
@@ -588,7 +594,7 @@ std::int64_t RadixTree::fixed_point(const std::vector<Ref>& path, std::int64_t m
 }
 
 // ---------------------------------------------------------------- the children index
-// tree.py: class _Trie and RadixTree._walk / _index_add / _index_remove / _index_prefixes.
+// tree.py: class _Trie and RadixTree.walk / index_add / index_remove / index_prefixes.
 
 RadixTree::TRef RadixTree::new_tnode(std::uint32_t depth, Ref rep, TRef up, Code tok) {
   TRef t;
@@ -626,6 +632,7 @@ std::uint32_t RadixTree::edge_end(std::span<const Code> q, std::size_t qstart, T
   return e;
 }
 
+// py: tree.py RadixTree.walk — SPEC sec. 6
 std::pair<RadixTree::TRef, std::uint32_t> RadixTree::walk(Ref p, std::span<const Code> q, std::size_t start) const {
   TRef v = at(p).index;
   if (v == kNil) return {kNil, 0};
@@ -642,6 +649,7 @@ std::pair<RadixTree::TRef, std::uint32_t> RadixTree::walk(Ref p, std::span<const
   return {v, d};
 }
 
+// py: tree.py RadixTree.index_add — SPEC sec. 5
 void RadixTree::index_add(Ref p, Ref n) {
   const std::span<const Code> t = codes(n);
   if (t.empty()) return;
@@ -687,6 +695,7 @@ void RadixTree::index_add(Ref p, Ref n) {
   }
 }
 
+// py: tree.py RadixTree.index_remove — SPEC sec. 5
 void RadixTree::index_remove(Ref p, Ref n) {
   TRef v = at(n).tnode;
   if (v == kNil) return;
@@ -740,6 +749,7 @@ void RadixTree::index_remove(Ref p, Ref n) {
   }
 }
 
+// py: tree.py RadixTree.index_prefixes — SPEC sec. 5
 void RadixTree::index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const {
   const std::span<const Code> t = codes(n);
   TRef v = at(p).index;
@@ -781,7 +791,7 @@ void RadixTree::index_build(Ref p) {
 }
 
 // The same answers as the trie, for a parent with few children (no trie): a bounded scan
-// (tree.py: _covering / _longest_run / _index_prefixes; SPEC sec. 5 and 6 step 1).
+// (tree.py: covering / longest_run / index_prefixes; SPEC sec. 5 and 6 step 1).
 NodeId RadixTree::covering_scan(Ref p, std::span<const Code> tokens) const {
   Ref best = kNil;
   for (Ref s = at(p).first_child; s != kNil; s = at(s).next_sibling) {

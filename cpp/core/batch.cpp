@@ -41,6 +41,7 @@ void with_index(const char* what, std::size_t i, F&& check) {
 
 }  // namespace
 
+// py: batch.py check_batch — SPEC sec. 7
 void Manager::check_batch_serials(std::span<const std::int64_t> serials, const char* what) {
   // Items are checked in batch order: the first item that is not a cache of this manager
   // or repeats an earlier one is reported (what kvcm.python_backend does item by item).
@@ -81,8 +82,9 @@ void Manager::check_batch_serials(std::span<const std::int64_t> serials, const c
   if (first_foreign < serials.size()) throw ValueErr(item(what, first_foreign) + "not a cache of this manager");
 }
 
+// py: batch.py check_batch — SPEC sec. 7
 template <typename Check>
-std::vector<Manager::Request*>& Manager::check_batch(std::span<const std::int64_t> serials, const char* what,
+std::vector<Request*>& Manager::check_batch(std::span<const std::int64_t> serials, const char* what,
                                                      const char* single, Check check) {
   std::vector<Request*>& out = scratch_batch_;
   out.clear();
@@ -96,6 +98,7 @@ std::vector<Manager::Request*>& Manager::check_batch(std::span<const std::int64_
   return out;
 }
 
+// py: batch.py resize_batch — SPEC sec. 7
 void Manager::resize_batch(std::span<const std::int64_t> serials, std::span<const std::int64_t> capacities,
                            std::span<const std::int64_t> histories, std::span<std::uint8_t> results) {
   const std::size_t n = serials.size();
@@ -118,6 +121,7 @@ void Manager::resize_batch(std::span<const std::int64_t> serials, std::span<cons
   }
 }
 
+// py: batch.py commit_batch — SPEC sec. 7
 void Manager::commit_batch(std::span<const std::int64_t> serials, TokenSeq tokens) {
   const std::size_t n = serials.size();
   if (tokens.size() != n) throw InternalErr("kvcm bug: commit_batch spans of different lengths");

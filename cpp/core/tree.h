@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/lifecycle.h"
 #include "core/sha256.h"
 
 namespace kvcm {
@@ -52,14 +53,6 @@ class TreeAssertion : public std::logic_error {
   using std::logic_error::logic_error;
 };
 
-enum class LcKind { attn, ssm };
-
-// One life cycle as the tree sees it: (kind, window, sinks); window nullopt = full attention.
-struct LifeCycleSpec {
-  LcKind kind = LcKind::attn;
-  std::optional<std::int64_t> window;
-  std::int64_t sinks = 0;
-};
 
 // A token as callers pass it: an int in [0, 2**31), or (digest != nullptr) a 32-byte
 // digest that the caller keeps alive for the duration of the call.
@@ -316,7 +309,7 @@ class RadixTree {
   std::vector<Ref> children_by_key(Ref r) const;
   NodeId covering(Ref p, std::span<const Code> tokens) const;
   std::pair<Ref, std::int64_t> longest_run(Ref node, std::span<const Code> tokens, std::size_t start) const;
-  std::int64_t fixed_point(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const;
+  std::int64_t prune_match(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const;
   std::vector<Code> encode_query(std::span<const TokenArg> tokens) const;
   Code intern_slow(const TokenArg& t);
   void release_digest(Code id) noexcept;

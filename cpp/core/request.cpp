@@ -1,0 +1,790 @@
+// One request's life cycle (SPEC sec. 7): resume, suspend, resize, commit, close, the
+// copy-on-write of its last block and the insertion of its blocks into the tree (sec. 5).
+// Python twin: kvcm/python_backend/request.py (PyKVCache).
+#include "core/manager.h"
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_set>
+
+#include "core/manager_detail.h"
+
+namespace kvcm {
+
+using namespace detail;
+
+// create's match and holds (SPEC sec. 6, 7).
+// py: request.py PyKVCache.match_and_hold — SPEC sec. 7
+std::int64_t Manager::match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys) {
+  std::int64_t m = 0;
+  std::vector<NodeId> path;
+  if (!tokens.empty()) {
+    MatchResult mr = tree_.match(r.root, tokens, keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+    m = mr.m;
+    path = std::move(mr.path);
+  }
+  r.tokens.assign(tokens.begin(), tokens.begin() + m);
+  // r.tokens holds its own digest references (the caller's tokens keep theirs; sec. 15)
+  if (r.has_digests) tree_.retain_all(r.tokens);
+  r.capacity = m;
+  r.history = m;
+  r.blocks = path;
+  for (NodeId nid : path) tree_.ref(nid);
+  r.pages.assign(cfg_.lcs.size(), {});
+  for (std::int64_t lc : attn_lcs_) r.pages[static_cast<std::size_t>(lc)].assign(path.size(), -1);
+  for (std::int64_t lc : attn_lcs_) {
+    const auto [lo, hi] = stale_range(lc, m);
+    for (std::size_t j = 0; j < path.size(); ++j) {
+      const auto jj = static_cast<std::int64_t>(j);
+      if (lo <= jj && jj < hi) continue;
+      Page* p = &page(tree_.page(path[j], lc));
+      use(p, false, r.priority);
+      r.pages[static_cast<std::size_t>(lc)][j] = p->handle;
+    }
+  }
+  r.live = r.snap = -1;
+  if (ssm_lc_ >= 0 && m > 0) {
+    Page* s = &page(tree_.page(path.back(), ssm_lc_));
+    r.snap = s->handle;
+    use(s, false, r.priority);
+  }
+  r.cow_block = m % B_ ? m / B_ : -1;
+  return m;
+}
+
+// DECISIONS.md "Failed copies".
+// py: request.py PyKVCache.rollback_point — SPEC sec. 15
+std::optional<std::int64_t> Manager::rollback_point(Request& r, const std::vector<std::int64_t>& lost) {
+  auto is_lost = [&lost](std::int64_t h) { return h >= 0 && std::find(lost.begin(), lost.end(), h) != lost.end(); };
+  std::optional<std::int64_t> point;
+  for (std::int64_t lc : attn_lcs_) {
+    const auto& v = r.pages[static_cast<std::size_t>(lc)];
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (is_lost(v[i])) {
+        const std::int64_t at = static_cast<std::int64_t>(i) * B_;
+        point = point ? std::min(*point, at) : at;
+        break;
+      }
+    }
+  }
+  const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
+  if ((is_lost(r.snap) || is_lost(r.live)) && !point) point = ncommitted;
+  if (point) point = std::min(*point, ncommitted);
+  return point;
+}
+
+// Release everything, then match the
+// committed tokens before `point` again and hold them as a SUSPENDED request.
+// py: request.py PyKVCache.roll_back — SPEC sec. 15
+void Manager::roll_back(Request& r, std::int64_t point) {
+  const bool active = r.status == ReqStatus::active;
+  for (Page* p : used_pages(r)) unuse(p, active);
+  r.live = r.snap = -1;
+  for (auto& v : r.pages) v.clear();
+  for (NodeId nid : r.blocks) {
+    if (nid != kNoNode) tree_.unref(nid);
+  }
+  r.blocks.clear();
+  r.status = ReqStatus::suspended;
+  r.stopped = false;
+  // the old tokens' digest references are released only after the re-match took its own
+  // (a digest only they reference must not be freed while its code is still in use)
+  const std::vector<Tok> old = std::move(r.tokens);
+  const std::vector<Tok> tokens(old.begin(), old.begin() + point);
+  const std::vector<Digest> keys =
+      chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(point / B_ * B_)));
+  match_and_hold(r, tokens, keys);
+  if (r.has_digests) tree_.release_all(old);
+}
+
+Request& Manager::req(std::int64_t serial) {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("call on a closed cache");
+  return it->second;
+}
+
+const Request& Manager::req(std::int64_t serial) const {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("call on a closed cache");
+  return it->second;
+}
+
+void Manager::require_status(std::int64_t serial, ReqStatus status, const char* what) const {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr(std::string(what) + "() on a closed cache");
+  require(it->second, status, what);
+}
+
+// py: request.py PyKVCache.require — SPEC sec. 10
+void Manager::require(const Request& r, ReqStatus s, const char* what) {
+  if (r.status != s) {
+    throw InvalidStateErr(std::string(what) + "() needs a " + status_name(s) + " cache, this one is " +
+                          status_name(r.status));
+  }
+}
+
+RequestInfo Manager::info(std::int64_t serial) const {
+  const Request& r = req(serial);
+  RequestInfo i;
+  i.status = r.status;
+  i.stopped = r.stopped;
+  i.capacity = r.capacity;
+  i.history = r.history;
+  i.num_committed = static_cast<std::int64_t>(r.tokens.size());
+  i.reused = r.reused;
+  i.priority = r.priority;
+  return i;
+}
+
+// py: request.py PyKVCache.committed_tokens — SPEC sec. 7
+std::vector<TokenOut> Manager::committed_tokens(std::int64_t serial) const { return decode_all(req(serial).tokens); }
+
+// py: config.py LifeCycle.stale_range — SPEC sec. 7
+std::pair<std::int64_t, std::int64_t> Manager::stale_range(std::int64_t lc, std::int64_t history) const {
+  const LcConfig& l = cfg_.lcs[static_cast<std::size_t>(lc)];
+  if (l.ssm || l.window < 0) return {0, 0};
+  return kvcm::stale_range(l.window, l.sinks, B_, history);
+}
+
+std::int64_t Manager::page_at(const Request& r, std::int64_t lc, std::int64_t i) const {
+  const auto& v = r.pages[static_cast<std::size_t>(lc)];
+  return i < static_cast<std::int64_t>(v.size()) ? v[static_cast<std::size_t>(i)] : -1;
+}
+
+// py: request.py PyKVCache.used_pages — SPEC sec. 7
+std::vector<Page*> Manager::used_pages(Request& r) {
+  std::vector<Page*> out;
+  for (std::int64_t lc : attn_lcs_) {
+    for (std::int64_t s : r.pages[static_cast<std::size_t>(lc)]) {
+      if (s >= 0) out.push_back(&page(s));
+    }
+  }
+  if (r.snap >= 0) out.push_back(&page(r.snap));
+  if (r.live >= 0) out.push_back(&page(r.live));
+  return out;
+}
+
+// py: request.py PyKVCache.cow_sources — SPEC sec. 7
+std::vector<Page*> Manager::cow_sources(Request& r) {
+  std::vector<Page*> out;
+  if (r.cow_block >= 0) {
+    for (std::int64_t lc : attn_lcs_) {
+      const std::int64_t s = page_at(r, lc, r.cow_block);
+      if (s >= 0) out.push_back(&page(s));
+    }
+  }
+  if (r.snap >= 0) out.push_back(&page(r.snap));
+  return out;
+}
+
+// py: request.py PyKVCache.ensure_room — SPEC sec. 8
+void Manager::ensure_room(std::int64_t tier, std::int64_t lc) {
+  if (!make_room(tier, lc)) throw InternalErr("kvcm bug: a feasibility check passed but eviction found no slot");
+}
+
+// py: request.py PyKVCache.alloc_private — SPEC sec. 7
+Page* Manager::alloc_private(Request& r, std::int64_t lc, std::int64_t coverage, std::int64_t ordinal) {
+  ensure_room(kGpu, lc);
+  Page* p = new_page(kGpu, lc, coverage, r.priority, ordinal);
+  use(p, r.status == ReqStatus::active, r.priority);
+  return p;
+}
+
+// py: request.py PyKVCache.resume — SPEC sec. 7
+bool Manager::resume(std::int64_t serial) {
+  Request& r = req(serial);
+  require(r, ReqStatus::suspended, "resume");
+  const std::vector<Page*> used = used_pages(r);
+  const std::vector<Page*> cows = cow_sources(r);
+  const std::size_t nlc = cfg_.lcs.size();
+  std::vector<std::int64_t> need(nlc, 0), locked_after(nlc), held_gpu(nlc);
+  for (std::size_t lc = 0; lc < nlc; ++lc) {
+    locked_after[lc] = pools_[0][lc].locked;
+    held_gpu[lc] = pools_[0][lc].held;
+  }
+  for (Page* p : used) {
+    const auto lc = static_cast<std::size_t>(p->lc);
+    if (p->tier != kGpu) {
+      ++need[lc];
+    } else if (p->locks == 0) {
+      --held_gpu[lc];
+    }
+    if (p->locks == 0 && std::find(cows.begin(), cows.end(), p) == cows.end()) ++locked_after[lc];
+  }
+  if (ssm_lc_ >= 0 && r.live < 0) {
+    ++need[static_cast<std::size_t>(ssm_lc_)];
+    ++locked_after[static_cast<std::size_t>(ssm_lc_)];
+  }
+  for (Page* p : cows) {
+    if (p->lc != ssm_lc_) {
+      ++need[static_cast<std::size_t>(p->lc)];
+      ++locked_after[static_cast<std::size_t>(p->lc)];
+    }
+  }
+  const double limit = cfg_.max_util_for_resume;
+  for (std::size_t lc = 0; lc < nlc; ++lc) {
+    const Pool& pool = pools_[0][lc];
+    if (static_cast<double>(locked_after[lc]) > limit * static_cast<double>(pool.total)) return false;
+    const std::int64_t adjust[3] = {pool.nfree(), held_gpu[lc], pool.droppable};
+    if (!can_allocate(kGpu, static_cast<std::int64_t>(lc), need[lc], adjust)) return false;
+  }
+
+  tick();
+  r.status = ReqStatus::active;
+  for (Page* p : used) {
+    if (p->tier == kGpu) set_active(p, true);
+  }
+  for (Page* p : used) {
+    if (p->tier != kGpu) {
+      ensure_room(kGpu, p->lc);
+      move(p, kGpu, "onboard");
+      set_active(p, true);
+    }
+  }
+  if (ssm_lc_ >= 0 && r.live < 0) {
+    r.live = alloc_private(r, ssm_lc_, 0, static_cast<std::int64_t>(r.tokens.size()) / B_)->handle;
+  }
+  if (r.cow_block >= 0 || r.snap >= 0) copy_on_write(r);
+  return true;
+}
+
+// py: request.py PyKVCache.copy_on_write — SPEC sec. 7
+void Manager::copy_on_write(Request& r) {
+  const std::int64_t j = r.cow_block;
+  if (j >= 0) {
+    const std::int64_t covered = static_cast<std::int64_t>(r.tokens.size()) - j * B_;
+    for (std::int64_t lc : attn_lcs_) {
+      const std::int64_t s = page_at(r, lc, j);
+      if (s < 0) continue;
+      Page* dst = alloc_private(r, lc, covered, j);
+      Page* src = &page(s);
+      copy(lc, src, dst, "cow");
+      count(lc, kCows);
+      r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
+      unuse(src, true);
+    }
+    tree_.unref(r.blocks[static_cast<std::size_t>(j)]);
+    r.blocks[static_cast<std::size_t>(j)] = kNoNode;
+    r.cow_block = -1;
+  }
+  if (r.snap >= 0) {
+    Page* snap = &page(r.snap);
+    copy(ssm_lc_, snap, &page(r.live), "cow");
+    count(ssm_lc_, kCows);
+    unuse(snap, true);
+    r.snap = -1;
+  }
+}
+
+// py: request.py PyKVCache.suspend — SPEC sec. 7
+void Manager::suspend(std::int64_t serial) {
+  Request& r = req(serial);
+  require(r, ReqStatus::active, "suspend");
+  tick();
+  for (Page* p : used_pages(r)) set_active(p, false);
+  r.status = ReqStatus::suspended;
+}
+
+// py: request.py PyKVCache.resize — SPEC sec. 7
+bool Manager::resize(std::int64_t serial, std::int64_t capacity, std::optional<std::int64_t> history_arg) {
+  Request& r = req(serial);
+  const std::int64_t history = history_arg ? *history_arg : r.history;
+  check_resize(r, capacity, history);
+  return resize_checked(r, capacity, history);
+}
+
+// py: request.py PyKVCache.check_resize — SPEC sec. 7
+void Manager::check_resize(const Request& r, std::int64_t capacity, std::int64_t history) const {
+  require(r, ReqStatus::active, "resize");
+  const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
+  if (capacity < ncommitted) {
+    throw ValueErr("capacity " + std::to_string(capacity) + " is below the " + std::to_string(ncommitted) +
+                   " committed tokens");
+  }
+  if (history < r.history) {
+    throw ValueErr("history_length " + std::to_string(history) + " is below the current history " +
+                   std::to_string(r.history));
+  }
+  if (history > capacity) {
+    throw ValueErr("capacity " + std::to_string(capacity) + " is below history_length " + std::to_string(history));
+  }
+}
+
+// resize: out of pages -> False.
+// py: request.py PyKVCache.could_hold — SPEC sec. 7
+bool Manager::could_hold(std::int64_t nb, std::int64_t history) const {
+  if (attn_lcs_.empty()) return true;
+  if (nb > kMaxRequestBlocks) return false;
+  for (std::int64_t lc : attn_lcs_) {
+    const auto [lo, hi] = stale_range(lc, history);
+    const std::int64_t stale = std::max<std::int64_t>(0, std::min(hi, nb) - std::min(lo, nb));
+    if (nb - stale > pools_[0][static_cast<std::size_t>(lc)].total) return false;
+  }
+  return true;
+}
+
+// DECISIONS "All-or-nothing".
+// py: request.py PyKVCache.resize_checked — SPEC sec. 7
+bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t history) {
+  const std::int64_t nb = ceildiv(capacity, B_);
+  if (!could_hold(nb, history)) return false;
+  // (lc, block) pairs; members so a decode step's resize does not allocate
+  std::vector<std::pair<std::int64_t, std::int64_t>>& releases = scratch_releases_;
+  std::vector<std::pair<std::int64_t, std::int64_t>>& allocs = scratch_allocs_;
+  releases.clear();
+  allocs.clear();
+  // Only ordinals that can hold a page are visited: none is held in the stale range of
+  // the current history, and none is allocated in the new one.
+  for (std::int64_t lc : attn_lcs_) {
+    const auto [lo, hi] = stale_range(lc, history);
+    const std::int64_t old_hi = stale_range(lc, r.history).second;
+    const auto& pages = r.pages[static_cast<std::size_t>(lc)];
+    const auto n = static_cast<std::int64_t>(pages.size());
+    const auto visit_release = [&](std::int64_t from, std::int64_t to) {
+      for (std::int64_t i = from; i < to; ++i) {
+        if (pages[static_cast<std::size_t>(i)] >= 0 && (i >= nb || (lo <= i && i < hi))) releases.emplace_back(lc, i);
+      }
+    };
+    visit_release(0, std::min(lo, n));
+    visit_release(old_hi, n);
+    const auto visit_alloc = [&](std::int64_t from, std::int64_t to) {
+      for (std::int64_t i = from; i < to; ++i) {
+        if (i >= n || pages[static_cast<std::size_t>(i)] < 0) allocs.emplace_back(lc, i);
+      }
+    };
+    visit_alloc(0, std::min(lo, nb));
+    visit_alloc(hi, nb);
+  }
+  for (std::int64_t lc : attn_lcs_) {
+    std::int64_t n = 0;
+    for (const auto& a : allocs) n += a.first == lc;
+    if (!n) continue;
+    const Pool& pool = pools_[0][static_cast<std::size_t>(lc)];
+    std::int64_t adjust[3] = {pool.nfree(), pool.held, pool.droppable};
+    for (const auto& [rlc, i] : releases) {
+      if (rlc != lc) continue;
+      const Page& p = page(page_at(r, rlc, i));
+      if (p.locks != 1) continue;
+      if (p.node == kNoNode || !tree_.is_attached(p.node)) {
+        adjust[0] += p.holds == 0 ? 1 : 0;
+        adjust[1] += p.holds ? 1 : 0;
+      } else if (p.holds) {
+        adjust[1] += 1;
+      } else {
+        adjust[2] += 1;
+      }
+    }
+    if (!can_allocate(kGpu, lc, n, adjust)) return false;
+  }
+
+  tick();
+  r.capacity = capacity;
+  r.history = history;
+  for (const auto& [lc, i] : releases) {
+    Page* p = &page(page_at(r, lc, i));
+    r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = -1;
+    unuse(p, true);
+  }
+  for (std::int64_t lc : attn_lcs_) r.pages[static_cast<std::size_t>(lc)].resize(static_cast<std::size_t>(nb), -1);
+  for (const auto& [lc, i] : allocs) {
+    const std::int64_t s = alloc_private(r, lc, 0, i)->handle;
+    r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = s;
+  }
+  return true;
+}
+
+// py: request.py PyKVCache.commit — SPEC sec. 7
+void Manager::commit(std::int64_t serial, TokenSeq tokens_in) {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("commit() on a closed cache");
+  Request& r = it->second;
+  check_commit(r, static_cast<std::int64_t>(tokens_in.size()));
+  commit_checked(r, tokens_in);
+}
+
+// py: request.py PyKVCache.check_commit — SPEC sec. 7
+void Manager::check_commit(const Request& r, std::int64_t nnew) const {
+  require(r, ReqStatus::active, "commit");
+  if (r.stopped) throw InvalidStateErr("commit after stop_committing()");
+  const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
+  if (ncommitted + nnew > r.capacity) {
+    throw ValueErr("commit of " + std::to_string(nnew) + " tokens exceeds capacity " + std::to_string(r.capacity) +
+                   " (" + std::to_string(ncommitted) + " committed)");
+  }
+}
+
+// py: request.py PyKVCache.commit_checked — SPEC sec. 7
+void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
+  if (tokens_in.empty()) return;
+  const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
+  try {
+    intern_into(tokens_in, r.tokens);
+    r.has_digests = r.has_digests || !tokens_in.digests.empty();
+  } catch (...) {
+    r.tokens.resize(static_cast<std::size_t>(ncommitted));  // nothing changed
+    throw;
+  }
+  tick();
+  const std::int64_t old = ncommitted;
+  const std::int64_t old_history = r.history;
+  const auto now = static_cast<std::int64_t>(r.tokens.size());
+  r.history = std::max(r.history, now);
+  for (std::int64_t lc : attn_lcs_) {
+    for (std::int64_t i = old / B_; i < ceildiv(now, B_); ++i) {
+      const std::int64_t s = page_at(r, lc, i);
+      if (s < 0) continue;
+      Page& p = page(s);
+      if (p.node == kNoNode) p.coverage = static_cast<std::int32_t>(std::min(B_, now - i * B_));
+    }
+  }
+  const std::int64_t last = now / B_ - 1;
+  for (std::int64_t i = old / B_; i <= last; ++i) {
+    const bool snapshot = ssm_lc_ >= 0 && i == last && now % B_ == 0;
+    // r.tokens does not change during insert_block, so a view of it is safe
+    const std::span<const Tok> block(r.tokens.data() + i * B_, static_cast<std::size_t>(B_));
+    insert_block(r, i, block, snapshot, /*defer_prune=*/i < last);
+  }
+  release_stale(r, old_history, old / B_);
+}
+
+// DECISIONS "Tree and events" (stale pages
+// released at the end of the commit).  Ordinals stale at old_history hold no page already,
+// except those this commit wrote (from first_block on).
+// py: request.py PyKVCache.release_stale — SPEC sec. 7
+void Manager::release_stale(Request& r, std::int64_t old_history, std::int64_t first_block) {
+  const bool active = r.status == ReqStatus::active;
+  for (std::int64_t lc : attn_lcs_) {
+    const auto [lo, hi] = stale_range(lc, r.history);
+    const std::int64_t start = std::max(lo, std::min(stale_range(lc, old_history).second, first_block));
+    auto& pages = r.pages[static_cast<std::size_t>(lc)];
+    const std::int64_t end = std::min(hi, static_cast<std::int64_t>(pages.size()));
+    for (std::int64_t i = start; i < end; ++i) {
+      const std::int64_t s = pages[static_cast<std::size_t>(i)];
+      if (s >= 0) {
+        pages[static_cast<std::size_t>(i)] = -1;
+        unuse(&page(s), active);
+      }
+    }
+  }
+}
+
+// py: request.py PyKVCache.stop_committing — SPEC sec. 7
+void Manager::stop_committing(std::int64_t serial) {
+  Request& r = req(serial);
+  if (r.stopped) return;
+  tick();
+  stop(r);
+}
+
+std::vector<TokenOut> ClosedTokens::decode() const {
+  std::vector<TokenOut> out(codes.size());
+  for (std::size_t i = 0; i < codes.size(); ++i) {
+    const Tok c = codes[i];
+    if (c & kDigestCode) {
+      out[i].is_digest = true;
+      for (const auto& [code, d] : digests) {
+        if (code == c) {
+          out[i].digest = d;
+          break;
+        }
+      }
+    } else {
+      out[i].value = c;
+    }
+  }
+  return out;
+}
+
+// py: request.py PyKVCache.close — SPEC sec. 7
+ClosedTokens Manager::close(std::int64_t serial) {
+  ClosedTokens out;
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) return out;
+  Request& r = it->second;
+  tick();
+  if (!r.stopped) stop(r);
+  const bool active = r.status == ReqStatus::active;
+  for (Page* p : used_pages(r)) unuse(p, active);
+  r.live = r.snap = -1;
+  for (auto& v : r.pages) v.clear();
+  for (NodeId nid : r.blocks) {
+    if (nid != kNoNode) tree_.unref(nid);
+  }
+  r.blocks.clear();
+  tree_.unref(r.root);  // may release an unused scope root
+  r.status = ReqStatus::closed;
+  out.closed_now = true;
+  out.capacity = r.capacity;
+  out.history = r.history;
+  out.num_committed = static_cast<std::int64_t>(r.tokens.size());
+  out.reused = r.reused;
+  out.priority = r.priority;
+  out.codes = std::move(r.tokens);
+  for (Tok c : out.codes) {
+    if (!(c & kDigestCode)) continue;
+    bool seen = false;
+    for (const auto& [code, d] : out.digests) seen = seen || code == c;
+    if (!seen) out.digests.emplace_back(c, tree_.digest(c));
+  }
+  // the request's digest references (ClosedTokens carries its own copies of the bytes)
+  if (r.has_digests) {
+    tree_.release_all(out.codes);
+    tree_.release_all(r.input_tokens);
+  }
+  requests_.erase(it);
+  return out;
+}
+
+// py: request.py PyKVCache.page_indices — SPEC sec. 7
+std::vector<std::int32_t> Manager::page_indices(std::int64_t serial, std::int64_t lc) {
+  Request& r = req(serial);
+  require(r, ReqStatus::active, "page_indices");
+  std::vector<std::int32_t> out;
+  if (lc == ssm_lc_) {
+    out.push_back(static_cast<std::int32_t>(page(r.live).slot));
+    return out;
+  }
+  const std::int64_t nb = ceildiv(r.capacity, B_);
+  out.reserve(static_cast<std::size_t>(nb));
+  for (std::int64_t i = 0; i < nb; ++i) {
+    const std::int64_t s = page_at(r, lc, i);
+    out.push_back(s >= 0 ? static_cast<std::int32_t>(page(s).slot) : -1);
+  }
+  return out;
+}
+
+// py: request.py PyKVCache.key_for — SPEC sec. 3
+Digest Manager::key_for(Request& r, std::int64_t i, std::span<const Tok> tokens) {
+  const Digest parent = i > 0 ? tree_.key(r.blocks[static_cast<std::size_t>(i - 1)]) : r.root_key;
+  if (static_cast<std::int64_t>(tokens.size()) == B_ && i < static_cast<std::int64_t>(r.keys.size()) &&
+      (i == 0 || r.keys[static_cast<std::size_t>(i - 1)] == parent) &&
+      static_cast<std::int64_t>(r.input_tokens.size()) >= (i + 1) * B_ &&
+      std::equal(tokens.begin(), tokens.end(), r.input_tokens.begin() + i * B_)) {
+    return r.keys[static_cast<std::size_t>(i)];  // same parent key and tokens: the hash done at create
+  }
+  return block_key_of(parent, tokens);
+}
+
+// py: request.py PyKVCache.parent_for — SPEC sec. 5
+NodeId Manager::parent_for(Request& r, std::int64_t i) {
+  if (i == 0) return r.root;
+  if (tree_.is_attached(r.blocks[static_cast<std::size_t>(i - 1)])) return r.blocks[static_cast<std::size_t>(i - 1)];
+  std::int64_t k = i - 1;
+  while (k >= 0 && !tree_.is_attached(r.blocks[static_cast<std::size_t>(k)])) --k;
+  NodeId parent = k < 0 ? r.root : r.blocks[static_cast<std::size_t>(k)];
+  for (std::int64_t j = k + 1; j < i; ++j) {
+    const NodeId orphan = r.blocks[static_cast<std::size_t>(j)];
+    const NodeId existing = tree_.find_existing(parent, tree_.key(orphan), tree_.tokens(orphan));
+    if (existing != kNoNode) {
+      switch_block(r, j, orphan, existing);
+    } else {
+      attach(parent, orphan);
+    }
+    parent = r.blocks[static_cast<std::size_t>(j)];
+  }
+  return parent;
+}
+
+// py: request.py PyKVCache.switch_block — SPEC sec. 5
+void Manager::switch_block(Request& r, std::int64_t j, NodeId orphan, NodeId existing) {
+  std::vector<std::int64_t> gained;
+  for (std::int64_t lc : attn_lcs_) {
+    const std::int64_t s = page_at(r, lc, j);
+    if (s < 0) continue;
+    Page* p = &page(s);
+    if (p->node != orphan || tree_.coverage(existing, lc) >= p->coverage) continue;
+    install(existing, lc, p, gained);
+  }
+  tree_.ref(existing);
+  r.blocks[static_cast<std::size_t>(j)] = existing;
+  tree_.unref(orphan);
+  emit_stored(existing, gained);
+}
+
+// py: request.py PyKVCache.install — SPEC sec. 5
+void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained) {
+  if (p->node != kNoNode) {  // moving from an orphan block
+    const NodeId old_node = p->node;
+    p->node = kNoNode;
+    tree_.set_page(old_node, lc, kNoPage, 0);
+  }
+  const PageHandle old = tree_.set_page(nid, lc, p->handle, p->coverage);
+  if (p->locks || p->holds) {
+    p->node = nid;  // a used page: its state does not depend on the node
+  } else {
+    restate(*p, [&] { p->node = nid; });
+  }
+  if (old == kNoPage) {
+    gained.push_back(lc);
+    return;
+  }
+  Page* q = &page(old);
+  restate(*q, [&] { q->node = kNoNode; });
+  if (q->tier != p->tier) {
+    if (EventC* e = new_event(EventKind::tier_changed)) {
+      e->key = tree_.key(nid);
+      e->lc = lc;
+      e->old_tier = tier_id(q->tier);
+      e->new_tier = tier_id(p->tier);
+    }
+  }
+  if (q->locks == 0 && q->holds == 0) free_page(q);
+}
+
+// py: request.py PyKVCache.attach — SPEC sec. 5
+void Manager::attach(NodeId parent, NodeId nid) {
+  const std::vector<NodeId> siblings = tree_.attach(parent, nid);
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  std::vector<std::int64_t>& lcs = scratch_lcs_;
+  if (siblings.empty()) {  // the common case: nothing stepped aside
+    lcs.clear();
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      const PageHandle h = tree_.page(nid, lc);
+      if (h == kNoPage) continue;
+      page(h).node = nid;
+      lcs.push_back(lc);
+    }
+    emit_stored(nid, lcs);
+    return;
+  }
+  std::vector<std::vector<std::int64_t>> had(siblings.size());
+  auto sib_index = [&](NodeId id) -> std::int64_t {
+    for (std::size_t k = 0; k < siblings.size(); ++k) {
+      if (siblings[k] == id) return static_cast<std::int64_t>(k);
+    }
+    return -1;
+  };
+  for (std::size_t k = 0; k < siblings.size(); ++k) {
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      const PageHandle h = tree_.page(siblings[k], lc);
+      if (h != kNoPage && page(h).node == siblings[k]) had[k].push_back(lc);
+    }
+  }
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    const PageHandle h = tree_.page(nid, lc);
+    if (h == kNoPage) continue;
+    const std::int64_t k = sib_index(page(h).node);
+    if (k >= 0) {
+      auto& v = had[static_cast<std::size_t>(k)];
+      if (std::find(v.begin(), v.end(), lc) == v.end()) v.push_back(lc);
+    }
+  }
+  for (std::size_t k = 0; k < siblings.size(); ++k) {
+    std::vector<std::int64_t> lost = had[k];
+    std::sort(lost.begin(), lost.end());
+    const Digest key = tree_.key(siblings[k]);
+    for (std::int64_t lc : lost) emit_removed(key, lc);
+  }
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    const PageHandle h = tree_.page(nid, lc);
+    if (h != kNoPage) page(h).node = nid;
+    for (NodeId sid : siblings) {
+      const PageHandle hs = tree_.page(sid, lc);
+      if (hs != kNoPage) page(hs).node = sid;
+    }
+  }
+  retire_nodes(siblings, false);
+  lcs.clear();
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    if (tree_.page(nid, lc) != kNoPage) lcs.push_back(lc);
+  }
+  emit_stored(nid, lcs);
+}
+
+// Also SPEC sec. 7.  defer_prune: more blocks of this commit
+// follow, so a pageless new block leaves its parent chain attached (no quadratic re-attach).
+// py: request.py PyKVCache.insert_block — SPEC sec. 5
+void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot,
+                           bool defer_prune) {
+  const auto ntok = static_cast<std::int64_t>(tokens.size());
+  const Digest key = key_for(r, i, tokens);
+  NodeId parent = parent_for(r, i);
+  NodeId existing = tree_.find_existing(parent, key, tokens);
+  Page* snap = nullptr;
+  const std::int64_t ssm = ssm_lc_;
+  if (want_snapshot && (existing == kNoNode || tree_.coverage(existing, ssm) < ntok)) {
+    Page* live = page_ptr(r.live);
+    if (live == nullptr || live->tier != kGpu || !make_room(kGpu, ssm)) {
+      count(ssm, kSnapshotsSkipped);
+    } else {
+      snap = new_page(kGpu, ssm, ntok, r.priority, i);
+      copy(ssm, &page(r.live), snap, "snapshot");
+      count(ssm, kSnapshotsTaken);
+      // eviction may have pruned this request's chain or the existing block
+      parent = parent_for(r, i);
+      existing = tree_.find_existing(parent, key, tokens);
+    }
+  }
+  const bool active = r.status == ReqStatus::active;
+  if (existing == kNoNode) {
+    const NodeId nid = new_block(key, tokens, i);
+    for (std::int64_t lc : attn_lcs_) {
+      const std::int64_t s = page_at(r, lc, i);
+      if (s < 0) continue;
+      Page& p = page(s);
+      p.coverage = static_cast<std::int32_t>(ntok);
+      tree_.set_page(nid, lc, p.handle, ntok);
+      p.node = nid;  // a used page: its state does not depend on the node
+    }
+    if (snap != nullptr) {
+      tree_.set_page(nid, ssm, snap->handle, ntok);
+      restate(*snap, [&] { snap->node = nid; });
+    }
+    tree_.ref(nid);
+    set_block(r, i, nid);
+    if (tree_.has_page(nid)) {
+      attach(parent, nid);
+    } else if (!defer_prune) {
+      tree_.prune_upward(parent);  // a re-attached chain must not stay childless
+    }
+    return;
+  }
+  std::vector<std::int64_t> gained;
+  for (std::int64_t lc : attn_lcs_) {
+    const std::int64_t s = page_at(r, lc, i);
+    if (s < 0) continue;
+    Page* p = &page(s);
+    p->coverage = static_cast<std::int32_t>(ntok);
+    const PageHandle qh = tree_.page(existing, lc);
+    if (qh == kNoPage || tree_.coverage(existing, lc) < ntok) {
+      install(existing, lc, p, gained);
+    } else {
+      Page* q = &page(qh);
+      if (q->tier == kGpu) {  // switch to the tree's page; its index changes
+        use(q, active, r.priority);
+        r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = q->handle;
+        unuse(p, active);
+      }
+      // else: keep our page privately (freed at close)
+    }
+  }
+  if (snap != nullptr) install(existing, ssm, snap, gained);
+  tree_.ref(existing);
+  set_block(r, i, existing);
+  emit_stored(existing, gained);
+}
+
+// py: request.py PyKVCache.set_block — SPEC sec. 7
+void Manager::set_block(Request& r, std::int64_t i, NodeId nid) {
+  const auto ii = static_cast<std::size_t>(i);
+  if (ii < r.blocks.size()) {
+    if (r.blocks[ii] != kNoNode) tree_.unref(r.blocks[ii]);
+    r.blocks[ii] = nid;
+  } else {
+    r.blocks.resize(ii, kNoNode);
+    r.blocks.push_back(nid);
+  }
+}
+
+// py: request.py PyKVCache.stop — SPEC sec. 7
+void Manager::stop(Request& r) {
+  r.stopped = true;
+  const auto n = static_cast<std::int64_t>(r.tokens.size());
+  const std::int64_t tail = n % B_;
+  const std::int64_t i = n / B_;
+  if (!tail || !cfg_.enable_partial_reuse || r.cow_block == i) return;
+  const std::vector<Tok> block(r.tokens.begin() + i * B_, r.tokens.end());
+  insert_block(r, i, block, ssm_lc_ >= 0);
+}
+
+}  // namespace kvcm
