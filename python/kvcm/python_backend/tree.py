@@ -3,7 +3,7 @@
 C++ twin: ``cpp/core/tree.{h,cpp}``.
 
 Nodes are addressed by int ids (creation order, never reused) and pages by int handles
-the manager owns, so the C++ port (``kvcm._kvcm_cpp.RadixTree``) has the same surface and
+the manager owns, so the C++ port (``kvcm._kvcm_cpp_testing.RadixTree``) has the same surface and
 the two can be compared step by step.  The tree knows page *presence and coverage*, not
 tiers or states: those belong to the manager.
 
