@@ -233,6 +233,7 @@ class Manager {
   std::int64_t match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys);
   std::optional<std::int64_t> rollback_point(Request& r, const std::vector<std::int64_t>& lost_handles);
   void roll_back(Request& r, std::int64_t point);
+  void release_all(Request& r);
   void stop(Request& r);
   void release_stale(Request& r, std::int64_t old_history, std::int64_t first_block);
   // O(1): false when the pools could never hold ceil(capacity / B) = nb blocks at `history`.

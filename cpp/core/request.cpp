@@ -75,8 +75,10 @@ std::optional<std::int64_t> Manager::rollback_point(Request& r, const std::vecto
 
 // Release everything, then match the
 // committed tokens before `point` again and hold them as a SUSPENDED request.
-// py: request.py PyKVCache.roll_back — SPEC sec. 15
-void Manager::roll_back(Request& r, std::int64_t point) {
+// Everything a request uses, let go (close, and the roll-back of forget_copies): its page
+// users, the live state, the matched snapshot and its block references.
+// py: request.py PyKVCache.release_all — SPEC sec. 7
+void Manager::release_all(Request& r) {
   const bool active = r.status == ReqStatus::active;
   for (Page* p : used_pages(r)) unuse(p, active);
   r.live = r.snap = -1;
@@ -85,6 +87,11 @@ void Manager::roll_back(Request& r, std::int64_t point) {
     if (nid != kNoNode) tree_.unref(nid);
   }
   r.blocks.clear();
+}
+
+// py: request.py PyKVCache.roll_back — SPEC sec. 15
+void Manager::roll_back(Request& r, std::int64_t point) {
+  release_all(r);
   r.status = ReqStatus::suspended;
   r.stopped = false;
   // the old tokens' digest references are released only after the re-match took its own
@@ -503,14 +510,7 @@ ClosedTokens Manager::close(std::int64_t serial) {
   Request& r = it->second;
   tick();
   if (!r.stopped) stop(r);
-  const bool active = r.status == ReqStatus::active;
-  for (Page* p : used_pages(r)) unuse(p, active);
-  r.live = r.snap = -1;
-  for (auto& v : r.pages) v.clear();
-  for (NodeId nid : r.blocks) {
-    if (nid != kNoNode) tree_.unref(nid);
-  }
-  r.blocks.clear();
+  release_all(r);
   tree_.unref(r.root);  // may release an unused scope root
   r.status = ReqStatus::closed;
   out.closed_now = true;

@@ -35,28 +35,16 @@ chain, so a kvcm router is not affected) and ``lora_id`` is None.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import ClearedEvent, Event, RemovedEvent, ReuseScope, StoredEvent, TierChangedEvent, Token
 from kvcm.config import LifeCycle
+from kvcm.keys import scope_root_key
 from kvcm.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, MEDIA, AllBlocksCleared, BlockRemoved, BlockStored
 
 DIGEST_PLACEHOLDER = -1
-
-
-def scope_root_key(scope: ReuseScope) -> bytes:
-    """The scope root key of SPEC sec. 3."""
-    mask = (1 if scope.lora_id is not None else 0) | (2 if scope.salt is not None else 0)
-    data = bytes([mask])
-    if scope.lora_id is not None:
-        data += struct.pack("<Q", scope.lora_id)
-    if scope.salt is not None:
-        data += struct.pack("<Q", scope.salt)
-    return hashlib.sha256(data).digest()
 
 
 def medium_of(tier: int) -> str:
