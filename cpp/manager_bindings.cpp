@@ -155,7 +155,7 @@ nb::object event_obj(const kvcm::EventC& e, std::span<const kvcm::TokenOut> toke
       nb::bytes key = to_bytes(e.key);
       nb::tuple toks = token_tuple(tokens);
       for (const kvcm::StoredBlockC& b : stored) {
-        blocks.append(h(a.StoredBlock)(key, tokens.size(), toks, b.lc, b.tier, b.priority));
+        blocks.append(h(a.StoredBlock)(key, tokens.size(), toks, b.lc, b.tier, b.priority, b.coverage));
       }
       nb::object parent = e.has_parent ? nb::object(to_bytes(e.parent_key)) : nb::none();
       return h(a.StoredEvent)(e.id, parent, nb::tuple(blocks), e.partial);

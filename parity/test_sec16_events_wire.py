@@ -13,9 +13,10 @@ import kvcm
 import zmq
 from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
 from kvcm.events import EventPublisher
+from kvcm.router import RouterIndex, RouterModel
 from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, BlockRemoved, BlockStored, Decoder, seq_bytes, seq_of
 
-from parity.helpers import B, keys, toks
+from parity.helpers import B, keys, ssm_cfg, toks
 
 SLOT = 8 * B + 8 * B + 64
 DIGEST = bytes(range(32))
@@ -128,4 +129,61 @@ def test_wire_first_events_of_a_prompt(make_manager) -> None:
         ([k[1]], k[0], 0, "GPU"), ([k[1]], k[0], 1, "GPU"), ([k[1]], k[0], 2, "GPU"),
     ]
     assert not any(isinstance(e, BlockRemoved) for e in batch.events)
+    mgr.check_invariants()
+
+
+def test_wire_coverage_of_adopted_page_and_upgrade(make_manager) -> None:
+    """Partial reuse on (DECISIONS "Tree and events", "Events on the wire"): a full block that
+    adopts a partial sibling's coverage-2 snapshot is announced with ``kvcm_coverage=2`` and
+    the router stops its match at block start + 2 (whole blocks: 4); the snapshot's upgrade
+    to coverage 4 is ``removed`` + ``stored`` in kvcm events and ``BlockRemoved`` +
+    ``BlockStored`` (no ``kvcm_coverage``: whole block) on the wire, and the router then
+    counts the block."""
+    cfg = ssm_cfg(gpu=8)
+    mgr = make_manager(cfg)
+    p = toks(12, 100)
+    k = keys(p)
+    router = RouterIndex(RouterModel.from_config(cfg))
+    ctx = zmq.Context()
+    try:
+        with EventPublisher(mgr, context=ctx) as pub:
+            a = mgr.create_kv_cache()
+            assert a.resume() and a.resize(6)
+            a.commit(p[:6])
+            a.stop_committing()
+            a.close()  # partial block 1 (2 tokens) with a coverage-2 snapshot
+            # the probe's walk goes on into the partial block; the whole-block prefix has no snapshot
+            assert (mgr.probe_reuse(p[:8]), mgr.probe_reuse(p[:4]), router.reuse("a", p[:8])) == (6, 0, 0)
+            pub.publish(mgr.take_events())
+            b = mgr.create_kv_cache(p[:12])
+            assert b.resume() and b.resize(12)
+            b.commit(p[6:12])  # block 1 adopts the coverage-2 snapshot
+            b.close()
+            ev = mgr.take_events()
+            assert [(blk.lc, blk.coverage) for e in ev if e.kind == "stored" for blk in e.blocks
+                    if blk.key == k[1]] == [(0, 2)]
+            pub.publish(ev)
+            probe_b = mgr.probe_reuse(p[:8])
+            c = mgr.create_kv_cache()
+            assert c.resume() and c.resize(8)
+            c.commit(p[:8])  # coverage 4 replaces the adopted snapshot
+            c.close()
+            ev = mgr.take_events()
+            assert [(e.kind, e.keys if e.kind == "removed" else [(x.key, x.lc, x.coverage) for x in e.blocks])
+                    for e in ev] == [("removed", (k[1],)), ("stored", [(k[1], 0, 4)])]
+            pub.publish(ev)
+            assert pub.flush()
+            batches = [Decoder().decode(pl) for _, pl in payloads(pub, ctx, seq_bytes(0))]
+    finally:
+        ctx.destroy(linger=0)
+    assert len(batches) == 2  # the first step announced nothing (a page-less block, a partial one)
+    adopted = [e for e in batches[0].events if isinstance(e, BlockStored) and e.block_hashes == [k[1]]]
+    assert [(e.parent_block_hash, e.group_idx, e.medium, e.kvcm_coverage) for e in adopted] == [(k[0], 0, "GPU", 2)]
+    router.instance("a").apply(batches[0].events)
+    assert probe_b == 6 and router.reuse("a", p[:8]) == 4  # block start + 2, floored
+    upgrade = [(type(e).__name__, e.block_hashes, e.group_idx, e.medium, getattr(e, "kvcm_coverage", None))
+               for e in batches[1].events]
+    assert upgrade == [("BlockRemoved", [k[1]], 0, "GPU", None), ("BlockStored", [k[1]], 0, "GPU", None)]
+    router.instance("a").apply(batches[1].events)
+    assert mgr.probe_reuse(p[:8]) == router.reuse("a", p[:8]) == 8
     mgr.check_invariants()

@@ -87,7 +87,7 @@ def test_stored_events_carry_key_tokens_lc_tier_priority(make_manager):
     for b in stored_blocks(ev):
         i = k.index(b.key)
         assert b.tokens == tuple(P[4 * i : 4 * i + 4])
-        assert (b.tier, b.priority) == (GPU, 77)
+        assert (b.tier, b.priority, b.coverage) == (GPU, 77, 4)
     assert all(e.partial is False for e in of_kind(ev, "stored"))
     parents = {b.key: e.parent_key for e in of_kind(ev, "stored") for b in e.blocks}
     assert parents[k[1]] == k[0]
@@ -197,6 +197,9 @@ def test_event_json_is_serialisable(make_manager):
     data = json.loads(json.dumps([e.to_json() for e in ev]))
     assert [d["kind"] for d in data] == [e.kind for e in ev]
     assert [d["event_id"] for d in data] == [e.event_id for e in ev]
+    blocks = [blk for d in data if d["kind"] == "stored" for blk in d["blocks"]]
+    assert blocks and all(len(blk) == 7 for blk in blocks)  # [key, num_tokens, tokens, lc, tier, priority, coverage]
+    assert [blk[6] for blk in blocks] == [blk[1] for blk in blocks]  # each page covers its whole block here
     mgr.check_invariants()
 
 

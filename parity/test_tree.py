@@ -124,14 +124,25 @@ def test_slot_keeps_only_page_with_largest_coverage(make_manager):
     b.commit(P[6:12])  # block 1 adopts the coverage-2 snapshot; block 2 snapshot in slot 2
     b.close()  # live state (slot 0) freed
     mgr.drain_copy_ops()
-    mgr.take_events()
+    k = keys(P[:12])
+    adopted = [(b.coverage, b.tier) for e in mgr.take_events() if e.kind == "stored" for b in e.blocks
+               if b.key == k[1]]
+    assert adopted == [(2, 0)]  # the stored event says the adopted snapshot covers 2 tokens
     c = mgr.create_kv_cache()
     assert c.resume() is True
     assert c.page_indices(0) == [0]
     assert c.resize(8)
     c.commit(P[:8])  # ends at block 1's boundary: coverage 4 > 2 replaces the snapshot
     assert ops(mgr) == [op(0, GPU, 0, GPU, 3, "snapshot")]
-    assert mgr.take_events() == []  # not a first page, same tier: no event
+    # a coverage upgrade: removed, then stored with the new coverage (DECISIONS "Tree and events")
+    ev = [e.to_json() for e in mgr.take_events()]
+    for e in ev:
+        del e["event_id"]
+    assert ev == [
+        {"kind": "removed", "keys": [k[1].hex()], "lc": 0},
+        {"kind": "stored", "parent_key": k[0].hex(), "partial": False,
+         "blocks": [[k[1].hex(), 4, P[4:8], 0, 0, ev[1]["blocks"][0][5], 4]]},
+    ]
     assert mgr.probe_reuse(P[:8]) == 8
     d = mgr.create_kv_cache()
     assert d.resume() is True

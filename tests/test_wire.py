@@ -219,3 +219,45 @@ def test_restatement_after_reload_equals_the_stream_state_parents_first() -> Non
         parent = e.parent_block_hash
         assert parent is None or parent in seen
         seen.update(e.block_hashes)
+
+
+@pytest.mark.parametrize("layout", ["map", "array"])
+def test_adopted_page_carries_kvcm_coverage_and_the_upgrade_is_removed_then_stored(layout: str) -> None:
+    """A full block adopting a partial sibling's coverage-2 snapshot is announced alone with
+    ``kvcm_coverage=2`` (vLLM's structs decode it and ignore the field); a reload restates
+    the same coverage; the upgrade to coverage 4 is BlockRemoved + BlockStored whole."""
+    cfg = KVCacheManagerConfig(tokens_per_block=B, layers=[SsmLayer(0, 16)], tiers=[Tier("gpu", 8 * 16)])
+    mgr = kvcm.KVCacheManager(cfg)
+    st = WireState(mgr.life_cycles, B)
+    p = list(range(100, 112))
+    a = mgr.create_kv_cache()
+    assert a.resume() and a.resize(6)
+    a.commit(p[:6])
+    a.stop_committing()
+    a.close()
+    b = mgr.create_kv_cache(p)
+    assert b.resume() and b.resize(12)
+    b.commit(p[6:12])
+    b.close()
+    wire = st.translate(mgr.take_events())
+    k = kvcm.block_keys(p, B)
+    covered = [(e.block_hashes, e.kvcm_coverage) for e in wire if isinstance(e, BlockStored)]
+    assert ([k[1]], 2) in covered and all(c in (None, 2) for _, c in covered)
+    assert all(len(h) == 1 for h, c in covered if c is not None)
+    payload = Encoder(layout, 0).encode(0.0, wire)
+    vllm = msgspec.msgpack.Decoder(type=_vllm(array_like=layout == "array")).decode(payload)
+    assert [e.block_hashes for e in vllm.events] == [e.block_hashes for e in wire]
+    assert [getattr(e, "kvcm_coverage", None) for e in Decoder().decode(payload).events] == \
+        [getattr(e, "kvcm_coverage", None) for e in wire]
+    restated = [(e.block_hashes, e.kvcm_coverage) for e in state_for(mgr).restatement()[1:]]
+    assert restated == [(e.block_hashes, e.kvcm_coverage) for e in st.restatement()[1:]]
+    assert ([k[1]], 2) in restated
+    c = mgr.create_kv_cache()
+    assert c.resume() and c.resize(8)
+    c.commit(p[:8])
+    c.close()
+    wire = st.translate(mgr.take_events())
+    assert [(type(e).__name__, e.block_hashes, getattr(e, "kvcm_coverage", None)) for e in wire] == [
+        ("BlockRemoved", [k[1]], None), ("BlockStored", [k[1]], None)]
+    assert [(e.block_hashes, e.kvcm_coverage) for e in state_for(mgr).restatement()[1:]] == \
+        [(e.block_hashes, e.kvcm_coverage) for e in st.restatement()[1:]]

@@ -404,7 +404,8 @@ void Manager::emit_stored(NodeId nid, std::span<const std::int64_t> lcs) {
   for (std::int64_t lc : lcs) {
     const Page& p = page(tree_.page(nid, lc));
     event_blocks_.emplace_back(
-        StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(tier_id(p.tier)), p.priority});
+        StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(tier_id(p.tier)), p.priority,
+                     static_cast<std::int32_t>(tree_.coverage(nid, lc))});
     ++e->nblocks;
     ++event_sizes_.back().second;
   }

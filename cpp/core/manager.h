@@ -62,6 +62,7 @@ struct ManagerConfig {
 struct StoredBlockC {  // key and tokens are the event's (one block, several life cycles)
   std::int32_t lc = 0, tier = 0;
   std::int64_t priority = 0;
+  std::int32_t coverage = 0;  // tokens of the block the page covers
 };
 
 enum class EventKind { stored, removed, tier_changed, cleared };

@@ -310,6 +310,8 @@ void Manager::snapshot_events(std::string& o) {
           j_int(o, sb.tier);
           o += ',';
           j_int(o, sb.priority);
+          o += ',';
+          j_int(o, sb.coverage);
           o += ']';
         }
         o += ']';

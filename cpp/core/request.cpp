@@ -620,14 +620,8 @@ void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int
   }
   Page* q = &page(old);
   restate(*q, [&] { q->node = kNoNode; });
-  if (q->tier != p->tier) {
-    if (EventC* e = new_event(EventKind::tier_changed)) {
-      e->key = tree_.key(nid);
-      e->lc = lc;
-      e->old_tier = tier_id(q->tier);
-      e->new_tier = tier_id(p->tier);
-    }
-  }
+  emit_removed(tree_.key(nid), lc);  // a coverage upgrade: removed now, stored by the caller
+  gained.push_back(lc);
   if (q->locks == 0 && q->holds == 0) free_page(q);
 }
 

@@ -218,6 +218,7 @@ class StoredBlock:
     lc: int
     tier: int
     priority: int
+    coverage: int  # tokens of the block this lc's page covers (ssm: the snapshot's exact end)
 
 
 @dataclass(frozen=True)
@@ -247,7 +248,8 @@ class StoredEvent(Event):
             "parent_key": self.parent_key.hex() if self.parent_key is not None else None,
             "partial": self.partial,
             "blocks": [
-                [b.key.hex(), b.num_tokens, [_tok_json(t) for t in b.tokens], b.lc, b.tier, b.priority] for b in self.blocks
+                [b.key.hex(), b.num_tokens, [_tok_json(t) for t in b.tokens], b.lc, b.tier, b.priority, b.coverage]
+                for b in self.blocks
             ],
         }
 

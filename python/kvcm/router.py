@@ -15,20 +15,29 @@ What it answers (hybrid-aware, the fixed point of SPEC sec. 6 over whole blocks)
    attached block has a page or a child, and a block's ancestors are attached with it; a
    key chain (``k_i = sha256(k_{i-1} || tokens)``) places every prompt block under the
    previous one, so holding ``k_i`` proves ``k_0..k_i`` are all in the tree.
-3. ``m = L * B``, then until nothing changes, life cycle by life cycle:
-   ssm — ``m`` = the end of the last path block below ``m`` holding a snapshot, else 0;
-   attention — with history ``m``, the first non-stale block (SPEC sec. 7 stale rule, from
-   ``kv_cache_spec_sliding_window`` and the ``kvcm_sink_tokens`` extension) below ``m``
-   without a page of that life cycle cuts ``m`` to its start.  Pages on any medium count.
+3. ``m = L * B``, then SPEC sec. 6 step 3 over the path until nothing changes, life cycle by
+   life cycle, a page's coverage ``c`` being ``kvcm_coverage`` (the extension; absent = B):
+   ssm — ``m`` = ``j * B + c`` of the last path block ``j`` with ``j * B + c <= m``
+   holding a snapshot, else 0; attention — with history ``m``, the first non-stale block
+   ``j`` (SPEC sec. 7 stale rule, from ``kv_cache_spec_sliding_window`` and the
+   ``kvcm_sink_tokens`` extension) below ``m`` whose page does not cover its matched
+   tokens (``c < min(B, m - j * B)``; no page: ``c = 0``) cuts ``m`` to ``j * B + c``.
+   Pages on any medium count.
+4. The answer is that ``m`` counted in whole blocks: ``(m // B) * B``.
 
-Exactness: for an instance configured with ``enable_partial_reuse=False`` and
-``reuse_match_backoff=0`` this equals ``manager.probe_reuse(tokens, scope)`` after every step
-(every page of a full block then covers the whole block, so the wire's per-block presence
-is all the fixed point reads).  With partial reuse on, kvcm can move a partial block's page
-(covering fewer tokens) into a full block without an event saying so; the router counts
-such a page as whole, so treat its answer as an estimate there.  One corner is outside what
-the stream can tell even then: a window of 1 token, no full attention and no ssm, where a
-chain of page-less blocks off the prompt's path keeps a page-less prompt block attached.
+Exactness: the answer equals ``(probe_reuse(tokens[:L * B], scope) // B) * B`` on the
+instance after every step (``reuse_match_backoff=0``): on a prompt of exactly the ``L``
+matched full blocks the probe's walk never misses, so it runs the same fixed point from the
+same start with the same coverages.  With ``enable_partial_reuse=False`` every page of a
+full block covers it whole and the probe never ends inside a block, so this is
+``probe_reuse(tokens, scope)`` itself.  With partial reuse on, ``probe_reuse(tokens)`` can
+legitimately exceed it — its walk can continue into a partial block (never on the wire)
+whose snapshot or pages then count — and flooring it is *not* the same number (a snapshot
+inside that partial block can hold ``m`` past a full-block snapshot the router lacks; with
+a window, a longer history changes which blocks are stale), so the reference is the probe
+of the whole-block prefix.  One corner is outside what the stream can tell: a window of
+1 token, no full attention and no ssm, where a chain of page-less blocks off the prompt's
+path keeps a page-less prompt block attached.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ class RouterModel:
 class _Entry:
     parent: bytes | None
     pages: dict[int, str] = field(default_factory=dict)  # group -> medium
+    coverage: dict[int, int] = field(default_factory=dict)  # group -> tokens covered, when < B
     live_children: int = 0
 
     @property
@@ -99,7 +109,7 @@ class InstanceIndex:
                 self._check(e)
                 parent = e.parent_block_hash
                 for h in e.block_hashes:
-                    self._store(bytes(h), parent, e.group_idx or 0, e.medium)
+                    self._store(bytes(h), parent, e.group_idx or 0, e.medium, e.kvcm_coverage)
                     parent = h
             elif isinstance(e, BlockRemoved):
                 for h in e.block_hashes:
@@ -118,7 +128,8 @@ class InstanceIndex:
             raise ValueError(f"group {g} announced as {e.kv_cache_spec_kind}/{e.kv_cache_spec_sliding_window}/"
                              f"{e.kvcm_sink_tokens}, the router's model says {spec}")
 
-    def _store(self, key: bytes, parent: bytes | None, group: int, medium: str | None) -> None:
+    def _store(self, key: bytes, parent: bytes | None, group: int, medium: str | None,
+               coverage: int | None = None) -> None:
         e = self.blocks.get(key)
         if e is None:
             e = self.blocks[key] = _Entry(parent)
@@ -128,6 +139,10 @@ class InstanceIndex:
             e.parent = parent
         was = e.live
         e.pages[group] = medium or ""
+        if coverage is None or coverage >= self.model.block_size:
+            e.coverage.pop(group, None)
+        else:
+            e.coverage[group] = coverage
         if not was:
             self._adjust(e.parent, +1)
 
@@ -136,6 +151,7 @@ class InstanceIndex:
         if e is None or e.pages.get(group) != (medium or ""):
             return
         del e.pages[group]
+        e.coverage.pop(group, None)
         if not e.live:
             del self.blocks[key]
             self._adjust(e.parent, -1)
@@ -167,17 +183,24 @@ class InstanceIndex:
             if k in blocks:
                 last = i
         path = [blocks.get(k) for k in keys[: last + 1]]
-        pages = [e.pages if e is not None else {} for e in path]
+        empty = _Entry(None)
+        entries = [e if e is not None else empty for e in path]
+
+        def cov(j: int, g: int) -> int:
+            e = entries[j]
+            return e.coverage.get(g, B) if g in e.pages else 0
+
         m = len(path) * B
-        while True:
+        while True:  # SPEC sec. 6 step 3, as RadixTree.prune_match
             m0 = m
             for g, spec in enumerate(self.model.groups):
-                nb = m // B
+                nb = -(-m // B)
                 if spec.kind == KIND_MAMBA:
                     cut = 0
                     for j in range(nb - 1, -1, -1):
-                        if g in pages[j]:
-                            cut = (j + 1) * B
+                        c = cov(j, g)
+                        if 0 < c and j * B + c <= m:
+                            cut = j * B + c
                             break
                     m = cut
                     continue
@@ -185,11 +208,12 @@ class InstanceIndex:
                 for j in range(nb):
                     if lo <= j < hi:
                         continue
-                    if g not in pages[j]:
-                        m = j * B
+                    c = cov(j, g)
+                    if c < min(B, m - j * B):
+                        m = j * B + c
                         break
             if m == m0:
-                return m
+                return m // B * B
 
 
 class RouterIndex:

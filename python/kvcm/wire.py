@@ -25,6 +25,11 @@ unknown map keys, and extra trailing array items in the array layout):
 
 * ``BlockStored.kvcm_sink_tokens`` — sink tokens of a sliding-window life cycle; the
   router needs it for the stale-block rule of SPEC sec. 7 (vLLM has no sink tokens).
+* ``BlockStored.kvcm_coverage`` — the tokens of the block its page covers, set only when
+  fewer than ``block_size`` (a page adopted from a shorter partial block, SPEC sec. 5
+  attach; an ssm snapshot then ends at ``block start + coverage``); such an event names
+  exactly one block.  Absent: every named block is covered whole.  The router's SPEC
+  sec. 6 fixed point needs it to be exact with partial reuse on.
 
 Block hashes are kvcm's 32-byte keys as ``bytes`` (vLLM's ``ExternalBlockHash`` is
 ``bytes | int``).  Framing (vLLM's ``ZmqEventPublisher``): PUB frames ``(topic, seq as
@@ -86,6 +91,7 @@ def _structs(array_like: bool) -> dict[str, type]:
         kv_cache_spec_kind: str | None = None
         kv_cache_spec_sliding_window: int | None = None
         kvcm_sink_tokens: int | None = None  # kvcm extension
+        kvcm_coverage: int | None = None  # kvcm extension (None: the whole block)
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[bytes | int]

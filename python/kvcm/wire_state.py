@@ -16,8 +16,11 @@ Mapping (kvcm event -> vLLM wire event, see ``kvcm.wire``):
   ``medium`` from the tier (gpu ``GPU``, host ``CPU``, disk ``STORAGE``, by SPEC tier
   number); ``group_idx`` = life cycle id; ``kv_cache_spec_kind`` = ``full_attention`` /
   ``sliding_window`` / ``mamba``; ``kv_cache_spec_sliding_window`` = the window;
-  extension ``kvcm_sink_tokens`` = the sink tokens of a windowed life cycle.
-  Consecutive blocks of one chain with equal group, medium and scope share one event.
+  extension ``kvcm_sink_tokens`` = the sink tokens of a windowed life cycle; extension
+  ``kvcm_coverage`` = the page's coverage when it is less than B (else absent).
+  Consecutive blocks of one chain with equal group, medium and scope, each covered whole,
+  share one event.  A coverage upgrade arrives as ``removed`` + ``stored`` and goes out as
+  ``BlockRemoved`` + ``BlockStored``.
 * ``stored`` flagged ``partial`` -> nothing: a partial block cannot be matched by hash.
 * ``removed(keys, lc)`` -> ``BlockRemoved(keys, medium, group_idx=lc)``, the medium being
   the tier the page was announced on; keys never announced (partial blocks) are skipped.
@@ -67,6 +70,7 @@ class _Block:
     tokens: tuple[Token, ...]
     scope: ReuseScope | None  # None: unknown
     pages: dict[int, int] = field(default_factory=dict)  # lc -> tier
+    coverage: dict[int, int] = field(default_factory=dict)  # lc -> tokens covered (< B only)
 
 
 class WireState:
@@ -110,9 +114,11 @@ class WireState:
             pages = {lc: tiers[p["page"]] for lc, p in enumerate(n["pages"]) if p is not None}
             if not pages:
                 continue
+            coverage = {lc: p["coverage"] for lc, p in enumerate(n["pages"])
+                        if p is not None and p["coverage"] < self.B}
             parent = keys[n["parent"]] if n["parent"] is not None else None
             tokens = tuple(t if isinstance(t, int) else bytes.fromhex(t["digest"]) for t in n["tokens"])
-            self._blocks[keys[n["id"]]] = _Block(parent, tokens, self._scope_in(nodes, keys, n), pages)
+            self._blocks[keys[n["id"]]] = _Block(parent, tokens, self._scope_in(nodes, keys, n), pages, coverage)
 
     def _scope_in(self, nodes: dict, keys: dict, n: dict) -> ReuseScope | None:
         while n["parent"] is not None:
@@ -129,13 +135,14 @@ class WireState:
                 if e.partial:
                     continue
                 for b in e.blocks:
-                    self._stored(out, b.key, e.parent_key, b.tokens, b.lc, b.tier)
+                    self._stored(out, b.key, e.parent_key, b.tokens, b.lc, b.tier, b.coverage)
             elif isinstance(e, RemovedEvent):
                 for key in e.keys:
                     blk = self._blocks.get(key)
                     if blk is None or e.lc not in blk.pages:
                         continue  # never announced (a partial block)
                     tier = blk.pages.pop(e.lc)
+                    blk.coverage.pop(e.lc, None)
                     if not blk.pages:
                         del self._blocks[key]
                     self._removed(out, key, e.lc, tier)
@@ -170,7 +177,8 @@ class WireState:
             stack.extend(reversed(children.get(key, ())))
         return out
 
-    def _stored(self, out: list, key: bytes, parent: bytes | None, tokens: Sequence[Token], lc: int, tier: int) -> None:
+    def _stored(self, out: list, key: bytes, parent: bytes | None, tokens: Sequence[Token], lc: int, tier: int,
+                coverage: int) -> None:
         blk = self._blocks.get(key)
         if blk is None:
             if parent in self._roots:
@@ -180,11 +188,16 @@ class WireState:
                 scope = pb.scope if pb is not None else None
             blk = self._blocks[key] = _Block(parent, tuple(tokens), scope)
         old = blk.pages.get(lc)
-        if old == tier:
+        cov = coverage if coverage < self.B else None
+        if old == tier and blk.coverage.get(lc) == cov:
             return
         if old is not None:
             self._removed(out, key, lc, old)
         blk.pages[lc] = tier
+        if cov is None:
+            blk.coverage.pop(lc, None)
+        else:
+            blk.coverage[lc] = cov
         self._emit_stored(out, key, blk, lc)
 
     def _emit_stored(self, out: list, key: bytes, blk: _Block, lc: int) -> None:
@@ -207,8 +220,10 @@ class WireState:
         else:
             tokens = list(blk.tokens)
         block_extra = tuple(extra) if extra else None
+        cov = blk.coverage.get(lc)
         last = out[-1] if out else None
-        if (isinstance(last, BlockStored) and last.group_idx == lc and last.medium == medium
+        if (cov is None and isinstance(last, BlockStored) and last.kvcm_coverage is None
+                and last.group_idx == lc and last.medium == medium
                 and last.lora_id == lora and parent is not None and last.block_hashes[-1] == parent):
             last.block_hashes.append(key)
             last.token_ids.extend(tokens)
@@ -221,6 +236,7 @@ class WireState:
             block_hashes=[key], parent_block_hash=parent, token_ids=tokens, block_size=self.B,
             lora_id=lora, medium=medium, lora_name=None,
             extra_keys=[block_extra] if block_extra is not None else None, **self._spec[lc],
+            kvcm_coverage=cov,
         ))
 
     @staticmethod

@@ -494,7 +494,7 @@ class PyKVCacheManager(KVCacheManager):
         parent_key = n.parent.key if n.parent is not None else None
         blocks = tuple(
             StoredBlock(n.key, len(n.tokens), n.tokens, lc, self.tier_ids[self.pages[n.pages[lc]].tier],
-                        self.pages[n.pages[lc]].priority)
+                        self.pages[n.pages[lc]].priority, n.coverage[lc])
             for lc in lcs
         )
         self.emit(StoredEvent(self.event_id(), parent_key, blocks, len(n.tokens) < self.B))

@@ -16,7 +16,6 @@ from kvcm.api import (
     KVCache,
     ReuseScope,
     Status,
-    TierChangedEvent,
     Token,
     as_int,
 )
@@ -564,7 +563,8 @@ class PyKVCache(KVCache):
 
     def _install(self, nid: int, lc: int, p: Page, gained: list[int]) -> None:
         """SPEC sec. 5: make ``p`` the page of block ``nid`` for ``lc`` (a slot keeps only the
-        page with the largest coverage)."""
+        page with the largest coverage).  ``lc`` joins ``gained`` (the caller's ``stored``);
+        a replaced page is first announced ``removed`` (DECISIONS.md "Tree and events")."""
         mgr = self.mgr
         tree = mgr.tree
         if p.node != NO_NODE:  # moving from an orphan block
@@ -584,8 +584,8 @@ class PyKVCache(KVCache):
         def unlink() -> None:
             q.node = NO_NODE
         mgr.restate(q, unlink)
-        if q.tier != p.tier:
-            mgr.emit(TierChangedEvent(mgr.event_id(), tree.key(nid), lc, mgr.tier_ids[q.tier], mgr.tier_ids[p.tier]))
+        mgr.emit_removed(tree.key(nid), lc)  # a coverage upgrade: removed now, stored by the caller
+        gained.append(lc)
         if q.locks == 0 and q.holds == 0:
             mgr.free_page(q)
 
