@@ -334,6 +334,16 @@ void Manager::drop_all_droppable() {
 }
 
 // py: manager.py PyKVCacheManager.copy — SPEC sec. 8
+// `{"tier":N,"kind":"...","lc":[` — the head of one tier's entry in stats()["tiers"] and
+// snapshot()["pools"] (tier numbered by kind, SPEC sec. 1).
+void Manager::json_tier_head(std::string& o, std::size_t t) const {
+  o += "{\"tier\":";
+  j_int(o, tier_id_[t]);
+  o += ",\"kind\":";
+  j_str(o, cfg_.tier_kinds[t].c_str());
+  o += ",\"lc\":[";
+}
+
 void Manager::copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason) {
   add_copy_op(CopyOpC{lc, tier_id(src->tier), src->slot, tier_id(dst->tier), dst->slot, reason});
   copy_pages_.emplace_back(dst->handle, dst->serial);
@@ -458,11 +468,7 @@ void Manager::stats_view(std::string& o, const std::vector<std::int64_t>& c) con
   o += "],\"tiers\":[";
   for (std::size_t t = 0; t < pools_.size(); ++t) {
     if (t) o += ',';
-    o += "{\"tier\":";
-    j_int(o, tier_id_[t]);
-    o += ",\"kind\":";
-    j_str(o, cfg_.tier_kinds[t].c_str());
-    o += ",\"lc\":[";
+    json_tier_head(o, t);
     for (std::size_t lc = 0; lc < nlc; ++lc) {
       const Pool& p = pools_[t][lc];
       if (lc) o += ',';

@@ -235,6 +235,7 @@ class Manager {
   std::optional<std::int64_t> rollback_point(Request& r, const std::vector<std::int64_t>& lost_handles);
   void roll_back(Request& r, std::int64_t point);
   void release_all(Request& r);
+  void json_tier_head(std::string& o, std::size_t t) const;
   void stop(Request& r);
   void release_stale(Request& r, std::int64_t old_history, std::int64_t first_block);
   // O(1): false when the pools could never hold ceil(capacity / B) = nb blocks at `history`.

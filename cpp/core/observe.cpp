@@ -143,11 +143,7 @@ void Manager::snapshot_pages(std::string& o) {
 void Manager::snapshot_pools(std::string& o) {
   for (std::size_t t = 0; t < pools_.size(); ++t) {
     if (t) o += ',';
-    o += "{\"tier\":";
-    j_int(o, tier_id_[t]);
-    o += ",\"kind\":";
-    j_str(o, cfg_.tier_kinds[t].c_str());
-    o += ",\"lc\":[";
+    json_tier_head(o, t);
     for (std::size_t lc = 0; lc < pools_[t].size(); ++lc) {
       const Pool& p = pools_[t][lc];
       if (lc) o += ',';

@@ -230,14 +230,7 @@ def check_counts(values: Any, name: str, n: int, what: str) -> list[int]:
                         f"got {type(values).__name__}")
     out = list(items)
     for i, item in enumerate(out):
-        v = as_int(item)
-        if v is None:
-            raise TypeError(f"{name}[{i}] must be an int, got {type(item).__name__}")
-        if v < 0:
-            raise ValueError(f"{name}[{i}] must be >= 0, got {v}")
-        if v >= MAX_COUNT:
-            raise ValueError(f"{name}[{i}] {v} is too large")
-        out[i] = v
+        out[i] = check_count(item, f"{name}[{i}]")  # the single call's rule, named by index
     if len(out) != n:
         raise ValueError(f"{what}(): {name} has {len(out)} items for {n} caches")
     return out
