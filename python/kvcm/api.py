@@ -190,14 +190,20 @@ class Status(enum.Enum):
     CLOSED = "CLOSED"
 
 
-CopyReason = Literal["offload", "onboard", "cow", "snapshot"]
+CopyReason = Literal["offload", "onboard", "cow", "snapshot", "store"]
+
+SHARED = 3  # tier number of the shared tier (a store shared by many managers; DECISIONS.md)
 
 
 @dataclass(frozen=True)
 class CopyOp:
     """Copy one page: the engine executes these in order before using the step's indices.
     Tiers are SPEC's numbers by kind (``GPU, HOST, DISK = 0, 1, 2``), whatever tiers the
-    config lists: with gpu + disk only, disk is still 2."""
+    config lists: with gpu + disk only, disk is still 2.
+
+    An op that touches the shared tier (``SHARED``, 3) names its object there by ``key``
+    (the block key; with ``lc`` and the layout fingerprint it names the stored object) and
+    has slot -1 on that side; every other op has ``key`` None."""
 
     lc: int
     src_tier: int
@@ -205,9 +211,13 @@ class CopyOp:
     dst_tier: int
     dst_slot: int
     reason: str
+    key: bytes | None = None
 
     def to_json(self) -> list:
-        return [self.lc, self.src_tier, self.src_slot, self.dst_tier, self.dst_slot, self.reason]
+        row: list = [self.lc, self.src_tier, self.src_slot, self.dst_tier, self.dst_slot, self.reason]
+        if self.key is not None:
+            row.append(self.key.hex())
+        return row
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ The C++ twin of :class:`LifeCycle`, :func:`floordiv` and :func:`ceildiv` is
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -329,3 +330,28 @@ __all__ = [
     "resolve_config",
     "stale_range",
 ]
+
+
+# ---------------------------------------------------------------------------------------
+# The layout fingerprint of the shared tier (SPEC sec. 16, DECISIONS "The shared tier")
+# ---------------------------------------------------------------------------------------
+
+
+def layout_fingerprint(resolved: ResolvedConfig, namespace: str) -> bytes:
+    """32 bytes naming the byte layout of every page this config writes, so that managers
+    with another model, block size or page layout never read each other's objects: B, each
+    life cycle's kind, window, sinks and slot bytes, and a user-given model/namespace string.
+    Pool sizes, tiers and policies are left out: they do not change a page's bytes."""
+    if type(namespace) is not str:
+        raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+    h = hashlib.sha256(b"kvcm-layout-v1\0")
+    h.update(resolved.tokens_per_block.to_bytes(4, "little"))
+    h.update(len(resolved.life_cycles).to_bytes(4, "little"))
+    for lc in resolved.life_cycles:
+        h.update(b"a" if lc.kind == "attn" else b"s")
+        h.update((0 if lc.window is None else lc.window).to_bytes(8, "little"))
+        h.update(lc.sinks.to_bytes(8, "little"))
+        h.update(lc.slot_bytes.to_bytes(8, "little"))
+    ns = namespace.encode("utf-8")
+    h.update(len(ns).to_bytes(8, "little") + ns)
+    return h.digest()
