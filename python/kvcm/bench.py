@@ -16,6 +16,9 @@ and cache calls are inside the timed regions (token generation is outside).
               ``commit([tok])``, then one ``drain_copy_ops()``; µs per step (median over
               the steps) and per request.  Prompt lengths are staggered so that each step
               allocates a new block for 1/B of the requests, as in a real batch.
+* ``step``    one ACTIVE request of 1k / 10k / 100k committed tokens; µs per decode step
+              (``resize(capacity + 1)`` + ``commit([tok])``), median: does a step cost
+              more on a longer request?
 * ``evict``   a gpu pool far smaller than the working set plus a host tier; fresh requests
               are created, resumed, resized, drained, committed and closed in a loop, so
               (after a warm-up that fills both tiers) every allocation evicts: the
@@ -331,6 +334,62 @@ except ImportError:  # pragma: no cover - numpy is a test/bench dependency
 
 
 # ---------------------------------------------------------------------------------------
+# step: one request's decode step against its length
+# ---------------------------------------------------------------------------------------
+
+
+STEP_LENGTHS = (1_000, 10_000, 100_000)
+
+
+def bench_step(args: argparse.Namespace) -> int:
+    """One ACTIVE request of L committed tokens (L in STEP_LENGTHS); one step =
+    ``resize(capacity + 1)`` + ``commit([tok])`` (+ one drain when a block was allocated);
+    µs per step, median over ``steps`` steps (they cross 1 + steps/B block boundaries).
+    The issue #12 target: the step at 100k within 2x of the step at 1k on each backend."""
+    B = args.block_size
+    steps = 64 if args.quick else max(args.decode_steps, 4 * B)
+    rng = random.Random(5)
+    prompts = {n: _tokens(rng, n) for n in STEP_LENGTHS}
+    toks = _tokens(rng, steps)
+
+    def run(backend: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for n, prompt in prompts.items():
+            mgr = KVCacheManager(_config(B, ceildiv(n + steps, B) + 2), backend=backend)
+            kv = mgr.create_kv_cache(prompt)
+            assert kv.resume() and kv.resize(n)
+            kv.commit(prompt)
+            mgr.drain_copy_ops()
+            cap = n
+            times = []
+            for tok in toks:
+                t = time.perf_counter()
+                cap += 1
+                kv.resize(cap)
+                kv.commit([tok])
+                times.append(time.perf_counter() - t)
+            assert kv.num_committed_tokens == n + steps
+            kv.close()
+            mgr.shutdown()
+            out[n] = 1e6 * statistics.median(times)
+        out["growth"] = out[STEP_LENGTHS[-1]] / out[STEP_LENGTHS[0]]
+        return out
+
+    results = _run_both(run)
+    rc = _print(
+        f"step: one ACTIVE request of L committed tokens, one step = resize(capacity+1) + commit([tok]), "
+        f"median of {steps} steps, tokens_per_block={B}",
+        results,
+        [
+            *((f"us / step at L = {n:,}", n, _us, True) for n in STEP_LENGTHS),
+            (f"step at {STEP_LENGTHS[-1]:,} / step at {STEP_LENGTHS[0]:,} (target <= 2x)", "growth",
+             lambda v: f"{v:.2f}x", False),
+        ],
+    )
+    return rc
+
+
+# ---------------------------------------------------------------------------------------
 # evict
 # ---------------------------------------------------------------------------------------
 
@@ -557,7 +616,8 @@ def bench_memory(args: argparse.Namespace) -> int:
     return rc
 
 
-MICRO = {"probe": bench_probe, "decode": bench_decode, "evict": bench_evict, "memory": bench_memory}
+MICRO = {"probe": bench_probe, "decode": bench_decode, "step": bench_step, "evict": bench_evict,
+         "memory": bench_memory}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

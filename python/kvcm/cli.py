@@ -5,7 +5,7 @@ Subcommands::
     info                                   backend, version, cpp extension and build details
     replay [TRACE] [--backend python,cpp] [--block-size 32] [--gpu-blocks N | --gpu-frac F]
            [--host-blocks N | --host-frac F] [--limit N] [--no-partial] [--outputs]
-    bench [replay|keys|probe|decode|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
+    bench [replay|keys|probe|decode|step|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
     events --connect ENDPOINT [--replay ENDPOINT] [--snapshot] | --demo | --bench   (kvcm.events_cli)
@@ -413,38 +413,82 @@ def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | No
         rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
 
 
+def _replay_in_child(impl: str, limit: int, B: int, gpu: int | None, host: int | None) -> tuple[Any, dict]:
+    """One replay of ``impl`` (a backend or the floor) in a fresh child process, so that its
+    peak RSS is its own and no other run's garbage is collected on its clock:
+    ``(ReplayResult or the reason it did not run, {"peak_rss", "base_rss"})``."""
+    import json
+    import subprocess
+
+    import kvcm
+    from kvcm.bench_floor import REPLAY_CHILD
+    from kvcm.replay import ReplayResult
+
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
+    spec = {"impl": impl, "limit": limit, "tokens_per_block": B, "gpu": gpu, "host": host}
+    p = subprocess.run([sys.executable, "-c", REPLAY_CHILD, json.dumps(spec)], capture_output=True, text=True,
+                       env=env, check=False)
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr)
+        return f"error: child exited {p.returncode}", {}
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    if "why" in out:
+        return out["why"], {}
+    return ReplayResult(**out["result"]), {"peak_rss": out["peak_rss"], "base_rss": out["base_rss"]}
+
+
+def _mib(v: float) -> str:
+    return f"{v / 2**20:,.0f} MiB"
+
+
 def bench_replay(args: argparse.Namespace) -> int:
+    """Each backend and the floor (kvcm.bench_floor: a minimal pure-Python prefix cache, a
+    measuring stick) replay the same prefix, each run in its own child process."""
+    from kvcm.bench_floor import FLOOR
     from kvcm.trace import load_trace, unique_blocks
 
     B = args.block_size
-    trace = load_trace(limit=args.limit if args.limit is not None else DEFAULT_BENCH_LIMIT)
+    limit = args.limit if args.limit is not None else DEFAULT_BENCH_LIMIT
+    trace = load_trace(limit=limit)
     uniq = unique_blocks(trace, B)
     tight = max(1, int(0.1 * uniq))
     print(
         f"replay: {len(trace)} requests of the shipped trace, tokens_per_block={B}, {_fmt_int(uniq)} unique blocks, "
-        f"each backend's fastest of {args.repeat} run(s) (a shared machine's noise only ever adds time)"
+        f"each backend's fastest of {args.repeat} run(s) (a shared machine's noise only ever adds time), each run "
+        f"in its own child process; floor = a minimal pure-Python prefix cache (kvcm.bench_floor: chained SHA-256 "
+        f"keys in a dict, an ordered LRU, refcounts; no tiers, partial blocks, events or stats), a measuring stick, "
+        f"not a backend"
     )
     rc = 0
+    impls = ("python", "cpp", FLOOR)
     for label, gpu, host in (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight)):
         results: dict[str, Any] = {}
+        rss: dict[str, dict] = {}
         for _ in range(args.repeat):
-            for b, res in run_replays(
-                ("python", "cpp"),
-                trace,
-                tokens_per_block=B,
-                gpu_blocks=gpu,
-                host_blocks=host,
-                partial=True,
-                outputs=False,
-                progress=not args.no_progress,
-            ).items():
+            for b in impls:
+                res, mem = _replay_in_child(b, limit, B, gpu, host)
                 prev = results.get(b)
                 if prev is None or (not isinstance(prev, str) and (isinstance(res, str) or res.manager_s < prev.manager_s)):
                     results[b] = res  # a failure wins: it is reported
+                if mem and (b not in rss or mem["peak_rss"] < rss[b]["peak_rss"]):
+                    rss[b] = mem
         rows = _result_rows(results)
-        py, cpp = results.get("python"), results.get("cpp")
-        ok = not isinstance(py, str) and not isinstance(cpp, str)
-        rows.append(["time ratio python/cpp", "", _ratio(py.manager_s, cpp.manager_s) if ok else "n/a"])
+        rows.append(["peak RSS (child process)", *(_mib(rss[b]["peak_rss"]) if b in rss else "" for b in impls)])
+        rows.append(["peak RSS growth over the start", *(_mib(rss[b]["peak_rss"] - rss[b]["base_rss"])
+                                                          if b in rss else "" for b in impls)])
+        py, cpp, fl = results.get("python"), results.get("cpp"), results.get(FLOOR)
+
+        def ok(*rs: Any) -> bool:
+            return all(not isinstance(r, str) for r in rs)
+
+        rows.append(["time ratio python/cpp", "", _ratio(py.manager_s, cpp.manager_s) if ok(py, cpp) else "n/a", ""])
+        rows.append(["time ratio python/floor (target <= 1.5x)", "", "",
+                     f"{py.manager_s / fl.manager_s:.2f}x" if ok(py, fl) else "n/a"])
+        rows.append(["peak RSS ratio python/floor (target <= 2x)", "", "",
+                     f"{rss['python']['peak_rss'] / rss[FLOOR]['peak_rss']:.2f}x" if "python" in rss and FLOOR in rss
+                     else "n/a"])
         print(f"\n[{label}]")
         print(_table(["", *results.keys()], rows))
         sys.stdout.flush()
@@ -550,7 +594,7 @@ def _add_replay_parser(sub: Any) -> None:
 def _add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="measure both backends and print python/cpp ratios")
     b.add_argument(
-        "what", nargs="?", choices=["replay", "keys", "probe", "decode", "evict", "memory", "all"], default="all"
+        "what", nargs="?", choices=["replay", "keys", "probe", "decode", "step", "evict", "memory", "all"], default="all"
     )
     b.add_argument(
         "--limit", type=_int_in(0), default=None, help=f"replay prefix (default {DEFAULT_BENCH_LIMIT} requests)"
