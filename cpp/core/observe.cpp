@@ -456,6 +456,7 @@ void Manager::check_request(std::int64_t serial, InvariantUsers& users) {
       const auto ii = static_cast<std::int64_t>(i);
       check(v[i] < 0 || !(lo <= ii && ii < hi),
             rid + ": stale block " + S(ii) + " of lc " + S(lc) + " keeps a page");
+      check(v[i] >= 0 || (lo <= ii && ii < hi), rid + ": block " + S(ii) + " of lc " + S(lc) + " has no page");
     }
   }
   if (active && ssm_lc_ >= 0) check(r.live >= 0, rid + ": ACTIVE without a live ssm state");

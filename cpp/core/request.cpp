@@ -340,8 +340,11 @@ bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t his
   std::vector<std::pair<std::int64_t, std::int64_t>>& allocs = scratch_allocs_;
   releases.clear();
   allocs.clear();
-  // Only ordinals that can hold a page are visited: none is held in the stale range of
-  // the current history, and none is allocated in the new one.
+  // Only the ordinals whose page changes are visited, so a decode step costs the same on
+  // any length: below the table's end n a block has a page exactly when it is not stale
+  // at the current history (check_invariants checks it), so pages are released where
+  // blocks become stale ([old_hi, hi)) or fall beyond the capacity (>= nb), and allocated
+  // past n outside the new stale range.  Ascending per lc, as a scan.
   for (std::int64_t lc : attn_lcs_) {
     const auto [lo, hi] = stale_range(lc, history);
     const std::int64_t old_hi = stale_range(lc, r.history).second;
@@ -349,18 +352,14 @@ bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t his
     const auto n = static_cast<std::int64_t>(pages.size());
     const auto visit_release = [&](std::int64_t from, std::int64_t to) {
       for (std::int64_t i = from; i < to; ++i) {
-        if (pages[static_cast<std::size_t>(i)] >= 0 && (i >= nb || (lo <= i && i < hi))) releases.emplace_back(lc, i);
+        if (pages[static_cast<std::size_t>(i)] >= 0) releases.emplace_back(lc, i);
       }
     };
-    visit_release(0, std::min(lo, n));
-    visit_release(old_hi, n);
-    const auto visit_alloc = [&](std::int64_t from, std::int64_t to) {
-      for (std::int64_t i = from; i < to; ++i) {
-        if (i >= n || pages[static_cast<std::size_t>(i)] < 0) allocs.emplace_back(lc, i);
-      }
-    };
-    visit_alloc(0, std::min(lo, nb));
-    visit_alloc(hi, nb);
+    visit_release(nb, std::min(lo, n));
+    visit_release(old_hi, std::min(hi, n));
+    visit_release(std::max({old_hi, nb, std::min(hi, n)}), n);
+    for (std::int64_t i = n; i < std::min(lo, nb); ++i) allocs.emplace_back(lc, i);
+    for (std::int64_t i = std::max(hi, n); i < nb; ++i) allocs.emplace_back(lc, i);
   }
   for (std::int64_t lc : attn_lcs_) {
     std::int64_t n = 0;

@@ -54,6 +54,20 @@ _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_bl
                 "lost_pages")
 
 
+def _removed_event(event_id: int, key: bytes, lc: int) -> RemovedEvent:
+    return RemovedEvent(event_id, (key,), lc)
+
+
+def _stored_event(event_id: int, parent_key: bytes | None, key: bytes, tokens: Sequence[Token],
+                  rows: tuple[tuple[int, int, int, int], ...], partial: bool) -> StoredEvent:
+    """A ``stored`` event from what :meth:`PyKVCacheManager.emit_stored` recorded:
+    ``rows`` holds (lc, tier, priority, coverage) per life cycle."""
+    toks = tuple(tokens)
+    return StoredEvent(event_id, parent_key,
+                       tuple(StoredBlock(key, len(toks), toks, lc, tier, prio, cov) for lc, tier, prio, cov in rows),
+                       partial)
+
+
 class PyKVCacheManager(KVCacheManager):
     backend_name = "python"
 
@@ -87,7 +101,7 @@ class PyKVCacheManager(KVCacheManager):
         self.copy_ops_warn_at = config.pending_copy_ops_warning
         self.copy_ops_warned = False
         self.copy_ops_warn_due = False
-        self.events: deque[Event] = deque()
+        self.events: deque[Event | tuple] = deque()  # Events, or (make, args) built when read
         self.events_dropped = 0
         self.next_event = 0
         self.is_shutdown = False
@@ -239,9 +253,13 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def take_events(self) -> list[Event]:
-        out = list(self.events)
+        out = self.built_events()
         self.events.clear()
         return out
+
+    def built_events(self) -> list[Event]:
+        """The buffered events as Event objects, oldest first (see :meth:`emit_lazy`)."""
+        return [e if isinstance(e, Event) else e[0](*e[1]) for e in self.events]
 
     @serialized
     def snapshot(self) -> dict:
@@ -273,43 +291,53 @@ class PyKVCacheManager(KVCacheManager):
         self.count(lc, "allocated_blocks")
         return page
 
+    # use / unuse / set_active are restate with the change written inline: they run per
+    # page of every request, and a closure per call costs more than the change itself.
+
     def use(self, page: Page, active: bool, priority: int) -> None:
         """SPEC sec. 4: a request starts using ``page`` (LRU touch, priority raised to the request's)."""
-        def change() -> None:
-            if active:
-                page.locks += 1
-            else:
-                page.holds += 1
-            page.last_used = self.clock
-            page.priority = max(page.priority, priority)
-        self.restate(page, change)
+        pool = self.pools[page.tier][page.lc]
+        pool.unindex(page)
+        if active:
+            page.locks += 1
+        else:
+            page.holds += 1
+        page.last_used = self.clock
+        if priority > page.priority:
+            page.priority = priority
+        pool.index(page)
 
     def unuse(self, page: Page, active: bool) -> None:
         """SPEC sec. 4: a request stops using ``page``: a private or orphaned page with no user left is
         freed; a tree page becomes DROPPABLE."""
-        def change() -> None:
-            if active:
-                page.locks -= 1
-            else:
-                page.holds -= 1
-            page.last_used = self.clock
-        self.restate(page, change)
-        if page.locks == 0 and page.holds == 0:
-            if page.node == NO_NODE:
-                self.free_page(page)
-            elif not self.tree.is_attached(page.node):
-                self.free_orphan_page(page)
+        pool = self.pools[page.tier][page.lc]
+        pool.unindex(page)
+        if active:
+            page.locks -= 1
+        else:
+            page.holds -= 1
+        page.last_used = self.clock
+        unused = page.locks == 0 and page.holds == 0
+        if unused and page.node == NO_NODE:  # a private page nobody uses: freed (free_page, unindexed)
+            pool.give_slot(page.slot)
+            page.slot = -1
+            del self.pages[page.serial]
+            return
+        pool.index(page)
+        if unused and not self.tree.is_attached(page.node):
+            self.free_orphan_page(page)
 
     def set_active(self, page: Page, active: bool) -> None:
         """SPEC sec. 7 suspend/resume: LOCKED <-> HELD without touching LRU."""
-        def change() -> None:
-            if active:
-                page.holds -= 1
-                page.locks += 1
-            else:
-                page.locks -= 1
-                page.holds += 1
-        self.restate(page, change)
+        pool = self.pools[page.tier][page.lc]
+        pool.unindex(page)
+        if active:
+            page.holds -= 1
+            page.locks += 1
+        else:
+            page.locks -= 1
+            page.holds += 1
+        pool.index(page)
 
     def restate(self, page: Page, change: Callable[[], None]) -> None:
         """Apply ``change`` to ``page`` with its pool's counters and eviction index kept in step."""
@@ -468,7 +496,7 @@ class PyKVCacheManager(KVCacheManager):
         if len(self.copy_ops) == self.copy_ops_warn_at and not self.copy_ops_warned:
             self.copy_ops_warned = self.copy_ops_warn_due = True  # warned once, at the call's end
 
-    def emit(self, event: Event) -> None:
+    def emit(self, event: Event | tuple) -> None:
         """SPEC sec. 9 / 15: buffer ``event``; the oldest is dropped (and counted) when full."""
         if self._config.max_events == 0:
             self.events_dropped += 1
@@ -478,26 +506,35 @@ class PyKVCacheManager(KVCacheManager):
             self.events_dropped += 1
         self.events.append(event)
 
+    def emit_lazy(self, make: Callable[..., Event], *args: Any) -> None:
+        """:meth:`emit` of ``make(event_id, *args)``, kept as a plain tuple and built only when
+        taken or snapshotted (most events are never read; a frozen dataclass per block is
+        the costliest thing a commit would build).  ``args`` are the values at emission."""
+        eid = self.next_event
+        self.next_event += 1
+        self.emit((make, (eid, *args)))
+
     def event_id(self) -> int:
         self.next_event += 1
         return self.next_event - 1
 
     def emit_removed(self, key: bytes, lc: int) -> None:
         """SPEC sec. 9: ``removed`` for a block that lost its last page of ``lc`` or was detached."""
-        self.emit(RemovedEvent(self.event_id(), (key,), lc))
+        self.emit_lazy(_removed_event, key, lc)
 
     def emit_stored(self, node_id: int, lcs: list[int]) -> None:
         """SPEC sec. 9: ``stored`` for a block that just gained (or regained) pages of ``lcs``."""
         if not lcs:
             return
+        if self._config.max_events == 0:  # dropped at once: nothing to gather
+            self.next_event += 1
+            self.events_dropped += 1
+            return
         n = self.tree.nodes[node_id]
         parent_key = n.parent.key if n.parent is not None else None
-        blocks = tuple(
-            StoredBlock(n.key, len(n.tokens), n.tokens, lc, self.tier_ids[self.pages[n.pages[lc]].tier],
-                        self.pages[n.pages[lc]].priority, n.coverage[lc])
-            for lc in lcs
-        )
-        self.emit(StoredEvent(self.event_id(), parent_key, blocks, len(n.tokens) < self.B))
+        pages, tid = self.pages, self.tier_ids
+        rows = tuple((lc, tid[pages[n.pages[lc]].tier], pages[n.pages[lc]].priority, n.coverage[lc]) for lc in lcs)
+        self.emit_lazy(_stored_event, parent_key, n.key, n.tokens, rows, len(n.tokens) < self.B)
 
     # --- stats
 

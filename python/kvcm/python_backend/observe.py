@@ -96,7 +96,7 @@ def _snapshot_copy_ops(mgr: Any) -> list[list]:
 
 def _snapshot_events(mgr: Any) -> list[dict]:
     """``events``: the buffered events, oldest first."""
-    return [e.to_json() for e in mgr.events]
+    return [e.to_json() for e in mgr.built_events()]
 
 
 def _request_entry(mgr: Any, serial: int, r: PyKVCache) -> dict:
@@ -181,6 +181,7 @@ def _check_request(mgr: Any, r: PyKVCache, locks: dict[int, int], holds: dict[in
         lo, hi = mgr.lcs[lc].stale_range(r.history_length, B)
         for i, p in enumerate(r.pages[lc]):
             check(p is None or not lo <= i < hi, f"request {r.id}: stale block {i} of lc {lc} keeps a page")
+            check(p is not None or lo <= i < hi, f"request {r.id}: block {i} of lc {lc} has no page")
     if r.status == Status.ACTIVE and mgr.ssm_lc is not None:
         check(r.live is not None, f"request {r.id}: ACTIVE without a live ssm state")
     for nid in r.blocks:

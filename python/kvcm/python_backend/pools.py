@@ -93,31 +93,34 @@ class Pool:
 
     def unindex(self, page: Page) -> None:
         """Before a change of ``page``'s state, eviction key or place: it leaves its state's
-        count, and the version bump turns its heap entry stale (SPEC sec. 4 states)."""
-        state = page.state
-        if state == LOCKED:
+        count, and the version bump turns its heap entry stale (SPEC sec. 4 states).  The
+        state is derived inline (as ``Page.state``): this runs on every page change."""
+        if page.locks:
             self.locked -= 1
-        elif state == HELD:
+        elif page.holds:
             self.held -= 1
-        elif state == DROPPABLE:
+        elif page.node != NO_NODE:
             self.droppable -= 1
         page.version += 1
 
     def index(self, page: Page) -> None:
         """After the change: ``page`` is counted under its new state and, when it is a victim
         candidate (HELD or DROPPABLE), pushed with its new eviction key (SPEC sec. 8)."""
-        state = page.state
-        if state == LOCKED:
+        if page.locks:
             self.locked += 1
             return
-        if state == HELD:
+        if page.holds:
             self.held += 1
-        elif state == DROPPABLE:
+            state = HELD
+        elif page.node != NO_NODE:
             self.droppable += 1
+            state = DROPPABLE
         else:
             return
         heap = self._heaps[state]
-        heapq.heappush(heap, (page.evict_key(), page.version, page))
+        # one flat tuple per entry (the eviction key, then version and page): the serial is
+        # unique, so a comparison never reaches the page
+        heapq.heappush(heap, (page.priority, page.last_used, -page.ordinal, page.serial, page.version, page))
         if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
             self._compact(state)
 
@@ -125,9 +128,9 @@ class Pool:
         """The lowest page of ``state`` by eviction key (stale heap entries dropped)."""
         heap = self._heaps[state]
         while heap:
-            _key, version, page = heap[0]
-            if self._valid(page, version, state):
-                return page
+            e = heap[0]
+            if self._valid(e[5], e[4], state):
+                return e[5]
             heapq.heappop(heap)
         return None
 
@@ -151,6 +154,6 @@ class Pool:
         return page.version == version and page.tier == self.tier and page.slot >= 0 and page.state == state
 
     def _compact(self, state: str) -> None:
-        heap = [e for e in self._heaps[state] if self._valid(e[2], e[1], state)]
+        heap = [e for e in self._heaps[state] if self._valid(e[5], e[4], state)]
         heapq.heapify(heap)
         self._heaps[state] = heap

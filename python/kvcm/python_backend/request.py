@@ -245,21 +245,22 @@ class PyKVCache(KVCache):
             return False
         releases: list[tuple[int, int]] = []  # (lc, ordinal)
         allocs: list[tuple[int, int]] = []
-        # Only ordinals that can hold a page are visited: the request has no page in the
-        # stale range at its current history (released when it became stale), and none is
-        # allocated in the new one; so the work follows the pages, not the capacity.
+        # Only the ordinals whose page changes are visited, so a decode step costs the same
+        # on any length: below the table's end ``n`` a block has a page exactly when it is
+        # not stale at the current history (observe.py checks it), so pages are released
+        # where blocks become stale ([old_hi, hi)) or fall beyond the capacity (>= nb), and
+        # allocated past ``n`` outside the new stale range.  Ascending per lc, as a scan.
         for lc in mgr.attn_lcs:
             life = mgr.lcs[lc]
             lo, hi = life.stale_range(history, B)
             old_hi = life.stale_range(self.history, B)[1]
             pages = self.pages[lc]
             n = len(pages)
-            for i in (*range(min(lo, n)), *range(old_hi, n)):
-                if pages[i] is not None and (i >= nb or lo <= i < hi):
+            for i in (*range(nb, min(lo, n)), *range(old_hi, min(hi, n)), *range(max(old_hi, nb, min(hi, n)), n)):
+                if pages[i] is not None:
                     releases.append((lc, i))
-            for i in (*range(min(lo, nb)), *range(hi, nb)):
-                if i >= n or pages[i] is None:
-                    allocs.append((lc, i))
+            for i in (*range(n, min(lo, nb)), *range(max(hi, n), nb)):
+                allocs.append((lc, i))
         # feasibility from counters, with the releases applied (DECISIONS.md)
         for lc in mgr.attn_lcs:
             n = sum(1 for a in allocs if a[0] == lc)
@@ -596,6 +597,9 @@ class PyKVCache(KVCache):
         tree = mgr.tree
         siblings = tree.attach(parent, nid)
         node = tree.nodes[nid]
+        if not siblings:  # the common case: nothing detached, nothing swapped, only ``stored``
+            mgr.emit_stored(nid, [lc for lc, h in enumerate(node.pages) if h != NO_PAGE])
+            return
         had: dict[int, set[int]] = {sid: set() for sid in siblings}
         for sid in siblings:  # page.node still names the owner from before the swap
             for lc, h in enumerate(tree.nodes[sid].pages):

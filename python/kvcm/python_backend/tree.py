@@ -144,6 +144,8 @@ class RadixTree:
         hit = p.children.get(key)
         if hit is not None:
             return hit.id
+        if not tokens or len(tokens) >= self.B:  # only a partial block has a covering sibling
+            return NO_NODE
         return self._covering(p, tuple(tokens))
 
     def attach(self, parent: int, node: int) -> list[int]:
