@@ -303,8 +303,7 @@ class PyKVCacheManager(KVCacheManager):
         else:
             page.holds += 1
         page.last_used = self.clock
-        if priority > page.priority:
-            page.priority = priority
+        page.priority = max(page.priority, priority)
         pool.index(page)
 
     def unuse(self, page: Page, active: bool) -> None:
