@@ -16,12 +16,35 @@ behind (SPEC sec. 15).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from kvcm.config import LifeCycle
 
 NO_PAGE = -1
 NO_NODE = -1
+
+
+def compact_tokens(tokens: Sequence) -> Sequence:
+    """A block's tokens as a node keeps them: an array of 32-bit ints (4 bytes a token, and
+    not an object the cyclic GC walks) when all are ints, a tuple when digests are among
+    them.  Either indexes to the token values."""
+    try:
+        return array("I", tokens)
+    except TypeError:
+        return tuple(tokens)
+
+
+def _lc_error() -> IndexError:
+    """A life cycle out of range: the error (and message) of the C++ twin."""
+    return IndexError("list index out of range")
+
+
+def _equal(a: Sequence, b: Sequence) -> bool:
+    """Token runs equal (an array and a list or tuple compare by their values)."""
+    if type(a) is not type(b):
+        a, b = list(a), list(b)
+    return a == b
 
 
 class Node:
@@ -44,26 +67,33 @@ class Node:
         "tokens",
     )
 
-    def __init__(self, node_id: int, key: bytes, tokens: tuple, ordinal: int, num_lcs: int, is_root: bool) -> None:
+    def __init__(self, node_id: int, key: bytes, tokens: Sequence, ordinal: int, num_lcs: int, is_root: bool) -> None:
         self.id = node_id  # creation serial; the canonical order of nodes everywhere
         self.key = key  # sha256 chain key (a root's key is its scope key)
         self.parent: Node | None = None  # None when detached (an orphan) or a root
         self.children: dict[bytes, Node] = {}  # only full blocks have children
-        # the children's tokens as a compressed trie (None: no child): partial matching,
-        # covering siblings and prefix siblings walk it instead of scanning siblings
+        # the children's tokens as a compressed trie: partial matching, covering siblings
+        # and prefix siblings walk it instead of scanning siblings.  None while the node
+        # has at most one child (a chain, the common case): that child is compared directly
+        # (RadixTree._only_child), which saves three objects per block
         self.index: _Trie | None = None
         self.tnode: _Trie | None = None  # where this block sits in its parent's index
         self.tnext: Node | None = None  # the next sibling with the very same tokens (rare)
-        self.tokens = tokens  # B tokens for a full block, fewer for a partial one
+        self.tokens = tokens  # B tokens for a full block, fewer for a partial one (compact_tokens)
         self.ordinal = ordinal  # block index in the sequence; -1 for a root
         self.is_root = is_root
         self.attached = is_root  # reachable from a root
-        self.pages = [NO_PAGE] * num_lcs  # page handle per life cycle
-        self.coverage = [0] * num_lcs  # tokens of this block the page covers (0 = none)
+        # arrays, not lists: a node's numbers are no objects of their own, nor GC-tracked
+        self.pages = array("q", _NO_PAGES) * num_lcs  # page handle per life cycle
+        self.coverage = array("q", _NO_COVERAGE) * num_lcs  # tokens of this block the page covers (0 = none)
         self.refs = 0  # live requests referencing this block
 
     def has_page(self) -> bool:
         return any(p != NO_PAGE for p in self.pages)
+
+
+_NO_PAGES = (NO_PAGE,)
+_NO_COVERAGE = (0,)
 
 
 class _Trie:
@@ -99,9 +129,20 @@ def _edge_end(q: Sequence, qstart: int, c: _Trie, d: int) -> int:
     stop = min(c.depth, len(q) - qstart)
     ct = c.rep.tokens
     e = d + 1
-    if ct[e:stop] == tuple(q[qstart + e:qstart + stop]):
+    if _equal(ct[e:stop], q[qstart + e:qstart + stop]):
         return stop
     while e < stop and ct[e] == q[qstart + e]:
+        e += 1
+    return e
+
+
+def _run(ct: Sequence, q: Sequence, start: int) -> int:
+    """The common leading run of ``ct`` and ``q[start:]``."""
+    stop = min(len(ct), len(q) - start)
+    if _equal(ct[:stop], q[start:start + stop]):
+        return stop
+    e = 0
+    while ct[e] == q[start + e]:
         e += 1
     return e
 
@@ -124,7 +165,7 @@ class RadixTree:
         child and no reference is released by ``unref``, ``prune_upward`` or ``collect``)."""
         node = self.roots.get(scope_key)
         if node is None:
-            node = self._new(scope_key, (), -1, is_root=True)
+            node = self._new(scope_key, compact_tokens(()), -1, is_root=True)
             self.roots[scope_key] = node
         return node.id
 
@@ -135,7 +176,7 @@ class RadixTree:
 
     def new_block(self, key: bytes, tokens: Sequence, ordinal: int) -> int:
         """A detached block with no pages and no references (caller refs or attaches it)."""
-        return self._new(key, tuple(tokens), ordinal, is_root=False).id
+        return self._new(key, compact_tokens(tokens), ordinal, is_root=False).id
 
     def find_existing(self, parent: int, key: bytes, tokens: Sequence) -> int:
         """SPEC sec. 5 find_existing: the child of ``parent`` with ``key``, else a covering sibling (a longer child whose
@@ -212,7 +253,10 @@ class RadixTree:
     def set_page(self, node: int, lc: int, page: int, coverage: int) -> int:
         """Install ``page`` for ``lc``; returns the page it replaced (or -1)."""
         n = self.nodes[node]
-        old = n.pages[lc]
+        try:
+            old = n.pages[lc]
+        except IndexError:
+            raise _lc_error() from None
         n.pages[lc] = page
         n.coverage[lc] = coverage
         return old
@@ -220,7 +264,10 @@ class RadixTree:
     def clear_page(self, node: int, lc: int) -> int:
         """Remove the page of ``lc``; returns it (or -1).  May delete a dead orphan."""
         n = self.nodes[node]
-        old = n.pages[lc]
+        try:
+            old = n.pages[lc]
+        except IndexError:
+            raise _lc_error() from None
         n.pages[lc] = NO_PAGE
         n.coverage[lc] = 0
         self._maybe_delete(n)
@@ -283,10 +330,16 @@ class RadixTree:
         return self.nodes[node].key
 
     def page(self, node: int, lc: int) -> int:
-        return self.nodes[node].pages[lc]
+        try:
+            return self.nodes[node].pages[lc]
+        except IndexError:
+            raise _lc_error() from None
 
     def coverage(self, node: int, lc: int) -> int:
-        return self.nodes[node].coverage[lc]
+        try:
+            return self.nodes[node].coverage[lc]
+        except IndexError:
+            raise _lc_error() from None
 
     def dump(self) -> list:
         """Canonical picture: every live node by id."""
@@ -302,7 +355,7 @@ class RadixTree:
 
     # ---------------------------------------------------------------- helpers
 
-    def _new(self, key: bytes, tokens: tuple, ordinal: int, is_root: bool) -> Node:
+    def _new(self, key: bytes, tokens: Sequence, ordinal: int, is_root: bool) -> Node:
         node = Node(self.next_id, key, tokens, ordinal, self.num_lcs, is_root)
         self.next_id += 1
         self.nodes[node.id] = node
@@ -343,6 +396,11 @@ class RadixTree:
         """SPEC sec. 5 find_existing: the covering sibling of a partial block's ``tokens``."""
         if not tokens or len(tokens) >= self.B:
             return NO_NODE
+        if p.index is None:
+            c = self._only_child(p)
+            if c is None or len(c.tokens) <= len(tokens) or _run(c.tokens, tokens, 0) < len(tokens):
+                return NO_NODE
+            return c.id
         at, d = self._walk(p, tokens, 0)
         if d < len(tokens):
             return NO_NODE
@@ -351,6 +409,10 @@ class RadixTree:
 
     def _longest_run(self, node: Node, tokens: Sequence, start: int) -> tuple[Node | None, int]:
         # the children below ``at`` are exactly those sharing the longest run ``d``
+        if node.index is None:
+            c = self._only_child(node)
+            d = _run(c.tokens, tokens, start) if c is not None else 0
+            return (c, d) if d > 0 else (None, 0)
         at, d = self._walk(node, tokens, start)
         return (at.best, d) if d > 0 else (None, 0)
 
@@ -374,8 +436,24 @@ class RadixTree:
             v, d = c, e
         return v, d
 
+    def _only_child(self, p: Node) -> Node | None:
+        """The child of ``p`` while ``p`` has no index (it has at most one)."""
+        for c in p.children.values():
+            return c
+        return None
+
     def _index_add(self, p: Node, n: Node) -> None:
-        """Put child ``n`` into ``p``'s trie (SPEC sec. 15: a match does not scan siblings)."""
+        """Put child ``n`` (already in ``p.children``) into ``p``'s trie (SPEC sec. 15: a
+        match does not scan siblings); the trie is built when a second child arrives."""
+        if p.index is None:
+            if len(p.children) < 2:
+                return
+            for c in p.children.values():
+                if c is not n:
+                    self._index_insert(p, c)
+        self._index_insert(p, n)
+
+    def _index_insert(self, p: Node, n: Node) -> None:
         t = n.tokens
         if not t:
             return
@@ -469,7 +547,12 @@ class RadixTree:
         out: list[Node] = []
         t = n.tokens
         v = p.index
-        if v is None or not t:
+        if v is None:
+            c = self._only_child(p)
+            if c is not None and len(c.tokens) < len(t) and _run(c.tokens, t, 0) == len(c.tokens):
+                out.append(c)  # shorter than a block, as it is shorter than ``t``
+            return out
+        if not t:
             return out
         while True:
             if v.depth < len(t) and v.depth < self.B:
@@ -487,7 +570,10 @@ class RadixTree:
     def index_leaves(self, node: int) -> list[int]:
         """The children the index of ``node`` holds, sorted (invariant checks)."""
         out: list[int] = []
-        stack = [self.nodes[node].index] if self.nodes[node].index is not None else []
+        n = self.nodes[node]
+        if n.index is None:
+            return sorted(c.id for c in n.children.values() if c.tokens)
+        stack = [n.index]
         while stack:
             v = stack.pop()
             x = v.leaf
