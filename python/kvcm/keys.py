@@ -39,8 +39,17 @@ def chain_keys(parent_key: bytes, tokens: Sequence[Token], tokens_per_block: int
     """Keys of every full or partial block of ``tokens`` under ``parent_key`` (no checks)."""
     keys: list[bytes] = []
     key = parent_key
-    for start in range(0, len(tokens), tokens_per_block):
-        key = block_key(key, tokens[start : start + tokens_per_block])
+    try:  # all ints (the common case): packed once, each block hashed from a slice
+        buf = struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error:  # digest tokens present: block by block
+        for start in range(0, len(tokens), tokens_per_block):
+            key = block_key(key, tokens[start : start + tokens_per_block])
+            keys.append(key)
+        return keys
+    sha = hashlib.sha256
+    step = 4 * tokens_per_block
+    for start in range(0, len(buf), step):
+        key = sha(key + buf[start : start + step]).digest()
         keys.append(key)
     return keys
 

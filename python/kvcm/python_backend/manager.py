@@ -47,7 +47,7 @@ from kvcm.python_backend import batch, observe
 from kvcm.python_backend.locking import serialized
 from kvcm.python_backend.pools import DROPPABLE, NO_NODE, Page, Pool
 from kvcm.python_backend.request import PyKVCache
-from kvcm.python_backend.tree import NO_PAGE, RadixTree
+from kvcm.python_backend.tree import NO_PAGE, RadixTree, unpack_tokens
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped",
@@ -58,11 +58,11 @@ def _removed_event(event_id: int, key: bytes, lc: int) -> RemovedEvent:
     return RemovedEvent(event_id, (key,), lc)
 
 
-def _stored_event(event_id: int, parent_key: bytes | None, key: bytes, tokens: Sequence[Token],
-                  rows: tuple[tuple[int, int, int, int], ...], partial: bool) -> StoredEvent:
+def _stored_event(event_id: int, parent_key: bytes | None, key: bytes, packed: bytes | tuple,
+                  rows: Sequence[tuple[int, int, int, int]], partial: bool) -> StoredEvent:
     """A ``stored`` event from what :meth:`PyKVCacheManager.emit_stored` recorded:
-    ``rows`` holds (lc, tier, priority, coverage) per life cycle."""
-    toks = tuple(tokens)
+    the block's ``Node.packed`` tokens, ``rows`` (lc, tier, priority, coverage) per lc."""
+    toks = unpack_tokens(packed)
     return StoredEvent(event_id, parent_key,
                        tuple(StoredBlock(key, len(toks), toks, lc, tier, prio, cov) for lc, tier, prio, cov in rows),
                        partial)
@@ -84,9 +84,9 @@ class PyKVCacheManager(KVCacheManager):
         # pools are indexed by config position; copy ops, events, stats and snapshots
         # report SPEC's tier number by kind (gpu 0, host 1, disk 2): tier_ids maps at that boundary
         self.tier_ids = rc.tier_ids
-        self.pools = [[Pool(t, lc.id, rc.slots[t][lc.id]) for lc in self.lcs] for t in range(self.num_tiers)]
-        self.tree = RadixTree(self.B, self.lcs)
         self.pages: dict[int, Page] = {}  # live pages by serial (= tree page handle)
+        self.pools = [[Pool(t, lc.id, rc.slots[t][lc.id], self.pages) for lc in self.lcs] for t in range(self.num_tiers)]
+        self.tree = RadixTree(self.B, self.lcs)
         self.clock = 0  # logical clock (sec. 4): ticks once per state-changing public call
         self.next_page = 0
         self.next_request = 0  # creation serial of requests; also the default request id
@@ -525,15 +525,25 @@ class PyKVCacheManager(KVCacheManager):
         """SPEC sec. 9: ``stored`` for a block that just gained (or regained) pages of ``lcs``."""
         if not lcs:
             return
-        if self._config.max_events == 0:  # dropped at once: nothing to gather
-            self.next_event += 1
+        # emit_lazy written out: this runs once per committed block
+        eid = self.next_event
+        self.next_event += 1
+        max_events = self._config.max_events
+        if max_events == 0:  # dropped at once: nothing to gather
             self.events_dropped += 1
             return
         n = self.tree.nodes[node_id]
         parent_key = n.parent.key if n.parent is not None else None
         pages, tid = self.pages, self.tier_ids
-        rows = tuple((lc, tid[pages[n.pages[lc]].tier], pages[n.pages[lc]].priority, n.coverage[lc]) for lc in lcs)
-        self.emit_lazy(_stored_event, parent_key, n.key, n.tokens, rows, len(n.tokens) < self.B)
+        rows = []
+        for lc in lcs:
+            page = pages[n.pages[lc]]
+            rows.append((lc, tid[page.tier], page.priority, n.coverage[lc]))
+        events = self.events
+        if len(events) >= max_events:
+            events.popleft()
+            self.events_dropped += 1
+        events.append((_stored_event, (eid, parent_key, n.key, n.packed, rows, n.ntok < self.B)))
 
     # --- stats
 

@@ -224,8 +224,8 @@ def _check_tree_links(mgr: Any, nid: int, n: Node, refs: dict[int, int]) -> None
             check(n.coverage[lc] == 0, f"block {nid}: coverage without a page")
     for key, c in n.children.items():
         check(c.key == key and c.parent is n, f"block {nid}: child {c.id} link broken")
-        check(len(n.tokens) == mgr.B or n.is_root, f"block {nid}: a partial block has children")
-    check(tree.index_leaves(nid) == sorted(c.id for c in n.children.values() if c.tokens),
+        check(n.ntok == mgr.B or n.is_root, f"block {nid}: a partial block has children")
+    check(tree.index_leaves(nid) == sorted(c.id for c in n.children.values() if c.ntok),
           f"block {nid}: children index out of sync")
     if n.is_root:
         check(tree.roots.get(n.key) is n, f"root {nid}: not the root of its scope")

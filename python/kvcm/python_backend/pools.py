@@ -67,10 +67,14 @@ class Pool:
     Free slots sit in a min-heap so allocation is always the lowest free index.  Evictable
     pages sit in two lazy min-heaps by eviction key, one per state: an entry is valid only
     while its page still has the version, state and place it was pushed with, so a key
-    change is a push (O(log n)) and a stale entry is dropped when it surfaces.
+    change is a push (O(log n)) and a stale entry is dropped when it surfaces.  An entry
+    names its page by serial (``pages``: the manager's live pages by serial): a tuple of
+    ints only, which the cyclic GC stops tracking, where a page reference would keep one
+    more object per cached block on every collection's walk.
     """
 
-    def __init__(self, tier: int, lc: int, total: int) -> None:
+    def __init__(self, tier: int, lc: int, total: int, pages: dict[int, Page]) -> None:
+        self.pages = pages
         self.tier = tier
         self.lc = lc
         self.total = total
@@ -118,9 +122,8 @@ class Pool:
         else:
             return
         heap = self._heaps[state]
-        # one flat tuple per entry (the eviction key, then version and page): the serial is
-        # unique, so a comparison never reaches the page
-        heapq.heappush(heap, (page.priority, page.last_used, -page.ordinal, page.serial, page.version, page))
+        # one flat tuple per entry: the eviction key (its serial unique), then the version
+        heapq.heappush(heap, (page.priority, page.last_used, -page.ordinal, page.serial, page.version))
         if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
             self._compact(state)
 
@@ -129,8 +132,9 @@ class Pool:
         heap = self._heaps[state]
         while heap:
             e = heap[0]
-            if self._valid(e[5], e[4], state):
-                return e[5]
+            page = self.pages.get(e[3])
+            if page is not None and self._valid(page, e[4], state):
+                return page
             heapq.heappop(heap)
         return None
 
@@ -154,6 +158,7 @@ class Pool:
         return page.version == version and page.tier == self.tier and page.slot >= 0 and page.state == state
 
     def _compact(self, state: str) -> None:
-        heap = [e for e in self._heaps[state] if self._valid(e[5], e[4], state)]
+        pages = self.pages
+        heap = [e for e in self._heaps[state] if e[3] in pages and self._valid(pages[e[3]], e[4], state)]
         heapq.heapify(heap)
         self._heaps[state] = heap

@@ -31,7 +31,7 @@ from kvcm.checks import (
 from kvcm.keys import block_key, chain_keys, scope_root_key
 from kvcm.python_backend.locking import serialized
 from kvcm.python_backend.pools import NO_NODE, Page
-from kvcm.python_backend.tree import NO_PAGE
+from kvcm.python_backend.tree import NO_PAGE, compact_tokens
 
 
 class PyKVCache(KVCache):
@@ -353,9 +353,15 @@ class PyKVCache(KVCache):
                 if p is not None and p.node == NO_NODE:
                     p.coverage = min(B, new - i * B)
         last = new // B - 1
-        for i in range(old // B, new // B):
+        i = old // B
+        while i <= last:
+            if mgr.ssm_lc is None:  # (no snapshot to take)
+                i += self._extend_chain(i, last + 1)
+                if i > last:
+                    break
             snapshot = mgr.ssm_lc is not None and i == last and new % B == 0
             self._insert_block(i, self.tokens[i * B:(i + 1) * B], snapshot, defer_prune=i < last)
+            i += 1
         self._release_stale(old_history, old // B)
 
     def _release_stale(self, old_history: int, first_block: int) -> None:
@@ -485,9 +491,17 @@ class PyKVCache(KVCache):
 
     def _alloc_private(self, lc: int, coverage: int, ordinal: int) -> Page:
         """A new gpu page private to this request, in its state (LOCKED or HELD)."""
-        self._ensure_room(GPU, lc)
-        page = self.mgr.new_page(GPU, lc, coverage, self._priority, ordinal)
-        self.mgr.use(page, self._status == Status.ACTIVE, self._priority)
+        mgr = self.mgr
+        if not mgr.pools[GPU][lc].free_slots:  # (make_room's own first test, without the call)
+            self._ensure_room(GPU, lc)
+        page = mgr.new_page(GPU, lc, coverage, self._priority, ordinal)
+        # use(), for a page nobody used yet: no count to leave, nothing to raise or touch
+        pool = mgr.pools[GPU][lc]
+        if self._status == Status.ACTIVE:
+            page.locks = 1
+        else:
+            page.holds = 1
+        pool.index(page)
         return page
 
     def _copy_on_write(self) -> None:
@@ -620,6 +634,54 @@ class PyKVCache(KVCache):
                     mgr.pages[h].node = sid
         mgr.retire_nodes(siblings, announce=False)
         mgr.emit_stored(nid, [lc for lc in range(len(mgr.lcs)) if node.pages[lc] != NO_PAGE])
+
+    def _extend_chain(self, i: int, end: int) -> int:
+        """The common case of :meth:`_insert_block`, for the full blocks ``i, i+1, ... < end``
+        in one loop; returns how many it inserted (0: it does not apply to block ``i``).
+        It applies while block ``j``'s parent is this request's block ``j - 1``, attached
+        and childless, and ``j`` has a page: then no block can exist for it, nor a covering
+        or a prefix sibling, so the block is new, takes this request's pages and is
+        attached with a ``stored`` event: exactly what the general path does, without its
+        searches (a prompt's new blocks after the first are all this case)."""
+        if i == 0 or i >= end:
+            return 0
+        mgr = self.mgr
+        tree = mgr.tree
+        B = mgr.B
+        parent = tree.nodes[self.blocks[i - 1]]
+        if parent.children or not parent.attached:
+            return 0
+        tokens = self.tokens
+        # the keys: the input's where the tokens are the input's (the hash done at create)
+        keys = self.keys
+        if end <= len(keys) and keys[i - 1] == parent.key and self.input_tokens[i * B:end * B] == tokens[i * B:end * B]:
+            run_keys = keys[i:end]
+        else:
+            run_keys = chain_keys(parent.key, tokens[i * B:end * B], B)
+        tables = [(lc, self.pages[lc]) for lc in mgr.attn_lcs]
+        blocks = self.blocks
+        packed = compact_tokens(tokens[i * B:end * B])  # once for the run, sliced per block
+        step = 4 * B if type(packed) is bytes else B
+        for j in range(i, end):
+            gained = [lc for lc, t in tables if j < len(t) and t[j] is not None]
+            if not gained:  # a pageless block: the general path (pruning) applies
+                return j - i
+            k = (j - i) * step
+            nid = tree.extend(parent.id, run_keys[j - i], packed[k:k + step], j)
+            node = tree.nodes[nid]
+            for lc in gained:
+                p = self.pages[lc][j]
+                p.coverage = B
+                node.put(lc, p.serial, B)
+                p.node = nid  # a used page: its state does not depend on the node
+            node.refs = 1  # tree.ref
+            if j == len(blocks):  # _set_block
+                blocks.append(nid)
+            else:
+                self._set_block(j, nid)
+            mgr.emit_stored(nid, gained)
+            parent = node
+        return end - i
 
     def _insert_block(self, i: int, tokens: list, want_snapshot: bool, defer_prune: bool = False) -> None:
         """Commit block ``i`` (full, or the partial tail) into the tree (sec. 5 and 7).

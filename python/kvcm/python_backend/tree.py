@@ -16,6 +16,8 @@ behind (SPEC sec. 15).
 
 from __future__ import annotations
 
+import struct
+import sys
 from array import array
 from collections.abc import Sequence
 
@@ -25,14 +27,21 @@ NO_PAGE = -1
 NO_NODE = -1
 
 
-def compact_tokens(tokens: Sequence) -> Sequence:
-    """A block's tokens as a node keeps them: an array of 32-bit ints (4 bytes a token, and
-    not an object the cyclic GC walks) when all are ints, a tuple when digests are among
-    them.  Either indexes to the token values."""
+def compact_tokens(tokens: Sequence) -> bytes | tuple:
+    """A block's tokens as a node keeps them (``Node.packed``): 4-byte little-endian ints
+    (the bytes its key hashes; no object per token, nothing the cyclic GC walks) when all
+    are ints, a tuple when digests are among them."""
     try:
-        return array("I", tokens)
-    except TypeError:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error:
         return tuple(tokens)
+
+
+def unpack_tokens(packed: bytes | tuple) -> tuple:
+    """The token tuple of a ``Node.packed``."""
+    if type(packed) is bytes:
+        return struct.unpack(f"<{len(packed) // 4}I", packed)
+    return packed
 
 
 def _lc_error() -> IndexError:
@@ -58,16 +67,18 @@ class Node:
         "index",
         "is_root",
         "key",
+        "ntok",
         "ordinal",
+        "packed",
         "pages",
         "parent",
         "refs",
         "tnext",
         "tnode",
-        "tokens",
     )
 
-    def __init__(self, node_id: int, key: bytes, tokens: Sequence, ordinal: int, num_lcs: int, is_root: bool) -> None:
+    def __init__(self, node_id: int, key: bytes, packed: bytes | tuple, ordinal: int, no_pages: tuple, no_coverage: tuple,
+                 is_root: bool) -> None:
         self.id = node_id  # creation serial; the canonical order of nodes everywhere
         self.key = key  # sha256 chain key (a root's key is its scope key)
         self.parent: Node | None = None  # None when detached (an orphan) or a root
@@ -79,21 +90,39 @@ class Node:
         self.index: _Trie | None = None
         self.tnode: _Trie | None = None  # where this block sits in its parent's index
         self.tnext: Node | None = None  # the next sibling with the very same tokens (rare)
-        self.tokens = tokens  # B tokens for a full block, fewer for a partial one (compact_tokens)
+        # B tokens for a full block, fewer for a partial one, as compact_tokens keeps them
+        self.packed = packed
+        self.ntok = len(packed) // 4 if type(packed) is bytes else len(packed)
         self.ordinal = ordinal  # block index in the sequence; -1 for a root
         self.is_root = is_root
         self.attached = is_root  # reachable from a root
-        # arrays, not lists: a node's numbers are no objects of their own, nor GC-tracked
-        self.pages = array("q", _NO_PAGES) * num_lcs  # page handle per life cycle
-        self.coverage = array("q", _NO_COVERAGE) * num_lcs  # tokens of this block the page covers (0 = none)
+        # tuples of ints, replaced by ``put``: the GC stops tracking them, and a node that
+        # never had a page shares the tree's all-empty ones
+        self.pages = no_pages  # page handle per life cycle
+        self.coverage = no_coverage  # tokens of this block the page covers (0 = none)
         self.refs = 0  # live requests referencing this block
+
+    @property
+    def tokens(self) -> Sequence:
+        """The block's tokens (ints, or a tuple with digests), decoded from ``packed``."""
+        p = self.packed
+        if type(p) is not bytes:
+            return p
+        out = array("I", p)
+        if sys.byteorder == "big":
+            out.byteswap()
+        return out
+
+    def put(self, lc: int, page: int, coverage: int) -> None:
+        """Life cycle ``lc``'s page handle and coverage (the tuples are rebuilt)."""
+        p, c = self.pages, self.coverage
+        if lc < 0:
+            lc += len(p)
+        self.pages = (*p[:lc], page, *p[lc + 1:])
+        self.coverage = (*c[:lc], coverage, *c[lc + 1:])
 
     def has_page(self) -> bool:
         return any(p != NO_PAGE for p in self.pages)
-
-
-_NO_PAGES = (NO_PAGE,)
-_NO_COVERAGE = (0,)
 
 
 class _Trie:
@@ -120,7 +149,7 @@ class _Trie:
 
 def _covers_more(a: Node, b: Node) -> bool:
     """``a`` before ``b`` as a covering sibling: most tokens first, ties by smaller key."""
-    return len(a.tokens) > len(b.tokens) or (len(a.tokens) == len(b.tokens) and a.key < b.key)
+    return a.ntok > b.ntok or (a.ntok == b.ntok and a.key < b.key)
 
 
 def _edge_end(q: Sequence, qstart: int, c: _Trie, d: int) -> int:
@@ -156,6 +185,8 @@ class RadixTree:
         self.num_lcs = len(self.lcs)
         self.nodes: dict[int, Node] = {}
         self.roots: dict[bytes, Node] = {}
+        self._no_pages = (NO_PAGE,) * self.num_lcs
+        self._no_coverage = (0,) * self.num_lcs
         self.next_id = 0
 
     # ---------------------------------------------------------------- public API
@@ -177,6 +208,17 @@ class RadixTree:
     def new_block(self, key: bytes, tokens: Sequence, ordinal: int) -> int:
         """A detached block with no pages and no references (caller refs or attaches it)."""
         return self._new(key, compact_tokens(tokens), ordinal, is_root=False).id
+
+    def extend(self, parent: int, key: bytes, tokens: Sequence, ordinal: int) -> int:
+        """``new_block`` + ``attach`` under a ``parent`` without children (a chain grows at
+        its end): attach's trivial case, no sibling to detach and no index to update."""
+        p = self.nodes[parent]
+        assert not p.children and p.attached, "extend: parent has children or is detached"
+        n = self._new(key, tokens if type(tokens) is bytes else compact_tokens(tokens), ordinal, is_root=False)
+        n.parent = p
+        n.attached = True
+        p.children[key] = n
+        return n.id
 
     def find_existing(self, parent: int, key: bytes, tokens: Sequence) -> int:
         """SPEC sec. 5 find_existing: the child of ``parent`` with ``key``, else a covering sibling (a longer child whose
@@ -202,8 +244,9 @@ class RadixTree:
             self._unlink(s)
             for lc in range(self.num_lcs):
                 if s.pages[lc] != NO_PAGE and s.coverage[lc] > n.coverage[lc]:
-                    n.pages[lc], s.pages[lc] = s.pages[lc], n.pages[lc]
-                    n.coverage[lc], s.coverage[lc] = s.coverage[lc], n.coverage[lc]
+                    sp, sc = s.pages[lc], s.coverage[lc]
+                    s.put(lc, n.pages[lc], n.coverage[lc])
+                    n.put(lc, sp, sc)
         n.parent = p
         n.attached = True
         p.children[n.key] = n
@@ -257,8 +300,7 @@ class RadixTree:
             old = n.pages[lc]
         except IndexError:
             raise _lc_error() from None
-        n.pages[lc] = page
-        n.coverage[lc] = coverage
+        n.put(lc, page, coverage)
         return old
 
     def clear_page(self, node: int, lc: int) -> int:
@@ -268,8 +310,7 @@ class RadixTree:
             old = n.pages[lc]
         except IndexError:
             raise _lc_error() from None
-        n.pages[lc] = NO_PAGE
-        n.coverage[lc] = 0
+        n.put(lc, NO_PAGE, 0)
         self._maybe_delete(n)
         return old
 
@@ -280,7 +321,8 @@ class RadixTree:
         n = self.nodes[node]
         assert n.refs > 0, "unref: not referenced"
         n.refs -= 1
-        self._maybe_delete(n)
+        if not n.refs and (n.is_root or not n.attached):  # else _maybe_delete keeps it
+            self._maybe_delete(n)
 
     def collect(self, node: int) -> None:
         """Delete ``node`` if nothing keeps it (after the caller freed its orphan pages)."""
@@ -355,8 +397,8 @@ class RadixTree:
 
     # ---------------------------------------------------------------- helpers
 
-    def _new(self, key: bytes, tokens: Sequence, ordinal: int, is_root: bool) -> Node:
-        node = Node(self.next_id, key, tokens, ordinal, self.num_lcs, is_root)
+    def _new(self, key: bytes, packed: bytes | tuple, ordinal: int, is_root: bool) -> Node:
+        node = Node(self.next_id, key, packed, ordinal, self._no_pages, self._no_coverage, is_root)
         self.next_id += 1
         self.nodes[node.id] = node
         return node
@@ -398,14 +440,14 @@ class RadixTree:
             return NO_NODE
         if p.index is None:
             c = self._only_child(p)
-            if c is None or len(c.tokens) <= len(tokens) or _run(c.tokens, tokens, 0) < len(tokens):
+            if c is None or c.ntok <= len(tokens) or _run(c.tokens, tokens, 0) < len(tokens):
                 return NO_NODE
             return c.id
         at, d = self._walk(p, tokens, 0)
         if d < len(tokens):
             return NO_NODE
         best = at.cover  # every child below starts with ``tokens``
-        return best.id if len(best.tokens) > len(tokens) else NO_NODE
+        return best.id if best.ntok > len(tokens) else NO_NODE
 
     def _longest_run(self, node: Node, tokens: Sequence, start: int) -> tuple[Node | None, int]:
         # the children below ``at`` are exactly those sharing the longest run ``d``
@@ -549,7 +591,7 @@ class RadixTree:
         v = p.index
         if v is None:
             c = self._only_child(p)
-            if c is not None and len(c.tokens) < len(t) and _run(c.tokens, t, 0) == len(c.tokens):
+            if c is not None and c.ntok < len(t) and _run(c.tokens, t, 0) == c.ntok:
                 out.append(c)  # shorter than a block, as it is shorter than ``t``
             return out
         if not t:
@@ -572,7 +614,7 @@ class RadixTree:
         out: list[int] = []
         n = self.nodes[node]
         if n.index is None:
-            return sorted(c.id for c in n.children.values() if c.tokens)
+            return sorted(c.id for c in n.children.values() if c.ntok)
         stack = [n.index]
         while stack:
             v = stack.pop()
