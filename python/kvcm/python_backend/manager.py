@@ -79,6 +79,8 @@ class PyKVCacheManager(KVCacheManager):
         self.B = config.tokens_per_block
         self.lcs = rc.life_cycles
         self.attn_lcs = [lc.id for lc in self.lcs if lc.kind == "attn"]
+        # no windowed attention: no block ever becomes stale (the decode step's fast paths)
+        self.full_attention_only = all(lc.window is None for lc in self.lcs if lc.kind == "attn")
         self.ssm_lc = rc.ssm_lc
         self.num_tiers = len(rc.tier_kinds)
         # pools are indexed by config position; copy ops, events, stats and snapshots

@@ -241,6 +241,13 @@ class PyKVCache(KVCache):
         mgr = self.mgr
         B = mgr.B
         nb = -(-capacity // B)
+        if mgr.full_attention_only and all(len(self.pages[lc]) == nb for lc in mgr.attn_lcs):
+            # a decode step inside the last block: nothing is stale, nothing to allocate or
+            # release, and the pages held already fit (what the general path finds, at once)
+            mgr.tick()
+            self._capacity = capacity
+            self.history = history
+            return True
         if not self._could_hold(nb, history):
             return False
         releases: list[tuple[int, int]] = []  # (lc, ordinal)
@@ -370,6 +377,8 @@ class PyKVCache(KVCache):
         wrote (from ``first_block`` on): the scan starts there, so a decode step's cost does
         not grow with the request's length."""
         mgr = self.mgr
+        if mgr.full_attention_only:  # no block is ever stale
+            return
         active = self._status == Status.ACTIVE
         for lc in mgr.attn_lcs:
             life = mgr.lcs[lc]
