@@ -300,8 +300,14 @@ class PyKVCache(KVCache):
             pages = self.pages[lc]
             del pages[nb:]
             pages.extend([None] * (nb - len(pages)))
-        for lc, i in allocs:
-            self.pages[lc][i] = self._alloc_private(lc, 0, i)
+        for lc, i in allocs:  # _alloc_private written out: a prompt allocates a page per block
+            pool = mgr.pools[GPU][lc]
+            if not pool.free_slots:
+                self._ensure_room(GPU, lc)
+            page = mgr.new_page(GPU, lc, 0, self._priority, i)
+            page.locks = 1  # use() of a fresh page by this ACTIVE request: it is LOCKED
+            pool.locked += 1
+            self.pages[lc][i] = page
         return True
 
     def _could_hold(self, nb: int, history: int) -> bool:
@@ -355,10 +361,11 @@ class PyKVCache(KVCache):
         new = len(self.tokens)
         self.history = max(self.history, new)
         for lc in mgr.attn_lcs:  # written tokens cover more of their private pages
-            for i in range(old // B, -(-new // B)):
-                p = self.pages[lc][i] if i < len(self.pages[lc]) else None
+            pages = self.pages[lc]
+            for i in range(old // B, min(-(-new // B), len(pages))):
+                p = pages[i]
                 if p is not None and p.node == NO_NODE:
-                    p.coverage = min(B, new - i * B)
+                    p.coverage = min(new - i * B, B)
         last = new // B - 1
         i = old // B
         while i <= last:
