@@ -12,7 +12,7 @@ from typing import Any
 from kvcm.api import GPU, Status
 from kvcm.python_backend.pools import DROPPABLE, HELD, LOCKED, NO_NODE, Page, Pool
 from kvcm.python_backend.request import PyKVCache
-from kvcm.python_backend.tree import NO_PAGE, Node, RadixTree
+from kvcm.python_backend.tree import NO_PAGE, Node, RadixTree, child_of, children_of
 
 
 def _tok(t: Any) -> Any:
@@ -56,7 +56,7 @@ def _snapshot_tree(tree: RadixTree) -> list[dict]:
             "root": n.is_root,
             "ordinal": n.ordinal,
             "tokens": [_tok(t) for t in n.tokens],
-            "children": sorted(c.id for c in n.children.values()),
+            "children": sorted(c.id for c in children_of(n)),
             "refs": n.refs,
             "pages": [None if h == NO_PAGE else {"page": h, "coverage": n.coverage[lc]} for lc, h in enumerate(n.pages)],
         })
@@ -222,16 +222,16 @@ def _check_tree_links(mgr: Any, nid: int, n: Node, refs: dict[int, int]) -> None
             check(n.coverage[lc] > 0, f"block {nid}: page with zero coverage")
         else:
             check(n.coverage[lc] == 0, f"block {nid}: coverage without a page")
-    for key, c in n.children.items():
-        check(c.key == key and c.parent is n, f"block {nid}: child {c.id} link broken")
+    for c in children_of(n):
+        check(child_of(n, c.key) is c and c.parent is n, f"block {nid}: child {c.id} link broken")
         check(n.ntok == mgr.B or n.is_root, f"block {nid}: a partial block has children")
-    check(tree.index_leaves(nid) == sorted(c.id for c in n.children.values() if c.ntok),
+    check(tree.index_leaves(nid) == sorted(c.id for c in children_of(n) if c.ntok),
           f"block {nid}: children index out of sync")
     if n.is_root:
         check(tree.roots.get(n.key) is n, f"root {nid}: not the root of its scope")
         check(bool(n.children) or n.refs > 0, f"root {nid}: unused (no child, no request) but not released")
         return
-    expect_attached = n.parent is not None and n.parent.attached and n.parent.children.get(n.key) is n
+    expect_attached = n.parent is not None and n.parent.attached and child_of(n.parent, n.key) is n
     check(n.attached == expect_attached, f"block {nid}: attached flag {n.attached} but links say {expect_attached}")
     if n.attached:
         check(bool(n.children) or n.has_page(), f"block {nid}: attached with neither a child nor a page (prunable)")

@@ -44,6 +44,46 @@ def unpack_tokens(packed: bytes | tuple) -> tuple:
     return packed
 
 
+def child_of(n: Node, key: bytes) -> Node | None:
+    """The child of ``n`` with ``key`` (``Node.children`` in any of its three forms)."""
+    c = n.children
+    if c is None:
+        return None
+    if type(c) is Node:
+        return c if c.key == key else None
+    return c.get(key)
+
+
+def children_of(n: Node) -> list[Node]:
+    """The children of ``n``, in no particular order."""
+    c = n.children
+    if c is None:
+        return []
+    if type(c) is Node:
+        return [c]
+    return list(c.values())
+
+
+def _add_child(p: Node, n: Node) -> None:
+    c = p.children
+    if c is None:
+        p.children = n
+    elif type(c) is Node:
+        p.children = {c.key: c, n.key: n}
+    else:
+        c[n.key] = n
+
+
+def _remove_child(p: Node, n: Node) -> None:
+    c = p.children
+    if type(c) is Node:
+        p.children = None
+        return
+    del c[n.key]
+    if len(c) == 1:  # back to the one-child form
+        (p.children,) = c.values()
+
+
 def _lc_error() -> IndexError:
     """A life cycle out of range: the error (and message) of the C++ twin."""
     return IndexError("list index out of range")
@@ -82,7 +122,10 @@ class Node:
         self.id = node_id  # creation serial; the canonical order of nodes everywhere
         self.key = key  # sha256 chain key (a root's key is its scope key)
         self.parent: Node | None = None  # None when detached (an orphan) or a root
-        self.children: dict[bytes, Node] = {}  # only full blocks have children
+        # only full blocks have children.  None (a leaf), the Node itself when there is one
+        # (a chain, the common case), a dict by key from two on: no dict object per block
+        # (see child_of / children_of)
+        self.children: Node | dict[bytes, Node] | None = None
         # the children's tokens as a compressed trie: partial matching, covering siblings
         # and prefix siblings walk it instead of scanning siblings.  None while the node
         # has at most one child (a chain, the common case): that child is compared directly
@@ -217,14 +260,14 @@ class RadixTree:
         n = self._new(key, tokens if type(tokens) is bytes else compact_tokens(tokens), ordinal, is_root=False)
         n.parent = p
         n.attached = True
-        p.children[key] = n
+        p.children = n
         return n.id
 
     def find_existing(self, parent: int, key: bytes, tokens: Sequence) -> int:
         """SPEC sec. 5 find_existing: the child of ``parent`` with ``key``, else a covering sibling (a longer child whose
         tokens start with ``tokens``; most tokens first, ties by smaller key), else -1."""
         p = self.nodes[parent]
-        hit = p.children.get(key)
+        hit = child_of(p, key)
         if hit is not None:
             return hit.id
         if not tokens or len(tokens) >= self.B:  # only a partial block has a covering sibling
@@ -238,7 +281,7 @@ class RadixTree:
         detached siblings in key order; the caller frees their unused pages."""
         p, n = self.nodes[parent], self.nodes[node]
         assert n.parent is None and not n.attached and not n.is_root, "attach: node is linked"
-        assert n.key not in p.children, "attach: key already present (use find_existing)"
+        assert child_of(p, n.key) is None, "attach: key already present (use find_existing)"
         detached = sorted(self._index_prefixes(p, n), key=lambda x: x.key)
         for s in detached:
             self._unlink(s)
@@ -249,7 +292,7 @@ class RadixTree:
                     n.put(lc, sp, sc)
         n.parent = p
         n.attached = True
-        p.children[n.key] = n
+        _add_child(p, n)
         self._index_add(p, n)
         return [s.id for s in detached]
 
@@ -269,12 +312,12 @@ class RadixTree:
         while stack:
             n = stack.pop()
             out.append(n.id)
-            kids = sorted(n.children.values(), key=lambda x: x.key)
+            kids = sorted(children_of(n), key=lambda x: x.key)
             for k in kids:
                 k.parent = None
                 k.attached = False
                 k.tnode = k.tnext = None
-            n.children.clear()
+            n.children = None
             n.index = None
             stack.extend(reversed(kids))
         return out
@@ -340,7 +383,7 @@ class RadixTree:
         node = self.nodes[root]
         path: list[Node] = []
         for i in range(n_tok // B):
-            child = node.children.get(keys[i])
+            child = child_of(node, keys[i])
             if child is None:
                 break
             path.append(child)
@@ -391,7 +434,7 @@ class RadixTree:
             out.append([
                 n.id, n.key.hex(), n.parent.id if n.parent is not None else NO_NODE, n.attached, n.is_root,
                 n.ordinal, [t if isinstance(t, int) else t.hex() for t in n.tokens],
-                sorted(c.id for c in n.children.values()), list(n.pages), list(n.coverage), n.refs,
+                sorted(c.id for c in children_of(n)), list(n.pages), list(n.coverage), n.refs,
             ])
         return out
 
@@ -406,7 +449,7 @@ class RadixTree:
     def _unlink(self, n: Node) -> None:
         p = n.parent
         if p is not None:
-            del p.children[n.key]
+            _remove_child(p, n)
             self._index_remove(p, n)
         n.parent = None
         n.attached = False
@@ -425,12 +468,12 @@ class RadixTree:
             self._release_root_if_unused(n)
             return
         if not n.attached and not n.is_root and n.refs == 0 and not n.has_page() and n.id in self.nodes:
-            for k in n.children.values():  # only reachable through a detached, dying node
+            for k in children_of(n):  # only reachable through a detached, dying node
                 k.parent = None
                 k.attached = False
                 k.tnode = k.tnext = None
                 self._maybe_delete(k)
-            n.children.clear()
+            n.children = None
             n.index = None
             del self.nodes[n.id]
 
@@ -480,15 +523,14 @@ class RadixTree:
 
     def _only_child(self, p: Node) -> Node | None:
         """The child of ``p`` while ``p`` has no index (it has at most one)."""
-        for c in p.children.values():
-            return c
-        return None
+        c = p.children
+        return c if type(c) is Node else None
 
     def _index_add(self, p: Node, n: Node) -> None:
         """Put child ``n`` (already in ``p.children``) into ``p``'s trie (SPEC sec. 15: a
         match does not scan siblings); the trie is built when a second child arrives."""
         if p.index is None:
-            if len(p.children) < 2:
+            if type(p.children) is not dict:  # (the one child, or none)
                 return
             for c in p.children.values():
                 if c is not n:
@@ -614,7 +656,7 @@ class RadixTree:
         out: list[int] = []
         n = self.nodes[node]
         if n.index is None:
-            return sorted(c.id for c in n.children.values() if c.ntok)
+            return sorted(c.id for c in children_of(n) if c.ntok)
         stack = [n.index]
         while stack:
             v = stack.pop()
