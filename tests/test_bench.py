@@ -31,6 +31,7 @@ def run_bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 MICRO = {
     "probe": ("probe: probe_reuse of a fully cached 16,384-token prompt", "us / probe"),
     "decode": ("decode: one step of 256 ACTIVE requests", "us / step (median)"),
+    "step": ("step: one ACTIVE request of L committed tokens", "us / step at L = 100,000"),
     "evict": ("evict: 100 requests of 16 fresh blocks", "us / allocated block"),
     "memory": ("memory: bytes per cached block", "bytes / block (cache, after construction)"),
 }
@@ -87,11 +88,39 @@ def test_keys_bench_quick():
     assert re.search(r"^speedup cpp/python \(block_keys\)\s+(\d+\.\dx|n/a)$", p.stdout, re.MULTILINE), p.stdout
 
 
+def test_step_bench_judges_growth_with_length():
+    p = run_bench("step")
+    assert p.returncode == 0, p.stdout + p.stderr
+    row = re.search(r"^step at 100,000 / step at 1,000 \(target <= 2x\)\s+(.*)$", p.stdout, re.MULTILINE)
+    assert row and re.fullmatch(r"\d+\.\d\dx\s+(\d+\.\d\dx|)", row.group(1).strip()), p.stdout
+
+
 def test_replay_bench_quick():
     p = run_bench("replay")
     assert p.returncode == 0, p.stderr
     assert "replay: 20 requests of the shipped trace" in p.stdout
     assert p.stdout.count("time ratio python/cpp") == 2, p.stdout  # unbounded and tight
+    # the floor runs beside the backends, each in a child process with its peak RSS
+    assert re.search(r"^\s+python\s+cpp\s+floor$", p.stdout, re.MULTILINE), p.stdout
+    for label in ("time ratio python/floor (target <= 1.5x)", "peak RSS ratio python/floor (target <= 2x)"):
+        assert len(re.findall(rf"^{re.escape(label)}\s+\d+\.\d\dx$", p.stdout, re.MULTILINE)) == 2, p.stdout
+    assert len(re.findall(r"^peak RSS \(child process\)(\s+[\d,]+ MiB){3}$", p.stdout, re.MULTILINE)) == 2, p.stdout
+
+
+def test_floor_replays_like_the_backends():
+    """The floor is a fair stick: on an unbounded replay it reuses exactly the whole blocks
+    the backends reuse (the backends reuse partial blocks on top), and a tight quota
+    evicts."""
+    from kvcm.bench_floor import replay_floor
+    from kvcm.replay import replay
+    from kvcm.trace import load_trace
+
+    trace = load_trace(limit=40)
+    floor = replay_floor(trace)
+    py = replay(trace, "python", enable_partial_reuse=False)
+    assert floor.reused_tokens == py.reused_tokens and floor.prompt_blocks == py.prompt_blocks
+    tight = replay_floor(trace, gpu_quota_blocks=2000)
+    assert tight.drops > 0 and tight.failed == replay(trace, "python", gpu_quota_blocks=2000).failed
 
 
 def test_all_runs_every_bench():
