@@ -413,7 +413,7 @@ class PyKVCacheManager(KVCacheManager):
         self.count(page.lc, kind)
         self.count(page.lc, kind[:-1] + "_bytes", nbytes)
         if page.node != NO_NODE and self.tree.is_attached(page.node):
-            self.emit(TierChangedEvent(self.event_id(), self.tree.key(page.node), page.lc, tid[old_tier], tid[dst]))
+            self.emit_lazy(TierChangedEvent, self.tree.key(page.node), page.lc, tid[old_tier], tid[dst])
 
     def drop(self, page: Page) -> None:
         """SPEC sec. 8: drop a DROPPABLE page: unlink it from its block, prune, free its slot."""
@@ -443,11 +443,10 @@ class PyKVCacheManager(KVCacheManager):
     def unlink_from_node(self, page: Page) -> None:
         """``page`` leaves its block's slot (no event, no pruning: the callers do those)."""
         node = page.node
-
-        def change() -> None:
-            page.node = NO_NODE
-
-        self.restate(page, change)
+        pool = self.pools[page.tier][page.lc]  # restate, written out
+        pool.unindex(page)
+        page.node = NO_NODE
+        pool.index(page)
         self.tree.clear_page(node, page.lc)  # may delete a dead orphan node
 
     def retire_nodes(self, node_ids: list[int], announce: bool = True) -> None:
@@ -513,7 +512,15 @@ class PyKVCacheManager(KVCacheManager):
         the costliest thing a commit would build).  ``args`` are the values at emission."""
         eid = self.next_event
         self.next_event += 1
-        self.emit((make, (eid, *args)))
+        max_events = self._config.max_events  # emit, written out
+        if max_events == 0:
+            self.events_dropped += 1
+            return
+        events = self.events
+        if len(events) >= max_events:
+            events.popleft()
+            self.events_dropped += 1
+        events.append((make, (eid, *args)))
 
     def event_id(self) -> int:
         self.next_event += 1

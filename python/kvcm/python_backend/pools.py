@@ -155,7 +155,9 @@ class Pool:
         return h if h.evict_key() < d.evict_key() else d
 
     def _valid(self, page: Page, version: int, state: str) -> bool:
-        return page.version == version and page.tier == self.tier and page.slot >= 0 and page.state == state
+        if page.version != version or page.tier != self.tier or page.slot < 0 or page.locks:
+            return False
+        return state == HELD if page.holds else state == DROPPABLE and page.node != NO_NODE  # Page.state
 
     def _compact(self, state: str) -> None:
         pages = self.pages
