@@ -68,6 +68,11 @@ def _stored_event(event_id: int, parent_key: bytes | None, key: bytes, packed: b
                        partial)
 
 
+# the events emit_lazy keeps as tuples, by kind
+_STORED, _REMOVED, _TIER_CHANGED = 0, 1, 2
+_LAZY_EVENTS: tuple[Callable[..., Event], ...] = (_stored_event, _removed_event, TierChangedEvent)
+
+
 class PyKVCacheManager(KVCacheManager):
     backend_name = "python"
 
@@ -261,7 +266,7 @@ class PyKVCacheManager(KVCacheManager):
 
     def built_events(self) -> list[Event]:
         """The buffered events as Event objects, oldest first (see :meth:`emit_lazy`)."""
-        return [e if isinstance(e, Event) else e[0](*e[1]) for e in self.events]
+        return [e if isinstance(e, Event) else _LAZY_EVENTS[e[0]](*e[1:]) for e in self.events]
 
     @serialized
     def snapshot(self) -> dict:
@@ -413,7 +418,7 @@ class PyKVCacheManager(KVCacheManager):
         self.count(page.lc, kind)
         self.count(page.lc, kind[:-1] + "_bytes", nbytes)
         if page.node != NO_NODE and self.tree.is_attached(page.node):
-            self.emit_lazy(TierChangedEvent, self.tree.key(page.node), page.lc, tid[old_tier], tid[dst])
+            self.emit_lazy(_TIER_CHANGED, self.tree.key(page.node), page.lc, tid[old_tier], tid[dst])
 
     def drop(self, page: Page) -> None:
         """SPEC sec. 8: drop a DROPPABLE page: unlink it from its block, prune, free its slot."""
@@ -506,10 +511,12 @@ class PyKVCacheManager(KVCacheManager):
             self.events_dropped += 1
         self.events.append(event)
 
-    def emit_lazy(self, make: Callable[..., Event], *args: Any) -> None:
-        """:meth:`emit` of ``make(event_id, *args)``, kept as a plain tuple and built only when
-        taken or snapshotted (most events are never read; a frozen dataclass per block is
-        the costliest thing a commit would build).  ``args`` are the values at emission."""
+    def emit_lazy(self, kind: int, *args: Any) -> None:
+        """:meth:`emit` of ``_LAZY_EVENTS[kind](event_id, *args)``, kept as a plain tuple and
+        built only when taken or snapshotted (most events are never read; a frozen dataclass
+        per block is the costliest thing a commit would build).  ``args`` are the values at
+        emission, ints, bytes and tuples of them only: the record is no object the cyclic
+        GC tracks, so the event buffer does not make the collector run more often."""
         eid = self.next_event
         self.next_event += 1
         max_events = self._config.max_events  # emit, written out
@@ -520,7 +527,7 @@ class PyKVCacheManager(KVCacheManager):
         if len(events) >= max_events:
             events.popleft()
             self.events_dropped += 1
-        events.append((make, (eid, *args)))
+        events.append((kind, eid, *args))
 
     def event_id(self) -> int:
         self.next_event += 1
@@ -528,7 +535,7 @@ class PyKVCacheManager(KVCacheManager):
 
     def emit_removed(self, key: bytes, lc: int) -> None:
         """SPEC sec. 9: ``removed`` for a block that lost its last page of ``lc`` or was detached."""
-        self.emit_lazy(_removed_event, key, lc)
+        self.emit_lazy(_REMOVED, key, lc)
 
     def emit_stored(self, node_id: int, lcs: list[int]) -> None:
         """SPEC sec. 9: ``stored`` for a block that just gained (or regained) pages of ``lcs``."""
@@ -544,15 +551,12 @@ class PyKVCacheManager(KVCacheManager):
         n = self.tree.nodes[node_id]
         parent_key = n.parent.key if n.parent is not None else None
         pages, tid = self.pages, self.tier_ids
-        rows = []
-        for lc in lcs:
-            page = pages[n.pages[lc]]
-            rows.append((lc, tid[page.tier], page.priority, n.coverage[lc]))
+        rows = tuple((lc, tid[pages[n.pages[lc]].tier], pages[n.pages[lc]].priority, n.coverage[lc]) for lc in lcs)
         events = self.events
         if len(events) >= max_events:
             events.popleft()
             self.events_dropped += 1
-        events.append((_stored_event, (eid, parent_key, n.key, n.packed, rows, n.ntok < self.B)))
+        events.append((_STORED, eid, parent_key, n.key, n.packed, rows, n.ntok < self.B))
 
     # --- stats
 
