@@ -61,6 +61,11 @@ class Page:
         return (self.priority, self.last_used, -self.ordinal, self.serial)
 
 
+# the negated ordinals of heap entries as shared int objects (not one new int per entry)
+_NUM_NEG = 1 << 14
+_NEG = tuple(-i for i in range(_NUM_NEG))
+
+
 class Pool:
     """Slots of one life cycle in one tier.
 
@@ -123,7 +128,8 @@ class Pool:
             return
         heap = self._heaps[state]
         # one flat tuple per entry: the eviction key (its serial unique), then the version
-        heapq.heappush(heap, (page.priority, page.last_used, -page.ordinal, page.serial, page.version))
+        o = page.ordinal
+        heapq.heappush(heap, (page.priority, page.last_used, _NEG[o] if o < _NUM_NEG else -o, page.serial, page.version))
         if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
             self._compact(state)
 

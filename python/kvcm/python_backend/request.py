@@ -683,7 +683,9 @@ class PyKVCache(KVCache):
             if not gained:  # a pageless block: the general path (pruning) applies
                 return j - i
             k = (j - i) * step
-            nid = tree.extend(parent.id, run_keys[j - i], packed[k:k + step], j)
+            # the ordinal as the page's int object: one object for both (j is a fresh one)
+            ordinal = self.pages[gained[0]][j].ordinal
+            nid = tree.extend(parent.id, run_keys[j - i], packed[k:k + step], ordinal)
             node = tree.nodes[nid]
             for lc in gained:
                 p = self.pages[lc][j]

@@ -162,10 +162,16 @@ class Node:
         if lc < 0:
             lc += len(p)
         self.pages = (*p[:lc], page, *p[lc + 1:])
-        self.coverage = (*c[:lc], coverage, *c[lc + 1:])
+        cov = (*c[:lc], coverage, *c[lc + 1:])
+        # few coverage tuples exist (full blocks all have the same): one object each
+        self.coverage = _COVERAGES.setdefault(cov, cov) if len(_COVERAGES) < _MAX_COVERAGES else cov
 
     def has_page(self) -> bool:
         return any(p != NO_PAGE for p in self.pages)
+
+
+_COVERAGES: dict[tuple, tuple] = {}  # Node.put's shared coverage tuples (bounded)
+_MAX_COVERAGES = 4096
 
 
 class _Trie:
