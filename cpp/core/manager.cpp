@@ -707,18 +707,18 @@ Manager::SharedMatch Manager::match_shared(NodeId root, std::span<const Digest> 
   SharedMatch sm;
   sm.path = tree_.key_path(root, keys);
   const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  std::size_t last = 0;  // rows up to the last block with a hit
   for (std::size_t i = sm.path.size(); i < keys.size(); ++i) {
     std::vector<std::int64_t> row(static_cast<std::size_t>(nlc), 0);
-    bool any = false;
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       if (std::binary_search(hits.begin(), hits.end(), std::pair<Digest, std::int64_t>(keys[i], lc))) {
         row[static_cast<std::size_t>(lc)] = B_;
-        any = true;
+        last = sm.rows.size() + 1;
       }
     }
-    if (!any) break;
     sm.rows.push_back(std::move(row));
   }
+  sm.rows.resize(last);
   if (sm.rows.empty()) return sm;
   const std::int64_t n = static_cast<std::int64_t>(sm.path.size() + sm.rows.size());
   const std::int64_t m = std::max<std::int64_t>(0, n * B_ - cfg_.reuse_match_backoff);

@@ -175,18 +175,16 @@ class PyKVCacheManager(KVCacheManager):
     def match_shared(self, root: int, keys: list[bytes], hits: set[tuple[bytes, int]]) -> tuple[int, list[int],
                                                                                               list[list[int]]]:
         """DECISIONS.md "The shared tier": the match extended by the store's hits.  The tree
-        path ``[0, P)`` (full blocks by key), then the longest run of blocks ``P, P+1, ...``
-        with at least one hit (coverage B per hit lc, else 0), backoff, then the fixed point
-        of SPEC sec. 6 step 3 with no partial step.  Returns ``(m, tree_path, rows)``:
-        ``rows[k]`` the coverage per lc of block ``P + k``; ``m`` is -1 without a run."""
+        path ``[0, P)`` (full blocks by key), then the blocks ``P .. L`` (``L`` the last full
+        block with a hit; coverage B per hit lc, else 0), backoff, then the fixed point of
+        SPEC sec. 6 step 3 with no partial step.  Returns ``(m, tree_path, rows)``:
+        ``rows[k]`` the coverage per lc of block ``P + k``; ``m`` is -1 without a hit."""
         B = self.B
         path = self.tree.key_path(root, keys)
-        rows: list[list[int]] = []
-        for i in range(len(path), len(keys)):
-            row = [B if (keys[i], lc) in hits else 0 for lc in range(len(self.lcs))]
-            if not any(row):
-                break
-            rows.append(row)
+        rows = [[B if (keys[i], lc) in hits else 0 for lc in range(len(self.lcs))]
+                for i in range(len(path), len(keys))]
+        while rows and not any(rows[-1]):
+            rows.pop()
         if not rows:
             return -1, path, rows
         m = max(0, (len(path) + len(rows)) * B - self._config.reuse_match_backoff)
