@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kvcm import AttentionLayer, ConfigError, CopyOp, KVCacheManagerConfig, ReuseScope, SsmLayer, Status, Tier
+from kvcm import AttentionLayer, ConfigError, CopyOp, KVCacheManagerConfig, ReuseScope, Status, Tier
 
 from parity.helpers import (
     B,
@@ -201,6 +201,29 @@ def test_evict_writes_from_the_tier_it_drops_from(make_manager):
     w.check_invariants()
 
 
+def test_evict_writes_the_pages_pruning_frees_with_the_victim(make_manager):
+    w = make_manager(shared(hybrid_cfg(attn_gpu=3, ssm_gpu=4), write="evict"))
+    fill(w, P[:12])  # attention slots 0..2, the snapshot at block 2 in ssm slot 1
+    assert [o.reason for o in w.drain_copy_ops()] == ["snapshot"]
+    kP = keys(P[:12])
+    fill(w, Q[:4])  # block 2's attention page is evicted; its block (and snapshot) pruned
+    ops = w.drain_copy_ops()
+    assert ops[:2] == [store_op(0, 0, 2, kP[2]), store_op(1, 0, 1, kP[2])]
+    assert [o.reason for o in ops[2:]] == ["snapshot"]
+    # a reader with only the store reuses the whole prefix: attention pages of blocks 0, 1
+    # were never written (still cached in w), so it gets none of them...
+    store = written(ops)
+    r, kv = reader(make_manager, shared(hybrid_cfg()), P[:12], store)
+    assert kv.num_reused_tokens == 0
+    # ...until w evicts them too
+    fill(w, Q[4:12])
+    store |= written(w.drain_copy_ops())
+    assert {(kP[0], 0), (kP[1], 0)} <= store
+    r, kv = reader(make_manager, shared(hybrid_cfg()), P[:12], store)
+    assert kv.num_reused_tokens == 12
+    w.check_invariants()
+
+
 def test_evict_never_writes_a_partial_page(make_manager):
     w = make_manager(shared(attn_cfg(gpu=2, host=1), write="evict"))
     kv = w.create_kv_cache()
@@ -255,7 +278,7 @@ def test_windowed_extension_holds_only_the_window_and_needs_no_stale_block(make_
     assert attached_keys(r) == set(k)
     r.check_invariants()
     # only the last block in the store: the same match (the stale ones are not needed)
-    r2, kv2 = reader(make_manager, cfg, P[:16], {(k[3], 0)})
+    _r2, kv2 = reader(make_manager, cfg, P[:16], {(k[3], 0)})
     assert kv2.num_reused_tokens == 16
     # the store ends at block 1: the match ends there (block 0 stale at 8)
     r3, kv3 = reader(make_manager, cfg, P[:16], {(k[1], 0)})
@@ -280,7 +303,7 @@ def test_pure_ssm_extension_ends_at_the_last_stored_snapshot(make_manager):
     assert kv.page_indices(0) == [1]
     r.check_invariants()
     # with only block 0's snapshot stored the match ends there
-    r2, kv2 = reader(make_manager, cfg, P[:14], {(k[0], 0)})
+    _r2, kv2 = reader(make_manager, cfg, P[:14], {(k[0], 0)})
     assert kv2.num_reused_tokens == 4
 
 

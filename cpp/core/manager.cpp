@@ -267,7 +267,9 @@ bool Manager::make_room(std::int64_t tier, std::int64_t lc) {
   v = victim(pool, /*can_offload=*/false);
   if (v == nullptr) return false;
   if (cfg_.shared_write_evict) store_evicted(v);
+  evicting_ = cfg_.shared_write_evict;
   drop(v);
+  evicting_ = false;
   return true;
 }
 
@@ -351,6 +353,7 @@ void Manager::retire_nodes(const std::vector<NodeId>& ids, bool announce) {
       if (announce) emit_removed(key, lc);
       Page* pg = &page(h);
       if (pg->locks == 0 && pg->holds == 0) {
+        if (evicting_) store_evicted(pg);  // freed with an evicted page: written back too
         count(lc, kDrops);
         count(lc, kDropBytes, cfg_.lcs[static_cast<std::size_t>(lc)].slot_bytes);
         free_orphan_page(pg);

@@ -78,6 +78,7 @@ class PyKVCacheManager(KVCacheManager):
         self.shared_write_evict = rc.has_shared and rc.shared_write_evict
         self.shared_pos = self.num_tiers
         self.store_on_commit = self.has_shared and not self.shared_write_evict
+        self.evicting = False  # shared_write="evict": an eviction drop is running (retire_nodes writes too)
         if self.has_shared:
             self.tier_ids = (*rc.tier_ids, SHARED)
         self.pools = [[Pool(t, lc.id, rc.slots[t][lc.id]) for lc in self.lcs] for t in range(self.num_tiers)]
@@ -430,7 +431,9 @@ class PyKVCacheManager(KVCacheManager):
             return False
         if self.shared_write_evict:
             self.store_evicted(victim)
+        self.evicting = self.shared_write_evict
         self.drop(victim)
+        self.evicting = False
         return True
 
     def move(self, page: Page, dst: int, reason: str) -> None:
@@ -507,6 +510,8 @@ class PyKVCacheManager(KVCacheManager):
                     self.emit_removed(n.key, lc)
                 page = self.pages[h]
                 if page.locks == 0 and page.holds == 0:
+                    if self.evicting:  # freed with an evicted page: written back too
+                        self.store_evicted(page)
                     self.count(lc, "drops")
                     self.count(lc, "drop_bytes", self.lcs[lc].slot_bytes)
                     self.free_orphan_page(page)
