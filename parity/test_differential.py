@@ -102,7 +102,11 @@ def configs(draw) -> KVCacheManagerConfig:
     lcs = resolve_config(probe).life_cycles
     per = sum(lc.slot_bytes for lc in lcs)
     n_tiers = draw(st.sampled_from([1, 2, 3]))
-    tiers = [Tier("gpu", draw(st.integers(3, 10)) * per + draw(st.sampled_from([0, 0, per // 2])))]
+    # the shared tier (DECISIONS.md "The shared tier"), driven with a model store; under
+    # "evict" the gpu is small, so that eviction (which writes) happens
+    shared_write = draw(st.sampled_from([None, None, "commit", "evict"]))
+    gpu_units = draw(st.integers(3, 4 if shared_write == "evict" else 10))
+    tiers = [Tier("gpu", gpu_units * per + draw(st.sampled_from([0, 0, per // 2])))]
     if n_tiers >= 2:
         tiers.append(Tier("host", draw(st.integers(1, 6)) * per))
     if n_tiers >= 3:
@@ -110,8 +114,6 @@ def configs(draw) -> KVCacheManagerConfig:
     pool_ratio = None
     if len(lcs) > 1 and draw(st.booleans()):
         pool_ratio = {lc.id: draw(st.sampled_from([1, 1, 2, 0.5])) for lc in lcs}
-    # the shared tier (DECISIONS.md "The shared tier"), driven with a model store
-    shared_write = draw(st.sampled_from([None, None, "commit", "evict"]))
     if shared_write is not None:
         tiers.append(Tier("shared", 0, path=disk_dir()))
     return KVCacheManagerConfig(
