@@ -219,7 +219,7 @@ def test_evict_writes_the_pages_pruning_frees_with_the_victim(make_manager):
     fill(w, Q[4:12])
     store |= written(w.drain_copy_ops())
     assert {(kP[0], 0), (kP[1], 0)} <= store
-    r, kv = reader(make_manager, shared(hybrid_cfg()), P[:12], store)
+    _r, kv = reader(make_manager, shared(hybrid_cfg()), P[:12], store)
     assert kv.num_reused_tokens == 12
     w.check_invariants()
 
