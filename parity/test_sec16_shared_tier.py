@@ -213,7 +213,7 @@ def test_evict_writes_the_pages_pruning_frees_with_the_victim(make_manager):
     # a reader with only the store reuses the whole prefix: attention pages of blocks 0, 1
     # were never written (still cached in w), so it gets none of them...
     store = written(ops)
-    r, kv = reader(make_manager, shared(hybrid_cfg()), P[:12], store)
+    _r, kv = reader(make_manager, shared(hybrid_cfg()), P[:12], store)
     assert kv.num_reused_tokens == 0
     # ...until w evicts them too
     fill(w, Q[4:12])
