@@ -170,3 +170,19 @@ class Pool:
         heap = [e for e in self._heaps[state] if e[3] in pages and self._valid(pages[e[3]], e[4], state)]
         heapq.heapify(heap)
         self._heaps[state] = heap
+
+
+class NoPool:
+    """Where a page that is in no pool (a shared-tier page) is indexed: nowhere.  It stands
+    in for a Pool where the manager indexes pages by tier position without a test."""
+
+    __slots__ = ()
+
+    def unindex(self, page: Page) -> None:
+        pass
+
+    def index(self, page: Page) -> None:
+        pass
+
+    def give_slot(self, slot: int) -> None:
+        pass
