@@ -65,8 +65,33 @@ every op after the run, in order: exactly the ops whose destination cannot be tr
 The engine passes them to ``KVCacheManager.forget_copies``.
 
 A tier given as an int (in ops, :meth:`DataPlane.pool`, the views) is SPEC's number by
-kind, as the manager's copy ops carry it: gpu 0, host 1, disk 2 (a gpu + disk config has
-tiers 0 and 2); ``self.pools`` itself is indexed by config position.
+kind, as the manager's copy ops carry it: gpu 0, host 1, disk 2, shared 3 (a gpu + disk
+config has tiers 0 and 2); ``self.pools`` itself is indexed by config position.
+
+The shared tier (DECISIONS.md "The shared tier")
+------------------------------------------------
+A ``Tier("shared", quota_bytes, path)`` has no pool: its ``path`` names a store
+(:func:`kvcm.shared_store.open_store`: a directory, ``file:///dir``, or
+``mooncake://host:port?metadata=url``), or one is given as ``store=``.  Objects are named
+and checked by an :class:`~kvcm.shared_store.ObjectCodec` of the config's layout
+fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
+
+* :meth:`DataPlane.shared_lookup` turns the manager's ``shared_candidates`` into the present
+  pairs with **one** batched existence query; a store that cannot answer counts as empty
+  (``lookup_errors``): nothing is lost, the request computes.
+* ``store`` ops (a pool slot -> an object) and shared ``onboard`` ops (an object -> a gpu
+  slot) of one run are each executed as one batch per staging buffer's worth: the pages are
+  gathered into a :class:`~kvcm.shared_store.Staging` buffer (registered with Mooncake: the
+  put / get themselves are zero-copy), each object's header written / verified there, and
+  loaded pages scattered into the pool with one ``index_copy_`` per (tier, lc).  In runs,
+  the shared side of an op is the object ``(3, lc, key)``.
+* Faults: a load that fails (missing, short, foreign, corrupted, store down) fails its op
+  like a disk read: the run finishes, nothing after it runs, ``CopyError``.  A **store**
+  op that fails stops nothing: every other op still runs, and the failed store ops are
+  listed in the ``CopyError`` raised at the end (``forget_copies`` forgets nothing for
+  them).  A failed write never shows an object (the stores publish whole objects only).
+* ``shared_stats``: lookups, objects and payload bytes stored / loaded, failures, batches,
+  and the seconds the data plane spent in store and load batches (gather, checksums, I/O).
 """
 
 from __future__ import annotations
@@ -78,15 +103,18 @@ import math
 import os
 import struct
 import tempfile
+import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
-from kvcm.api import AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig
-from kvcm.config import resolve_config
+from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig
+from kvcm.config import layout_fingerprint, resolve_config
+from kvcm.shared_store import HEADER, ObjectCodec, SharedStore, Staging, open_store
 
-COPY_REASONS = ("offload", "onboard", "cow", "snapshot")
+COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
+STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in several calls
 POOL_PREFIX = "kvcm-pool-"
 TRAILER = struct.Struct("<I4s")  # crc32 of the slot's data, magic
 MAGIC = b"KVCP"
@@ -235,6 +263,7 @@ class DataPlane:
         device: Any = "cpu",
         dtype: Any = None,
         shapes: Mapping[int, Sequence[int]] | None = None,
+        store: SharedStore | None = None,
     ) -> None:
         torch = _torch()
         rc = resolve_config(config)
@@ -255,8 +284,17 @@ class DataPlane:
         self._files: list[tuple[str, int]] = []  # (path, locked fd) of each disk pool file
         self._finalizer = weakref.finalize(self, _close_files, self._files)
         self.pools: list[list[Any]] = []  # [config position][lc] uint8[num_slots, slot_bytes] or a DiskPool
+        self.shared: SharedStore | None = None
+        self.codec: ObjectCodec | None = None
+        self._own_store = False
+        self._staging: Staging | None = None
+        self.shared_stats = dict.fromkeys(
+            ("lookups", "lookup_names", "lookup_hits", "lookup_errors", "stores", "store_bytes", "store_failures",
+             "loads", "load_bytes", "load_failures", "put_batches", "get_batches"), 0)
+        self.shared_seconds = {"lookup": 0.0, "store": 0.0, "load": 0.0}  # reporting only (throughput)
         try:
             self._make_pools(torch, config, rc.tier_ids)
+            self._open_shared(config, rc, store)
         except BaseException:
             self.pools = []
             self._finalizer()
@@ -303,6 +341,9 @@ class DataPlane:
         pin = torch.cuda.is_available()
         for t, tier in enumerate(config.tiers):
             row = []
+            if tier.kind == "shared":  # no slots: objects in a store (_open_shared)
+                self.pools.append([None] * len(self.life_cycles))
+                continue
             if tier.kind == "disk":
                 os.makedirs(tier.path, exist_ok=True)
                 remove_stale_pool_files(tier.path)  # files of crashed runs (module docstring)
@@ -318,6 +359,18 @@ class DataPlane:
                     pool = DiskPool(fd, path, n, sb)
                 row.append(pool)
             self.pools.append(row)
+
+    def _open_shared(self, config: KVCacheManagerConfig, rc: Any, store: SharedStore | None) -> None:
+        tier = next((t for t in config.tiers if t.kind == "shared"), None)
+        if tier is None:
+            if store is not None:
+                raise ValueError("store= given but the config has no shared tier")
+            return
+        self.codec = ObjectCodec(layout_fingerprint(rc, getattr(config, "shared_namespace", "")))
+        if store is None:
+            store = open_store(tier.path, tier.quota_bytes)
+            self._own_store = True
+        self.shared = store
 
     # ------------------------------------------------------------------ views
 
@@ -376,8 +429,15 @@ class DataPlane:
                 raise ValueError(f"{op}: {name} must be an int")  # noqa: TRY004 - every bad op is a ValueError
         if not 0 <= op.lc < len(self.life_cycles):
             raise ValueError(f"{op}: unknown life cycle {op.lc}")
+        shared_sides = [side for side in ("src", "dst") if getattr(op, f"{side}_tier") == SHARED]
+        if shared_sides:
+            self._check_shared(op, shared_sides)
+        elif op.key is not None:
+            raise ValueError(f"{op}: only an op of the shared tier names a key")
         for side in ("src", "dst"):
             t, s = getattr(op, f"{side}_tier"), getattr(op, f"{side}_slot")
+            if t == SHARED and self.shared is not None:
+                continue
             if t not in self._tier_pos:
                 raise ValueError(f"{op}: unknown {side} tier {t}; tiers are {self._tier_names()}")
             n = self.num_slots[self._tier_pos[t]][op.lc]
@@ -385,7 +445,21 @@ class DataPlane:
                 raise ValueError(f"{op}: {side} slot {s} out of range [0, {n})")
         if op.reason not in COPY_REASONS:
             raise ValueError(f"{op}: unknown reason {op.reason!r}")
+        if op.reason == "store" and not shared_sides:
+            raise ValueError(f"{op}: a store op writes the shared tier")
         return op
+
+    def _check_shared(self, op: CopyOp, sides: list[str]) -> None:
+        if self.shared is None:
+            raise ValueError(f"{op}: the config has no shared tier")
+        if sides != ["dst"] and sides != ["src"]:
+            raise ValueError(f"{op}: a copy within the shared tier")
+        if (op.reason, sides[0]) not in (("store", "dst"), ("onboard", "src")):
+            raise ValueError(f"{op}: the shared tier is written by store ops and read by onboard ops only")
+        if getattr(op, f"{sides[0]}_slot") != -1:
+            raise ValueError(f"{op}: the shared side of an op has slot -1")
+        if not isinstance(op.key, bytes) or len(op.key) != 32:
+            raise ValueError(f"{op}: an op of the shared tier names its object by a 32-byte block key")
 
     def apply(self, ops: Iterable[Any]) -> int:
         """Execute ``ops`` in order (sequential semantics, batched); returns how many.
@@ -394,14 +468,25 @@ class DataPlane:
         docstring)."""
         checked = [self.check(op) for op in ops]
         done = 0
+        failed_stores: list[CopyOp] = []  # a failed store stops nothing (module docstring)
+        store_cause: BaseException | None = None
         for run in self.runs_of(checked):
             failed, cause = self._execute(run)
-            if failed:
-                failed_ids = {id(op) for op in failed}
-                lost = [op for op in run if id(op) in failed_ids] + checked[done + len(run):]
+            stores = [op for op in failed if op.reason == "store"]
+            if stores:
+                failed_stores += stores
+                store_cause = store_cause or cause
+            if len(stores) < len(failed):
+                failed_ids = {id(op) for op in failed if op.reason != "store"}
+                lost = failed_stores + [op for op in run if id(op) in failed_ids] + checked[done + len(run):]
+                first = next(op for op in failed if op.reason != "store")
                 raise CopyError(f"{len(lost)} of {len(checked)} copy ops did not complete "
-                                f"(first failure: {failed[0].to_json()}: {cause})", lost, cause)
+                                f"(first failure: {first.to_json()}: {cause})", lost, cause)
             done += len(run)
+        if failed_stores:
+            raise CopyError(f"{len(failed_stores)} of {len(checked)} copy ops (store) did not complete "
+                            f"(first failure: {failed_stores[0].to_json()}: {store_cause})", failed_stores,
+                            store_cause)
         return len(checked)
 
     @staticmethod
@@ -412,9 +497,9 @@ class DataPlane:
         run: list[CopyOp] = []
         reads: set[tuple[int, int, int]] = set()
         writes: set[tuple[int, int, int]] = set()
-        for op in ops:
-            src = (op.src_tier, op.lc, op.src_slot)
-            dst = (op.dst_tier, op.lc, op.dst_slot)
+        for op in ops:  # the shared side of an op is its object
+            src = (op.src_tier, op.lc, op.key if op.src_tier == SHARED else op.src_slot)
+            dst = (op.dst_tier, op.lc, op.key if op.dst_tier == SHARED else op.dst_slot)
             if src in writes or dst in writes or dst in reads:
                 runs.append(run)
                 run, reads, writes = [], set(), set()
@@ -432,6 +517,8 @@ class DataPlane:
         groups: dict[tuple[int, int, int], list[CopyOp]] = {}
         failed: list[CopyOp] = []
         cause: BaseException | None = None
+        to_store: list[CopyOp] = []
+        to_load: list[CopyOp] = []
         for op in run:
             if self.fault is not None:
                 try:
@@ -440,7 +527,17 @@ class DataPlane:
                     failed.append(op)
                     cause = cause or e
                     continue
-            groups.setdefault((op.src_tier, op.dst_tier, op.lc), []).append(op)
+            if op.dst_tier == SHARED:
+                to_store.append(op)
+            elif op.src_tier == SHARED:
+                to_load.append(op)
+            else:
+                groups.setdefault((op.src_tier, op.dst_tier, op.lc), []).append(op)
+        for batch, method in ((to_store, self._store_batch), (to_load, self._load_batch)):
+            if batch:
+                bad, why = method(batch)
+                failed += bad
+                cause = cause or why
         # a run's reads and writes are disjoint, so its groups may go in any order
         for (st, dt, lc), group in groups.items():
             sp, dp = self.pools[self._tier_pos[st]][lc], self.pools[self._tier_pos[dt]][lc]
@@ -481,18 +578,186 @@ class DataPlane:
     def _count(self, op: CopyOp) -> None:
         self.copies[op.reason] += 1
         self.copy_bytes[op.reason] += self.life_cycles[op.lc].slot_bytes
-        route = f"{self.tier_kinds[self._tier_pos[op.src_tier]]}->{self.tier_kinds[self._tier_pos[op.dst_tier]]}"
+        route = f"{self._kind(op.src_tier)}->{self._kind(op.dst_tier)}"
         self.routes[route] = self.routes.get(route, 0) + 1
 
+    def _kind(self, tier: int) -> str:
+        return "shared" if tier == SHARED else self.tier_kinds[self._tier_pos[tier]]
+
+    # ------------------------------------------------------------------ the shared tier
+
+    def shared_lookup(self, candidates: Iterable[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        """The ``(key, lc)`` pairs of ``candidates`` (``mgr.shared_candidates``) whose objects
+        the store holds: one batched existence query.  A store that cannot answer counts as
+        empty (``shared_stats["lookup_errors"]``)."""
+        cands = list(candidates)
+        if self.shared is None or not cands:
+            return []
+        t0 = time.perf_counter()
+        self.shared_stats["lookups"] += 1
+        self.shared_stats["lookup_names"] += len(cands)
+        try:
+            present = self.shared.exists([self.codec.name(k, lc) for k, lc in cands])
+        except OSError:
+            self.shared_stats["lookup_errors"] += 1
+            return []
+        finally:
+            self.shared_seconds["lookup"] += time.perf_counter() - t0
+        hits = [c for c, p in zip(cands, present, strict=True) if p]
+        self.shared_stats["lookup_hits"] += len(hits)
+        return hits
+
+    def _staging_for(self, nbytes: int) -> Staging:
+        """The registered staging buffer, grown to ``nbytes`` (at most STAGING_MAX_BYTES
+        unless one object needs more)."""
+        st = self._staging
+        if st is None or st.nbytes < nbytes:
+            if st is not None:
+                self.shared.unregister(st)
+                st.close()
+                self._staging = None
+            st = Staging(nbytes)
+            self.shared.register(st)
+            self._staging = st
+        return st
+
+    def _chunks(self, ops: list[CopyOp]) -> list[tuple[list[CopyOp], list[int], Staging]]:
+        """Cut ``ops`` into batches that fit the staging buffer: (ops, offsets, buffer)."""
+        sizes = [HEADER.size + self.life_cycles[op.lc].slot_bytes for op in ops]
+        cap = max(min(sum(sizes), STAGING_MAX_BYTES), max(sizes))
+        st = self._staging_for(cap)
+        out, cur, offs, used = [], [], [], 0
+        for op, n in zip(ops, sizes, strict=True):
+            if cur and used + n > st.nbytes:
+                out.append((cur, offs, st))
+                cur, offs, used = [], [], 0
+            cur.append(op)
+            offs.append(used)
+            used += n
+        out.append((cur, offs, st))
+        return out
+
+    def _store_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
+        """Write the pages of ``store`` ops as objects, one batched put per chunk."""
+        torch = _torch()
+        t0 = time.perf_counter()
+        failed: list[CopyOp] = []
+        cause: BaseException | None = None
+        for chunk, offs, st in self._chunks(ops):
+            flat = torch.frombuffer(st.view, dtype=torch.uint8)
+            ready: list[tuple[CopyOp, int]] = []
+            by_src: dict[tuple[int, int], list[int]] = {}
+            for i, op in enumerate(chunk):
+                by_src.setdefault((op.src_tier, op.lc), []).append(i)
+            for (tier, lc), idx in by_src.items():
+                sp, sb = self.pools[self._tier_pos[tier]][lc], self.life_cycles[lc].slot_bytes
+                try:
+                    if isinstance(sp, DiskPool):
+                        rows = sp.read_rows([chunk[i].src_slot for i in idx])
+                    else:
+                        sel = torch.tensor([chunk[i].src_slot for i in idx], dtype=torch.long, device=sp.device)
+                        rows = sp.index_select(0, sel).cpu()
+                except (OSError, RuntimeError, MemoryError) as e:
+                    failed += [chunk[i] for i in idx]
+                    cause = cause or e
+                    continue
+                for j, i in enumerate(idx):
+                    o = offs[i] + HEADER.size
+                    flat[o:o + sb].copy_(rows[j])
+                    st.view[offs[i]:o] = self.codec.header(chunk[i].key, lc, st.view[o:o + sb])
+                    ready.append((chunk[i], offs[i]))
+            ready.sort(key=lambda r: r[1])
+            items = [(self.codec.name(op.key, op.lc), o, HEADER.size + self.life_cycles[op.lc].slot_bytes)
+                     for op, o in ready]
+            try:
+                results = self.shared.put(items, st)
+            except OSError as e:
+                results = [e] * len(items)
+            self.shared_stats["put_batches"] += 1
+            for (op, _), err in zip(ready, results, strict=True):
+                if err is None:
+                    self._count(op)
+                    self.shared_stats["stores"] += 1
+                    self.shared_stats["store_bytes"] += self.life_cycles[op.lc].slot_bytes
+                else:
+                    failed.append(op)
+                    cause = cause or err
+            del flat
+        self.shared_stats["store_failures"] += len(failed)
+        self.shared_seconds["store"] += time.perf_counter() - t0
+        return failed, cause
+
+    def _load_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
+        """Read the objects of shared ``onboard`` ops into their slots, one batched get per
+        chunk; every object is verified before its page is written."""
+        torch = _torch()
+        t0 = time.perf_counter()
+        failed: list[CopyOp] = []
+        cause: BaseException | None = None
+        for chunk, offs, st in self._chunks(ops):
+            items = [(self.codec.name(op.key, op.lc), o, HEADER.size + self.life_cycles[op.lc].slot_bytes)
+                     for op, o in zip(chunk, offs, strict=True)]
+            try:
+                results = self.shared.get(items, st)
+            except OSError as e:
+                results = [e] * len(items)
+            self.shared_stats["get_batches"] += 1
+            flat = torch.frombuffer(st.view, dtype=torch.uint8)
+            good: dict[tuple[int, int], list[tuple[CopyOp, int]]] = {}
+            for op, (_, o, _), res in zip(chunk, items, results, strict=True):
+                sb = self.life_cycles[op.lc].slot_bytes
+                try:
+                    if isinstance(res, BaseException):
+                        raise res
+                    self.codec.check(st.view[o:o + res], op.key, op.lc, sb)
+                except OSError as e:
+                    failed.append(op)
+                    cause = cause or e
+                    continue
+                good.setdefault((op.dst_tier, op.lc), []).append((op, o + HEADER.size))
+            for (tier, lc), rows in good.items():
+                dp, sb = self.pools[self._tier_pos[tier]][lc], self.life_cycles[lc].slot_bytes
+                data = torch.stack([flat[o:o + sb] for _, o in rows])
+                try:
+                    if isinstance(dp, DiskPool):
+                        dp.write_rows([op.dst_slot for op, _ in rows], data)
+                    else:
+                        sel = torch.tensor([op.dst_slot for op, _ in rows], dtype=torch.long, device=dp.device)
+                        dp.index_copy_(0, sel, data.to(dp.device))
+                except (OSError, RuntimeError, MemoryError) as e:
+                    failed += [op for op, _ in rows]
+                    cause = cause or e
+                    continue
+                self.kernel_calls += 1
+                for op, _ in rows:
+                    self._count(op)
+                    self.shared_stats["loads"] += 1
+                    self.shared_stats["load_bytes"] += sb
+            del flat
+        self.shared_stats["load_failures"] += len(failed)
+        self.shared_seconds["load"] += time.perf_counter() - t0
+        return failed, cause
+
     def stats(self) -> dict:
-        return {"copies": dict(self.copies), "copy_bytes": dict(self.copy_bytes), "routes": dict(self.routes),
-                "runs": self.runs,
-                "kernel_calls": self.kernel_calls}
+        out = {"copies": dict(self.copies), "copy_bytes": dict(self.copy_bytes), "routes": dict(self.routes),
+               "runs": self.runs, "kernel_calls": self.kernel_calls}
+        if self.shared is not None:
+            out["shared"] = dict(self.shared_stats)
+        return out
 
     def close(self) -> None:
-        """Drop the pools and remove the disk tier's files (idempotent)."""
+        """Drop the pools, remove the disk tier's files, release the shared store and its
+        staging buffer (idempotent; a store given as ``store=`` stays open)."""
         self.pools = []
         self._finalizer()
+        if self._staging is not None:
+            if self.shared is not None:
+                self.shared.unregister(self._staging)
+            self._staging.close()
+            self._staging = None
+        if self.shared is not None and self._own_store:
+            self.shared.close()
+        self.shared = None
 
     def __enter__(self) -> Self:
         return self

@@ -28,6 +28,7 @@ import stat
 import subprocess
 import time
 from collections.abc import Sequence
+from typing import Self
 from urllib.parse import parse_qs, urlsplit
 
 from kvcm.shared_store import SharedStore, Staging
@@ -259,7 +260,7 @@ class LocalMooncake:
                 log.close()
         self._logs.clear()
 
-    def __enter__(self) -> LocalMooncake:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
