@@ -228,7 +228,7 @@ std::optional<std::uint64_t> opt_u64(nb::handle o) {
 
 kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
                                 std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff,
-                                double max_util, std::int64_t max_events) {
+                                double max_util, std::int64_t max_events, bool shared, bool shared_write_evict) {
   kvcm::ManagerConfig c;
   c.tokens_per_block = B;
   for (nb::handle item : lcs) {
@@ -246,6 +246,8 @@ kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::v
   c.reuse_match_backoff = backoff;
   c.max_util_for_resume = max_util;
   c.max_events = max_events;
+  c.shared = shared;
+  c.shared_write_evict = shared_write_evict;
   return c;
 }
 
@@ -441,12 +443,13 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
           "__init__",
           [](Manager* self, std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
              std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff, double max_util,
-             std::int64_t max_events) {
+             std::int64_t max_events, bool shared_tier, bool shared_write_evict) {
             new (self) Manager(make_config(B, lcs, std::move(slots), std::move(tier_kinds), partial, backoff,
-                                           max_util, max_events));
+                                           max_util, max_events, shared_tier, shared_write_evict));
           },
           "tokens_per_block"_a, "life_cycles"_a, "slots"_a, "tier_kinds"_a, "enable_partial_reuse"_a,
-          "reuse_match_backoff"_a, "max_util_for_resume"_a, "max_events"_a)
+          "reuse_match_backoff"_a, "max_util_for_resume"_a, "max_events"_a, "shared_tier"_a = false,
+          "shared_write_evict"_a = false)
       .def(
           "create",
           [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority) {

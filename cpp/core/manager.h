@@ -57,6 +57,10 @@ struct ManagerConfig {
   double max_util_for_resume = 1.0;
   std::int64_t max_events = 10000;
   std::int64_t pending_copy_ops_warning = 1000000;  // 0: never warn
+  // The shared tier (DECISIONS.md "The shared tier"): configured (tier number 3, no pools),
+  // and its write policy (false: "commit", write-through; true: "evict", write-back).
+  bool shared = false;
+  bool shared_write_evict = false;
 };
 
 struct StoredBlockC {  // key and tokens are the event's (one block, several life cycles)

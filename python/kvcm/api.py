@@ -83,9 +83,11 @@ def warn_pending_copy_ops(pending: int) -> None:
 # Configuration (sec. 2)
 # ---------------------------------------------------------------------------------------
 
-TierKind = Literal["gpu", "host", "disk"]
-TIER_KINDS: tuple[str, ...] = ("gpu", "host", "disk")
+TierKind = Literal["gpu", "host", "disk", "shared"]
+# a tier kind's position here is its SPEC tier number: gpu 0, host 1, disk 2, shared 3
+TIER_KINDS: tuple[str, ...] = ("gpu", "host", "disk", "shared")
 GPU, HOST, DISK = 0, 1, 2
+SHARED_WRITE_POLICIES: tuple[str, ...] = ("commit", "evict")  # KVCacheManagerConfig.shared_write
 
 MAX_TOKEN = 2**31
 DIGEST_TOKEN_BYTES = 32
@@ -129,6 +131,11 @@ class KVCacheManagerConfig:
     max_events: int = 10_000
     # warn once (PendingCopyOpsWarning) when this many copy ops are pending; 0: never
     pending_copy_ops_warning: int = 1_000_000
+    # the shared tier (DECISIONS.md "The shared tier"): when a page is written to the store
+    # ("commit": write-through; "evict": when dropped from the coldest local tier), and the
+    # model/namespace string of the layout fingerprint that names its objects
+    shared_write: str = "commit"
+    shared_namespace: str = ""
 
     def __post_init__(self) -> None:
         # Freeze the sequences so the config is hashable-in-spirit and cannot change later.
@@ -530,6 +537,8 @@ class KVCacheManager(abc.ABC):
 
 
 __all__ = [
+    "SHARED",
+    "SHARED_WRITE_POLICIES",
     "AttentionLayer",
     "ClearedEvent",
     "ClosedError",

@@ -79,7 +79,7 @@ class CppKVCacheManager(KVCacheManager):
         self._core = _kvcm_cpp.Manager(
             config.tokens_per_block, lcs, [list(s) for s in rc.slots], list(rc.tier_kinds),
             config.enable_partial_reuse, config.reuse_match_backoff, float(config.max_util_for_resume),
-            config.max_events)
+            config.max_events, shared_tier=rc.has_shared, shared_write_evict=rc.shared_write_evict)
         self._core.set_pending_copy_ops_warning(config.pending_copy_ops_warning)
         self._open: dict[int, CppKVCache] = {}  # serial -> open cache
         self._ids: set[int | str] = set()  # ids of the open caches
