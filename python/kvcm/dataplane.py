@@ -341,8 +341,7 @@ class DataPlane:
         pin = torch.cuda.is_available()
         for t, tier in enumerate(config.tiers):
             row = []
-            if tier.kind == "shared":  # no slots: objects in a store (_open_shared)
-                self.pools.append([None] * len(self.life_cycles))
+            if tier.kind == "shared":  # no slots, no pool (listed last): objects in a store (_open_shared)
                 continue
             if tier.kind == "disk":
                 os.makedirs(tier.path, exist_ok=True)
@@ -361,12 +360,12 @@ class DataPlane:
             self.pools.append(row)
 
     def _open_shared(self, config: KVCacheManagerConfig, rc: Any, store: SharedStore | None) -> None:
-        tier = next((t for t in config.tiers if t.kind == "shared"), None)
+        tier = rc.shared_tier
         if tier is None:
             if store is not None:
                 raise ValueError("store= given but the config has no shared tier")
             return
-        self.codec = ObjectCodec(layout_fingerprint(rc, getattr(config, "shared_namespace", "")))
+        self.codec = ObjectCodec(layout_fingerprint(rc, config.shared_namespace))
         if store is None:
             store = open_store(tier.path, tier.quota_bytes)
             self._own_store = True
@@ -628,7 +627,7 @@ class DataPlane:
         st = self._staging_for(cap)
         out, cur, offs, used = [], [], [], 0
         for op, n in zip(ops, sizes, strict=True):
-            if cur and used + n > st.nbytes:
+            if cur and used + n > cap:
                 out.append((cur, offs, st))
                 cur, offs, used = [], [], 0
             cur.append(op)
