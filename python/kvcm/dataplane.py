@@ -450,7 +450,8 @@ class DataPlane:
 
     def _check_shared(self, op: CopyOp, sides: list[str]) -> None:
         if self.shared is None:
-            raise ValueError(f"{op}: the config has no shared tier")
+            raise ValueError(f"{op}: unknown {sides[0]} tier {SHARED} (the config has no shared tier); "
+                             f"tiers are {self._tier_names()}")
         if sides != ["dst"] and sides != ["src"]:
             raise ValueError(f"{op}: a copy within the shared tier")
         if (op.reason, sides[0]) not in (("store", "dst"), ("onboard", "src")):
