@@ -5,6 +5,8 @@ Subcommands::
     info                                   backend, version, cpp extension and build details
     replay [TRACE] [--backend python,cpp] [--block-size 32] [--gpu-blocks N | --gpu-frac F]
            [--host-blocks N | --host-frac F] [--limit N] [--no-partial] [--outputs]
+    replay [TRACE] --instances 2,4,8 --shared-tier file:DIR|mooncake|mooncake://HOST:PORT?metadata=URL
+           [--page-bytes 4096] [--gpu-blocks 1024] [--plot kvcm-fleet.png]   (the fleet replay, kvcm.fleet)
     bench [replay|keys|probe|decode|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
@@ -76,6 +78,16 @@ def _backends(arg: str) -> list[str]:
         if b not in BACKENDS:
             raise argparse.ArgumentTypeError(f"unknown backend {b!r}; choices: {', '.join(BACKENDS)}")
     return names
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        ns = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not ns or min(ns) < 1:
+        raise argparse.ArgumentTypeError(f"instance counts must be >= 1, got {text!r}")
+    return ns
 
 
 def _frac(text: str) -> float:
@@ -245,7 +257,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         )
         print(f"replay: {args.trace or name}: no requests to replay ({why})", file=sys.stderr)
         return 2
-    B = args.block_size
+    if args.instances is not None or args.shared_tier is not None:
+        return cmd_fleet(args, trace)
+    args.backend = args.backend or ["python", "cpp"]
+    B = args.block_size or 32
     uniq: list[int] = []
 
     def unique() -> int:
@@ -289,6 +304,31 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print()
     print(_table(["", *results.keys()], _result_rows(results)))
     return _exit_code(results)
+
+
+def cmd_fleet(args: argparse.Namespace, trace: Sequence[Any]) -> int:
+    """``replay --instances N[,M..] --shared-tier SPEC``: the fleet replay (kvcm.fleet)."""
+    from kvcm.fleet import main_fleet
+
+    if args.instances is None or args.shared_tier is None:
+        print("replay: a fleet replay needs both --instances and --shared-tier", file=sys.stderr)
+        return 2
+    if args.backend is not None and len(args.backend) != 1:
+        print("replay: a fleet replay runs on one --backend", file=sys.stderr)
+        return 2
+    gpu = args.gpu_blocks or 1024
+    B = args.block_size or 512
+    most = max(r.num_prompt_blocks(B) for r in trace)
+    if gpu < most:
+        print(f"replay: --gpu-blocks {gpu} cannot hold the longest prompt ({most} blocks)", file=sys.stderr)
+        return 2
+    try:
+        main_fleet(trace, args.instances, args.shared_tier, backend=args.backend[0] if args.backend else None,
+                   tokens_per_block=B, page_bytes=args.page_bytes, gpu_blocks=gpu, plot_path=args.plot or None)
+    except (OSError, ValueError, ImportError) as e:
+        print(f"replay: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -525,8 +565,10 @@ def _add_replay_parser(sub: Any) -> None:
         epilog=REPLAY_EXIT_CODES,
     )
     r.add_argument("trace", nargs="?", default=None, help="a .jsonl or .jsonl.gz trace (default: the shipped one)")
-    r.add_argument("--backend", type=_backends, default=["python", "cpp"], help="comma-separated (default python,cpp)")
-    r.add_argument("--block-size", type=_int_in(1, 4096), default=32, help="tokens_per_block (default 32)")
+    r.add_argument("--backend", type=_backends, default=None,
+                   help="comma-separated (default python,cpp; a fleet replay: one, default KVCM_BACKEND)")
+    r.add_argument("--block-size", type=_int_in(1, 4096), default=None,
+                   help="tokens_per_block (default 32; a fleet replay: 512)")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--gpu-blocks", type=_int_in(1), default=None, help="gpu quota in blocks (default: unbounded)")
     g.add_argument("--gpu-frac", type=_frac, default=None, help="gpu quota as a fraction of the prefix's unique blocks")
@@ -545,6 +587,13 @@ def _add_replay_parser(sub: Any) -> None:
     r.add_argument("--no-partial", action="store_true", help="enable_partial_reuse=False")
     r.add_argument("--outputs", action="store_true", help="also decode and commit the output tokens")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    f = r.add_argument_group("fleet replay (kvcm.fleet): N managers round-robin, local tiers only vs a shared tier")
+    f.add_argument("--instances", type=_int_list, default=None, help="N, or a list: 2,4,8")
+    f.add_argument("--shared-tier", default=None,
+                   help="file:DIR, a directory, mooncake (a local Mooncake Store for the run) or "
+                        "mooncake://host:port?metadata=url")
+    f.add_argument("--page-bytes", type=_int_in(2), default=4096, help="bytes of one page (default 4096)")
+    f.add_argument("--plot", default="kvcm-fleet.png", help="PNG to write (default kvcm-fleet.png; '' for none)")
 
 
 def _add_bench_parser(sub: Any) -> None:
