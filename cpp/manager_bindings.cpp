@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <type_traits>
@@ -174,9 +175,10 @@ nb::object event_obj(const kvcm::EventC& e, std::span<const kvcm::TokenOut> toke
 // object.__setattr__ calls): allocate the instance and fill its __dict__ directly, which
 // is what __init__ would leave behind.
 nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
-  static PyObject* names[6] = {PyUnicode_InternFromString("lc"),       PyUnicode_InternFromString("src_tier"),
+  static PyObject* names[7] = {PyUnicode_InternFromString("lc"),       PyUnicode_InternFromString("src_tier"),
                                PyUnicode_InternFromString("src_slot"), PyUnicode_InternFromString("dst_tier"),
-                               PyUnicode_InternFromString("dst_slot"), PyUnicode_InternFromString("reason")};
+                               PyUnicode_InternFromString("dst_slot"), PyUnicode_InternFromString("reason"),
+                               PyUnicode_InternFromString("key")};
   auto* tp = reinterpret_cast<PyTypeObject*>(api().CopyOp);
   nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(ops.size())));
   if (!out.is_valid()) throw nb::python_error();
@@ -193,6 +195,10 @@ nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
     }
     nb::object reason = nb::steal(PyUnicode_InternFromString(o.reason));
     if (!reason.is_valid() || PyDict_SetItem(dict.ptr(), names[5], reason.ptr()) != 0) throw nb::python_error();
+    if (o.has_key) {  // else the class default (None) shows through
+      nb::bytes key = to_bytes(o.key);
+      if (PyDict_SetItem(dict.ptr(), names[6], key.ptr()) != 0) throw nb::python_error();
+    }
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), obj.release().ptr());
   }
   return nb::borrow<nb::list>(out);
@@ -452,11 +458,35 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
           "shared_write_evict"_a = false)
       .def(
           "create",
-          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority) {
+          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority,
+             std::optional<std::vector<std::pair<nb::bytes, std::int64_t>>> hits_in) {
             auto l = opt_u64(lora), s = opt_u64(salt);
-            return locked(mgr, [&] { return mgr.create(t.seq(), l, s, priority); });
+            // the store's hits (checked by kvcm.checks.check_shared_hits: 32-byte keys, valid lcs)
+            std::optional<Manager::SharedHits> hits;
+            if (hits_in) {
+              hits.emplace();
+              for (const auto& [key, lc] : *hits_in) {
+                if (key.size() != sizeof(kvcm::Digest)) throw nb::value_error("shared_hits: a key is not 32 bytes");
+                kvcm::Digest d;
+                std::memcpy(d.data(), key.c_str(), d.size());
+                hits->emplace_back(d, lc);
+              }
+              std::sort(hits->begin(), hits->end());
+              hits->erase(std::unique(hits->begin(), hits->end()), hits->end());
+            }
+            return locked(mgr, [&] { return mgr.create(t.seq(), l, s, priority, hits ? &*hits : nullptr); });
           },
-          "tokens"_a, "lora_id"_a.none(), "salt"_a.none(), "priority"_a)
+          "tokens"_a, "lora_id"_a.none(), "salt"_a.none(), "priority"_a, "shared_hits"_a.none() = nb::none())
+      .def(
+          "shared_candidates",
+          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt) {
+            auto l = opt_u64(lora), s = opt_u64(salt);
+            const auto cands = quick(mgr, [&] { return mgr.shared_candidates(t.seq(), l, s); });
+            nb::list out;
+            for (const auto& [key, lc] : cands) out.append(nb::make_tuple(to_bytes(key), lc));
+            return out;
+          },
+          "tokens"_a, "lora_id"_a.none(), "salt"_a.none())
       .def(
           "probe",
           [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt) {
@@ -472,10 +502,17 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
       .def(
           "forget_copies",
           [](Manager& mgr, const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                                                        std::int64_t, std::string>>& items) {
+                                                        std::int64_t, std::string, nb::bytes>>& items) {
             std::vector<kvcm::CopyOpC> ops;  // reasons point into `items`, alive for the call
             ops.reserve(items.size());
-            for (const auto& [lc, st, ss, dt, ds, reason] : items) ops.push_back({lc, st, ss, dt, ds, reason.c_str()});
+            for (const auto& [lc, st, ss, dt, ds, reason, key] : items) {
+              kvcm::CopyOpC op{lc, st, ss, dt, ds, reason.c_str()};
+              if (key.size() == sizeof(kvcm::Digest)) {  // b"": no key (the caller passes only these two)
+                op.has_key = true;
+                std::memcpy(op.key.data(), key.c_str(), op.key.size());
+              }
+              ops.push_back(op);
+            }
             return locked(mgr, [&] { return mgr.forget_copies(ops); });
           },
           "ops"_a)

@@ -439,8 +439,23 @@ class KVCacheManager(abc.ABC):
         scope: ReuseScope | None = None,
         priority: int | None = None,
         id: int | str | None = None,
+        shared_hits: Any = None,
     ) -> KVCache:
-        """Match ``input_tokens`` once and return a SUSPENDED cache holding the reused pages."""
+        """Match ``input_tokens`` once and return a SUSPENDED cache holding the reused pages.
+
+        ``shared_hits``: with a shared tier, the ``(key, lc)`` pairs of
+        :meth:`shared_candidates` that the store holds (one batched existence query); the
+        match may then extend into the shared tier (DECISIONS.md "The shared tier").  Each
+        item a ``(key, lc)`` tuple or list (TypeError / ValueError), keys 32 bytes, lc a
+        life cycle id; pairs that are no candidates are ignored; given without a shared
+        tier: ValueError.  A bad item changes nothing."""
+
+    @abc.abstractmethod
+    def shared_candidates(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[tuple[bytes, int]]:
+        """The ``(key, lc)`` pairs to look up in the shared tier for ``tokens``: every full
+        block past those on the tree path from the scope root, every life cycle, ordered by
+        block then lc.  No side effect at all (like :meth:`probe_reuse`); [] without a
+        shared tier (DECISIONS.md "The shared tier")."""
 
     @abc.abstractmethod
     def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
