@@ -5,7 +5,6 @@ store — on the file store and on Mooncake Store."""
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 
 import pytest

@@ -90,6 +90,9 @@ fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
   op that fails stops nothing: every other op still runs, and the failed store ops are
   listed in the ``CopyError`` raised at the end (``forget_copies`` forgets nothing for
   them).  A failed write never shows an object (the stores publish whole objects only).
+  An object that failed to load for a reason of its own (missing, short, foreign,
+  corrupted; not a store that is down) is removed from the store, so that later lookups do
+  not find it again and a later store can write it whole (``removed_bad``).
 * ``shared_stats``: lookups, objects and payload bytes stored / loaded, failures, batches,
   and the seconds the data plane spent in store and load batches (gather, checksums, I/O).
 """
@@ -290,7 +293,7 @@ class DataPlane:
         self._staging: Staging | None = None
         self.shared_stats = dict.fromkeys(
             ("lookups", "lookup_names", "lookup_hits", "lookup_errors", "stores", "store_bytes", "store_failures",
-             "loads", "load_bytes", "load_failures", "put_batches", "get_batches"), 0)
+             "loads", "load_bytes", "load_failures", "removed_bad", "put_batches", "get_batches"), 0)
         self.shared_seconds = {"lookup": 0.0, "store": 0.0, "load": 0.0}  # reporting only (throughput)
         try:
             self._make_pools(torch, config, rc.tier_ids)
@@ -643,7 +646,11 @@ class DataPlane:
         t0 = time.perf_counter()
         failed: list[CopyOp] = []
         cause: BaseException | None = None
-        for chunk, offs, st in self._chunks(ops):
+        try:
+            chunks = self._chunks(ops)
+        except OSError as e:  # the staging buffer cannot be registered (store down)
+            chunks, failed, cause = [], list(ops), e
+        for chunk, offs, st in chunks:
             flat = torch.frombuffer(st.view, dtype=torch.uint8)
             ready: list[tuple[CopyOp, int]] = []
             by_src: dict[tuple[int, int], list[int]] = {}
@@ -694,7 +701,11 @@ class DataPlane:
         t0 = time.perf_counter()
         failed: list[CopyOp] = []
         cause: BaseException | None = None
-        for chunk, offs, st in self._chunks(ops):
+        try:
+            chunks = self._chunks(ops)
+        except OSError as e:  # the staging buffer cannot be registered (store down)
+            chunks, failed, cause = [], list(ops), e
+        for chunk, offs, st in chunks:
             items = [(self.codec.name(op.key, op.lc), o, HEADER.size + self.life_cycles[op.lc].slot_bytes)
                      for op, o in zip(chunk, offs, strict=True)]
             try:
@@ -704,7 +715,8 @@ class DataPlane:
             self.shared_stats["get_batches"] += 1
             flat = torch.frombuffer(st.view, dtype=torch.uint8)
             good: dict[tuple[int, int], list[tuple[CopyOp, int]]] = {}
-            for op, (_, o, _), res in zip(chunk, items, results, strict=True):
+            bad_names: list[str] = []
+            for op, (name, o, _), res in zip(chunk, items, results, strict=True):
                 sb = self.life_cycles[op.lc].slot_bytes
                 try:
                     if isinstance(res, BaseException):
@@ -713,8 +725,12 @@ class DataPlane:
                 except OSError as e:
                     failed.append(op)
                     cause = cause or e
+                    if e.errno != errno.ECONNREFUSED:  # the object itself is bad, not the store
+                        bad_names.append(name)
                     continue
                 good.setdefault((op.dst_tier, op.lc), []).append((op, o + HEADER.size))
+            if bad_names:  # never found again: a later store may write it whole
+                self._remove_bad(bad_names)
             for (tier, lc), rows in good.items():
                 dp, sb = self.pools[self._tier_pos[tier]][lc], self.life_cycles[lc].slot_bytes
                 data = torch.stack([flat[o:o + sb] for _, o in rows])
@@ -737,6 +753,16 @@ class DataPlane:
         self.shared_stats["load_failures"] += len(failed)
         self.shared_seconds["load"] += time.perf_counter() - t0
         return failed, cause
+
+    def _remove_bad(self, names: list[str]) -> None:
+        """Remove objects that failed to load (missing, short, foreign, corrupted): otherwise
+        every later lookup would find them and every load fail; removing a missing one is a
+        no-op, and a store that cannot remove them now keeps them (they still never load)."""
+        try:
+            self.shared.remove(names)
+        except OSError:
+            return
+        self.shared_stats["removed_bad"] += len(names)
 
     def stats(self) -> dict:
         out = {"copies": dict(self.copies), "copy_bytes": dict(self.copy_bytes), "routes": dict(self.routes),

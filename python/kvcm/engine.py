@@ -588,24 +588,15 @@ class Outcome:
     max_logit_diff: float = float("nan")
 
 
-def run_workload(model: TinyHybridModel, manager: Any, workload: Workload, *, max_batch: int = 4,
-                 check: bool = True) -> Outcome:
-    """Run ``workload`` wave by wave through a fresh engine on ``manager``; with ``check``,
-    compare every request with the no-cache reference."""
+def run_workload(model: TinyHybridModel, manager: Any, workload: Workload | Sequence[Workload], *,
+                 max_batch: int = 4, check: bool = True) -> Outcome:
+    """Run ``workload`` (or several, one after the other) wave by wave through a fresh
+    engine on ``manager``; with ``check``, compare every request with the no-cache reference."""
     engine = Engine(model, manager, max_batch=max_batch)
     try:
-        history = [list(workload.system) for _ in workload.conversations]
         done: list[Request] = []
-        nturns = max(len(c) for c in workload.conversations)
-        for t in range(nturns):
-            wave = []
-            for i, conv in enumerate(workload.conversations):
-                if t < len(conv):
-                    wave.append((i, Request(history[i] + list(conv[t]), workload.max_new_tokens)))
-            engine.generate([r for _, r in wave])
-            for i, r in wave:
-                history[i] = r.prompt + r.output
-            done.extend(r for _, r in wave)
+        for w in [workload] if isinstance(workload, Workload) else workload:
+            done += _run_waves(engine, w)
         manager.check_invariants()
         out = Outcome(done, dict(engine.counters), dict(engine.plane.copies), manager.stats(),
                       dict(engine.plane.routes), dict(engine.plane.shared_stats) if engine.plane.shared else {})
@@ -614,6 +605,22 @@ def run_workload(model: TinyHybridModel, manager: Any, workload: Workload, *, ma
     if check:
         out.tokens_equal, out.max_logit_diff = compare_with_reference(model, done)
     return out
+
+
+def _run_waves(engine: Engine, workload: Workload) -> list[Request]:
+    history = [list(workload.system) for _ in workload.conversations]
+    done: list[Request] = []
+    nturns = max(len(c) for c in workload.conversations)
+    for t in range(nturns):
+        wave = []
+        for i, conv in enumerate(workload.conversations):
+            if t < len(conv):
+                wave.append((i, Request(history[i] + list(conv[t]), workload.max_new_tokens)))
+        engine.generate([r for _, r in wave])
+        for i, r in wave:
+            history[i] = r.prompt + r.output
+        done.extend(r for _, r in wave)
+    return done
 
 
 def compare_with_reference(model: TinyHybridModel, requests: Sequence[Request]) -> tuple[bool, float]:
@@ -633,12 +640,22 @@ def compare_with_reference(model: TinyHybridModel, requests: Sequence[Request]) 
 # ---------------------------------------------------------------------------------------
 
 
+def _workloads(text: str) -> list[str]:
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in names if w not in BUILTIN_WORKLOADS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown workload {bad[0] if bad else text!r}; "
+                                         f"choices: {', '.join(sorted(BUILTIN_WORKLOADS))}")
+    return names
+
+
 def instance_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kvcm.engine",
         description="Run the reference engine on a built-in workload through kvcm (one engine instance); "
                     "instances given the same --shared-tier reuse each other's prefill.")
-    p.add_argument("--workload", default="shared-system-prompt", choices=sorted(BUILTIN_WORKLOADS))
+    p.add_argument("--workload", default=["shared-system-prompt"], type=_workloads,
+                   help=f"one or more (comma-separated, run in order) of {', '.join(sorted(BUILTIN_WORKLOADS))}")
     p.add_argument("--backend", default=None, help="kvcm backend (default: KVCM_BACKEND)")
     p.add_argument("--shared-tier", default=None,
                    help="the shared store: a directory, file:///dir or mooncake://host:port?metadata=url")
@@ -665,7 +682,8 @@ def run_instance(args: argparse.Namespace) -> dict:
     kw = {"backend": args.backend} if args.backend else {}
     mgr = KVCacheManager(config, **kw)
     with torch_threads(1):
-        out = run_workload(model, mgr, builtin_workload(args.workload, model.cfg.vocab), check=not args.no_check)
+        out = run_workload(model, mgr, [builtin_workload(w, model.cfg.vocab) for w in args.workload],
+                           check=not args.no_check)
     mgr.shutdown()
     return {
         "backend": mgr.backend_name,

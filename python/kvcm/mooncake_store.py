@@ -13,6 +13,13 @@ Batches: ``exists`` is one ``batch_is_exist``; ``put`` / ``get`` are one ``batch
 buffer (zero-copy on the client side).  A put is published by the master only once its data
 is complete (put start / put end), so a failed write never shows an object.
 
+A store that is down: with the master unreachable a put or get only fails after the
+client's RPC retries (seconds).  So once a call fails with ``RPC_FAIL`` for every object,
+the client is taken as down for ``down_retry_s`` seconds (default 2): calls fail at once
+with ``OSError(ECONNREFUSED)`` (lookups: the store holds nothing) until the first call
+after that, which tries the master again.  Nothing is lost either way: a failed load is
+recomputed, a failed store is only not stored.
+
 Location: ``mooncake://<master host:port>?metadata=<url>[&protocol=tcp][&local_hostname=...]
 [&local_buffer_bytes=N]``; ``metadata`` defaults to ``http://<master host>:8080/metadata``.
 """
@@ -67,7 +74,9 @@ class MooncakeStore(SharedStore):
     kind = "mooncake"
 
     def __init__(self, master: str, metadata: str, *, segment_bytes: int = 0, local_buffer_bytes: int = 16 << 20,
-                 protocol: str = "tcp", local_hostname: str = "127.0.0.1") -> None:
+                 protocol: str = "tcp", local_hostname: str = "127.0.0.1", down_retry_s: float = 2.0) -> None:
+        self.down_retry_s = down_retry_s
+        self._down_until = 0.0  # time.monotonic() before which the store is taken as down
         # glog to stderr at WARNING and above unless the user chose otherwise
         os.environ.setdefault("GLOG_minloglevel", "1")
         try:
@@ -97,12 +106,21 @@ class MooncakeStore(SharedStore):
     def _client(self):
         if self._store is None:
             raise OSError(errno.EBADF, "the mooncake store is closed")
+        if time.monotonic() < self._down_until:
+            raise OSError(errno.ECONNREFUSED, f"mooncake master {self.master} unreachable (retrying in "
+                                              f"{self._down_until - time.monotonic():.1f} s)")
         return self._store
+
+    def _note(self, codes: list[int]) -> list[int]:
+        """Take the store as down when every object of a call failed with RPC_FAIL."""
+        if codes and all(c == -900 for c in codes):
+            self._down_until = time.monotonic() + self.down_retry_s
+        return codes
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         if not names:
             return []
-        codes = self._client().batch_is_exist(list(names))
+        codes = self._note(self._client().batch_is_exist(list(names)))
         bad = [c for c in codes if c < 0]
         if bad or len(codes) != len(names):
             raise _error(bad[0] if bad else -1, "batch_is_exist")
@@ -122,25 +140,31 @@ class MooncakeStore(SharedStore):
     def put(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[OSError | None]:
         if not items:
             return []
-        codes = self._client().batch_put_from([n for n, _, _ in items], [staging.address + o for _, o, _ in items],
-                                              [s for _, _, s in items])
+        try:
+            client = self._client()
+        except OSError as e:
+            return [e] * len(items)
+        codes = self._note(client.batch_put_from([n for n, _, _ in items],
+                                                         [staging.address + o for _, o, _ in items],
+                                                         [s for _, _, s in items]))
         # an object that exists already holds the same bytes (its name is its content's key)
         return [None if c in (0, -703) else _error(c, f"put {n}") for (n, _, _), c in zip(items, codes, strict=True)]
 
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
         if not items:
             return []
-        codes = self._client().batch_get_into([n for n, _, _ in items], [staging.address + o for _, o, _ in items],
-                                              [s for _, _, s in items])
+        try:
+            client = self._client()
+        except OSError as e:
+            return [e] * len(items)
+        codes = self._note(client.batch_get_into([n for n, _, _ in items],
+                                                         [staging.address + o for _, o, _ in items],
+                                                         [s for _, _, s in items]))
         return [c if c >= 0 else _error(c, f"get {n}") for (n, _, _), c in zip(items, codes, strict=True)]
 
     def remove(self, names: Sequence[str]) -> None:
         if names:
             self._client().batch_remove(list(names), force=True)
-
-    # raw access for the fleet replay's baseline (bytes objects, no kvcm format)
-    def raw(self):
-        return self._client()
 
     def close(self) -> None:
         if self._store is not None:

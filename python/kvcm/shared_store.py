@@ -103,9 +103,14 @@ class Staging:
     def close(self) -> None:
         if self._mm.closed:
             return
-        self.view.release()
-        del self._anchor  # the export that keeps the mmap open
-        self._mm.close()
+        try:
+            self.view.release()
+            del self._anchor  # the export that keeps the mmap open
+            self._mm.close()
+        except BufferError:
+            # a view into it is still alive (e.g. held by an exception's traceback): the
+            # memory goes when the last one does
+            pass
 
 
 class SharedStore:

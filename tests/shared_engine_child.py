@@ -1,0 +1,86 @@
+"""One engine instance in its own process (``python tests/shared_engine_child.py ...``): the
+arguments of ``python -m kvcm.engine`` plus ``--fault``, which injects a fault into this
+process's data plane (tests/test_shared_engine.py):
+
+* ``delete-after-lookup``: every object a lookup found is removed right after the lookup,
+  before the request's load (evicted / deleted between the two);
+* ``truncate-after-lookup``: likewise, but each found object is cut short (file store);
+* ``kill-master-after-lookup:PID``: the Mooncake master (PID) is killed right after the
+  first lookup that found something (the store goes down mid-run);
+* ``fail-puts``: every other object this process writes fails (a failed write).
+
+Writes the outcome (``kvcm.engine.run_instance``) as JSON to ``--json``, with ``fault_hits``:
+how often the fault fired."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+from kvcm import engine
+from kvcm.dataplane import DataPlane
+from kvcm.shared_store import FileStore
+
+fired = {"n": 0}
+
+
+def install(fault: str) -> None:
+    lookup = DataPlane.shared_lookup
+
+    def after_lookup(self, candidates):
+        hits = lookup(self, candidates)
+        if not hits:
+            return hits
+        names = [self.codec.name(k, lc) for k, lc in hits]
+        if fault == "delete-after-lookup":
+            self.shared.remove(names)
+        elif fault == "truncate-after-lookup":
+            assert isinstance(self.shared, FileStore)
+            for n in names:
+                os.truncate(self.shared.path(n), 50)
+        elif fault.startswith("kill-master-after-lookup:"):
+            if fired["n"]:
+                return hits
+            os.kill(int(fault.split(":")[1]), signal.SIGKILL)
+        fired["n"] += 1
+        return hits
+
+    if fault == "fail-puts":
+        store_batch = DataPlane._store_batch
+
+        def failing(self, ops):
+            put = self.shared.put
+
+            def half(items, staging):  # the even items fail before anything is written
+                done = iter(put([it for i, it in enumerate(items) if i % 2], staging))
+                fired["n"] += (len(items) + 1) // 2
+                return [OSError(5, "injected put failure") if i % 2 == 0 else next(done) for i in range(len(items))]
+
+            self.shared.put = half
+            try:
+                return store_batch(self, ops)
+            finally:
+                del self.shared.put
+
+        DataPlane._store_batch = failing
+    else:
+        DataPlane.shared_lookup = after_lookup
+
+
+def main() -> int:
+    p = engine.instance_parser()
+    p.add_argument("--fault", default=None)
+    args = p.parse_args()
+    if args.fault:
+        install(args.fault)
+    res = engine.run_instance(args)
+    res["fault_hits"] = fired["n"]
+    with open(args.json, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
