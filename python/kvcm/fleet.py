@@ -117,7 +117,9 @@ def run_fleet(trace: Sequence[TraceRequest], instances: int, *, shared: str | No
     adds the shared tier to each of them (all on one store: ``store`` if given)."""
     config = fleet_config(tokens_per_block, page_bytes, gpu_blocks, shared, namespace)
     mgrs = [KVCacheManager(config, backend=backend) for _ in range(instances)]
-    planes = [DataPlane(config, store=store) for _ in range(instances)]
+    import torch  # the data plane's; byte views, so any page size works
+
+    planes = [DataPlane(config, store=store, dtype=torch.uint8) for _ in range(instances)]
     res = FleetResult(instances, "shared" if shared else "local", mgrs[0].backend_name)
     t0 = time.perf_counter()
     try:
