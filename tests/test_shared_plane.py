@@ -73,7 +73,7 @@ def make_plane(url: str, namespace: str, store: SharedStore | None = None) -> Da
 
 
 def open_spy(url: str) -> Spy:
-    from kvcm.shared_store import open_store
+    from kvcm.dataplane import open_store
 
     return Spy(open_store(url))
 

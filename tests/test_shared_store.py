@@ -8,7 +8,8 @@ import hashlib
 import os
 
 import pytest
-from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging, open_store
+from kvcm.dataplane import open_store
+from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
 from mooncake_env import need_mooncake
 
 FP = hashlib.sha256(b"layout").digest()

@@ -71,7 +71,7 @@ config has tiers 0 and 2); ``self.pools`` itself is indexed by config position.
 The shared tier (DECISIONS.md "The shared tier")
 ------------------------------------------------
 A ``Tier("shared", quota_bytes, path)`` has no pool: its ``path`` names a store
-(:func:`kvcm.shared_store.open_store`: a directory, ``file:///dir``, or
+(:func:`open_store`: a directory, ``file:///dir``, or
 ``mooncake://host:port?metadata=url``), or one is given as ``store=``.  Objects are named
 and checked by an :class:`~kvcm.shared_store.ObjectCodec` of the config's layout
 fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
@@ -114,7 +114,7 @@ from typing import Any, Self
 
 from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig
 from kvcm.config import layout_fingerprint, resolve_config
-from kvcm.shared_store import HEADER, ObjectCodec, SharedStore, Staging, open_store
+from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
 
 COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
 STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in several calls
@@ -249,6 +249,24 @@ def _create_disk_file(directory: str, lc: int, nbytes: int, tier: int) -> tuple[
         raise OSError(e.errno, f"disk tier (tier {tier}): cannot reserve {nbytes} bytes for life cycle {lc} "
                                f"at {path}: {why}", path) from e
     return path, fd
+
+
+def open_store(location: str, quota_bytes: int = 0) -> SharedStore:
+    """The store a shared tier's ``path`` names: ``mooncake://host:port?metadata=<url>``
+    (:class:`kvcm.mooncake_store.MooncakeStore`), ``file:///dir`` or a plain directory."""
+    if not isinstance(location, str) or not location:
+        raise ValueError("the shared tier needs a path: a directory, file:///dir or mooncake://host:port?metadata=url")
+    if location.startswith("mooncake://"):
+        from kvcm.mooncake_store import MooncakeStore  # only when asked for: an optional dependency
+
+        return MooncakeStore.from_url(location, segment_bytes=quota_bytes)
+    if location.startswith("file://"):
+        location = location[len("file://"):]
+    elif "://" in location:
+        raise ValueError(f"unknown shared store {location!r}: use a directory, file:///dir or "
+                         "mooncake://host:port?metadata=url")
+    return FileStore(location, quota_bytes)
+
 
 
 class DataPlane:
@@ -792,4 +810,4 @@ class DataPlane:
         self.close()
 
 
-__all__ = ["COPY_REASONS", "DataPlane", "DiskPool", "remove_stale_pool_files"]
+__all__ = ["COPY_REASONS", "DataPlane", "DiskPool", "open_store", "remove_stale_pool_files"]

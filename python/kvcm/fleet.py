@@ -39,8 +39,8 @@ from typing import Any
 
 from kvcm.api import AttentionLayer, CopyError, KVCacheManager, KVCacheManagerConfig, Tier
 from kvcm.cli_common import fmt_int, format_table
-from kvcm.dataplane import DataPlane
-from kvcm.shared_store import HEADER, SharedStore, Staging, open_store
+from kvcm.dataplane import DataPlane, open_store
+from kvcm.shared_store import HEADER, SharedStore, Staging
 from kvcm.trace import TraceRequest, expand_prompt
 
 NUM_LAYERS = 2

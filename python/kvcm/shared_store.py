@@ -265,21 +265,4 @@ class FileStore(SharedStore):
         return len(objs), sum(o[2] for o in objs)
 
 
-def open_store(location: str, quota_bytes: int = 0) -> SharedStore:
-    """The store a shared tier's ``path`` names: ``mooncake://host:port?metadata=<url>``
-    (:class:`kvcm.mooncake_store.MooncakeStore`), ``file:///dir`` or a plain directory."""
-    if not isinstance(location, str) or not location:
-        raise ValueError("the shared tier needs a path: a directory, file:///dir or mooncake://host:port?metadata=url")
-    if location.startswith("mooncake://"):
-        from kvcm.mooncake_store import MooncakeStore  # only when asked for: an optional dependency
-
-        return MooncakeStore.from_url(location, segment_bytes=quota_bytes)
-    if location.startswith("file://"):
-        location = location[len("file://"):]
-    elif "://" in location:
-        raise ValueError(f"unknown shared store {location!r}: use a directory, file:///dir or "
-                         "mooncake://host:port?metadata=url")
-    return FileStore(location, quota_bytes)
-
-
-__all__ = ["HEADER", "MAGIC", "FileStore", "ObjectCodec", "SharedStore", "Staging", "open_store"]
+__all__ = ["HEADER", "MAGIC", "OBJECT_SUFFIX", "FileStore", "ObjectCodec", "SharedStore", "Staging"]
