@@ -118,6 +118,16 @@ def test_store_lookup_onboard_batched(store_url, ns):
     spy.inner.close()
 
 
+def test_ops_as_json_rows(tmp_path, ns):
+    with make_plane(str(tmp_path), ns) as plane:
+        fill(plane)
+        assert plane.apply([op.to_json() for op in store_ops(2)]) == 4
+        assert plane.apply([op.to_json() for op in load_ops(2)]) == 4
+        assert torch.equal(plane.pool("gpu", 0)[4:6], plane.pool("gpu", 0)[0:2])
+        with pytest.raises(ValueError, match="not a copy op"):
+            plane.apply([[0, 3, -1, 0, 1, "onboard", "not hex"]])
+
+
 def test_another_namespace_sees_nothing(store_url, ns):
     with make_plane(store_url, ns) as a, make_plane(store_url, ns + "/other") as b:
         fill(a)

@@ -441,7 +441,10 @@ class DataPlane:
         if not isinstance(op, CopyOp):
             try:
                 op = CopyOp(*op)
-            except TypeError:
+                if isinstance(op.key, str):  # to_json() writes the key as hex
+                    op = CopyOp(op.lc, op.src_tier, op.src_slot, op.dst_tier, op.dst_slot, op.reason,
+                                bytes.fromhex(op.key))
+            except (TypeError, ValueError):
                 raise ValueError(f"not a copy op: {op!r}") from None
         for name in ("lc", "src_tier", "src_slot", "dst_tier", "dst_slot"):
             v = getattr(op, name)
