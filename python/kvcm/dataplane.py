@@ -645,64 +645,74 @@ class DataPlane:
             self._staging = st
         return st
 
-    def _chunks(self, ops: list[CopyOp]) -> list[tuple[list[CopyOp], list[int], Staging]]:
-        """Cut ``ops`` into batches that fit the staging buffer: (ops, offsets, buffer)."""
+    def _chunks(self, ops: list[CopyOp], pool_side: str) -> list[tuple[Staging, list[tuple[int, int, int, list[CopyOp]]]]]:
+        """Cut ``ops`` into batches that fit the staging buffer.  Within a batch the objects
+        are laid out grouped by (pool tier, lc) — ``pool_side`` names the op's pool side,
+        "src" or "dst" — so each group is one ``uint8[n, header + slot_bytes]`` region,
+        filled or read with one torch copy.  Returns [(buffer, [(tier, lc, offset, ops)])]."""
+        ops = sorted(ops, key=lambda op: (getattr(op, f"{pool_side}_tier"), op.lc))  # stable
         sizes = [HEADER.size + self.life_cycles[op.lc].slot_bytes for op in ops]
         cap = max(min(sum(sizes), STAGING_MAX_BYTES), max(sizes))
         st = self._staging_for(cap)
-        out, cur, offs, used = [], [], [], 0
+        out: list[tuple[Staging, list[tuple[int, int, int, list[CopyOp]]]]] = []
+        groups: list[tuple[int, int, int, list[CopyOp]]] = []
+        used = 0
         for op, n in zip(ops, sizes, strict=True):
-            if cur and used + n > cap:
-                out.append((cur, offs, st))
-                cur, offs, used = [], [], 0
-            cur.append(op)
-            offs.append(used)
+            if groups and used + n > cap:
+                out.append((st, groups))
+                groups, used = [], 0
+            tier = getattr(op, f"{pool_side}_tier")
+            if not groups or groups[-1][:2] != (tier, op.lc):
+                groups.append((tier, op.lc, used, []))
+            groups[-1][3].append(op)
             used += n
-        out.append((cur, offs, st))
+        out.append((st, groups))
         return out
 
     def _store_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
-        """Write the pages of ``store`` ops as objects, one batched put per chunk."""
+        """Write the pages of ``store`` ops as objects, one batched put per chunk: each
+        (tier, lc) group gathered into its staging region in one copy, headers written."""
         torch = _torch()
         t0 = time.perf_counter()
         failed: list[CopyOp] = []
         cause: BaseException | None = None
+        H = HEADER.size
         try:
-            chunks = self._chunks(ops)
+            chunks = self._chunks(ops, "src")
         except OSError as e:  # the staging buffer cannot be registered (store down)
             chunks, failed, cause = [], list(ops), e
-        for chunk, offs, st in chunks:
+        for st, groups in chunks:
             flat = torch.frombuffer(st.view, dtype=torch.uint8)
-            ready: list[tuple[CopyOp, int]] = []
-            by_src: dict[tuple[int, int], list[int]] = {}
-            for i, op in enumerate(chunk):
-                by_src.setdefault((op.src_tier, op.lc), []).append(i)
-            for (tier, lc), idx in by_src.items():
+            items: list[tuple[str, int, int]] = []
+            ready: list[CopyOp] = []
+            for tier, lc, base, group in groups:
                 sp, sb = self.pools[self._tier_pos[tier]][lc], self.life_cycles[lc].slot_bytes
                 try:
                     if isinstance(sp, DiskPool):
-                        rows = sp.read_rows([chunk[i].src_slot for i in idx])
+                        rows = sp.read_rows([op.src_slot for op in group])
                     else:
-                        sel = torch.tensor([chunk[i].src_slot for i in idx], dtype=torch.long, device=sp.device)
+                        sel = torch.tensor([op.src_slot for op in group], dtype=torch.long, device=sp.device)
                         rows = sp.index_select(0, sel).cpu()
                 except (OSError, RuntimeError, MemoryError) as e:
-                    failed += [chunk[i] for i in idx]
+                    failed += group
                     cause = cause or e
                     continue
-                for j, i in enumerate(idx):
-                    o = offs[i] + HEADER.size
-                    flat[o:o + sb].copy_(rows[j])
-                    st.view[offs[i]:o] = self.codec.header(chunk[i].key, lc, st.view[o:o + sb])
-                    ready.append((chunk[i], offs[i]))
-            ready.sort(key=lambda r: r[1])
-            items = [(self.codec.name(op.key, op.lc), o, HEADER.size + self.life_cycles[op.lc].slot_bytes)
-                     for op, o in ready]
+                n = len(group)
+                flat[base:base + n * (H + sb)].view(n, H + sb)[:, H:].copy_(rows)
+                for j, op in enumerate(group):
+                    o = base + j * (H + sb)
+                    st.view[o:o + H] = self.codec.header(op.key, lc, st.view[o + H:o + H + sb])
+                    items.append((self.codec.name(op.key, lc), o, H + sb))
+                    ready.append(op)
+            del flat
+            if not items:
+                continue
             try:
                 results = self.shared.put(items, st)
             except OSError as e:
                 results = [e] * len(items)
             self.shared_stats["put_batches"] += 1
-            for (op, _), err in zip(ready, results, strict=True):
+            for op, err in zip(ready, results, strict=True):
                 if err is None:
                     self._count(op)
                     self.shared_stats["stores"] += 1
@@ -710,67 +720,77 @@ class DataPlane:
                 else:
                     failed.append(op)
                     cause = cause or err
-            del flat
         self.shared_stats["store_failures"] += len(failed)
         self.shared_seconds["store"] += time.perf_counter() - t0
         return failed, cause
 
     def _load_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
         """Read the objects of shared ``onboard`` ops into their slots, one batched get per
-        chunk; every object is verified before its page is written."""
+        chunk; every object is verified before its page is written, and each (tier, lc)
+        group's verified pages are scattered into the pool with one ``index_copy_``."""
         torch = _torch()
         t0 = time.perf_counter()
         failed: list[CopyOp] = []
         cause: BaseException | None = None
+        H = HEADER.size
         try:
-            chunks = self._chunks(ops)
+            chunks = self._chunks(ops, "dst")
         except OSError as e:  # the staging buffer cannot be registered (store down)
             chunks, failed, cause = [], list(ops), e
-        for chunk, offs, st in chunks:
-            items = [(self.codec.name(op.key, op.lc), o, HEADER.size + self.life_cycles[op.lc].slot_bytes)
-                     for op, o in zip(chunk, offs, strict=True)]
+        for st, groups in chunks:
+            items = [(self.codec.name(op.key, lc), base + j * (H + self.life_cycles[lc].slot_bytes),
+                      H + self.life_cycles[lc].slot_bytes)
+                     for _, lc, base, group in groups for j, op in enumerate(group)]
             try:
                 results = self.shared.get(items, st)
             except OSError as e:
                 results = [e] * len(items)
             self.shared_stats["get_batches"] += 1
             flat = torch.frombuffer(st.view, dtype=torch.uint8)
-            good: dict[tuple[int, int], list[tuple[CopyOp, int]]] = {}
             bad_names: list[str] = []
-            for op, (name, o, _), res in zip(chunk, items, results, strict=True):
-                sb = self.life_cycles[op.lc].slot_bytes
-                try:
-                    if isinstance(res, BaseException):
-                        raise res
-                    self.codec.check(st.view[o:o + res], op.key, op.lc, sb)
-                except OSError as e:
-                    failed.append(op)
-                    cause = cause or e
-                    if e.errno != errno.ECONNREFUSED:  # the object itself is bad, not the store
-                        bad_names.append(name)
+            k = 0
+            for tier, lc, base, group in groups:
+                sb = self.life_cycles[lc].slot_bytes
+                good: list[int] = []
+                for j, op in enumerate(group):
+                    name, o, _ = items[k]
+                    res = results[k]
+                    k += 1
+                    try:
+                        if isinstance(res, BaseException):
+                            raise res
+                        self.codec.check(st.view[o:o + res], op.key, lc, sb)
+                    except OSError as e:
+                        failed.append(op)
+                        cause = cause or e
+                        if e.errno != errno.ECONNREFUSED:  # the object itself is bad, not the store
+                            bad_names.append(name)
+                        continue
+                    good.append(j)
+                if not good:
                     continue
-                good.setdefault((op.dst_tier, op.lc), []).append((op, o + HEADER.size))
-            if bad_names:  # never found again: a later store may write it whole
-                self._remove_bad(bad_names)
-            for (tier, lc), rows in good.items():
-                dp, sb = self.pools[self._tier_pos[tier]][lc], self.life_cycles[lc].slot_bytes
-                data = torch.stack([flat[o:o + sb] for _, o in rows])
+                n = len(group)
+                region = flat[base:base + n * (H + sb)].view(n, H + sb)
+                data = region[:, H:] if len(good) == n else region[good, H:]
+                dst = [group[j].dst_slot for j in good]
+                dp = self.pools[self._tier_pos[tier]][lc]
                 try:
                     if isinstance(dp, DiskPool):
-                        dp.write_rows([op.dst_slot for op, _ in rows], data)
+                        dp.write_rows(dst, data)
                     else:
-                        sel = torch.tensor([op.dst_slot for op, _ in rows], dtype=torch.long, device=dp.device)
-                        dp.index_copy_(0, sel, data.to(dp.device))
+                        dp.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dp.device), data.to(dp.device))
                 except (OSError, RuntimeError, MemoryError) as e:
-                    failed += [op for op, _ in rows]
+                    failed += [group[j] for j in good]
                     cause = cause or e
                     continue
                 self.kernel_calls += 1
-                for op, _ in rows:
-                    self._count(op)
+                for j in good:
+                    self._count(group[j])
                     self.shared_stats["loads"] += 1
                     self.shared_stats["load_bytes"] += sb
             del flat
+            if bad_names:  # never found again: a later store may write it whole
+                self._remove_bad(bad_names)
         self.shared_stats["load_failures"] += len(failed)
         self.shared_seconds["load"] += time.perf_counter() - t0
         return failed, cause

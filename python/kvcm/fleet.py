@@ -121,6 +121,10 @@ def run_fleet(trace: Sequence[TraceRequest], instances: int, *, shared: str | No
 
     planes = [DataPlane(config, store=store, dtype=torch.uint8) for _ in range(instances)]
     res = FleetResult(instances, "shared" if shared else "local", mgrs[0].backend_name)
+    # one torch thread: the copies are small, and OpenMP workers spinning on a busy machine
+    # made the gathers into the staging buffer ~4x slower (kvcm.engine.torch_threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     t0 = time.perf_counter()
     try:
         for i, req in enumerate(trace):
@@ -131,6 +135,7 @@ def run_fleet(trace: Sequence[TraceRequest], instances: int, *, shared: str | No
             res.shared_hit_blocks += sum(lc.get("shared_hit_blocks", 0) for lc in st["lc"])
     finally:
         res.wall_s = time.perf_counter() - t0
+        torch.set_num_threads(threads)
         for p in planes:
             for k, v in p.shared_stats.items():
                 res.plane[k] = res.plane.get(k, 0) + v
