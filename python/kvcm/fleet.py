@@ -224,7 +224,7 @@ def plot(results: Sequence[FleetResult], raw: dict[str, float] | None, path: str
     a.set_xticks(range(len(ns)), [f"N={n}" for n in ns])
     a.set_ylabel("reused prompt tokens (%)")
     a.set_title("hit rate, round-robin fleet")
-    a.legend()
+    a.legend(loc="center left")
     sh = [r for r in results if r.mode == "shared"]
     labels = [f"plane N={r.instances}" for r in sh]
     put = [_mbps(r.plane.get("store_bytes", 0), r.seconds.get("store", 0)) for r in sh]
