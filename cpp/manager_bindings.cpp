@@ -481,7 +481,8 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
           "shared_candidates",
           [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt) {
             auto l = opt_u64(lora), s = opt_u64(salt);
-            const auto cands = quick(mgr, [&] { return mgr.shared_candidates(t.seq(), l, s); });
+            // hashes the prompt's blocks: the GIL is released, as for probe
+            const auto cands = locked(mgr, [&] { return mgr.shared_candidates(t.seq(), l, s); });
             nb::list out;
             for (const auto& [key, lc] : cands) out.append(nb::make_tuple(to_bytes(key), lc));
             return out;

@@ -267,7 +267,9 @@ bool Manager::make_room(std::int64_t tier, std::int64_t lc) {
   v = victim(pool, /*can_offload=*/false);
   if (v == nullptr) return false;
   if (cfg_.shared_write_evict) store_evicted(v);
+  evicting_ = cfg_.shared_write_evict;
   drop(v);
+  evicting_ = false;
   return true;
 }
 
@@ -351,6 +353,7 @@ void Manager::retire_nodes(const std::vector<NodeId>& ids, bool announce) {
       if (announce) emit_removed(key, lc);
       Page* pg = &page(h);
       if (pg->locks == 0 && pg->holds == 0) {
+        if (evicting_) store_evicted(pg);  // freed with an evicted page: written back too
         count(lc, kDrops);
         count(lc, kDropBytes, cfg_.lcs[static_cast<std::size_t>(lc)].slot_bytes);
         free_orphan_page(pg);
@@ -707,18 +710,18 @@ Manager::SharedMatch Manager::match_shared(NodeId root, std::span<const Digest> 
   SharedMatch sm;
   sm.path = tree_.key_path(root, keys);
   const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  std::size_t last = 0;  // rows up to the last block with a hit
   for (std::size_t i = sm.path.size(); i < keys.size(); ++i) {
     std::vector<std::int64_t> row(static_cast<std::size_t>(nlc), 0);
-    bool any = false;
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       if (std::binary_search(hits.begin(), hits.end(), std::pair<Digest, std::int64_t>(keys[i], lc))) {
         row[static_cast<std::size_t>(lc)] = B_;
-        any = true;
+        last = sm.rows.size() + 1;
       }
     }
-    if (!any) break;
     sm.rows.push_back(std::move(row));
   }
+  sm.rows.resize(last);
   if (sm.rows.empty()) return sm;
   const std::int64_t n = static_cast<std::int64_t>(sm.path.size() + sm.rows.size());
   const std::int64_t m = std::max<std::int64_t>(0, n * B_ - cfg_.reuse_match_backoff);

@@ -362,6 +362,7 @@ class Manager {
   // tiers; tier_id_ maps it to 3); it has slot -1 and is in no pool.
   std::int64_t shared_pos_ = -1;
   bool store_on_commit_ = false;
+  bool evicting_ = false;  // shared_write="evict": an eviction drop is running (retire_nodes writes too)
   std::vector<std::int64_t> attn_lcs_;
   std::int64_t ssm_lc_ = -1;
   // eviction-index nodes: recycled here instead of a malloc per index change

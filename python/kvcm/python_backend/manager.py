@@ -78,6 +78,7 @@ class PyKVCacheManager(KVCacheManager):
         self.shared_write_evict = rc.has_shared and rc.shared_write_evict
         self.shared_pos = self.num_tiers
         self.store_on_commit = self.has_shared and not self.shared_write_evict
+        self.evicting = False  # shared_write="evict": an eviction drop is running (retire_nodes writes too)
         if self.has_shared:
             self.tier_ids = (*rc.tier_ids, SHARED)
         self.pools = [[Pool(t, lc.id, rc.slots[t][lc.id]) for lc in self.lcs] for t in range(self.num_tiers)]
@@ -175,18 +176,16 @@ class PyKVCacheManager(KVCacheManager):
     def match_shared(self, root: int, keys: list[bytes], hits: set[tuple[bytes, int]]) -> tuple[int, list[int],
                                                                                               list[list[int]]]:
         """DECISIONS.md "The shared tier": the match extended by the store's hits.  The tree
-        path ``[0, P)`` (full blocks by key), then the longest run of blocks ``P, P+1, ...``
-        with at least one hit (coverage B per hit lc, else 0), backoff, then the fixed point
-        of SPEC sec. 6 step 3 with no partial step.  Returns ``(m, tree_path, rows)``:
-        ``rows[k]`` the coverage per lc of block ``P + k``; ``m`` is -1 without a run."""
+        path ``[0, P)`` (full blocks by key), then the blocks ``P .. L`` (``L`` the last full
+        block with a hit; coverage B per hit lc, else 0), backoff, then the fixed point of
+        SPEC sec. 6 step 3 with no partial step.  Returns ``(m, tree_path, rows)``:
+        ``rows[k]`` the coverage per lc of block ``P + k``; ``m`` is -1 without a hit."""
         B = self.B
         path = self.tree.key_path(root, keys)
-        rows: list[list[int]] = []
-        for i in range(len(path), len(keys)):
-            row = [B if (keys[i], lc) in hits else 0 for lc in range(len(self.lcs))]
-            if not any(row):
-                break
-            rows.append(row)
+        rows = [[B if (keys[i], lc) in hits else 0 for lc in range(len(self.lcs))]
+                for i in range(len(path), len(keys))]
+        while rows and not any(rows[-1]):
+            rows.pop()
         if not rows:
             return -1, path, rows
         m = max(0, (len(path) + len(rows)) * B - self._config.reuse_match_backoff)
@@ -432,7 +431,9 @@ class PyKVCacheManager(KVCacheManager):
             return False
         if self.shared_write_evict:
             self.store_evicted(victim)
+        self.evicting = self.shared_write_evict
         self.drop(victim)
+        self.evicting = False
         return True
 
     def move(self, page: Page, dst: int, reason: str) -> None:
@@ -509,6 +510,8 @@ class PyKVCacheManager(KVCacheManager):
                     self.emit_removed(n.key, lc)
                 page = self.pages[h]
                 if page.locks == 0 and page.holds == 0:
+                    if self.evicting:  # freed with an evicted page: written back too
+                        self.store_evicted(page)
                     self.count(lc, "drops")
                     self.count(lc, "drop_bytes", self.lcs[lc].slot_bytes)
                     self.free_orphan_page(page)
