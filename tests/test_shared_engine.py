@@ -102,14 +102,14 @@ def test_write_back_policy(tmp_path, model, backend):
     store = str(tmp_path / "store")
     tight = ("--shared-write", "evict", "--gpu-slots", "14", "--host-slots", "6")
     a = run_child(store, tmp_path, "a", *tight, "--workload", f"{WORKLOAD},multi-turn", backend=backend)
-    assert a["shared"]["stores"] > 0 and a["copies"]["store"] == a["routes"]["host->shared"]
+    # written when dropped: mostly from the coldest local tier (host), plus the pages that
+    # pruning frees with a victim, wherever they are
+    assert a["shared"]["stores"] > 0 and a["copies"]["store"] == sum(
+        n for route, n in a["routes"].items() if route.endswith("->shared"))
+    assert a["routes"].get("host->shared", 0) > a["routes"].get("gpu->shared", 0)
     assert_exact(model, a)
     b = run_child(store, tmp_path, "b", *tight, backend=backend)
-    # the store holds the first workload's evicted full-attention pages (the lookup finds
-    # them); whether they extend a match depends on the window / ssm pages of the same
-    # blocks, which write-back stores only when eviction drops them (pruning frees them
-    # unstored): with this hybrid model it does not, so this process computes
-    assert b["shared"]["lookup_hits"] > 0 and b["shared"]["load_failures"] == 0
+    assert_reused_from_shared(b)
     assert_exact(model, b)
 
 
