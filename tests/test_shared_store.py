@@ -300,3 +300,17 @@ def test_mooncake_failed_write_is_not_visible(tmp_path):
         finally:
             s.close()
             st.close()
+
+
+def test_missing_mooncake_skips_locally_and_fails_in_ci(monkeypatch):
+    import importlib.util
+
+    import mooncake_env
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        mooncake_env.need_mooncake()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must run"):
+        mooncake_env.need_mooncake()
