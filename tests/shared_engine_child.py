@@ -4,7 +4,9 @@ process's data plane (tests/test_shared_engine.py):
 
 * ``delete-after-lookup``: every object a lookup found is removed right after the lookup,
   before the request's load (evicted / deleted between the two);
-* ``truncate-after-lookup``: likewise, but each found object is cut short (file store);
+* ``truncate-after-lookup``: likewise, but each found object is cut short;
+* ``foreign-after-lookup``: likewise, but each found object is replaced by another one's bytes
+  (a well-formed object of another key);
 * ``kill-master-after-lookup:PID``: the Mooncake master (PID) is killed right after the
   first lookup that found something (the store goes down mid-run);
 * ``fail-puts``: every other object this process writes fails (a failed write).
@@ -21,9 +23,33 @@ import sys
 
 from kvcm import engine
 from kvcm.dataplane import DataPlane
-from kvcm.shared_store import FileStore
+from kvcm.shared_store import HEADER, Staging
 
 fired = {"n": 0}
+
+
+def rewrite(plane: DataPlane, names: list[str], fault: str) -> None:
+    """Replace each object through the store's own API: by its first 50 bytes (truncated),
+    or by the next object's whole bytes (foreign: a valid object of another key)."""
+    store = plane.shared
+    size = HEADER.size + max(lc.slot_bytes for lc in plane.life_cycles)
+    st = Staging(size * len(names))
+    store.register(st)
+    try:
+        got = store.get([(n, i * size, size) for i, n in enumerate(names)], st)
+        blobs = [bytes(st.view[i * size:i * size + g]) for i, g in enumerate(got) if isinstance(g, int)]
+        assert len(blobs) == len(names)
+        if fault == "foreign-after-lookup":
+            blobs = blobs[1:] + blobs[:1]
+        else:
+            blobs = [b[:50] for b in blobs]
+        store.remove(names)  # (a Mooncake put does not replace an existing object)
+        for i, b in enumerate(blobs):
+            st.view[i * size:i * size + len(b)] = b
+        assert store.put([(n, i * size, len(b)) for i, (n, b) in enumerate(zip(names, blobs))], st) == [None] * len(names)
+    finally:
+        store.unregister(st)
+        st.close()
 
 
 def install(fault: str) -> None:
@@ -36,10 +62,8 @@ def install(fault: str) -> None:
         names = [self.codec.name(k, lc) for k, lc in hits]
         if fault == "delete-after-lookup":
             self.shared.remove(names)
-        elif fault == "truncate-after-lookup":
-            assert isinstance(self.shared, FileStore)
-            for n in names:
-                os.truncate(self.shared.path(n), 50)
+        elif fault in ("truncate-after-lookup", "foreign-after-lookup"):
+            rewrite(self, names, fault)
         elif fault.startswith("kill-master-after-lookup:"):
             if fired["n"]:
                 return hits

@@ -146,9 +146,11 @@ def test_faults_file_store(fault, tmp_path, model, backend):
     assert outputs(b) == outputs(a)
 
 
-def test_fault_mooncake_object_deleted_after_lookup(fresh_mooncake, tmp_path, model, backend):
+@pytest.mark.parametrize("fault", ["delete-after-lookup", "truncate-after-lookup", "foreign-after-lookup"])
+def test_faults_mooncake_object_after_lookup(fault, fresh_mooncake, tmp_path, model, backend):
+    """An object deleted, truncated or replaced by a foreign one between lookup and load."""
     a = run_child(fresh_mooncake.url, tmp_path, "a", backend=backend)
-    b = run_child(fresh_mooncake.url, tmp_path, "b", "--fault", "delete-after-lookup", backend=backend)
+    b = run_child(fresh_mooncake.url, tmp_path, "b", "--fault", fault, backend=backend)
     assert b["fault_hits"] > 0 and b["shared"]["load_failures"] > 0 and b["counters"]["rollbacks"] > 0
     assert_exact(model, b)
     assert outputs(b) == outputs(a)
