@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kvcm import AttentionLayer, ConfigError, CopyOp, KVCacheManagerConfig, ReuseScope, Status, Tier
+from kvcm import AttentionLayer, ConfigError, CopyOp, KVCacheManagerConfig, ReuseScope, SsmLayer, Status, Tier
 
 from parity.helpers import (
     B,
@@ -213,7 +213,7 @@ def test_evict_writes_the_pages_pruning_frees_with_the_victim(make_manager):
     # a reader with only the store reuses the whole prefix: attention pages of blocks 0, 1
     # were never written (still cached in w), so it gets none of them...
     store = written(ops)
-    r, kv = reader(make_manager, shared(hybrid_cfg()), P[:12], store)
+    _r, kv = reader(make_manager, shared(hybrid_cfg()), P[:12], store)
     assert kv.num_reused_tokens == 0
     # ...until w evicts them too
     fill(w, Q[4:12])
@@ -470,6 +470,37 @@ def test_a_failed_shared_onboard_rolls_the_request_back_and_rematches_locally(ma
     assert kv.resume() and kv.resize(12)
     kv.commit(P[4:12])
     assert [o.reason for o in r.drain_copy_ops()] == ["store", "store"]
+    r.check_invariants()
+
+
+def test_a_failed_snapshot_load_loses_the_ssm_state_and_rematches(make_manager):
+    cfg = shared(ssm_cfg(gpu=4))
+    store, _ = written_by(make_manager, cfg, P[:12])
+    r, kv = reader(make_manager, cfg, P[:12], store)
+    assert kv.resume()
+    ops = r.drain_copy_ops()  # onboard of block 2's snapshot, then its copy into the live state
+    r.take_events()
+    # CopyError.ops lists the failed load and every op after it
+    assert r.forget_copies(ops) == [kv.id]
+    assert kv.status == Status.SUSPENDED and kv.num_committed_tokens == 0
+    assert snap(r)["tree"] == [n for n in snap(r)["tree"] if n["root"]]  # nothing reusable is left
+    assert lc_stats(r.stats(), 0)["lost_pages"] == 2
+    r.check_invariants()
+
+
+def test_window_and_ssm_extension(make_manager):
+    cfg = shared(KVCacheManagerConfig(tokens_per_block=B, layers=[AttentionLayer(0, 4, window=5), SsmLayer(1, 16)],
+                                      tiers=[Tier("gpu", 16 * 12)], pool_ratio={0: 8.0, 1: 4.0}))
+    store, _ = written_by(make_manager, cfg, P[:16])
+    k = keys(P[:16])
+    assert store == {(k[i], 0) for i in range(4)} | {(k[3], 1)}
+    r, kv = reader(make_manager, cfg, P[:16], store)
+    assert kv.num_reused_tokens == 16
+    # stale at 16 (window 5: blocks ending before token 12): 0..2; held: block 3 and the snapshot
+    assert stored(r.take_events()) == [(k[3], 0), (k[3], 1)]
+    assert kv.resume()
+    assert r.drain_copy_ops() == [onboard_op(0, 0, k[3]), onboard_op(1, 0, k[3]), CopyOp(1, 0, 0, 0, 1, "cow")]
+    assert kv.page_indices(0) == [-1, -1, -1, 0]
     r.check_invariants()
 
 
