@@ -25,9 +25,9 @@ def location(request, tmp_path) -> str:
     return request.getfixturevalue("mooncake").url
 
 
-def fleet(trace, n, shared, backend, namespace, gpu_blocks=300):
+def fleet(trace, n, shared, backend, namespace, gpu_blocks=300, shared_write="commit"):
     return run_fleet(trace, n, shared=shared, backend=backend, tokens_per_block=B, page_bytes=PAGE,
-                     gpu_blocks=gpu_blocks, namespace=namespace)
+                     gpu_blocks=gpu_blocks, namespace=namespace, shared_write=shared_write)
 
 
 def test_shared_tier_raises_the_hit_rate_of_a_round_robin_fleet(trace, location, backend, request):
@@ -45,17 +45,21 @@ def test_shared_tier_raises_the_hit_rate_of_a_round_robin_fleet(trace, location,
     # a second shared fleet on the same store finds everything the first one wrote
     again = fleet(trace, 2, location, backend, ns)
     assert again.hit_rate > shared.hit_rate
+    # write-back: only what the small gpu tiers evict reaches the store
+    evict = fleet(trace, 2, location, backend, ns + "/evict", shared_write="evict")
+    assert 0 < evict.plane["stores"] < shared.plane["stores"] and evict.mode == "evict"
+    assert local.hit_rate <= evict.hit_rate <= shared.hit_rate
 
 
 def test_cli_fleet_replay(tmp_path, capsys, backend):
     png = tmp_path / "fleet.png"
     rc = main(["replay", "--limit", "12", "--instances", "1,2", "--shared-tier", f"file:{tmp_path / 'store'}",
-               "--page-bytes", str(PAGE), "--backend", backend, "--plot", str(png)])
+               "--page-bytes", str(PAGE), "--backend", backend, "--plot", str(png), "--shared-write", "commit,evict"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "raw file in the same run" in out
     rows = [line.split() for line in out.splitlines() if line[:2] in ("1 ", "2 ")]
-    assert [(r[0], r[1]) for r in rows] == [("1", "local"), ("1", "shared"), ("2", "local"), ("2", "shared")]
+    assert [(r[0], r[1]) for r in rows] == [(n, t) for n in "12" for t in ("local", "shared:commit", "shared:evict")]
     assert png.stat().st_size > 0
 
 

@@ -90,6 +90,13 @@ def _int_list(text: str) -> list[int]:
     return ns
 
 
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names or any(p not in ("commit", "evict") for p in names):
+        raise argparse.ArgumentTypeError(f"write policies are commit and evict, got {text!r}")
+    return names
+
+
 def _frac(text: str) -> float:
     try:
         v = float(text)
@@ -324,7 +331,8 @@ def cmd_fleet(args: argparse.Namespace, trace: Sequence[Any]) -> int:
         return 2
     try:
         main_fleet(trace, args.instances, args.shared_tier, backend=args.backend[0] if args.backend else None,
-                   tokens_per_block=B, page_bytes=args.page_bytes, gpu_blocks=gpu, plot_path=args.plot or None)
+                   tokens_per_block=B, page_bytes=args.page_bytes, gpu_blocks=gpu, plot_path=args.plot or None,
+                   policies=args.shared_write)
     except (OSError, ValueError, ImportError) as e:
         print(f"replay: {e}", file=sys.stderr)
         return 2
@@ -593,6 +601,8 @@ def _add_replay_parser(sub: Any) -> None:
                    help="file:DIR, a directory, mooncake (a local Mooncake Store for the run) or "
                         "mooncake://host:port?metadata=url")
     f.add_argument("--page-bytes", type=_int_in(2), default=4096, help="bytes of one page (default 4096)")
+    f.add_argument("--shared-write", type=_policies, default=["commit"],
+                   help="write policies to run: commit, evict or commit,evict (default commit)")
     f.add_argument("--plot", default="kvcm-fleet.png", help="PNG to write (default kvcm-fleet.png; '' for none)")
 
 

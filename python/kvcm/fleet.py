@@ -49,7 +49,7 @@ NUM_LAYERS = 2
 @dataclass
 class FleetResult:
     instances: int
-    mode: str  # "local" or "shared"
+    mode: str  # "local", or the shared tier's write policy: "commit" / "evict"
     backend: str
     requests: int = 0
     prompt_tokens: int = 0
@@ -65,7 +65,8 @@ class FleetResult:
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def fleet_config(B: int, page_bytes: int, gpu_blocks: int, shared: str | None, namespace: str) -> KVCacheManagerConfig:
+def fleet_config(B: int, page_bytes: int, gpu_blocks: int, shared: str | None, namespace: str,
+                 shared_write: str = "commit") -> KVCacheManagerConfig:
     per_token = page_bytes // (NUM_LAYERS * B)
     if per_token < 1 or per_token * NUM_LAYERS * B != page_bytes:
         raise ValueError(f"--page-bytes {page_bytes} is not a multiple of {NUM_LAYERS} layers x {B} tokens")
@@ -73,7 +74,7 @@ def fleet_config(B: int, page_bytes: int, gpu_blocks: int, shared: str | None, n
     if shared is not None:
         tiers.append(Tier("shared", 0, path=shared))
     return KVCacheManagerConfig(tokens_per_block=B, layers=[AttentionLayer(i, per_token) for i in range(NUM_LAYERS)],
-                                tiers=tiers, shared_namespace=namespace)
+                                tiers=tiers, shared_namespace=namespace, shared_write=shared_write)
 
 
 def _apply(mgr: KVCacheManager, plane: DataPlane) -> int:
@@ -112,15 +113,16 @@ def _request(mgr: KVCacheManager, plane: DataPlane, prompt: list[int], res: Flee
 
 def run_fleet(trace: Sequence[TraceRequest], instances: int, *, shared: str | None, backend: str | None,
               tokens_per_block: int, page_bytes: int, gpu_blocks: int, namespace: str,
-              store: SharedStore | None = None) -> FleetResult:
+              store: SharedStore | None = None, shared_write: str = "commit") -> FleetResult:
     """Replay ``trace`` round-robin over ``instances`` managers; ``shared`` (a store location)
-    adds the shared tier to each of them (all on one store: ``store`` if given)."""
-    config = fleet_config(tokens_per_block, page_bytes, gpu_blocks, shared, namespace)
+    adds the shared tier to each of them (all on one store: ``store`` if given), written
+    by the ``shared_write`` policy."""
+    config = fleet_config(tokens_per_block, page_bytes, gpu_blocks, shared, namespace, shared_write)
     mgrs = [KVCacheManager(config, backend=backend) for _ in range(instances)]
     import torch  # the data plane's; byte views, so any page size works
 
     planes = [DataPlane(config, store=store, dtype=torch.uint8) for _ in range(instances)]
-    res = FleetResult(instances, "shared" if shared else "local", mgrs[0].backend_name)
+    res = FleetResult(instances, shared_write if shared else "local", mgrs[0].backend_name)
     # one torch thread: the copies are small, and OpenMP workers spinning on a busy machine
     # made the gathers into the staging buffer ~4x slower (kvcm.engine.torch_threads)
     threads = torch.get_num_threads()
@@ -188,9 +190,9 @@ def fleet_table(results: Sequence[FleetResult], raw: dict[str, float] | None, st
     rows = []
     for r in results:
         p, s = r.plane, r.seconds
-        shared = r.mode == "shared"
+        shared = r.mode != "local"
         rows.append([
-            str(r.instances), r.mode, f"{100 * r.hit_rate:.2f}%", fmt_int(r.reused_tokens),
+            str(r.instances), "local" if not shared else f"shared:{r.mode}", f"{100 * r.hit_rate:.2f}%", fmt_int(r.reused_tokens),
             fmt_int(r.shared_hit_blocks) if shared else "-",
             f"{p.get('store_bytes', 0) / 1e6:.1f}" if shared else "-",
             f"{p.get('load_bytes', 0) / 1e6:.1f}" if shared else "-",
@@ -217,16 +219,19 @@ def plot(results: Sequence[FleetResult], raw: dict[str, float] | None, path: str
     ns = sorted({r.instances for r in results})
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.38
-    for k, mode in enumerate(("local", "shared")):
+    modes = [m for m in ("local", "commit", "evict") if any(r.mode == m for r in results)]
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
         rate = {r.instances: 100 * r.hit_rate for r in results if r.mode == mode}
-        a.bar([i + (k - 0.5) * width for i in range(len(ns))], [rate.get(n, 0) for n in ns], width,
-              label="local tiers only" if mode == "local" else "with the shared tier")
+        a.bar([i + (k - (len(modes) - 1) / 2) * width for i in range(len(ns))], [rate.get(n, 0) for n in ns], width,
+              label="local tiers only" if mode == "local" else f"shared tier, write on {mode}")
     a.set_xticks(range(len(ns)), [f"N={n}" for n in ns])
     a.set_ylabel("reused prompt tokens (%)")
     a.set_title("hit rate, round-robin fleet")
     a.legend(loc="center left")
-    sh = [r for r in results if r.mode == "shared"]
-    labels = [f"plane N={r.instances}" for r in sh]
+    width = 0.38
+    sh = [r for r in results if r.mode != "local"]
+    labels = [f"plane N={r.instances} {r.mode}" for r in sh]
     put = [_mbps(r.plane.get("store_bytes", 0), r.seconds.get("store", 0)) for r in sh]
     get = [_mbps(r.plane.get("load_bytes", 0), r.seconds.get("load", 0)) for r in sh]
     if raw:
@@ -261,8 +266,9 @@ def resolve_shared(spec: str, scratch: str) -> tuple[str, Any]:
 
 def main_fleet(trace: Sequence[TraceRequest], instance_counts: Sequence[int], shared_spec: str, *,
                backend: str | None, tokens_per_block: int, page_bytes: int, gpu_blocks: int,
-               plot_path: str | None, raw: bool = True) -> list[FleetResult]:
-    """Run the local-only and shared fleets for each N, print the table, write the plot."""
+               plot_path: str | None, raw: bool = True, policies: Sequence[str] = ("commit",)) -> list[FleetResult]:
+    """Run the local-only fleet and a shared one per write policy for each N, print the
+    table, write the plot."""
     scratch = tempfile.mkdtemp(prefix="kvcm-fleet-")
     location, local_mc = resolve_shared(shared_spec, scratch)
     results: list[FleetResult] = []
@@ -271,13 +277,14 @@ def main_fleet(trace: Sequence[TraceRequest], instance_counts: Sequence[int], sh
     try:
         run_id = f"fleet-{os.getpid()}-{time.monotonic_ns()}"
         for n in instance_counts:
-            for shared in (None, location):
+            for shared, policy in [(None, "commit"), *((location, p) for p in policies)]:
                 results.append(run_fleet(trace, n, shared=shared, backend=backend, tokens_per_block=tokens_per_block,
-                                         page_bytes=page_bytes, gpu_blocks=gpu_blocks, namespace=f"{run_id}-N{n}",
-                                         store=store if shared else None))
+                                         page_bytes=page_bytes, gpu_blocks=gpu_blocks,
+                                         namespace=f"{run_id}-N{n}-{policy}", store=store if shared else None,
+                                         shared_write=policy))
                 r = results[-1]
                 print(f"  N={n} {r.mode}: hit rate {100 * r.hit_rate:.2f}% ({r.wall_s:.1f} s)", flush=True)
-        sh = [r for r in results if r.mode == "shared"]
+        sh = [r for r in results if r.mode != "local"]
         objects = sum(r.plane.get("stores", 0) for r in sh) // max(len(sh), 1)
         batches = sum(r.plane.get("put_batches", 0) for r in sh) // max(len(sh), 1)
         if raw and objects:
