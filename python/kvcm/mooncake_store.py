@@ -77,8 +77,8 @@ class MooncakeStore(SharedStore):
                  protocol: str = "tcp", local_hostname: str = "127.0.0.1", down_retry_s: float = 2.0) -> None:
         self.down_retry_s = down_retry_s
         self._down_until = 0.0  # time.monotonic() before which the store is taken as down
-        # glog to stderr at WARNING and above unless the user chose otherwise
-        os.environ.setdefault("GLOG_minloglevel", "1")
+        # Mooncake's log: warnings and errors only, unless the user chose otherwise
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -241,6 +241,7 @@ class LocalMooncake:
             raise
 
     def _spawn(self, log_dir: str | None, name: str, argv: list[str]) -> subprocess.Popen:
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # (inherited: warnings and errors only)
         log = open(os.path.join(log_dir, f"mooncake-{name}.log"), "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
         if log is not subprocess.DEVNULL:
             self._logs.append(log)
