@@ -241,11 +241,11 @@ class LocalMooncake:
             raise
 
     def _spawn(self, log_dir: str | None, name: str, argv: list[str]) -> subprocess.Popen:
-        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # (inherited: warnings and errors only)
         log = open(os.path.join(log_dir, f"mooncake-{name}.log"), "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
         if log is not subprocess.DEVNULL:
             self._logs.append(log)
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        env = {"MC_LOG_LEVEL": "WARNING", **os.environ}  # warnings and errors only, unless told otherwise
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def start_client(self, log_dir: str | None = None, timeout: float = 30.0) -> None:
         """(Re)start the storage client (after :meth:`kill_client`, with an empty segment)."""
