@@ -205,6 +205,19 @@ def test_failed_store_then_failed_load(tmp_path, ns):
         assert e.value.ops == [st, ld, tail]
 
 
+def test_failed_load_before_failed_store_in_one_run(tmp_path, ns):
+    """In one run a failed load listed before a failed store that follows it: op order."""
+    spy = open_spy(str(tmp_path))
+    with make_plane(str(tmp_path), ns, spy) as plane:
+        fill(plane)
+        spy.fail_put.add(plane.codec.name(key(1), 0))
+        ld = CopyOp(0, SHARED, -1, 0, 6, "onboard", key=key(9))  # never stored
+        st = CopyOp(0, 0, 1, SHARED, -1, "store", key=key(1))
+        with pytest.raises(CopyError) as e:
+            plane.apply([ld, st])
+        assert e.value.ops == [ld, st]
+
+
 def test_store_down_lookup_is_empty_and_loads_fail(tmp_path, fresh_mooncake, ns):
     with make_plane(fresh_mooncake.url, ns) as plane:
         fill(plane)

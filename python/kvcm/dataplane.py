@@ -503,6 +503,8 @@ class DataPlane:
             if len(stores) < len(failed):
                 failed_ids = {id(op) for op in failed if op.reason != "store"}
                 lost = failed_stores + [op for op in run if id(op) in failed_ids] + checked[done + len(run):]
+                pos = {id(op): i for i, op in enumerate(checked)}
+                lost.sort(key=lambda op: pos[id(op)])  # in op order
                 first = next(op for op in failed if op.reason != "store")
                 raise CopyError(f"{len(lost)} of {len(checked)} copy ops did not complete "
                                 f"(first failure: {first.to_json()}: {cause})", lost, cause)
