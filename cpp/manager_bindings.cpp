@@ -579,6 +579,13 @@ void bind_request_calls(nb::class_<Manager>& cls) {
           },
           "serial"_a, "tokens"_a.none())
       .def(
+          "commit_input",
+          [](Manager& mgr, std::int64_t serial, std::optional<std::int64_t> n) {
+            // n was checked by the Python layer (kvcm.checks.check_count); the rest here
+            locked(mgr, [&] { mgr.commit_input(serial, n); });
+          },
+          "serial"_a, "n"_a.none())
+      .def(
           "stop_committing",
           [](Manager& mgr, std::int64_t serial) { locked(mgr, [&] { mgr.stop_committing(serial); }); }, "serial"_a)
       .def(

@@ -146,6 +146,7 @@ def test_every_public_call_has_an_op():
         "suspend",
         "resize",
         "commit",
+        "commit_input",
         "stop_committing",
         "close",
         "page_indices",

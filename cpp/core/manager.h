@@ -185,6 +185,8 @@ class Manager {
   void suspend(std::int64_t serial);
   bool resize(std::int64_t serial, std::int64_t capacity, std::optional<std::int64_t> history);
   void commit(std::int64_t serial, TokenSeq tokens);
+  // commit of the next n input tokens (nullopt: all the rest; kvcm.api.KVCache.commit_input)
+  void commit_input(std::int64_t serial, std::optional<std::int64_t> n);
   void stop_committing(std::int64_t serial);
   ClosedTokens close(std::int64_t serial);
   std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc);
@@ -214,8 +216,9 @@ class Manager {
   // batched calls run every item's check before the first x_checked.
   void check_resize(const Request& r, std::int64_t capacity, std::int64_t history) const;
   bool resize_checked(Request& r, std::int64_t capacity, std::int64_t history);
-  void check_commit(const Request& r, std::int64_t ntokens) const;
+  void check_commit(const Request& r, std::int64_t ntokens, const char* what = "commit") const;
   void commit_checked(Request& r, TokenSeq tokens);
+  void commit_appended(Request& r, std::int64_t old);
   std::vector<Page*> used_pages(Request& r);
   std::vector<Page*> cow_sources(Request& r);
   void ensure_room(std::int64_t tier, std::int64_t lc);

@@ -409,9 +409,34 @@ void Manager::commit(std::int64_t serial, TokenSeq tokens_in) {
   commit_checked(r, tokens_in);
 }
 
+// The prompt handed over once (DECISIONS.md "commit_input"): the next n codes of the
+// request's input tokens are appended as they are (already in the manager's code space; no
+// second token list to parse or intern), then commit's work.
+// py: request.py PyKVCache.commit_input — SPEC sec. 7
+void Manager::commit_input(std::int64_t serial, std::optional<std::int64_t> n_arg) {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("commit_input() on a closed cache");
+  Request& r = it->second;
+  const auto nc = static_cast<std::int64_t>(r.tokens.size());
+  const auto nin = static_cast<std::int64_t>(r.input_tokens.size());
+  const std::int64_t avail = std::max<std::int64_t>(0, nin - nc);
+  const std::int64_t n = n_arg ? *n_arg : avail;
+  check_commit(r, n, "commit_input");
+  if (n > avail) {
+    throw ValueErr("commit_input of " + std::to_string(n) + " tokens exceeds the input (" + std::to_string(nin) +
+                   " input tokens, " + std::to_string(nc) + " committed)");
+  }
+  if (n == 0) return;
+  const auto from = r.input_tokens.begin() + nc;
+  r.tokens.insert(r.tokens.end(), from, from + n);
+  // r.tokens holds its own digest references (sec. 15), as after intern_into
+  if (r.has_digests) tree_.retain_all(std::span<const Tok>(r.tokens).subspan(static_cast<std::size_t>(nc)));
+  commit_appended(r, nc);
+}
+
 // py: request.py PyKVCache.check_commit — SPEC sec. 7
-void Manager::check_commit(const Request& r, std::int64_t nnew) const {
-  require(r, ReqStatus::active, "commit");
+void Manager::check_commit(const Request& r, std::int64_t nnew, const char* what) const {
+  require(r, ReqStatus::active, what);
   if (r.stopped) throw InvalidStateErr("commit after stop_committing()");
   const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
   if (ncommitted + nnew > r.capacity) {
@@ -431,8 +456,12 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
     r.tokens.resize(static_cast<std::size_t>(ncommitted));  // nothing changed
     throw;
   }
+  commit_appended(r, ncommitted);
+}
+
+// commit's work once its tokens are appended to r.tokens (the first `old` were there before).
+void Manager::commit_appended(Request& r, std::int64_t old) {
   tick();
-  const std::int64_t old = ncommitted;
   const std::int64_t old_history = r.history;
   const auto now = static_cast<std::int64_t>(r.tokens.size());
   r.history = std::max(r.history, now);

@@ -371,6 +371,14 @@ class KVCache(abc.ABC):
         """ACTIVE only.  Append tokens; every block that becomes full enters the tree."""
 
     @abc.abstractmethod
+    def commit_input(self, n: int | None = None) -> None:
+        """ACTIVE only.  :meth:`commit` of the next ``n`` tokens of the ``input_tokens``
+        given at create (``input_tokens[c : c + n]``, ``c`` = :attr:`num_committed_tokens`),
+        without handing them over again; ``None``: all the rest of them.  The checks of
+        :meth:`commit` (status, stopped, capacity), then ValueError when fewer than ``n``
+        input tokens follow position ``c``; ``n`` itself is checked first (an int >= 0)."""
+
+    @abc.abstractmethod
     def stop_committing(self) -> None:
         """Insert the partial tail as a partial block; later commits raise."""
 
