@@ -53,6 +53,20 @@ const Api& api() {
 
 nb::handle h(PyObject* o) { return nb::handle(o); }
 
+// A copy op's reason as an interned str, borrowed.  Reasons are a handful of string
+// literals: the last few seen are remembered by address, so an op costs no strlen and no
+// interning lookup (the table only ever grows by the distinct literals the core uses).
+PyObject* reason_str(const char* reason) {
+  static std::vector<std::pair<const char*, PyObject*>> seen;  // kept for the process
+  for (const auto& [p, str] : seen) {
+    if (p == reason) return str;
+  }
+  PyObject* str = PyUnicode_InternFromString(reason);
+  if (str == nullptr) throw nb::python_error();
+  seen.emplace_back(reason, str);
+  return str;
+}
+
 // Long calls: release the GIL, then take the manager's mutex (always in this order; the
 // locked section never touches Python, so a thread holding the mutex never waits for the GIL).
 // After the call (GIL held again): the one-time pending-copy-ops warning (SPEC sec. 15),
@@ -171,28 +185,29 @@ nb::object event_obj(const kvcm::EventC& e, std::span<const kvcm::TokenOut> toke
 }
 
 // kvcm.api.CopyOp objects without running the frozen dataclass' __init__ (six
-// object.__setattr__ calls): allocate the instance and fill its __dict__ directly, which
-// is what __init__ would leave behind.
+// object.__setattr__ calls through Python): object.__new__ (which sets up the instance's
+// inline attribute values, 3.11+), then each field stored with the generic setattr, which
+// writes those values in place — no per-op dict is built (building one cost ~4k
+// instructions an op, the whole manager's budget for a block).  `key` keeps its class
+// default (None): no op of this backend names a shared object.
 nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
   static PyObject* names[6] = {PyUnicode_InternFromString("lc"),       PyUnicode_InternFromString("src_tier"),
                                PyUnicode_InternFromString("src_slot"), PyUnicode_InternFromString("dst_tier"),
                                PyUnicode_InternFromString("dst_slot"), PyUnicode_InternFromString("reason")};
+  static PyObject* no_args = PyTuple_New(0);
   auto* tp = reinterpret_cast<PyTypeObject*>(api().CopyOp);
   nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(ops.size())));
   if (!out.is_valid()) throw nb::python_error();
   for (std::size_t i = 0; i < ops.size(); ++i) {
     const kvcm::CopyOpC& o = ops[i];
-    nb::object obj = nb::steal(tp->tp_alloc(tp, 0));
+    nb::object obj = nb::steal(PyBaseObject_Type.tp_new(tp, no_args, nullptr));
     if (!obj.is_valid()) throw nb::python_error();
-    nb::object dict = nb::steal(PyObject_GenericGetDict(obj.ptr(), nullptr));
-    if (!dict.is_valid()) throw nb::python_error();
     const std::int64_t values[5] = {o.lc, o.src_tier, o.src_slot, o.dst_tier, o.dst_slot};
     for (int k = 0; k < 5; ++k) {
       nb::object v = nb::steal(PyLong_FromLongLong(values[k]));
-      if (!v.is_valid() || PyDict_SetItem(dict.ptr(), names[k], v.ptr()) != 0) throw nb::python_error();
+      if (!v.is_valid() || PyObject_GenericSetAttr(obj.ptr(), names[k], v.ptr()) != 0) throw nb::python_error();
     }
-    nb::object reason = nb::steal(PyUnicode_InternFromString(o.reason));
-    if (!reason.is_valid() || PyDict_SetItem(dict.ptr(), names[5], reason.ptr()) != 0) throw nb::python_error();
+    if (PyObject_GenericSetAttr(obj.ptr(), names[5], reason_str(o.reason)) != 0) throw nb::python_error();
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), obj.release().ptr());
   }
   return nb::borrow<nb::list>(out);

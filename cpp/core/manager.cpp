@@ -93,21 +93,7 @@ NodeId Manager::new_block(const Digest& key, std::span<const Tok> tokens, std::i
   return tree_.new_block(key, tokens, ordinal);
 }
 
-Page& Manager::page(std::int64_t handle) {
-  return const_cast<Page&>(static_cast<const Manager&>(*this).page(handle));
-}
-
-const Page& Manager::page(std::int64_t handle) const {
-  if (!page_alive(handle)) throw InternalErr("kvcm bug: no page " + std::to_string(handle));
-  const auto h = static_cast<std::size_t>(handle);
-  return page_chunks_[h / kPageChunk][h % kPageChunk];
-}
-
-bool Manager::page_alive(std::int64_t handle) const noexcept {
-  if (handle < 0 || handle >= page_slots_) return false;
-  const auto h = static_cast<std::size_t>(handle);
-  return page_chunks_[h / kPageChunk][h % kPageChunk].handle == handle;
-}
+void Manager::no_page(std::int64_t handle) { throw InternalErr("kvcm bug: no page " + std::to_string(handle)); }
 
 // py: manager.py PyKVCacheManager.new_page — SPEC sec. 4
 Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,

@@ -249,10 +249,22 @@ class Manager {
   std::int64_t tick() { return ++clock_; }
   // Pages are addressed by handle (a slot of the page slab, reused after the page is
   // freed); snapshots show the page's serial instead.
-  Page& page(std::int64_t handle);
-  const Page& page(std::int64_t handle) const;
+  Page& page(std::int64_t handle) {
+    if (!page_alive(handle)) [[unlikely]] no_page(handle);
+    return slab(handle);
+  }
+  const Page& page(std::int64_t handle) const {
+    if (!page_alive(handle)) [[unlikely]] no_page(handle);
+    const auto h = static_cast<std::size_t>(handle);
+    return page_chunks_[h / kPageChunk][h % kPageChunk];
+  }
+  [[noreturn]] static void no_page(std::int64_t handle);
   Page* page_ptr(std::int64_t handle) { return handle < 0 ? nullptr : &page(handle); }
-  bool page_alive(std::int64_t handle) const noexcept;
+  bool page_alive(std::int64_t handle) const noexcept {
+    if (handle < 0 || handle >= page_slots_) return false;
+    const auto h = static_cast<std::size_t>(handle);
+    return page_chunks_[h / kPageChunk][h % kPageChunk].handle == handle;
+  }
   // Unchecked: for handles the manager's own links hold (the eviction list), always live.
   Page& slab(std::int64_t handle) noexcept {
     const auto h = static_cast<std::size_t>(handle);

@@ -233,43 +233,53 @@ def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, o
     res.requests += 1
     res.prompt_tokens += n
     res.prompt_blocks += ceildiv(n, B)
+    drained: list[list] = []  # the engine executes these; counted by reason off the clock
     ts = clock()
     kv = mgr.create_kv_cache(prompt)
     ok = kv.resume()
     if ok:
         ok = kv.resize(n)
     if not ok:
+        kv.close()
+        drained.append(mgr.drain_copy_ops())
+        spent = clock() - ts
         res.preemptions += 1
         res.failed += 1
-        kv.close()
-        for op in mgr.drain_copy_ops():
-            ops[op.reason] += 1
-        return clock() - ts
+        _count_ops(ops, drained)
+        return spent
     reused = kv.num_reused_tokens
-    for op in mgr.drain_copy_ops():
-        ops[op.reason] += 1
+    drained.append(mgr.drain_copy_ops())
     kv.commit_input()  # the rest of the prompt given at create
     cap = n
     k = res.output_step
     done = 0
+    truncated = False
     for i in range(0, len(outputs), k):
         step = outputs[i : i + k]
         cap += len(step)
         if not kv.resize(cap):
-            res.preemptions += 1
-            res.truncated += 1
+            truncated = True
             break
-        for op in mgr.drain_copy_ops():
-            ops[op.reason] += 1
+        drained.append(mgr.drain_copy_ops())
         kv.commit(step)
         done += len(step)
     kv.close()
+    spent = clock() - ts
+    if truncated:
+        res.preemptions += 1
+        res.truncated += 1
     res.output_tokens += done
     res.output_blocks += ceildiv(n + done, B) - ceildiv(n, B)
-    spent = clock() - ts
     res.reused_tokens += reused
     res.reused_blocks += ceildiv(reused, B)
+    _count_ops(ops, drained)
     return spent
+
+
+def _count_ops(ops: Counter[str], drained: list[list]) -> None:
+    for batch in drained:
+        for op in batch:
+            ops[op.reason] += 1
 
 
 __all__ = ["ReplayResult", "eviction_counts", "replay", "replay_config", "slot_bytes"]
