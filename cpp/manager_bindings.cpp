@@ -8,6 +8,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <structmember.h>
+
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <type_traits>
@@ -184,30 +187,68 @@ nb::object event_obj(const kvcm::EventC& e, std::span<const kvcm::TokenOut> toke
   }
 }
 
-// kvcm.api.CopyOp objects without running the frozen dataclass' __init__ (six
-// object.__setattr__ calls through Python): object.__new__ (which sets up the instance's
-// inline attribute values, 3.11+), then each field stored with the generic setattr, which
-// writes those values in place — no per-op dict is built (building one cost ~4k
-// instructions an op, the whole manager's budget for a block).  `key` keeps its class
-// default (None): no op of this backend names a shared object.
+// kvcm.api.CopyOp objects without running the frozen dataclass' __init__ (seven
+// object.__setattr__ calls through Python).  CopyOp is a slots dataclass: the instance is
+// allocated and each field's slot written directly at the offset its member descriptor
+// gives (looked up once) — an op costs two int objects and a few stores, which matters
+// when every allocation of a full pool offloads a page.  Should CopyOp ever lose its
+// slots, the fields go through the generic setattr instead (same result, slower).
+struct CopyOpLayout {
+  static constexpr int kFields = 7;  // lc, src_tier, src_slot, dst_tier, dst_slot, reason, key
+  PyObject* names[kFields] = {};
+  Py_ssize_t offsets[kFields] = {};
+  bool direct = true;
+  CopyOpLayout() {
+    static const char* fields[kFields] = {"lc", "src_tier", "src_slot", "dst_tier", "dst_slot", "reason", "key"};
+    auto* tp = reinterpret_cast<PyTypeObject*>(api().CopyOp);
+    for (int k = 0; k < kFields; ++k) {
+      names[k] = PyUnicode_InternFromString(fields[k]);  // kept for the process
+      PyObject* d = names[k] != nullptr ? PyDict_GetItemWithError(tp->tp_dict, names[k]) : nullptr;
+      if (d != nullptr && Py_TYPE(d) == &PyMemberDescr_Type) {
+        const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+        direct = direct && m->type == T_OBJECT_EX && !(m->flags & READONLY);
+        offsets[k] = m->offset;
+      } else {
+        direct = false;
+      }
+    }
+    PyErr_Clear();
+  }
+};
+
 nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
-  static PyObject* names[6] = {PyUnicode_InternFromString("lc"),       PyUnicode_InternFromString("src_tier"),
-                               PyUnicode_InternFromString("src_slot"), PyUnicode_InternFromString("dst_tier"),
-                               PyUnicode_InternFromString("dst_slot"), PyUnicode_InternFromString("reason")};
-  static PyObject* no_args = PyTuple_New(0);
+  static const CopyOpLayout* layout = new CopyOpLayout();  // intentionally never freed
   auto* tp = reinterpret_cast<PyTypeObject*>(api().CopyOp);
   nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(ops.size())));
   if (!out.is_valid()) throw nb::python_error();
   for (std::size_t i = 0; i < ops.size(); ++i) {
     const kvcm::CopyOpC& o = ops[i];
-    nb::object obj = nb::steal(PyBaseObject_Type.tp_new(tp, no_args, nullptr));
-    if (!obj.is_valid()) throw nb::python_error();
+    PyObject* fields[CopyOpLayout::kFields] = {};
     const std::int64_t values[5] = {o.lc, o.src_tier, o.src_slot, o.dst_tier, o.dst_slot};
-    for (int k = 0; k < 5; ++k) {
-      nb::object v = nb::steal(PyLong_FromLongLong(values[k]));
-      if (!v.is_valid() || PyObject_GenericSetAttr(obj.ptr(), names[k], v.ptr()) != 0) throw nb::python_error();
+    for (int k = 0; k < 5; ++k) fields[k] = PyLong_FromLongLong(values[k]);
+    fields[5] = reason_str(o.reason);
+    fields[6] = Py_None;
+    Py_INCREF(fields[5]);
+    Py_INCREF(fields[6]);
+    nb::object obj;
+    bool ok = std::all_of(fields, fields + 5, [](PyObject* f) { return f != nullptr; });
+    if (ok && layout->direct) {
+      obj = nb::steal(tp->tp_alloc(tp, 0));
+      if (obj.is_valid()) {
+        for (int k = 0; k < CopyOpLayout::kFields; ++k) {
+          *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj.ptr()) + layout->offsets[k]) = fields[k];
+          fields[k] = nullptr;  // the instance owns it now
+        }
+      }
+    } else if (ok) {
+      static PyObject* no_args = PyTuple_New(0);
+      obj = nb::steal(PyBaseObject_Type.tp_new(tp, no_args, nullptr));
+      for (int k = 0; obj.is_valid() && k < CopyOpLayout::kFields; ++k) {
+        if (PyObject_GenericSetAttr(obj.ptr(), layout->names[k], fields[k]) != 0) obj = nb::object();
+      }
     }
-    if (PyObject_GenericSetAttr(obj.ptr(), names[5], reason_str(o.reason)) != 0) throw nb::python_error();
+    for (PyObject* f : fields) Py_XDECREF(f);
+    if (!obj.is_valid()) throw nb::python_error();
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), obj.release().ptr());
   }
   return nb::borrow<nb::list>(out);

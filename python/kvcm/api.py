@@ -195,7 +195,7 @@ CopyReason = Literal["offload", "onboard", "cow", "snapshot", "store"]
 SHARED = 3  # tier number of the shared tier (a store shared by many managers; DECISIONS.md)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: the cpp backend fills them directly (one op per evicted page)
 class CopyOp:
     """Copy one page: the engine executes these in order before using the step's indices.
     Tiers are SPEC's numbers by kind (``GPU, HOST, DISK = 0, 1, 2``), whatever tiers the
