@@ -345,7 +345,7 @@ void Manager::add_copy_op(const CopyOpC& op) {
 }
 
 // py: manager.py PyKVCacheManager.emit — SPEC sec. 9
-EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
+EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens, bool tokens_have_digest) {
   const std::int64_t id = event_id();  // ids advance even for events nobody buffers
   if (cfg_.max_events == 0) {
     ++events_dropped_;
@@ -369,7 +369,7 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
   e.ntokens = static_cast<std::uint32_t>(tokens.size());
   event_tokens_.append(tokens.begin(), tokens.end());
   std::uint32_t sized = e.ntokens;
-  if (RadixTree::any_digest(tokens)) {
+  if (tokens_have_digest) {
     tree_.retain_all(tokens);  // the buffered event holds its digests (released when dropped or taken)
     sized |= kEventHasDigest;
   }
@@ -389,7 +389,7 @@ void Manager::emit_removed(const Digest& key, std::int64_t lc) {
 void Manager::emit_stored(NodeId nid, std::span<const std::int64_t> lcs) {
   if (lcs.empty()) return;
   const std::span<const Tok> tokens = tree_.tokens(nid);
-  EventC* e = new_event(EventKind::stored, tokens);
+  EventC* e = new_event(EventKind::stored, tokens, tree_.has_digest(nid));
   if (e == nullptr) return;
   const NodeId parent = tree_.parent(nid);
   if (parent != kNoNode) {

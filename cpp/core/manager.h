@@ -307,7 +307,8 @@ class Manager {
   void add_copy_op(const CopyOpC& op);
   // A new buffered event with the next id (a stored event also buffers its block's
   // `tokens`), the oldest dropped when full; nullptr when no events are kept (max_events 0).
-  EventC* new_event(EventKind kind, std::span<const Tok> tokens = {});
+  // tokens_have_digest: whether `tokens` hold a digest code (the node's has_digest).
+  EventC* new_event(EventKind kind, std::span<const Tok> tokens = {}, bool tokens_have_digest = false);
   std::int64_t event_id() { return next_event_++; }
   void emit_removed(const Digest& key, std::int64_t lc);
   void emit_stored(NodeId nid, std::span<const std::int64_t> lcs);

@@ -475,6 +475,8 @@ void Manager::commit_appended(Request& r, std::int64_t old) {
   }
   const std::int64_t last = now / B_ - 1;
   for (std::int64_t i = old / B_; i <= last; ++i) {
+    // the next block's child-table line (its key was hashed at create), loaded meanwhile
+    if (i < last && i + 1 < static_cast<std::int64_t>(r.keys.size())) tree_.prefetch_child(r.keys[static_cast<std::size_t>(i + 1)]);
     const bool snapshot = ssm_lc_ >= 0 && i == last && now % B_ == 0;
     // r.tokens does not change during insert_block, so a view of it is safe
     const std::span<const Tok> block(r.tokens.data() + i * B_, static_cast<std::size_t>(B_));

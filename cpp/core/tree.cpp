@@ -129,6 +129,11 @@ std::vector<NodeId> RadixTree::remove_subtree(NodeId node) {
   std::vector<NodeId> out;
   const Ref top = ref_of(node);
   unlink(top);
+  if (at(top).first_child == kNil) {  // a leaf (the usual eviction victim): nothing below it
+    index_clear(top);
+    out.push_back(top);
+    return out;
+  }
   std::vector<Ref> stack{top};
   while (!stack.empty()) {
     const Ref n = stack.back();
@@ -220,6 +225,7 @@ MatchResult RadixTree::match(NodeId root, std::span<const Code> tokens, std::spa
   path.reserve(static_cast<std::size_t>(n_tok / B_) + 1);
   for (std::int64_t i = 0; i < n_tok / B_; ++i) {
     if (static_cast<std::size_t>(i) >= keys.size()) throw std::out_of_range("list index out of range");
+    if (static_cast<std::size_t>(i) + 1 < keys.size()) prefetch_child(keys[static_cast<std::size_t>(i) + 1]);
     const Ref c = find_child(node, keys[static_cast<std::size_t>(i)]);
     if (c == kNil) break;
     path.push_back(c);
@@ -456,6 +462,11 @@ void RadixTree::maybe_delete(Ref start) {
   // Every node has one parent, so no node is queued twice; the order of deletions does
   // not change the resulting state (slots are internal; uids are what anyone sees).
   if (!deletable(start)) return;
+  if (at(start).first_child == kNil) {  // no children to orphan (the common case): no work list
+    index_clear(start);
+    erase_node(start);
+    return;
+  }
   std::vector<Ref> work{start};
   while (!work.empty()) {
     const Ref r = work.back();

@@ -201,6 +201,9 @@ class RadixTree {
   void unref(NodeId node);
   // Delete `node` if nothing keeps it (after the caller freed its orphan pages).
   void collect(NodeId node);
+  // A hint: load the child-table line where a child with `key` would be found, so a
+  // lookup of that key soon after (the next block of a commit or match) does not wait.
+  void prefetch_child(const Digest& key) const noexcept { __builtin_prefetch(&children_[slot_of(key)]); }
   // Match `tokens` (`keys`: at least the full-block keys walked) under `root`.
   MatchResult match(NodeId root, std::span<const TokenArg> tokens, std::span<const Digest> keys, bool partial,
                     std::int64_t backoff) const;
