@@ -551,14 +551,14 @@ ClosedTokens Manager::close(std::int64_t serial) {
   out.reused = r.reused;
   out.priority = r.priority;
   out.codes = std::move(r.tokens);
-  for (Tok c : out.codes) {
-    if (!(c & kDigestCode)) continue;
-    bool seen = false;
-    for (const auto& [code, d] : out.digests) seen = seen || code == c;
-    if (!seen) out.digests.emplace_back(c, tree_.digest(c));
-  }
   // the request's digest references (ClosedTokens carries its own copies of the bytes)
   if (r.has_digests) {
+    for (Tok c : out.codes) {
+      if (!(c & kDigestCode)) continue;
+      bool seen = false;
+      for (const auto& [code, d] : out.digests) seen = seen || code == c;
+      if (!seen) out.digests.emplace_back(c, tree_.digest(c));
+    }
     tree_.release_all(out.codes);
     tree_.release_all(r.input_tokens);
   }
