@@ -261,7 +261,14 @@ void Manager::unlink_committed(Page* p) {
   const bool full = !life.ssm && life.window < 0;
   if (full || (!life.ssm && ordinal < sink_blocks(life.sinks, B_))) {
     const NodeId parent = tree_.parent(node);
-    retire_nodes(tree_.remove_subtree(node), true);
+    if (tree_.is_bare_leaf(node)) {
+      // the usual victim (a leaf holding no other page): what remove_subtree + retire_nodes
+      // do to it, without the lists — it leaves the tree and dies, nothing to announce
+      tree_.detach(node);
+      tree_.collect(node);
+    } else {
+      retire_nodes(tree_.remove_subtree(node), true);
+    }
     if (parent != kNoNode) tree_.prune_upward(parent);
   } else {
     tree_.prune_upward(node);

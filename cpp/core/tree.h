@@ -257,6 +257,11 @@ class RadixTree {
   PageHandle page(NodeId node, std::int64_t lc) const { return pages_.row(ref_of(node))[lc_index(lc)]; }
   std::int64_t coverage(NodeId node, std::int64_t lc) const { return coverage_.row(ref_of(node))[lc_index(lc)]; }
   bool has_page(NodeId node) const { return node_has_page(ref_of(node)); }
+  // No children and no page: remove_subtree would list it alone, retire_nodes free nothing.
+  bool is_bare_leaf(NodeId node) const {
+    const Ref r = ref_of(node);
+    return at(r).first_child == kNil && !node_has_page(r);
+  }
   // Valid until the next node is made (the token arena may move).
   std::span<const Code> tokens(NodeId node) const { return codes(ref_of(node)); }
   std::int64_t ordinal(NodeId node) const { return at(ref_of(node)).ordinal; }
