@@ -7,6 +7,7 @@
 #include <bit>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <unordered_set>
 
 #include "core/manager_detail.h"
@@ -104,6 +105,7 @@ Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverag
     handle = free_pages_.back();
     free_pages_.pop_back();
   } else {
+    if (page_slots_ >= std::numeric_limits<std::int32_t>::max()) throw std::length_error("too many pages");
     if (page_slots_ % static_cast<std::int64_t>(kPageChunk) == 0) {
       page_chunks_.push_back(std::make_unique<Page[]>(kPageChunk));
     }
@@ -112,15 +114,15 @@ Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverag
   const auto h = static_cast<std::size_t>(handle);
   Page& p = page_chunks_[h / kPageChunk][h % kPageChunk];
   p = Page{};
-  p.handle = handle;
+  p.handle = static_cast<std::int32_t>(handle);
   p.serial = next_page_++;
   p.lc = static_cast<std::uint8_t>(lc);
   p.tier = static_cast<std::uint8_t>(tier);
-  p.slot = pool.take_slot();
-  p.coverage = static_cast<std::int32_t>(coverage);
-  p.priority = static_cast<std::int32_t>(priority);
+  p.slot = static_cast<std::int32_t>(pool.take_slot());
+  p.coverage = static_cast<std::int16_t>(coverage);
+  p.priority = static_cast<std::int8_t>(priority);
   p.last_used = clock_;
-  p.ordinal = ordinal;
+  p.ordinal = static_cast<std::int32_t>(ordinal);
   count(lc, kAllocatedBlocks);
   return &p;
 }
@@ -134,7 +136,7 @@ void Manager::use(Page* p, bool active, std::int64_t priority) {
       ++p->holds;
     }
     p->last_used = clock_;
-    p->priority = static_cast<std::int32_t>(std::max<std::int64_t>(p->priority, priority));
+    p->priority = static_cast<std::int8_t>(std::max<std::int64_t>(p->priority, priority));
   });
 }
 
@@ -222,7 +224,7 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
   unindex(*p);
   pools_[static_cast<std::size_t>(old_tier)][static_cast<std::size_t>(p->lc)].give_slot(old_slot);
   p->tier = static_cast<std::uint8_t>(dst);
-  p->slot = new_slot;
+  p->slot = static_cast<std::int32_t>(new_slot);
   index(*p);
   add_copy_op(CopyOpC{p->lc, tier_id(old_tier), old_slot, tier_id(dst), new_slot, reason});
   copy_pages_.emplace_back(p->handle, p->serial);

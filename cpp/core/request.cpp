@@ -470,7 +470,7 @@ void Manager::commit_appended(Request& r, std::int64_t old) {
       const std::int64_t s = page_at(r, lc, i);
       if (s < 0) continue;
       Page& p = page(s);
-      if (p.node == kNoNode) p.coverage = static_cast<std::int32_t>(std::min(B_, now - i * B_));
+      if (p.node == kNoNode) p.coverage = static_cast<std::int16_t>(std::min(B_, now - i * B_));
     }
   }
   const std::int64_t last = now / B_ - 1;
@@ -641,9 +641,9 @@ void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int
   }
   const PageHandle old = tree_.set_page(nid, lc, p->handle, p->coverage);
   if (p->locks || p->holds) {
-    p->node = nid;  // a used page: its state does not depend on the node
+    p->node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
   } else {
-    restate(*p, [&] { p->node = nid; });
+    restate(*p, [&] { p->node = static_cast<std::int32_t>(nid); });
   }
   if (old == kNoPage) {
     gained.push_back(lc);
@@ -666,7 +666,7 @@ void Manager::attach(NodeId parent, NodeId nid) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       const PageHandle h = tree_.page(nid, lc);
       if (h == kNoPage) continue;
-      page(h).node = nid;
+      page(h).node = static_cast<std::int32_t>(nid);
       lcs.push_back(lc);
     }
     emit_stored(nid, lcs);
@@ -702,10 +702,10 @@ void Manager::attach(NodeId parent, NodeId nid) {
   }
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
     const PageHandle h = tree_.page(nid, lc);
-    if (h != kNoPage) page(h).node = nid;
+    if (h != kNoPage) page(h).node = static_cast<std::int32_t>(nid);
     for (NodeId sid : siblings) {
       const PageHandle hs = tree_.page(sid, lc);
-      if (hs != kNoPage) page(hs).node = sid;
+      if (hs != kNoPage) page(hs).node = static_cast<std::int32_t>(sid);
     }
   }
   retire_nodes(siblings, false);
@@ -747,13 +747,13 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
       const std::int64_t s = page_at(r, lc, i);
       if (s < 0) continue;
       Page& p = page(s);
-      p.coverage = static_cast<std::int32_t>(ntok);
+      p.coverage = static_cast<std::int16_t>(ntok);
       tree_.set_page(nid, lc, p.handle, ntok);
-      p.node = nid;  // a used page: its state does not depend on the node
+      p.node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
     }
     if (snap != nullptr) {
       tree_.set_page(nid, ssm, snap->handle, ntok);
-      restate(*snap, [&] { snap->node = nid; });
+      restate(*snap, [&] { snap->node = static_cast<std::int32_t>(nid); });
     }
     tree_.ref(nid);
     set_block(r, i, nid);
@@ -769,7 +769,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
     const std::int64_t s = page_at(r, lc, i);
     if (s < 0) continue;
     Page* p = &page(s);
-    p->coverage = static_cast<std::int32_t>(ntok);
+    p->coverage = static_cast<std::int16_t>(ntok);
     const PageHandle qh = tree_.page(existing, lc);
     if (qh == kNoPage || tree_.coverage(existing, lc) < ntok) {
       install(existing, lc, p, gained);
