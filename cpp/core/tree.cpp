@@ -108,8 +108,8 @@ std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
   const std::size_t nlc = lcs_.size();
   for (Ref s : detached) {
     unlink(s);
-    PageHandle *sp = pages_.row(s), *np = pages_.row(r);
-    std::int32_t *sc = coverage_.row(s), *nc = coverage_.row(r);
+    std::int32_t *sp = pages_.row(s), *np = pages_.row(r);
+    std::int16_t *sc = coverage_.row(s), *nc = coverage_.row(r);
     for (std::size_t lc = 0; lc < nlc; ++lc) {
       if (sp[lc] != kNoPage && sc[lc] > nc[lc]) {
         std::swap(np[lc], sp[lc]);
@@ -178,8 +178,8 @@ PageHandle RadixTree::set_page(NodeId node, std::int64_t lc, PageHandle page, st
   const Ref r = ref_of(node);
   const std::size_t i = lc_index(lc);
   const PageHandle old = pages_.row(r)[i];
-  pages_.row(r)[i] = page;
-  coverage_.row(r)[i] = static_cast<std::int32_t>(coverage);
+  pages_.row(r)[i] = static_cast<std::int32_t>(page);
+  coverage_.row(r)[i] = static_cast<std::int16_t>(coverage);
   return old;
 }
 
@@ -376,8 +376,8 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::in
   n = Node{};
   n.key = key;
   n.uid = next_uid_++;
-  n.ordinal = ordinal;
-  n.ntok = static_cast<std::uint32_t>(ntok);
+  n.ordinal = static_cast<std::int32_t>(ordinal);
+  n.ntok = static_cast<std::uint16_t>(ntok);
   n.alive = true;
   n.is_root = is_root;
   n.attached = is_root;
@@ -386,7 +386,7 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::in
 
 bool RadixTree::node_has_page(Ref r) const noexcept {
   const std::size_t nlc = lcs_.size();
-  const PageHandle* pages = pages_.row(r);
+  const std::int32_t* pages = pages_.row(r);
   for (std::size_t lc = 0; lc < nlc; ++lc) {
     if (pages[lc] != kNoPage) return true;
   }

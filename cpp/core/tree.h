@@ -294,8 +294,7 @@ class RadixTree {
   struct Node {
     Digest key{};
     std::int64_t uid = 0;        // creation number (tree.py's id)
-    std::int64_t ordinal = -1;   // block position in its chain (-1: root)
-    std::uint32_t ntok = 0;      // tokens in arena_ (< B: a partial block; 0 for roots)
+    std::int32_t ordinal = -1;   // block position in its chain (-1: root; < 2**24, MAX_REQUEST_BLOCKS)
     std::uint32_t refs = 0;      // requests referencing the block
     Ref parent = kNil;           // kNil when detached (an orphan) or a root
     Ref first_child = kNil, prev_sibling = kNil, next_sibling = kNil;
@@ -304,9 +303,11 @@ class RadixTree {
     std::uint32_t index = kNil;  // root of the children's token trie (kNil: none, scan them)
     std::uint32_t tnode = kNil;  // the trie node this block ends at in its parent's index
     Ref tnext = kNil;            // next sibling with the very same tokens (rare)
-    bool alive = false, is_root = false, attached = false;
-    bool has_digest = false;  // its tokens hold digest references (released by erase_node)
+    std::uint16_t ntok = 0;      // tokens in arena_ (< B: a partial block; 0 for roots); B <= 4096
+    bool alive : 1 = false, is_root : 1 = false, attached : 1 = false;
+    bool has_digest : 1 = false;  // its tokens hold digest references (released by erase_node)
   };
+  static_assert(sizeof(Digest) == 32);
 
   // The children index (tree.py: class _Trie): per parent, a compressed trie over the
   // children's token sequences, so partial matching (sec. 6 step 1), covering siblings
@@ -407,8 +408,10 @@ class RadixTree {
   ChunkedSlab<Node> nodes_;        // the slab; a slot is reused after its node dies
   std::vector<Ref> free_;          // dead slots (LIFO)
   ChunkedRows<Code> arena_;              // row(slot)[i]: token i of the node in slot
-  ChunkedRows<PageHandle> pages_;        // row(slot)[lc]: page handle or kNoPage
-  ChunkedRows<std::int32_t> coverage_;   // row(slot)[lc]
+  // row(slot)[lc]: page handle or kNoPage (handles fit 32 bits: the manager's page slab
+  // refuses to grow past 2**31 - 1), and the tokens it covers (<= B <= 4096)
+  ChunkedRows<std::int32_t> pages_;
+  ChunkedRows<std::int16_t> coverage_;
   std::vector<Entry> children_;    // the child table (ref kNil = empty); size a power of two
   std::size_t num_children_ = 0;
   std::unordered_map<Digest, Ref, DigestHash> roots_;
