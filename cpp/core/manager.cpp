@@ -77,7 +77,7 @@ std::vector<TokenOut> Manager::decode_all(std::span<const Tok> codes) const {
 
 Digest Manager::block_key_of(const Digest& parent, std::span<const Tok> tokens) const {
   Digest key{};
-  KeyChainFn chain(parent, static_cast<std::uint32_t>(B_), [&key](const Digest& k) { key = k; });
+  KeyChain chain(parent, static_cast<std::uint32_t>(B_), [&key](const Digest& k) { key = k; });
   feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
   return key;
 }
@@ -85,7 +85,7 @@ Digest Manager::block_key_of(const Digest& parent, std::span<const Tok> tokens) 
 std::vector<Digest> Manager::chain(const Digest& root, std::span<const Tok> tokens) const {
   std::vector<Digest> keys;
   keys.reserve(tokens.size() / static_cast<std::size_t>(B_) + 1);
-  KeyChainFn chain(root, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
+  KeyChain chain(root, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
   feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
   return keys;
 }
@@ -599,7 +599,7 @@ std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::op
   const std::size_t nfull = tokens_in.size() / static_cast<std::size_t>(B_) * static_cast<std::size_t>(B_);
   std::vector<Digest> keys;
   keys.reserve(nfull / static_cast<std::size_t>(B_));
-  KeyChainFn chain(root_key, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
+  KeyChain chain(root_key, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
   feed(chain, tokens_in.codes.first(nfull),
        [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
   const MatchResult mr =

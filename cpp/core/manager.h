@@ -198,7 +198,7 @@ class Manager {
   void intern_into(TokenSeq tokens, std::vector<Tok>& out);
   TokenOut decode(Tok t) const;
   std::vector<TokenOut> decode_all(std::span<const Tok> codes) const;
-  using KeyChainFn = KeyChain<std::function<void(const Digest&)>>;
+  // (block keys: KeyChain with the caller's lambda as its callback, inlined)
   Digest block_key_of(const Digest& parent, std::span<const Tok> tokens) const;
   std::vector<Digest> chain(const Digest& root, std::span<const Tok> tokens) const;
 
