@@ -193,6 +193,23 @@ nb::object event_obj(const kvcm::EventC& e, std::span<const kvcm::TokenOut> toke
 // gives (looked up once) — an op costs two int objects and a few stores, which matters
 // when every allocation of a full pool offloads a page.  Should CopyOp ever lose its
 // slots, the fields go through the generic setattr instead (same result, slower).
+// A new reference to the int `v`.  Slot numbers repeat op after op, so the ints below
+// kIntCache are made once and kept for the process (at most kIntCache * 32 bytes); Python
+// itself caches only -5..256.
+PyObject* cached_int(std::int64_t v) {
+  static constexpr std::int64_t kIntCache = 1 << 16;
+  static std::vector<PyObject*> ints;  // index v: the int v, or nullptr until first needed
+  if (v < 0 || v >= kIntCache) return PyLong_FromLongLong(v);
+  const auto i = static_cast<std::size_t>(v);
+  if (i >= ints.size()) ints.resize(std::min<std::size_t>(kIntCache, std::max<std::size_t>(i + 1, 2 * ints.size())));
+  if (ints[i] == nullptr) {
+    ints[i] = PyLong_FromLongLong(v);
+    if (ints[i] == nullptr) return nullptr;
+  }
+  Py_INCREF(ints[i]);
+  return ints[i];
+}
+
 struct CopyOpLayout {
   static constexpr int kFields = 7;  // lc, src_tier, src_slot, dst_tier, dst_slot, reason, key
   PyObject* names[kFields] = {};
@@ -225,7 +242,7 @@ nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
     const kvcm::CopyOpC& o = ops[i];
     PyObject* fields[CopyOpLayout::kFields] = {};
     const std::int64_t values[5] = {o.lc, o.src_tier, o.src_slot, o.dst_tier, o.dst_slot};
-    for (int k = 0; k < 5; ++k) fields[k] = PyLong_FromLongLong(values[k]);
+    for (int k = 0; k < 5; ++k) fields[k] = cached_int(values[k]);
     fields[5] = reason_str(o.reason);
     fields[6] = Py_None;
     Py_INCREF(fields[5]);
