@@ -884,6 +884,9 @@ void RadixTree::kid_table_grow() {
 // ---------------------------------------------------------------- the child table
 
 RadixTree::Ref RadixTree::find_child(Ref parent, const Digest& key) const noexcept {
+  // A childless parent (the block just made before this one, in a commit of new blocks)
+  // has nothing in the table: no probe of its (cold) line.
+  if (at(parent).first_child == kNil) return kNil;
   const std::size_t mask = children_.size() - 1;
   const std::uint32_t h = hash32(key);
   for (std::size_t i = h & mask;; i = (i + 1) & mask) {
