@@ -257,6 +257,12 @@ nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
           fields[k] = nullptr;  // the instance owns it now
         }
       }
+      // An op refers to ints, a str and None only, so it can never be part of a reference
+      // cycle: untracked, the cyclic GC never traverses it nor promotes it to an older
+      // generation (CPython untracks tuples and dicts of such values for the same reason).
+      // A tight pool issues an op per allocation; tracked, they made the collections the
+      // op allocations trigger visit every op still held.
+      if (obj.is_valid()) PyObject_GC_UnTrack(obj.ptr());
     } else if (ok) {
       static PyObject* no_args = PyTuple_New(0);
       obj = nb::steal(PyBaseObject_Type.tp_new(tp, no_args, nullptr));
