@@ -362,7 +362,8 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::in
     free_.pop_back();
     // a slot is reused clean: set_page(n, lc, kNoPage, c) can leave a coverage behind
   } else {
-    if (nodes_.size() >= kNil) throw std::length_error("too many radix-tree nodes");
+    // pages name their node in 32 signed bits (Page::node)
+    if (nodes_.size() >= 0x7FFFFFFFu) throw std::length_error("too many radix-tree nodes");
     r = static_cast<Ref>(nodes_.size());
     arena_.ensure(r);
     pages_.ensure(r);
