@@ -244,11 +244,16 @@ nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
     const std::int64_t values[5] = {o.lc, o.src_tier, o.src_slot, o.dst_tier, o.dst_slot};
     for (int k = 0; k < 5; ++k) fields[k] = cached_int(values[k]);
     fields[5] = reason_str(o.reason);
-    fields[6] = Py_None;
     Py_INCREF(fields[5]);
-    Py_INCREF(fields[6]);
+    if (o.has_key) {  // an op on the shared tier names its object by the block key
+      fields[6] = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(o.key.data()),
+                                            static_cast<Py_ssize_t>(o.key.size()));
+    } else {
+      fields[6] = Py_None;
+      Py_INCREF(fields[6]);
+    }
     nb::object obj;
-    bool ok = std::all_of(fields, fields + 5, [](PyObject* f) { return f != nullptr; });
+    bool ok = std::all_of(fields, fields + CopyOpLayout::kFields, [](PyObject* f) { return f != nullptr; });
     if (ok && layout->direct) {
       obj = nb::steal(tp->tp_alloc(tp, 0));
       if (obj.is_valid()) {
@@ -257,7 +262,7 @@ nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
           fields[k] = nullptr;  // the instance owns it now
         }
       }
-      // An op refers to ints, a str and None only, so it can never be part of a reference
+      // An op refers to ints, a str and None or bytes only, so it can never be part of a reference
       // cycle: untracked, the cyclic GC never traverses it nor promotes it to an older
       // generation (CPython untracks tuples and dicts of such values for the same reason).
       // A tight pool issues an op per allocation; tracked, they made the collections the
@@ -307,7 +312,7 @@ std::optional<std::uint64_t> opt_u64(nb::handle o) {
 
 kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
                                 std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff,
-                                double max_util, std::int64_t max_events) {
+                                double max_util, std::int64_t max_events, bool shared, bool shared_write_evict) {
   kvcm::ManagerConfig c;
   c.tokens_per_block = B;
   for (nb::handle item : lcs) {
@@ -325,6 +330,8 @@ kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::v
   c.reuse_match_backoff = backoff;
   c.max_util_for_resume = max_util;
   c.max_events = max_events;
+  c.shared = shared;
+  c.shared_write_evict = shared_write_evict;
   return c;
 }
 
@@ -520,19 +527,45 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
           "__init__",
           [](Manager* self, std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
              std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff, double max_util,
-             std::int64_t max_events) {
+             std::int64_t max_events, bool shared_tier, bool shared_write_evict) {
             new (self) Manager(make_config(B, lcs, std::move(slots), std::move(tier_kinds), partial, backoff,
-                                           max_util, max_events));
+                                           max_util, max_events, shared_tier, shared_write_evict));
           },
           "tokens_per_block"_a, "life_cycles"_a, "slots"_a, "tier_kinds"_a, "enable_partial_reuse"_a,
-          "reuse_match_backoff"_a, "max_util_for_resume"_a, "max_events"_a)
+          "reuse_match_backoff"_a, "max_util_for_resume"_a, "max_events"_a, "shared_tier"_a = false,
+          "shared_write_evict"_a = false)
       .def(
           "create",
-          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority) {
+          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority,
+             std::optional<std::vector<std::pair<nb::bytes, std::int64_t>>> hits_in) {
             auto l = opt_u64(lora), s = opt_u64(salt);
-            return locked(mgr, [&] { return mgr.create(t.seq(), l, s, priority); });
+            // the store's hits (checked by kvcm.checks.check_shared_hits: 32-byte keys, valid lcs)
+            std::optional<Manager::SharedHits> hits;
+            if (hits_in) {
+              hits.emplace();
+              for (const auto& [key, lc] : *hits_in) {
+                if (key.size() != sizeof(kvcm::Digest)) throw nb::value_error("shared_hits: a key is not 32 bytes");
+                kvcm::Digest d;
+                std::memcpy(d.data(), key.c_str(), d.size());
+                hits->emplace_back(d, lc);
+              }
+              std::sort(hits->begin(), hits->end());
+              hits->erase(std::unique(hits->begin(), hits->end()), hits->end());
+            }
+            return locked(mgr, [&] { return mgr.create(t.seq(), l, s, priority, hits ? &*hits : nullptr); });
           },
-          "tokens"_a, "lora_id"_a.none(), "salt"_a.none(), "priority"_a)
+          "tokens"_a, "lora_id"_a.none(), "salt"_a.none(), "priority"_a, "shared_hits"_a.none() = nb::none())
+      .def(
+          "shared_candidates",
+          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt) {
+            auto l = opt_u64(lora), s = opt_u64(salt);
+            // hashes the prompt's blocks: the GIL is released, as for probe
+            const auto cands = locked(mgr, [&] { return mgr.shared_candidates(t.seq(), l, s); });
+            nb::list out;
+            for (const auto& [key, lc] : cands) out.append(nb::make_tuple(to_bytes(key), lc));
+            return out;
+          },
+          "tokens"_a, "lora_id"_a.none(), "salt"_a.none())
       .def(
           "probe",
           [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt) {
@@ -548,10 +581,17 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
       .def(
           "forget_copies",
           [](Manager& mgr, const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                                                        std::int64_t, std::string>>& items) {
+                                                        std::int64_t, std::string, nb::bytes>>& items) {
             std::vector<kvcm::CopyOpC> ops;  // reasons point into `items`, alive for the call
             ops.reserve(items.size());
-            for (const auto& [lc, st, ss, dt, ds, reason] : items) ops.push_back({lc, st, ss, dt, ds, reason.c_str()});
+            for (const auto& [lc, st, ss, dt, ds, reason, key] : items) {
+              kvcm::CopyOpC op{lc, st, ss, dt, ds, reason.c_str()};
+              if (key.size() == sizeof(kvcm::Digest)) {  // b"": no key (the caller passes only these two)
+                op.has_key = true;
+                std::memcpy(op.key.data(), key.c_str(), op.key.size());
+              }
+              ops.push_back(op);
+            }
             return locked(mgr, [&] { return mgr.forget_copies(ops); });
           },
           "ops"_a)

@@ -247,7 +247,7 @@ def test_config_error_path_on_a_non_disk_tier(make_manager, tmp_path):
     for tiers in ([Tier("gpu", 64, path=str(tmp_path))], [Tier("gpu", 64), Tier("host", 64, path=str(tmp_path))]):
         err = _config_error(make_manager, _cfg(tiers=tiers))
         assert err.field == "tiers.path"
-        assert "only a disk tier takes a path" in str(err)
+        assert "only a disk or shared tier takes a path" in str(err)
 
 
 def test_disk_path_may_be_pathlike_or_missing_and_is_not_created(make_manager, tmp_path):

@@ -10,7 +10,10 @@ capacity, commits beyond capacity, unknown life cycles, short buffers), batched 
 (``resize_batch`` / ``commit_batch`` with lists, arrays, numpy and torch containers;
 repeated, closed, suspended and foreign caches, length mismatches) — over hybrid
 (full attention + window/sinks + ssm), pure-ssm and attention-only models, 1–3 tiers
-(disk under a temp dir), partial reuse on/off, several scopes and tight quotas.  After every
+(disk under a temp dir) and a shared tier under both write policies (driven with a model
+store: the store ops drained so far, minus random deletions and failed writes; hits from
+``shared_candidates``; failed shared onboards reported through ``forget_copies``), partial
+reuse on/off, several scopes and tight quotas.  After every
 step: the outcomes (result or error type), every cache's properties, ``snapshot()``
 (exact equality) and ``check_invariants()`` on both sides.  An error type outside the
 documented ones (ValueError, TypeError, KvcmError family) is a crash even if both sides
@@ -40,6 +43,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_sta
 from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
 from kvcm import ops as O
 from kvcm.config import resolve_config
+from kvcm.keys import block_keys_py
 from kvcm.oplog import DOCUMENTED_ERRORS, Lockstep, config_to_json, format_log, minimize
 
 EXAMPLES = int(os.environ.get("KVCM_DIFF_EXAMPLES", "300")) * (10 if os.environ.get("KVCM_DIFF_LONG") == "1" else 1)
@@ -98,7 +102,11 @@ def configs(draw) -> KVCacheManagerConfig:
     lcs = resolve_config(probe).life_cycles
     per = sum(lc.slot_bytes for lc in lcs)
     n_tiers = draw(st.sampled_from([1, 2, 3]))
-    tiers = [Tier("gpu", draw(st.integers(3, 10)) * per + draw(st.sampled_from([0, 0, per // 2])))]
+    # the shared tier (DECISIONS.md "The shared tier"), driven with a model store; under
+    # "evict" the gpu is small, so that eviction (which writes) happens
+    shared_write = draw(st.sampled_from([None, None, "commit", "evict"]))
+    gpu_units = draw(st.integers(3, 4 if shared_write == "evict" else 10))
+    tiers = [Tier("gpu", gpu_units * per + draw(st.sampled_from([0, 0, per // 2])))]
     if n_tiers >= 2:
         tiers.append(Tier("host", draw(st.integers(1, 6)) * per))
     if n_tiers >= 3:
@@ -106,6 +114,8 @@ def configs(draw) -> KVCacheManagerConfig:
     pool_ratio = None
     if len(lcs) > 1 and draw(st.booleans()):
         pool_ratio = {lc.id: draw(st.sampled_from([1, 1, 2, 0.5])) for lc in lcs}
+    if shared_write is not None:
+        tiers.append(Tier("shared", 0, path=disk_dir()))
     return KVCacheManagerConfig(
         tokens_per_block=B,
         layers=layers,
@@ -116,6 +126,7 @@ def configs(draw) -> KVCacheManagerConfig:
         max_util_for_resume=draw(st.sampled_from([1.0, 1.0, 1.0, 0.6])),
         default_priority=draw(st.sampled_from([50, 50, 0, 100])),
         max_events=draw(st.sampled_from([10_000, 10_000, 3, 0])),
+        shared_write=shared_write or "commit",
     )
 
 
@@ -153,6 +164,9 @@ def base_sequences(draw) -> list[list]:
 
 
 _MINIMIZED: dict[str, str] = {}  # failing run -> its minimised log (the final re-run reuses it)
+# the shared tier's write policies the examples of this process ran with (test_differential
+# checks that both were driven)
+SHARED_POLICIES_SEEN: set[str] = set()
 
 
 class DifferentialMachine(RuleBasedStateMachine):
@@ -171,6 +185,10 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.bases: list[list] = []
         self.disabled: set[str] = set()
         self.last_drain: list[list] = []  # the last drain's ops not reported yet (JSON form)
+        # the model shared store: (key hex, lc) of every store op drained and not reported
+        # failed, minus random deletions (objects evicted by the store or other instances)
+        self.store: set[tuple[str, int]] = set()
+        self.has_shared = False
 
     @property
     def names(self) -> list[str]:
@@ -182,8 +200,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         return self.ls.caches if self.ls is not None else [[], []]
 
     # ---- setup ---------------------------------------------------------------------
-    @initialize(config=configs(), bases=base_sequences(), disabled=st.sets(st.sampled_from(SWITCHABLE_OPS), max_size=2))
-    def setup(self, config: KVCacheManagerConfig, bases: list[list], disabled: set[str]) -> None:
+    @initialize(config=configs(), bases=base_sequences(), disabled=st.sets(st.sampled_from(SWITCHABLE_OPS), max_size=2),
+                data_for_seed=st.data())
+    def setup(self, config: KVCacheManagerConfig, bases: list[list], disabled: set[str], data_for_seed) -> None:
         self.config = config
         self.disabled = disabled
         self.bases = bases
@@ -194,7 +213,12 @@ class DifferentialMachine(RuleBasedStateMachine):
             managers = self.build(config)
             assert managers is not None
         self.ls = Lockstep(managers, self.names, allowed_errors=DOCUMENTED_ERRORS)
-        self.nlc = len(resolve_config(config).life_cycles)
+        rc = resolve_config(config)
+        self.nlc = len(rc.life_cycles)
+        self.has_shared = rc.has_shared
+        if rc.has_shared:
+            SHARED_POLICIES_SEEN.add(config.shared_write)
+            self.seed_store(data_for_seed)
 
     def build(self, config: KVCacheManagerConfig) -> list | None:
         """Both managers, or None when both raise the same ConfigError."""
@@ -232,6 +256,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         out = self.ls.records[-1]["outcome"]
         if op["op"] == "drain_copy_ops" and isinstance(out.get("result"), list):
             self.last_drain = list(out["result"])
+            # the data plane executed them: the store ops' objects now exist
+            self.store |= {(o[6], o[0]) for o in self.last_drain if o[5] == "store"}
         return out
 
     def fail(self, d) -> None:
@@ -323,6 +349,9 @@ class DifferentialMachine(RuleBasedStateMachine):
             args["id"] = data.draw(st.sampled_from(existing + [0, "req", 1.5, True, None]))
         elif r <= 2:
             args["id"] = data.draw(st.sampled_from([100, "a", "b"]))
+        hits = self.shared_hits(data, args)
+        if hits is not None:
+            args["shared_hits"] = hits
         out = self.run({"op": "create_kv_cache", "args": args})
         if "result" in out:
             # what this request will commit: its prompt, then a continuation (its "output")
@@ -330,6 +359,53 @@ class DifferentialMachine(RuleBasedStateMachine):
             extra = base[len(tokens) :] + data.draw(st.lists(token_st, max_size=2 * self.B + 2))
             self.plans.append(tokens + extra)
             self.scopes.append(args.get("scope"))
+
+    def seed_store(self, data) -> None:
+        """Other instances of the fleet wrote prefixes of the base sequences (default scope)
+        before this one started: per base, the first n full blocks, for all life cycles or
+        a drawn subset of them (e.g. attention without the ssm snapshot)."""
+        everyone = (1 << self.nlc) - 1
+        for base in self.bases:
+            ks = block_keys_py(O.decode_tokens(base), self.B)[: len(base) // self.B]
+            n = data.draw(st.sampled_from([len(ks), len(ks), -1]))
+            if n < 0:
+                n = data.draw(st.integers(0, len(ks)))
+            mask = data.draw(st.sampled_from([everyone, everyone, -1]))
+            if mask < 0:
+                mask = data.draw(st.integers(0, everyone))
+            self.store |= {(ks[i].hex(), lc) for i in range(n) for lc in range(self.nlc) if mask >> lc & 1}
+
+    def shared_hits(self, data, args: dict) -> list | None:
+        """What an engine with a shared tier passes to create_kv_cache: the candidates (one
+        call, recorded as an op) that the model store holds.  Before the lookup the store
+        may lose objects; now and then a hit that is no candidate, or bad input.  Without
+        a shared tier: rarely, hits anyway (a ValueError)."""
+        if not self.has_shared:
+            return [] if data.draw(st.integers(0, 29)) == 0 else None
+        if data.draw(st.integers(0, 7)) == 0:
+            return None  # an engine that does not look up this time
+        if self.store and data.draw(st.integers(0, 4)) == 0:  # objects deleted since they were written
+            gone = data.draw(st.lists(st.sampled_from(sorted(self.store)), max_size=3))
+            self.store -= set(gone)
+        cand = {"op": "shared_candidates", "args": {"tokens": args["input_tokens"]}}
+        if "scope" in args:
+            cand["args"]["scope"] = args["scope"]
+        out = self.run(cand)
+        if not isinstance(out.get("result"), list):
+            return None
+        hits = [c for c in out["result"] if (c[0], c[1]) in self.store]
+        r = data.draw(st.integers(0, 14))
+        if r == 0 and self.store:  # a pair that is no candidate: ignored
+            key, lc = data.draw(st.sampled_from(sorted(self.store)))
+            hits.append([key, lc])
+        elif r == 1:
+            hits.append(data.draw(st.sampled_from([{"value": 3}, {"value": "ab"}, ["00" * 31, 0],
+                                                   ["00" * 32, self.nlc], ["00" * 32, -1], {"value": [b"", 0]}])))
+        elif r == 2:
+            return data.draw(st.sampled_from([{"value": 5}, "abc"]))
+        elif r == 3 and hits:
+            hits = hits[: data.draw(st.integers(0, len(hits) - 1))]  # a store that answered for fewer
+        return hits
 
     def op_resume(self, data) -> None:
         h = self.pick_handle(data)
@@ -374,6 +450,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         nc = p["num_committed_tokens"] if isinstance(p["num_committed_tokens"], int) else 0
         room = max(0, cap - nc)
         k = data.draw(st.sampled_from([room, room, 1, self.B, min(room, self.B), 0, room + 1, 2 * self.B + 1]))
+        k = min(k, 8 * self.B + 8)  # a capacity of 10**6 (bad input resizes) is no commit to draw
         plan = self.plans[h]
         tokens = plan[nc : nc + k]
         if len(tokens) < k:
@@ -573,11 +650,13 @@ class DifferentialMachine(RuleBasedStateMachine):
         """A data plane that failed: report the ops from some position of the last drain
         on (what DataPlane.apply's CopyError lists), a random subset, or bad input."""
         ops = list(self.last_drain)
-        kind = data.draw(st.sampled_from(["suffix", "suffix", "subset", "bad"]))
+        kind = data.draw(st.sampled_from(["suffix", "suffix", "subset", "shared", "bad"]))
         if kind == "suffix" and ops:
             ops = ops[data.draw(st.integers(0, len(ops) - 1)):]
         elif kind == "subset" and ops:
             ops = [o for o in ops if data.draw(st.booleans())]
+        elif kind == "shared":  # loads from the store that failed (object gone, store down)
+            ops = [o for o in ops if o[1] == 3 and data.draw(st.integers(0, 2)) > 0]
         elif kind == "bad":
             bad = data.draw(st.sampled_from([[0, 0, 99, 1, 0, "offload"], [0, 0, 0, 0, 1, "teleport"],
                                              {"value": 3}, {"value": [0, 0, 0, 0, 0, "cow"]}]))
@@ -586,11 +665,14 @@ class DifferentialMachine(RuleBasedStateMachine):
         if kind != "bad" and self.ls.records[-1]["outcome"].get("result") is not None:
             for o in ops:
                 self.last_drain.remove(o)
+                if o[5] == "store":  # a failed write never makes a block look stored
+                    self.store.discard((o[6], o[0]))
 
     def op_probe(self, data) -> None:
         args: dict = {}
         args["tokens"] = self.maybe_bad_tokens(data, self.request_tokens(data, args))
-        self.run({"op": data.draw(st.sampled_from(["probe_reuse", "probe_reuse_detail"])), "args": args})
+        self.run({"op": data.draw(st.sampled_from(["probe_reuse", "probe_reuse_detail", "shared_candidates"])),
+                  "args": args})
 
     def op_plain(self, name: str):
         return lambda data: self.run({"op": name})
@@ -640,3 +722,5 @@ def machine_for(pair: tuple[str, str]) -> type[DifferentialMachine]:
 def test_differential(backend: str) -> None:
     """python vs ``backend`` in lockstep (python vs python: the determinism pair)."""
     run_state_machine_as_test(machine_for(PAIRS[backend]), settings=DIFF_SETTINGS)
+    if EXAMPLES >= 100:  # the shared tier was driven under both write policies
+        assert SHARED_POLICIES_SEEN >= {"commit", "evict"}, SHARED_POLICIES_SEEN

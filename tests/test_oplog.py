@@ -55,6 +55,7 @@ def workload(m) -> None:
     a.suspend()
     m.probe_reuse([1, 2, 3], ReuseScope(lora_id=0))
     m.probe_reuse_detail([1, 2, 3])
+    assert m.shared_candidates([1, 2, 3, 4]) == []  # no shared tier in this config
     a.stop_committing()
     a.close()
     a.close()
@@ -141,7 +142,7 @@ def test_malformed_ops_raise_operror(op, match):
 def test_every_public_call_has_an_op():
     manager_methods = {"create_kv_cache", "probe_reuse", "probe_reuse_detail", "drain_copy_ops", "clear_reusable",
                        "shutdown", "stats", "take_iteration_stats", "take_events",
-                       "resize_batch", "commit_batch", "forget_copies"}  # fmt: skip
+                       "resize_batch", "commit_batch", "forget_copies", "shared_candidates"}  # fmt: skip
     cache_methods = {
         "resume",
         "suspend",
@@ -359,6 +360,41 @@ def test_replay_reproduces_a_recorded_run(tmp_path, monkeypatch):
     assert report.ok, str(report)
     assert report.steps == len(read_lines(path)) - 1
     assert "no divergence" in str(report)
+
+
+def shared_workload(m) -> None:
+    """The shared tier's calls: candidates, create with hits (a set: recorded as a list),
+    store ops and shared onboards with keys, a failed onboard reported."""
+    w = m.create_kv_cache()
+    assert w.resume() and w.resize(2 * B)
+    w.commit(list(range(2 * B)))
+    store = {(o.key, o.lc) for o in m.drain_copy_ops() if o.reason == "store"}
+    w.close()
+    m.clear_reusable()  # the local copies are gone; the store still has them
+    hits = {c for c in m.shared_candidates(list(range(2 * B + 1))) if c in store}
+    assert len(hits) == 5  # blocks 0, 1 of both attention life cycles, the snapshot at block 1
+    r = m.create_kv_cache(list(range(2 * B + 1)), shared_hits=hits)
+    assert r.num_reused_tokens == 2 * B and r.resume()
+    onboards = [o for o in m.drain_copy_ops() if o.src_tier == 3]
+    assert onboards and all(o.key is not None for o in onboards)
+    assert m.forget_copies(onboards[:1]) == [r.id]  # block 0 did not load: r rolls back
+    with pytest.raises(TypeError):
+        m.create_kv_cache([1], shared_hits=[("k", 0)])
+
+
+def test_replay_reproduces_shared_tier_calls(tmp_path, monkeypatch):
+    cfg = config(tiers=[Tier("gpu", 40 * 6), Tier("shared", 0, str(tmp_path))])
+    path = record(tmp_path, monkeypatch, run=shared_workload, cfg=cfg)
+    ops = [json.loads(x) for x in read_lines(path)][1:]
+    create = next(r for r in ops if r["op"] == "create_kv_cache" and "shared_hits" in r["args"])
+    hits = create["args"]["shared_hits"]
+    assert len(hits) == 5 and all(len(bytes.fromhex(k)) == 32 for k, _lc in hits)  # [key hex, lc] pairs
+    assert any(r["op"] == "shared_candidates" for r in ops)
+    forget = next(r for r in ops if r["op"] == "forget_copies")
+    assert len(forget["args"]["ops"][0]) == 7  # the key travels with the op
+    for backends in (["python"], ["python", "cpp"]):
+        report = L.replay(path, backends)
+        assert report.ok, report
 
 
 def test_replay_reports_the_first_outcome_divergence(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ and setting).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -80,9 +81,12 @@ def prompt_of(op: Op) -> list[int]:
     return BASES[op.base][: op.length] + [100 + op.instance * 10 + i for i in range(op.suffix)]
 
 
-def step(mgr: kvcm.KVCacheManager, op: Op, held: list) -> None:
+def step(mgr: kvcm.KVCacheManager, op: Op, held: list, store: set | None = None) -> None:
+    """One request of ``op``.  With a fleet ``store`` (a shared tier), the request reuses
+    what the store holds and its store ops add to it (the data plane wrote them)."""
     p = prompt_of(op)
-    kv = mgr.create_kv_cache(p)
+    hits = None if store is None else [c for c in mgr.shared_candidates(p) if c in store]
+    kv = mgr.create_kv_cache(p, shared_hits=hits)
     if kv.resume() and kv.resize(len(p) + 1):
         n = kv.num_committed_tokens
         while n < len(p):
@@ -99,6 +103,8 @@ def step(mgr: kvcm.KVCacheManager, op: Op, held: list) -> None:
         held.pop(0).close()
     if op.clear:
         mgr.clear_reusable()
+    if store is not None:
+        store |= {(o.key, o.lc) for o in mgr.drain_copy_ops() if o.reason == "store"}
 
 
 @pytest.fixture
@@ -179,12 +185,70 @@ def test_router_is_exact_with_partial_reuse_on(ctx: zmq.Context, name: str, scri
     run_script(Fleet(config(name, partial=True), ctx), script)
 
 
-def run_script(fleet: Fleet, script: list[Op]) -> None:
+@pytest.mark.parametrize("name", list(LAYERS))
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(script=st.lists(ops, min_size=1, max_size=25))
+def test_router_is_exact_with_a_shared_tier(ctx: zmq.Context, name: str, script: list[Op]) -> None:
+    """Instances share a store (DECISIONS.md "The shared tier"): blocks a request takes from
+    it enter the tree on tier 3 (medium ``SHARED`` on the wire), are onboarded at resume
+    (``tier_changed``) or unlinked when their request closes without resume."""
+    cfg = config(name)
+    cfg = dataclasses.replace(cfg, tiers=[*cfg.tiers, Tier("shared", 0, "/tmp/kvcm-router-shared")])
+    run_script(Fleet(cfg, ctx), script, set())
+
+
+def test_router_counts_blocks_taken_from_the_shared_tier(ctx: zmq.Context) -> None:
+    """Instance 1 takes instance 0's prefill from the store: held on tier 3 (``SHARED``),
+    then onboarded, then the request that held them closes."""
+    cfg = config("hybrid", gpu_pages=40, host_pages=8)
+    cfg = dataclasses.replace(cfg, tiers=[*cfg.tiers, Tier("shared", 0, "/tmp/kvcm-router-shared")])
+    fleet = Fleet(cfg, ctx)
+    store: set = set()
+    try:
+        p = BASES[0][:32]
+        step(fleet.mgrs[0], Op(0, 0, 32, 0, 8, False, False, False, True, False), [], store)
+        fleet.pubs[0].publish(fleet.mgrs[0].take_events())
+        assert len(store) > 8
+        m1 = fleet.mgrs[1]
+        kv = m1.create_kv_cache(p, shared_hits=[c for c in m1.shared_candidates(p) if c in store])
+        assert kv.num_reused_tokens == 32
+        events = m1.take_events()
+        assert {b.tier for e in events if e.kind == "stored" for b in e.blocks} == {3}
+        fleet.pubs[1].publish(events)
+        fleet.catch_up()
+        fleet.check([p])
+        assert fleet.router.reuse(1, p) == 32  # pages on the SHARED medium count
+        assert kv.resume()  # onboarded: tier_changed 3 -> 0
+        fleet.pubs[1].publish(m1.take_events())
+        fleet.catch_up()
+        fleet.check([p])
+        assert fleet.router.reuse(1, p) == 32
+        kv.close()
+        # held on tier 3, then closed without resume: unlinked at once (removed on SHARED)
+        q = BASES[2][:16]
+        step(fleet.mgrs[0], Op(0, 2, 16, 0, 8, False, False, False, True, False), [], store)
+        fleet.pubs[0].publish(fleet.mgrs[0].take_events())
+        kv2 = m1.create_kv_cache(q, shared_hits=[c for c in m1.shared_candidates(q) if c in store])
+        assert kv2.num_reused_tokens == 16
+        fleet.pubs[1].publish(m1.take_events())
+        fleet.catch_up()
+        fleet.check([p, q])
+        assert fleet.router.reuse(1, q) == 16
+        kv2.close()
+        fleet.pubs[1].publish(m1.take_events())
+        fleet.catch_up()
+        fleet.check([p, q])
+        assert fleet.router.reuse(1, q) == 0
+    finally:
+        fleet.close()
+
+
+def run_script(fleet: Fleet, script: list[Op], store: set | None = None) -> None:
     held: list[list] = [[] for _ in range(N)]
     try:
         probes = [b[:n] for b in BASES for n in (4, 9, 16, 24, 33, 40)]
         for op in script:
-            step(fleet.mgrs[op.instance], op, held[op.instance])
+            step(fleet.mgrs[op.instance], op, held[op.instance], store)
             if op.drop:
                 fleet.losing.add(op.instance)
             fleet.pubs[op.instance].publish(fleet.mgrs[op.instance].take_events())

@@ -36,6 +36,10 @@ Manager::Manager(ManagerConfig cfg)
   for (const std::string& kind : cfg_.tier_kinds) {
     tier_id_.push_back(kind == "gpu" ? 0 : kind == "host" ? 1 : 2);
   }
+  shared_pos_ = num_tiers_;
+  if (cfg_.shared) tier_id_.push_back(3);
+  cfg_.shared_write_evict = cfg_.shared && cfg_.shared_write_evict;
+  store_on_commit_ = cfg_.shared && !cfg_.shared_write_evict;
   pools_.resize(static_cast<std::size_t>(num_tiers_));
   for (std::int64_t t = 0; t < num_tiers_; ++t) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
@@ -96,10 +100,8 @@ NodeId Manager::new_block(const Digest& key, std::span<const Tok> tokens, std::i
 
 void Manager::no_page(std::int64_t handle) { throw InternalErr("kvcm bug: no page " + std::to_string(handle)); }
 
-// py: manager.py PyKVCacheManager.new_page — SPEC sec. 4
-Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
-                                 std::int64_t ordinal) {
-  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+// A free slot of the page slab (freed slots first, LIFO), its page reset but for the handle.
+std::int64_t Manager::take_page_handle() {
   std::int64_t handle;
   if (!free_pages_.empty()) {
     handle = free_pages_.back();
@@ -111,10 +113,17 @@ Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverag
     }
     handle = page_slots_++;
   }
-  const auto h = static_cast<std::size_t>(handle);
-  Page& p = page_chunks_[h / kPageChunk][h % kPageChunk];
+  Page& p = slab(handle);
   p = Page{};
   p.handle = static_cast<std::int32_t>(handle);
+  return handle;
+}
+
+// py: manager.py PyKVCacheManager.new_page — SPEC sec. 4
+Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
+                                 std::int64_t ordinal) {
+  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  Page& p = slab(take_page_handle());
   p.serial = next_page_++;
   p.lc = static_cast<std::uint8_t>(lc);
   p.tier = static_cast<std::uint8_t>(tier);
@@ -124,6 +133,22 @@ Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverag
   p.last_used = clock_;
   p.ordinal = static_cast<std::int32_t>(ordinal);
   count(lc, kAllocatedBlocks);
+  return &p;
+}
+
+// DECISIONS.md "The shared tier".
+// py: manager.py PyKVCacheManager.new_shared_page — SPEC sec. 16
+Page* Manager::new_shared_page(std::int64_t lc, std::int64_t priority, std::int64_t ordinal) {
+  Page& p = slab(take_page_handle());
+  p.serial = next_page_++;
+  p.lc = static_cast<std::uint8_t>(lc);
+  p.tier = static_cast<std::uint8_t>(shared_pos_);
+  p.slot = -1;
+  p.coverage = static_cast<std::int16_t>(B_);
+  p.priority = static_cast<std::int8_t>(priority);
+  p.last_used = clock_;
+  p.ordinal = static_cast<std::int32_t>(ordinal);
+  count(lc, kSharedHitBlocks);
   return &p;
 }
 
@@ -151,7 +176,11 @@ void Manager::unuse(Page* p, bool active) {
     p->last_used = clock_;
   });
   if (p->locks == 0 && p->holds == 0) {
-    if (p->node == kNoNode) {
+    if (p->tier == shared_pos_ && p->node != kNoNode && tree_.is_attached(p->node)) {
+      // DECISIONS.md "The shared tier": a shared page lives only while a request uses it
+      unlink_committed(p);
+      free_page(p);
+    } else if (p->node == kNoNode) {
       free_page(p);
     } else if (!tree_.is_attached(p->node)) {
       free_orphan_page(p);
@@ -174,6 +203,11 @@ void Manager::set_active(Page* p, bool active) {
 
 // py: manager.py PyKVCacheManager.free_page — SPEC sec. 4
 void Manager::free_page(Page* p) {
+  if (p->tier == shared_pos_) {  // no slot, no pool
+    free_pages_.push_back(p->handle);
+    p->handle = -1;
+    return;
+  }
   unindex(*p);
   pools_[static_cast<std::size_t>(p->tier)][static_cast<std::size_t>(p->lc)].give_slot(p->slot);
   free_pages_.push_back(p->handle);
@@ -212,7 +246,10 @@ bool Manager::make_room(std::int64_t tier, std::int64_t lc) {
   // No room below (a failed make_room changes nothing): drop instead.
   v = victim(pool, /*can_offload=*/false);
   if (v == nullptr) return false;
+  if (cfg_.shared_write_evict) store_evicted(v);
+  evicting_ = cfg_.shared_write_evict;
   drop(v);
+  evicting_ = false;
   return true;
 }
 
@@ -221,12 +258,18 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
   Pool& dst_pool = pools_[static_cast<std::size_t>(dst)][static_cast<std::size_t>(p->lc)];
   const std::int64_t old_tier = p->tier, old_slot = p->slot;
   const std::int64_t new_slot = dst_pool.take_slot();
-  unindex(*p);
-  pools_[static_cast<std::size_t>(old_tier)][static_cast<std::size_t>(p->lc)].give_slot(old_slot);
+  CopyOpC op{p->lc, tier_id(old_tier), old_slot, tier_id(dst), new_slot, reason};
+  if (old_tier == shared_pos_) {  // a shared page: no slot, no pool; the op names its object
+    op.has_key = true;
+    op.key = tree_.key(p->node);
+  } else {
+    unindex(*p);
+    pools_[static_cast<std::size_t>(old_tier)][static_cast<std::size_t>(p->lc)].give_slot(old_slot);
+  }
   p->tier = static_cast<std::uint8_t>(dst);
   p->slot = static_cast<std::int32_t>(new_slot);
   index(*p);
-  add_copy_op(CopyOpC{p->lc, tier_id(old_tier), old_slot, tier_id(dst), new_slot, reason});
+  add_copy_op(op);
   copy_pages_.emplace_back(p->handle, p->serial);
   const std::int64_t nbytes = cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes;
   const bool off = std::strcmp(reason, "offload") == 0;
@@ -297,6 +340,7 @@ void Manager::retire_nodes(const std::vector<NodeId>& ids, bool announce) {
       if (announce) emit_removed(key, lc);
       Page* pg = &page(h);
       if (pg->locks == 0 && pg->holds == 0) {
+        if (evicting_) store_evicted(pg);  // freed with an evicted page: written back too
         count(lc, kDrops);
         count(lc, kDropBytes, cfg_.lcs[static_cast<std::size_t>(lc)].slot_bytes);
         free_orphan_page(pg);
@@ -342,6 +386,23 @@ void Manager::json_tier_head(std::string& o, std::size_t t) const {
 void Manager::copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason) {
   add_copy_op(CopyOpC{lc, tier_id(src->tier), src->slot, tier_id(dst->tier), dst->slot, reason});
   copy_pages_.emplace_back(dst->handle, dst->serial);
+}
+
+// DECISIONS.md "The shared tier": it fills no page here (forget_copies forgets nothing).
+// py: manager.py PyKVCacheManager.store — SPEC sec. 16
+void Manager::store(const Page* p, const Digest& key) {
+  CopyOpC op{p->lc, tier_id(p->tier), p->slot, 3, -1, "store"};
+  op.has_key = true;
+  op.key = key;
+  add_copy_op(op);
+  copy_pages_.emplace_back(-1, -1);
+  count(p->lc, kSharedStores);
+  count(p->lc, kSharedStoreBytes, cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes);
+}
+
+// py: manager.py PyKVCacheManager.store_evicted — SPEC sec. 16
+void Manager::store_evicted(const Page* p) {
+  if (p->coverage == B_ && static_cast<std::int64_t>(tree_.tokens(p->node).size()) == B_) store(p, tree_.key(p->node));
 }
 
 // The pending copy ops warning (sec. 15): warned once, at the call's end.
@@ -490,7 +551,7 @@ void Manager::stats_view(std::string& o, const std::vector<std::int64_t>& c) con
 
 // py: manager.py PyKVCacheManager.create_kv_cache — SPEC sec. 7
 std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lora,
-                             std::optional<std::uint64_t> salt, std::int64_t priority) {
+                             std::optional<std::uint64_t> salt, std::int64_t priority, const SharedHits* hits) {
   if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
   std::vector<Tok> tokens;  // holds one reference per digest token (sec. 15)
   tokens.reserve(tokens_in.size());
@@ -510,7 +571,7 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   const std::int64_t nfull = n / B_;
   r.keys = chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(nfull * B_)));
   r.has_digests = !tokens_in.digests.empty();
-  const std::int64_t m = match_and_hold(r, tokens, r.keys);
+  const std::int64_t m = match_and_hold(r, tokens, r.keys, hits);
   r.input_tokens = std::move(tokens);
   r.reused = m;
   record_match(n, m);
@@ -522,7 +583,8 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
 std::vector<std::int64_t> Manager::forget_copies(std::span<const CopyOpC> ops) {
   auto same = [](const CopyOpC& a, const CopyOpC& b) {
     return a.lc == b.lc && a.src_tier == b.src_tier && a.src_slot == b.src_slot && a.dst_tier == b.dst_tier &&
-           a.dst_slot == b.dst_slot && std::strcmp(a.reason, b.reason) == 0;
+           a.dst_slot == b.dst_slot && std::strcmp(a.reason, b.reason) == 0 && a.has_key == b.has_key &&
+           (!a.has_key || a.key == b.key);
   };
   std::vector<bool> taken(issued_.size(), false);
   for (std::size_t i = 0; i < ops.size(); ++i) {
@@ -605,6 +667,53 @@ std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::op
   const MatchResult mr =
       tree_.match(root, std::span<const Tok>(codes), keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
   return {mr.m, mr.m_before_ssm};
+}
+
+// DECISIONS.md "The shared tier".
+// py: manager.py PyKVCacheManager.shared_candidates — SPEC sec. 16
+std::vector<std::pair<Digest, std::int64_t>> Manager::shared_candidates(TokenSeq tokens_in,
+                                                                        std::optional<std::uint64_t> lora,
+                                                                        std::optional<std::uint64_t> salt) {
+  std::vector<std::pair<Digest, std::int64_t>> out;
+  if (!cfg_.shared) return out;
+  const Digest root_key = scope_root_key(lora, salt);
+  const std::size_t nfull = tokens_in.size() / static_cast<std::size_t>(B_) * static_cast<std::size_t>(B_);
+  std::vector<Digest> keys;
+  keys.reserve(nfull / static_cast<std::size_t>(B_));
+  KeyChain chain(root_key, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
+  feed(chain, tokens_in.codes.first(nfull),
+       [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
+  const NodeId root = tree_.find_root(root_key);  // creates nothing
+  const std::size_t start = root == kNoNode ? 0 : tree_.key_path(root, keys).size();
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  for (std::size_t i = start; i < keys.size(); ++i) {
+    for (std::int64_t lc = 0; lc < nlc; ++lc) out.emplace_back(keys[i], lc);
+  }
+  return out;
+}
+
+// py: manager.py PyKVCacheManager.match_shared — SPEC sec. 16
+Manager::SharedMatch Manager::match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const {
+  SharedMatch sm;
+  sm.path = tree_.key_path(root, keys);
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  std::size_t last = 0;  // rows up to the last block with a hit
+  for (std::size_t i = sm.path.size(); i < keys.size(); ++i) {
+    std::vector<std::int64_t> row(static_cast<std::size_t>(nlc), 0);
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      if (std::binary_search(hits.begin(), hits.end(), std::pair<Digest, std::int64_t>(keys[i], lc))) {
+        row[static_cast<std::size_t>(lc)] = B_;
+        last = sm.rows.size() + 1;
+      }
+    }
+    sm.rows.push_back(std::move(row));
+  }
+  sm.rows.resize(last);
+  if (sm.rows.empty()) return sm;
+  const std::int64_t n = static_cast<std::int64_t>(sm.path.size() + sm.rows.size());
+  const std::int64_t m = std::max<std::int64_t>(0, n * B_ - cfg_.reuse_match_backoff);
+  sm.m = tree_.prune_extended(sm.path, sm.rows, m);
+  return sm;
 }
 
 // py: manager.py PyKVCacheManager.drain_copy_ops — SPEC sec. 8

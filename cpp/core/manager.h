@@ -57,6 +57,10 @@ struct ManagerConfig {
   double max_util_for_resume = 1.0;
   std::int64_t max_events = 10000;
   std::int64_t pending_copy_ops_warning = 1000000;  // 0: never warn
+  // The shared tier (DECISIONS.md "The shared tier"): configured (tier number 3, no pools),
+  // and its write policy (false: "commit", write-through; true: "evict", write-back).
+  bool shared = false;
+  bool shared_write_evict = false;
 };
 
 struct StoredBlockC {  // key and tokens are the event's (one block, several life cycles)
@@ -145,8 +149,14 @@ class Manager {
 
   // ---------------------------------------------------------------- manager calls
   // Validated arguments only (the Python layer checks them first).
+  // The store's answer to shared_candidates: (block key, lc) pairs, sorted and unique.
+  using SharedHits = std::vector<std::pair<Digest, std::int64_t>>;
+  // hits: nullptr when create_kv_cache got no shared_hits (DECISIONS.md "The shared tier").
   std::int64_t create(TokenSeq tokens, std::optional<std::uint64_t> lora,
-                      std::optional<std::uint64_t> salt, std::int64_t priority);
+                      std::optional<std::uint64_t> salt, std::int64_t priority, const SharedHits* hits = nullptr);
+  // The (key, lc) pairs to look up in the shared tier; no side effect.
+  std::vector<std::pair<Digest, std::int64_t>> shared_candidates(TokenSeq tokens, std::optional<std::uint64_t> lora,
+                                                                 std::optional<std::uint64_t> salt);
   std::pair<std::int64_t, std::int64_t> probe(TokenSeq tokens, std::optional<std::uint64_t> lora,
                                               std::optional<std::uint64_t> salt);
   std::vector<CopyOpC> drain_copy_ops();
@@ -234,7 +244,18 @@ class Manager {
   void set_block(Request& r, std::int64_t i, NodeId nid);
   // Match `tokens` (full-block `keys`) and hold what it found, as a fresh SUSPENDED
   // request (create, and the roll-back of forget_copies); returns the match length.
-  std::int64_t match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys);
+  std::int64_t match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys,
+                              const SharedHits* hits = nullptr);
+  // The shared tier (DECISIONS.md): the match extended by the store's hits (m -1: no run),
+  // and the insertion of its blocks with shared pages.
+  struct SharedMatch {
+    std::int64_t m = -1;
+    std::vector<NodeId> path;                     // the tree path [0, P)
+    std::vector<std::vector<std::int64_t>> rows;  // coverage per lc of blocks P, P+1, ...
+  };
+  SharedMatch match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const;
+  std::vector<NodeId> insert_shared_blocks(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys,
+                                           std::int64_t m, const SharedMatch& sm);
   std::optional<std::int64_t> rollback_point(Request& r, const std::vector<std::int64_t>& lost_handles);
   void roll_back(Request& r, std::int64_t point);
   void release_all(Request& r);
@@ -273,6 +294,7 @@ class Manager {
   std::int64_t page_serial(std::int64_t handle) const { return handle < 0 ? -1 : page(handle).serial; }
   std::vector<std::int64_t> live_pages() const;  // handles, by serial
   std::vector<std::int64_t> open_serials() const;  // the open requests' serials, ascending
+  std::int64_t take_page_handle();
   Page* new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
                  std::int64_t ordinal);
   void use(Page* p, bool active, std::int64_t priority);
@@ -282,8 +304,13 @@ class Manager {
   // Link `p` into `ix`'s list just before page `before` (-1: at the tail).
   void list_insert(EvictIndex& ix, Page& p, std::int64_t before);
   void index(Page& p);
+  Page* new_shared_page(std::int64_t lc, std::int64_t priority, std::int64_t ordinal);
   template <typename F>
   void restate(Page& p, F change) {
+    if (p.tier == shared_pos_) {  // a shared page is in no pool
+      change();
+      return;
+    }
     unindex(p);
     change();
     index(p);
@@ -304,6 +331,10 @@ class Manager {
 
   // --- copy ops, events, stats
   void copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason);
+  // The shared tier's writes (DECISIONS.md): a store op for `p`, a full-coverage page of the
+  // full block `key`; and the write-back of a page eviction is about to drop.
+  void store(const Page* p, const Digest& key);
+  void store_evicted(const Page* p);
   void add_copy_op(const CopyOpC& op);
   // A new buffered event with the next id (a stored event also buffers its block's
   // `tokens`), the oldest dropped when full; nullptr when no events are kept (max_events 0).
@@ -344,6 +375,11 @@ class Manager {
   // SPEC sec. 1 tier number (gpu 0, host 1, disk 2) of each config position: pools are
   // indexed by position; copy ops, events, stats and snapshots report these numbers.
   std::vector<std::int64_t> tier_id_;
+  // The shared tier: a shared page's `tier` is shared_pos_ (= num_tiers_, after the local
+  // tiers; tier_id_ maps it to 3); it has slot -1 and is in no pool.
+  std::int64_t shared_pos_ = -1;
+  bool store_on_commit_ = false;
+  bool evicting_ = false;  // shared_write="evict": an eviction drop is running (retire_nodes writes too)
   std::vector<std::int64_t> attn_lcs_;
   std::int64_t ssm_lc_ = -1;
   // eviction-index nodes: recycled here instead of a malloc per index change
@@ -381,7 +417,7 @@ class Manager {
   Fifo<std::pair<std::uint32_t, std::uint32_t>> event_sizes_;
   std::int64_t events_dropped_ = 0;
   bool is_shutdown_ = false;
-  // counters: [requests, query_tokens, reused_tokens, then 13 per lc]
+  // counters: [requests, query_tokens, reused_tokens, then kNumCounters per lc]
   std::vector<std::int64_t> totals_, iteration_;
   std::mutex mutex_;
 

@@ -30,12 +30,15 @@ enum Counter : int {
   kSnapshotsTaken,
   kSnapshotsSkipped,
   kLostPages,
+  kSharedStores,
+  kSharedStoreBytes,
+  kSharedHitBlocks,
   kNumCounters
 };
 inline constexpr const char* kCounterNames[kNumCounters] = {
     "reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads",       "offload_bytes",
     "onboards",      "onboard_bytes", "drops",         "drop_bytes",       "cows",           "snapshots_taken",
-    "snapshots_skipped", "lost_pages"};
+    "snapshots_skipped", "lost_pages", "shared_stores", "shared_store_bytes", "shared_hit_blocks"};
 inline constexpr std::size_t kHeader = 3;  // requests, query_tokens, reused_tokens
 
 inline const char* state_name(int s) {

@@ -250,6 +250,10 @@ void Manager::snapshot_copy_ops(std::string& o) {
     j_int(o, c.dst_slot);
     o += ',';
     j_str(o, c.reason);
+    if (c.has_key) {
+      o += ',';
+      j_hex(o, c.key);
+    }
     o += ']';
   }
   o += "],\"issued_copy_ops\":[";
@@ -263,6 +267,10 @@ void Manager::snapshot_copy_ops(std::string& o) {
     }
     j_str(o, c.reason);
     o += ',';
+    if (c.has_key) {
+      j_hex(o, c.key);
+      o += ',';
+    }
     j_int(o, issued_[k].serial);
     o += ']';
   }
@@ -483,7 +491,14 @@ void Manager::check_page_users(const std::vector<std::int64_t>& all, InvariantUs
     check(p.locks == l, pid + ": " + S(p.locks) + " locks, " + S(l) + " users ACTIVE");
     check(p.holds == h, pid + ": " + S(p.holds) + " holds, " + S(h) + " users SUSPENDED");
     check(p.state() != kLocked || p.tier == kGpu, pid + ": LOCKED on tier " + S(p.tier));
-    check(p.idx_state == p.state(), pid + ": counted under a stale state");
+    if (p.tier == shared_pos_) {  // DECISIONS.md "The shared tier": HELD, linked, full, no slot, in no pool
+      check(p.slot == -1 && p.locks == 0 && p.holds > 0, pid + ": a shared page must be HELD, slot -1 (" +
+                                                            S(p.locks) + " locks, " + S(p.holds) + " holds, slot " +
+                                                            S(p.slot) + ")");
+      check(p.node != kNoNode && p.coverage == B_, pid + ": a shared page outside a full block");
+    } else {
+      check(p.idx_state == p.state(), pid + ": counted under a stale state");
+    }
     if (p.node == kNoNode) {
       check(p.locks + p.holds > 0, pid + ": private page without a user");
     } else {

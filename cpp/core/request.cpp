@@ -15,13 +15,21 @@ using namespace detail;
 
 // create's match and holds (SPEC sec. 6, 7).
 // py: request.py PyKVCache.match_and_hold — SPEC sec. 7
-std::int64_t Manager::match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys) {
+std::int64_t Manager::match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys,
+                                     const SharedHits* hits) {
   std::int64_t m = 0;
   std::vector<NodeId> path;
   if (!tokens.empty()) {
     MatchResult mr = tree_.match(r.root, tokens, keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
     m = mr.m;
     path = std::move(mr.path);
+    if (hits != nullptr) {  // the shared tier's extension, taken only when longer (DECISIONS.md)
+      const SharedMatch sm = match_shared(r.root, keys, *hits);
+      if (sm.m > m) {
+        m = sm.m;
+        path = insert_shared_blocks(r, tokens, keys, m, sm);
+      }
+    }
   }
   r.tokens.assign(tokens.begin(), tokens.begin() + m);
   // r.tokens holds its own digest references (the caller's tokens keep theirs; sec. 15)
@@ -50,6 +58,45 @@ std::int64_t Manager::match_and_hold(Request& r, std::span<const Tok> tokens, st
   }
   r.cow_block = m % B_ ? m / B_ : -1;
   return m;
+}
+
+// DECISIONS.md "The shared tier": the extension's blocks below ceil(m / B) enter the tree at
+// once, with a shared page for exactly the pages the request will hold (attention pages of
+// blocks non-stale at m, the ssm snapshot of the block m ends in).
+// py: request.py PyKVCache.insert_shared_blocks — SPEC sec. 16
+std::vector<NodeId> Manager::insert_shared_blocks(Request& r, std::span<const Tok> tokens,
+                                                  std::span<const Digest> keys, std::int64_t m,
+                                                  const SharedMatch& sm) {
+  const std::int64_t nb = ceildiv(m, B_);
+  const auto np = static_cast<std::int64_t>(sm.path.size());
+  std::vector<NodeId> path(sm.path.begin(), sm.path.begin() + std::min(nb, np));
+  NodeId parent = path.empty() ? r.root : path.back();
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  for (std::int64_t i = np; i < nb; ++i) {
+    const std::vector<std::int64_t>& row = sm.rows[static_cast<std::size_t>(i - np)];
+    const NodeId nid = new_block(keys[static_cast<std::size_t>(i)],
+                                 tokens.subspan(static_cast<std::size_t>(i * B_), static_cast<std::size_t>(B_)), i);
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      bool held;
+      if (cfg_.lcs[static_cast<std::size_t>(lc)].ssm) {
+        held = i == nb - 1;
+      } else {
+        const auto [lo, hi] = stale_range(lc, m);
+        held = !(lo <= i && i < hi);
+      }
+      if (!held) continue;
+      if (row[static_cast<std::size_t>(lc)] != B_) {
+        throw InternalErr("kvcm bug: the fixed point kept a block without its page");
+      }
+      Page* p = new_shared_page(lc, r.priority, i);
+      tree_.set_page(nid, lc, p->handle, B_);
+      p->node = static_cast<std::int32_t>(nid);
+    }
+    attach(parent, nid);
+    path.push_back(nid);
+    parent = nid;
+  }
+  return path;
 }
 
 // DECISIONS.md "Failed copies".
@@ -727,6 +774,9 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
   NodeId existing = tree_.find_existing(parent, key, tokens);
   Page* snap = nullptr;
   const std::int64_t ssm = ssm_lc_;
+  // shared_write="commit": a full-coverage page of a full block that becomes a tree page
+  // here is written to the shared tier (DECISIONS.md "The shared tier")
+  const bool do_store = store_on_commit_ && ntok == B_;
   if (want_snapshot && (existing == kNoNode || tree_.coverage(existing, ssm) < ntok)) {
     Page* live = page_ptr(r.live);
     if (live == nullptr || live->tier != kGpu || !make_room(kGpu, ssm)) {
@@ -735,6 +785,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
       snap = new_page(kGpu, ssm, ntok, r.priority, i);
       copy(ssm, &page(r.live), snap, "snapshot");
       count(ssm, kSnapshotsTaken);
+      if (do_store) store(snap, key);
       // eviction may have pruned this request's chain or the existing block
       parent = parent_for(r, i);
       existing = tree_.find_existing(parent, key, tokens);
@@ -750,6 +801,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
       p.coverage = static_cast<std::int16_t>(ntok);
       tree_.set_page(nid, lc, p.handle, ntok);
       p.node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
+      if (do_store) store(&p, key);
     }
     if (snap != nullptr) {
       tree_.set_page(nid, ssm, snap->handle, ntok);
@@ -773,6 +825,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
     const PageHandle qh = tree_.page(existing, lc);
     if (qh == kNoPage || tree_.coverage(existing, lc) < ntok) {
       install(existing, lc, p, gained);
+      if (do_store) store(p, key);
     } else {
       Page* q = &page(qh);
       if (q->tier == kGpu) {  // switch to the tree's page; its index changes

@@ -530,6 +530,13 @@ std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run(Ref node, std::sp
 
 // py: tree.py RadixTree.prune_match — SPEC sec. 6
 std::int64_t RadixTree::prune_match(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const {
+  return fixed_point(
+      [&](std::int64_t j, std::size_t lc) -> std::int64_t { return coverage_.row(at_index(path, j))[lc]; }, m,
+      use_ssm);
+}
+
+template <typename Cov>
+std::int64_t RadixTree::fixed_point(const Cov& cov, std::int64_t m, bool use_ssm) const {
   const std::int64_t B = B_;
   const std::size_t nlc = lcs_.size();
   while (true) {
@@ -541,7 +548,7 @@ std::int64_t RadixTree::prune_match(const std::vector<Ref>& path, std::int64_t m
         // The match must end exactly at a snapshot.
         std::int64_t cut = 0;
         for (std::int64_t j = ceildiv(m, B) - 1; j >= 0; --j) {
-          const std::int64_t c = coverage_.row(at_index(path, j))[lc];
+          const std::int64_t c = cov(j, lc);
           if (0 < c && j * B + c <= m) {
             cut = j * B + c;
             break;
@@ -557,15 +564,42 @@ std::int64_t RadixTree::prune_match(const std::vector<Ref>& path, std::int64_t m
       for (std::int64_t j = 0; j < n_blocks; ++j) {
         if (lo <= j && j < hi) continue;
         const std::int64_t need = std::min(B, m - j * B);
-        const std::int64_t cov = coverage_.row(at_index(path, j))[lc];
-        if (cov < need) {
-          m = j * B + cov;
+        const std::int64_t c = cov(j, lc);
+        if (c < need) {
+          m = j * B + c;
           break;
         }
       }
     }
     if (m == m0) return m;
   }
+}
+
+// py: tree.py RadixTree.key_path — SPEC sec. 6
+std::vector<NodeId> RadixTree::key_path(NodeId root, std::span<const Digest> keys) const {
+  std::vector<NodeId> out;
+  Ref node = ref_of(root);
+  for (const Digest& key : keys) {
+    const Ref c = find_child(node, key);
+    if (c == kNil) break;
+    out.push_back(static_cast<NodeId>(c));
+    node = c;
+  }
+  return out;
+}
+
+// py: tree.py RadixTree.prune_extended — SPEC sec. 6
+std::int64_t RadixTree::prune_extended(const std::vector<NodeId>& path,
+                                       const std::vector<std::vector<std::int64_t>>& rows, std::int64_t m) const {
+  std::vector<Ref> refs;
+  refs.reserve(path.size());
+  for (NodeId id : path) refs.push_back(ref_of(id));
+  return fixed_point(
+      [&](std::int64_t j, std::size_t lc) -> std::int64_t {
+        const auto jj = static_cast<std::size_t>(j);
+        return jj < refs.size() ? coverage_.row(refs[jj])[lc] : at_index(rows, j - static_cast<std::int64_t>(refs.size()))[lc];
+      },
+      m, true);
 }
 
 // ---------------------------------------------------------------- the children index

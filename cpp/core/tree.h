@@ -210,6 +210,14 @@ class RadixTree {
   MatchResult match(NodeId root, std::span<const Code> tokens, std::span<const Digest> keys, bool partial,
                     std::int64_t backoff) const;
 
+  // The blocks under `root` whose keys are keys[0], keys[1], ... (the full-block walk of the
+  // match, no partial step; the shared tier's tree path).
+  std::vector<NodeId> key_path(NodeId root, std::span<const Digest> keys) const;
+  // The fixed point of the match (ssm rule included) over the blocks `path` followed by
+  // blocks not in the tree whose coverage per lc is rows[k] (the shared tier's extension).
+  std::int64_t prune_extended(const std::vector<NodeId>& path, const std::vector<std::vector<std::int64_t>>& rows,
+                              std::int64_t m) const;
+
   // ------------------------------------------------------------ tokens
   // The code of `t`; for a digest, one new reference the caller owns (release it).
   Code intern(const TokenArg& t) {
@@ -381,6 +389,9 @@ class RadixTree {
   NodeId covering(Ref p, std::span<const Code> tokens) const;
   std::pair<Ref, std::int64_t> longest_run(Ref node, std::span<const Code> tokens, std::size_t start) const;
   std::int64_t prune_match(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const;
+  // prune_match's fixed point over any blocks: cov(j, lc) is block j's coverage of lc.
+  template <typename Cov>
+  std::int64_t fixed_point(const Cov& cov, std::int64_t m, bool use_ssm) const;
   std::vector<Code> encode_query(std::span<const TokenArg> tokens) const;
   Code intern_slow(const TokenArg& t);
   void release_digest(Code id) noexcept;

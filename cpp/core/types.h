@@ -59,6 +59,9 @@ struct TokenSeq {
 struct CopyOpC {
   std::int64_t lc, src_tier, src_slot, dst_tier, dst_slot;
   const char* reason;
+  // An op that touches the shared tier names its object by block key (kvcm.api.CopyOp.key).
+  bool has_key = false;
+  Digest key{};
 };
 
 }  // namespace kvcm

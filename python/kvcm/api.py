@@ -83,9 +83,11 @@ def warn_pending_copy_ops(pending: int) -> None:
 # Configuration (sec. 2)
 # ---------------------------------------------------------------------------------------
 
-TierKind = Literal["gpu", "host", "disk"]
-TIER_KINDS: tuple[str, ...] = ("gpu", "host", "disk")
+TierKind = Literal["gpu", "host", "disk", "shared"]
+# a tier kind's position here is its SPEC tier number: gpu 0, host 1, disk 2, shared 3
+TIER_KINDS: tuple[str, ...] = ("gpu", "host", "disk", "shared")
 GPU, HOST, DISK = 0, 1, 2
+SHARED_WRITE_POLICIES: tuple[str, ...] = ("commit", "evict")  # KVCacheManagerConfig.shared_write
 
 MAX_TOKEN = 2**31
 DIGEST_TOKEN_BYTES = 32
@@ -129,6 +131,11 @@ class KVCacheManagerConfig:
     max_events: int = 10_000
     # warn once (PendingCopyOpsWarning) when this many copy ops are pending; 0: never
     pending_copy_ops_warning: int = 1_000_000
+    # the shared tier (DECISIONS.md "The shared tier"): when a page is written to the store
+    # ("commit": write-through; "evict": when dropped from the coldest local tier), and the
+    # model/namespace string of the layout fingerprint that names its objects
+    shared_write: str = "commit"
+    shared_namespace: str = ""
 
     def __post_init__(self) -> None:
         # Freeze the sequences so the config is hashable-in-spirit and cannot change later.
@@ -440,8 +447,23 @@ class KVCacheManager(abc.ABC):
         scope: ReuseScope | None = None,
         priority: int | None = None,
         id: int | str | None = None,
+        shared_hits: Any = None,
     ) -> KVCache:
-        """Match ``input_tokens`` once and return a SUSPENDED cache holding the reused pages."""
+        """Match ``input_tokens`` once and return a SUSPENDED cache holding the reused pages.
+
+        ``shared_hits``: with a shared tier, the ``(key, lc)`` pairs of
+        :meth:`shared_candidates` that the store holds (one batched existence query); the
+        match may then extend into the shared tier (DECISIONS.md "The shared tier").  Each
+        item a ``(key, lc)`` tuple or list (TypeError / ValueError), keys 32 bytes, lc a
+        life cycle id; pairs that are no candidates are ignored; given without a shared
+        tier: ValueError.  A bad item changes nothing."""
+
+    @abc.abstractmethod
+    def shared_candidates(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[tuple[bytes, int]]:
+        """The ``(key, lc)`` pairs to look up in the shared tier for ``tokens``: every full
+        block past those on the tree path from the scope root, every life cycle, ordered by
+        block then lc.  No side effect at all (like :meth:`probe_reuse`); [] without a
+        shared tier (DECISIONS.md "The shared tier")."""
 
     @abc.abstractmethod
     def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
@@ -538,6 +560,8 @@ class KVCacheManager(abc.ABC):
 
 
 __all__ = [
+    "SHARED",
+    "SHARED_WRITE_POLICIES",
     "AttentionLayer",
     "ClearedEvent",
     "ClosedError",

@@ -258,7 +258,43 @@ def check_copy_ops(ops: Any, what: str = "forget_copies") -> list[CopyOp]:
                 raise TypeError(f"{what}(): ops[{i}].{name} must be an int, got {type(getattr(op, name)).__name__}")
         if type(op.reason) is not str:
             raise TypeError(f"{what}(): ops[{i}].reason must be a str, got {type(op.reason).__name__}")
+        if op.key is not None and type(op.key) is not bytes:
+            raise TypeError(f"{what}(): ops[{i}].key must be None or bytes, got {type(op.key).__name__}")
     return list(ops)
+
+
+def check_shared_hits(hits: Any, num_lcs: int, has_shared: bool) -> list[tuple[bytes, int]] | None:
+    """``create_kv_cache(shared_hits=...)`` (DECISIONS.md "The shared tier"): None, or an
+    iterable of ``(key, lc)`` pairs, each a tuple or list of two (TypeError; ValueError
+    for another length), ``key`` 32 bytes (bytes, bytearray or memoryview: TypeError; else
+    ValueError), ``lc`` an int (not bool: TypeError) that names a life cycle (ValueError).
+    Given without a shared tier: ValueError.  Returns the pairs in order (keys as bytes),
+    or None; the iterable is read once, here, before the call looks at any state."""
+    if hits is None:
+        return None
+    if isinstance(hits, (str, bytes, bytearray, memoryview)) or not hasattr(hits, "__iter__"):
+        raise TypeError(f"shared_hits must be an iterable of (key, lc) pairs, got {type(hits).__name__}")
+    out: list[tuple[bytes, int]] = []
+    for i, item in enumerate(hits):
+        if type(item) not in (tuple, list):
+            raise TypeError(f"shared_hits[{i}] must be a (key, lc) pair, got {type(item).__name__}")
+        if len(item) != 2:
+            raise ValueError(f"shared_hits[{i}] must be a (key, lc) pair, got {len(item)} items")
+        key, lc = item
+        if not isinstance(key, (bytes, bytearray, memoryview)):
+            raise TypeError(f"shared_hits[{i}] key must be bytes, got {type(key).__name__}")
+        key = bytes(key)
+        if len(key) != DIGEST_TOKEN_BYTES:
+            raise ValueError(f"shared_hits[{i}] key must be {DIGEST_TOKEN_BYTES} bytes, got {len(key)}")
+        value = as_int(lc)
+        if value is None:
+            raise TypeError(f"shared_hits[{i}] lc must be an int, got {type(lc).__name__}")
+        if not 0 <= value < num_lcs:
+            raise ValueError(f"shared_hits[{i}] names unknown life cycle {value}; this model has {num_lcs}")
+        out.append((key, value))
+    if not has_shared:
+        raise ValueError("shared_hits given, but the config has no shared tier")
+    return out
 
 
 def int32_view(out: Any) -> memoryview:

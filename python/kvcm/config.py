@@ -18,11 +18,20 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvcm.api import TIER_KINDS, AttentionLayer, ConfigError, KVCacheManagerConfig, SsmLayer, Tier
+from kvcm.api import (
+    SHARED_WRITE_POLICIES,
+    TIER_KINDS,
+    AttentionLayer,
+    ConfigError,
+    KVCacheManagerConfig,
+    SsmLayer,
+    Tier,
+)
 
 INT64_LIMIT = 2**63  # every count, size and byte figure both backends hold fits below this
 MAX_POOL_SLOTS = 2**31 - 1  # page indices are int32 (sec. 7: page_indices_into)
 MAX_POOL_WEIGHT = float(2**64)  # pool_ratio weights
+MAX_SHARED_NAMESPACE_BYTES = 256  # KVCacheManagerConfig.shared_namespace, UTF-8
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,9 +96,16 @@ class ResolvedConfig:
 
     config: KVCacheManagerConfig
     life_cycles: tuple[LifeCycle, ...]
-    # slots[tier_index][lc_id] = number of slots of that pool
+    # slots[tier_index][lc_id] = number of slots of that pool (local tiers only)
     slots: tuple[tuple[int, ...], ...]
+    # the local tiers' kinds (those with pools), in config order; a shared tier is not one
     tier_kinds: tuple[str, ...]
+    # the shared tier (DECISIONS.md "The shared tier"): no slots, no pools; None without one
+    shared_tier: Tier | None = None
+
+    @property
+    def has_shared(self) -> bool:
+        return self.shared_tier is not None
 
     @property
     def tokens_per_block(self) -> int:
@@ -100,6 +116,11 @@ class ResolvedConfig:
         """SPEC sec. 1 tier number (gpu 0, host 1, disk 2) of each configured tier, by
         config position: what copy ops, events, stats and snapshots report (DECISIONS.md)."""
         return tuple(TIER_KINDS.index(k) for k in self.tier_kinds)
+
+    @property
+    def shared_write_evict(self) -> bool:
+        """The shared tier's write policy is "evict" (write-back) rather than "commit"."""
+        return self.config.shared_write == "evict"
 
     @property
     def ssm_lc(self) -> int | None:
@@ -133,7 +154,9 @@ def resolve_config(config: KVCacheManagerConfig) -> ResolvedConfig:
     kinds = _resolve_tiers(config.tiers)
     slots = _resolve_slots(config, life_cycles)
     _check_scalars(config)
-    return ResolvedConfig(config=config, life_cycles=life_cycles, slots=slots, tier_kinds=tuple(kinds))
+    shared = config.tiers[-1] if kinds[-1] == "shared" else None
+    local = tuple(k for k in kinds if k != "shared")
+    return ResolvedConfig(config=config, life_cycles=life_cycles, slots=slots, tier_kinds=local, shared_tier=shared)
 
 
 def _resolve_life_cycles(layers: Any, B: int) -> tuple[LifeCycle, ...]:
@@ -203,7 +226,7 @@ def _check_layer(layer: Any, seen_ids: set[int], B: int) -> tuple[tuple, int]:
 
 def _resolve_tiers(tiers: Any) -> list[str]:
     """Check the tiers (each, then the set: one gpu tier first, at most one of each kind,
-    warm to cold); returns their kinds in config order."""
+    warm to cold, a shared tier last); returns their kinds in config order."""
     if not isinstance(tiers, tuple):
         raise ConfigError("tiers", f"must be a list of tiers, got {type(tiers).__name__}")
     if not tiers:
@@ -213,7 +236,7 @@ def _resolve_tiers(tiers: Any) -> list[str]:
         if not isinstance(tier, Tier):
             raise ConfigError("tiers", f"unknown tier type {type(tier).__name__}")
         if type(tier.kind) is not str or tier.kind not in TIER_KINDS:
-            raise ConfigError("tiers.kind", f"unknown tier kind {tier.kind!r}; choices: gpu, host, disk")
+            raise ConfigError("tiers.kind", f"unknown tier kind {tier.kind!r}; choices: gpu, host, disk, shared")
         if not _config_int(tier.quota_bytes) or not 0 <= tier.quota_bytes < INT64_LIMIT:
             raise ConfigError("tiers.quota_bytes", f"must be an int in [0, 2**63), got {tier.quota_bytes!r}")
         _check_path(tier)
@@ -224,21 +247,25 @@ def _resolve_tiers(tiers: Any) -> list[str]:
         if kinds.count(k) > 1:
             raise ConfigError("tiers", f"at most one {k} tier")
     if kinds != sorted(kinds, key=TIER_KINDS.index) or kinds[0] != "gpu":
-        raise ConfigError("tiers", "tiers must be listed warm to cold: gpu, host, disk")
+        raise ConfigError("tiers", "tiers must be listed warm to cold: gpu, host, disk, shared")
     return kinds
 
 
 def _check_path(tier: Tier) -> None:
-    """``Tier.path`` (sec. 2, DECISIONS "Configuration"): only a disk tier takes one; a
-    non-empty str or os.PathLike naming a str path without NUL, not an existing non-directory.
-    Nothing is created here (the data plane creates a missing directory when it is built)."""
+    """``Tier.path`` (sec. 2, DECISIONS "Configuration"): only a disk or shared tier takes
+    one; a non-empty str or os.PathLike naming a str path without NUL; for a disk tier, not
+    an existing non-directory.  A shared tier's path is the store's location (a directory,
+    ``file://...`` or ``mooncake://...``), read by the data plane only (DECISIONS "The
+    shared tier").  Nothing is created here (the data plane creates a missing directory
+    when it is built)."""
     path = tier.path
-    if tier.kind != "disk":
+    if tier.kind not in ("disk", "shared"):
         if path is not None:
-            raise ConfigError("tiers.path", f"only a disk tier takes a path; the {tier.kind} tier has {path!r}")
+            raise ConfigError("tiers.path", f"only a disk or shared tier takes a path; the {tier.kind} tier "
+                              f"has {path!r}")
         return
     if path is None:
-        raise ConfigError("tiers.path", "a disk tier needs a path")
+        raise ConfigError("tiers.path", f"a {tier.kind} tier needs a path")
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError("tiers.path", f"must be a str or os.PathLike, got {type(path).__name__}")
     try:
@@ -248,10 +275,10 @@ def _check_path(tier: Tier) -> None:
     if type(text) is not str:
         raise ConfigError("tiers.path", f"must name a str path, got {type(text).__name__}")
     if not text:
-        raise ConfigError("tiers.path", "a disk tier needs a path")
+        raise ConfigError("tiers.path", f"a {tier.kind} tier needs a path")
     if "\0" in text:
         raise ConfigError("tiers.path", "contains a NUL character")
-    if os.path.exists(text) and not os.path.isdir(text):
+    if tier.kind == "disk" and os.path.exists(text) and not os.path.isdir(text):
         raise ConfigError("tiers.path", f"{text!r} exists and is not a directory")
 
 
@@ -277,12 +304,15 @@ def _resolve_weights(ratio: Any, life_cycles: tuple[LifeCycle, ...]) -> dict[int
 
 
 def _resolve_slots(config: KVCacheManagerConfig, life_cycles: tuple[LifeCycle, ...]) -> tuple[tuple[int, ...], ...]:
-    """Slots per tier and life cycle: each tier's quota split evenly (``pool_ratio`` None:
-    the same count for every life cycle) or by the ratio's weights."""
+    """Slots per local tier and life cycle: each tier's quota split evenly (``pool_ratio``
+    None: the same count for every life cycle) or by the ratio's weights.  A shared tier
+    has no slots: its quota is the data plane's (DECISIONS "The shared tier")."""
     ratio = config.pool_ratio
     weights = _resolve_weights(ratio, life_cycles) if ratio is not None else {}
     slots: list[tuple[int, ...]] = []
     for tier in config.tiers:
+        if tier.kind == "shared":
+            continue
         if ratio is None:
             n = tier.quota_bytes // sum(lc.slot_bytes for lc in life_cycles)
             per_lc = tuple(n for _ in life_cycles)
@@ -317,12 +347,24 @@ def _check_scalars(config: KVCacheManagerConfig) -> None:
     w = config.pending_copy_ops_warning
     if not _config_int(w) or not 0 <= w < INT64_LIMIT:
         raise ConfigError("pending_copy_ops_warning", f"must be an int in [0, 2**63), got {w!r}")
+    if type(config.shared_write) is not str or config.shared_write not in SHARED_WRITE_POLICIES:
+        raise ConfigError("shared_write", f"must be 'commit' or 'evict', got {config.shared_write!r}")
+    ns = config.shared_namespace
+    if type(ns) is not str:
+        raise ConfigError("shared_namespace", f"must be a str, got {type(ns).__name__}")
+    try:
+        nbytes = len(ns.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ConfigError("shared_namespace", "is not encodable as UTF-8") from None
+    if nbytes > MAX_SHARED_NAMESPACE_BYTES:
+        raise ConfigError("shared_namespace", f"is {nbytes} bytes UTF-8; at most {MAX_SHARED_NAMESPACE_BYTES}")
 
 
 __all__ = [
     "INT64_LIMIT",
     "MAX_POOL_SLOTS",
     "MAX_POOL_WEIGHT",
+    "MAX_SHARED_NAMESPACE_BYTES",
     "LifeCycle",
     "ResolvedConfig",
     "ceildiv",

@@ -38,6 +38,7 @@ from kvcm.checks import (
     check_count,
     check_priority,
     check_scope,
+    check_shared_hits,
     check_tokens,
     closed_error,
     default_cache_id,
@@ -46,7 +47,7 @@ from kvcm.checks import (
 )
 from kvcm.config import LifeCycle, resolve_config
 
-COPY_REASONS = ("offload", "onboard", "cow", "snapshot")
+COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
 _parse_tokens = _kvcm_cpp.parse_tokens
 
 
@@ -80,7 +81,7 @@ class CppKVCacheManager(KVCacheManager):
         self._core = _kvcm_cpp.Manager(
             config.tokens_per_block, lcs, [list(s) for s in rc.slots], list(rc.tier_kinds),
             config.enable_partial_reuse, config.reuse_match_backoff, float(config.max_util_for_resume),
-            config.max_events)
+            config.max_events, shared_tier=rc.has_shared, shared_write_evict=rc.shared_write_evict)
         self._core.set_pending_copy_ops_warning(config.pending_copy_ops_warning)
         self._open: dict[int, CppKVCache] = {}  # serial -> open cache
         self._ids: set[int | str] = set()  # ids of the open caches
@@ -102,6 +103,7 @@ class CppKVCacheManager(KVCacheManager):
         scope: ReuseScope | None = None,
         priority: int | None = None,
         id: int | str | None = None,
+        shared_hits: Any = None,
     ) -> KVCache:
         # check_tokens, without a Python loop; first, so any Python code the tokens run
         # (tolist, __iter__) runs before this call looks at any state
@@ -109,10 +111,11 @@ class CppKVCacheManager(KVCacheManager):
         scope = check_scope(scope)
         prio = check_priority(priority, self._config.default_priority)
         cache_id = check_cache_id(id)
+        hits = check_shared_hits(shared_hits, len(self._rc.life_cycles), self._rc.has_shared)
         with self._lock:  # the open ids change only under it (create / close from several threads)
             if cache_id is not None and cache_id in self._ids:
                 raise ValueError(f"id {cache_id!r} is already used by an open cache")
-            serial = self._core.create(tokens, scope.lora_id, scope.salt, prio)
+            serial = self._core.create(tokens, scope.lora_id, scope.salt, prio, hits)
             if cache_id is None:
                 cache_id = default_cache_id(serial, self._ids)
             cache = CppKVCache(self, serial, cache_id, prio)
@@ -129,6 +132,11 @@ class CppKVCacheManager(KVCacheManager):
         m, mbs = self._core.probe(toks, scope.lora_id, scope.salt)
         return ReuseProbe(m, mbs)
 
+    def shared_candidates(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[tuple[bytes, int]]:
+        toks = _parse_tokens(tokens, "tokens")
+        scope = check_scope(scope)
+        return self._core.shared_candidates(toks, scope.lora_id, scope.salt)
+
     def drain_copy_ops(self) -> list[CopyOp]:
         return self._core.drain_copy_ops()
 
@@ -137,11 +145,12 @@ class CppKVCacheManager(KVCacheManager):
         items = []
         for i, op in enumerate(ops):
             values = (op.lc, op.src_tier, op.src_slot, op.dst_tier, op.dst_slot)
-            if op.reason not in COPY_REASONS or not all(-MAX_COUNT <= v < MAX_COUNT for v in values):
+            if (op.reason not in COPY_REASONS or not all(-MAX_COUNT <= v < MAX_COUNT for v in values)
+                    or (op.key is not None and len(op.key) != 32)):
                 # never issued (the core compares int64s and C strings)
                 raise ValueError(f"forget_copies(): ops[{i}] {op.to_json()} is not an unreported op of the "
                                  "last drain_copy_ops()")
-            items.append((*values, op.reason))
+            items.append((*values, op.reason, b"" if op.key is None else op.key))
         serials = self._core.forget_copies(items)
         return [self._open[s]._id for s in serials]
 

@@ -25,8 +25,12 @@ JSON list is a list, ``{"array": "q", "values": [...]}`` an ``array.array``,
 [...]}`` a torch tensor (engines keep sequence lengths in arrays).
 
 ``forget_copies``' ``ops`` is a JSON list whose items are ``CopyOp.to_json()`` lists (each
-becomes a ``CopyOp``) or ``{"value": x}`` (the raw value ``x``, bad input); a non-list is
-passed as is.
+becomes a ``CopyOp``; a seventh item is the key's hex) or ``{"value": x}`` (the raw value
+``x``, bad input); a non-list is passed as is.
+
+``create_kv_cache``'s ``shared_hits`` is a JSON list whose items are ``[key hex, lc]`` (each
+becomes a ``(bytes, lc)`` pair) or ``{"value": x}`` (the raw value ``x``, bad input); a
+non-list is passed as is.
 
 Scope: ``null`` (default scope), ``{"lora_id": x, "salt": y}`` (either may be missing or
 null), or any other JSON value passed through unchanged (a bad scope).
@@ -52,8 +56,9 @@ from kvcm.api import CopyOp, Event, KVCache, ReuseProbe, ReuseScope, Status
 
 # op name -> allowed argument names (manager ops, then cache ops, which need a handle)
 MANAGER_OPS: dict[str, tuple[str, ...]] = {
-    "create_kv_cache": ("input_tokens", "scope", "priority", "id"),
+    "create_kv_cache": ("input_tokens", "scope", "priority", "id", "shared_hits"),
     "probe_reuse": ("tokens", "scope"),
+    "shared_candidates": ("tokens", "scope"),
     "probe_reuse_detail": ("tokens", "scope"),
     "drain_copy_ops": (),
     "clear_reusable": (),
@@ -253,6 +258,8 @@ def decode_copy_ops(ops: Any) -> Any:
     for it in ops:
         if isinstance(it, list) and len(it) == 6:
             out.append(CopyOp(*it))
+        elif isinstance(it, list) and len(it) == 7 and isinstance(it[6], str):
+            out.append(CopyOp(*it[:6], key=bytes.fromhex(it[6])))
         elif isinstance(it, dict) and set(it) == {"value"}:
             out.append(it["value"])
         else:
@@ -260,11 +267,28 @@ def decode_copy_ops(ops: Any) -> Any:
     return out
 
 
+def encode_shared_hits(hits: Any) -> Any:
+    """JSON form of ``create_kv_cache``'s ``shared_hits`` (module docstring)."""
+    if not isinstance(hits, (list, tuple)):
+        return normalize(hits)
+    return [[bytes(h[0]).hex(), h[1]] if (type(h) is tuple and len(h) == 2 and type(h[0]) is bytes
+                                          and type(h[1]) is int) else {"value": normalize(h)} for h in hits]
+
+
+def decode_shared_hits(hits: Any) -> Any:
+    if not isinstance(hits, list):
+        return hits
+    return [(bytes.fromhex(h[0]), h[1]) if isinstance(h, list) and len(h) == 2 and isinstance(h[0], str)
+            else h["value"] if isinstance(h, dict) and set(h) == {"value"} else h for h in hits]
+
+
 def encode_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in args.items():
         if k == "ops" and op == "forget_copies":
             out[k] = encode_copy_ops(v)
+        elif k == "shared_hits":
+            out[k] = encode_shared_hits(v)
         elif k in _CONTAINER_ARGS or (k == "tokens" and op == "commit_batch"):
             out[k] = encode_container(v)
         elif k in _TOKEN_ARGS:
@@ -406,6 +430,8 @@ def _call(manager: Any, caches: list, op: dict[str, Any]) -> Any:
             args[k] = decode_container(v)
         elif k == "ops" and name == "forget_copies":
             args[k] = decode_copy_ops(v)
+        elif k == "shared_hits":
+            args[k] = decode_shared_hits(v)
         elif k == "caches":
             args[k] = _decode_caches(v, caches)
         elif k in _TOKEN_ARGS:

@@ -46,8 +46,11 @@ Layout = Literal["map", "array"]
 LAYOUTS: tuple[str, ...] = ("map", "array")
 
 MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE = "GPU", "CPU", "STORAGE"
-# SPEC tier numbers (by kind: gpu 0, host 1, disk 2) -> vLLM medium
-MEDIA: tuple[str, ...] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
+# kvcm's shared tier (a store shared by many instances; DECISIONS.md "The shared tier"):
+# vLLM names no medium for it, so kvcm extends the field with its own value
+MEDIUM_SHARED = "SHARED"
+# SPEC tier numbers (by kind: gpu 0, host 1, disk 2, shared 3) -> vLLM medium
+MEDIA: tuple[str, ...] = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE, MEDIUM_SHARED)
 
 KIND_FULL = "full_attention"
 KIND_WINDOW = "sliding_window"

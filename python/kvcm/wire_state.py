@@ -13,8 +13,9 @@ Mapping (kvcm event -> vLLM wire event, see ``kvcm.wire``):
   in ``extra_keys`` as ``("digest", offset, hex)``); ``block_size`` = B;
   ``lora_id`` = the scope's ``lora_id``; ``lora_name`` = None (kvcm scopes have no adapter
   names); ``extra_keys`` = ``[("salt", salt)]`` on the first block of a salted scope;
-  ``medium`` from the tier (gpu ``GPU``, host ``CPU``, disk ``STORAGE``, by SPEC tier
-  number); ``group_idx`` = life cycle id; ``kv_cache_spec_kind`` = ``full_attention`` /
+  ``medium`` from the tier (gpu ``GPU``, host ``CPU``, disk ``STORAGE``, shared
+  ``SHARED`` — a kvcm value: vLLM has no medium for a store shared by instances — by SPEC
+  tier number); ``group_idx`` = life cycle id; ``kv_cache_spec_kind`` = ``full_attention`` /
   ``sliding_window`` / ``mamba``; ``kv_cache_spec_sliding_window`` = the window;
   extension ``kvcm_sink_tokens`` = the sink tokens of a windowed life cycle; extension
   ``kvcm_coverage`` = the page's coverage when it is less than B (else absent).

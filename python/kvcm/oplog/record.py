@@ -297,14 +297,27 @@ class RecordingManager(KVCacheManager):
         return getattr(self._inner, name)
 
     # -- recorded ------------------------------------------------------------------
-    def create_kv_cache(self, input_tokens=None, scope=None, priority=None, id=None) -> KVCache:
+    def create_kv_cache(self, input_tokens=None, scope=None, priority=None, id=None, shared_hits=None) -> KVCache:
         input_tokens = _materialize(input_tokens)
         args = {"input_tokens": input_tokens, "scope": scope, "priority": priority, "id": id}
+        if shared_hits is not None:
+            shared_hits = _hits_list(shared_hits)
+            args["shared_hits"] = shared_hits
         return self._record(
             "create_kv_cache",
             None,
             args,
-            lambda: self._inner.create_kv_cache(input_tokens, scope=scope, priority=priority, id=id),
+            lambda: self._inner.create_kv_cache(input_tokens, scope=scope, priority=priority, id=id,
+                                                shared_hits=shared_hits),
+        )
+
+    def shared_candidates(self, tokens, scope=None) -> list:
+        tokens = _materialize(tokens)
+        return self._record(
+            "shared_candidates",
+            None,
+            {"tokens": tokens, "scope": scope},
+            lambda: self._inner.shared_candidates(tokens, scope),
         )
 
     def probe_reuse(self, tokens, scope=None) -> int:
@@ -383,6 +396,18 @@ def _materialize(tokens: Any) -> Any:
     (DECISIONS "Tokens"), so materialising them here would make a call that fails without
     the op log succeed with it.  The encoder records them by repr without consuming them."""
     return tokens
+
+
+def _hits_list(hits: Any) -> Any:
+    """``shared_hits`` is any iterable of pairs (kvcm.checks.check_shared_hits): one that is
+    no list or tuple (a set, a generator) is read into a list here, once, so that what is
+    recorded is what the call gets; one whose iteration fails is passed on as is."""
+    if isinstance(hits, (list, tuple, str, bytes, bytearray, memoryview)) or not hasattr(hits, "__iter__"):
+        return hits
+    try:
+        return list(hits)
+    except Exception:  # noqa: BLE001 - the call raises it again (or not): its outcome is recorded
+        return hits
 
 
 class RecordingCache(KVCache):

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvcm.api import (
     GPU,
+    SHARED,
     ClearedEvent,
     CopyOp,
     Event,
@@ -36,6 +37,7 @@ from kvcm.checks import (
     check_copy_ops,
     check_priority,
     check_scope,
+    check_shared_hits,
     check_tokens,
     default_cache_id,
     shut_down_error,
@@ -51,7 +53,7 @@ from kvcm.python_backend.tree import NO_PAGE, RadixTree
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped",
-                "lost_pages")
+                "lost_pages", "shared_stores", "shared_store_bytes", "shared_hit_blocks")
 
 
 class PyKVCacheManager(KVCacheManager):
@@ -70,6 +72,15 @@ class PyKVCacheManager(KVCacheManager):
         # pools are indexed by config position; copy ops, events, stats and snapshots
         # report SPEC's tier number by kind (gpu 0, host 1, disk 2): tier_ids maps at that boundary
         self.tier_ids = rc.tier_ids
+        # the shared tier (DECISIONS.md "The shared tier"): a shared page's ``tier`` is the
+        # position after the local tiers; it has no slot (-1) and is in no pool
+        self.has_shared = rc.has_shared
+        self.shared_write_evict = rc.has_shared and rc.shared_write_evict
+        self.shared_pos = self.num_tiers
+        self.store_on_commit = self.has_shared and not self.shared_write_evict
+        self.evicting = False  # shared_write="evict": an eviction drop is running (retire_nodes writes too)
+        if self.has_shared:
+            self.tier_ids = (*rc.tier_ids, SHARED)
         self.pools = [[Pool(t, lc.id, rc.slots[t][lc.id]) for lc in self.lcs] for t in range(self.num_tiers)]
         self.tree = RadixTree(self.B, self.lcs)
         self.pages: dict[int, Page] = {}  # live pages by serial (= tree page handle)
@@ -107,14 +118,17 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def create_kv_cache(self, input_tokens: Sequence[Token] | None = None, scope: ReuseScope | None = None,
-                        priority: int | None = None, id: int | str | None = None) -> PyKVCache:
-        """SPEC sec. 7 create_kv_cache: match once and hold the match, SUSPENDED."""
+                        priority: int | None = None, id: int | str | None = None,
+                        shared_hits: Any = None) -> PyKVCache:
+        """SPEC sec. 7 create_kv_cache: match once and hold the match, SUSPENDED.  With
+        ``shared_hits`` the match may extend into the shared tier (DECISIONS.md "The shared tier")."""
         # the tokens are read first: any Python code they run (tolist, __iter__) runs
         # before this call looks at any state (DECISIONS "Tokens")
         tokens = check_tokens(() if input_tokens is None else input_tokens, "input_tokens")
         scope = check_scope(scope)
         prio = check_priority(priority, self._config.default_priority)
         cache_id = check_cache_id(id)
+        hits = check_shared_hits(shared_hits, len(self.lcs), self.has_shared)
         if cache_id is not None and cache_id in self.open_ids:
             raise ValueError(f"id {cache_id!r} is already used by an open cache")
         if self.is_shutdown:
@@ -124,7 +138,7 @@ class PyKVCacheManager(KVCacheManager):
         self.next_request += 1
         if cache_id is None:
             cache_id = default_cache_id(serial, self.open_ids)
-        cache = PyKVCache(self, serial, cache_id, tokens, scope, prio)
+        cache = PyKVCache(self, serial, cache_id, tokens, scope, prio, None if hits is None else set(hits))
         self.open_ids.add(cache_id)
         return cache
 
@@ -143,6 +157,39 @@ class PyKVCacheManager(KVCacheManager):
         keys = chain_keys(root_key, toks[: len(toks) // self.B * self.B], self.B)
         m, mbs, _path = self.match(root, toks, keys)
         return ReuseProbe(m, mbs)
+
+    @serialized
+    def shared_candidates(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[tuple[bytes, int]]:
+        """DECISIONS.md "The shared tier": the ``(key, lc)`` the engine looks up in the store
+        for ``tokens``: every full block past the tree path and every life cycle, by block
+        then lc.  No side effect (no tick); [] without a shared tier."""
+        toks = check_tokens(tokens)
+        scope = check_scope(scope)
+        if not self.has_shared:
+            return []
+        root_key = scope_root_key(scope)
+        keys = chain_keys(root_key, toks[: len(toks) // self.B * self.B], self.B)
+        root = self.tree.find_root(root_key)
+        start = 0 if root == NO_NODE else len(self.tree.key_path(root, keys))
+        return [(keys[i], lc) for i in range(start, len(keys)) for lc in range(len(self.lcs))]
+
+    def match_shared(self, root: int, keys: list[bytes], hits: set[tuple[bytes, int]]) -> tuple[int, list[int],
+                                                                                              list[list[int]]]:
+        """DECISIONS.md "The shared tier": the match extended by the store's hits.  The tree
+        path ``[0, P)`` (full blocks by key), then the blocks ``P .. L`` (``L`` the last full
+        block with a hit; coverage B per hit lc, else 0), backoff, then the fixed point of
+        SPEC sec. 6 step 3 with no partial step.  Returns ``(m, tree_path, rows)``:
+        ``rows[k]`` the coverage per lc of block ``P + k``; ``m`` is -1 without a hit."""
+        B = self.B
+        path = self.tree.key_path(root, keys)
+        rows = [[B if (keys[i], lc) in hits else 0 for lc in range(len(self.lcs))]
+                for i in range(len(path), len(keys))]
+        while rows and not any(rows[-1]):
+            rows.pop()
+        if not rows:
+            return -1, path, rows
+        m = max(0, (len(path) + len(rows)) * B - self._config.reuse_match_backoff)
+        return self.tree.prune_extended(path, rows, m), path, rows
 
     # ---------------------------------------------------------------- batched decode step
 
@@ -273,6 +320,15 @@ class PyKVCacheManager(KVCacheManager):
         self.count(lc, "allocated_blocks")
         return page
 
+    def new_shared_page(self, lc: int, priority: int, ordinal: int) -> Page:
+        """DECISIONS.md "The shared tier": a page of a full block in the store (tier 3, no
+        slot, in no pool), no user yet; the caller links it into its block."""
+        page = Page(self.next_page, lc, self.shared_pos, -1, self.B, priority, self.clock, ordinal)
+        self.next_page += 1
+        self.pages[page.serial] = page
+        self.count(lc, "shared_hit_blocks")
+        return page
+
     def use(self, page: Page, active: bool, priority: int) -> None:
         """SPEC sec. 4: a request starts using ``page`` (LRU touch, priority raised to the request's)."""
         def change() -> None:
@@ -295,7 +351,11 @@ class PyKVCacheManager(KVCacheManager):
             page.last_used = self.clock
         self.restate(page, change)
         if page.locks == 0 and page.holds == 0:
-            if page.node == NO_NODE:
+            if page.tier == self.shared_pos and page.node != NO_NODE and self.tree.is_attached(page.node):
+                # DECISIONS "The shared tier": a shared page lives only while a request uses it
+                self.unlink_committed(page)
+                self.free_page(page)
+            elif page.node == NO_NODE:
                 self.free_page(page)
             elif not self.tree.is_attached(page.node):
                 self.free_orphan_page(page)
@@ -313,6 +373,9 @@ class PyKVCacheManager(KVCacheManager):
 
     def restate(self, page: Page, change: Callable[[], None]) -> None:
         """Apply ``change`` to ``page`` with its pool's counters and eviction index kept in step."""
+        if page.tier == self.shared_pos:  # a shared page is in no pool
+            change()
+            return
         pool = self.pools[page.tier][page.lc]
         pool.unindex(page)
         change()
@@ -320,6 +383,9 @@ class PyKVCacheManager(KVCacheManager):
 
     def free_page(self, page: Page) -> None:
         """Its slot back to the pool (SPEC sec. 4: the lowest free slot is handed out next)."""
+        if page.tier == self.shared_pos:  # no slot, no pool
+            del self.pages[page.serial]
+            return
         pool = self.pools[page.tier][page.lc]
         pool.unindex(page)
         pool.give_slot(page.slot)
@@ -363,21 +429,31 @@ class PyKVCacheManager(KVCacheManager):
         victim = pool.victim(movable=False)
         if victim is None:
             return False
+        if self.shared_write_evict:
+            self.store_evicted(victim)
+        self.evicting = self.shared_write_evict
         self.drop(victim)
+        self.evicting = False
         return True
 
     def move(self, page: Page, dst: int, reason: str) -> None:
         """SPEC sec. 8: move ``page`` to a free slot of tier ``dst`` (the caller made room), with
-        its copy op (offload / onboard) and ``tier_changed`` event."""
-        src_pool, dst_pool = self.pools[page.tier][page.lc], self.pools[dst][page.lc]
+        its copy op (offload / onboard) and ``tier_changed`` event.  A shared page (no slot,
+        no pool) is onboarded by an op naming its object by block key (DECISIONS.md)."""
+        dst_pool = self.pools[dst][page.lc]
         old_tier, old_slot = page.tier, page.slot
         new_slot = dst_pool.take_slot()
-        src_pool.unindex(page)
-        src_pool.give_slot(old_slot)
+        key = None
+        if old_tier == self.shared_pos:
+            key = self.tree.key(page.node)
+        else:
+            src_pool = self.pools[old_tier][page.lc]
+            src_pool.unindex(page)
+            src_pool.give_slot(old_slot)
         page.tier, page.slot = dst, new_slot
         dst_pool.index(page)
         tid = self.tier_ids
-        self._add_copy_op(CopyOp(page.lc, tid[old_tier], old_slot, tid[dst], new_slot, reason))
+        self._add_copy_op(CopyOp(page.lc, tid[old_tier], old_slot, tid[dst], new_slot, reason, key))
         self.copy_pages.append(page.serial)
         nbytes = self.lcs[page.lc].slot_bytes
         kind = "offloads" if reason == "offload" else "onboards"
@@ -434,6 +510,8 @@ class PyKVCacheManager(KVCacheManager):
                     self.emit_removed(n.key, lc)
                 page = self.pages[h]
                 if page.locks == 0 and page.holds == 0:
+                    if self.evicting:  # freed with an evicted page: written back too
+                        self.store_evicted(page)
                     self.count(lc, "drops")
                     self.count(lc, "drop_bytes", self.lcs[lc].slot_bytes)
                     self.free_orphan_page(page)
@@ -454,6 +532,23 @@ class PyKVCacheManager(KVCacheManager):
                     while (page := pool.peek(DROPPABLE)) is not None:
                         self.drop(page)
                         progress = True
+
+    # --- the shared tier's writes (DECISIONS.md "The shared tier")
+
+    def store(self, page: Page, key: bytes) -> None:
+        """A ``store`` op: ``page`` (a full-coverage page of the full block ``key``) is
+        written to the shared tier.  It fills no page here (forget_copies forgets nothing)."""
+        self._add_copy_op(CopyOp(page.lc, self.tier_ids[page.tier], page.slot, SHARED, -1, "store", key))
+        self.copy_pages.append(-1)
+        self.count(page.lc, "shared_stores")
+        self.count(page.lc, "shared_store_bytes", self.lcs[page.lc].slot_bytes)
+
+    def store_evicted(self, page: Page) -> None:
+        """``shared_write="evict"``: eviction is about to drop ``page``; a full-coverage page
+        of a full block is written first."""
+        node = self.tree.nodes[page.node]
+        if page.coverage == self.B and len(node.tokens) == self.B:
+            self.store(page, node.key)
 
     # --- copy ops, events
 

@@ -199,6 +199,10 @@ def _check_page_users(mgr: Any, p: Page, locks: dict[int, int], holds: dict[int,
     check(p.locks == locks.get(p.serial, 0), f"page {p.serial}: {p.locks} locks, {locks.get(p.serial, 0)} users ACTIVE")
     check(p.holds == holds.get(p.serial, 0), f"page {p.serial}: {p.holds} holds, {holds.get(p.serial, 0)} users SUSPENDED")
     check(p.state != LOCKED or p.tier == GPU, f"page {p.serial}: LOCKED on tier {p.tier}")
+    if p.tier == mgr.shared_pos:  # DECISIONS.md "The shared tier": HELD, linked, full, no slot
+        check(p.slot == -1 and p.locks == 0 and p.holds > 0, f"page {p.serial}: a shared page must be HELD, "
+              f"slot -1 ({p.locks} locks, {p.holds} holds, slot {p.slot})")
+        check(p.node != NO_NODE and p.coverage == mgr.B, f"page {p.serial}: a shared page outside a full block")
     if p.node == NO_NODE:
         check(p.locks + p.holds > 0, f"page {p.serial}: private page without a user")
     else:

@@ -36,7 +36,8 @@ from kvcm.python_backend.tree import NO_PAGE
 
 
 class PyKVCache(KVCache):
-    def __init__(self, mgr: Any, serial: int, cache_id: int | str, tokens: list, scope: ReuseScope, priority: int) -> None:
+    def __init__(self, mgr: Any, serial: int, cache_id: int | str, tokens: list, scope: ReuseScope, priority: int,
+                 hits: set[tuple[bytes, int]] | None = None) -> None:
         B = mgr.B
         self.mgr = mgr  # the PyKVCacheManager that created it
         self.serial = serial  # creation order in the manager
@@ -57,17 +58,24 @@ class PyKVCache(KVCache):
         self.pages: dict[int, list[Page | None]] = {}
         self.live: Page | None = None  # the live ssm state
         self.snap: Page | None = None  # matched ssm snapshot, held until the first resume copies it
-        self._reused = self.match_and_hold(tokens, self.keys)
+        self._reused = self.match_and_hold(tokens, self.keys, hits)
         mgr.requests[serial] = self
         mgr.record_match(len(tokens), self._reused)
 
-    def match_and_hold(self, tokens: list, keys: list[bytes]) -> int:
+    def match_and_hold(self, tokens: list, keys: list[bytes], hits: set[tuple[bytes, int]] | None = None) -> int:
         """SPEC sec. 7 create: match ``tokens`` and hold what the match found (the pages of
         the non-stale blocks, the snapshot at the match end), as a fresh SUSPENDED request
-        (create, and the roll-back of ``forget_copies``); returns the match length."""
+        (create, and the roll-back of ``forget_copies``); returns the match length.  With
+        the store's ``hits`` the match may extend into the shared tier (DECISIONS.md "The
+        shared tier"): taken only when longer, its blocks inserted with shared pages."""
         mgr = self.mgr
         B = mgr.B
         m, _mbs, path = mgr.match(self.root, tokens, keys) if tokens else (0, 0, [])
+        if hits is not None and tokens:
+            m_ext, tree_path, rows = mgr.match_shared(self.root, keys, hits)
+            if m_ext > m:
+                m = m_ext
+                path = self._insert_shared_blocks(tokens, keys, m, tree_path, rows)
         self.tokens: list[Token] = tokens[:m]  # committed tokens
         self._capacity = m
         self.history = m
@@ -94,6 +102,38 @@ class PyKVCache(KVCache):
         # the block a partial match ends in: copied to private pages on first resume
         self.cow_block = m // B if m % B else -1
         return m
+
+    def _insert_shared_blocks(self, tokens: list, keys: list[bytes], m: int, tree_path: list[int],
+                              rows: list[list[int]]) -> list[int]:
+        """DECISIONS.md "The shared tier": the extension's blocks below ``ceil(m / B)`` enter
+        the tree at once, with a shared page (tier 3, slot -1) for exactly the pages this
+        request will hold: attention pages of blocks non-stale at ``m``, and the ssm
+        snapshot of the block ``m`` ends in.  Returns the match path (tree path + new blocks)."""
+        mgr = self.mgr
+        tree = mgr.tree
+        B = mgr.B
+        nb = -(-m // B)
+        path = list(tree_path[:nb])
+        parent = path[-1] if path else self.root
+        for i in range(len(tree_path), nb):
+            row = rows[i - len(tree_path)]
+            nid = tree.new_block(keys[i], tokens[i * B:(i + 1) * B], i)
+            for lc, life in enumerate(mgr.lcs):
+                if life.kind == "ssm":
+                    held = i == nb - 1
+                else:
+                    lo, hi = life.stale_range(m, B)
+                    held = not lo <= i < hi
+                if not held:
+                    continue
+                assert row[lc] == B, "kvcm bug: the fixed point kept a block without its page"
+                page = mgr.new_shared_page(lc, self._priority, i)
+                tree.set_page(nid, lc, page.serial, B)
+                page.node = nid
+            self._attach(parent, nid)
+            path.append(nid)
+            parent = nid
+        return path
 
     def rollback_point(self, lost: set[int]) -> int | None:
         """SPEC sec. 15: where this request rolls back to when the pages ``lost`` (serials) are forgotten:
@@ -649,6 +689,9 @@ class PyKVCache(KVCache):
         existing = tree.find_existing(parent, key, tokens)
         snap: Page | None = None
         ssm = mgr.ssm_lc
+        # shared_write="commit": a full-coverage page of a full block that becomes a tree
+        # page here is written to the shared tier (DECISIONS.md "The shared tier")
+        store = mgr.store_on_commit and ntok == mgr.B
         if want_snapshot and (existing == NO_NODE or tree.coverage(existing, ssm) < ntok):
             if self.live is None or self.live.tier != GPU or not mgr.make_room(GPU, ssm):
                 mgr.count(ssm, "snapshots_skipped")
@@ -656,6 +699,8 @@ class PyKVCache(KVCache):
                 snap = mgr.new_page(GPU, ssm, ntok, self._priority, i)
                 mgr.copy(ssm, self.live, snap, "snapshot")
                 mgr.count(ssm, "snapshots_taken")
+                if store:
+                    mgr.store(snap, key)
                 # eviction may have pruned this request's chain or the existing block
                 parent = self._parent_for(i)
                 existing = tree.find_existing(parent, key, tokens)
@@ -668,6 +713,8 @@ class PyKVCache(KVCache):
                     p.coverage = ntok
                     tree.set_page(nid, lc, p.serial, ntok)
                     p.node = nid  # a used page: its state does not depend on the node
+                    if store:
+                        mgr.store(p, key)
             if snap is not None:
                 tree.set_page(nid, ssm, snap.serial, ntok)
                 mgr.restate(snap, lambda: setattr(snap, "node", nid))
@@ -687,6 +734,8 @@ class PyKVCache(KVCache):
             q_handle = tree.page(existing, lc)
             if q_handle == NO_PAGE or tree.coverage(existing, lc) < ntok:
                 self._install(existing, lc, p, gained)
+                if store:
+                    mgr.store(p, key)
             else:
                 q = mgr.pages[q_handle]
                 if q.tier == GPU:  # switch to the tree's page; its index changes

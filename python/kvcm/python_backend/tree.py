@@ -88,6 +88,16 @@ class _Trie:
         self.cover: Node | None = None
 
 
+class _Extension:
+    """A block of the shared tier's extension as :meth:`RadixTree.prune_match` reads one:
+    its coverage per life cycle."""
+
+    __slots__ = ("coverage",)
+
+    def __init__(self, coverage: list[int]) -> None:
+        self.coverage = coverage
+
+
 def _covers_more(a: Node, b: Node) -> bool:
     """``a`` before ``b`` as a covering sibling: most tokens first, ties by smaller key."""
     return len(a.tokens) > len(b.tokens) or (len(a.tokens) == len(b.tokens) and a.key < b.key)
@@ -264,6 +274,25 @@ class RadixTree:
         m_before_ssm = self.prune_match(path, m, use_ssm=False)
         m = self.prune_match(path, m, use_ssm=True)
         return m, m_before_ssm, [x.id for x in path[: -(-m // B)]]
+
+    def key_path(self, root: int, keys: Sequence[bytes]) -> list[int]:
+        """SPEC sec. 6 step 1 without the partial step: the blocks under ``root`` whose keys
+        are ``keys[0], keys[1], ...`` (the shared tier's tree path, DECISIONS.md)."""
+        node = self.nodes[root]
+        out: list[int] = []
+        for key in keys:
+            child = node.children.get(key)
+            if child is None:
+                break
+            out.append(child.id)
+            node = child
+        return out
+
+    def prune_extended(self, path: list[int], rows: list[list[int]], m: int) -> int:
+        """SPEC sec. 6 step 3 (the ssm rule included) over the tree blocks ``path`` followed
+        by blocks not in the tree whose coverage per lc is ``rows[k]`` (the shared tier's
+        extension, DECISIONS.md)."""
+        return self.prune_match([self.nodes[i] for i in path] + [_Extension(row) for row in rows], m, use_ssm=True)
 
     # ---------------------------------------------------------------- queries
 
