@@ -91,7 +91,10 @@ def test_replay_bench_quick():
     p = run_bench("replay")
     assert p.returncode == 0, p.stderr
     assert "replay: 20 requests of the shipped trace" in p.stdout
-    assert p.stdout.count("time ratio python/cpp") == 2, p.stdout  # unbounded and tight
+    # unbounded and tight, each prompt only and with outputs decoded a block at a time
+    assert p.stdout.count("time ratio python/cpp") == 4, p.stdout
+    assert p.stdout.count("[unbounded; ") == 2 and p.stdout.count("[tight: ") == 2, p.stdout
+    assert p.stdout.count("cpp us/block / floor (target <= 3x)") == 4, p.stdout
 
 
 def test_all_runs_every_bench():
@@ -100,4 +103,4 @@ def test_all_runs_every_bench():
     for name in MICRO:
         _check_micro(p.stdout, name)
     assert "speedup cpp/python (block_keys)" in p.stdout
-    assert p.stdout.count("time ratio python/cpp") == 2
+    assert p.stdout.count("time ratio python/cpp") == 4

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
 import os
 import platform
@@ -219,6 +220,7 @@ def run_replays(
     partial: bool,
     outputs: bool,
     progress: bool,
+    output_step: int = 1,
 ) -> dict[str, Any]:
     """``{backend: ReplayResult or reason string}``."""
     from kvcm.replay import replay
@@ -237,6 +239,7 @@ def run_replays(
                 host_quota_blocks=host_blocks,
                 enable_partial_reuse=partial,
                 with_outputs=outputs,
+                output_step=output_step,
                 progress=progress,
             )
         )
@@ -461,6 +464,18 @@ def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | No
         rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
 
 
+def _replay_hash_floor(B: int, repeat: int) -> float | None:
+    """µs per block of the extension's raw chained SHA-256 loop (block keys of ``B`` int
+    tokens: 32 parent bytes + 4*B token bytes per hash), best of ``repeat`` runs of 100k
+    blocks; None without the testing module."""
+    try:
+        from kvcm import _kvcm_cpp_testing
+    except ImportError:
+        return None
+    n = 100_000
+    return min(_kvcm_cpp_testing.raw_sha256_loop(n, 4 * B) for _ in range(max(1, repeat))) / 1e3 / n
+
+
 def bench_replay(args: argparse.Namespace) -> int:
     from kvcm.trace import load_trace, unique_blocks
 
@@ -473,7 +488,9 @@ def bench_replay(args: argparse.Namespace) -> int:
         f"each backend's fastest of {args.repeat} run(s) (a shared machine's noise only ever adds time)"
     )
     rc = 0
-    for label, gpu, host in (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight)):
+    pools = (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight))
+    modes = (("prompt only", False), ("prompt + outputs decoded a block at a time", True))
+    for (label, gpu, host), (mode, outputs) in itertools.product(pools, modes):
         results: dict[str, Any] = {}
         for _ in range(args.repeat):
             for b, res in run_replays(
@@ -483,7 +500,8 @@ def bench_replay(args: argparse.Namespace) -> int:
                 gpu_blocks=gpu,
                 host_blocks=host,
                 partial=True,
-                outputs=False,
+                outputs=outputs,
+                output_step=B,
                 progress=not args.no_progress,
             ).items():
                 prev = results.get(b)
@@ -493,7 +511,13 @@ def bench_replay(args: argparse.Namespace) -> int:
         py, cpp = results.get("python"), results.get("cpp")
         ok = not isinstance(py, str) and not isinstance(cpp, str)
         rows.append(["time ratio python/cpp", "", _ratio(py.manager_s, cpp.manager_s) if ok else "n/a"])
-        print(f"\n[{label}]")
+        floor = _replay_hash_floor(B, args.repeat)
+        if floor is not None:
+            rows.append(["raw SHA-256 floor us/block (same run)", "", f"{floor:.3f}"])
+            if not isinstance(cpp, str):
+                ratio = cpp.us_per_block / floor
+                rows.append(["cpp us/block / floor (target <= 3x)", "", f"{ratio:.2f}x"])
+        print(f"\n[{label}; {mode}]")
         print(_table(["", *results.keys()], rows))
         sys.stdout.flush()
         rc = max(rc, _exit_code(results))
