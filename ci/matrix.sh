@@ -3,6 +3,9 @@
 #
 #   python   KVCM_BACKEND=python pytest tests      unit/integration tests on the reference backend
 #   cpp      KVCM_BACKEND=cpp    pytest tests      the same tests on the C++ backend
+#                                                  (both legs start a real Mooncake Store on
+#                                                  127.0.0.1 for the shared-tier tests; with
+#                                                  CI=true a missing mooncake package fails them)
 #   parity   python -m parity.report               parity/ on both backends in one process
 #                                                  (scenarios + differential), then the
 #                                                  scenario x backend table

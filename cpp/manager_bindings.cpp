@@ -8,6 +8,8 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <structmember.h>
+
 #include <algorithm>
 #include <cstring>
 #include <deque>
@@ -53,6 +55,20 @@ const Api& api() {
 }
 
 nb::handle h(PyObject* o) { return nb::handle(o); }
+
+// A copy op's reason as an interned str, borrowed.  Reasons are a handful of string
+// literals: the last few seen are remembered by address, so an op costs no strlen and no
+// interning lookup (the table only ever grows by the distinct literals the core uses).
+PyObject* reason_str(const char* reason) {
+  static std::vector<std::pair<const char*, PyObject*>> seen;  // kept for the process
+  for (const auto& [p, str] : seen) {
+    if (p == reason) return str;
+  }
+  PyObject* str = PyUnicode_InternFromString(reason);
+  if (str == nullptr) throw nb::python_error();
+  seen.emplace_back(reason, str);
+  return str;
+}
 
 // Long calls: release the GIL, then take the manager's mutex (always in this order; the
 // locked section never touches Python, so a thread holding the mutex never waits for the GIL).
@@ -171,34 +187,96 @@ nb::object event_obj(const kvcm::EventC& e, std::span<const kvcm::TokenOut> toke
   }
 }
 
-// kvcm.api.CopyOp objects without running the frozen dataclass' __init__ (six
-// object.__setattr__ calls): allocate the instance and fill its __dict__ directly, which
-// is what __init__ would leave behind.
+// kvcm.api.CopyOp objects without running the frozen dataclass' __init__ (seven
+// object.__setattr__ calls through Python).  CopyOp is a slots dataclass: the instance is
+// allocated and each field's slot written directly at the offset its member descriptor
+// gives (looked up once) — an op costs two int objects and a few stores, which matters
+// when every allocation of a full pool offloads a page.  Should CopyOp ever lose its
+// slots, the fields go through the generic setattr instead (same result, slower).
+// A new reference to the int `v`.  Slot numbers repeat op after op, so the ints below
+// kIntCache are made once and kept for the process (at most kIntCache * 32 bytes); Python
+// itself caches only -5..256.
+PyObject* cached_int(std::int64_t v) {
+  static constexpr std::int64_t kIntCache = 1 << 16;
+  static std::vector<PyObject*> ints;  // index v: the int v, or nullptr until first needed
+  if (v < 0 || v >= kIntCache) return PyLong_FromLongLong(v);
+  const auto i = static_cast<std::size_t>(v);
+  if (i >= ints.size()) ints.resize(std::min<std::size_t>(kIntCache, std::max<std::size_t>(i + 1, 2 * ints.size())));
+  if (ints[i] == nullptr) {
+    ints[i] = PyLong_FromLongLong(v);
+    if (ints[i] == nullptr) return nullptr;
+  }
+  Py_INCREF(ints[i]);
+  return ints[i];
+}
+
+struct CopyOpLayout {
+  static constexpr int kFields = 7;  // lc, src_tier, src_slot, dst_tier, dst_slot, reason, key
+  PyObject* names[kFields] = {};
+  Py_ssize_t offsets[kFields] = {};
+  bool direct = true;
+  CopyOpLayout() {
+    static const char* fields[kFields] = {"lc", "src_tier", "src_slot", "dst_tier", "dst_slot", "reason", "key"};
+    auto* tp = reinterpret_cast<PyTypeObject*>(api().CopyOp);
+    for (int k = 0; k < kFields; ++k) {
+      names[k] = PyUnicode_InternFromString(fields[k]);  // kept for the process
+      PyObject* d = names[k] != nullptr ? PyDict_GetItemWithError(tp->tp_dict, names[k]) : nullptr;
+      if (d != nullptr && Py_TYPE(d) == &PyMemberDescr_Type) {
+        const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+        direct = direct && m->type == T_OBJECT_EX && !(m->flags & READONLY);
+        offsets[k] = m->offset;
+      } else {
+        direct = false;
+      }
+    }
+    PyErr_Clear();
+  }
+};
+
 nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
-  static PyObject* names[7] = {PyUnicode_InternFromString("lc"),       PyUnicode_InternFromString("src_tier"),
-                               PyUnicode_InternFromString("src_slot"), PyUnicode_InternFromString("dst_tier"),
-                               PyUnicode_InternFromString("dst_slot"), PyUnicode_InternFromString("reason"),
-                               PyUnicode_InternFromString("key")};
+  static const CopyOpLayout* layout = new CopyOpLayout();  // intentionally never freed
   auto* tp = reinterpret_cast<PyTypeObject*>(api().CopyOp);
   nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(ops.size())));
   if (!out.is_valid()) throw nb::python_error();
   for (std::size_t i = 0; i < ops.size(); ++i) {
     const kvcm::CopyOpC& o = ops[i];
-    nb::object obj = nb::steal(tp->tp_alloc(tp, 0));
-    if (!obj.is_valid()) throw nb::python_error();
-    nb::object dict = nb::steal(PyObject_GenericGetDict(obj.ptr(), nullptr));
-    if (!dict.is_valid()) throw nb::python_error();
+    PyObject* fields[CopyOpLayout::kFields] = {};
     const std::int64_t values[5] = {o.lc, o.src_tier, o.src_slot, o.dst_tier, o.dst_slot};
-    for (int k = 0; k < 5; ++k) {
-      nb::object v = nb::steal(PyLong_FromLongLong(values[k]));
-      if (!v.is_valid() || PyDict_SetItem(dict.ptr(), names[k], v.ptr()) != 0) throw nb::python_error();
+    for (int k = 0; k < 5; ++k) fields[k] = cached_int(values[k]);
+    fields[5] = reason_str(o.reason);
+    Py_INCREF(fields[5]);
+    if (o.has_key) {  // an op on the shared tier names its object by the block key
+      fields[6] = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(o.key.data()),
+                                            static_cast<Py_ssize_t>(o.key.size()));
+    } else {
+      fields[6] = Py_None;
+      Py_INCREF(fields[6]);
     }
-    nb::object reason = nb::steal(PyUnicode_InternFromString(o.reason));
-    if (!reason.is_valid() || PyDict_SetItem(dict.ptr(), names[5], reason.ptr()) != 0) throw nb::python_error();
-    if (o.has_key) {  // else the class default (None) shows through
-      nb::bytes key = to_bytes(o.key);
-      if (PyDict_SetItem(dict.ptr(), names[6], key.ptr()) != 0) throw nb::python_error();
+    nb::object obj;
+    bool ok = std::all_of(fields, fields + CopyOpLayout::kFields, [](PyObject* f) { return f != nullptr; });
+    if (ok && layout->direct) {
+      obj = nb::steal(tp->tp_alloc(tp, 0));
+      if (obj.is_valid()) {
+        for (int k = 0; k < CopyOpLayout::kFields; ++k) {
+          *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj.ptr()) + layout->offsets[k]) = fields[k];
+          fields[k] = nullptr;  // the instance owns it now
+        }
+      }
+      // An op refers to ints, a str and None or bytes only, so it can never be part of a reference
+      // cycle: untracked, the cyclic GC never traverses it nor promotes it to an older
+      // generation (CPython untracks tuples and dicts of such values for the same reason).
+      // A tight pool issues an op per allocation; tracked, they made the collections the
+      // op allocations trigger visit every op still held.
+      if (obj.is_valid()) PyObject_GC_UnTrack(obj.ptr());
+    } else if (ok) {
+      static PyObject* no_args = PyTuple_New(0);
+      obj = nb::steal(PyBaseObject_Type.tp_new(tp, no_args, nullptr));
+      for (int k = 0; obj.is_valid() && k < CopyOpLayout::kFields; ++k) {
+        if (PyObject_GenericSetAttr(obj.ptr(), layout->names[k], fields[k]) != 0) obj = nb::object();
+      }
     }
+    for (PyObject* f : fields) Py_XDECREF(f);
+    if (!obj.is_valid()) throw nb::python_error();
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), obj.release().ptr());
   }
   return nb::borrow<nb::list>(out);
@@ -619,6 +697,13 @@ void bind_request_calls(nb::class_<Manager>& cls) {
             locked(mgr, [&] { mgr.commit(serial, t.seq()); });
           },
           "serial"_a, "tokens"_a.none())
+      .def(
+          "commit_input",
+          [](Manager& mgr, std::int64_t serial, std::optional<std::int64_t> n) {
+            // n was checked by the Python layer (kvcm.checks.check_count); the rest here
+            locked(mgr, [&] { mgr.commit_input(serial, n); });
+          },
+          "serial"_a, "n"_a.none())
       .def(
           "stop_committing",
           [](Manager& mgr, std::int64_t serial) { locked(mgr, [&] { mgr.stop_committing(serial); }); }, "serial"_a)

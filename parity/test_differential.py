@@ -457,6 +457,18 @@ class DifferentialMachine(RuleBasedStateMachine):
             tokens += data.draw(st.lists(token_st, min_size=k - len(tokens), max_size=k - len(tokens)))
         self.run({"op": "commit", "cache": h, "args": {"tokens": self.maybe_bad_tokens(data, tokens)}})
 
+    def op_commit_input(self, data) -> None:
+        """The prompt handed over at create, committed by count (kvcm.api.KVCache.commit_input)."""
+        h = self.pick_handle(data)
+        if h is None:
+            return
+        p = self.props(h)
+        cap = p["capacity"] if isinstance(p["capacity"], int) else 0
+        nc = p["num_committed_tokens"] if isinstance(p["num_committed_tokens"], int) else 0
+        room = max(0, cap - nc)
+        n = data.draw(st.sampled_from([None, None, room, 1, self.B, min(room, self.B), 0, room + 1, -1, "1", True]))
+        self.run({"op": "commit_input", "cache": h, "args": {} if n is None and data.draw(st.booleans()) else {"n": n}})
+
     def op_engine_step(self, data) -> None:
         """What an engine does with one request: resume it, grow its capacity, commit a
         chunk of its plan, drain copy ops; close it when its plan is done; when out of
@@ -673,6 +685,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         ("suspend", 30),
         ("resize", 35),
         ("commit", 35),
+        ("commit_input", 25),
         ("close", 35),
         ("stop_committing", 15),
         ("page_indices", 25),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvcm import InvalidStateError, Status
+from kvcm import ClosedError, InvalidStateError, Status
 
 from parity.helpers import (
     GPU,
@@ -17,6 +17,7 @@ from parity.helpers import (
     op,
     ops,
     removed,
+    snap,
     ssm_cfg,
     stored,
     toks,
@@ -560,4 +561,70 @@ def test_numpy_and_array_tokens_are_accepted(make_manager):
     b.commit(np.array(P[6:12], dtype=np.int32))
     assert b.committed_tokens == P[:12]
     assert mgr.probe_reuse(P[:12]) == 12
+    mgr.check_invariants()
+
+
+def _prompt_run(mgr, prompt, how: str, partial_at: int):
+    """One request committing ``prompt`` (partly matched) either as token lists or through
+    commit_input; returns what an engine and an observer see."""
+    kv = mgr.create_kv_cache(prompt)
+    assert kv.resume() and kv.resize(len(prompt) + 2)
+    c = kv.num_committed_tokens
+    if how == "tokens":
+        kv.commit(prompt[c:partial_at])
+        kv.commit(prompt[partial_at:])
+    else:
+        kv.commit_input(partial_at - c)
+        kv.commit_input()
+    kv.commit([5, 6])  # decode after the prompt: a plain commit continues where it ended
+    out = (kv.committed_tokens, kv.history_length, mgr.take_events(), mgr.drain_copy_ops(), kv.page_indices(0))
+    kv.close()
+    return out, snap(mgr)
+
+
+def test_commit_input_is_commit_of_the_input_tokens(make_manager):
+    """DECISIONS "commit_input": the same state, events and snapshots as committing the
+    same tokens by list (a reused prefix, a mid-block split, a decode continuation)."""
+    runs = []
+    for how in ("tokens", "input"):
+        mgr = make_manager(attn_cfg(gpu=16))
+        fill(mgr, P[:6])  # a partial match: copy-on-write of block 1
+        runs.append(_prompt_run(mgr, P[:14], how, partial_at=9))
+    assert runs[0] == runs[1]
+
+
+def test_commit_input_checks_change_nothing(make_manager):
+    mgr = make_manager(attn_cfg(gpu=8))
+    kv = mgr.create_kv_cache(P[:6])
+    with pytest.raises(InvalidStateError, match=r"commit_input\(\) needs a ACTIVE cache"):
+        kv.commit_input(1)
+    assert kv.resume() and kv.resize(5)
+    before = snap(mgr)
+    for bad, exc, msg in [
+        (-1, ValueError, "n must be >= 0"),
+        ("2", TypeError, "n must be an int, got str"),
+        (True, TypeError, "n must be an int, got bool"),
+        (6, ValueError, r"commit of 6 tokens exceeds capacity 5 \(0 committed\)"),
+        (None, ValueError, r"commit of 6 tokens exceeds capacity 5"),
+    ]:
+        with pytest.raises(exc, match=msg):
+            kv.commit_input(bad)
+        assert snap(mgr) == before
+    assert kv.resize(8)
+    with pytest.raises(ValueError, match=r"commit_input of 7 tokens exceeds the input \(6 input tokens, 0 committed\)"):
+        kv.commit_input(7)
+    kv.commit_input(4)
+    kv.commit_input()
+    assert kv.committed_tokens == P[:6]
+    kv.commit_input()  # nothing left: a no-op
+    kv.commit_input(0)
+    assert kv.num_committed_tokens == 6
+    kv.stop_committing()
+    with pytest.raises(InvalidStateError, match=r"commit after stop_committing\(\)"):
+        kv.commit_input(0)
+    kv.close()
+    with pytest.raises(ClosedError, match=r"commit_input\(\) on a closed cache"):
+        kv.commit_input(1)
+    with pytest.raises(TypeError):
+        kv.commit_input("x")  # the argument is checked first, even on a closed cache
     mgr.check_invariants()

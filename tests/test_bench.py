@@ -99,18 +99,21 @@ def test_replay_bench_quick():
     p = run_bench("replay")
     assert p.returncode == 0, p.stderr
     assert "replay: 20 requests of the shipped trace" in p.stdout
-    assert p.stdout.count("time ratio python/cpp") == 2, p.stdout  # unbounded and tight
+    # unbounded and tight, each prompt only and with outputs decoded a block at a time
+    assert p.stdout.count("time ratio python/cpp") == 4, p.stdout
+    assert p.stdout.count("[unbounded; ") == 2 and p.stdout.count("[tight: ") == 2, p.stdout
+    assert p.stdout.count("cpp us/block / floor (target <= 3x)") == 4, p.stdout
     # the floor runs beside the backends, each in a child process with its peak RSS
     assert re.search(r"^\s+python\s+cpp\s+floor$", p.stdout, re.MULTILINE), p.stdout
     for label in ("time ratio python/floor (target <= 1.5x)", "peak RSS ratio python/floor (target <= 2x)"):
-        assert len(re.findall(rf"^{re.escape(label)}\s+\d+\.\d\dx$", p.stdout, re.MULTILINE)) == 2, p.stdout
-    assert len(re.findall(r"^peak RSS \(child process\)(\s+[\d,]+ MiB){3}$", p.stdout, re.MULTILINE)) == 2, p.stdout
+        assert len(re.findall(rf"^{re.escape(label)}\s+\d+\.\d\dx$", p.stdout, re.MULTILINE)) == 4, p.stdout
+    assert len(re.findall(r"^peak RSS \(child process\)(\s+[\d,]+ MiB){3}$", p.stdout, re.MULTILINE)) == 4, p.stdout
 
 
 def test_floor_replays_like_the_backends():
     """The floor is a fair stick: on an unbounded replay it reuses exactly the whole blocks
-    the backends reuse (the backends reuse partial blocks on top), and a tight quota
-    evicts."""
+    the backends reuse (the backends reuse partial blocks on top), it decodes the same
+    output blocks, and a tight quota evicts."""
     from kvcm.bench_floor import replay_floor
     from kvcm.replay import replay
     from kvcm.trace import load_trace
@@ -119,6 +122,9 @@ def test_floor_replays_like_the_backends():
     floor = replay_floor(trace)
     py = replay(trace, "python", enable_partial_reuse=False)
     assert floor.reused_tokens == py.reused_tokens and floor.prompt_blocks == py.prompt_blocks
+    floor = replay_floor(trace, with_outputs=True, output_step=32)
+    py = replay(trace, "python", enable_partial_reuse=False, with_outputs=True, output_step=32)
+    assert (floor.output_tokens, floor.output_blocks) == (py.output_tokens, py.output_blocks) != (0, 0)
     tight = replay_floor(trace, gpu_quota_blocks=2000)
     assert tight.drops > 0 and tight.failed == replay(trace, "python", gpu_quota_blocks=2000).failed
 
@@ -129,4 +135,4 @@ def test_all_runs_every_bench():
     for name in MICRO:
         _check_micro(p.stdout, name)
     assert "speedup cpp/python (block_keys)" in p.stdout
-    assert p.stdout.count("time ratio python/cpp") == 2
+    assert p.stdout.count("time ratio python/cpp") == 4

@@ -42,6 +42,7 @@ def workload(m) -> None:
     assert a.resume()
     assert a.resize(7)
     a.commit((1, 2, 3, D, 5))  # a tuple: recorded as a list
+    a.commit_input(0)  # the input is all committed: nothing left, a no-op
     with pytest.raises(ValueError):
         a.commit([-1])
     a.page_indices(0)
@@ -147,6 +148,7 @@ def test_every_public_call_has_an_op():
         "suspend",
         "resize",
         "commit",
+        "commit_input",
         "stop_committing",
         "close",
         "page_indices",
@@ -285,6 +287,8 @@ def test_recording_proxy_logs_every_public_call(tmp_path, monkeypatch):
     assert rb["outcome"] == {"result": [True]}
     cb = next(r for r in ops if r["op"] == "commit_batch")
     assert cb["args"] == {"caches": [0], "tokens": {"array": "i", "values": [6]}}
+    ci = next(r for r in ops if r["op"] == "commit_input")
+    assert ci["args"] == {"n": 0} and ci["outcome"] == {"result": None}
     pii = next(r for r in ops if r["op"] == "page_indices_into")
     assert pii["args"] == {"lc": 0, "size": 8, "dtype": "int32"}
     assert pii["outcome"]["result"] == {"count": 4, "out": [0, 1, 2, 3]}

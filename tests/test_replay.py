@@ -203,6 +203,24 @@ def test_outputs_do_not_change_partial_reuse(backend, tail):
     assert res.reused_tokens == plain.reused_tokens == reference_figures(prefix).reused_tokens_partial
 
 
+def test_outputs_decoded_a_block_at_a_time(backend, tail):
+    """output_step=B (bench replay's decode mode): the same outputs committed B at a time
+    leave the same tree as token by token, and the blocks they add count in us_per_block."""
+    prefix = tail
+    B = 64
+    by_token = replay(prefix, backend, tokens_per_block=B, with_outputs=True)
+    by_block = replay(prefix, backend, tokens_per_block=B, with_outputs=True, output_step=B, check_invariants=True)
+    assert by_block.output_step == B
+    assert by_block.output_tokens == by_token.output_tokens == sum(r.output_length for r in prefix)
+    assert by_block.reused_tokens == by_token.reused_tokens
+    assert by_block.output_blocks == by_token.output_blocks == sum(
+        -(-(r.input_length + r.output_length) // B) - -(-r.input_length // B) for r in prefix
+    )
+    assert by_block.stats["tiers"] == by_token.stats["tiers"]  # the same pages cached
+    with pytest.raises(ValueError, match="output_step"):
+        replay(prefix, backend, tokens_per_block=B, with_outputs=True, output_step=0)
+
+
 def test_tight_quota_evicts_and_reuses_less(backend, tail):
     prefix = tail
     B = 64

@@ -7,6 +7,7 @@
 #include <bit>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <unordered_set>
 
 #include "core/manager_detail.h"
@@ -80,7 +81,7 @@ std::vector<TokenOut> Manager::decode_all(std::span<const Tok> codes) const {
 
 Digest Manager::block_key_of(const Digest& parent, std::span<const Tok> tokens) const {
   Digest key{};
-  KeyChainFn chain(parent, static_cast<std::uint32_t>(B_), [&key](const Digest& k) { key = k; });
+  KeyChain chain(parent, static_cast<std::uint32_t>(B_), [&key](const Digest& k) { key = k; });
   feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
   return key;
 }
@@ -88,7 +89,7 @@ Digest Manager::block_key_of(const Digest& parent, std::span<const Tok> tokens) 
 std::vector<Digest> Manager::chain(const Digest& root, std::span<const Tok> tokens) const {
   std::vector<Digest> keys;
   keys.reserve(tokens.size() / static_cast<std::size_t>(B_) + 1);
-  KeyChainFn chain(root, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
+  KeyChain chain(root, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
   feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
   return keys;
 }
@@ -97,48 +98,40 @@ NodeId Manager::new_block(const Digest& key, std::span<const Tok> tokens, std::i
   return tree_.new_block(key, tokens, ordinal);
 }
 
-Page& Manager::page(std::int64_t handle) {
-  return const_cast<Page&>(static_cast<const Manager&>(*this).page(handle));
-}
+void Manager::no_page(std::int64_t handle) { throw InternalErr("kvcm bug: no page " + std::to_string(handle)); }
 
-const Page& Manager::page(std::int64_t handle) const {
-  if (!page_alive(handle)) throw InternalErr("kvcm bug: no page " + std::to_string(handle));
-  const auto h = static_cast<std::size_t>(handle);
-  return page_chunks_[h / kPageChunk][h % kPageChunk];
-}
-
-bool Manager::page_alive(std::int64_t handle) const noexcept {
-  if (handle < 0 || handle >= page_slots_) return false;
-  const auto h = static_cast<std::size_t>(handle);
-  return page_chunks_[h / kPageChunk][h % kPageChunk].handle == handle;
+// A free slot of the page slab (freed slots first, LIFO), its page reset but for the handle.
+std::int64_t Manager::take_page_handle() {
+  std::int64_t handle;
+  if (!free_pages_.empty()) {
+    handle = free_pages_.back();
+    free_pages_.pop_back();
+  } else {
+    if (page_slots_ >= std::numeric_limits<std::int32_t>::max()) throw std::length_error("too many pages");
+    if (page_slots_ % static_cast<std::int64_t>(kPageChunk) == 0) {
+      page_chunks_.push_back(std::make_unique<Page[]>(kPageChunk));
+    }
+    handle = page_slots_++;
+  }
+  Page& p = slab(handle);
+  p = Page{};
+  p.handle = static_cast<std::int32_t>(handle);
+  return handle;
 }
 
 // py: manager.py PyKVCacheManager.new_page — SPEC sec. 4
 Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
                                  std::int64_t ordinal) {
   Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
-  std::int64_t handle;
-  if (!free_pages_.empty()) {
-    handle = free_pages_.back();
-    free_pages_.pop_back();
-  } else {
-    if (page_slots_ % static_cast<std::int64_t>(kPageChunk) == 0) {
-      page_chunks_.push_back(std::make_unique<Page[]>(kPageChunk));
-    }
-    handle = page_slots_++;
-  }
-  const auto h = static_cast<std::size_t>(handle);
-  Page& p = page_chunks_[h / kPageChunk][h % kPageChunk];
-  p = Page{};
-  p.handle = handle;
+  Page& p = slab(take_page_handle());
   p.serial = next_page_++;
   p.lc = static_cast<std::uint8_t>(lc);
   p.tier = static_cast<std::uint8_t>(tier);
-  p.slot = pool.take_slot();
-  p.coverage = static_cast<std::int32_t>(coverage);
-  p.priority = static_cast<std::int32_t>(priority);
+  p.slot = static_cast<std::int32_t>(pool.take_slot());
+  p.coverage = static_cast<std::int16_t>(coverage);
+  p.priority = static_cast<std::int8_t>(priority);
   p.last_used = clock_;
-  p.ordinal = ordinal;
+  p.ordinal = static_cast<std::int32_t>(ordinal);
   count(lc, kAllocatedBlocks);
   return &p;
 }
@@ -146,28 +139,15 @@ Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverag
 // DECISIONS.md "The shared tier".
 // py: manager.py PyKVCacheManager.new_shared_page — SPEC sec. 16
 Page* Manager::new_shared_page(std::int64_t lc, std::int64_t priority, std::int64_t ordinal) {
-  std::int64_t handle;
-  if (!free_pages_.empty()) {
-    handle = free_pages_.back();
-    free_pages_.pop_back();
-  } else {
-    if (page_slots_ % static_cast<std::int64_t>(kPageChunk) == 0) {
-      page_chunks_.push_back(std::make_unique<Page[]>(kPageChunk));
-    }
-    handle = page_slots_++;
-  }
-  const auto h = static_cast<std::size_t>(handle);
-  Page& p = page_chunks_[h / kPageChunk][h % kPageChunk];
-  p = Page{};
-  p.handle = handle;
+  Page& p = slab(take_page_handle());
   p.serial = next_page_++;
   p.lc = static_cast<std::uint8_t>(lc);
   p.tier = static_cast<std::uint8_t>(shared_pos_);
   p.slot = -1;
-  p.coverage = static_cast<std::int32_t>(B_);
-  p.priority = static_cast<std::int32_t>(priority);
+  p.coverage = static_cast<std::int16_t>(B_);
+  p.priority = static_cast<std::int8_t>(priority);
   p.last_used = clock_;
-  p.ordinal = ordinal;
+  p.ordinal = static_cast<std::int32_t>(ordinal);
   count(lc, kSharedHitBlocks);
   return &p;
 }
@@ -181,7 +161,7 @@ void Manager::use(Page* p, bool active, std::int64_t priority) {
       ++p->holds;
     }
     p->last_used = clock_;
-    p->priority = static_cast<std::int32_t>(std::max<std::int64_t>(p->priority, priority));
+    p->priority = static_cast<std::int8_t>(std::max<std::int64_t>(p->priority, priority));
   });
 }
 
@@ -287,7 +267,7 @@ void Manager::move(Page* p, std::int64_t dst, const char* reason) {
     pools_[static_cast<std::size_t>(old_tier)][static_cast<std::size_t>(p->lc)].give_slot(old_slot);
   }
   p->tier = static_cast<std::uint8_t>(dst);
-  p->slot = new_slot;
+  p->slot = static_cast<std::int32_t>(new_slot);
   index(*p);
   add_copy_op(op);
   copy_pages_.emplace_back(p->handle, p->serial);
@@ -326,7 +306,14 @@ void Manager::unlink_committed(Page* p) {
   const bool full = !life.ssm && life.window < 0;
   if (full || (!life.ssm && ordinal < sink_blocks(life.sinks, B_))) {
     const NodeId parent = tree_.parent(node);
-    retire_nodes(tree_.remove_subtree(node), true);
+    if (tree_.is_bare_leaf(node)) {
+      // the usual victim (a leaf holding no other page): what remove_subtree + retire_nodes
+      // do to it, without the lists — it leaves the tree and dies, nothing to announce
+      tree_.detach(node);
+      tree_.collect(node);
+    } else {
+      retire_nodes(tree_.remove_subtree(node), true);
+    }
     if (parent != kNoNode) tree_.prune_upward(parent);
   } else {
     tree_.prune_upward(node);
@@ -428,7 +415,7 @@ void Manager::add_copy_op(const CopyOpC& op) {
 }
 
 // py: manager.py PyKVCacheManager.emit — SPEC sec. 9
-EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
+EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens, bool tokens_have_digest) {
   const std::int64_t id = event_id();  // ids advance even for events nobody buffers
   if (cfg_.max_events == 0) {
     ++events_dropped_;
@@ -452,7 +439,7 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens) {
   e.ntokens = static_cast<std::uint32_t>(tokens.size());
   event_tokens_.append(tokens.begin(), tokens.end());
   std::uint32_t sized = e.ntokens;
-  if (RadixTree::any_digest(tokens)) {
+  if (tokens_have_digest) {
     tree_.retain_all(tokens);  // the buffered event holds its digests (released when dropped or taken)
     sized |= kEventHasDigest;
   }
@@ -472,7 +459,7 @@ void Manager::emit_removed(const Digest& key, std::int64_t lc) {
 void Manager::emit_stored(NodeId nid, std::span<const std::int64_t> lcs) {
   if (lcs.empty()) return;
   const std::span<const Tok> tokens = tree_.tokens(nid);
-  EventC* e = new_event(EventKind::stored, tokens);
+  EventC* e = new_event(EventKind::stored, tokens, tree_.has_digest(nid));
   if (e == nullptr) return;
   const NodeId parent = tree_.parent(nid);
   if (parent != kNoNode) {
@@ -674,7 +661,7 @@ std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::op
   const std::size_t nfull = tokens_in.size() / static_cast<std::size_t>(B_) * static_cast<std::size_t>(B_);
   std::vector<Digest> keys;
   keys.reserve(nfull / static_cast<std::size_t>(B_));
-  KeyChainFn chain(root_key, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
+  KeyChain chain(root_key, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
   feed(chain, tokens_in.codes.first(nfull),
        [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
   const MatchResult mr =
@@ -693,7 +680,7 @@ std::vector<std::pair<Digest, std::int64_t>> Manager::shared_candidates(TokenSeq
   const std::size_t nfull = tokens_in.size() / static_cast<std::size_t>(B_) * static_cast<std::size_t>(B_);
   std::vector<Digest> keys;
   keys.reserve(nfull / static_cast<std::size_t>(B_));
-  KeyChainFn chain(root_key, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
+  KeyChain chain(root_key, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
   feed(chain, tokens_in.codes.first(nfull),
        [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
   const NodeId root = tree_.find_root(root_key);  // creates nothing

@@ -195,6 +195,8 @@ class Manager {
   void suspend(std::int64_t serial);
   bool resize(std::int64_t serial, std::int64_t capacity, std::optional<std::int64_t> history);
   void commit(std::int64_t serial, TokenSeq tokens);
+  // commit of the next n input tokens (nullopt: all the rest; kvcm.api.KVCache.commit_input)
+  void commit_input(std::int64_t serial, std::optional<std::int64_t> n);
   void stop_committing(std::int64_t serial);
   ClosedTokens close(std::int64_t serial);
   std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc);
@@ -206,7 +208,7 @@ class Manager {
   void intern_into(TokenSeq tokens, std::vector<Tok>& out);
   TokenOut decode(Tok t) const;
   std::vector<TokenOut> decode_all(std::span<const Tok> codes) const;
-  using KeyChainFn = KeyChain<std::function<void(const Digest&)>>;
+  // (block keys: KeyChain with the caller's lambda as its callback, inlined)
   Digest block_key_of(const Digest& parent, std::span<const Tok> tokens) const;
   std::vector<Digest> chain(const Digest& root, std::span<const Tok> tokens) const;
 
@@ -224,8 +226,9 @@ class Manager {
   // batched calls run every item's check before the first x_checked.
   void check_resize(const Request& r, std::int64_t capacity, std::int64_t history) const;
   bool resize_checked(Request& r, std::int64_t capacity, std::int64_t history);
-  void check_commit(const Request& r, std::int64_t ntokens) const;
+  void check_commit(const Request& r, std::int64_t ntokens, const char* what = "commit") const;
   void commit_checked(Request& r, TokenSeq tokens);
+  void commit_appended(Request& r, std::int64_t old);
   std::vector<Page*> used_pages(Request& r);
   std::vector<Page*> cow_sources(Request& r);
   void ensure_room(std::int64_t tier, std::int64_t lc);
@@ -267,10 +270,22 @@ class Manager {
   std::int64_t tick() { return ++clock_; }
   // Pages are addressed by handle (a slot of the page slab, reused after the page is
   // freed); snapshots show the page's serial instead.
-  Page& page(std::int64_t handle);
-  const Page& page(std::int64_t handle) const;
+  Page& page(std::int64_t handle) {
+    if (!page_alive(handle)) [[unlikely]] no_page(handle);
+    return slab(handle);
+  }
+  const Page& page(std::int64_t handle) const {
+    if (!page_alive(handle)) [[unlikely]] no_page(handle);
+    const auto h = static_cast<std::size_t>(handle);
+    return page_chunks_[h / kPageChunk][h % kPageChunk];
+  }
+  [[noreturn]] static void no_page(std::int64_t handle);
   Page* page_ptr(std::int64_t handle) { return handle < 0 ? nullptr : &page(handle); }
-  bool page_alive(std::int64_t handle) const noexcept;
+  bool page_alive(std::int64_t handle) const noexcept {
+    if (handle < 0 || handle >= page_slots_) return false;
+    const auto h = static_cast<std::size_t>(handle);
+    return page_chunks_[h / kPageChunk][h % kPageChunk].handle == handle;
+  }
   // Unchecked: for handles the manager's own links hold (the eviction list), always live.
   Page& slab(std::int64_t handle) noexcept {
     const auto h = static_cast<std::size_t>(handle);
@@ -279,6 +294,7 @@ class Manager {
   std::int64_t page_serial(std::int64_t handle) const { return handle < 0 ? -1 : page(handle).serial; }
   std::vector<std::int64_t> live_pages() const;  // handles, by serial
   std::vector<std::int64_t> open_serials() const;  // the open requests' serials, ascending
+  std::int64_t take_page_handle();
   Page* new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
                  std::int64_t ordinal);
   void use(Page* p, bool active, std::int64_t priority);
@@ -322,7 +338,8 @@ class Manager {
   void add_copy_op(const CopyOpC& op);
   // A new buffered event with the next id (a stored event also buffers its block's
   // `tokens`), the oldest dropped when full; nullptr when no events are kept (max_events 0).
-  EventC* new_event(EventKind kind, std::span<const Tok> tokens = {});
+  // tokens_have_digest: whether `tokens` hold a digest code (the node's has_digest).
+  EventC* new_event(EventKind kind, std::span<const Tok> tokens = {}, bool tokens_have_digest = false);
   std::int64_t event_id() { return next_event_++; }
   void emit_removed(const Digest& key, std::int64_t lc);
   void emit_stored(NodeId nid, std::span<const std::int64_t> lcs);

@@ -103,8 +103,8 @@ void Manager::unindex(Page& p) {
 
 void Manager::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
   const std::int64_t after = before >= 0 ? slab(before).prev : ix.tail;
-  p.prev = after;
-  p.next = before;
+  p.prev = static_cast<std::int32_t>(after);
+  p.next = static_cast<std::int32_t>(before);
   if (after >= 0) {
     slab(after).next = p.handle;
   } else {

@@ -90,7 +90,7 @@ std::vector<NodeId> Manager::insert_shared_blocks(Request& r, std::span<const To
       }
       Page* p = new_shared_page(lc, r.priority, i);
       tree_.set_page(nid, lc, p->handle, B_);
-      p->node = nid;
+      p->node = static_cast<std::int32_t>(nid);
     }
     attach(parent, nid);
     path.push_back(nid);
@@ -455,9 +455,34 @@ void Manager::commit(std::int64_t serial, TokenSeq tokens_in) {
   commit_checked(r, tokens_in);
 }
 
+// The prompt handed over once (DECISIONS.md "commit_input"): the next n codes of the
+// request's input tokens are appended as they are (already in the manager's code space; no
+// second token list to parse or intern), then commit's work.
+// py: request.py PyKVCache.commit_input — SPEC sec. 7
+void Manager::commit_input(std::int64_t serial, std::optional<std::int64_t> n_arg) {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("commit_input() on a closed cache");
+  Request& r = it->second;
+  const auto nc = static_cast<std::int64_t>(r.tokens.size());
+  const auto nin = static_cast<std::int64_t>(r.input_tokens.size());
+  const std::int64_t avail = std::max<std::int64_t>(0, nin - nc);
+  const std::int64_t n = n_arg ? *n_arg : avail;
+  check_commit(r, n, "commit_input");
+  if (n > avail) {
+    throw ValueErr("commit_input of " + std::to_string(n) + " tokens exceeds the input (" + std::to_string(nin) +
+                   " input tokens, " + std::to_string(nc) + " committed)");
+  }
+  if (n == 0) return;
+  const auto from = r.input_tokens.begin() + nc;
+  r.tokens.insert(r.tokens.end(), from, from + n);
+  // r.tokens holds its own digest references (sec. 15), as after intern_into
+  if (r.has_digests) tree_.retain_all(std::span<const Tok>(r.tokens).subspan(static_cast<std::size_t>(nc)));
+  commit_appended(r, nc);
+}
+
 // py: request.py PyKVCache.check_commit — SPEC sec. 7
-void Manager::check_commit(const Request& r, std::int64_t nnew) const {
-  require(r, ReqStatus::active, "commit");
+void Manager::check_commit(const Request& r, std::int64_t nnew, const char* what) const {
+  require(r, ReqStatus::active, what);
   if (r.stopped) throw InvalidStateErr("commit after stop_committing()");
   const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
   if (ncommitted + nnew > r.capacity) {
@@ -477,8 +502,12 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
     r.tokens.resize(static_cast<std::size_t>(ncommitted));  // nothing changed
     throw;
   }
+  commit_appended(r, ncommitted);
+}
+
+// commit's work once its tokens are appended to r.tokens (the first `old` were there before).
+void Manager::commit_appended(Request& r, std::int64_t old) {
   tick();
-  const std::int64_t old = ncommitted;
   const std::int64_t old_history = r.history;
   const auto now = static_cast<std::int64_t>(r.tokens.size());
   r.history = std::max(r.history, now);
@@ -487,11 +516,13 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
       const std::int64_t s = page_at(r, lc, i);
       if (s < 0) continue;
       Page& p = page(s);
-      if (p.node == kNoNode) p.coverage = static_cast<std::int32_t>(std::min(B_, now - i * B_));
+      if (p.node == kNoNode) p.coverage = static_cast<std::int16_t>(std::min(B_, now - i * B_));
     }
   }
   const std::int64_t last = now / B_ - 1;
   for (std::int64_t i = old / B_; i <= last; ++i) {
+    // the next block's child-table line (its key was hashed at create), loaded meanwhile
+    if (i < last && i + 1 < static_cast<std::int64_t>(r.keys.size())) tree_.prefetch_child(r.keys[static_cast<std::size_t>(i + 1)]);
     const bool snapshot = ssm_lc_ >= 0 && i == last && now % B_ == 0;
     // r.tokens does not change during insert_block, so a view of it is safe
     const std::span<const Tok> block(r.tokens.data() + i * B_, static_cast<std::size_t>(B_));
@@ -566,14 +597,14 @@ ClosedTokens Manager::close(std::int64_t serial) {
   out.reused = r.reused;
   out.priority = r.priority;
   out.codes = std::move(r.tokens);
-  for (Tok c : out.codes) {
-    if (!(c & kDigestCode)) continue;
-    bool seen = false;
-    for (const auto& [code, d] : out.digests) seen = seen || code == c;
-    if (!seen) out.digests.emplace_back(c, tree_.digest(c));
-  }
   // the request's digest references (ClosedTokens carries its own copies of the bytes)
   if (r.has_digests) {
+    for (Tok c : out.codes) {
+      if (!(c & kDigestCode)) continue;
+      bool seen = false;
+      for (const auto& [code, d] : out.digests) seen = seen || code == c;
+      if (!seen) out.digests.emplace_back(c, tree_.digest(c));
+    }
     tree_.release_all(out.codes);
     tree_.release_all(r.input_tokens);
   }
@@ -656,9 +687,9 @@ void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int
   }
   const PageHandle old = tree_.set_page(nid, lc, p->handle, p->coverage);
   if (p->locks || p->holds) {
-    p->node = nid;  // a used page: its state does not depend on the node
+    p->node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
   } else {
-    restate(*p, [&] { p->node = nid; });
+    restate(*p, [&] { p->node = static_cast<std::int32_t>(nid); });
   }
   if (old == kNoPage) {
     gained.push_back(lc);
@@ -681,7 +712,7 @@ void Manager::attach(NodeId parent, NodeId nid) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       const PageHandle h = tree_.page(nid, lc);
       if (h == kNoPage) continue;
-      page(h).node = nid;
+      page(h).node = static_cast<std::int32_t>(nid);
       lcs.push_back(lc);
     }
     emit_stored(nid, lcs);
@@ -717,10 +748,10 @@ void Manager::attach(NodeId parent, NodeId nid) {
   }
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
     const PageHandle h = tree_.page(nid, lc);
-    if (h != kNoPage) page(h).node = nid;
+    if (h != kNoPage) page(h).node = static_cast<std::int32_t>(nid);
     for (NodeId sid : siblings) {
       const PageHandle hs = tree_.page(sid, lc);
-      if (hs != kNoPage) page(hs).node = sid;
+      if (hs != kNoPage) page(hs).node = static_cast<std::int32_t>(sid);
     }
   }
   retire_nodes(siblings, false);
@@ -766,14 +797,14 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
       const std::int64_t s = page_at(r, lc, i);
       if (s < 0) continue;
       Page& p = page(s);
-      p.coverage = static_cast<std::int32_t>(ntok);
+      p.coverage = static_cast<std::int16_t>(ntok);
       tree_.set_page(nid, lc, p.handle, ntok);
-      p.node = nid;  // a used page: its state does not depend on the node
+      p.node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
       if (do_store) store(&p, key);
     }
     if (snap != nullptr) {
       tree_.set_page(nid, ssm, snap->handle, ntok);
-      restate(*snap, [&] { snap->node = nid; });
+      restate(*snap, [&] { snap->node = static_cast<std::int32_t>(nid); });
     }
     tree_.ref(nid);
     set_block(r, i, nid);
@@ -789,7 +820,7 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
     const std::int64_t s = page_at(r, lc, i);
     if (s < 0) continue;
     Page* p = &page(s);
-    p->coverage = static_cast<std::int32_t>(ntok);
+    p->coverage = static_cast<std::int16_t>(ntok);
     const PageHandle qh = tree_.page(existing, lc);
     if (qh == kNoPage || tree_.coverage(existing, lc) < ntok) {
       install(existing, lc, p, gained);

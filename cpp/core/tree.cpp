@@ -19,6 +19,9 @@ RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> l
       lcs_(std::move(life_cycles)),
       index_build_(index_threshold),
       index_drop_(index_threshold / 2),
+      arena_(static_cast<std::size_t>(std::max<std::int64_t>(tokens_per_block, 0))),
+      pages_(lcs_.size()),
+      coverage_(lcs_.size()),
       children_(16) {
   if (B_ < 1) throw std::invalid_argument("tokens_per_block must be >= 1");
 }
@@ -58,15 +61,9 @@ NodeId RadixTree::new_block(const Digest& key, std::span<const TokenArg> tokens,
 
 NodeId RadixTree::new_block(const Digest& key, std::span<const Code> tokens, std::int64_t ordinal) {
   if (static_cast<std::int64_t>(tokens.size()) > B_) throw TreeAssertion("new_block: more than B tokens");
-  // The tokens may be another node's (a view into arena_), which make_node can move.
-  const Code* src = tokens.data();
-  std::vector<Code> copy;
-  if (!arena_.empty() && src >= arena_.data() && src < arena_.data() + arena_.size()) {
-    copy.assign(tokens.begin(), tokens.end());
-    src = copy.data();
-  }
+  // (the tokens may be another node's: arena rows never move, so the view stays valid)
   const Ref r = make_node(key, tokens.size(), ordinal, /*is_root=*/false);
-  std::copy(src, src + tokens.size(), arena(r));
+  std::copy(tokens.begin(), tokens.end(), arena(r));
   if (any_digest(codes(r))) {
     retain_all(codes(r));  // released by erase_node
     at(r).has_digest = true;
@@ -111,11 +108,12 @@ std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
   const std::size_t nlc = lcs_.size();
   for (Ref s : detached) {
     unlink(s);
+    std::int32_t *sp = pages_.row(s), *np = pages_.row(r);
+    std::int16_t *sc = coverage_.row(s), *nc = coverage_.row(r);
     for (std::size_t lc = 0; lc < nlc; ++lc) {
-      const std::size_t si = s * nlc + lc, ni = r * nlc + lc;
-      if (pages_[si] != kNoPage && coverage_[si] > coverage_[ni]) {
-        std::swap(pages_[ni], pages_[si]);
-        std::swap(coverage_[ni], coverage_[si]);
+      if (sp[lc] != kNoPage && sc[lc] > nc[lc]) {
+        std::swap(np[lc], sp[lc]);
+        std::swap(nc[lc], sc[lc]);
       }
     }
   }
@@ -131,6 +129,11 @@ std::vector<NodeId> RadixTree::remove_subtree(NodeId node) {
   std::vector<NodeId> out;
   const Ref top = ref_of(node);
   unlink(top);
+  if (at(top).first_child == kNil) {  // a leaf (the usual eviction victim): nothing below it
+    index_clear(top);
+    out.push_back(top);
+    return out;
+  }
   std::vector<Ref> stack{top};
   while (!stack.empty()) {
     const Ref n = stack.back();
@@ -172,20 +175,21 @@ std::vector<NodeId> RadixTree::prune_upward(NodeId node) {
 
 // py: tree.py RadixTree.set_page — SPEC sec. 5
 PageHandle RadixTree::set_page(NodeId node, std::int64_t lc, PageHandle page, std::int64_t coverage) {
-  const std::size_t i = ref_of(node) * lcs_.size() + lc_index(lc);
-  const PageHandle old = pages_[i];
-  pages_[i] = page;
-  coverage_[i] = static_cast<std::int32_t>(coverage);
+  const Ref r = ref_of(node);
+  const std::size_t i = lc_index(lc);
+  const PageHandle old = pages_.row(r)[i];
+  pages_.row(r)[i] = static_cast<std::int32_t>(page);
+  coverage_.row(r)[i] = static_cast<std::int16_t>(coverage);
   return old;
 }
 
 // py: tree.py RadixTree.clear_page — SPEC sec. 5
 PageHandle RadixTree::clear_page(NodeId node, std::int64_t lc) {
   const Ref r = ref_of(node);
-  const std::size_t i = r * lcs_.size() + lc_index(lc);
-  const PageHandle old = pages_[i];
-  pages_[i] = kNoPage;
-  coverage_[i] = 0;
+  const std::size_t i = lc_index(lc);
+  const PageHandle old = pages_.row(r)[i];
+  pages_.row(r)[i] = kNoPage;
+  coverage_.row(r)[i] = 0;
   maybe_delete(r);
   return old;
 }
@@ -221,6 +225,7 @@ MatchResult RadixTree::match(NodeId root, std::span<const Code> tokens, std::spa
   path.reserve(static_cast<std::size_t>(n_tok / B_) + 1);
   for (std::int64_t i = 0; i < n_tok / B_; ++i) {
     if (static_cast<std::size_t>(i) >= keys.size()) throw std::out_of_range("list index out of range");
+    if (static_cast<std::size_t>(i) + 1 < keys.size()) prefetch_child(keys[static_cast<std::size_t>(i) + 1]);
     const Ref c = find_child(node, keys[static_cast<std::size_t>(i)]);
     if (c == kNil) break;
     path.push_back(c);
@@ -310,31 +315,6 @@ std::vector<RadixTree::Code> RadixTree::encode_query(std::span<const TokenArg> t
 
 // ---------------------------------------------------------------- queries
 
-NodeId RadixTree::parent(NodeId node) const {
-  const Ref p = at(ref_of(node)).parent;
-  return p != kNil ? static_cast<NodeId>(p) : kNoNode;
-}
-
-bool RadixTree::is_attached(NodeId node) const { return at(ref_of(node)).attached; }
-
-const Digest& RadixTree::key(NodeId node) const { return at(ref_of(node)).key; }
-
-PageHandle RadixTree::page(NodeId node, std::int64_t lc) const {
-  return pages_[ref_of(node) * lcs_.size() + lc_index(lc)];
-}
-
-std::int64_t RadixTree::coverage(NodeId node, std::int64_t lc) const {
-  return coverage_[ref_of(node) * lcs_.size() + lc_index(lc)];
-}
-
-bool RadixTree::has_page(NodeId node) const { return node_has_page(ref_of(node)); }
-
-std::span<const RadixTree::Code> RadixTree::tokens(NodeId node) const { return codes(ref_of(node)); }
-
-std::int64_t RadixTree::ordinal(NodeId node) const { return at(ref_of(node)).ordinal; }
-
-std::int64_t RadixTree::uid(NodeId node) const { return at(ref_of(node)).uid; }
-
 NodeId RadixTree::find_uid(std::int64_t uid) const noexcept {
   for (std::size_t r = 0; r < nodes_.size(); ++r) {
     if (nodes_[r].alive && nodes_[r].uid == uid) return static_cast<NodeId>(r);
@@ -365,10 +345,8 @@ std::vector<NodeDump> RadixTree::dump() const {
     for (Code c : codes(r)) d.tokens.push_back(decode(c));
     for (Ref c = n.first_child; c != kNil; c = at(c).next_sibling) d.children.push_back(at(c).uid);
     std::sort(d.children.begin(), d.children.end());
-    d.pages.assign(pages_.begin() + static_cast<std::ptrdiff_t>(r * nlc),
-                   pages_.begin() + static_cast<std::ptrdiff_t>((r + 1) * nlc));
-    d.coverage.assign(coverage_.begin() + static_cast<std::ptrdiff_t>(r * nlc),
-                      coverage_.begin() + static_cast<std::ptrdiff_t>((r + 1) * nlc));
+    d.pages.assign(pages_.row(r), pages_.row(r) + nlc);
+    d.coverage.assign(coverage_.row(r), coverage_.row(r) + nlc);
     d.refs = n.refs;
     out.push_back(std::move(d));
   }
@@ -377,39 +355,30 @@ std::vector<NodeDump> RadixTree::dump() const {
 
 // ---------------------------------------------------------------- helpers
 
-RadixTree::Ref RadixTree::ref_of(NodeId id) const {
-  if (!exists(id)) throw NoSuchNode(id);
-  return static_cast<Ref>(id);
-}
-
-std::size_t RadixTree::lc_index(std::int64_t lc) const {
-  if (lc < 0 || static_cast<std::size_t>(lc) >= lcs_.size()) throw std::out_of_range("list index out of range");
-  return static_cast<std::size_t>(lc);
-}
-
 RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::int64_t ordinal, bool is_root) {
   Ref r;
   if (!free_.empty()) {
     r = free_.back();
     free_.pop_back();
     // a slot is reused clean: set_page(n, lc, kNoPage, c) can leave a coverage behind
-    const std::size_t nlc = lcs_.size();
-    std::fill_n(pages_.begin() + static_cast<std::ptrdiff_t>(r * nlc), nlc, kNoPage);
-    std::fill_n(coverage_.begin() + static_cast<std::ptrdiff_t>(r * nlc), nlc, 0);
   } else {
-    if (nodes_.size() >= kNil) throw std::length_error("too many radix-tree nodes");
+    // pages name their node in 32 signed bits (Page::node)
+    if (nodes_.size() >= 0x7FFFFFFFu) throw std::length_error("too many radix-tree nodes");
     r = static_cast<Ref>(nodes_.size());
-    nodes_.emplace_back();
-    arena_.resize(arena_.size() + static_cast<std::size_t>(B_));
-    pages_.resize(pages_.size() + lcs_.size(), kNoPage);
-    coverage_.resize(coverage_.size() + lcs_.size(), 0);
+    arena_.ensure(r);
+    pages_.ensure(r);
+    coverage_.ensure(r);
+    nodes_.push();
   }
+  const std::size_t nlc = lcs_.size();
+  std::fill_n(pages_.row(r), nlc, kNoPage);
+  std::fill_n(coverage_.row(r), nlc, 0);
   Node& n = at(r);
   n = Node{};
   n.key = key;
   n.uid = next_uid_++;
-  n.ordinal = ordinal;
-  n.ntok = static_cast<std::uint32_t>(ntok);
+  n.ordinal = static_cast<std::int32_t>(ordinal);
+  n.ntok = static_cast<std::uint16_t>(ntok);
   n.alive = true;
   n.is_root = is_root;
   n.attached = is_root;
@@ -418,8 +387,9 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::in
 
 bool RadixTree::node_has_page(Ref r) const noexcept {
   const std::size_t nlc = lcs_.size();
+  const std::int32_t* pages = pages_.row(r);
   for (std::size_t lc = 0; lc < nlc; ++lc) {
-    if (pages_[r * nlc + lc] != kNoPage) return true;
+    if (pages[lc] != kNoPage) return true;
   }
   return false;
 }
@@ -493,6 +463,11 @@ void RadixTree::maybe_delete(Ref start) {
   // Every node has one parent, so no node is queued twice; the order of deletions does
   // not change the resulting state (slots are internal; uids are what anyone sees).
   if (!deletable(start)) return;
+  if (at(start).first_child == kNil) {  // no children to orphan (the common case): no work list
+    index_clear(start);
+    erase_node(start);
+    return;
+  }
   std::vector<Ref> work{start};
   while (!work.empty()) {
     const Ref r = work.back();
@@ -555,9 +530,8 @@ std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run(Ref node, std::sp
 
 // py: tree.py RadixTree.prune_match — SPEC sec. 6
 std::int64_t RadixTree::prune_match(const std::vector<Ref>& path, std::int64_t m, bool use_ssm) const {
-  const std::size_t nlc = lcs_.size();
   return fixed_point(
-      [&](std::int64_t j, std::size_t lc) -> std::int64_t { return coverage_[at_index(path, j) * nlc + lc]; }, m,
+      [&](std::int64_t j, std::size_t lc) -> std::int64_t { return coverage_.row(at_index(path, j))[lc]; }, m,
       use_ssm);
 }
 
@@ -617,14 +591,13 @@ std::vector<NodeId> RadixTree::key_path(NodeId root, std::span<const Digest> key
 // py: tree.py RadixTree.prune_extended — SPEC sec. 6
 std::int64_t RadixTree::prune_extended(const std::vector<NodeId>& path,
                                        const std::vector<std::vector<std::int64_t>>& rows, std::int64_t m) const {
-  const std::size_t nlc = lcs_.size();
   std::vector<Ref> refs;
   refs.reserve(path.size());
   for (NodeId id : path) refs.push_back(ref_of(id));
   return fixed_point(
       [&](std::int64_t j, std::size_t lc) -> std::int64_t {
         const auto jj = static_cast<std::size_t>(j);
-        return jj < refs.size() ? coverage_[refs[jj] * nlc + lc] : at_index(rows, j - static_cast<std::int64_t>(refs.size()))[lc];
+        return jj < refs.size() ? coverage_.row(refs[jj])[lc] : at_index(rows, j - static_cast<std::int64_t>(refs.size()))[lc];
       },
       m, true);
 }
@@ -945,17 +918,16 @@ void RadixTree::kid_table_grow() {
 
 // ---------------------------------------------------------------- the child table
 
-std::size_t RadixTree::slot_of(const Digest& key) const noexcept {
-  return DigestHash{}(key) & (children_.size() - 1);
-}
-
 RadixTree::Ref RadixTree::find_child(Ref parent, const Digest& key) const noexcept {
+  // A childless parent (the block just made before this one, in a commit of new blocks)
+  // has nothing in the table: no probe of its (cold) line.
+  if (at(parent).first_child == kNil) return kNil;
   const std::size_t mask = children_.size() - 1;
-  const std::uint32_t fp = fingerprint(key);
-  for (std::size_t i = slot_of(key);; i = (i + 1) & mask) {
+  const std::uint32_t h = hash32(key);
+  for (std::size_t i = h & mask;; i = (i + 1) & mask) {
     const Entry& e = children_[i];
     if (e.ref == kNil) return kNil;
-    if (e.fp != fp) continue;
+    if (e.hash != h) continue;
     const Node& n = at(e.ref);
     if (n.parent == parent && n.key == key) return e.ref;
   }
@@ -964,10 +936,10 @@ RadixTree::Ref RadixTree::find_child(Ref parent, const Digest& key) const noexce
 void RadixTree::table_insert(Ref r) {
   if ((num_children_ + 1) * 2 > children_.size()) table_grow();
   const std::size_t mask = children_.size() - 1;
-  const Digest& key = at(r).key;
-  std::size_t i = slot_of(key);
+  const std::uint32_t h = hash32(at(r).key);
+  std::size_t i = h & mask;
   while (children_[i].ref != kNil) i = (i + 1) & mask;
-  children_[i] = Entry{r, fingerprint(key)};
+  children_[i] = Entry{r, h};
   ++num_children_;
 }
 
@@ -978,8 +950,8 @@ void RadixTree::table_erase(Ref r) noexcept {
   // Backward-shift deletion: pull later entries of the probe run into the hole unless
   // their home slot lies cyclically in (hole, entry].
   for (std::size_t j = (i + 1) & mask; children_[j].ref != kNil; j = (j + 1) & mask) {
-    const std::size_t home = slot_of(at(children_[j].ref).key);
-    const bool stays = i <= j ? (i < home && home <= j) : (i < home || home <= j);
+    const std::size_t h = home(children_[j].hash);
+    const bool stays = i <= j ? (i < h && h <= j) : (i < h || h <= j);
     if (!stays) {
       children_[i] = children_[j];
       i = j;
@@ -995,7 +967,7 @@ void RadixTree::table_grow() {
   const std::size_t mask = children_.size() - 1;
   for (const Entry& e : old) {
     if (e.ref == kNil) continue;
-    std::size_t i = slot_of(at(e.ref).key);
+    std::size_t i = e.hash & mask;
     while (children_[i].ref != kNil) i = (i + 1) & mask;
     children_[i] = e;
   }

@@ -19,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <span>
 #include <stdexcept>
@@ -97,6 +98,56 @@ struct DigestHash {
   }
 };
 
+// Slab storage in fixed-size chunks: a slot's memory never moves, so growing costs no copy
+// of what is there (a vector doubling copies everything and faults in twice the memory),
+// and a fresh chunk is not zero-filled (the owner writes a slot before reading it).
+// ChunkedSlab: one T per slot; ChunkedRows: `width` T per slot, set at construction.
+template <typename T>
+class ChunkedSlab {
+ public:
+  static constexpr std::size_t kShift = 10, kSlots = std::size_t{1} << kShift;
+  ChunkedSlab() = default;
+  ChunkedSlab(const ChunkedSlab&) = delete;
+  ChunkedSlab& operator=(const ChunkedSlab&) = delete;
+  ChunkedSlab(ChunkedSlab&&) noexcept = default;
+  ChunkedSlab& operator=(ChunkedSlab&&) noexcept = default;
+  T& operator[](std::size_t i) noexcept { return chunks_[i >> kShift][i & (kSlots - 1)]; }
+  const T& operator[](std::size_t i) const noexcept { return chunks_[i >> kShift][i & (kSlots - 1)]; }
+  std::size_t size() const noexcept { return size_; }
+  // A new slot at the end (default-initialised: fields with initialisers get them).
+  std::size_t push() {
+    if ((size_ >> kShift) == chunks_.size()) chunks_.push_back(std::make_unique_for_overwrite<T[]>(kSlots));
+    return size_++;
+  }
+
+ private:
+  std::vector<std::unique_ptr<T[]>> chunks_;
+  std::size_t size_ = 0;
+};
+
+template <typename T>
+class ChunkedRows {
+ public:
+  static constexpr std::size_t kShift = 10, kSlots = std::size_t{1} << kShift;
+  explicit ChunkedRows(std::size_t width) : width_(width) {}
+  ChunkedRows(const ChunkedRows&) = delete;
+  ChunkedRows& operator=(const ChunkedRows&) = delete;
+  ChunkedRows(ChunkedRows&&) noexcept = default;
+  ChunkedRows& operator=(ChunkedRows&&) noexcept = default;
+  T* row(std::size_t slot) noexcept { return chunks_[slot >> kShift].get() + (slot & (kSlots - 1)) * width_; }
+  const T* row(std::size_t slot) const noexcept {
+    return chunks_[slot >> kShift].get() + (slot & (kSlots - 1)) * width_;
+  }
+  // Room for slot `slot` (slots are added in order; uninitialised).
+  void ensure(std::size_t slot) {
+    while ((slot >> kShift) >= chunks_.size()) chunks_.push_back(std::make_unique_for_overwrite<T[]>(kSlots * width_));
+  }
+
+ private:
+  std::size_t width_;
+  std::vector<std::unique_ptr<T[]>> chunks_;
+};
+
 class RadixTree {
  public:
   // Tokens are stored encoded as u32 codes: ints as themselves (< 2**31), digests as
@@ -150,6 +201,9 @@ class RadixTree {
   void unref(NodeId node);
   // Delete `node` if nothing keeps it (after the caller freed its orphan pages).
   void collect(NodeId node);
+  // A hint: load the child-table line where a child with `key` would be found, so a
+  // lookup of that key soon after (the next block of a commit or match) does not wait.
+  void prefetch_child(const Digest& key) const noexcept { __builtin_prefetch(&children_[slot_of(key)]); }
   // Match `tokens` (`keys`: at least the full-block keys walked) under `root`.
   MatchResult match(NodeId root, std::span<const TokenArg> tokens, std::span<const Digest> keys, bool partial,
                     std::int64_t backoff) const;
@@ -199,19 +253,29 @@ class RadixTree {
   const Digest& digest(Code c) const noexcept { return digests_[c & ~kDigestBit]; }
 
   // ------------------------------------------------------------ queries
-  NodeId parent(NodeId node) const;
-  bool is_attached(NodeId node) const;
+  NodeId parent(NodeId node) const {
+    const Ref p = at(ref_of(node)).parent;
+    return p != kNil ? static_cast<NodeId>(p) : kNoNode;
+  }
+  bool is_attached(NodeId node) const { return at(ref_of(node)).attached; }
   bool exists(NodeId node) const noexcept {
     return node >= 0 && static_cast<std::size_t>(node) < nodes_.size() && nodes_[static_cast<std::size_t>(node)].alive;
   }
-  const Digest& key(NodeId node) const;
-  PageHandle page(NodeId node, std::int64_t lc) const;
-  std::int64_t coverage(NodeId node, std::int64_t lc) const;
-  bool has_page(NodeId node) const;
+  const Digest& key(NodeId node) const { return at(ref_of(node)).key; }
+  PageHandle page(NodeId node, std::int64_t lc) const { return pages_.row(ref_of(node))[lc_index(lc)]; }
+  std::int64_t coverage(NodeId node, std::int64_t lc) const { return coverage_.row(ref_of(node))[lc_index(lc)]; }
+  bool has_page(NodeId node) const { return node_has_page(ref_of(node)); }
+  // No children and no page: remove_subtree would list it alone, retire_nodes free nothing.
+  bool is_bare_leaf(NodeId node) const {
+    const Ref r = ref_of(node);
+    return at(r).first_child == kNil && !node_has_page(r);
+  }
   // Valid until the next node is made (the token arena may move).
-  std::span<const Code> tokens(NodeId node) const;
-  std::int64_t ordinal(NodeId node) const;
-  std::int64_t uid(NodeId node) const;
+  std::span<const Code> tokens(NodeId node) const { return codes(ref_of(node)); }
+  std::int64_t ordinal(NodeId node) const { return at(ref_of(node)).ordinal; }
+  std::int64_t uid(NodeId node) const { return at(ref_of(node)).uid; }
+  // Whether the node's tokens hold a digest (its tokens then hold digest references).
+  bool has_digest(NodeId node) const { return at(ref_of(node)).has_digest; }
   // The live node with creation number `uid`, else kNoNode.  A linear scan: for debugging
   // bindings and tests, never on a hot path.
   NodeId find_uid(std::int64_t uid) const noexcept;
@@ -238,8 +302,7 @@ class RadixTree {
   struct Node {
     Digest key{};
     std::int64_t uid = 0;        // creation number (tree.py's id)
-    std::int64_t ordinal = -1;   // block position in its chain (-1: root)
-    std::uint32_t ntok = 0;      // tokens in arena_ (< B: a partial block; 0 for roots)
+    std::int32_t ordinal = -1;   // block position in its chain (-1: root; < 2**24, MAX_REQUEST_BLOCKS)
     std::uint32_t refs = 0;      // requests referencing the block
     Ref parent = kNil;           // kNil when detached (an orphan) or a root
     Ref first_child = kNil, prev_sibling = kNil, next_sibling = kNil;
@@ -248,9 +311,11 @@ class RadixTree {
     std::uint32_t index = kNil;  // root of the children's token trie (kNil: none, scan them)
     std::uint32_t tnode = kNil;  // the trie node this block ends at in its parent's index
     Ref tnext = kNil;            // next sibling with the very same tokens (rare)
-    bool alive = false, is_root = false, attached = false;
-    bool has_digest = false;  // its tokens hold digest references (released by erase_node)
+    std::uint16_t ntok = 0;      // tokens in arena_ (< B: a partial block; 0 for roots); B <= 4096
+    bool alive : 1 = false, is_root : 1 = false, attached : 1 = false;
+    bool has_digest : 1 = false;  // its tokens hold digest references (released by erase_node)
   };
+  static_assert(sizeof(Digest) == 32);
 
   // The children index (tree.py: class _Trie): per parent, a compressed trie over the
   // children's token sequences, so partial matching (sec. 6 step 1), covering siblings
@@ -297,14 +362,20 @@ class RadixTree {
 
   Node& at(Ref r) noexcept { return nodes_[r]; }
   const Node& at(Ref r) const noexcept { return nodes_[r]; }
-  Ref ref_of(NodeId id) const;  // throws NoSuchNode for a dead or unknown id
-  std::size_t lc_index(std::int64_t lc) const;
+  Ref ref_of(NodeId id) const {  // throws NoSuchNode for a dead or unknown id
+    if (!exists(id)) [[unlikely]] throw NoSuchNode(id);
+    return static_cast<Ref>(id);
+  }
+  std::size_t lc_index(std::int64_t lc) const {
+    if (lc < 0 || static_cast<std::size_t>(lc) >= lcs_.size()) [[unlikely]] {
+      throw std::out_of_range("list index out of range");
+    }
+    return static_cast<std::size_t>(lc);
+  }
   // A new live node with room for B tokens in arena_ (the caller writes them).
   Ref make_node(const Digest& key, std::size_t ntok, std::int64_t ordinal, bool is_root);
-  Code* arena(Ref r) noexcept { return arena_.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(B_); }
-  const Code* arena(Ref r) const noexcept {
-    return arena_.data() + static_cast<std::size_t>(r) * static_cast<std::size_t>(B_);
-  }
+  Code* arena(Ref r) noexcept { return arena_.row(r); }
+  const Code* arena(Ref r) const noexcept { return arena_.row(r); }
   Code first(Ref r) const noexcept { return arena(r)[0]; }
   std::span<const Code> codes(Ref r) const noexcept { return {arena(r), at(r).ntok}; }
   bool node_has_page(Ref r) const noexcept;
@@ -327,18 +398,16 @@ class RadixTree {
 
   // --- children_: open addressing (linear probing, backward-shift deletion) over node
   // slots, keyed by (parent, key).  Holds exactly the nodes that have a parent.  Each
-  // entry carries 4 more key bytes (fp), so a probe touches a node only when they agree:
-  // a lookup costs one cache line of the table instead of a node fetch per probe.
+  // entry carries the low 32 bits of its key's hash (DigestHash), so a probe touches a
+  // node only when they agree, and growing or deleting (which need each entry's home slot)
+  // touch no node at all: a lookup costs one cache line of the table.
   struct Entry {
     Ref ref = kNil;
-    std::uint32_t fp = 0;
+    std::uint32_t hash = 0;
   };
-  static std::uint32_t fingerprint(const Digest& key) noexcept {
-    std::uint32_t f;
-    std::memcpy(&f, key.data() + 8, sizeof f);  // DigestHash uses bytes 0..7 for the slot
-    return f;
-  }
-  std::size_t slot_of(const Digest& key) const noexcept;
+  static std::uint32_t hash32(const Digest& key) noexcept { return static_cast<std::uint32_t>(DigestHash{}(key)); }
+  std::size_t home(std::uint32_t hash) const noexcept { return hash & (children_.size() - 1); }
+  std::size_t slot_of(const Digest& key) const noexcept { return home(hash32(key)); }
   Ref find_child(Ref parent, const Digest& key) const noexcept;
   void table_insert(Ref r);
   void table_erase(Ref r) noexcept;
@@ -347,11 +416,13 @@ class RadixTree {
   std::int64_t B_;
   std::vector<LifeCycleSpec> lcs_;
   std::uint32_t index_build_, index_drop_;  // trie above index_build_ children, none at index_drop_
-  std::vector<Node> nodes_;        // the slab; a slot is reused after its node dies
+  ChunkedSlab<Node> nodes_;        // the slab; a slot is reused after its node dies
   std::vector<Ref> free_;          // dead slots (LIFO)
-  std::vector<Code> arena_;              // [slot * B + i]: token i of the node in slot
-  std::vector<PageHandle> pages_;        // [slot * nlc + lc]: page handle or kNoPage
-  std::vector<std::int32_t> coverage_;   // [slot * nlc + lc]
+  ChunkedRows<Code> arena_;              // row(slot)[i]: token i of the node in slot
+  // row(slot)[lc]: page handle or kNoPage (handles fit 32 bits: the manager's page slab
+  // refuses to grow past 2**31 - 1), and the tokens it covers (<= B <= 4096)
+  ChunkedRows<std::int32_t> pages_;
+  ChunkedRows<std::int16_t> coverage_;
   std::vector<Entry> children_;    // the child table (ref kNil = empty); size a power of two
   std::size_t num_children_ = 0;
   std::unordered_map<Digest, Ref, DigestHash> roots_;

@@ -202,7 +202,7 @@ CopyReason = Literal["offload", "onboard", "cow", "snapshot", "store"]
 SHARED = 3  # tier number of the shared tier (a store shared by many managers; DECISIONS.md)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: the cpp backend fills them directly (one op per evicted page)
 class CopyOp:
     """Copy one page: the engine executes these in order before using the step's indices.
     Tiers are SPEC's numbers by kind (``GPU, HOST, DISK = 0, 1, 2``), whatever tiers the
@@ -376,6 +376,14 @@ class KVCache(abc.ABC):
     @abc.abstractmethod
     def commit(self, tokens: Sequence[Token]) -> None:
         """ACTIVE only.  Append tokens; every block that becomes full enters the tree."""
+
+    @abc.abstractmethod
+    def commit_input(self, n: int | None = None) -> None:
+        """ACTIVE only.  :meth:`commit` of the next ``n`` tokens of the ``input_tokens``
+        given at create (``input_tokens[c : c + n]``, ``c`` = :attr:`num_committed_tokens`),
+        without handing them over again; ``None``: all the rest of them.  The checks of
+        :meth:`commit` (status, stopped, capacity), then ValueError when fewer than ``n``
+        input tokens follow position ``c``; ``n`` itself is checked first (an int >= 0)."""
 
     @abc.abstractmethod
     def stop_committing(self) -> None:

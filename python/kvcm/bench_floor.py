@@ -11,8 +11,8 @@ descendants stay in the dict until they are evicted themselves (they are unreach
 in vLLM's hash-keyed cache).
 
 ``replay_floor`` drives it exactly like :func:`kvcm.replay.replay` drives a manager
-(match, allocate the rest of the prompt, commit, optionally decode the outputs one token
-at a time, close; one request in flight) and returns a :class:`kvcm.replay.ReplayResult`
+(match, allocate the rest of the prompt, commit, optionally decode the outputs
+``output_step`` tokens at a time, close; one request in flight) and returns a :class:`kvcm.replay.ReplayResult`
 with ``backend="floor"`` whose ``manager_s`` is the time inside the cache's methods.
 """
 
@@ -120,8 +120,9 @@ class MinimalPrefixCache:
         self.free.extend(private)
 
 
-def _replay_one(cache: MinimalPrefixCache, prompt: list[int], outputs: Sequence[int]) -> tuple[bool, int, int]:
-    """One request: ``(ran, reused tokens, output tokens)``."""
+def _replay_one(cache: MinimalPrefixCache, prompt: list[int], outputs: Sequence[int], step: int,
+                ) -> tuple[bool, int, int]:
+    """One request: ``(ran, reused tokens, output tokens)``; outputs ``step`` at a time."""
     B = cache.B
     keys = cache.keys(prompt)
     hit = cache.match(keys)
@@ -132,29 +133,29 @@ def _replay_one(cache: MinimalPrefixCache, prompt: list[int], outputs: Sequence[
         return False, 0, 0
     nfull = len(keys)
     blocks = hit + cache.commit(keys[m:], ids[: nfull - m])
-    private = ids[nfull - m:]  # the partial tail's block, if any
+    pending = ids[nfull - m:]  # the partial tail's block, if any
     tail = prompt[nfull * B:]
     done = 0
-    for tok in outputs:
-        if len(tail) == B or not private:  # a new block for this token
-            more = cache.allocate(1)
-            if more is None:
-                break
-            private += more
-        tail.append(tok)
-        done += 1
-        if len(tail) == B:  # the block is full: it is cached
-            (key,) = cache.keys(tail, keys[-1] if keys else None)
+    for s in range(0, len(outputs), step):
+        chunk = outputs[s:s + step]
+        more = cache.allocate(ceildiv(len(tail) + len(chunk), B) - len(pending))
+        if more is None:
+            break
+        pending += more
+        tail += chunk
+        done += len(chunk)
+        while len(tail) >= B:  # a block is full: it is cached
+            (key,) = cache.keys(tail[:B], keys[-1] if keys else None)
             keys.append(key)
-            blocks += cache.commit([key], [private.pop()])
-            tail = []
-    cache.release(keys, blocks, private)
+            blocks += cache.commit([key], [pending.pop(0)])
+            tail = tail[B:]
+    cache.release(keys, blocks, pending)
     return True, m * B, done
 
 
 def replay_floor(trace: Sequence[TraceRequest] | None, tokens_per_block: int = 32,
                  gpu_quota_blocks: int | None = None, host_quota_blocks: int | None = None,
-                 with_outputs: bool = False, limit: int | None = None) -> ReplayResult:
+                 with_outputs: bool = False, output_step: int = 1, limit: int | None = None) -> ReplayResult:
     """The floor's replay of ``trace`` with one pool of the gpu quota (no tiers here: a
     host quota is ignored, so the requests that do not fit are the backends' ones)."""
     if trace is None:
@@ -164,7 +165,7 @@ def replay_floor(trace: Sequence[TraceRequest] | None, tokens_per_block: int = 3
     B = tokens_per_block
     if gpu_quota_blocks is None:
         gpu_quota_blocks = total_blocks(trace, B, with_outputs) + 1
-    res = ReplayResult(FLOOR, B, gpu_quota_blocks, host_quota_blocks, False, with_outputs)
+    res = ReplayResult(FLOOR, B, gpu_quota_blocks, host_quota_blocks, False, with_outputs, output_step)
     clock = time.perf_counter
     t0 = clock()
     cache = MinimalPrefixCache(B, gpu_quota_blocks)
@@ -174,11 +175,12 @@ def replay_floor(trace: Sequence[TraceRequest] | None, tokens_per_block: int = 3
     for req in trace:
         prompt = expand_prompt(req)
         outputs = expand_outputs(req.index, req.output_length) if with_outputs else ()
+        n = len(prompt)
         res.requests += 1
-        res.prompt_tokens += len(prompt)
-        res.prompt_blocks += ceildiv(len(prompt), B)
+        res.prompt_tokens += n
+        res.prompt_blocks += ceildiv(n, B)
         ts = clock()
-        ran, reused, done = _replay_one(cache, prompt, outputs)
+        ran, reused, done = _replay_one(cache, prompt, outputs, output_step)
         spent += clock() - ts
         if not ran:
             res.failed += 1
@@ -187,16 +189,14 @@ def replay_floor(trace: Sequence[TraceRequest] | None, tokens_per_block: int = 3
         res.reused_tokens += reused
         res.reused_blocks += ceildiv(reused, B)
         res.output_tokens += done
-        if with_outputs and done < len(outputs):
+        res.output_blocks += ceildiv(n + done, B) - ceildiv(n, B)
+        if done < len(outputs):
             res.preemptions += 1
             res.truncated += 1
     res.manager_s = spent
     res.wall_s = clock() - t1
     res.drops = cache.evictions
     return res
-
-
-__all__ = ["FLOOR", "MinimalPrefixCache", "replay_floor"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def _rss_bytes() -> int:
 
 
 def measure_replay(impl: str, limit: int, tokens_per_block: int, gpu: int | None, host: int | None,
-                   outputs: bool = False) -> dict:
+                   outputs: bool = False, output_step: int = 1) -> dict:
     """Run one replay of ``impl`` (a backend name or ``floor``) in this process, meant to
     be a fresh child so that its peak RSS is its own: ``{"result": ReplayResult fields,
     "peak_rss": bytes, "base_rss": bytes}`` (base: after imports and the trace load,
@@ -226,10 +226,10 @@ def measure_replay(impl: str, limit: int, tokens_per_block: int, gpu: int | None
     trace = load_trace(limit=limit)
     base = _rss_bytes()
     if impl == FLOOR:
-        res, why = run_guarded(lambda: replay_floor(trace, tokens_per_block, gpu, host, outputs))
+        res, why = run_guarded(lambda: replay_floor(trace, tokens_per_block, gpu, host, outputs, output_step))
     else:
         res, why = run_guarded(lambda: replay(trace, impl, tokens_per_block=tokens_per_block, gpu_quota_blocks=gpu,
-                                              host_quota_blocks=host, with_outputs=outputs))
+                                              host_quota_blocks=host, with_outputs=outputs, output_step=output_step))
     if why is not None:
         return {"why": why}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux

@@ -55,6 +55,13 @@ def stopped_error() -> InvalidStateError:
     return InvalidStateError("commit after stop_committing()")
 
 
+def input_room_error(n: int, n_input: int, n_committed: int) -> ValueError:
+    """The error of ``commit_input(n)`` when fewer than ``n`` input tokens follow the
+    committed ones."""
+    return ValueError(f"commit_input of {n} tokens exceeds the input ({n_input} input tokens, "
+                      f"{n_committed} committed)")
+
+
 def shut_down_error() -> InvalidStateError:
     """The error of a manager call after ``shutdown()``."""
     return InvalidStateError("the manager is shut down")

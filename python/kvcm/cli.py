@@ -5,6 +5,8 @@ Subcommands::
     info                                   backend, version, cpp extension and build details
     replay [TRACE] [--backend python,cpp] [--block-size 32] [--gpu-blocks N | --gpu-frac F]
            [--host-blocks N | --host-frac F] [--limit N] [--no-partial] [--outputs]
+    replay [TRACE] --instances 2,4,8 --shared-tier file:DIR|mooncake|mooncake://HOST:PORT?metadata=URL
+           [--page-bytes 4096] [--gpu-blocks 1024] [--plot kvcm-fleet.png]   (the fleet replay, kvcm.fleet)
     bench [replay|keys|probe|decode|step|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
 import os
 import platform
@@ -75,6 +78,23 @@ def _backends(arg: str) -> list[str]:
     for b in names:
         if b not in BACKENDS:
             raise argparse.ArgumentTypeError(f"unknown backend {b!r}; choices: {', '.join(BACKENDS)}")
+    return names
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        ns = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not ns or min(ns) < 1:
+        raise argparse.ArgumentTypeError(f"instance counts must be >= 1, got {text!r}")
+    return ns
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names or any(p not in ("commit", "evict") for p in names):
+        raise argparse.ArgumentTypeError(f"write policies are commit and evict, got {text!r}")
     return names
 
 
@@ -200,6 +220,7 @@ def run_replays(
     partial: bool,
     outputs: bool,
     progress: bool,
+    output_step: int = 1,
 ) -> dict[str, Any]:
     """``{backend: ReplayResult or reason string}``."""
     from kvcm.replay import replay
@@ -218,6 +239,7 @@ def run_replays(
                 host_quota_blocks=host_blocks,
                 enable_partial_reuse=partial,
                 with_outputs=outputs,
+                output_step=output_step,
                 progress=progress,
             )
         )
@@ -245,7 +267,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         )
         print(f"replay: {args.trace or name}: no requests to replay ({why})", file=sys.stderr)
         return 2
-    B = args.block_size
+    if args.instances is not None or args.shared_tier is not None:
+        return cmd_fleet(args, trace)
+    args.backend = args.backend or ["python", "cpp"]
+    B = args.block_size or 32
     uniq: list[int] = []
 
     def unique() -> int:
@@ -289,6 +314,32 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print()
     print(_table(["", *results.keys()], _result_rows(results)))
     return _exit_code(results)
+
+
+def cmd_fleet(args: argparse.Namespace, trace: Sequence[Any]) -> int:
+    """``replay --instances N[,M..] --shared-tier SPEC``: the fleet replay (kvcm.fleet)."""
+    from kvcm.fleet import main_fleet
+
+    if args.instances is None or args.shared_tier is None:
+        print("replay: a fleet replay needs both --instances and --shared-tier", file=sys.stderr)
+        return 2
+    if args.backend is not None and len(args.backend) != 1:
+        print("replay: a fleet replay runs on one --backend", file=sys.stderr)
+        return 2
+    gpu = args.gpu_blocks or 1024
+    B = args.block_size or 512
+    most = max(r.num_prompt_blocks(B) for r in trace)
+    if gpu < most:
+        print(f"replay: --gpu-blocks {gpu} cannot hold the longest prompt ({most} blocks)", file=sys.stderr)
+        return 2
+    try:
+        main_fleet(trace, args.instances, args.shared_tier, backend=args.backend[0] if args.backend else None,
+                   tokens_per_block=B, page_bytes=args.page_bytes, gpu_blocks=gpu, plot_path=args.plot or None,
+                   policies=args.shared_write)
+    except (OSError, ValueError, ImportError) as e:
+        print(f"replay: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -413,7 +464,8 @@ def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | No
         rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
 
 
-def _replay_in_child(impl: str, limit: int, B: int, gpu: int | None, host: int | None) -> tuple[Any, dict]:
+def _replay_in_child(impl: str, limit: int, B: int, gpu: int | None, host: int | None,
+                     outputs: bool) -> tuple[Any, dict]:
     """One replay of ``impl`` (a backend or the floor) in a fresh child process, so that its
     peak RSS is its own and no other run's garbage is collected on its clock:
     ``(ReplayResult or the reason it did not run, {"peak_rss", "base_rss"})``."""
@@ -427,7 +479,8 @@ def _replay_in_child(impl: str, limit: int, B: int, gpu: int | None, host: int |
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
-    spec = {"impl": impl, "limit": limit, "tokens_per_block": B, "gpu": gpu, "host": host}
+    spec = {"impl": impl, "limit": limit, "tokens_per_block": B, "gpu": gpu, "host": host, "outputs": outputs,
+            "output_step": B}
     p = subprocess.run([sys.executable, "-c", REPLAY_CHILD, json.dumps(spec)], capture_output=True, text=True,
                        env=env, check=False)
     if p.returncode != 0:
@@ -443,9 +496,22 @@ def _mib(v: float) -> str:
     return f"{v / 2**20:,.0f} MiB"
 
 
+def _replay_hash_floor(B: int, repeat: int) -> float | None:
+    """µs per block of the extension's raw chained SHA-256 loop (block keys of ``B`` int
+    tokens: 32 parent bytes + 4*B token bytes per hash), best of ``repeat`` runs of 100k
+    blocks; None without the testing module."""
+    try:
+        from kvcm import _kvcm_cpp_testing
+    except ImportError:
+        return None
+    n = 100_000
+    return min(_kvcm_cpp_testing.raw_sha256_loop(n, 4 * B) for _ in range(max(1, repeat))) / 1e3 / n
+
+
 def bench_replay(args: argparse.Namespace) -> int:
     """Each backend and the floor (kvcm.bench_floor: a minimal pure-Python prefix cache, a
-    measuring stick) replay the same prefix, each run in its own child process."""
+    measuring stick) replay the same prefix, each run in its own child process; with the
+    prompt only, and with the outputs decoded a block at a time."""
     from kvcm.bench_floor import FLOOR
     from kvcm.trace import load_trace, unique_blocks
 
@@ -463,12 +529,14 @@ def bench_replay(args: argparse.Namespace) -> int:
     )
     rc = 0
     impls = ("python", "cpp", FLOOR)
-    for label, gpu, host in (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight)):
+    pools = (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight))
+    modes = (("prompt only", False), ("prompt + outputs decoded a block at a time", True))
+    for (label, gpu, host), (mode, outputs) in itertools.product(pools, modes):
         results: dict[str, Any] = {}
         rss: dict[str, dict] = {}
         for _ in range(args.repeat):
             for b in impls:
-                res, mem = _replay_in_child(b, limit, B, gpu, host)
+                res, mem = _replay_in_child(b, limit, B, gpu, host, outputs)
                 prev = results.get(b)
                 if prev is None or (not isinstance(prev, str) and (isinstance(res, str) or res.manager_s < prev.manager_s)):
                     results[b] = res  # a failure wins: it is reported
@@ -489,7 +557,13 @@ def bench_replay(args: argparse.Namespace) -> int:
         rows.append(["peak RSS ratio python/floor (target <= 2x)", "", "",
                      f"{rss['python']['peak_rss'] / rss[FLOOR]['peak_rss']:.2f}x" if "python" in rss and FLOOR in rss
                      else "n/a"])
-        print(f"\n[{label}]")
+        floor = _replay_hash_floor(B, args.repeat)
+        if floor is not None:
+            rows.append(["raw SHA-256 floor us/block (same run)", "", f"{floor:.3f}", ""])
+            if not isinstance(cpp, str):
+                ratio = cpp.us_per_block / floor
+                rows.append(["cpp us/block / floor (target <= 3x)", "", f"{ratio:.2f}x", ""])
+        print(f"\n[{label}; {mode}]")
         print(_table(["", *results.keys()], rows))
         sys.stdout.flush()
         rc = max(rc, _exit_code(results))
@@ -569,8 +643,10 @@ def _add_replay_parser(sub: Any) -> None:
         epilog=REPLAY_EXIT_CODES,
     )
     r.add_argument("trace", nargs="?", default=None, help="a .jsonl or .jsonl.gz trace (default: the shipped one)")
-    r.add_argument("--backend", type=_backends, default=["python", "cpp"], help="comma-separated (default python,cpp)")
-    r.add_argument("--block-size", type=_int_in(1, 4096), default=32, help="tokens_per_block (default 32)")
+    r.add_argument("--backend", type=_backends, default=None,
+                   help="comma-separated (default python,cpp; a fleet replay: one, default KVCM_BACKEND)")
+    r.add_argument("--block-size", type=_int_in(1, 4096), default=None,
+                   help="tokens_per_block (default 32; a fleet replay: 512)")
     g = r.add_mutually_exclusive_group()
     g.add_argument("--gpu-blocks", type=_int_in(1), default=None, help="gpu quota in blocks (default: unbounded)")
     g.add_argument("--gpu-frac", type=_frac, default=None, help="gpu quota as a fraction of the prefix's unique blocks")
@@ -589,6 +665,15 @@ def _add_replay_parser(sub: Any) -> None:
     r.add_argument("--no-partial", action="store_true", help="enable_partial_reuse=False")
     r.add_argument("--outputs", action="store_true", help="also decode and commit the output tokens")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    f = r.add_argument_group("fleet replay (kvcm.fleet): N managers round-robin, local tiers only vs a shared tier")
+    f.add_argument("--instances", type=_int_list, default=None, help="N, or a list: 2,4,8")
+    f.add_argument("--shared-tier", default=None,
+                   help="file:DIR, a directory, mooncake (a local Mooncake Store for the run) or "
+                        "mooncake://host:port?metadata=url")
+    f.add_argument("--page-bytes", type=_int_in(2), default=4096, help="bytes of one page (default 4096)")
+    f.add_argument("--shared-write", type=_policies, default=["commit"],
+                   help="write policies to run: commit, evict or commit,evict (default commit)")
+    f.add_argument("--plot", default="kvcm-fleet.png", help="PNG to write (default kvcm-fleet.png; '' for none)")
 
 
 def _add_bench_parser(sub: Any) -> None:

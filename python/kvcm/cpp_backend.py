@@ -35,6 +35,7 @@ from kvcm.checks import (
     check_batch_caches,
     check_cache_id,
     check_copy_ops,
+    check_count,
     check_priority,
     check_scope,
     check_shared_hits,
@@ -306,6 +307,12 @@ class CppKVCache(KVCache):
             _parse_tokens(tokens, "tokens")
             self._require_open("commit")
         self._core.commit(self._serial, tokens)
+
+    def commit_input(self, n: int | None = None) -> None:
+        if n is not None:
+            n = check_count(n, "n")  # the argument first, as the python backend
+        self._require_open("commit_input")
+        self._core.commit_input(self._serial, n)
 
     def stop_committing(self) -> None:
         self._require_open("stop_committing")

@@ -65,8 +65,36 @@ every op after the run, in order: exactly the ops whose destination cannot be tr
 The engine passes them to ``KVCacheManager.forget_copies``.
 
 A tier given as an int (in ops, :meth:`DataPlane.pool`, the views) is SPEC's number by
-kind, as the manager's copy ops carry it: gpu 0, host 1, disk 2 (a gpu + disk config has
-tiers 0 and 2); ``self.pools`` itself is indexed by config position.
+kind, as the manager's copy ops carry it: gpu 0, host 1, disk 2, shared 3 (a gpu + disk
+config has tiers 0 and 2); ``self.pools`` itself is indexed by config position.
+
+The shared tier (DECISIONS.md "The shared tier")
+------------------------------------------------
+A ``Tier("shared", quota_bytes, path)`` has no pool: its ``path`` names a store
+(:func:`open_store`: a directory, ``file:///dir``, or
+``mooncake://host:port?metadata=url``), or one is given as ``store=``.  Objects are named
+and checked by an :class:`~kvcm.shared_store.ObjectCodec` of the config's layout
+fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
+
+* :meth:`DataPlane.shared_lookup` turns the manager's ``shared_candidates`` into the present
+  pairs with **one** batched existence query; a store that cannot answer counts as empty
+  (``lookup_errors``): nothing is lost, the request computes.
+* ``store`` ops (a pool slot -> an object) and shared ``onboard`` ops (an object -> a gpu
+  slot) of one run are each executed as one batch per staging buffer's worth: the pages are
+  gathered into a :class:`~kvcm.shared_store.Staging` buffer (registered with Mooncake: the
+  put / get themselves are zero-copy), each object's header written / verified there, and
+  loaded pages scattered into the pool with one ``index_copy_`` per (tier, lc).  In runs,
+  the shared side of an op is the object ``(3, lc, key)``.
+* Faults: a load that fails (missing, short, foreign, corrupted, store down) fails its op
+  like a disk read: the run finishes, nothing after it runs, ``CopyError``.  A **store**
+  op that fails stops nothing: every other op still runs, and the failed store ops are
+  listed in the ``CopyError`` raised at the end (``forget_copies`` forgets nothing for
+  them).  A failed write never shows an object (the stores publish whole objects only).
+  An object that failed to load for a reason of its own (missing, short, foreign,
+  corrupted; not a store that is down) is removed from the store, so that later lookups do
+  not find it again and a later store can write it whole (``removed_bad``).
+* ``shared_stats``: lookups, objects and payload bytes stored / loaded, failures, batches,
+  and the seconds the data plane spent in store and load batches (gather, checksums, I/O).
 """
 
 from __future__ import annotations
@@ -78,15 +106,18 @@ import math
 import os
 import struct
 import tempfile
+import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
-from kvcm.api import AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig
-from kvcm.config import resolve_config
+from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig
+from kvcm.config import layout_fingerprint, resolve_config
+from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
 
-COPY_REASONS = ("offload", "onboard", "cow", "snapshot")
+COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
+STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in several calls
 POOL_PREFIX = "kvcm-pool-"
 TRAILER = struct.Struct("<I4s")  # crc32 of the slot's data, magic
 MAGIC = b"KVCP"
@@ -220,6 +251,24 @@ def _create_disk_file(directory: str, lc: int, nbytes: int, tier: int) -> tuple[
     return path, fd
 
 
+def open_store(location: str, quota_bytes: int = 0) -> SharedStore:
+    """The store a shared tier's ``path`` names: ``mooncake://host:port?metadata=<url>``
+    (:class:`kvcm.mooncake_store.MooncakeStore`), ``file:///dir`` or a plain directory."""
+    if not isinstance(location, str) or not location:
+        raise ValueError("the shared tier needs a path: a directory, file:///dir or mooncake://host:port?metadata=url")
+    if location.startswith("mooncake://"):
+        from kvcm.mooncake_store import MooncakeStore  # only when asked for: an optional dependency
+
+        return MooncakeStore.from_url(location, segment_bytes=quota_bytes)
+    if location.startswith("file://"):
+        location = location[len("file://"):]
+    elif "://" in location:
+        raise ValueError(f"unknown shared store {location!r}: use a directory, file:///dir or "
+                         "mooncake://host:port?metadata=url")
+    return FileStore(location, quota_bytes)
+
+
+
 class DataPlane:
     """Pool tensors per ``(tier, lc)`` for one manager config, and a copy-op executor.
 
@@ -235,6 +284,7 @@ class DataPlane:
         device: Any = "cpu",
         dtype: Any = None,
         shapes: Mapping[int, Sequence[int]] | None = None,
+        store: SharedStore | None = None,
     ) -> None:
         torch = _torch()
         rc = resolve_config(config)
@@ -255,8 +305,17 @@ class DataPlane:
         self._files: list[tuple[str, int]] = []  # (path, locked fd) of each disk pool file
         self._finalizer = weakref.finalize(self, _close_files, self._files)
         self.pools: list[list[Any]] = []  # [config position][lc] uint8[num_slots, slot_bytes] or a DiskPool
+        self.shared: SharedStore | None = None
+        self.codec: ObjectCodec | None = None
+        self._own_store = False
+        self._staging: Staging | None = None
+        self.shared_stats = dict.fromkeys(
+            ("lookups", "lookup_names", "lookup_hits", "lookup_errors", "stores", "store_bytes", "store_failures",
+             "loads", "load_bytes", "load_failures", "removed_bad", "put_batches", "get_batches"), 0)
+        self.shared_seconds = {"lookup": 0.0, "store": 0.0, "load": 0.0}  # reporting only (throughput)
         try:
             self._make_pools(torch, config, rc.tier_ids)
+            self._open_shared(config, rc, store)
         except BaseException:
             self.pools = []
             self._finalizer()
@@ -303,6 +362,8 @@ class DataPlane:
         pin = torch.cuda.is_available()
         for t, tier in enumerate(config.tiers):
             row = []
+            if tier.kind == "shared":  # no slots, no pool (listed last): objects in a store (_open_shared)
+                continue
             if tier.kind == "disk":
                 os.makedirs(tier.path, exist_ok=True)
                 remove_stale_pool_files(tier.path)  # files of crashed runs (module docstring)
@@ -318,6 +379,18 @@ class DataPlane:
                     pool = DiskPool(fd, path, n, sb)
                 row.append(pool)
             self.pools.append(row)
+
+    def _open_shared(self, config: KVCacheManagerConfig, rc: Any, store: SharedStore | None) -> None:
+        tier = rc.shared_tier
+        if tier is None:
+            if store is not None:
+                raise ValueError("store= given but the config has no shared tier")
+            return
+        self.codec = ObjectCodec(layout_fingerprint(rc, config.shared_namespace))
+        if store is None:
+            store = open_store(tier.path, tier.quota_bytes)
+            self._own_store = True
+        self.shared = store
 
     # ------------------------------------------------------------------ views
 
@@ -368,7 +441,10 @@ class DataPlane:
         if not isinstance(op, CopyOp):
             try:
                 op = CopyOp(*op)
-            except TypeError:
+                if isinstance(op.key, str):  # to_json() writes the key as hex
+                    op = CopyOp(op.lc, op.src_tier, op.src_slot, op.dst_tier, op.dst_slot, op.reason,
+                                bytes.fromhex(op.key))
+            except (TypeError, ValueError):
                 raise ValueError(f"not a copy op: {op!r}") from None
         for name in ("lc", "src_tier", "src_slot", "dst_tier", "dst_slot"):
             v = getattr(op, name)
@@ -376,8 +452,15 @@ class DataPlane:
                 raise ValueError(f"{op}: {name} must be an int")  # noqa: TRY004 - every bad op is a ValueError
         if not 0 <= op.lc < len(self.life_cycles):
             raise ValueError(f"{op}: unknown life cycle {op.lc}")
+        shared_sides = [side for side in ("src", "dst") if getattr(op, f"{side}_tier") == SHARED]
+        if shared_sides:
+            self._check_shared(op, shared_sides)
+        elif op.key is not None:
+            raise ValueError(f"{op}: only an op of the shared tier names a key")
         for side in ("src", "dst"):
             t, s = getattr(op, f"{side}_tier"), getattr(op, f"{side}_slot")
+            if t == SHARED and self.shared is not None:
+                continue
             if t not in self._tier_pos:
                 raise ValueError(f"{op}: unknown {side} tier {t}; tiers are {self._tier_names()}")
             n = self.num_slots[self._tier_pos[t]][op.lc]
@@ -385,7 +468,22 @@ class DataPlane:
                 raise ValueError(f"{op}: {side} slot {s} out of range [0, {n})")
         if op.reason not in COPY_REASONS:
             raise ValueError(f"{op}: unknown reason {op.reason!r}")
+        if op.reason == "store" and not shared_sides:
+            raise ValueError(f"{op}: a store op writes the shared tier")
         return op
+
+    def _check_shared(self, op: CopyOp, sides: list[str]) -> None:
+        if self.shared is None:
+            raise ValueError(f"{op}: unknown {sides[0]} tier {SHARED} (the config has no shared tier); "
+                             f"tiers are {self._tier_names()}")
+        if sides != ["dst"] and sides != ["src"]:
+            raise ValueError(f"{op}: a copy within the shared tier")
+        if (op.reason, sides[0]) not in (("store", "dst"), ("onboard", "src")):
+            raise ValueError(f"{op}: the shared tier is written by store ops and read by onboard ops only")
+        if getattr(op, f"{sides[0]}_slot") != -1:
+            raise ValueError(f"{op}: the shared side of an op has slot -1")
+        if not isinstance(op.key, bytes) or len(op.key) != 32:
+            raise ValueError(f"{op}: an op of the shared tier names its object by a 32-byte block key")
 
     def apply(self, ops: Iterable[Any]) -> int:
         """Execute ``ops`` in order (sequential semantics, batched); returns how many.
@@ -394,14 +492,27 @@ class DataPlane:
         docstring)."""
         checked = [self.check(op) for op in ops]
         done = 0
+        failed_stores: list[CopyOp] = []  # a failed store stops nothing (module docstring)
+        store_cause: BaseException | None = None
         for run in self.runs_of(checked):
             failed, cause = self._execute(run)
-            if failed:
-                failed_ids = {id(op) for op in failed}
-                lost = [op for op in run if id(op) in failed_ids] + checked[done + len(run):]
+            stores = [op for op in failed if op.reason == "store"]
+            if stores:
+                failed_stores += stores
+                store_cause = store_cause or cause
+            if len(stores) < len(failed):
+                failed_ids = {id(op) for op in failed if op.reason != "store"}
+                lost = failed_stores + [op for op in run if id(op) in failed_ids] + checked[done + len(run):]
+                pos = {id(op): i for i, op in enumerate(checked)}
+                lost.sort(key=lambda op: pos[id(op)])  # in op order
+                first = next(op for op in failed if op.reason != "store")
                 raise CopyError(f"{len(lost)} of {len(checked)} copy ops did not complete "
-                                f"(first failure: {failed[0].to_json()}: {cause})", lost, cause)
+                                f"(first failure: {first.to_json()}: {cause})", lost, cause)
             done += len(run)
+        if failed_stores:
+            raise CopyError(f"{len(failed_stores)} of {len(checked)} copy ops (store) did not complete "
+                            f"(first failure: {failed_stores[0].to_json()}: {store_cause})", failed_stores,
+                            store_cause)
         return len(checked)
 
     @staticmethod
@@ -412,9 +523,9 @@ class DataPlane:
         run: list[CopyOp] = []
         reads: set[tuple[int, int, int]] = set()
         writes: set[tuple[int, int, int]] = set()
-        for op in ops:
-            src = (op.src_tier, op.lc, op.src_slot)
-            dst = (op.dst_tier, op.lc, op.dst_slot)
+        for op in ops:  # the shared side of an op is its object
+            src = (op.src_tier, op.lc, op.key if op.src_tier == SHARED else op.src_slot)
+            dst = (op.dst_tier, op.lc, op.key if op.dst_tier == SHARED else op.dst_slot)
             if src in writes or dst in writes or dst in reads:
                 runs.append(run)
                 run, reads, writes = [], set(), set()
@@ -432,6 +543,8 @@ class DataPlane:
         groups: dict[tuple[int, int, int], list[CopyOp]] = {}
         failed: list[CopyOp] = []
         cause: BaseException | None = None
+        to_store: list[CopyOp] = []
+        to_load: list[CopyOp] = []
         for op in run:
             if self.fault is not None:
                 try:
@@ -440,7 +553,17 @@ class DataPlane:
                     failed.append(op)
                     cause = cause or e
                     continue
-            groups.setdefault((op.src_tier, op.dst_tier, op.lc), []).append(op)
+            if op.dst_tier == SHARED:
+                to_store.append(op)
+            elif op.src_tier == SHARED:
+                to_load.append(op)
+            else:
+                groups.setdefault((op.src_tier, op.dst_tier, op.lc), []).append(op)
+        for batch, method in ((to_store, self._store_batch), (to_load, self._load_batch)):
+            if batch:
+                bad, why = method(batch)
+                failed += bad
+                cause = cause or why
         # a run's reads and writes are disjoint, so its groups may go in any order
         for (st, dt, lc), group in groups.items():
             sp, dp = self.pools[self._tier_pos[st]][lc], self.pools[self._tier_pos[dt]][lc]
@@ -481,18 +604,229 @@ class DataPlane:
     def _count(self, op: CopyOp) -> None:
         self.copies[op.reason] += 1
         self.copy_bytes[op.reason] += self.life_cycles[op.lc].slot_bytes
-        route = f"{self.tier_kinds[self._tier_pos[op.src_tier]]}->{self.tier_kinds[self._tier_pos[op.dst_tier]]}"
+        route = f"{self._kind(op.src_tier)}->{self._kind(op.dst_tier)}"
         self.routes[route] = self.routes.get(route, 0) + 1
 
+    def _kind(self, tier: int) -> str:
+        return "shared" if tier == SHARED else self.tier_kinds[self._tier_pos[tier]]
+
+    # ------------------------------------------------------------------ the shared tier
+
+    def shared_lookup(self, candidates: Iterable[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        """The ``(key, lc)`` pairs of ``candidates`` (``mgr.shared_candidates``) whose objects
+        the store holds: one batched existence query.  A store that cannot answer counts as
+        empty (``shared_stats["lookup_errors"]``)."""
+        cands = list(candidates)
+        if self.shared is None or not cands:
+            return []
+        t0 = time.perf_counter()
+        self.shared_stats["lookups"] += 1
+        self.shared_stats["lookup_names"] += len(cands)
+        try:
+            present = self.shared.exists([self.codec.name(k, lc) for k, lc in cands])
+        except OSError:
+            self.shared_stats["lookup_errors"] += 1
+            return []
+        finally:
+            self.shared_seconds["lookup"] += time.perf_counter() - t0
+        hits = [c for c, p in zip(cands, present, strict=True) if p]
+        self.shared_stats["lookup_hits"] += len(hits)
+        return hits
+
+    def _staging_for(self, nbytes: int) -> Staging:
+        """The registered staging buffer, grown to ``nbytes`` (at most STAGING_MAX_BYTES
+        unless one object needs more)."""
+        st = self._staging
+        if st is None or st.nbytes < nbytes:
+            if st is not None:
+                self.shared.unregister(st)
+                st.close()
+                self._staging = None
+            st = Staging(nbytes)
+            self.shared.register(st)
+            self._staging = st
+        return st
+
+    def _chunks(self, ops: list[CopyOp], pool_side: str) -> list[tuple[Staging, list[tuple[int, int, int, list[CopyOp]]]]]:
+        """Cut ``ops`` into batches that fit the staging buffer.  Within a batch the objects
+        are laid out grouped by (pool tier, lc) — ``pool_side`` names the op's pool side,
+        "src" or "dst" — so each group is one ``uint8[n, header + slot_bytes]`` region,
+        filled or read with one torch copy.  Returns [(buffer, [(tier, lc, offset, ops)])]."""
+        ops = sorted(ops, key=lambda op: (getattr(op, f"{pool_side}_tier"), op.lc))  # stable
+        sizes = [HEADER.size + self.life_cycles[op.lc].slot_bytes for op in ops]
+        cap = max(min(sum(sizes), STAGING_MAX_BYTES), max(sizes))
+        st = self._staging_for(cap)
+        out: list[tuple[Staging, list[tuple[int, int, int, list[CopyOp]]]]] = []
+        groups: list[tuple[int, int, int, list[CopyOp]]] = []
+        used = 0
+        for op, n in zip(ops, sizes, strict=True):
+            if groups and used + n > cap:
+                out.append((st, groups))
+                groups, used = [], 0
+            tier = getattr(op, f"{pool_side}_tier")
+            if not groups or groups[-1][:2] != (tier, op.lc):
+                groups.append((tier, op.lc, used, []))
+            groups[-1][3].append(op)
+            used += n
+        out.append((st, groups))
+        return out
+
+    def _store_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
+        """Write the pages of ``store`` ops as objects, one batched put per chunk: each
+        (tier, lc) group gathered into its staging region in one copy, headers written."""
+        torch = _torch()
+        t0 = time.perf_counter()
+        failed: list[CopyOp] = []
+        cause: BaseException | None = None
+        H = HEADER.size
+        try:
+            chunks = self._chunks(ops, "src")
+        except OSError as e:  # the staging buffer cannot be registered (store down)
+            chunks, failed, cause = [], list(ops), e
+        for st, groups in chunks:
+            flat = torch.frombuffer(st.view, dtype=torch.uint8)
+            items: list[tuple[str, int, int]] = []
+            ready: list[CopyOp] = []
+            for tier, lc, base, group in groups:
+                sp, sb = self.pools[self._tier_pos[tier]][lc], self.life_cycles[lc].slot_bytes
+                try:
+                    if isinstance(sp, DiskPool):
+                        rows = sp.read_rows([op.src_slot for op in group])
+                    else:
+                        sel = torch.tensor([op.src_slot for op in group], dtype=torch.long, device=sp.device)
+                        rows = sp.index_select(0, sel).cpu()
+                except (OSError, RuntimeError, MemoryError) as e:
+                    failed += group
+                    cause = cause or e
+                    continue
+                n = len(group)
+                flat[base:base + n * (H + sb)].view(n, H + sb)[:, H:].copy_(rows)
+                for j, op in enumerate(group):
+                    o = base + j * (H + sb)
+                    st.view[o:o + H] = self.codec.header(op.key, lc, st.view[o + H:o + H + sb])
+                    items.append((self.codec.name(op.key, lc), o, H + sb))
+                    ready.append(op)
+            del flat
+            if not items:
+                continue
+            try:
+                results = self.shared.put(items, st)
+            except OSError as e:
+                results = [e] * len(items)
+            self.shared_stats["put_batches"] += 1
+            for op, err in zip(ready, results, strict=True):
+                if err is None:
+                    self._count(op)
+                    self.shared_stats["stores"] += 1
+                    self.shared_stats["store_bytes"] += self.life_cycles[op.lc].slot_bytes
+                else:
+                    failed.append(op)
+                    cause = cause or err
+        self.shared_stats["store_failures"] += len(failed)
+        self.shared_seconds["store"] += time.perf_counter() - t0
+        return failed, cause
+
+    def _load_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
+        """Read the objects of shared ``onboard`` ops into their slots, one batched get per
+        chunk; every object is verified before its page is written, and each (tier, lc)
+        group's verified pages are scattered into the pool with one ``index_copy_``."""
+        torch = _torch()
+        t0 = time.perf_counter()
+        failed: list[CopyOp] = []
+        cause: BaseException | None = None
+        H = HEADER.size
+        try:
+            chunks = self._chunks(ops, "dst")
+        except OSError as e:  # the staging buffer cannot be registered (store down)
+            chunks, failed, cause = [], list(ops), e
+        for st, groups in chunks:
+            items = [(self.codec.name(op.key, lc), base + j * (H + self.life_cycles[lc].slot_bytes),
+                      H + self.life_cycles[lc].slot_bytes)
+                     for _, lc, base, group in groups for j, op in enumerate(group)]
+            try:
+                results = self.shared.get(items, st)
+            except OSError as e:
+                results = [e] * len(items)
+            self.shared_stats["get_batches"] += 1
+            flat = torch.frombuffer(st.view, dtype=torch.uint8)
+            bad_names: list[str] = []
+            k = 0
+            for tier, lc, base, group in groups:
+                sb = self.life_cycles[lc].slot_bytes
+                good: list[int] = []
+                for j, op in enumerate(group):
+                    name, o, _ = items[k]
+                    res = results[k]
+                    k += 1
+                    try:
+                        if isinstance(res, BaseException):
+                            raise res
+                        self.codec.check(st.view[o:o + res], op.key, lc, sb)
+                    except OSError as e:
+                        failed.append(op)
+                        cause = cause or e
+                        if e.errno != errno.ECONNREFUSED:  # the object itself is bad, not the store
+                            bad_names.append(name)
+                        continue
+                    good.append(j)
+                if not good:
+                    continue
+                n = len(group)
+                region = flat[base:base + n * (H + sb)].view(n, H + sb)
+                data = region[:, H:] if len(good) == n else region[good, H:]
+                dst = [group[j].dst_slot for j in good]
+                dp = self.pools[self._tier_pos[tier]][lc]
+                try:
+                    if isinstance(dp, DiskPool):
+                        dp.write_rows(dst, data)
+                    else:
+                        dp.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dp.device), data.to(dp.device))
+                except (OSError, RuntimeError, MemoryError) as e:
+                    failed += [group[j] for j in good]
+                    cause = cause or e
+                    continue
+                self.kernel_calls += 1
+                for j in good:
+                    self._count(group[j])
+                    self.shared_stats["loads"] += 1
+                    self.shared_stats["load_bytes"] += sb
+            del flat
+            if bad_names:  # never found again: a later store may write it whole
+                self._remove_bad(bad_names)
+        self.shared_stats["load_failures"] += len(failed)
+        self.shared_seconds["load"] += time.perf_counter() - t0
+        return failed, cause
+
+    def _remove_bad(self, names: list[str]) -> None:
+        """Remove objects that failed to load (missing, short, foreign, corrupted): otherwise
+        every later lookup would find them and every load fail; removing a missing one is a
+        no-op, and a store that cannot remove them now keeps them (they still never load)."""
+        try:
+            self.shared.remove(names)
+        except OSError:
+            return
+        self.shared_stats["removed_bad"] += len(names)
+
     def stats(self) -> dict:
-        return {"copies": dict(self.copies), "copy_bytes": dict(self.copy_bytes), "routes": dict(self.routes),
-                "runs": self.runs,
-                "kernel_calls": self.kernel_calls}
+        out = {"copies": dict(self.copies), "copy_bytes": dict(self.copy_bytes), "routes": dict(self.routes),
+               "runs": self.runs, "kernel_calls": self.kernel_calls}
+        if self.shared is not None:
+            out["shared"] = dict(self.shared_stats)
+        return out
 
     def close(self) -> None:
-        """Drop the pools and remove the disk tier's files (idempotent)."""
+        """Drop the pools, remove the disk tier's files, release the shared store and its
+        staging buffer (idempotent; a store given as ``store=`` stays open)."""
         self.pools = []
         self._finalizer()
+        if self._staging is not None:
+            if self.shared is not None:
+                self.shared.unregister(self._staging)
+            self._staging.close()
+            self._staging = None
+        if self.shared is not None and self._own_store:
+            self.shared.close()
+        self.shared = None
 
     def __enter__(self) -> Self:
         return self
@@ -501,4 +835,4 @@ class DataPlane:
         self.close()
 
 
-__all__ = ["COPY_REASONS", "DataPlane", "DiskPool", "remove_stale_pool_files"]
+__all__ = ["COPY_REASONS", "DataPlane", "DiskPool", "open_store", "remove_stale_pool_files"]

@@ -38,11 +38,22 @@ error, a checksum mismatch, ...), :meth:`Engine.sync` reports its ops with
 tokens) is taken out of the running batch and admitted again later, recomputing the K/V of
 its prompt and of the tokens it already generated from its new committed length (the
 tokens and logits it already produced were computed from verified bytes and are kept).
+
+The shared tier (DECISIONS.md "The shared tier"): with a ``Tier("shared", ...)`` the engine
+asks the manager for ``shared_candidates`` of each new request, the data plane for the ones
+its store holds (one batched query: :meth:`DataPlane.shared_lookup`), and passes them as
+``create_kv_cache(..., shared_hits=...)``; the pages come in as ``onboard`` ops from tier 3
+on ``resume`` and are verified on load.  A load that fails is a ``CopyError`` like a disk
+fault (the request rolls back and recomputes); a failed ``store`` op loses nothing.  Run as
+``python -m kvcm.engine`` (see :func:`main`), several processes pointed at one store reuse
+each other's prefill.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import math
 import os
 import random
@@ -150,8 +161,10 @@ class TinyHybridModel:
         }
 
     def manager_config(self, tokens_per_block: int, gpu_slots: int, host_slots: int | None = None,
-                       disk_slots: int | None = None, disk_path: str | None = None, **kw: Any) -> KVCacheManagerConfig:
-        """A config whose tiers hold the given number of slots per life cycle."""
+                       disk_slots: int | None = None, disk_path: str | None = None, shared: str | None = None,
+                       shared_quota_bytes: int = 0, **kw: Any) -> KVCacheManagerConfig:
+        """A config whose tiers hold the given number of slots per life cycle; ``shared``: a
+        shared tier's store (a directory, ``file://``, ``mooncake://``), listed last."""
         B = tokens_per_block
         layers = self.layer_specs()
         per_slot = sum(l.bytes_per_token * B if isinstance(l, AttentionLayer) else l.state_bytes for l in layers)
@@ -160,6 +173,8 @@ class TinyHybridModel:
             tiers.append(Tier("host", host_slots * per_slot))
         if disk_slots:
             tiers.append(Tier("disk", disk_slots * per_slot, path=disk_path))
+        if shared:
+            tiers.append(Tier("shared", shared_quota_bytes, path=shared))
         return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers, **kw)
 
     # ------------------------------------------------------------------ building blocks
@@ -306,6 +321,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     logits: list[Any] = field(default_factory=list)  # one [vocab] cpu tensor per output token
     reused_tokens: int = 0
+    shared_hits: int = 0  # (key, lc) pairs the shared store held when the request was created
     preemptions: int = 0
     kv: Any = None
     started: bool = False  # prefilled: its K/V covers prompt + output[:-1]
@@ -335,7 +351,8 @@ class Engine:
         self.counters = {"requests": 0, "prompt_tokens": 0, "reused_tokens": 0, "prefill_tokens": 0,
                          "decode_steps": 0, "preemptions": 0, "resume_failures": 0,
                          "max_stale_blocks": 0,  # most -1 (stale) entries seen in one windowed page table
-                         "copy_failures": 0, "rollbacks": 0, "recomputed_tokens": 0}
+                         "copy_failures": 0, "rollbacks": 0, "recomputed_tokens": 0,
+                         "shared_hits": 0}  # (key, lc) pairs found in the shared store
         self._by_id: dict[Any, Request] = {}  # open request by its cache id
 
     def sync(self) -> None:
@@ -403,7 +420,7 @@ class Engine:
         kv = r.kv
         if kv is None:
             # match all but the last prompt token: its logits must be computed to sample
-            kv = r.kv = self.mgr.create_kv_cache(r.prompt[:-1], r.scope)
+            kv = r.kv = self._create(r)
             self._by_id[kv.id] = r
             r.reused_tokens = kv.num_reused_tokens
             self.counters["requests"] += 1
@@ -436,6 +453,17 @@ class Engine:
                 continue
             r.started = True
             return True
+
+    def _create(self, r: Request) -> Any:
+        """``create_kv_cache``; with a shared tier, the blocks past the local match are
+        looked up in the store first (one batched query) and the present ones handed over."""
+        tokens = r.prompt[:-1]
+        if self.plane.shared is None:
+            return self.mgr.create_kv_cache(tokens, r.scope)
+        hits = self.plane.shared_lookup(self.mgr.shared_candidates(tokens, r.scope))
+        r.shared_hits = len(hits)
+        self.counters["shared_hits"] += len(hits)
+        return self.mgr.create_kv_cache(tokens, r.scope, shared_hits=hits)
 
     @staticmethod
     def _kv_target(r: Request) -> int:
@@ -555,36 +583,44 @@ class Outcome:
     copies: dict  # executed copy ops by reason (data plane)
     stats: dict  # manager stats()
     routes: dict  # executed copy ops by route ("gpu->host", ...)
+    shared: dict = field(default_factory=dict)  # the data plane's shared_stats (with a shared tier)
     tokens_equal: bool = False
     max_logit_diff: float = float("nan")
 
 
-def run_workload(model: TinyHybridModel, manager: Any, workload: Workload, *, max_batch: int = 4,
-                 check: bool = True) -> Outcome:
-    """Run ``workload`` wave by wave through a fresh engine on ``manager``; with ``check``,
-    compare every request with the no-cache reference."""
+def run_workload(model: TinyHybridModel, manager: Any, workload: Workload | Sequence[Workload], *,
+                 max_batch: int = 4, check: bool = True) -> Outcome:
+    """Run ``workload`` (or several, one after the other) wave by wave through a fresh
+    engine on ``manager``; with ``check``, compare every request with the no-cache reference."""
     engine = Engine(model, manager, max_batch=max_batch)
     try:
-        history = [list(workload.system) for _ in workload.conversations]
         done: list[Request] = []
-        nturns = max(len(c) for c in workload.conversations)
-        for t in range(nturns):
-            wave = []
-            for i, conv in enumerate(workload.conversations):
-                if t < len(conv):
-                    wave.append((i, Request(history[i] + list(conv[t]), workload.max_new_tokens)))
-            engine.generate([r for _, r in wave])
-            for i, r in wave:
-                history[i] = r.prompt + r.output
-            done.extend(r for _, r in wave)
+        for w in [workload] if isinstance(workload, Workload) else workload:
+            done += _run_waves(engine, w)
         manager.check_invariants()
         out = Outcome(done, dict(engine.counters), dict(engine.plane.copies), manager.stats(),
-                      dict(engine.plane.routes))
+                      dict(engine.plane.routes), dict(engine.plane.shared_stats) if engine.plane.shared else {})
     finally:
         engine.close()
     if check:
         out.tokens_equal, out.max_logit_diff = compare_with_reference(model, done)
     return out
+
+
+def _run_waves(engine: Engine, workload: Workload) -> list[Request]:
+    history = [list(workload.system) for _ in workload.conversations]
+    done: list[Request] = []
+    nturns = max(len(c) for c in workload.conversations)
+    for t in range(nturns):
+        wave = []
+        for i, conv in enumerate(workload.conversations):
+            if t < len(conv):
+                wave.append((i, Request(history[i] + list(conv[t]), workload.max_new_tokens)))
+        engine.generate([r for _, r in wave])
+        for i, r in wave:
+            history[i] = r.prompt + r.output
+        done.extend(r for _, r in wave)
+    return done
 
 
 def compare_with_reference(model: TinyHybridModel, requests: Sequence[Request]) -> tuple[bool, float]:
@@ -599,6 +635,85 @@ def compare_with_reference(model: TinyHybridModel, requests: Sequence[Request]) 
     return equal, worst
 
 
+# ---------------------------------------------------------------------------------------
+# One engine instance as a process: python -m kvcm.engine
+# ---------------------------------------------------------------------------------------
+
+
+def _workloads(text: str) -> list[str]:
+    names = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in names if w not in BUILTIN_WORKLOADS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown workload {bad[0] if bad else text!r}; "
+                                         f"choices: {', '.join(sorted(BUILTIN_WORKLOADS))}")
+    return names
+
+
+def instance_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kvcm.engine",
+        description="Run the reference engine on a built-in workload through kvcm (one engine instance); "
+                    "instances given the same --shared-tier reuse each other's prefill.")
+    p.add_argument("--workload", default=["shared-system-prompt"], type=_workloads,
+                   help=f"one or more (comma-separated, run in order) of {', '.join(sorted(BUILTIN_WORKLOADS))}")
+    p.add_argument("--backend", default=None, help="kvcm backend (default: KVCM_BACKEND)")
+    p.add_argument("--shared-tier", default=None,
+                   help="the shared store: a directory, file:///dir or mooncake://host:port?metadata=url")
+    p.add_argument("--shared-quota-bytes", type=int, default=0,
+                   help="file store: byte cap; Mooncake: bytes this client mounts (0: none)")
+    p.add_argument("--shared-write", default="commit", choices=("commit", "evict"))
+    p.add_argument("--namespace", default="kvcm-tiny-hybrid", help="the layout fingerprint's model/namespace")
+    p.add_argument("--block", type=int, default=16, help="tokens per block")
+    p.add_argument("--gpu-slots", type=int, default=1000)
+    p.add_argument("--host-slots", type=int, default=0)
+    p.add_argument("--no-check", action="store_true", help="skip the comparison with the no-cache run")
+    p.add_argument("--json", default=None, help="write the outcome here (requests' tokens and logits included)")
+    return p
+
+
+def run_instance(args: argparse.Namespace) -> dict:
+    """One engine instance (see :func:`instance_parser`); returns the outcome as JSON-able."""
+    from kvcm import KVCacheManager
+
+    model = TinyHybridModel()
+    config = model.manager_config(args.block, args.gpu_slots, host_slots=args.host_slots or None,
+                                  shared=args.shared_tier, shared_quota_bytes=args.shared_quota_bytes,
+                                  shared_write=args.shared_write, shared_namespace=args.namespace)
+    kw = {"backend": args.backend} if args.backend else {}
+    mgr = KVCacheManager(config, **kw)
+    with torch_threads(1):
+        out = run_workload(model, mgr, [builtin_workload(w, model.cfg.vocab) for w in args.workload],
+                           check=not args.no_check)
+    mgr.shutdown()
+    return {
+        "backend": mgr.backend_name,
+        "tokens_equal": out.tokens_equal, "max_logit_diff": out.max_logit_diff,
+        "counters": out.engine_counters, "copies": out.copies, "routes": out.routes, "shared": out.shared,
+        "stats": out.stats,
+        "requests": [{"prompt": r.prompt, "output": r.output, "reused_tokens": r.reused_tokens,
+                      "shared_hits": r.shared_hits, "rollbacks": r.rollbacks,
+                      "logits": [row.tolist() for row in r.logits]} for r in out.requests],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = instance_parser().parse_args(argv)
+    res = run_instance(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f)
+    c = res["counters"]
+    print(f"requests {c['requests']}  prompt tokens {c['prompt_tokens']}  reused {c['reused_tokens']}  "
+          f"prefilled {c['prefill_tokens']}  shared hits {c['shared_hits']}  "
+          f"onboarded from shared {res['routes'].get('shared->gpu', 0)}  stored {res['copies'].get('store', 0)}  "
+          f"rollbacks {c['rollbacks']}")
+    if not args.no_check:
+        print(f"exact vs no-cache run: tokens {'equal' if res['tokens_equal'] else 'DIFFER'}, "
+              f"max |logit diff| {res['max_logit_diff']:.2e}")
+        return 0 if res["tokens_equal"] else 1
+    return 0
+
+
 __all__ = [
     "BUILTIN_WORKLOADS",
     "Engine",
@@ -610,7 +725,14 @@ __all__ = [
     "builtin_workload",
     "compare_with_reference",
     "default_device",
+    "instance_parser",
+    "main",
     "make_workload",
+    "run_instance",
     "run_workload",
     "torch_threads",
 ]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -78,6 +78,7 @@ CACHE_OPS: dict[str, tuple[str, ...]] = {
     "suspend": (),
     "resize": ("capacity", "history_length"),
     "commit": ("tokens",),
+    "commit_input": ("n",),
     "stop_committing": (),
     "close": (),
     "page_indices": ("lc",),

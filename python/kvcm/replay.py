@@ -6,10 +6,15 @@ Per request, in trace order, one request in flight at a time::
     kv.resume()                                   # LOCKED on gpu (onboard / copy-on-write)
     kv.resize(len(prompt))                        # pages for the whole prompt
     mgr.drain_copy_ops()                          # the engine would execute these
-    kv.commit(prompt[kv.num_committed_tokens:])   # prompt blocks enter the tree
-    for tok in outputs:                           # only with with_outputs=True
-        kv.resize(kv.capacity + 1); mgr.drain_copy_ops(); kv.commit([tok])
+    kv.commit_input()                             # prompt blocks enter the tree (the prompt
+                                                  # given at create: not handed over again)
+    for step in outputs, output_step at a time:   # only with with_outputs=True
+        cap += len(step); kv.resize(cap); mgr.drain_copy_ops(); kv.commit(step)
     kv.close()                                    # partial tail inserted, pages reusable
+
+``output_step`` is how many output tokens one decode step commits: 1 (token by token), or
+``tokens_per_block`` (a block at a time, as engines that commit finished blocks do).  The
+caller tracks the capacity (``cap``), as an engine tracks its sequence lengths.
 
 Model: one full-attention layer group (two ``AttentionLayer`` with ``bytes_per_token=1``),
 so one page is ``2 * tokens_per_block`` bytes; quotas are given in blocks (pages) and
@@ -76,6 +81,7 @@ class ReplayResult:
     host_quota_blocks: int | None
     enable_partial_reuse: bool
     with_outputs: bool
+    output_step: int = 1  # output tokens per decode step
     requests: int = 0  # requests replayed (failed ones included)
     failed: int = 0  # requests that did not fit the gpu quota at all
     preemptions: int = 0  # resume()/resize() calls that returned False
@@ -85,6 +91,7 @@ class ReplayResult:
     reused_tokens: int = 0  # sum of num_reused_tokens of the requests that ran
     reused_blocks: int = 0  # blocks touched by reuse (a partially reused block counts)
     output_tokens: int = 0
+    output_blocks: int = 0  # blocks the committed outputs added (beyond the prompt's)
     offloads: int = 0  # pages moved one tier colder (from mgr.stats())
     onboards: int = 0  # pages moved back to gpu (from mgr.stats())
     drops: int = 0  # pages freed by eviction (from mgr.stats())
@@ -109,8 +116,9 @@ class ReplayResult:
 
     @property
     def us_per_block(self) -> float:
-        """Manager time per prompt block, in microseconds."""
-        return 1e6 * self.manager_s / self.prompt_blocks if self.prompt_blocks else 0.0
+        """Manager time per block (prompt blocks, plus the blocks outputs added), in microseconds."""
+        blocks = self.prompt_blocks + self.output_blocks
+        return 1e6 * self.manager_s / blocks if blocks else 0.0
 
     def summary(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "stats"}
@@ -152,6 +160,7 @@ def replay(
     host_quota_blocks: int | None = None,
     enable_partial_reuse: bool = True,
     with_outputs: bool = False,
+    output_step: int = 1,
     limit: int | None = None,
     progress: bool = False,
     check_invariants: bool = False,
@@ -171,7 +180,10 @@ def replay(
         import kvcm
 
         backend = kvcm.backend
-    res = ReplayResult(backend, B, gpu_quota_blocks, host_quota_blocks, enable_partial_reuse, with_outputs)
+    if type(output_step) is not int or output_step < 1:
+        raise ValueError(f"output_step must be an int >= 1, got {output_step!r}")
+    res = ReplayResult(backend, B, gpu_quota_blocks, host_quota_blocks, enable_partial_reuse, with_outputs,
+                       output_step)
     cfg = replay_config(B, gpu_quota_blocks, host_quota_blocks, enable_partial_reuse)
 
     clock = time.perf_counter
@@ -221,37 +233,53 @@ def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, o
     res.requests += 1
     res.prompt_tokens += n
     res.prompt_blocks += ceildiv(n, B)
+    drained: list[list] = []  # the engine executes these; counted by reason off the clock
     ts = clock()
     kv = mgr.create_kv_cache(prompt)
     ok = kv.resume()
     if ok:
         ok = kv.resize(n)
     if not ok:
+        kv.close()
+        drained.append(mgr.drain_copy_ops())
+        spent = clock() - ts
         res.preemptions += 1
         res.failed += 1
-        kv.close()
-        for op in mgr.drain_copy_ops():
-            ops[op.reason] += 1
-        return clock() - ts
+        _count_ops(ops, drained)
+        return spent
     reused = kv.num_reused_tokens
-    for op in mgr.drain_copy_ops():
-        ops[op.reason] += 1
-    start = kv.num_committed_tokens
-    kv.commit(prompt[start:] if start else prompt)  # no copy when nothing was reused
-    for tok in outputs:
-        if not kv.resize(kv.capacity + 1):
-            res.preemptions += 1
-            res.truncated += 1
+    drained.append(mgr.drain_copy_ops())
+    kv.commit_input()  # the rest of the prompt given at create
+    cap = n
+    k = res.output_step
+    done = 0
+    truncated = False
+    for i in range(0, len(outputs), k):
+        step = outputs[i : i + k]
+        cap += len(step)
+        if not kv.resize(cap):
+            truncated = True
             break
-        for op in mgr.drain_copy_ops():
-            ops[op.reason] += 1
-        kv.commit([tok])
-        res.output_tokens += 1
+        drained.append(mgr.drain_copy_ops())
+        kv.commit(step)
+        done += len(step)
     kv.close()
     spent = clock() - ts
+    if truncated:
+        res.preemptions += 1
+        res.truncated += 1
+    res.output_tokens += done
+    res.output_blocks += ceildiv(n + done, B) - ceildiv(n, B)
     res.reused_tokens += reused
     res.reused_blocks += ceildiv(reused, B)
+    _count_ops(ops, drained)
     return spent
+
+
+def _count_ops(ops: Counter[str], drained: list[list]) -> None:
+    for batch in drained:
+        for op in batch:
+            ops[op.reason] += 1
 
 
 __all__ = ["ReplayResult", "eviction_counts", "replay", "replay_config", "slot_bytes"]

@@ -447,6 +447,9 @@ class RecordingCache(KVCache):
         tokens = _materialize(tokens)
         return self._record("commit", {"tokens": tokens}, lambda: self._inner.commit(tokens))
 
+    def commit_input(self, n=None) -> None:
+        return self._record("commit_input", {"n": n}, lambda: self._inner.commit_input(n))
+
     def stop_committing(self) -> None:
         return self._record("stop_committing", {}, self._inner.stop_committing)
 

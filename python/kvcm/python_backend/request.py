@@ -24,6 +24,7 @@ from kvcm.checks import (
     check_count,
     check_tokens,
     closed_error,
+    input_room_error,
     int32_view,
     status_error,
     stopped_error,
@@ -376,10 +377,25 @@ class PyKVCache(KVCache):
         self.check_commit(len(toks))
         self.commit_checked(toks)
 
-    def check_commit(self, n: int) -> None:
+    @serialized
+    def commit_input(self, n: int | None = None) -> None:
+        """SPEC sec. 7 commit of the next ``n`` input tokens (all the rest: None), handed over
+        at create (DECISIONS.md "commit_input"): ``n`` first, then commit's checks, then the
+        input's room; a failed call changes nothing."""
+        if n is not None:
+            n = check_count(n, "n")
+        nc = len(self.tokens) if self._status != Status.CLOSED else 0
+        avail = max(0, len(self.input_tokens) - nc)
+        k = avail if n is None else n
+        self.check_commit(k, "commit_input")
+        if k > avail:
+            raise input_room_error(k, len(self.input_tokens), nc)
+        self.commit_checked(self.input_tokens[nc:nc + k])
+
+    def check_commit(self, n: int, what: str = "commit") -> None:
         """Every check of a ``commit`` of ``n`` tokens, changing nothing (shared with
         ``commit_batch``): the status, then the room (sec. 7: committed + n <= capacity)."""
-        self._require(Status.ACTIVE, "commit")
+        self._require(Status.ACTIVE, what)
         if self.stopped:
             raise stopped_error()
         if len(self.tokens) + n > self._capacity:

@@ -1,0 +1,295 @@
+"""Mooncake Store as the shared tier's store (DECISIONS.md "The shared tier").
+
+A Mooncake deployment is a ``mooncake_master`` (object metadata; with
+``--enable_http_metadata_server`` it also serves the transfer engine's metadata over HTTP)
+and clients that mount memory segments into the store.  Each data plane is a
+:class:`mooncake.store.MooncakeDistributedStore` client over TCP; it mounts
+``segment_bytes`` of its own memory (the shared tier's ``quota_bytes``; 0: none, the objects
+live in segments of long-running storage clients such as ``mooncake_client``, which outlive
+the engines).  Objects in a segment disappear with the client that mounted it.
+
+Batches: ``exists`` is one ``batch_is_exist``; ``put`` / ``get`` are one ``batch_put_from`` /
+``batch_get_into`` straight from / into the registered :class:`~kvcm.shared_store.Staging`
+buffer (zero-copy on the client side).  A put is published by the master only once its data
+is complete (put start / put end), so a failed write never shows an object.
+
+A store that is down: with the master unreachable a put or get only fails after the
+client's RPC retries (seconds).  So once a call fails with ``RPC_FAIL`` for every object,
+the client is taken as down for ``down_retry_s`` seconds (default 2): calls fail at once
+with ``OSError(ECONNREFUSED)`` (lookups: the store holds nothing) until the first call
+after that, which tries the master again.  Nothing is lost either way: a failed load is
+recomputed, a failed store is only not stored.
+
+Location: ``mooncake://<master host:port>?metadata=<url>[&protocol=tcp][&local_hostname=...]
+[&local_buffer_bytes=N]``; ``metadata`` defaults to ``http://<master host>:8080/metadata``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import time
+from collections.abc import Sequence
+from typing import Self
+from urllib.parse import parse_qs, urlsplit
+
+from kvcm.shared_store import SharedStore, Staging
+
+# Mooncake's error codes (mooncake-store/include/types.h) that have a clear errno
+_ERRNO = {-704: errno.ENOENT, -900: errno.ECONNREFUSED, -600: errno.EMSGSIZE, -200: errno.ENOSPC}
+_NAMES = {-704: "OBJECT_NOT_FOUND", -900: "RPC_FAIL", -600: "BUFFER_OVERFLOW", -200: "NO_AVAILABLE_HANDLE",
+          -706: "OBJECT_HAS_LEASE", -703: "OBJECT_ALREADY_EXISTS"}
+
+
+def _error(code: int, what: str) -> OSError:
+    return OSError(_ERRNO.get(code, errno.EIO), f"mooncake {what}: error {code} ({_NAMES.get(code, 'see types.h')})")
+
+
+def parse_url(url: str) -> dict:
+    """The setup parameters a ``mooncake://`` location names."""
+    parts = urlsplit(url)
+    if parts.scheme != "mooncake" or not parts.hostname or not parts.port:
+        raise ValueError(f"not a Mooncake location (mooncake://host:port?metadata=url): {url!r}")
+    q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    unknown = set(q) - {"metadata", "protocol", "local_hostname", "local_buffer_bytes"}
+    if unknown:
+        raise ValueError(f"{url!r}: unknown parameters {sorted(unknown)}")
+    return {
+        "master": f"{parts.hostname}:{parts.port}",
+        "metadata": q.get("metadata", f"http://{parts.hostname}:8080/metadata"),
+        "protocol": q.get("protocol", "tcp"),
+        "local_hostname": q.get("local_hostname", "127.0.0.1"),
+        "local_buffer_bytes": int(q.get("local_buffer_bytes", 16 << 20)),
+    }
+
+
+class MooncakeStore(SharedStore):
+    """A Mooncake Store client (see the module docstring)."""
+
+    kind = "mooncake"
+
+    def __init__(self, master: str, metadata: str, *, segment_bytes: int = 0, local_buffer_bytes: int = 16 << 20,
+                 protocol: str = "tcp", local_hostname: str = "127.0.0.1", down_retry_s: float = 2.0) -> None:
+        self.down_retry_s = down_retry_s
+        self._down_until = 0.0  # time.monotonic() before which the store is taken as down
+        # Mooncake's log: warnings and errors only, unless the user chose otherwise
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise ImportError("the Mooncake shared store needs the mooncake package: pip install 'kvcm[mooncake]' "
+                              "(and Debian's libibverbs1 librdmacm1 libnuma1)") from e
+        self.location = f"mooncake://{master}?metadata={metadata}"
+        self.master, self.metadata = master, metadata
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup({
+            "local_hostname": local_hostname, "metadata_server": metadata, "global_segment_size": segment_bytes,
+            "local_buffer_size": local_buffer_bytes, "protocol": protocol, "master_server_addr": master,
+        })
+        if rc != 0:
+            self._store = None
+            raise OSError(errno.ECONNREFUSED, f"mooncake setup failed (error {rc}): master {master}, "
+                                              f"metadata {metadata}")
+        self._registered: set[int] = set()
+
+    @classmethod
+    def from_url(cls, url: str, *, segment_bytes: int = 0) -> MooncakeStore:
+        p = parse_url(url)
+        return cls(p["master"], p["metadata"], segment_bytes=segment_bytes, local_buffer_bytes=p["local_buffer_bytes"],
+                   protocol=p["protocol"], local_hostname=p["local_hostname"])
+
+    def _client(self):
+        if self._store is None:
+            raise OSError(errno.EBADF, "the mooncake store is closed")
+        if time.monotonic() < self._down_until:
+            raise OSError(errno.ECONNREFUSED, f"mooncake master {self.master} unreachable (retrying in "
+                                              f"{self._down_until - time.monotonic():.1f} s)")
+        return self._store
+
+    def _note(self, codes: list[int]) -> list[int]:
+        """Take the store as down when every object of a call failed with RPC_FAIL."""
+        if codes and all(c == -900 for c in codes):
+            self._down_until = time.monotonic() + self.down_retry_s
+        return codes
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        if not names:
+            return []
+        codes = self._note(self._client().batch_is_exist(list(names)))
+        bad = [c for c in codes if c < 0]
+        if bad or len(codes) != len(names):
+            raise _error(bad[0] if bad else -1, "batch_is_exist")
+        return [c == 1 for c in codes]
+
+    def register(self, staging: Staging) -> None:
+        rc = self._client().register_buffer(staging.address, staging.nbytes)
+        if rc != 0:
+            raise _error(rc, "register_buffer")
+        self._registered.add(staging.address)
+
+    def unregister(self, staging: Staging) -> None:
+        if self._store is not None and staging.address in self._registered:
+            self._store.unregister_buffer(staging.address)
+            self._registered.discard(staging.address)
+
+    def put(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[OSError | None]:
+        if not items:
+            return []
+        try:
+            client = self._client()
+        except OSError as e:
+            return [e] * len(items)
+        codes = self._note(client.batch_put_from([n for n, _, _ in items],
+                                                         [staging.address + o for _, o, _ in items],
+                                                         [s for _, _, s in items]))
+        # an object that exists already holds the same bytes (its name is its content's key)
+        return [None if c in (0, -703) else _error(c, f"put {n}") for (n, _, _), c in zip(items, codes, strict=True)]
+
+    def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
+        if not items:
+            return []
+        try:
+            client = self._client()
+        except OSError as e:
+            return [e] * len(items)
+        codes = self._note(client.batch_get_into([n for n, _, _ in items],
+                                                         [staging.address + o for _, o, _ in items],
+                                                         [s for _, _, s in items]))
+        return [c if c >= 0 else _error(c, f"get {n}") for (n, _, _), c in zip(items, codes, strict=True)]
+
+    def remove(self, names: Sequence[str]) -> None:
+        if names:
+            self._client().batch_remove(list(names), force=True)
+
+    def close(self) -> None:
+        if self._store is not None:
+            for addr in list(self._registered):
+                self._store.unregister_buffer(addr)
+            self._registered.clear()
+            self._store.close()
+            self._store = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _binary(name: str) -> str:
+    """A Mooncake executable: the one shipped in the mooncake package, else on PATH."""
+    try:
+        import mooncake
+    except ImportError as e:
+        raise ImportError("the mooncake package is not installed: pip install 'kvcm[mooncake]'") from e
+    path = os.path.join(os.path.dirname(mooncake.__file__), name)
+    if os.path.isfile(path):
+        if not os.access(path, os.X_OK):
+            os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR)
+        return path
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"{name} not found in the mooncake package nor on PATH")
+    return found
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} is not listening on 127.0.0.1:{port} after {timeout} s")
+        time.sleep(0.05)
+
+
+class LocalMooncake:
+    """A Mooncake Store on 127.0.0.1 for tests and the fleet replay: ``mooncake_master`` with
+    its built-in HTTP metadata server, and one ``mooncake_client`` that mounts
+    ``segment_bytes`` of memory (the store's capacity; it outlives the engines).  Free ports
+    are chosen; :attr:`url` is the shared tier's path.  ``stop()`` ends both (idempotent)."""
+
+    def __init__(self, segment_bytes: int = 256 << 20, *, log_dir: str | None = None, timeout: float = 30.0) -> None:
+        self.segment_bytes = segment_bytes
+        self.rpc_port, self.http_port, self.metrics_port, self.client_port = (_free_port() for _ in range(4))
+        self.master_addr = f"127.0.0.1:{self.rpc_port}"
+        self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
+        self.url = f"mooncake://{self.master_addr}?metadata={self.metadata}"
+        self._logs: list = []
+        self.master: subprocess.Popen | None = None
+        self.client: subprocess.Popen | None = None
+        try:
+            self.master = self._spawn(log_dir, "master", [
+                _binary("mooncake_master"), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server", "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}"])
+            _wait_listening(self.rpc_port, self.master, "mooncake_master", timeout)
+            _wait_listening(self.http_port, self.master, "mooncake_master's metadata server", timeout)
+            self.start_client(log_dir, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, log_dir: str | None, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(os.path.join(log_dir, f"mooncake-{name}.log"), "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
+        if log is not subprocess.DEVNULL:
+            self._logs.append(log)
+        env = {"MC_LOG_LEVEL": "WARNING", **os.environ}  # warnings and errors only, unless told otherwise
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def start_client(self, log_dir: str | None = None, timeout: float = 30.0) -> None:
+        """(Re)start the storage client (after :meth:`kill_client`, with an empty segment)."""
+        self.client = self._spawn(log_dir, "client", [
+            _binary("mooncake_client"), "--host=127.0.0.1", f"--port={self.client_port}",
+            f"--master_server_address={self.master_addr}", f"--metadata_server={self.metadata}",
+            f"--global_segment_size={self.segment_bytes}", "--protocol=tcp"])
+        _wait_listening(self.client_port, self.client, "mooncake_client", timeout)
+
+    @staticmethod
+    def _end(proc: subprocess.Popen | None, sig_kill: bool = False) -> None:
+        if proc is None or proc.poll() is not None:
+            return
+        if sig_kill:
+            proc.kill()
+        else:
+            proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill_master(self) -> None:
+        """SIGKILL the master: the store is down (fault tests)."""
+        self._end(self.master, sig_kill=True)
+
+    def kill_client(self) -> None:
+        """SIGKILL the storage client: every object in its segment is gone."""
+        self._end(self.client, sig_kill=True)
+
+    def stop(self) -> None:
+        self._end(self.client)
+        self._end(self.master)
+        for log in self._logs:
+            with contextlib.suppress(OSError):
+                log.close()
+        self._logs.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["LocalMooncake", "MooncakeStore", "parse_url"]

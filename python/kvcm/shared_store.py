@@ -1,0 +1,268 @@
+"""The shared tier's stores: one small interface, a directory of files, and the object format
+(DECISIONS.md "The shared tier"; Mooncake Store lives in :mod:`kvcm.mooncake_store`).
+
+A store holds **objects**, each one page of one full block: named by the layout fingerprint,
+the block key and the life cycle (:meth:`ObjectCodec.name`), so managers with another model
+or layout never read each other's bytes.  The manager never talks to a store; the data plane
+(:mod:`kvcm.dataplane`) does, in batches.
+
+Object format
+-------------
+``header || payload``, the header (:data:`HEADER`, 88 bytes, little-endian)::
+
+    magic b"KVCMOBJ1" | fingerprint (32) | block key (32) | lc (u32) | payload length (u64) |
+    crc32 of the payload (u32)
+
+Every read is verified (:meth:`ObjectCodec.check`): an object that is missing, short, longer
+than expected, or whose magic, fingerprint, key, lc, length or checksum differs raises
+``OSError`` — the load did not complete and the data plane reports the op as failed.
+
+The store interface (:class:`SharedStore`)
+-----------------------------------------
+Bytes move through a :class:`Staging` buffer the store knows (Mooncake registers it with its
+transfer engine, so puts and gets are zero-copy from / into it):
+
+* ``exists(names) -> list[bool]``: one batched existence query (``OSError`` when the store
+  cannot answer).
+* ``put(items, staging) -> list[OSError | None]``: write each ``(name, offset, size)`` region
+  of the staging buffer as one object; an object becomes visible only once written whole.
+* ``get(items, staging) -> list[int | OSError]``: read each object into its region; the
+  number of bytes read, or the error.
+* ``remove(names)``: drop objects (tests, tools).
+
+The file store (:class:`FileStore`)
+----------------------------------
+A directory, one file ``<name>.kvo`` per object, written atomically: a temporary file in the
+same directory, ``fsync``, ``rename`` (then one ``fsync`` of the directory per batch), so a
+reader on any host of a shared filesystem sees a whole object or none.  An optional byte
+quota: past it, the oldest objects (by modification time, then name) are removed.  The
+total is rescanned only when this process's running estimate passes the quota, so other
+writers' bytes are noticed lazily (each writer enforces the quota on its own writes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Sequence
+from typing import Self
+
+MAGIC = b"KVCMOBJ1"
+HEADER = struct.Struct("<8s32s32sIQI")  # magic, fingerprint, key, lc, payload length, crc32(payload)
+OBJECT_SUFFIX = ".kvo"
+
+
+class ObjectCodec:
+    """Names, headers and verification of the objects of one layout fingerprint."""
+
+    def __init__(self, fingerprint: bytes) -> None:
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
+            raise ValueError("the layout fingerprint must be 32 bytes")
+        self.fingerprint = fingerprint
+        self._prefix = f"kvcm-{fingerprint.hex()}-"
+
+    def name(self, key: bytes, lc: int) -> str:
+        """The object's name: fingerprint, block key and life cycle."""
+        return f"{self._prefix}{key.hex()}-{lc}"
+
+    def header(self, key: bytes, lc: int, payload: memoryview | bytes) -> bytes:
+        return HEADER.pack(MAGIC, self.fingerprint, key, lc, len(payload), zlib.crc32(payload))
+
+    def check(self, obj: memoryview, key: bytes, lc: int, payload_bytes: int) -> None:
+        """Verify one object read back (``obj`` is exactly what was read): OSError(EIO)
+        naming what differs."""
+        want = HEADER.size + payload_bytes
+        if len(obj) != want:
+            raise OSError(errno.EIO, f"shared object {self.name(key, lc)}: {len(obj)} bytes, expected {want} "
+                                     "(truncated or foreign)")
+        magic, fp, k, olc, n, crc = HEADER.unpack_from(obj, 0)
+        what = ("magic" if magic != MAGIC else "fingerprint" if fp != self.fingerprint else "key" if k != key
+                else "life cycle" if olc != lc else "length" if n != payload_bytes
+                else "checksum" if crc != zlib.crc32(obj[HEADER.size:]) else None)
+        if what is not None:
+            raise OSError(errno.EIO, f"shared object {self.name(key, lc)}: wrong {what} (foreign or corrupted)")
+
+
+class Staging:
+    """A page-aligned anonymous buffer the stores read from and write into; ``address`` is
+    stable for its lifetime (Mooncake registers it)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max(int(nbytes), mmap.PAGESIZE)
+        self._mm = mmap.mmap(-1, self.nbytes)
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.address = ctypes.addressof(self._anchor)
+        self.view = memoryview(self._mm)
+
+    def close(self) -> None:
+        if self._mm.closed:
+            return
+        try:
+            self.view.release()
+            del self._anchor  # the export that keeps the mmap open
+            self._mm.close()
+        except BufferError:
+            # a view into it is still alive (e.g. held by an exception's traceback): the
+            # memory goes when the last one does
+            pass
+
+
+class SharedStore:
+    """The interface every store implements (see the module docstring)."""
+
+    kind = ""
+    location = ""
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        raise NotImplementedError
+
+    def put(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[OSError | None]:
+        raise NotImplementedError
+
+    def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
+        raise NotImplementedError
+
+    def remove(self, names: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    def register(self, staging: Staging) -> None:
+        """Make ``staging`` usable by :meth:`put` / :meth:`get` (a no-op for files)."""
+
+    def unregister(self, staging: Staging) -> None:
+        """Undo :meth:`register` before the buffer is freed."""
+
+    def close(self) -> None:
+        """Release the store's resources (idempotent)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FileStore(SharedStore):
+    """Objects as files in one directory (see the module docstring)."""
+
+    kind = "file"
+
+    def __init__(self, directory: str, quota_bytes: int = 0, *, fsync: bool = True) -> None:
+        if quota_bytes < 0:
+            raise ValueError("quota_bytes must be >= 0")
+        os.makedirs(directory, exist_ok=True)
+        self.directory = self.location = directory
+        self.quota_bytes = quota_bytes
+        self.fsync = fsync
+        self._estimate: int | None = None  # bytes in the directory, as far as this process knows
+        self.evicted = 0  # objects this store removed to keep the quota
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name + OBJECT_SUFFIX)
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        if not os.path.isdir(self.directory):
+            raise OSError(errno.ENOENT, "the shared store's directory is gone", self.directory)
+        return [os.path.isfile(self.path(n)) for n in names]
+
+    def put(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[OSError | None]:
+        results: list[OSError | None] = []
+        written = 0
+        renamed = False
+        for name, off, size in items:
+            tmp = None
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.directory)
+                try:
+                    view = staging.view[off:off + size]
+                    while view:  # a short write continues where it stopped
+                        view = view[os.write(fd, view):]
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.rename(tmp, self.path(name))
+                tmp = None
+                renamed = True
+                written += size
+                results.append(None)
+            except OSError as e:
+                results.append(e)
+            finally:
+                if tmp is not None:  # never leave a half-written temporary behind
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+        if renamed and self.fsync:
+            self._fsync_dir()
+        if self.quota_bytes and written:
+            self._keep_quota(written)
+        return results
+
+    def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
+        results: list[int | OSError] = []
+        for name, off, size in items:
+            try:
+                with open(self.path(name), "rb", buffering=0) as f:
+                    n = f.readinto(staging.view[off:off + size])
+                    if n == size and f.read(1):  # longer than expected: not our object
+                        raise OSError(errno.EIO, f"shared object {name}: longer than {size} bytes")
+                results.append(n)
+            except OSError as e:
+                results.append(e)
+        return results
+
+    def remove(self, names: Sequence[str]) -> None:
+        for n in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path(n))
+        self._estimate = None
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass  # some filesystems cannot fsync a directory; the rename is still atomic
+        finally:
+            os.close(fd)
+
+    def _objects(self) -> list[tuple[int, str, int]]:
+        """(mtime_ns, name, bytes) of every object file, oldest first."""
+        out = []
+        with os.scandir(self.directory) as it:
+            for e in it:
+                if e.name.endswith(OBJECT_SUFFIX):
+                    with contextlib.suppress(FileNotFoundError):
+                        st = e.stat()
+                        out.append((st.st_mtime_ns, e.name, st.st_size))
+        out.sort()
+        return out
+
+    def _keep_quota(self, written: int) -> None:
+        if self._estimate is not None:
+            self._estimate += written
+            if self._estimate <= self.quota_bytes:
+                return
+        objs = self._objects()
+        total = sum(o[2] for o in objs)
+        for _, name, size in objs:
+            if total <= self.quota_bytes:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.directory, name))
+                self.evicted += 1
+            total -= size
+        self._estimate = total
+
+    def usage(self) -> tuple[int, int]:
+        """(objects, bytes) in the directory now."""
+        objs = self._objects()
+        return len(objs), sum(o[2] for o in objs)
+
+
+__all__ = ["HEADER", "MAGIC", "OBJECT_SUFFIX", "FileStore", "ObjectCodec", "SharedStore", "Staging"]

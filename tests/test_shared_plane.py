@@ -1,0 +1,249 @@
+"""The data plane's shared tier (DECISIONS.md "The shared tier"), driven with hand-made copy
+ops: batched store / onboard, one existence query per lookup, and every fault of a load or a
+store — on the file store and on Mooncake Store."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import pytest
+import torch
+from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig, SsmLayer, Tier
+from kvcm.dataplane import DataPlane
+from kvcm.shared_store import FileStore, SharedStore
+from mooncake_env import need_mooncake
+
+B = 4
+LAYERS = [AttentionLayer(0, 8), SsmLayer(1, 24)]  # lc 0: 32 bytes a slot, lc 1: 24 bytes
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(f"k{i}".encode()).digest()
+
+
+class Spy(SharedStore):
+    """Counts the calls that reach the store; ``fail_put`` names objects whose put fails."""
+
+    def __init__(self, inner: SharedStore) -> None:
+        self.inner = inner
+        self.kind, self.location = inner.kind, inner.location
+        self.calls: dict[str, int] = {}
+        self.fail_put: set[str] = set()
+
+    def _n(self, what: str) -> None:
+        self.calls[what] = self.calls.get(what, 0) + 1
+
+    def exists(self, names):
+        self._n("exists")
+        return self.inner.exists(names)
+
+    def put(self, items, staging):
+        self._n("put")
+        ok = [it for it in items if it[0] not in self.fail_put]
+        res = iter(self.inner.put(ok, staging))
+        return [OSError(5, "injected put failure") if it[0] in self.fail_put else next(res) for it in items]
+
+    def get(self, items, staging):
+        self._n("get")
+        return self.inner.get(items, staging)
+
+    def remove(self, names):
+        self.inner.remove(names)
+
+    def register(self, staging):
+        self.inner.register(staging)
+
+    def unregister(self, staging):
+        self.inner.unregister(staging)
+
+
+@pytest.fixture(params=["file", "mooncake"])
+def store_url(request, tmp_path) -> str:
+    if request.param == "file":
+        return str(tmp_path / "shared")
+    need_mooncake()
+    return request.getfixturevalue("mooncake").url
+
+
+def make_plane(url: str, namespace: str, store: SharedStore | None = None) -> DataPlane:
+    config = KVCacheManagerConfig(B, LAYERS, [Tier("gpu", 8 * 56), Tier("host", 8 * 56), Tier("shared", 0, url)],
+                                  shared_namespace=namespace)
+    return DataPlane(config, store=store)
+
+
+def open_spy(url: str) -> Spy:
+    from kvcm.dataplane import open_store
+
+    return Spy(open_store(url))
+
+
+@pytest.fixture
+def ns(request) -> str:
+    return request.node.nodeid  # a namespace per test: tests never see each other's objects
+
+
+def fill(plane: DataPlane) -> None:
+    g = torch.Generator().manual_seed(1)
+    for lc in (0, 1):
+        pool = plane.pool("gpu", lc)
+        pool.copy_(torch.randint(0, 256, pool.shape, generator=g, dtype=torch.uint8))
+
+
+def store_ops(n: int) -> list[CopyOp]:
+    return [CopyOp(lc, 0, i, SHARED, -1, "store", key=key(i)) for i in range(n) for lc in (0, 1)]
+
+
+def load_ops(n: int, dst0: int = 4) -> list[CopyOp]:
+    return [CopyOp(lc, SHARED, -1, 0, dst0 + i, "onboard", key=key(i)) for i in range(n) for lc in (0, 1)]
+
+
+def test_store_lookup_onboard_batched(store_url, ns):
+    spy = open_spy(store_url)
+    with make_plane(store_url, ns, spy) as plane:
+        fill(plane)
+        before = {lc: plane.pool("gpu", lc)[:3].clone() for lc in (0, 1)}
+        assert plane.apply(store_ops(3)) == 6
+        assert spy.calls == {"put": 1}  # six objects, one batched put
+        cands = [(key(i), lc) for i in range(5) for lc in (0, 1)]
+        assert plane.shared_lookup(cands) == cands[:6]
+        assert spy.calls["exists"] == 1  # one batched existence query
+        assert plane.apply(load_ops(3)) == 6
+        assert spy.calls["get"] == 1
+        for lc in (0, 1):
+            assert torch.equal(plane.pool("gpu", lc)[4:7], before[lc])
+        st = plane.shared_stats
+        assert (st["stores"], st["loads"], st["store_bytes"], st["load_bytes"]) == (6, 6, 3 * 56, 3 * 56)
+        assert plane.routes == {"gpu->shared": 6, "shared->gpu": 6}
+    spy.inner.close()
+
+
+def test_ops_as_json_rows(tmp_path, ns):
+    with make_plane(str(tmp_path), ns) as plane:
+        fill(plane)
+        assert plane.apply([op.to_json() for op in store_ops(2)]) == 4
+        assert plane.apply([op.to_json() for op in load_ops(2)]) == 4
+        assert torch.equal(plane.pool("gpu", 0)[4:6], plane.pool("gpu", 0)[0:2])
+        with pytest.raises(ValueError, match="not a copy op"):
+            plane.apply([[0, 3, -1, 0, 1, "onboard", "not hex"]])
+
+
+def test_another_namespace_sees_nothing(store_url, ns):
+    with make_plane(store_url, ns) as a, make_plane(store_url, ns + "/other") as b:
+        fill(a)
+        a.apply(store_ops(2))
+        cands = [(key(i), lc) for i in range(2) for lc in (0, 1)]
+        assert a.shared_lookup(cands) == cands
+        assert b.shared_lookup(cands) == []
+
+
+def test_bad_shared_ops_are_rejected(tmp_path, ns):
+    with make_plane(str(tmp_path), ns) as plane:
+        for bad in (CopyOp(0, 0, 1, SHARED, -1, "store"),  # no key
+                    CopyOp(0, 0, 1, SHARED, 0, "store", key=key(1)),  # a slot on the shared side
+                    CopyOp(0, 0, 1, SHARED, -1, "offload", key=key(1)),  # wrong reason
+                    CopyOp(0, SHARED, -1, 0, 1, "store", key=key(1)),
+                    CopyOp(0, 0, 1, 1, 1, "offload", key=key(1)),  # a key on a local op
+                    CopyOp(0, 0, 1, SHARED, -1, "store", key=b"short")):
+            with pytest.raises(ValueError):
+                plane.apply([CopyOp(0, 0, 0, 1, 0, "offload"), bad])
+        assert plane.copies["offload"] == 0  # nothing ran
+
+
+def test_load_faults(store_url, ns):
+    """Deleted, truncated, foreign objects: their loads fail, the run completes, nothing
+    after it runs, CopyError names the failed loads and every later op."""
+    spy = open_spy(store_url)
+    with make_plane(store_url, ns, spy) as plane:
+        fill(plane)
+        plane.apply(store_ops(4))
+        codec = plane.codec
+        spy.remove([codec.name(key(0), 0)])  # evicted / deleted since the lookup
+        if isinstance(spy.inner, FileStore):
+            with open(spy.inner.path(codec.name(key(1), 1)), "r+b") as f:  # truncated
+                f.truncate(40)
+            shutil.copy(spy.inner.path(codec.name(key(3), 0)), spy.inner.path(codec.name(key(2), 0)))  # foreign
+        later = CopyOp(0, 0, 0, 1, 0, "offload")  # depends on nothing, but comes after the run
+        ops = [*load_ops(4), CopyOp(0, 0, 4, 1, 1, "offload"), later]
+        with pytest.raises(CopyError) as e:
+            plane.apply(ops)
+        bad = [load_ops(4)[i] for i in ((0, 3, 4) if isinstance(spy.inner, FileStore) else (0,))]
+        assert e.value.ops == [*bad, *ops[-2:]]
+        assert plane.shared_stats["load_failures"] == len(bad)
+        assert plane.shared_stats["loads"] == 8 - len(bad)
+    spy.inner.close()
+
+
+def test_failed_store_stops_nothing(store_url, ns):
+    spy = open_spy(store_url)
+    with make_plane(store_url, ns, spy) as plane:
+        fill(plane)
+        ops = store_ops(3)
+        spy.fail_put.add(plane.codec.name(key(1), 0))
+        after = CopyOp(0, 0, 1, 1, 3, "offload")
+        with pytest.raises(CopyError) as e:
+            plane.apply([*ops, after])
+        assert e.value.ops == [ops[2]]  # only the failed store op
+        assert plane.copies["offload"] == 1 and plane.copies["store"] == 5
+        cands = [(key(i), lc) for i in range(3) for lc in (0, 1)]
+        assert plane.shared_lookup(cands) == [c for c in cands if c != (key(1), 0)]  # never visible
+        assert torch.equal(plane.pool("host", 0)[3], plane.pool("gpu", 0)[1])
+    spy.inner.close()
+
+
+def test_failed_store_then_failed_load(tmp_path, ns):
+    """A failed store before a failed load: both are listed, in op order."""
+    spy = open_spy(str(tmp_path))
+    with make_plane(str(tmp_path), ns, spy) as plane:
+        fill(plane)
+        spy.fail_put.add(plane.codec.name(key(0), 0))
+        st = CopyOp(0, 0, 0, SHARED, -1, "store", key=key(0))
+        ld = CopyOp(0, SHARED, -1, 0, 6, "onboard", key=key(9))  # never stored
+        tail = CopyOp(0, 0, 6, 1, 6, "offload")  # reads what the failed load wrote: a later run
+        with pytest.raises(CopyError) as e:
+            plane.apply([st, ld, tail])
+        assert e.value.ops == [st, ld, tail]
+
+
+def test_failed_load_before_failed_store_in_one_run(tmp_path, ns):
+    """In one run a failed load listed before a failed store that follows it: op order."""
+    spy = open_spy(str(tmp_path))
+    with make_plane(str(tmp_path), ns, spy) as plane:
+        fill(plane)
+        spy.fail_put.add(plane.codec.name(key(1), 0))
+        ld = CopyOp(0, SHARED, -1, 0, 6, "onboard", key=key(9))  # never stored
+        st = CopyOp(0, 0, 1, SHARED, -1, "store", key=key(1))
+        with pytest.raises(CopyError) as e:
+            plane.apply([ld, st])
+        assert e.value.ops == [ld, st]
+
+
+def test_store_down_lookup_is_empty_and_loads_fail(tmp_path, fresh_mooncake, ns):
+    with make_plane(fresh_mooncake.url, ns) as plane:
+        fill(plane)
+        plane.apply(store_ops(2))
+        cands = [(key(i), lc) for i in range(2) for lc in (0, 1)]
+        assert plane.shared_lookup(cands) == cands
+        fresh_mooncake.kill_master()
+        assert plane.shared_lookup(cands) == []  # a store that cannot answer holds nothing
+        assert plane.shared_stats["lookup_errors"] == 1
+        with pytest.raises(CopyError) as e:
+            plane.apply(load_ops(2))
+        assert e.value.ops == load_ops(2)
+        with pytest.raises(CopyError) as e:
+            plane.apply(store_ops(1))
+        assert e.value.ops == store_ops(1)
+
+
+def test_large_batches_are_chunked(tmp_path, ns, monkeypatch):
+    import kvcm.dataplane as dp
+
+    monkeypatch.setattr(dp, "STAGING_MAX_BYTES", 3 * (88 + 32))  # three objects a chunk
+    spy = open_spy(str(tmp_path))
+    with make_plane(str(tmp_path), ns, spy) as plane:
+        fill(plane)
+        plane.apply(store_ops(4))
+        assert spy.calls["put"] >= 3
+        plane.apply(load_ops(4))
+        for lc in (0, 1):
+            assert torch.equal(plane.pool("gpu", lc)[4:8], plane.pool("gpu", lc)[0:4])

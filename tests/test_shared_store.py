@@ -1,0 +1,316 @@
+"""The shared tier's stores (DECISIONS.md "The shared tier"): the object format, the file
+store and Mooncake Store behind one interface, and their faults."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+
+import pytest
+from kvcm.dataplane import open_store
+from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
+from mooncake_env import need_mooncake
+
+FP = hashlib.sha256(b"layout").digest()
+OTHER_FP = hashlib.sha256(b"another layout").digest()
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(f"block {i}".encode()).digest()
+
+
+def make_object(codec: ObjectCodec, st: Staging, off: int, k: bytes, lc: int, payload: bytes) -> tuple[str, int, int]:
+    """Write header + payload at ``off`` of ``st``; the put item."""
+    h = HEADER.size
+    st.view[off + h:off + h + len(payload)] = payload
+    st.view[off:off + h] = codec.header(k, lc, payload)
+    return codec.name(k, lc), off, h + len(payload)
+
+
+# ---------------------------------------------------------------------------- the format
+
+
+def test_names_differ_by_fingerprint_key_and_lc():
+    a, b = ObjectCodec(FP), ObjectCodec(OTHER_FP)
+    names = {a.name(key(1), 0), a.name(key(1), 1), a.name(key(2), 0), b.name(key(1), 0)}
+    assert len(names) == 4
+    assert a.name(key(1), 0) == ObjectCodec(FP).name(key(1), 0)  # deterministic across processes
+
+
+@pytest.mark.parametrize("field", ["magic", "fingerprint", "key", "life cycle", "length", "checksum", "short", "long"])
+def test_check_rejects_every_wrong_field(field):
+    codec = ObjectCodec(FP)
+    payload = bytes(range(64))
+    obj = bytearray(codec.header(key(1), 2, payload) + payload)
+    codec.check(memoryview(bytes(obj)), key(1), 2, 64)  # the good object passes
+    k, lc, n = key(1), 2, 64
+    if field == "magic":
+        obj[0] ^= 1
+    elif field == "fingerprint":
+        obj[:HEADER.size] = ObjectCodec(OTHER_FP).header(key(1), 2, payload)
+    elif field == "key":
+        k = key(2)
+    elif field == "life cycle":
+        lc = 1
+    elif field == "length":  # a header that claims another length, same total bytes
+        obj[:HEADER.size] = codec.header(key(1), 2, payload[:60])
+    elif field == "checksum":
+        obj[-1] ^= 0xFF
+    elif field == "short":
+        obj = obj[:-1]
+    elif field == "long":
+        obj += b"x"
+    with pytest.raises(OSError) as e:
+        codec.check(memoryview(bytes(obj)), k, lc, n)
+    assert e.value.errno == errno.EIO
+    assert (field in str(e.value)) or field in ("short", "long")
+
+
+def test_open_store_locations(tmp_path):
+    assert isinstance(open_store(str(tmp_path / "a")), FileStore)
+    s = open_store(f"file://{tmp_path / 'b'}", 1000)
+    assert isinstance(s, FileStore) and s.directory == str(tmp_path / "b") and s.quota_bytes == 1000
+    for bad in ("", "s3://bucket", None):
+        with pytest.raises(ValueError):
+            open_store(bad)
+
+
+def test_mooncake_url_parsing():
+    from kvcm.mooncake_store import parse_url
+
+    p = parse_url("mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:8080/metadata")
+    assert p["master"] == "10.0.0.1:50051" and p["metadata"] == "http://10.0.0.1:8080/metadata"
+    assert p["protocol"] == "tcp"
+    assert parse_url("mooncake://h:1")["metadata"] == "http://h:8080/metadata"
+    for bad in ("mooncake://nohost", "file:///x", "mooncake://h:1?bogus=1"):
+        with pytest.raises(ValueError):
+            parse_url(bad)
+
+
+# ---------------------------------------------------------------------------- both stores
+
+
+@pytest.fixture(params=["file", "mooncake"])
+def store(request, tmp_path) -> SharedStore:
+    if request.param == "file":
+        s = FileStore(str(tmp_path / "store"))
+    else:
+        need_mooncake()
+        from kvcm.mooncake_store import MooncakeStore
+
+        s = MooncakeStore.from_url(request.getfixturevalue("mooncake").url)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def codec(request) -> ObjectCodec:
+    # one fingerprint per test: tests sharing the session's Mooncake never see each other's objects
+    return ObjectCodec(hashlib.sha256(request.node.nodeid.encode()).digest())
+
+
+def test_round_trip_batched(store, codec):
+    st = Staging(1 << 16)
+    store.register(st)
+    try:
+        payloads = {(key(i), lc): os.urandom(100 + 10 * i + lc) for i in range(5) for lc in range(2)}
+        items, off = [], 0
+        for (k, lc), p in payloads.items():
+            items.append(make_object(codec, st, off, k, lc, p))
+            off += HEADER.size + len(p)
+        assert store.put(items, st) == [None] * len(items)
+        assert store.put(items[:2], st) == [None, None]  # writing an existing object again is fine
+        names = [codec.name(key(i), 0) for i in range(7)]
+        assert store.exists(names) == [True] * 5 + [False] * 2
+        # read back into another region, in another order, and verify
+        st.view[:off] = bytes(off)
+        reads, roff = [], 0
+        order = list(payloads)[::-1]
+        for k, lc in order:
+            n = HEADER.size + len(payloads[(k, lc)])
+            reads.append((codec.name(k, lc), roff, n))
+            roff += n
+        got = store.get(reads, st)
+        assert got == [n for _, _, n in reads]
+        for (k, lc), (_, o, n) in zip(order, reads, strict=True):
+            codec.check(st.view[o:o + n], k, lc, len(payloads[(k, lc)]))
+            assert bytes(st.view[o + HEADER.size:o + n]) == payloads[(k, lc)]
+        # a missing object is an OSError in its slot of the result, the others still load
+        res = store.get([(codec.name(key(9), 0), 0, 200), reads[0]], st)
+        assert isinstance(res[0], OSError) and res[1] == reads[0][2]
+        store.remove([codec.name(key(0), 0)])
+        assert store.exists([codec.name(key(0), 0), codec.name(key(0), 1)]) == [False, True]
+    finally:
+        store.unregister(st)
+        st.close()
+
+
+def test_other_fingerprint_sees_nothing(store, codec):
+    st = Staging(4096)
+    store.register(st)
+    try:
+        assert store.put([make_object(codec, st, 0, key(1), 0, b"x" * 50)], st) == [None]
+        other = ObjectCodec(hashlib.sha256(codec.fingerprint).digest())
+        assert store.exists([other.name(key(1), 0), codec.name(key(1), 0)]) == [False, True]
+    finally:
+        store.unregister(st)
+        st.close()
+
+
+# ---------------------------------------------------------------------------- the file store
+
+
+def test_file_store_failed_write_is_not_visible(tmp_path, monkeypatch):
+    s = FileStore(str(tmp_path))
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    items = [make_object(codec, st, 0, key(1), 0, b"a" * 100), make_object(codec, st, 1024, key(2), 0, b"b" * 100)]
+    real_fsync = os.fsync
+    calls = []
+
+    def failing_fsync(fd):
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "injected fsync failure")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    res = s.put(items, st)
+    assert isinstance(res[0], OSError) and res[1] is None
+    assert s.exists([items[0][0], items[1][0]]) == [False, True]
+    assert sorted(os.listdir(tmp_path)) == [items[1][0] + ".kvo"]  # no temporary left behind
+
+
+def test_file_store_truncated_object_fails_the_read(tmp_path):
+    s = FileStore(str(tmp_path))
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    item = make_object(codec, st, 0, key(1), 0, b"a" * 300)
+    assert s.put([item], st) == [None]
+    with open(s.path(item[0]), "r+b") as f:
+        f.truncate(200)
+    (n,) = s.get([item], st)
+    assert n == 200  # the store reports what it read; the check refuses it
+    with pytest.raises(OSError, match="200 bytes, expected"):
+        codec.check(st.view[0:n], key(1), 0, 300)
+    with open(s.path(item[0]), "ab") as f:  # longer than expected: an error of the read itself
+        f.write(b"z" * 200)
+    (res,) = s.get([item], st)
+    assert isinstance(res, OSError)
+
+
+def test_file_store_quota_removes_oldest(tmp_path):
+    size = HEADER.size + 1000
+    s = FileStore(str(tmp_path), quota_bytes=3 * size, fsync=False)
+    codec = ObjectCodec(FP)
+    st = Staging(8192)
+    names = []
+    for i in range(5):
+        item = make_object(codec, st, 0, key(i), 0, bytes([i]) * 1000)
+        assert s.put([item], st) == [None]
+        os.utime(s.path(item[0]), ns=(i * 10**9, i * 10**9))  # distinct ages, whatever the fs's clock resolution
+        names.append(item[0])
+    assert s.usage() == (3, 3 * size)
+    assert s.exists(names) == [False, False, True, True, True]
+    assert s.evicted == 2
+
+
+def test_file_store_shared_between_instances(tmp_path):
+    """Two stores on one directory (two processes on a shared filesystem) see each other's
+    objects."""
+    a, b = FileStore(str(tmp_path)), FileStore(str(tmp_path))
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    item = make_object(codec, st, 0, key(7), 1, b"q" * 77)
+    assert a.put([item], st) == [None]
+    assert b.exists([item[0]]) == [True]
+    assert b.get([(item[0], 2048, item[2])], st) == [item[2]]
+    codec.check(st.view[2048:2048 + item[2]], key(7), 1, 77)
+
+
+def test_file_store_directory_gone_is_an_error(tmp_path):
+    s = FileStore(str(tmp_path / "d"))
+    os.rmdir(tmp_path / "d")
+    with pytest.raises(OSError):
+        s.exists(["x"])
+
+
+# ---------------------------------------------------------------------------- Mooncake faults
+
+
+def _mooncake_client(url: str):
+    from kvcm.mooncake_store import MooncakeStore
+
+    return MooncakeStore.from_url(url)
+
+
+def test_mooncake_store_down(fresh_mooncake):
+    s = _mooncake_client(fresh_mooncake.url)
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    s.register(st)
+    try:
+        item = make_object(codec, st, 0, key(1), 0, b"m" * 100)
+        assert s.put([item], st) == [None]
+        fresh_mooncake.kill_master()
+        with pytest.raises(OSError):
+            s.exists([item[0]])
+        (res,) = s.get([item], st)
+        assert isinstance(res, OSError)
+        (err,) = s.put([make_object(codec, st, 1024, key(2), 0, b"n" * 100)], st)
+        assert isinstance(err, OSError)
+    finally:
+        s.close()
+        st.close()
+
+
+def test_mooncake_objects_lost_with_their_segment(fresh_mooncake):
+    """Objects live in the storage client's memory: when it dies they are gone (an
+    eviction the data plane sees as a missing object)."""
+    s = _mooncake_client(fresh_mooncake.url)
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    s.register(st)
+    try:
+        item = make_object(codec, st, 0, key(1), 0, b"m" * 100)
+        assert s.put([item], st) == [None]
+        fresh_mooncake.kill_client()
+        (res,) = s.get([item], st)
+        assert isinstance(res, OSError)
+    finally:
+        s.close()
+        st.close()
+
+
+def test_mooncake_failed_write_is_not_visible(tmp_path):
+    """A store too small for the object: the put fails and no object appears."""
+    from mooncake_env import start
+
+    with start(str(tmp_path), segment_bytes=16 << 20) as mc:  # Mooncake's smallest segment
+        s = _mooncake_client(mc.url)
+        codec = ObjectCodec(FP)
+        st = Staging(24 << 20)
+        s.register(st)
+        try:
+            big = make_object(codec, st, 0, key(1), 0, b"b" * (20 << 20))
+            (err,) = s.put([big], st)
+            assert isinstance(err, OSError)
+            assert s.exists([big[0]]) == [False]
+        finally:
+            s.close()
+            st.close()
+
+
+def test_missing_mooncake_skips_locally_and_fails_in_ci(monkeypatch):
+    import importlib.util
+
+    import mooncake_env
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception):
+        mooncake_env.need_mooncake()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must run"):
+        mooncake_env.need_mooncake()
