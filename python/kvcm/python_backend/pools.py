@@ -27,7 +27,6 @@ class Page:
         "serial",
         "slot",
         "tier",
-        "version",
     )
 
     def __init__(self, serial: int, lc: int, tier: int, slot: int, coverage: int, priority: int,
@@ -43,7 +42,6 @@ class Page:
         self.node = NO_NODE  # tree node id while committed; -1 for a private (uncommitted) page
         self.locks = 0  # ACTIVE requests using it
         self.holds = 0  # SUSPENDED requests using it
-        self.version = 0  # bumped on every change of eviction key or state: stale heap entries
 
     @property
     def state(self) -> str | None:
@@ -61,9 +59,17 @@ class Page:
         return (self.priority, self.last_used, -self.ordinal, self.serial)
 
 
-# the negated ordinals of heap entries as shared int objects (not one new int per entry)
-_NUM_NEG = 1 << 14
-_NEG = tuple(-i for i in range(_NUM_NEG))
+# A heap entry is the page's eviction key packed into one int, 64 bits a field below the
+# priority: (priority, last_used, 2**64-1 - ordinal, serial).  Int order is the tuple order
+# of sec. 8 (every field fits its width: clock, ordinals and serials stay below 2**63), the
+# low field names the page, and one int (~44 bytes, untracked by the cyclic GC) replaces a
+# five-field tuple (~88 bytes).
+_W = 64
+_MASK = (1 << _W) - 1
+
+
+def _entry(page: Page) -> int:
+    return (((page.priority << _W | page.last_used) << _W | (_MASK - page.ordinal)) << _W) | page.serial
 
 
 class Pool:
@@ -71,11 +77,11 @@ class Pool:
 
     Free slots sit in a min-heap so allocation is always the lowest free index.  Evictable
     pages sit in two lazy min-heaps by eviction key, one per state: an entry is valid only
-    while its page still has the version, state and place it was pushed with, so a key
-    change is a push (O(log n)) and a stale entry is dropped when it surfaces.  An entry
-    names its page by serial (``pages``: the manager's live pages by serial): a tuple of
-    ints only, which the cyclic GC stops tracking, where a page reference would keep one
-    more object per cached block on every collection's walk.
+    while its page is still in this pool, in that state, with that key (``_entry``
+    recomputed from the page), so a key change is a push (O(log n)) and a stale entry is
+    dropped when it surfaces.  A page pushed twice with an unchanged key has two equal
+    valid entries: harmless (both name the same page; once it leaves, both are stale).
+    An entry names its page by serial (``pages``: the manager's live pages by serial).
     """
 
     def __init__(self, tier: int, lc: int, total: int, pages: dict[int, Page]) -> None:
@@ -87,7 +93,7 @@ class Pool:
         self.locked = 0
         self.held = 0
         self.droppable = 0
-        self._heaps: dict[str, list] = {HELD: [], DROPPABLE: []}
+        self._heaps: dict[str, list[int]] = {HELD: [], DROPPABLE: []}
 
     @property
     def nfree(self) -> int:
@@ -102,7 +108,7 @@ class Pool:
 
     def unindex(self, page: Page) -> None:
         """Before a change of ``page``'s state, eviction key or place: it leaves its state's
-        count, and the version bump turns its heap entry stale (SPEC sec. 4 states).  The
+        count (SPEC sec. 4 states); its heap entry turns stale by the change itself.  The
         state is derived inline (as ``Page.state``): this runs on every page change."""
         if page.locks:
             self.locked -= 1
@@ -110,7 +116,6 @@ class Pool:
             self.held -= 1
         elif page.node != NO_NODE:
             self.droppable -= 1
-        page.version += 1
 
     def index(self, page: Page) -> None:
         """After the change: ``page`` is counted under its new state and, when it is a victim
@@ -127,9 +132,7 @@ class Pool:
         else:
             return
         heap = self._heaps[state]
-        # one flat tuple per entry: the eviction key (its serial unique), then the version
-        o = page.ordinal
-        heapq.heappush(heap, (page.priority, page.last_used, _NEG[o] if o < _NUM_NEG else -o, page.serial, page.version))
+        heapq.heappush(heap, (((page.priority << _W | page.last_used) << _W | (_MASK - page.ordinal)) << _W) | page.serial)  # _entry
         if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
             self._compact(state)
 
@@ -138,8 +141,8 @@ class Pool:
         heap = self._heaps[state]
         while heap:
             e = heap[0]
-            page = self.pages.get(e[3])
-            if page is not None and self._valid(page, e[4], state):
+            page = self.pages.get(e & _MASK)
+            if page is not None and self._valid(page, e, state):
                 return page
             heapq.heappop(heap)
         return None
@@ -160,14 +163,15 @@ class Pool:
             return h
         return h if h.evict_key() < d.evict_key() else d
 
-    def _valid(self, page: Page, version: int, state: str) -> bool:
-        if page.version != version or page.tier != self.tier or page.slot < 0 or page.locks:
+    def _valid(self, page: Page, entry: int, state: str) -> bool:
+        if page.tier != self.tier or page.slot < 0 or page.locks or _entry(page) != entry:
             return False
         return state == HELD if page.holds else state == DROPPABLE and page.node != NO_NODE  # Page.state
 
     def _compact(self, state: str) -> None:
+        # a set: equal entries (a page pushed again with an unchanged key) kept once
         pages = self.pages
-        heap = [e for e in self._heaps[state] if e[3] in pages and self._valid(pages[e[3]], e[4], state)]
+        heap = [e for e in set(self._heaps[state]) if (e & _MASK) in pages and self._valid(pages[e & _MASK], e, state)]
         heapq.heapify(heap)
         self._heaps[state] = heap
 
