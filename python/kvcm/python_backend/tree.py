@@ -104,15 +104,13 @@ class Node:
         "children",
         "coverage",
         "id",
-        "index",
         "key",
+        "links",
         "ordinal",
         "packed",
         "pages",
         "parent",
         "refs",
-        "tnext",
-        "tnode",
     )
 
     def __init__(self, node_id: int, key: bytes, packed: bytes | tuple, ordinal: int, no_pages: tuple, no_coverage: tuple,
@@ -128,9 +126,9 @@ class Node:
         # and prefix siblings walk it instead of scanning siblings.  None while the node
         # has at most one child (a chain, the common case): that child is compared directly
         # (RadixTree._only_child), which saves three objects per block
-        self.index: _Trie | None = None
-        self.tnode: _Trie | None = None  # where this block sits in its parent's index
-        self.tnext: Node | None = None  # the next sibling with the very same tokens (rare)
+        # ``index``, ``tnode`` and ``tnext`` (below) live in one _Links object made only
+        # while one of them is set: a chain block has none, and saves two slots
+        self.links: _Links | None = None
         # B tokens for a full block, fewer for a partial one, as compact_tokens keeps them
         self.packed = packed
         self.ordinal = ordinal  # block index in the sequence; -1 for a root (is_root)
@@ -140,6 +138,46 @@ class Node:
         self.pages = no_pages  # page handle per life cycle
         self.coverage = no_coverage  # tokens of this block the page covers (0 = none)
         self.refs = 0  # live requests referencing this block
+
+    @property
+    def index(self) -> _Trie | None:
+        """The children index (a trie; None while at most one child)."""
+        x = self.links
+        return None if x is None else x.index
+
+    @index.setter
+    def index(self, v: _Trie | None) -> None:
+        self._set_link(0, v)
+
+    @property
+    def tnode(self) -> _Trie | None:
+        """Where this block sits in its parent's index."""
+        x = self.links
+        return None if x is None else x.tnode
+
+    @tnode.setter
+    def tnode(self, v: _Trie | None) -> None:
+        self._set_link(1, v)
+
+    @property
+    def tnext(self) -> Node | None:
+        """The next sibling with the very same tokens (rare)."""
+        x = self.links
+        return None if x is None else x.tnext
+
+    @tnext.setter
+    def tnext(self, v: Node | None) -> None:
+        self._set_link(2, v)
+
+    def _set_link(self, which: int, v: object) -> None:
+        x = self.links
+        if x is None:
+            if v is None:
+                return
+            x = self.links = _Links()
+        setattr(x, _Links.__slots__[which], v)
+        if x.index is None and x.tnode is None and x.tnext is None:
+            self.links = None
 
     # ntok and is_root are derived, not stored: two slots (16 bytes) less per cached block
     @property
@@ -174,6 +212,17 @@ class Node:
 
     def has_page(self) -> bool:
         return any(p != NO_PAGE for p in self.pages)
+
+
+class _Links:
+    """A node's rarely set trie links (Node.index, Node.tnode, Node.tnext)."""
+
+    __slots__ = ("index", "tnext", "tnode")
+
+    def __init__(self) -> None:
+        self.index: _Trie | None = None
+        self.tnode: _Trie | None = None
+        self.tnext: Node | None = None
 
 
 _COVERAGES: dict[tuple, tuple] = {}  # Node.put's shared coverage tuples (bounded)
