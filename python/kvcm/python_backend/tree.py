@@ -147,7 +147,7 @@ class Node:
 
     @index.setter
     def index(self, v: _Trie | None) -> None:
-        self._set_link(0, v)
+        self._set_link("index", v)
 
     @property
     def tnode(self) -> _Trie | None:
@@ -157,7 +157,7 @@ class Node:
 
     @tnode.setter
     def tnode(self, v: _Trie | None) -> None:
-        self._set_link(1, v)
+        self._set_link("tnode", v)
 
     @property
     def tnext(self) -> Node | None:
@@ -167,15 +167,15 @@ class Node:
 
     @tnext.setter
     def tnext(self, v: Node | None) -> None:
-        self._set_link(2, v)
+        self._set_link("tnext", v)
 
-    def _set_link(self, which: int, v: object) -> None:
+    def _set_link(self, name: str, v: object) -> None:
         x = self.links
         if x is None:
             if v is None:
                 return
             x = self.links = _Links()
-        setattr(x, _Links.__slots__[which], v)
+        setattr(x, name, v)
         if x.index is None and x.tnode is None and x.tnext is None:
             self.links = None
 
