@@ -22,7 +22,7 @@ def serialized(method: F) -> F:
 
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        mgr = self.mgr if hasattr(self, "mgr") else self
+        mgr = getattr(self, "mgr", self)
         with mgr.lock:
             result = method(self, *args, **kwargs)
             if mgr.copy_ops_warn_due:  # after the call's work: the warning never changes it (sec. 15)

@@ -650,7 +650,12 @@ class PyKVCacheManager(KVCacheManager):
         n = self.tree.nodes[node_id]
         parent_key = n.parent.key if n.parent is not None else None
         pages, tid = self.pages, self.tier_ids
-        rows = tuple((lc, tid[pages[n.pages[lc]].tier], pages[n.pages[lc]].priority, n.coverage[lc]) for lc in lcs)
+        if len(lcs) == 1:  # the common case without a generator (one frame less per block)
+            lc = lcs[0]
+            p = pages[n.pages[lc]]
+            rows: tuple = ((lc, tid[p.tier], p.priority, n.coverage[lc]),)
+        else:
+            rows = tuple((lc, tid[pages[n.pages[lc]].tier], pages[n.pages[lc]].priority, n.coverage[lc]) for lc in lcs)
         events = self.events
         if len(events) >= max_events:
             events.popleft()
