@@ -8,6 +8,8 @@ import hashlib
 import os
 
 import pytest
+from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
+from kvcm.config import layout_fingerprint, resolve_config
 from kvcm.dataplane import open_store
 from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
 from mooncake_env import need_mooncake
@@ -36,6 +38,31 @@ def test_names_differ_by_fingerprint_key_and_lc():
     names = {a.name(key(1), 0), a.name(key(1), 1), a.name(key(2), 0), b.name(key(1), 0)}
     assert len(names) == 4
     assert a.name(key(1), 0) == ObjectCodec(FP).name(key(1), 0)  # deterministic across processes
+
+
+def _fingerprint(layers, namespace: str = "m", B: int = 4) -> bytes:
+    tiers = [Tier("gpu", 1 << 20), Tier("shared", 0, "/tmp/kvcm-unused")]
+    return layout_fingerprint(resolve_config(KVCacheManagerConfig(B, layers, tiers, shared_namespace=namespace)),
+                              namespace)
+
+
+def test_fingerprint_names_how_a_slot_splits_between_layers():
+    """Same B, life cycles and slot bytes, other per-layer sizes or order: another layout (a
+    page of 64+32 bytes per token read as 32+64 would serve wrong K/V)."""
+    split = [(64, 32), (32, 64), (48, 48)]
+    fps = {_fingerprint([AttentionLayer(0, a), AttentionLayer(1, b)]) for a, b in split}
+    assert len(fps) == 3
+    # the layer ids (which layer sits where in the slot) count too
+    assert _fingerprint([AttentionLayer(0, 8), AttentionLayer(1, 8)]) != _fingerprint(
+        [AttentionLayer(0, 8), AttentionLayer(2, 8)])
+    # ssm state bytes split between layers
+    assert _fingerprint([AttentionLayer(0, 8), SsmLayer(1, 16), SsmLayer(2, 32)]) != _fingerprint(
+        [AttentionLayer(0, 8), SsmLayer(1, 32), SsmLayer(2, 16)])
+    # and the rest as before: B, namespace; deterministic
+    base = [AttentionLayer(0, 8), AttentionLayer(1, 8, window=4)]
+    assert _fingerprint(base) == _fingerprint(list(base))
+    assert _fingerprint(base) != _fingerprint(base, namespace="n")
+    assert _fingerprint(base) != _fingerprint(base, B=8)
 
 
 @pytest.mark.parametrize("field", ["magic", "fingerprint", "key", "life cycle", "length", "checksum", "short", "long"])
