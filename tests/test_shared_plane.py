@@ -4,6 +4,7 @@ store — on the file store and on Mooncake Store."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import shutil
 
@@ -23,13 +24,16 @@ def key(i: int) -> bytes:
 
 
 class Spy(SharedStore):
-    """Counts the calls that reach the store; ``fail_put`` names objects whose put fails."""
+    """Counts the calls that reach the store; ``fail_put`` names objects whose put fails,
+    ``fail_get`` maps names to the error their get returns; ``removed`` lists removals."""
 
     def __init__(self, inner: SharedStore) -> None:
         self.inner = inner
         self.kind, self.location = inner.kind, inner.location
         self.calls: dict[str, int] = {}
         self.fail_put: set[str] = set()
+        self.fail_get: dict[str, OSError] = {}
+        self.removed: list[str] = []
 
     def _n(self, what: str) -> None:
         self.calls[what] = self.calls.get(what, 0) + 1
@@ -46,9 +50,11 @@ class Spy(SharedStore):
 
     def get(self, items, staging):
         self._n("get")
-        return self.inner.get(items, staging)
+        res = self.inner.get(items, staging)
+        return [self.fail_get.get(it[0], r) for it, r in zip(items, res, strict=True)]
 
     def remove(self, names):
+        self.removed += names
         self.inner.remove(names)
 
     def register(self, staging):
@@ -171,6 +177,32 @@ def test_load_faults(store_url, ns):
         assert e.value.ops == [*bad, *ops[-2:]]
         assert plane.shared_stats["load_failures"] == len(bad)
         assert plane.shared_stats["loads"] == 8 - len(bad)
+    spy.inner.close()
+
+
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.ESTALE, errno.EIO, errno.ENOENT, -999])
+def test_a_failed_get_removes_only_objects_the_codec_rejected(store_url, ns, err):
+    """A get that fails for the store's reasons (out of descriptors, a stale handle, an I/O
+    error, an unknown code) says nothing about the object: it stays, for the fleet.  An
+    object the codec rejects (foreign bytes under its name) is removed."""
+    spy = open_spy(store_url)
+    with make_plane(store_url, ns, spy) as plane:
+        fill(plane)
+        plane.apply(store_ops(3))
+        codec = plane.codec
+        spy.fail_get[codec.name(key(0), 0)] = OSError(err, "injected get failure")
+        ops = load_ops(3)
+        if isinstance(spy.inner, FileStore):  # foreign bytes under key 1's name
+            shutil.copy(spy.inner.path(codec.name(key(2), 0)), spy.inner.path(codec.name(key(1), 0)))
+        with pytest.raises(CopyError) as e:
+            plane.apply(ops)
+        rejected = [codec.name(key(1), 0)] if isinstance(spy.inner, FileStore) else []
+        assert e.value.ops == [ops[0], *([ops[2]] if rejected else [])]
+        assert spy.removed == rejected and plane.shared_stats["removed_bad"] == len(rejected)
+        spy.fail_get.clear()
+        cands = [(key(i), lc) for i in range(3) for lc in (0, 1)]
+        assert plane.shared_lookup(cands) == [c for c in cands if codec.name(*c) not in rejected]
+        assert plane.apply(load_ops(1)) == 2  # the object that failed to load is still good
     spy.inner.close()
 
 

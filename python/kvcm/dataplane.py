@@ -90,9 +90,11 @@ fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
   op that fails stops nothing: every other op still runs, and the failed store ops are
   listed in the ``CopyError`` raised at the end (``forget_copies`` forgets nothing for
   them).  A failed write never shows an object (the stores publish whole objects only).
-  An object that failed to load for a reason of its own (missing, short, foreign,
-  corrupted; not a store that is down) is removed from the store, so that later lookups do
-  not find it again and a later store can write it whole (``removed_bad``).
+  An object the codec rejected (a :class:`~kvcm.shared_store.BadObjectError`: short, long,
+  foreign, corrupted) is removed from the store, so that later lookups do not find it
+  again and a later store can write it whole (``removed_bad``).  No other failure removes
+  anything (a store that is down, slow, out of descriptors, an unknown error code: the
+  object may be good, and it is shared by the whole fleet).
 * ``shared_stats``: lookups, objects and payload bytes stored / loaded, failures, batches,
   and the seconds the data plane spent in store and load batches (gather, checksums, I/O).
 """
@@ -114,7 +116,7 @@ from typing import Any, Self
 
 from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig
 from kvcm.config import layout_fingerprint, resolve_config
-from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
+from kvcm.shared_store import HEADER, BadObjectError, FileStore, ObjectCodec, SharedStore, Staging
 
 COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
 STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in several calls
@@ -765,7 +767,7 @@ class DataPlane:
                     except OSError as e:
                         failed.append(op)
                         cause = cause or e
-                        if e.errno != errno.ECONNREFUSED:  # the object itself is bad, not the store
+                        if isinstance(e, BadObjectError):  # the object itself is bad, not the store
                             bad_names.append(name)
                         continue
                     good.append(j)
@@ -798,9 +800,9 @@ class DataPlane:
         return failed, cause
 
     def _remove_bad(self, names: list[str]) -> None:
-        """Remove objects that failed to load (missing, short, foreign, corrupted): otherwise
-        every later lookup would find them and every load fail; removing a missing one is a
-        no-op, and a store that cannot remove them now keeps them (they still never load)."""
+        """Remove objects the codec rejected (short, long, foreign, corrupted): otherwise
+        every later lookup would find them and every load fail; a store that cannot remove
+        them now keeps them (they still never load)."""
         try:
             self.shared.remove(names)
         except OSError:

@@ -15,7 +15,9 @@ Object format
 
 Every read is verified (:meth:`ObjectCodec.check`): an object that is missing, short, longer
 than expected, or whose magic, fingerprint, key, lc, length or checksum differs raises
-``OSError`` — the load did not complete and the data plane reports the op as failed.
+``OSError`` — the load did not complete and the data plane reports the op as failed.  A
+present object rejected for its content or length raises :class:`BadObjectError` (an
+``OSError``), the only failure for which the data plane removes the object.
 
 The store interface (:class:`SharedStore`)
 -----------------------------------------
@@ -58,6 +60,18 @@ HEADER = struct.Struct("<8s32s32sIQI")  # magic, fingerprint, key, lc, payload l
 OBJECT_SUFFIX = ".kvo"
 
 
+class BadObjectError(OSError):
+    """An object that is there but is not the object asked for: the codec rejected it (wrong
+    magic, fingerprint, key, life cycle, length or checksum) or the store saw a wrong
+    length.  Only this failure makes the data plane remove the object: any other ``OSError``
+    (a store that is down, slow, out of descriptors, a stale handle, an error code it does
+    not know) says nothing about the object, and removing it would wipe a good object for
+    every instance of the fleet."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
+
+
 class ObjectCodec:
     """Names, headers and verification of the objects of one layout fingerprint."""
 
@@ -75,18 +89,18 @@ class ObjectCodec:
         return HEADER.pack(MAGIC, self.fingerprint, key, lc, len(payload), zlib.crc32(payload))
 
     def check(self, obj: memoryview, key: bytes, lc: int, payload_bytes: int) -> None:
-        """Verify one object read back (``obj`` is exactly what was read): OSError(EIO)
-        naming what differs."""
+        """Verify one object read back (``obj`` is exactly what was read):
+        :class:`BadObjectError` (an ``OSError`` EIO) naming what differs."""
         want = HEADER.size + payload_bytes
         if len(obj) != want:
-            raise OSError(errno.EIO, f"shared object {self.name(key, lc)}: {len(obj)} bytes, expected {want} "
-                                     "(truncated or foreign)")
+            raise BadObjectError(f"shared object {self.name(key, lc)}: {len(obj)} bytes, expected {want} "
+                                 "(truncated or foreign)")
         magic, fp, k, olc, n, crc = HEADER.unpack_from(obj, 0)
         what = ("magic" if magic != MAGIC else "fingerprint" if fp != self.fingerprint else "key" if k != key
                 else "life cycle" if olc != lc else "length" if n != payload_bytes
                 else "checksum" if crc != zlib.crc32(obj[HEADER.size:]) else None)
         if what is not None:
-            raise OSError(errno.EIO, f"shared object {self.name(key, lc)}: wrong {what} (foreign or corrupted)")
+            raise BadObjectError(f"shared object {self.name(key, lc)}: wrong {what} (foreign or corrupted)")
 
 
 class Staging:
@@ -210,7 +224,7 @@ class FileStore(SharedStore):
                 with open(self.path(name), "rb", buffering=0) as f:
                     n = f.readinto(staging.view[off:off + size])
                     if n == size and f.read(1):  # longer than expected: not our object
-                        raise OSError(errno.EIO, f"shared object {name}: longer than {size} bytes")
+                        raise BadObjectError(f"shared object {name}: longer than {size} bytes")
                 results.append(n)
             except OSError as e:
                 results.append(e)
@@ -265,4 +279,4 @@ class FileStore(SharedStore):
         return len(objs), sum(o[2] for o in objs)
 
 
-__all__ = ["HEADER", "MAGIC", "OBJECT_SUFFIX", "FileStore", "ObjectCodec", "SharedStore", "Staging"]
+__all__ = ["HEADER", "MAGIC", "OBJECT_SUFFIX", "BadObjectError", "FileStore", "ObjectCodec", "SharedStore", "Staging"]
