@@ -21,7 +21,13 @@ after that, which tries the master again.  Nothing is lost either way: a failed 
 recomputed, a failed store is only not stored.
 
 Location: ``mooncake://<master host:port>?metadata=<url>[&protocol=tcp][&local_hostname=...]
-[&local_buffer_bytes=N]``; ``metadata`` defaults to ``http://<master host>:8080/metadata``.
+[&local_buffer_bytes=N][&timeout_s=S]``; ``metadata`` defaults to
+``http://<master host>:8080/metadata``; ``timeout_s`` is the data plane's deadline for one
+store call (default :data:`kvcm.shared_store.DEFAULT_TIMEOUT_S`; 0: none).
+``local_hostname`` is the address this client's segment and buffers are reached at by the
+other clients: it defaults to ``127.0.0.1``, right for one host only — **on several hosts
+set it to this host's IP** (``&local_hostname=10.0.0.2``), or other hosts' transfers to it
+fail.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from collections.abc import Sequence
 from typing import Self
 from urllib.parse import parse_qs, urlsplit
 
-from kvcm.shared_store import SharedStore, Staging
+from kvcm.shared_store import DEFAULT_TIMEOUT_S, SharedStore, Staging, parse_timeout
 
 # Mooncake's error codes (mooncake-store/include/types.h) that have a clear errno
 _ERRNO = {-704: errno.ENOENT, -900: errno.ECONNREFUSED, -600: errno.EMSGSIZE, -200: errno.ENOSPC}
@@ -56,7 +62,7 @@ def parse_url(url: str) -> dict:
     if parts.scheme != "mooncake" or not parts.hostname or not parts.port:
         raise ValueError(f"not a Mooncake location (mooncake://host:port?metadata=url): {url!r}")
     q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    unknown = set(q) - {"metadata", "protocol", "local_hostname", "local_buffer_bytes"}
+    unknown = set(q) - {"metadata", "protocol", "local_hostname", "local_buffer_bytes", "timeout_s"}
     if unknown:
         raise ValueError(f"{url!r}: unknown parameters {sorted(unknown)}")
     return {
@@ -65,6 +71,7 @@ def parse_url(url: str) -> dict:
         "protocol": q.get("protocol", "tcp"),
         "local_hostname": q.get("local_hostname", "127.0.0.1"),
         "local_buffer_bytes": int(q.get("local_buffer_bytes", 16 << 20)),
+        "timeout_s": parse_timeout(q["timeout_s"], url) if "timeout_s" in q else DEFAULT_TIMEOUT_S,
     }
 
 
@@ -100,8 +107,10 @@ class MooncakeStore(SharedStore):
     @classmethod
     def from_url(cls, url: str, *, segment_bytes: int = 0) -> MooncakeStore:
         p = parse_url(url)
-        return cls(p["master"], p["metadata"], segment_bytes=segment_bytes, local_buffer_bytes=p["local_buffer_bytes"],
-                   protocol=p["protocol"], local_hostname=p["local_hostname"])
+        store = cls(p["master"], p["metadata"], segment_bytes=segment_bytes, local_buffer_bytes=p["local_buffer_bytes"],
+                    protocol=p["protocol"], local_hostname=p["local_hostname"])
+        store.timeout_s = p["timeout_s"]
+        return store
 
     def _client(self):
         if self._store is None:

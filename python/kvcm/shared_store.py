@@ -31,6 +31,10 @@ transfer engine, so puts and gets are zero-copy from / into it):
 * ``get(items, staging) -> list[int | OSError]``: read each object into its region; the
   number of bytes read, or the error.
 * ``remove(names)``: drop objects (tests, tools).
+* ``timeout_s``: the data plane's deadline for one ``exists`` / ``put`` / ``get`` call
+  (:data:`DEFAULT_TIMEOUT_S`; 0: none).  The data plane runs each call on a worker thread
+  and stops waiting at the deadline, so a store may block; a call past it fails like a
+  store that is down (:class:`kvcm.dataplane.DataPlane`).
 
 The file store (:class:`FileStore`)
 ----------------------------------
@@ -47,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import math
 import mmap
 import os
 import struct
@@ -55,9 +60,21 @@ import zlib
 from collections.abc import Sequence
 from typing import Self
 
+DEFAULT_TIMEOUT_S = 10.0  # the data plane's deadline for one exists / put / get call (0: none)
 MAGIC = b"KVCMOBJ1"
 HEADER = struct.Struct("<8s32s32sIQI")  # magic, fingerprint, key, lc, payload length, crc32(payload)
 OBJECT_SUFFIX = ".kvo"
+
+
+def parse_timeout(value: str, location: str) -> float:
+    """A location's ``timeout_s`` parameter: seconds >= 0 (0: no deadline)."""
+    try:
+        t = float(value)
+    except ValueError:
+        t = -1.0
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"{location!r}: timeout_s must be a number of seconds >= 0 (0: none), got {value!r}")
+    return t
 
 
 class BadObjectError(OSError):
@@ -132,6 +149,9 @@ class SharedStore:
 
     kind = ""
     location = ""
+    # the data plane's deadline for one exists / put / get call, in seconds (0: none); a
+    # location sets it with ``?timeout_s=`` (kvcm.dataplane.open_store)
+    timeout_s = DEFAULT_TIMEOUT_S
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         raise NotImplementedError
@@ -279,4 +299,4 @@ class FileStore(SharedStore):
         return len(objs), sum(o[2] for o in objs)
 
 
-__all__ = ["HEADER", "MAGIC", "OBJECT_SUFFIX", "BadObjectError", "FileStore", "ObjectCodec", "SharedStore", "Staging"]
+__all__ = ["DEFAULT_TIMEOUT_S", "HEADER", "MAGIC", "OBJECT_SUFFIX", "BadObjectError", "FileStore", "ObjectCodec", "SharedStore", "Staging", "parse_timeout"]
