@@ -243,6 +243,83 @@ def test_file_store_quota_removes_oldest(tmp_path):
     assert s.evicted == 2
 
 
+def _counting_scans(s: FileStore) -> list[int]:
+    """Count the directory scans ``s`` makes (wraps its ``_objects``)."""
+    n = [0]
+    inner = s._objects
+
+    def counted(*a, **kw):
+        n[0] += 1
+        return inner(*a, **kw)
+
+    s._objects = counted
+    return n
+
+
+def test_file_store_quota_trims_to_a_low_watermark(tmp_path):
+    """Writing at the quota: each trim goes down to 90% of it, so the directory is scanned
+    about once per 10% of the quota written, not at every write; the estimate stays equal
+    to the bytes in the directory."""
+    size = HEADER.size + 100
+    s = FileStore(str(tmp_path), quota_bytes=100 * size, fsync=False)
+    scans = _counting_scans(s)
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    for i in range(1000):
+        assert s.put([make_object(codec, st, 0, key(i), 0, i.to_bytes(4, "little") * 25)], st) == [None]
+    # a scan at the first write (no estimate yet), then one per 10 objects past 90
+    assert scans[0] <= 1 + 900 // 10
+    n, used = s.usage()
+    assert 90 * size <= used <= 100 * size and s._estimate == used
+    assert s.evicted == 1000 - n
+
+
+def test_file_store_put_of_an_existing_name_does_not_grow_the_estimate(tmp_path):
+    size = HEADER.size + 100
+    s = FileStore(str(tmp_path), quota_bytes=3 * size, fsync=False)
+    scans = _counting_scans(s)
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    item = make_object(codec, st, 0, key(1), 0, b"p" * 100)
+    for _ in range(10):
+        assert s.put([item], st) == [None]
+    assert scans[0] == 1 and s.evicted == 0 and s._estimate == size
+
+
+def test_file_store_load_refreshes_a_hot_object(tmp_path):
+    """A loaded object becomes the newest: past the quota the cold ones go first."""
+    size = HEADER.size + 100
+    s = FileStore(str(tmp_path), quota_bytes=10 * size, fsync=False)
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    names = []
+    for i in range(10):
+        item = make_object(codec, st, 0, key(i), 0, bytes([i]) * 100)
+        assert s.put([item], st) == [None]
+        os.utime(s.path(item[0]), ns=((i + 1) * 10**9, (i + 1) * 10**9))  # distinct ages, oldest first
+        names.append(item[0])
+    assert s.get([(names[0], 0, size)], st) == [size]  # object 0, the oldest, is hot
+    assert s.put([make_object(codec, st, 0, key(10), 0, b"n" * 100)], st) == [None]  # past the quota
+    assert s.exists(names) == [True, False, False, *[True] * 7]  # trimmed to 9: objects 1 and 2 went
+
+
+def test_file_store_sweeps_stale_temporaries(tmp_path):
+    """A writer that crashed between create and rename left ``.tmp-*``: removed once stale
+    (at open and at every rescan); a fresh one (a live writer's) is kept."""
+    old, fresh = tmp_path / ".tmp-crashed", tmp_path / ".tmp-live"
+    old.write_bytes(b"x" * 10)
+    fresh.write_bytes(b"y" * 10)
+    os.utime(old, (1, 1))
+    s = FileStore(str(tmp_path), quota_bytes=1000)
+    assert not old.exists() and fresh.exists() and s.swept == 1
+    old.write_bytes(b"x" * 10)
+    os.utime(old, (1, 1))
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    assert s.put([make_object(codec, st, 0, key(1), 0, b"p" * 10)], st) == [None]  # the first write rescans
+    assert not old.exists() and fresh.exists() and s.swept == 2
+
+
 def test_file_store_shared_between_instances(tmp_path):
     """Two stores on one directory (two processes on a shared filesystem) see each other's
     objects."""

@@ -41,9 +41,13 @@ The file store (:class:`FileStore`)
 A directory, one file ``<name>.kvo`` per object, written atomically: a temporary file in the
 same directory, ``fsync``, ``rename`` (then one ``fsync`` of the directory per batch), so a
 reader on any host of a shared filesystem sees a whole object or none.  An optional byte
-quota: past it, the oldest objects (by modification time, then name) are removed.  The
+quota: past it, the oldest objects (by modification time, then name) are removed down to
+a low watermark (90% of the quota), so the next trim is ~10% of the quota of writes away.
+A successful load refreshes the object's modification time, so hot objects go last.  The
 total is rescanned only when this process's running estimate passes the quota, so other
 writers' bytes are noticed lazily (each writer enforces the quota on its own writes).
+Temporary files older than :data:`STALE_TMP_S` (a writer that crashed mid-write) are
+removed when the store opens and on every rescan.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ import mmap
 import os
 import struct
 import tempfile
+import time
 import zlib
 from collections.abc import Sequence
 from typing import Self
@@ -64,6 +69,9 @@ DEFAULT_TIMEOUT_S = 10.0  # the data plane's deadline for one exists / put / get
 MAGIC = b"KVCMOBJ1"
 HEADER = struct.Struct("<8s32s32sIQI")  # magic, fingerprint, key, lc, payload length, crc32(payload)
 OBJECT_SUFFIX = ".kvo"
+TMP_PREFIX = ".tmp-"
+QUOTA_LOW_WATERMARK = 0.9  # past the quota, the file store trims to this fraction of it
+STALE_TMP_S = 300.0  # a temporary file this old is a crashed writer's: removed on open / rescan
 
 
 def parse_timeout(value: str, location: str) -> float:
@@ -195,6 +203,9 @@ class FileStore(SharedStore):
         self.fsync = fsync
         self._estimate: int | None = None  # bytes in the directory, as far as this process knows
         self.evicted = 0  # objects this store removed to keep the quota
+        self.rescans = 0  # directory scans made to keep the quota
+        self.swept = 0  # stale temporary files removed
+        self._sweep_tmp()
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, name + OBJECT_SUFFIX)
@@ -211,7 +222,7 @@ class FileStore(SharedStore):
         for name, off, size in items:
             tmp = None
             try:
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.directory)
+                fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=self.directory)
                 try:
                     view = staging.view[off:off + size]
                     while view:  # a short write continues where it stopped
@@ -220,10 +231,12 @@ class FileStore(SharedStore):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.rename(tmp, self.path(name))
+                dst = self.path(name)
+                replaced = self._size(dst)  # a put of an existing name replaces its bytes
+                os.rename(tmp, dst)
                 tmp = None
                 renamed = True
-                written += size
+                written += size - replaced
                 results.append(None)
             except OSError as e:
                 results.append(e)
@@ -245,6 +258,10 @@ class FileStore(SharedStore):
                     n = f.readinto(staging.view[off:off + size])
                     if n == size and f.read(1):  # longer than expected: not our object
                         raise BadObjectError(f"shared object {name}: longer than {size} bytes")
+                    if n == size:
+                        # a hot object is the newest for the quota: evicted last, not first
+                        with contextlib.suppress(OSError):
+                            os.utime(f.fileno())
                 results.append(n)
             except OSError as e:
                 results.append(e)
@@ -252,9 +269,20 @@ class FileStore(SharedStore):
 
     def remove(self, names: Sequence[str]) -> None:
         for n in names:
+            path = self.path(n)
+            size = self._size(path)
             with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path(n))
-        self._estimate = None
+                os.remove(path)
+                if self._estimate is not None:
+                    self._estimate = max(0, self._estimate - size)
+
+    @staticmethod
+    def _size(path: str) -> int:
+        """The bytes of the file at ``path``; 0 when there is none."""
+        try:
+            return os.stat(path).st_size
+        except OSError:
+            return 0
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)
@@ -265,32 +293,50 @@ class FileStore(SharedStore):
         finally:
             os.close(fd)
 
-    def _objects(self) -> list[tuple[int, str, int]]:
-        """(mtime_ns, name, bytes) of every object file, oldest first."""
+    def _objects(self, *, objects: bool = True) -> list[tuple[int, str, int]]:
+        """(mtime_ns, name, bytes) of every object file, oldest first (none unless
+        ``objects``); temporary files older than :data:`STALE_TMP_S` (a writer that crashed
+        between create and rename) are removed on the way."""
         out = []
+        stale_before = time.time_ns() - int(STALE_TMP_S * 1e9)
         with os.scandir(self.directory) as it:
             for e in it:
-                if e.name.endswith(OBJECT_SUFFIX):
-                    with contextlib.suppress(FileNotFoundError):
-                        st = e.stat()
-                        out.append((st.st_mtime_ns, e.name, st.st_size))
+                with contextlib.suppress(FileNotFoundError):
+                    if e.name.endswith(OBJECT_SUFFIX):
+                        if objects:
+                            st = e.stat()
+                            out.append((st.st_mtime_ns, e.name, st.st_size))
+                    elif e.name.startswith(TMP_PREFIX) and e.stat().st_mtime_ns < stale_before:
+                        os.remove(e.path)
+                        self.swept += 1
         out.sort()
         return out
 
+    def _sweep_tmp(self) -> None:
+        """Remove stale temporary files (at open: a crashed writer's leftovers)."""
+        with contextlib.suppress(OSError):
+            self._objects(objects=False)
+
     def _keep_quota(self, written: int) -> None:
+        """Past the quota, remove the oldest objects down to the low watermark
+        (:data:`QUOTA_LOW_WATERMARK` of the quota), so that the next scan is ~10% of the
+        quota of writes away instead of at the next write."""
         if self._estimate is not None:
             self._estimate += written
             if self._estimate <= self.quota_bytes:
                 return
+        self.rescans += 1
         objs = self._objects()
         total = sum(o[2] for o in objs)
-        for _, name, size in objs:
-            if total <= self.quota_bytes:
-                break
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.directory, name))
-                self.evicted += 1
-            total -= size
+        if total > self.quota_bytes:
+            low = int(self.quota_bytes * QUOTA_LOW_WATERMARK)
+            for _, name, size in objs:
+                if total <= low:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.directory, name))
+                    self.evicted += 1
+                total -= size
         self._estimate = total
 
     def usage(self) -> tuple[int, int]:
@@ -299,4 +345,17 @@ class FileStore(SharedStore):
         return len(objs), sum(o[2] for o in objs)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "HEADER", "MAGIC", "OBJECT_SUFFIX", "BadObjectError", "FileStore", "ObjectCodec", "SharedStore", "Staging", "parse_timeout"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "HEADER",
+    "MAGIC",
+    "OBJECT_SUFFIX",
+    "QUOTA_LOW_WATERMARK",
+    "STALE_TMP_S",
+    "BadObjectError",
+    "FileStore",
+    "ObjectCodec",
+    "SharedStore",
+    "Staging",
+    "parse_timeout",
+]
