@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,19 +34,27 @@ def model() -> TinyHybridModel:
     return TinyHybridModel()
 
 
-def run_child(store: str, tmp_path: Path, name: str, *extra: str, backend: str) -> dict:
-    out = tmp_path / f"{name}.json"
+def child_command(store: str, tmp_path: Path, name: str, *extra: str, backend: str) -> tuple[list[str], dict]:
+    """The command line and environment of one child process (its JSON: ``<name>.json``)."""
     env = dict(os.environ, KVCM_BACKEND=backend)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent.parent / "python"),
                                                     str(Path(__file__).parent), env.get("PYTHONPATH")) if p)
     if "--workload" not in extra:
         extra = ("--workload", WORKLOAD, *extra)
-    cmd = [sys.executable, str(CHILD), "--shared-tier", store, "--json", str(out), *extra]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    res = json.loads(out.read_text())
+    return [sys.executable, str(CHILD), "--shared-tier", store, "--json", str(tmp_path / f"{name}.json"), *extra], env
+
+
+def child_result(tmp_path: Path, name: str, backend: str) -> dict:
+    res = json.loads((tmp_path / f"{name}.json").read_text())
     assert res["backend"] == backend
     return res
+
+
+def run_child(store: str, tmp_path: Path, name: str, *extra: str, backend: str) -> dict:
+    cmd, env = child_command(store, tmp_path, name, *extra, backend=backend)
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return child_result(tmp_path, name, backend)
 
 
 def assert_exact(model: TinyHybridModel, res: dict) -> None:
@@ -92,6 +101,52 @@ def test_second_process_reuses_first(store, tmp_path, model, backend):
     assert_reused_from_shared(c)
     assert c["counters"]["reused_tokens"] >= b["counters"]["reused_tokens"]
     assert_exact(model, c)
+
+
+def test_two_processes_at_the_same_time(store, tmp_path, model, backend):
+    """Two engine processes run AT THE SAME TIME on one store (released together from a
+    barrier once both are imported), with crossed workloads: while one computes and writes
+    a workload the other computes the other one, then each runs what the other wrote.  Both
+    are exact against no cache, no load fails and nothing rolls back (a concurrent writer
+    never shows a reader a partial object: temp + rename, Mooncake's put end), no write
+    fails (two writers of one name both succeed), and at least one of them takes pages the
+    other wrote from the store."""
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    order = {"a": f"{WORKLOAD},multi-turn", "b": f"multi-turn,{WORKLOAD}"}
+    procs = {}
+    for name, workloads in order.items():
+        cmd, env = child_command(store, tmp_path, name, "--workload", workloads, "--barrier", str(barrier),
+                                 backend=backend)
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(barrier) if f.startswith("ready-")]) < 2:
+            assert all(p.poll() is None for p in procs.values()), "a child exited before the barrier"
+            assert time.monotonic() < deadline, "the children did not get ready"
+            time.sleep(0.01)
+        (barrier / "go").touch()
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, f"{name} failed:\n{out}\n{err[-4000:]}"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    a, b = child_result(tmp_path, "a", backend), child_result(tmp_path, "b", backend)
+    assert a["run_span"][0] < b["run_span"][1] and b["run_span"][0] < a["run_span"][1]  # they overlapped
+    for res in (a, b):
+        assert_exact(model, res)
+        sh = res["shared"]
+        assert sh["stores"] > 0 and sh["store_failures"] == 0 and sh["lookup_errors"] == 0
+        assert sh["load_failures"] == 0 and res["counters"]["rollbacks"] == 0 and res["counters"]["copy_failures"] == 0
+        assert sh["loads"] == res["routes"].get("shared->gpu", 0)
+    # the same prompts gave the same tokens in both
+    out_a = {tuple(r["prompt"]): r["output"] for r in a["requests"]}
+    assert all(out_a[tuple(r["prompt"])] == r["output"] for r in b["requests"])
+    assert a["routes"].get("shared->gpu", 0) + b["routes"].get("shared->gpu", 0) > 0
+    assert max(a["counters"]["shared_hits"], b["counters"]["shared_hits"]) > 0
 
 
 def test_write_back_policy(tmp_path, model, backend):
