@@ -110,6 +110,9 @@ def test_mooncake_url_parsing():
     assert p["master"] == "10.0.0.1:50051" and p["metadata"] == "http://10.0.0.1:8080/metadata"
     assert p["protocol"] == "tcp"
     assert parse_url("mooncake://h:1")["metadata"] == "http://h:8080/metadata"
+    # local_hostname: 127.0.0.1 unless given (right on one host only: README, two hosts)
+    assert parse_url("mooncake://h:1")["local_hostname"] == "127.0.0.1"
+    assert parse_url("mooncake://h:1?local_hostname=10.0.0.2")["local_hostname"] == "10.0.0.2"
     for bad in ("mooncake://nohost", "file:///x", "mooncake://h:1?bogus=1"):
         with pytest.raises(ValueError):
             parse_url(bad)
@@ -367,6 +370,32 @@ def test_mooncake_store_down(fresh_mooncake):
     finally:
         s.close()
         st.close()
+
+
+def test_local_mooncake_retries_a_port_taken_before_the_master_binds_it(tmp_path, monkeypatch):
+    """A picked port is taken by someone else before the master binds it: the master exits,
+    the launch is retried with new ports and the store works."""
+    need_mooncake()
+    import socket
+
+    import kvcm.mooncake_store as ms
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])  # the first pick (the master's rpc port) is taken
+    free = ms._free_port
+    monkeypatch.setattr(ms, "_free_port", lambda: next(picks, None) or free())
+    try:
+        with ms.LocalMooncake(16 << 20, log_dir=str(tmp_path)) as mc:
+            assert mc.attempts == 2 and mc.rpc_port != taken.getsockname()[1]
+            s = _mooncake_client(mc.url)
+            try:
+                assert s.exists([ObjectCodec(FP).name(key(1), 0)]) == [False]
+            finally:
+                s.close()
+    finally:
+        taken.close()
 
 
 def test_mooncake_objects_lost_with_their_segment(fresh_mooncake):
