@@ -225,14 +225,18 @@ def test_fault_mooncake_master_killed_mid_run(fresh_mooncake, tmp_path, model, b
 
 def test_fault_mooncake_objects_gone_with_storage(fresh_mooncake, tmp_path, model, backend):
     """The storage client dies between the processes: its objects are gone.  Until the
-    master notices (its client TTL) it still lists them, so the next process may find them
-    and then fail to load every one; either way it computes, exactly, and stores again into
-    the restarted storage client, where a third process finds them."""
+    master notices (its client TTL, 10 s) it still lists them, so the next process may find
+    them and then fail to load every one (Mooncake's TRANSFER_FAIL: a fault of the store,
+    not of the object, so nothing is removed — a network blip must not wipe the fleet's
+    objects); either way it computes, exactly.  Its writes of those names are no-ops while
+    they are listed.  Once the master dropped them, a third process writes them again into
+    the restarted storage client, where a fourth finds them."""
     run_child(fresh_mooncake.url, tmp_path, "a", backend=backend)
+    prompt = child_result(tmp_path, "a", backend)["requests"][0]["prompt"][:-1]
     fresh_mooncake.kill_client()
     fresh_mooncake.start_client(str(tmp_path))
     b = run_child(fresh_mooncake.url, tmp_path, "b", backend=backend)
-    assert b["routes"].get("shared->gpu", 0) == 0 and b["shared"]["stores"] > 0
+    assert b["routes"].get("shared->gpu", 0) == 0 and b["shared"]["removed_bad"] == 0
     taken = sum(lc["shared_hit_blocks"] for lc in b["stats"]["lc"])
     if taken:  # stale listings were taken: every load of them failed, each rolled back
         assert b["shared"]["load_failures"] > 0 and b["counters"]["rollbacks"] > 0
@@ -240,9 +244,31 @@ def test_fault_mooncake_objects_gone_with_storage(fresh_mooncake, tmp_path, mode
     else:  # the master had noticed: nothing was taken, so nothing failed or rolled back
         assert b["shared"]["load_failures"] == 0 and b["counters"]["rollbacks"] == 0
     assert_exact(model, b)
+    wait_unlisted(fresh_mooncake.url, model, prompt)
     c = run_child(fresh_mooncake.url, tmp_path, "c", backend=backend)
-    assert_reused_from_shared(c)
+    assert c["shared"]["lookup_hits"] == 0 and c["shared"]["stores"] > 0
     assert_exact(model, c)
+    d = run_child(fresh_mooncake.url, tmp_path, "d", backend=backend)
+    assert_reused_from_shared(d)
+    assert_exact(model, d)
+
+
+def wait_unlisted(url: str, model: TinyHybridModel, prompt: list[int], timeout: float = 60.0) -> None:
+    """Wait until the store lists none of the objects of ``prompt`` (as a child's engine
+    names them: its default block size, gpu slots and namespace)."""
+    from kvcm import KVCacheManager
+    from kvcm.dataplane import DataPlane
+
+    config = model.manager_config(16, 64, shared=url, shared_namespace="kvcm-tiny-hybrid")
+    mgr = KVCacheManager(config, backend="python")
+    deadline = time.monotonic() + timeout
+    with DataPlane(config, dtype=torch.uint8) as plane:
+        cands = mgr.shared_candidates(prompt)
+        assert cands
+        while plane.shared_lookup(cands):
+            assert time.monotonic() < deadline, "the master still lists the lost objects"
+            time.sleep(0.5)
+    mgr.shutdown()
 
 
 def test_copied_store_directory_is_reusable(tmp_path, model, backend):
