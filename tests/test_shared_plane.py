@@ -353,7 +353,9 @@ def test_a_slow_store_fails_like_a_store_that_is_down(store_url, ns):
         for lc in (0, 1):
             assert torch.equal(plane.pool("gpu", lc)[4:6], sentinel[lc])  # no pool slot written late
         slow.delay = 0.0
+        assert len(plane._late) == 3  # the late calls, remembered until their buffers are freed
         assert plane.apply(load_ops(2)) == 4  # a new staging buffer, the right bytes
+        assert plane._late == []  # the late calls returned: their buffers are freed
         for lc in (0, 1):
             assert torch.equal(plane.pool("gpu", lc)[4:6], plane.pool("gpu", lc)[0:2])
         assert plane.shared_lookup(cands)[:4] == cands[:4]

@@ -337,6 +337,7 @@ class DataPlane:
         self._own_store = False
         self._staging: Staging | None = None
         self.shared_timeout_s = 0.0
+        self._late: list[tuple[threading.Event, Staging | None]] = []  # calls past their deadline (_call)
         self.shared_stats = dict.fromkeys(
             ("lookups", "lookup_names", "lookup_hits", "lookup_errors", "stores", "store_bytes", "store_failures",
              "loads", "load_bytes", "load_failures", "removed_bad", "put_batches", "get_batches", "timeouts"), 0)
@@ -676,47 +677,53 @@ class DataPlane:
         The call may still complete later: ``staging`` (the buffer it reads or writes) is
         then abandoned — never used again by this plane, so a late get cannot write into
         anything that is read afterwards (pools are filled from it only after a call that
-        returned in time) — and freed by the worker when the call returns.  0: no deadline,
-        the call runs on this thread."""
+        returned in time).  The late call is remembered (``_late``): its buffer is
+        unregistered and freed on this thread once it has returned (:meth:`_reap`), and
+        :meth:`close` does not close the store under a call still in flight.  0: no
+        deadline, the call runs on this thread."""
         if not self.shared_timeout_s:
             return fn(*args)
         box: dict[str, Any] = {}
-        lock = threading.Lock()
         done = threading.Event()
-        store = self.shared
 
         def work() -> None:
             try:
                 box["result"] = fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 box["error"] = e
-            with lock:
-                box["finished"] = True
-                abandoned = box.get("abandoned", False)
             done.set()
-            if abandoned and staging is not None:  # late: nobody waits; free what it used
-                with contextlib.suppress(Exception):
-                    store.unregister(staging)
-                staging.close()
 
         threading.Thread(target=work, name=f"kvcm-shared-{what}", daemon=True).start()
         if not done.wait(self.shared_timeout_s):
-            with lock:
-                late = not box.get("finished", False)
-                box["abandoned"] = late
-            if late:
-                self.shared_stats["timeouts"] += 1
-                if staging is not None and staging is self._staging:
-                    self._staging = None  # the worker frees it when the call returns
-                raise TimeoutError(errno.ETIMEDOUT, f"the shared store's {what} did not answer within "
-                                                    f"{self.shared_timeout_s:g} s")
+            self.shared_stats["timeouts"] += 1
+            self._late.append((done, staging))
+            if staging is not None and staging is self._staging:
+                self._staging = None  # abandoned: freed by _reap once the call returned
+            raise TimeoutError(errno.ETIMEDOUT, f"the shared store's {what} did not answer within "
+                                                f"{self.shared_timeout_s:g} s")
         if "error" in box:
             raise box["error"]
         return box["result"]
 
+    def _reap(self) -> None:
+        """Free the buffers of late calls that have returned since (on the caller's thread,
+        so that registering and unregistering never race with each other)."""
+        still: list[tuple[threading.Event, Staging | None]] = []
+        for done, st in self._late:
+            if not done.is_set():
+                still.append((done, st))
+            elif st is not None:
+                if self.shared is not None:
+                    with contextlib.suppress(OSError):
+                        self.shared.unregister(st)
+                st.close()
+        self._late = still
+
     def _staging_for(self, nbytes: int) -> Staging:
         """The registered staging buffer, grown to ``nbytes`` (at most STAGING_MAX_BYTES
         unless one object needs more)."""
+        if self._late:
+            self._reap()
         st = self._staging
         if st is None or st.nbytes < nbytes:
             if st is not None:
@@ -921,7 +928,10 @@ class DataPlane:
 
     def close(self) -> None:
         """Drop the pools, remove the disk tier's files, release the shared store and its
-        staging buffer (idempotent; a store given as ``store=`` stays open)."""
+        staging buffer (idempotent; a store given as ``store=`` stays open).  Calls that ran
+        past their deadline get one more deadline to return; a store with a call still in
+        flight is left open (closing a client under a running call is not safe), and so is
+        that call's buffer."""
         self.pools = []
         self._finalizer()
         if self._staging is not None:
@@ -929,7 +939,12 @@ class DataPlane:
                 self.shared.unregister(self._staging)
             self._staging.close()
             self._staging = None
-        if self.shared is not None and self._own_store:
+        if self._late:
+            wait_until = time.monotonic() + self.shared_timeout_s
+            for done, _ in self._late:
+                done.wait(max(0.0, wait_until - time.monotonic()))
+            self._reap()
+        if self.shared is not None and self._own_store and not self._late:
             self.shared.close()
         self.shared = None
 
