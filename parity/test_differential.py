@@ -127,6 +127,7 @@ def configs(draw) -> KVCacheManagerConfig:
         default_priority=draw(st.sampled_from([50, 50, 0, 100])),
         max_events=draw(st.sampled_from([10_000, 10_000, 3, 0])),
         shared_write=shared_write or "commit",
+        shared_namespace="differential" if shared_write is not None else "",
     )
 
 

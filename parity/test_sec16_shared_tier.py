@@ -42,6 +42,7 @@ Q = toks(16, base=200)
 
 def shared(cfg: KVCacheManagerConfig, write: str = "commit", **kw) -> KVCacheManagerConfig:
     """``cfg`` with a shared tier (listed last) and the write policy ``write``."""
+    kw.setdefault("shared_namespace", "parity-model")
     return dataclasses.replace(cfg, tiers=[*cfg.tiers, Tier("shared", 0, SHARED_PATH)], shared_write=write, **kw)
 
 
@@ -585,14 +586,20 @@ def test_config_shared_tier_rules(make_manager):
         assert _cfg_error(make_manager, cfg(gpu, sh, shared_write=bad)).field == "shared_write"
     for bad in ("x" * 257, "é" * 129, None, b"ns", "\ud800"):
         assert _cfg_error(make_manager, cfg(gpu, sh, shared_namespace=bad)).field == "shared_namespace"
+    # a shared tier needs a namespace (same-shaped models must not read each other's bytes)
+    assert _cfg_error(make_manager, cfg(gpu, sh)).field == "shared_namespace"
+    assert _cfg_error(make_manager, cfg(gpu, sh, shared_namespace="")).field == "shared_namespace"
     # checked with or without a shared tier
     assert _cfg_error(make_manager, cfg(gpu, shared_write="later")).field == "shared_write"
+    assert _cfg_error(make_manager, cfg(gpu, shared_namespace="x" * 257)).field == "shared_namespace"
+    make_manager(cfg(gpu, shared_namespace=""))  # no shared tier: no namespace needed
     # accepted: no slots, any quota (even one too small for a slot), a URL, 256 bytes of namespace
     mgr = make_manager(cfg(gpu, Tier("shared", 1, "mooncake://127.0.0.1:50051?metadata=http://x"),
                            shared_write="evict", shared_namespace="é" * 128))
     assert [t["kind"] for t in mgr.stats()["tiers"]] == ["gpu"]
     assert [p["kind"] for p in snap(mgr)["pools"]] == ["gpu"]
-    make_manager(cfg(gpu, Tier("disk", 16, "/tmp/kvcm-parity-disk"), Tier("shared", 0, "file:///tmp/x")))
+    make_manager(cfg(gpu, Tier("disk", 16, "/tmp/kvcm-parity-disk"), Tier("shared", 0, "file:///tmp/x"),
+                     shared_namespace="m"))
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,8 +11,11 @@ process's data plane (tests/test_shared_engine.py):
   first lookup that found something (the store goes down mid-run);
 * ``fail-puts``: every other object this process writes fails (a failed write).
 
+``--barrier DIR``: once imported, write ``DIR/ready-<pid>`` and wait for ``DIR/go`` before
+running (the test starts processes at the same time).
+
 Writes the outcome (``kvcm.engine.run_instance``) as JSON to ``--json``, with ``fault_hits``:
-how often the fault fired."""
+how often the fault fired, and ``run_span``: the wall-clock [start, end] of the run."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 from kvcm import engine
 from kvcm.dataplane import DataPlane
@@ -96,10 +100,21 @@ def install(fault: str) -> None:
 def main() -> int:
     p = engine.instance_parser()
     p.add_argument("--fault", default=None)
+    p.add_argument("--barrier", default=None)
     args = p.parse_args()
     if args.fault:
         install(args.fault)
+    if args.barrier:
+        with open(os.path.join(args.barrier, f"ready-{os.getpid()}"), "w"):
+            pass
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(args.barrier, "go")):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no go from the test")
+            time.sleep(0.01)
+    t0 = time.time()
     res = engine.run_instance(args)
+    res["run_span"] = [t0, time.time()]
     res["fault_hits"] = fired["n"]
     with open(args.json, "w") as f:
         json.dump(res, f)

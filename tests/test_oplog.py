@@ -383,7 +383,7 @@ def shared_workload(m) -> None:
 
 
 def test_replay_reproduces_shared_tier_calls(tmp_path, monkeypatch):
-    cfg = config(tiers=[Tier("gpu", 40 * 6), Tier("shared", 0, str(tmp_path))])
+    cfg = config(tiers=[Tier("gpu", 40 * 6), Tier("shared", 0, str(tmp_path))], shared_namespace="oplog")
     path = record(tmp_path, monkeypatch, run=shared_workload, cfg=cfg)
     ops = [json.loads(x) for x in read_lines(path)][1:]
     create = next(r for r in ops if r["op"] == "create_kv_cache" and "shared_hits" in r["args"])

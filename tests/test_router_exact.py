@@ -193,7 +193,8 @@ def test_router_is_exact_with_a_shared_tier(ctx: zmq.Context, name: str, script:
     it enter the tree on tier 3 (medium ``SHARED`` on the wire), are onboarded at resume
     (``tier_changed``) or unlinked when their request closes without resume."""
     cfg = config(name)
-    cfg = dataclasses.replace(cfg, tiers=[*cfg.tiers, Tier("shared", 0, "/tmp/kvcm-router-shared")])
+    cfg = dataclasses.replace(cfg, tiers=[*cfg.tiers, Tier("shared", 0, "/tmp/kvcm-router-shared")],
+                              shared_namespace="router")
     run_script(Fleet(cfg, ctx), script, set())
 
 
@@ -201,7 +202,8 @@ def test_router_counts_blocks_taken_from_the_shared_tier(ctx: zmq.Context) -> No
     """Instance 1 takes instance 0's prefill from the store: held on tier 3 (``SHARED``),
     then onboarded, then the request that held them closes."""
     cfg = config("hybrid", gpu_pages=40, host_pages=8)
-    cfg = dataclasses.replace(cfg, tiers=[*cfg.tiers, Tier("shared", 0, "/tmp/kvcm-router-shared")])
+    cfg = dataclasses.replace(cfg, tiers=[*cfg.tiers, Tier("shared", 0, "/tmp/kvcm-router-shared")],
+                              shared_namespace="router")
     fleet = Fleet(cfg, ctx)
     store: set = set()
     try:

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,19 +34,27 @@ def model() -> TinyHybridModel:
     return TinyHybridModel()
 
 
-def run_child(store: str, tmp_path: Path, name: str, *extra: str, backend: str) -> dict:
-    out = tmp_path / f"{name}.json"
+def child_command(store: str, tmp_path: Path, name: str, *extra: str, backend: str) -> tuple[list[str], dict]:
+    """The command line and environment of one child process (its JSON: ``<name>.json``)."""
     env = dict(os.environ, KVCM_BACKEND=backend)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent.parent / "python"),
                                                     str(Path(__file__).parent), env.get("PYTHONPATH")) if p)
     if "--workload" not in extra:
         extra = ("--workload", WORKLOAD, *extra)
-    cmd = [sys.executable, str(CHILD), "--shared-tier", store, "--json", str(out), *extra]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    res = json.loads(out.read_text())
+    return [sys.executable, str(CHILD), "--shared-tier", store, "--json", str(tmp_path / f"{name}.json"), *extra], env
+
+
+def child_result(tmp_path: Path, name: str, backend: str) -> dict:
+    res = json.loads((tmp_path / f"{name}.json").read_text())
     assert res["backend"] == backend
     return res
+
+
+def run_child(store: str, tmp_path: Path, name: str, *extra: str, backend: str) -> dict:
+    cmd, env = child_command(store, tmp_path, name, *extra, backend=backend)
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return child_result(tmp_path, name, backend)
 
 
 def assert_exact(model: TinyHybridModel, res: dict) -> None:
@@ -60,8 +69,10 @@ def assert_exact(model: TinyHybridModel, res: dict) -> None:
 
 def assert_reused_from_shared(res: dict) -> None:
     """The process really took pages from tier 3: hits, onboard ops from the shared tier,
-    and more reuse than a process on its own gets."""
+    and more reuse than a process on its own gets — with at most one lookup per request
+    (one batched existence query, never one per block)."""
     assert res["counters"]["shared_hits"] > 0
+    assert 0 < res["shared"]["lookups"] <= res["counters"]["requests"]
     assert res["routes"].get("shared->gpu", 0) > 0
     assert res["shared"]["loads"] == res["routes"]["shared->gpu"]
     assert sum(lc["shared_hit_blocks"] for lc in res["stats"]["lc"]) > 0
@@ -92,6 +103,52 @@ def test_second_process_reuses_first(store, tmp_path, model, backend):
     assert_reused_from_shared(c)
     assert c["counters"]["reused_tokens"] >= b["counters"]["reused_tokens"]
     assert_exact(model, c)
+
+
+def test_two_processes_at_the_same_time(store, tmp_path, model, backend):
+    """Two engine processes run AT THE SAME TIME on one store (released together from a
+    barrier once both are imported), with crossed workloads: while one computes and writes
+    a workload the other computes the other one, then each runs what the other wrote.  Both
+    are exact against no cache, no load fails and nothing rolls back (a concurrent writer
+    never shows a reader a partial object: temp + rename, Mooncake's put end), no write
+    fails (two writers of one name both succeed), and at least one of them takes pages the
+    other wrote from the store."""
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    order = {"a": f"{WORKLOAD},multi-turn", "b": f"multi-turn,{WORKLOAD}"}
+    procs = {}
+    for name, workloads in order.items():
+        cmd, env = child_command(store, tmp_path, name, "--workload", workloads, "--barrier", str(barrier),
+                                 backend=backend)
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len([f for f in os.listdir(barrier) if f.startswith("ready-")]) < 2:
+            assert all(p.poll() is None for p in procs.values()), "a child exited before the barrier"
+            assert time.monotonic() < deadline, "the children did not get ready"
+            time.sleep(0.01)
+        (barrier / "go").touch()
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, f"{name} failed:\n{out}\n{err[-4000:]}"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    a, b = child_result(tmp_path, "a", backend), child_result(tmp_path, "b", backend)
+    assert a["run_span"][0] < b["run_span"][1] and b["run_span"][0] < a["run_span"][1]  # they overlapped
+    for res in (a, b):
+        assert_exact(model, res)
+        sh = res["shared"]
+        assert sh["stores"] > 0 and sh["store_failures"] == 0 and sh["lookup_errors"] == 0
+        assert sh["load_failures"] == 0 and res["counters"]["rollbacks"] == 0 and res["counters"]["copy_failures"] == 0
+        assert sh["loads"] == res["routes"].get("shared->gpu", 0)
+    # the same prompts gave the same tokens in both
+    out_a = {tuple(r["prompt"]): r["output"] for r in a["requests"]}
+    assert all(out_a[tuple(r["prompt"])] == r["output"] for r in b["requests"])
+    assert a["routes"].get("shared->gpu", 0) + b["routes"].get("shared->gpu", 0) > 0
+    assert max(a["counters"]["shared_hits"], b["counters"]["shared_hits"]) > 0
 
 
 def test_write_back_policy(tmp_path, model, backend):
@@ -168,19 +225,50 @@ def test_fault_mooncake_master_killed_mid_run(fresh_mooncake, tmp_path, model, b
 
 def test_fault_mooncake_objects_gone_with_storage(fresh_mooncake, tmp_path, model, backend):
     """The storage client dies between the processes: its objects are gone.  Until the
-    master notices (its client TTL) it still lists them, so the next process may find them
-    and then fail to load every one; either way it computes, exactly, and stores again into
-    the restarted storage client, where a third process finds them."""
+    master notices (its client TTL, 10 s) it still lists them, so the next process may find
+    them and then fail to load every one (Mooncake's TRANSFER_FAIL: a fault of the store,
+    not of the object, so nothing is removed — a network blip must not wipe the fleet's
+    objects); either way it computes, exactly.  Its writes of those names are no-ops while
+    they are listed.  Once the master dropped them, a third process writes them again into
+    the restarted storage client, where a fourth finds them."""
     run_child(fresh_mooncake.url, tmp_path, "a", backend=backend)
+    prompt = child_result(tmp_path, "a", backend)["requests"][0]["prompt"][:-1]
     fresh_mooncake.kill_client()
     fresh_mooncake.start_client(str(tmp_path))
     b = run_child(fresh_mooncake.url, tmp_path, "b", backend=backend)
-    assert b["routes"].get("shared->gpu", 0) == 0 and b["shared"]["stores"] > 0
-    assert b["shared"]["load_failures"] == 0 or b["counters"]["rollbacks"] > 0
+    assert b["routes"].get("shared->gpu", 0) == 0 and b["shared"]["removed_bad"] == 0
+    taken = sum(lc["shared_hit_blocks"] for lc in b["stats"]["lc"])
+    if taken:  # stale listings were taken: every load of them failed, each rolled back
+        assert b["shared"]["load_failures"] > 0 and b["counters"]["rollbacks"] > 0
+        assert b["counters"]["copy_failures"] > 0 and b["shared"]["loads"] == 0
+    else:  # the master had noticed: nothing was taken, so nothing failed or rolled back
+        assert b["shared"]["load_failures"] == 0 and b["counters"]["rollbacks"] == 0
     assert_exact(model, b)
+    wait_unlisted(fresh_mooncake.url, model, prompt)
     c = run_child(fresh_mooncake.url, tmp_path, "c", backend=backend)
-    assert_reused_from_shared(c)
+    assert c["shared"]["lookup_hits"] == 0 and c["shared"]["stores"] > 0
     assert_exact(model, c)
+    d = run_child(fresh_mooncake.url, tmp_path, "d", backend=backend)
+    assert_reused_from_shared(d)
+    assert_exact(model, d)
+
+
+def wait_unlisted(url: str, model: TinyHybridModel, prompt: list[int], timeout: float = 60.0) -> None:
+    """Wait until the store lists none of the objects of ``prompt`` (as a child's engine
+    names them: its default block size, gpu slots and namespace)."""
+    from kvcm import KVCacheManager
+    from kvcm.dataplane import DataPlane
+
+    config = model.manager_config(16, 64, shared=url, shared_namespace="kvcm-tiny-hybrid")
+    mgr = KVCacheManager(config, backend="python")
+    deadline = time.monotonic() + timeout
+    with DataPlane(config, dtype=torch.uint8) as plane:
+        cands = mgr.shared_candidates(prompt)
+        assert cands
+        while plane.shared_lookup(cands):
+            assert time.monotonic() < deadline, "the master still lists the lost objects"
+            time.sleep(0.5)
+    mgr.shutdown()
 
 
 def test_copied_store_directory_is_reusable(tmp_path, model, backend):

@@ -4,8 +4,12 @@ store — on the file store and on Mooncake Store."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import shutil
+import signal
+import time
 
 import pytest
 import torch
@@ -23,13 +27,16 @@ def key(i: int) -> bytes:
 
 
 class Spy(SharedStore):
-    """Counts the calls that reach the store; ``fail_put`` names objects whose put fails."""
+    """Counts the calls that reach the store; ``fail_put`` names objects whose put fails,
+    ``fail_get`` maps names to the error their get returns; ``removed`` lists removals."""
 
     def __init__(self, inner: SharedStore) -> None:
         self.inner = inner
         self.kind, self.location = inner.kind, inner.location
         self.calls: dict[str, int] = {}
         self.fail_put: set[str] = set()
+        self.fail_get: dict[str, OSError] = {}
+        self.removed: list[str] = []
 
     def _n(self, what: str) -> None:
         self.calls[what] = self.calls.get(what, 0) + 1
@@ -46,9 +53,11 @@ class Spy(SharedStore):
 
     def get(self, items, staging):
         self._n("get")
-        return self.inner.get(items, staging)
+        res = self.inner.get(items, staging)
+        return [self.fail_get.get(it[0], r) for it, r in zip(items, res, strict=True)]
 
     def remove(self, names):
+        self.removed += names
         self.inner.remove(names)
 
     def register(self, staging):
@@ -174,6 +183,32 @@ def test_load_faults(store_url, ns):
     spy.inner.close()
 
 
+@pytest.mark.parametrize("err", [errno.EMFILE, errno.ESTALE, errno.EIO, errno.ENOENT, -999])
+def test_a_failed_get_removes_only_objects_the_codec_rejected(store_url, ns, err):
+    """A get that fails for the store's reasons (out of descriptors, a stale handle, an I/O
+    error, an unknown code) says nothing about the object: it stays, for the fleet.  An
+    object the codec rejects (foreign bytes under its name) is removed."""
+    spy = open_spy(store_url)
+    with make_plane(store_url, ns, spy) as plane:
+        fill(plane)
+        plane.apply(store_ops(3))
+        codec = plane.codec
+        spy.fail_get[codec.name(key(0), 0)] = OSError(err, "injected get failure")
+        ops = load_ops(3)
+        if isinstance(spy.inner, FileStore):  # foreign bytes under key 1's name
+            shutil.copy(spy.inner.path(codec.name(key(2), 0)), spy.inner.path(codec.name(key(1), 0)))
+        with pytest.raises(CopyError) as e:
+            plane.apply(ops)
+        rejected = [codec.name(key(1), 0)] if isinstance(spy.inner, FileStore) else []
+        assert e.value.ops == [ops[0], *([ops[2]] if rejected else [])]
+        assert spy.removed == rejected and plane.shared_stats["removed_bad"] == len(rejected)
+        spy.fail_get.clear()
+        cands = [(key(i), lc) for i in range(3) for lc in (0, 1)]
+        assert plane.shared_lookup(cands) == [c for c in cands if codec.name(*c) not in rejected]
+        assert plane.apply(load_ops(1)) == 2  # the object that failed to load is still good
+    spy.inner.close()
+
+
 def test_failed_store_stops_nothing(store_url, ns):
     spy = open_spy(store_url)
     with make_plane(store_url, ns, spy) as plane:
@@ -247,3 +282,170 @@ def test_large_batches_are_chunked(tmp_path, ns, monkeypatch):
         plane.apply(load_ops(4))
         for lc in (0, 1):
             assert torch.equal(plane.pool("gpu", lc)[4:8], plane.pool("gpu", lc)[0:4])
+
+
+# ---------------------------------------------------------------------------------------
+# A slow store: a per-call deadline (DECISIONS.md "The shared tier", "Faults")
+# ---------------------------------------------------------------------------------------
+
+
+class Slow(Spy):
+    """A store whose exists / put / get take ``delay`` seconds more than the inner one's."""
+
+    delay = 0.0
+
+    def exists(self, names):
+        time.sleep(self.delay)
+        return super().exists(names)
+
+    def put(self, items, staging):
+        time.sleep(self.delay)
+        return super().put(items, staging)
+
+    def get(self, items, staging):
+        time.sleep(self.delay)
+        return super().get(items, staging)
+
+
+DEADLINE = 0.3
+SLOW = 1.5
+
+
+def test_a_slow_store_fails_like_a_store_that_is_down(store_url, ns):
+    """Past the deadline a lookup finds nothing (counted), a load is a CopyError, a store
+    is a failed write listed in the CopyError — and the engine waits no longer than the
+    deadline.  A get that completes late never writes into a pool slot; the plane goes on
+    with a new staging buffer and loads the right bytes once the store is fast again."""
+    from kvcm.dataplane import open_store
+
+    slow = Slow(open_store(store_url))
+    with make_plane(store_url, ns, slow) as plane:
+        plane.shared_timeout_s = DEADLINE
+        fill(plane)
+        assert plane.apply(store_ops(2)) == 4  # fast: stored
+        cands = [(key(i), lc) for i in range(3) for lc in (0, 1)]
+        slow.delay = SLOW
+
+        t0 = time.monotonic()
+        assert plane.shared_lookup(cands) == []
+        assert time.monotonic() - t0 < SLOW - 0.5
+        assert plane.shared_stats["lookup_errors"] == 1 and plane.shared_stats["timeouts"] == 1
+
+        sentinel = {lc: torch.full_like(plane.pool("gpu", lc)[4:6], 7) for lc in (0, 1)}
+        for lc in (0, 1):
+            plane.pool("gpu", lc)[4:6] = sentinel[lc]
+        later = CopyOp(0, 0, 0, 1, 0, "offload")
+        t0 = time.monotonic()
+        with pytest.raises(CopyError) as e:
+            plane.apply([*load_ops(2), CopyOp(0, 0, 4, 1, 1, "offload"), later])
+        assert time.monotonic() - t0 < SLOW - 0.5
+        assert e.value.ops[:4] == load_ops(2) and isinstance(e.value.cause, TimeoutError)
+        assert plane.shared_stats["timeouts"] == 2 and plane.shared_stats["loads"] == 0
+
+        t0 = time.monotonic()
+        with pytest.raises(CopyError) as e:
+            plane.apply(store_ops(3)[4:])  # key 2: never stored before
+        assert time.monotonic() - t0 < SLOW - 0.5
+        assert e.value.ops == store_ops(3)[4:]
+        assert plane.shared_stats["timeouts"] == 3 and plane.shared_stats["store_failures"] == 2
+
+        time.sleep(SLOW + 0.5)  # the late calls complete now: the get into an abandoned buffer
+        for lc in (0, 1):
+            assert torch.equal(plane.pool("gpu", lc)[4:6], sentinel[lc])  # no pool slot written late
+        slow.delay = 0.0
+        assert len(plane._late) == 3  # the late calls, remembered until their buffers are freed
+        assert plane.apply(load_ops(2)) == 4  # a new staging buffer, the right bytes
+        assert plane._late == []  # the late calls returned: their buffers are freed
+        for lc in (0, 1):
+            assert torch.equal(plane.pool("gpu", lc)[4:6], plane.pool("gpu", lc)[0:2])
+        assert plane.shared_lookup(cands)[:4] == cands[:4]
+    slow.inner.close()
+
+
+def test_the_deadline_is_documented_and_configurable(tmp_path, ns):
+    from kvcm.dataplane import open_store
+    from kvcm.mooncake_store import parse_url
+    from kvcm.shared_store import DEFAULT_TIMEOUT_S
+
+    assert open_store(str(tmp_path)).timeout_s == DEFAULT_TIMEOUT_S == 10.0
+    assert open_store(f"file://{tmp_path}?timeout_s=0.5").timeout_s == 0.5
+    assert parse_url("mooncake://h:1?timeout_s=2")["timeout_s"] == 2.0
+    assert parse_url("mooncake://h:1")["timeout_s"] == DEFAULT_TIMEOUT_S
+    for bad in ("-1", "x", "nan", "inf"):
+        with pytest.raises(ValueError, match="timeout_s"):
+            open_store(f"file://{tmp_path}?timeout_s={bad}")
+        with pytest.raises(ValueError, match="timeout_s"):
+            parse_url(f"mooncake://h:1?timeout_s={bad}")
+    with pytest.raises(ValueError, match="unknown parameters"):
+        open_store(f"file://{tmp_path}?timeout=1")
+    with make_plane(f"file://{tmp_path}?timeout_s=0.25", ns) as plane:
+        assert plane.shared_timeout_s == 0.25
+    config = KVCacheManagerConfig(B, LAYERS, [Tier("gpu", 8 * 56), Tier("shared", 0, str(tmp_path))],
+                                  shared_namespace=ns)
+    with DataPlane(config, shared_timeout_s=0) as plane:
+        assert plane.shared_timeout_s == 0  # no deadline: calls run on the engine's thread
+        fill(plane)
+        assert plane.apply(store_ops(1)) == 2
+    for bad in (-1, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="shared_timeout_s"):
+            DataPlane(config, shared_timeout_s=bad)
+
+
+class Miscounting(Spy):
+    """A store that answers with one result too few."""
+
+    def exists(self, names):
+        return super().exists(names)[:-1]
+
+    def put(self, items, staging):
+        return super().put(items, staging)[:-1]
+
+    def get(self, items, staging):
+        return super().get(items, staging)[:-1]
+
+
+def test_a_store_answering_the_wrong_number_of_results_fails_the_batch(tmp_path, ns):
+    store = Spy(FileStore(str(tmp_path)))
+    with make_plane(str(tmp_path), ns, store) as plane:
+        fill(plane)
+        plane.apply(store_ops(2))
+        bad = Miscounting(FileStore(str(tmp_path)))
+        plane.shared = bad
+        cands = [(key(i), lc) for i in range(2) for lc in (0, 1)]
+        assert plane.shared_lookup(cands) == [] and plane.shared_stats["lookup_errors"] == 1
+        with pytest.raises(CopyError) as e:
+            plane.apply(load_ops(2))
+        assert e.value.ops == load_ops(2)
+        with pytest.raises(CopyError) as e:
+            plane.apply(store_ops(2))
+        assert e.value.ops == store_ops(2)
+        plane.shared = store
+
+
+def test_a_hung_mooncake_master_costs_the_deadline_only(fresh_mooncake, ns):
+    """A real hang (the master stopped with SIGSTOP, its sockets open): every call waits on
+    RPCs that never answer.  The plane stops waiting at the deadline; once the master runs
+    again the objects are there and load."""
+    with make_plane(fresh_mooncake.url, ns) as plane:
+        plane.shared_timeout_s = DEADLINE
+        fill(plane)
+        plane.apply(store_ops(2))
+        cands = [(key(i), lc) for i in range(2) for lc in (0, 1)]
+        os.kill(fresh_mooncake.master.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert plane.shared_lookup(cands) == []
+            with pytest.raises(CopyError) as e:
+                plane.apply(load_ops(2))
+            assert e.value.ops == load_ops(2)
+            assert time.monotonic() - t0 < 2 * DEADLINE + 0.5
+            assert plane.shared_stats["timeouts"] == 2
+        finally:
+            os.kill(fresh_mooncake.master.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while plane.shared_lookup(cands) != cands and time.monotonic() < deadline:
+            time.sleep(0.2)
+        plane.shared_timeout_s = 10.0
+        assert plane.apply(load_ops(2)) == 4
+        for lc in (0, 1):
+            assert torch.equal(plane.pool("gpu", lc)[4:6], plane.pool("gpu", lc)[0:2])

@@ -8,6 +8,8 @@ import hashlib
 import os
 
 import pytest
+from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
+from kvcm.config import layout_fingerprint, resolve_config
 from kvcm.dataplane import open_store
 from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
 from mooncake_env import need_mooncake
@@ -36,6 +38,31 @@ def test_names_differ_by_fingerprint_key_and_lc():
     names = {a.name(key(1), 0), a.name(key(1), 1), a.name(key(2), 0), b.name(key(1), 0)}
     assert len(names) == 4
     assert a.name(key(1), 0) == ObjectCodec(FP).name(key(1), 0)  # deterministic across processes
+
+
+def _fingerprint(layers, namespace: str = "m", B: int = 4) -> bytes:
+    tiers = [Tier("gpu", 1 << 20), Tier("shared", 0, "/tmp/kvcm-unused")]
+    return layout_fingerprint(resolve_config(KVCacheManagerConfig(B, layers, tiers, shared_namespace=namespace)),
+                              namespace)
+
+
+def test_fingerprint_names_how_a_slot_splits_between_layers():
+    """Same B, life cycles and slot bytes, other per-layer sizes or order: another layout (a
+    page of 64+32 bytes per token read as 32+64 would serve wrong K/V)."""
+    split = [(64, 32), (32, 64), (48, 48)]
+    fps = {_fingerprint([AttentionLayer(0, a), AttentionLayer(1, b)]) for a, b in split}
+    assert len(fps) == 3
+    # the layer ids (which layer sits where in the slot) count too
+    assert _fingerprint([AttentionLayer(0, 8), AttentionLayer(1, 8)]) != _fingerprint(
+        [AttentionLayer(0, 8), AttentionLayer(2, 8)])
+    # ssm state bytes split between layers
+    assert _fingerprint([AttentionLayer(0, 8), SsmLayer(1, 16), SsmLayer(2, 32)]) != _fingerprint(
+        [AttentionLayer(0, 8), SsmLayer(1, 32), SsmLayer(2, 16)])
+    # and the rest as before: B, namespace; deterministic
+    base = [AttentionLayer(0, 8), AttentionLayer(1, 8, window=4)]
+    assert _fingerprint(base) == _fingerprint(list(base))
+    assert _fingerprint(base) != _fingerprint(base, namespace="n")
+    assert _fingerprint(base) != _fingerprint(base, B=8)
 
 
 @pytest.mark.parametrize("field", ["magic", "fingerprint", "key", "life cycle", "length", "checksum", "short", "long"])
@@ -83,6 +110,9 @@ def test_mooncake_url_parsing():
     assert p["master"] == "10.0.0.1:50051" and p["metadata"] == "http://10.0.0.1:8080/metadata"
     assert p["protocol"] == "tcp"
     assert parse_url("mooncake://h:1")["metadata"] == "http://h:8080/metadata"
+    # local_hostname: 127.0.0.1 unless given (right on one host only: README, two hosts)
+    assert parse_url("mooncake://h:1")["local_hostname"] == "127.0.0.1"
+    assert parse_url("mooncake://h:1?local_hostname=10.0.0.2")["local_hostname"] == "10.0.0.2"
     for bad in ("mooncake://nohost", "file:///x", "mooncake://h:1?bogus=1"):
         with pytest.raises(ValueError):
             parse_url(bad)
@@ -216,6 +246,83 @@ def test_file_store_quota_removes_oldest(tmp_path):
     assert s.evicted == 2
 
 
+def _counting_scans(s: FileStore) -> list[int]:
+    """Count the directory scans ``s`` makes (wraps its ``_objects``)."""
+    n = [0]
+    inner = s._objects
+
+    def counted(*a, **kw):
+        n[0] += 1
+        return inner(*a, **kw)
+
+    s._objects = counted
+    return n
+
+
+def test_file_store_quota_trims_to_a_low_watermark(tmp_path):
+    """Writing at the quota: each trim goes down to 90% of it, so the directory is scanned
+    about once per 10% of the quota written, not at every write; the estimate stays equal
+    to the bytes in the directory."""
+    size = HEADER.size + 100
+    s = FileStore(str(tmp_path), quota_bytes=100 * size, fsync=False)
+    scans = _counting_scans(s)
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    for i in range(1000):
+        assert s.put([make_object(codec, st, 0, key(i), 0, i.to_bytes(4, "little") * 25)], st) == [None]
+    # a scan at the first write (no estimate yet), then one per 10 objects past 90
+    assert scans[0] <= 1 + 900 // 10
+    n, used = s.usage()
+    assert 90 * size <= used <= 100 * size and s._estimate == used
+    assert s.evicted == 1000 - n
+
+
+def test_file_store_put_of_an_existing_name_does_not_grow_the_estimate(tmp_path):
+    size = HEADER.size + 100
+    s = FileStore(str(tmp_path), quota_bytes=3 * size, fsync=False)
+    scans = _counting_scans(s)
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    item = make_object(codec, st, 0, key(1), 0, b"p" * 100)
+    for _ in range(10):
+        assert s.put([item], st) == [None]
+    assert scans[0] == 1 and s.evicted == 0 and s._estimate == size
+
+
+def test_file_store_load_refreshes_a_hot_object(tmp_path):
+    """A loaded object becomes the newest: past the quota the cold ones go first."""
+    size = HEADER.size + 100
+    s = FileStore(str(tmp_path), quota_bytes=10 * size, fsync=False)
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    names = []
+    for i in range(10):
+        item = make_object(codec, st, 0, key(i), 0, bytes([i]) * 100)
+        assert s.put([item], st) == [None]
+        os.utime(s.path(item[0]), ns=((i + 1) * 10**9, (i + 1) * 10**9))  # distinct ages, oldest first
+        names.append(item[0])
+    assert s.get([(names[0], 0, size)], st) == [size]  # object 0, the oldest, is hot
+    assert s.put([make_object(codec, st, 0, key(10), 0, b"n" * 100)], st) == [None]  # past the quota
+    assert s.exists(names) == [True, False, False, *[True] * 7]  # trimmed to 9: objects 1 and 2 went
+
+
+def test_file_store_sweeps_stale_temporaries(tmp_path):
+    """A writer that crashed between create and rename left ``.tmp-*``: removed once stale
+    (at open and at every rescan); a fresh one (a live writer's) is kept."""
+    old, fresh = tmp_path / ".tmp-crashed", tmp_path / ".tmp-live"
+    old.write_bytes(b"x" * 10)
+    fresh.write_bytes(b"y" * 10)
+    os.utime(old, (1, 1))
+    s = FileStore(str(tmp_path), quota_bytes=1000)
+    assert not old.exists() and fresh.exists() and s.swept == 1
+    old.write_bytes(b"x" * 10)
+    os.utime(old, (1, 1))
+    codec = ObjectCodec(FP)
+    st = Staging(4096)
+    assert s.put([make_object(codec, st, 0, key(1), 0, b"p" * 10)], st) == [None]  # the first write rescans
+    assert not old.exists() and fresh.exists() and s.swept == 2
+
+
 def test_file_store_shared_between_instances(tmp_path):
     """Two stores on one directory (two processes on a shared filesystem) see each other's
     objects."""
@@ -263,6 +370,32 @@ def test_mooncake_store_down(fresh_mooncake):
     finally:
         s.close()
         st.close()
+
+
+def test_local_mooncake_retries_a_port_taken_before_the_master_binds_it(tmp_path, monkeypatch):
+    """A picked port is taken by someone else before the master binds it: the master exits,
+    the launch is retried with new ports and the store works."""
+    need_mooncake()
+    import socket
+
+    import kvcm.mooncake_store as ms
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])  # the first pick (the master's rpc port) is taken
+    free = ms._free_port
+    monkeypatch.setattr(ms, "_free_port", lambda: next(picks, None) or free())
+    try:
+        with ms.LocalMooncake(16 << 20, log_dir=str(tmp_path)) as mc:
+            assert mc.attempts == 2 and mc.rpc_port != taken.getsockname()[1]
+            s = _mooncake_client(mc.url)
+            try:
+                assert s.exists([ObjectCodec(FP).name(key(1), 0)]) == [False]
+            finally:
+                s.close()
+    finally:
+        taken.close()
 
 
 def test_mooncake_objects_lost_with_their_segment(fresh_mooncake):

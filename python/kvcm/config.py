@@ -153,8 +153,8 @@ def resolve_config(config: KVCacheManagerConfig) -> ResolvedConfig:
     life_cycles = _resolve_life_cycles(config.layers, B)
     kinds = _resolve_tiers(config.tiers)
     slots = _resolve_slots(config, life_cycles)
-    _check_scalars(config)
     shared = config.tiers[-1] if kinds[-1] == "shared" else None
+    _check_scalars(config, shared is not None)
     local = tuple(k for k in kinds if k != "shared")
     return ResolvedConfig(config=config, life_cycles=life_cycles, slots=slots, tier_kinds=local, shared_tier=shared)
 
@@ -330,7 +330,7 @@ def _resolve_slots(config: KVCacheManagerConfig, life_cycles: tuple[LifeCycle, .
     return tuple(slots)
 
 
-def _check_scalars(config: KVCacheManagerConfig) -> None:
+def _check_scalars(config: KVCacheManagerConfig, has_shared: bool) -> None:
     """The remaining fields, in declaration order."""
     if type(config.enable_partial_reuse) is not bool:
         raise ConfigError("enable_partial_reuse", "must be a bool")
@@ -358,6 +358,11 @@ def _check_scalars(config: KVCacheManagerConfig) -> None:
         raise ConfigError("shared_namespace", "is not encodable as UTF-8") from None
     if nbytes > MAX_SHARED_NAMESPACE_BYTES:
         raise ConfigError("shared_namespace", f"is {nbytes} bytes UTF-8; at most {MAX_SHARED_NAMESPACE_BYTES}")
+    if has_shared and not ns:
+        # two fine-tunes of one shape have one layout: only the namespace keeps them from
+        # reading each other's bytes, so a shared tier never goes without one
+        raise ConfigError("shared_namespace", "a shared tier needs a non-empty namespace naming the model "
+                                              "(e.g. its name and revision): same-shaped models must not share bytes")
 
 
 __all__ = [
@@ -382,11 +387,15 @@ __all__ = [
 def layout_fingerprint(resolved: ResolvedConfig, namespace: str) -> bytes:
     """32 bytes naming the byte layout of every page this config writes, so that managers
     with another model, block size or page layout never read each other's objects: B, each
-    life cycle's kind, window, sinks and slot bytes, and a user-given model/namespace string.
-    Pool sizes, tiers and policies are left out: they do not change a page's bytes."""
+    life cycle's kind, window, sinks and slot bytes, its layers in config order (each
+    layer's id and bytes per token / state bytes: how the slot splits between layers, so
+    that layers of 64+32 and 32+64 bytes per token never read each other's K/V), and a
+    user-given model/namespace string.  Pool sizes, tiers and policies are left out: they do
+    not change a page's bytes."""
     if type(namespace) is not str:
         raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-    h = hashlib.sha256(b"kvcm-layout-v1\0")
+    layers = {layer.layer_id: layer for layer in resolved.config.layers}
+    h = hashlib.sha256(b"kvcm-layout-v2\0")
     h.update(resolved.tokens_per_block.to_bytes(4, "little"))
     h.update(len(resolved.life_cycles).to_bytes(4, "little"))
     for lc in resolved.life_cycles:
@@ -394,6 +403,11 @@ def layout_fingerprint(resolved: ResolvedConfig, namespace: str) -> bytes:
         h.update((0 if lc.window is None else lc.window).to_bytes(8, "little"))
         h.update(lc.sinks.to_bytes(8, "little"))
         h.update(lc.slot_bytes.to_bytes(8, "little"))
+        h.update(len(lc.layer_ids).to_bytes(8, "little"))
+        for lid in lc.layer_ids:  # config order: the order the layers sit in the slot
+            layer = layers[lid]
+            unit = layer.bytes_per_token if isinstance(layer, AttentionLayer) else layer.state_bytes
+            h.update(lid.to_bytes(8, "little") + unit.to_bytes(8, "little"))
     ns = namespace.encode("utf-8")
     h.update(len(ns).to_bytes(8, "little") + ns)
     return h.digest()

@@ -90,11 +90,19 @@ fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
   op that fails stops nothing: every other op still runs, and the failed store ops are
   listed in the ``CopyError`` raised at the end (``forget_copies`` forgets nothing for
   them).  A failed write never shows an object (the stores publish whole objects only).
-  An object that failed to load for a reason of its own (missing, short, foreign,
-  corrupted; not a store that is down) is removed from the store, so that later lookups do
-  not find it again and a later store can write it whole (``removed_bad``).
+  An object the codec rejected (a :class:`~kvcm.shared_store.BadObjectError`: short, long,
+  foreign, corrupted) is removed from the store, so that later lookups do not find it
+  again and a later store can write it whole (``removed_bad``).  No other failure removes
+  anything (a store that is down, slow, out of descriptors, an unknown error code: the
+  object may be good, and it is shared by the whole fleet).
+* A slow store: each ``exists`` / ``put`` / ``get`` call has a deadline
+  (``shared_timeout_s``, from the store's ``timeout_s``: default
+  :data:`~kvcm.shared_store.DEFAULT_TIMEOUT_S`); it runs on a worker thread and past the
+  deadline fails as a store that is down (``timeouts``); its staging buffer is abandoned,
+  so a late get never writes into anything read afterwards (:meth:`DataPlane._call`).  A
+  store that answers with the wrong number of results fails the call the same way.
 * ``shared_stats``: lookups, objects and payload bytes stored / loaded, failures, batches,
-  and the seconds the data plane spent in store and load batches (gather, checksums, I/O).
+  timeouts, and the seconds the data plane spent in store and load batches (gather, checksums, I/O).
 """
 
 from __future__ import annotations
@@ -106,15 +114,17 @@ import math
 import os
 import struct
 import tempfile
+import threading
 import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
+from urllib.parse import parse_qs
 
 from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig
 from kvcm.config import layout_fingerprint, resolve_config
-from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
+from kvcm.shared_store import HEADER, BadObjectError, FileStore, ObjectCodec, SharedStore, Staging, parse_timeout
 
 COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
 STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in several calls
@@ -253,19 +263,31 @@ def _create_disk_file(directory: str, lc: int, nbytes: int, tier: int) -> tuple[
 
 def open_store(location: str, quota_bytes: int = 0) -> SharedStore:
     """The store a shared tier's ``path`` names: ``mooncake://host:port?metadata=<url>``
-    (:class:`kvcm.mooncake_store.MooncakeStore`), ``file:///dir`` or a plain directory."""
+    (:class:`kvcm.mooncake_store.MooncakeStore`), ``file:///dir[?timeout_s=S]`` or a plain
+    directory.  ``timeout_s`` (both kinds): the data plane's deadline for one store call
+    (default :data:`kvcm.shared_store.DEFAULT_TIMEOUT_S`; 0: none)."""
     if not isinstance(location, str) or not location:
         raise ValueError("the shared tier needs a path: a directory, file:///dir or mooncake://host:port?metadata=url")
     if location.startswith("mooncake://"):
         from kvcm.mooncake_store import MooncakeStore  # only when asked for: an optional dependency
 
         return MooncakeStore.from_url(location, segment_bytes=quota_bytes)
+    timeout = None
     if location.startswith("file://"):
-        location = location[len("file://"):]
+        path, _, q = location[len("file://"):].partition("?")
+        query = parse_qs(q, keep_blank_values=True)
+        if set(query) - {"timeout_s"}:
+            raise ValueError(f"{location!r}: unknown parameters {sorted(set(query) - {'timeout_s'})}")
+        if "timeout_s" in query:
+            timeout = parse_timeout(query["timeout_s"][-1], location)
+        location = path
     elif "://" in location:
         raise ValueError(f"unknown shared store {location!r}: use a directory, file:///dir or "
                          "mooncake://host:port?metadata=url")
-    return FileStore(location, quota_bytes)
+    store = FileStore(location, quota_bytes)
+    if timeout is not None:
+        store.timeout_s = timeout
+    return store
 
 
 
@@ -275,6 +297,10 @@ class DataPlane:
     ``device``: where the ``gpu`` tier lives (default ``"cpu"``).  ``dtype``: the element
     type of the typed views.  ``shapes``: ``{layer_id: shape}`` — per-token shape of an
     attention layer, state shape of an ssm layer (its bytes must match the config).
+    ``store``: the shared tier's store (default: the one the tier's path names).
+    ``shared_timeout_s``: the deadline for one store call (default: the store's
+    ``timeout_s``, :data:`kvcm.shared_store.DEFAULT_TIMEOUT_S` unless its location says;
+    0: none).
     """
 
     def __init__(
@@ -285,6 +311,7 @@ class DataPlane:
         dtype: Any = None,
         shapes: Mapping[int, Sequence[int]] | None = None,
         store: SharedStore | None = None,
+        shared_timeout_s: float | None = None,
     ) -> None:
         torch = _torch()
         rc = resolve_config(config)
@@ -309,13 +336,15 @@ class DataPlane:
         self.codec: ObjectCodec | None = None
         self._own_store = False
         self._staging: Staging | None = None
+        self.shared_timeout_s = 0.0
+        self._late: list[tuple[threading.Event, Staging | None]] = []  # calls past their deadline (_call)
         self.shared_stats = dict.fromkeys(
             ("lookups", "lookup_names", "lookup_hits", "lookup_errors", "stores", "store_bytes", "store_failures",
-             "loads", "load_bytes", "load_failures", "removed_bad", "put_batches", "get_batches"), 0)
+             "loads", "load_bytes", "load_failures", "removed_bad", "put_batches", "get_batches", "timeouts"), 0)
         self.shared_seconds = {"lookup": 0.0, "store": 0.0, "load": 0.0}  # reporting only (throughput)
         try:
             self._make_pools(torch, config, rc.tier_ids)
-            self._open_shared(config, rc, store)
+            self._open_shared(config, rc, store, shared_timeout_s)
         except BaseException:
             self.pools = []
             self._finalizer()
@@ -380,17 +409,22 @@ class DataPlane:
                 row.append(pool)
             self.pools.append(row)
 
-    def _open_shared(self, config: KVCacheManagerConfig, rc: Any, store: SharedStore | None) -> None:
+    def _open_shared(self, config: KVCacheManagerConfig, rc: Any, store: SharedStore | None,
+                     timeout_s: float | None) -> None:
         tier = rc.shared_tier
         if tier is None:
             if store is not None:
                 raise ValueError("store= given but the config has no shared tier")
             return
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not math.isfinite(timeout_s) or timeout_s < 0):
+            raise ValueError(f"shared_timeout_s must be a number of seconds >= 0 (0: none), got {timeout_s!r}")
         self.codec = ObjectCodec(layout_fingerprint(rc, config.shared_namespace))
         if store is None:
             store = open_store(tier.path, tier.quota_bytes)
             self._own_store = True
         self.shared = store
+        self.shared_timeout_s = float(store.timeout_s if timeout_s is None else timeout_s)
 
     # ------------------------------------------------------------------ views
 
@@ -623,7 +657,10 @@ class DataPlane:
         self.shared_stats["lookups"] += 1
         self.shared_stats["lookup_names"] += len(cands)
         try:
-            present = self.shared.exists([self.codec.name(k, lc) for k, lc in cands])
+            present = self._call("exists", self.shared.exists, [self.codec.name(k, lc) for k, lc in cands])
+            if not isinstance(present, list) or len(present) != len(cands):  # a store that breaks its contract
+                raise OSError(errno.EIO, f"the shared store answered {len(present) if isinstance(present, list) else present!r} "
+                                         f"for {len(cands)} names")
         except OSError:
             self.shared_stats["lookup_errors"] += 1
             return []
@@ -633,9 +670,60 @@ class DataPlane:
         self.shared_stats["lookup_hits"] += len(hits)
         return hits
 
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, staging: Staging | None = None) -> Any:
+        """``fn(*args)`` (a store's exists / put / get) under the deadline
+        ``shared_timeout_s``: run on a worker thread, and past the deadline stop waiting and
+        raise ``TimeoutError`` (an ``OSError``, ETIMEDOUT), as a store that is down fails.
+        The call may still complete later: ``staging`` (the buffer it reads or writes) is
+        then abandoned — never used again by this plane, so a late get cannot write into
+        anything that is read afterwards (pools are filled from it only after a call that
+        returned in time).  The late call is remembered (``_late``): its buffer is
+        unregistered and freed on this thread once it has returned (:meth:`_reap`), and
+        :meth:`close` does not close the store under a call still in flight.  0: no
+        deadline, the call runs on this thread."""
+        if not self.shared_timeout_s:
+            return fn(*args)
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box["result"] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = e
+            done.set()
+
+        threading.Thread(target=work, name=f"kvcm-shared-{what}", daemon=True).start()
+        if not done.wait(self.shared_timeout_s):
+            self.shared_stats["timeouts"] += 1
+            self._late.append((done, staging))
+            if staging is not None and staging is self._staging:
+                self._staging = None  # abandoned: freed by _reap once the call returned
+            raise TimeoutError(errno.ETIMEDOUT, f"the shared store's {what} did not answer within "
+                                                f"{self.shared_timeout_s:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def _reap(self) -> None:
+        """Free the buffers of late calls that have returned since (on the caller's thread,
+        so that registering and unregistering never race with each other)."""
+        still: list[tuple[threading.Event, Staging | None]] = []
+        for done, st in self._late:
+            if not done.is_set():
+                still.append((done, st))
+            elif st is not None:
+                if self.shared is not None:
+                    with contextlib.suppress(OSError):
+                        self.shared.unregister(st)
+                st.close()
+        self._late = still
+
     def _staging_for(self, nbytes: int) -> Staging:
         """The registered staging buffer, grown to ``nbytes`` (at most STAGING_MAX_BYTES
         unless one object needs more)."""
+        if self._late:
+            self._reap()
         st = self._staging
         if st is None or st.nbytes < nbytes:
             if st is not None:
@@ -683,7 +771,11 @@ class DataPlane:
             chunks = self._chunks(ops, "src")
         except OSError as e:  # the staging buffer cannot be registered (store down)
             chunks, failed, cause = [], list(ops), e
+        timed_out: OSError | None = None
         for st, groups in chunks:
+            if timed_out is not None:  # the buffer is abandoned: fill nothing into it
+                failed += [op for _, _, _, group in groups for op in group]
+                continue
             flat = torch.frombuffer(st.view, dtype=torch.uint8)
             items: list[tuple[str, int, int]] = []
             ready: list[CopyOp] = []
@@ -709,10 +801,7 @@ class DataPlane:
             del flat
             if not items:
                 continue
-            try:
-                results = self.shared.put(items, st)
-            except OSError as e:
-                results = [e] * len(items)
+            results, timed_out = self._results("put", items, st)
             self.shared_stats["put_batches"] += 1
             for op, err in zip(ready, results, strict=True):
                 if err is None:
@@ -739,15 +828,20 @@ class DataPlane:
             chunks = self._chunks(ops, "dst")
         except OSError as e:  # the staging buffer cannot be registered (store down)
             chunks, failed, cause = [], list(ops), e
+        timed_out: OSError | None = None
         for st, groups in chunks:
             items = [(self.codec.name(op.key, lc), base + j * (H + self.life_cycles[lc].slot_bytes),
                       H + self.life_cycles[lc].slot_bytes)
                      for _, lc, base, group in groups for j, op in enumerate(group)]
-            try:
-                results = self.shared.get(items, st)
-            except OSError as e:
-                results = [e] * len(items)
-            self.shared_stats["get_batches"] += 1
+            if timed_out is None:
+                results, timed_out = self._results("get", items, st)
+                self.shared_stats["get_batches"] += 1
+            if timed_out is not None:
+                # the store is slow: this chunk and the rest of the batch fail as if it were
+                # down, and the abandoned buffer is not read (a late get may still write it)
+                failed += [op for _, _, _, group in groups for op in group]
+                cause = cause or timed_out
+                continue
             flat = torch.frombuffer(st.view, dtype=torch.uint8)
             bad_names: list[str] = []
             k = 0
@@ -765,7 +859,7 @@ class DataPlane:
                     except OSError as e:
                         failed.append(op)
                         cause = cause or e
-                        if e.errno != errno.ECONNREFUSED:  # the object itself is bad, not the store
+                        if isinstance(e, BadObjectError):  # the object itself is bad, not the store
                             bad_names.append(name)
                         continue
                     good.append(j)
@@ -797,10 +891,28 @@ class DataPlane:
         self.shared_seconds["load"] += time.perf_counter() - t0
         return failed, cause
 
+    def _results(self, what: str, items: list[tuple[str, int, int]],
+                 staging: Staging) -> tuple[list[Any], TimeoutError | None]:
+        """One put / get under the deadline: a result per item (``None`` / bytes read, or an
+        ``OSError``), and the ``TimeoutError`` when the call ran past the deadline (its
+        ``staging`` is abandoned then).  A call that raised, timed out or answered with
+        another number of results fails every item."""
+        try:
+            results = self._call(what, getattr(self.shared, what), items, staging, staging=staging)
+        except TimeoutError as e:
+            return [e] * len(items), e
+        except OSError as e:
+            return [e] * len(items), None
+        if not isinstance(results, list) or len(results) != len(items):  # a store that breaks its contract
+            n = len(results) if isinstance(results, list) else results
+            err = OSError(errno.EIO, f"the shared store's {what} answered {n!r} for {len(items)} objects")
+            return [err] * len(items), None
+        return results, None
+
     def _remove_bad(self, names: list[str]) -> None:
-        """Remove objects that failed to load (missing, short, foreign, corrupted): otherwise
-        every later lookup would find them and every load fail; removing a missing one is a
-        no-op, and a store that cannot remove them now keeps them (they still never load)."""
+        """Remove objects the codec rejected (short, long, foreign, corrupted): otherwise
+        every later lookup would find them and every load fail; a store that cannot remove
+        them now keeps them (they still never load)."""
         try:
             self.shared.remove(names)
         except OSError:
@@ -816,7 +928,10 @@ class DataPlane:
 
     def close(self) -> None:
         """Drop the pools, remove the disk tier's files, release the shared store and its
-        staging buffer (idempotent; a store given as ``store=`` stays open)."""
+        staging buffer (idempotent; a store given as ``store=`` stays open).  Calls that ran
+        past their deadline get one more deadline to return; a store with a call still in
+        flight is left open (closing a client under a running call is not safe), and so is
+        that call's buffer."""
         self.pools = []
         self._finalizer()
         if self._staging is not None:
@@ -824,7 +939,12 @@ class DataPlane:
                 self.shared.unregister(self._staging)
             self._staging.close()
             self._staging = None
-        if self.shared is not None and self._own_store:
+        if self._late:
+            wait_until = time.monotonic() + self.shared_timeout_s
+            for done, _ in self._late:
+                done.wait(max(0.0, wait_until - time.monotonic()))
+            self._reap()
+        if self.shared is not None and self._own_store and not self._late:
             self.shared.close()
         self.shared = None
 

@@ -21,7 +21,13 @@ after that, which tries the master again.  Nothing is lost either way: a failed 
 recomputed, a failed store is only not stored.
 
 Location: ``mooncake://<master host:port>?metadata=<url>[&protocol=tcp][&local_hostname=...]
-[&local_buffer_bytes=N]``; ``metadata`` defaults to ``http://<master host>:8080/metadata``.
+[&local_buffer_bytes=N][&timeout_s=S]``; ``metadata`` defaults to
+``http://<master host>:8080/metadata``; ``timeout_s`` is the data plane's deadline for one
+store call (default :data:`kvcm.shared_store.DEFAULT_TIMEOUT_S`; 0: none).
+``local_hostname`` is the address this client's segment and buffers are reached at by the
+other clients: it defaults to ``127.0.0.1``, right for one host only — **on several hosts
+set it to this host's IP** (``&local_hostname=10.0.0.2``), or other hosts' transfers to it
+fail.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from collections.abc import Sequence
 from typing import Self
 from urllib.parse import parse_qs, urlsplit
 
-from kvcm.shared_store import SharedStore, Staging
+from kvcm.shared_store import DEFAULT_TIMEOUT_S, SharedStore, Staging, parse_timeout
 
 # Mooncake's error codes (mooncake-store/include/types.h) that have a clear errno
 _ERRNO = {-704: errno.ENOENT, -900: errno.ECONNREFUSED, -600: errno.EMSGSIZE, -200: errno.ENOSPC}
@@ -56,7 +62,7 @@ def parse_url(url: str) -> dict:
     if parts.scheme != "mooncake" or not parts.hostname or not parts.port:
         raise ValueError(f"not a Mooncake location (mooncake://host:port?metadata=url): {url!r}")
     q = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    unknown = set(q) - {"metadata", "protocol", "local_hostname", "local_buffer_bytes"}
+    unknown = set(q) - {"metadata", "protocol", "local_hostname", "local_buffer_bytes", "timeout_s"}
     if unknown:
         raise ValueError(f"{url!r}: unknown parameters {sorted(unknown)}")
     return {
@@ -65,6 +71,7 @@ def parse_url(url: str) -> dict:
         "protocol": q.get("protocol", "tcp"),
         "local_hostname": q.get("local_hostname", "127.0.0.1"),
         "local_buffer_bytes": int(q.get("local_buffer_bytes", 16 << 20)),
+        "timeout_s": parse_timeout(q["timeout_s"], url) if "timeout_s" in q else DEFAULT_TIMEOUT_S,
     }
 
 
@@ -100,8 +107,10 @@ class MooncakeStore(SharedStore):
     @classmethod
     def from_url(cls, url: str, *, segment_bytes: int = 0) -> MooncakeStore:
         p = parse_url(url)
-        return cls(p["master"], p["metadata"], segment_bytes=segment_bytes, local_buffer_bytes=p["local_buffer_bytes"],
-                   protocol=p["protocol"], local_hostname=p["local_hostname"])
+        store = cls(p["master"], p["metadata"], segment_bytes=segment_bytes, local_buffer_bytes=p["local_buffer_bytes"],
+                    protocol=p["protocol"], local_hostname=p["local_hostname"])
+        store.timeout_s = p["timeout_s"]
+        return store
 
     def _client(self):
         if self._store is None:
@@ -198,11 +207,19 @@ def _binary(name: str) -> str:
     return found
 
 
-def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float) -> None:
+class ExitedError(RuntimeError):
+    """A Mooncake process exited while it was being started (e.g. its port was taken)."""
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float,
+                    also: tuple[tuple[subprocess.Popen | None, str], ...] = ()) -> None:
+    """Wait until ``port`` accepts connections; :class:`ExitedError` when ``proc`` (or a
+    process of ``also`` it needs, e.g. the master) exits meanwhile."""
     deadline = time.monotonic() + timeout
     while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode}")
+        for p, name in ((proc, what), *also):
+            if p is not None and p.poll() is not None:
+                raise ExitedError(f"{name} exited with status {p.returncode}")
         with socket.socket() as s:
             s.settimeout(0.2)
             if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -216,29 +233,45 @@ class LocalMooncake:
     """A Mooncake Store on 127.0.0.1 for tests and the fleet replay: ``mooncake_master`` with
     its built-in HTTP metadata server, and one ``mooncake_client`` that mounts
     ``segment_bytes`` of memory (the store's capacity; it outlives the engines).  Free ports
-    are chosen; :attr:`url` is the shared tier's path.  ``stop()`` ends both (idempotent)."""
+    are chosen; :attr:`url` is the shared tier's path.  ``stop()`` ends both (idempotent).
 
-    def __init__(self, segment_bytes: int = 256 << 20, *, log_dir: str | None = None, timeout: float = 30.0) -> None:
+    A free port is only free when it is picked: another process may bind it before the
+    master or the client does, and the process then exits.  So the launch is retried with
+    new ports (up to ``attempts`` times) when a process exits while starting."""
+
+    def __init__(self, segment_bytes: int = 256 << 20, *, log_dir: str | None = None, timeout: float = 30.0,
+                 attempts: int = 5) -> None:
         self.segment_bytes = segment_bytes
+        self._logs: list = []
+        self.master: subprocess.Popen | None = None
+        self.client: subprocess.Popen | None = None
+        self.attempts = 0  # launches tried
+        while True:
+            self.attempts += 1
+            try:
+                self._launch(log_dir, timeout)
+                return
+            except ExitedError:
+                self.stop()
+                if self.attempts >= attempts:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
+
+    def _launch(self, log_dir: str | None, timeout: float) -> None:
         self.rpc_port, self.http_port, self.metrics_port, self.client_port = (_free_port() for _ in range(4))
         self.master_addr = f"127.0.0.1:{self.rpc_port}"
         self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
         self.url = f"mooncake://{self.master_addr}?metadata={self.metadata}"
-        self._logs: list = []
-        self.master: subprocess.Popen | None = None
-        self.client: subprocess.Popen | None = None
-        try:
-            self.master = self._spawn(log_dir, "master", [
-                _binary("mooncake_master"), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-                "--enable_http_metadata_server", "--http_metadata_server_host=127.0.0.1",
-                f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
-                f"--metrics_port={self.metrics_port}"])
-            _wait_listening(self.rpc_port, self.master, "mooncake_master", timeout)
-            _wait_listening(self.http_port, self.master, "mooncake_master's metadata server", timeout)
-            self.start_client(log_dir, timeout)
-        except BaseException:
-            self.stop()
-            raise
+        self.master = self._spawn(log_dir, "master", [
+            _binary("mooncake_master"), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server", "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
+            f"--metrics_port={self.metrics_port}"])
+        _wait_listening(self.rpc_port, self.master, "mooncake_master", timeout)
+        _wait_listening(self.http_port, self.master, "mooncake_master's metadata server", timeout)
+        self.start_client(log_dir, timeout)
 
     def _spawn(self, log_dir: str | None, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(os.path.join(log_dir, f"mooncake-{name}.log"), "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
@@ -253,7 +286,8 @@ class LocalMooncake:
             _binary("mooncake_client"), "--host=127.0.0.1", f"--port={self.client_port}",
             f"--master_server_address={self.master_addr}", f"--metadata_server={self.metadata}",
             f"--global_segment_size={self.segment_bytes}", "--protocol=tcp"])
-        _wait_listening(self.client_port, self.client, "mooncake_client", timeout)
+        # the master too: one whose port was taken may exit only after it seemed to listen
+        _wait_listening(self.client_port, self.client, "mooncake_client", timeout, ((self.master, "mooncake_master"),))
 
     @staticmethod
     def _end(proc: subprocess.Popen | None, sig_kill: bool = False) -> None:

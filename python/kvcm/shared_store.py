@@ -15,7 +15,9 @@ Object format
 
 Every read is verified (:meth:`ObjectCodec.check`): an object that is missing, short, longer
 than expected, or whose magic, fingerprint, key, lc, length or checksum differs raises
-``OSError`` — the load did not complete and the data plane reports the op as failed.
+``OSError`` — the load did not complete and the data plane reports the op as failed.  A
+present object rejected for its content or length raises :class:`BadObjectError` (an
+``OSError``), the only failure for which the data plane removes the object.
 
 The store interface (:class:`SharedStore`)
 -----------------------------------------
@@ -29,15 +31,23 @@ transfer engine, so puts and gets are zero-copy from / into it):
 * ``get(items, staging) -> list[int | OSError]``: read each object into its region; the
   number of bytes read, or the error.
 * ``remove(names)``: drop objects (tests, tools).
+* ``timeout_s``: the data plane's deadline for one ``exists`` / ``put`` / ``get`` call
+  (:data:`DEFAULT_TIMEOUT_S`; 0: none).  The data plane runs each call on a worker thread
+  and stops waiting at the deadline, so a store may block; a call past it fails like a
+  store that is down (:class:`kvcm.dataplane.DataPlane`).
 
 The file store (:class:`FileStore`)
 ----------------------------------
 A directory, one file ``<name>.kvo`` per object, written atomically: a temporary file in the
 same directory, ``fsync``, ``rename`` (then one ``fsync`` of the directory per batch), so a
 reader on any host of a shared filesystem sees a whole object or none.  An optional byte
-quota: past it, the oldest objects (by modification time, then name) are removed.  The
+quota: past it, the oldest objects (by modification time, then name) are removed down to
+a low watermark (90% of the quota), so the next trim is ~10% of the quota of writes away.
+A successful load refreshes the object's modification time, so hot objects go last.  The
 total is rescanned only when this process's running estimate passes the quota, so other
 writers' bytes are noticed lazily (each writer enforces the quota on its own writes).
+Temporary files older than :data:`STALE_TMP_S` (a writer that crashed mid-write) are
+removed when the store opens and on every rescan.
 """
 
 from __future__ import annotations
@@ -45,17 +55,46 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import math
 import mmap
 import os
 import struct
 import tempfile
+import time
 import zlib
 from collections.abc import Sequence
 from typing import Self
 
+DEFAULT_TIMEOUT_S = 10.0  # the data plane's deadline for one exists / put / get call (0: none)
 MAGIC = b"KVCMOBJ1"
 HEADER = struct.Struct("<8s32s32sIQI")  # magic, fingerprint, key, lc, payload length, crc32(payload)
 OBJECT_SUFFIX = ".kvo"
+TMP_PREFIX = ".tmp-"
+QUOTA_LOW_WATERMARK = 0.9  # past the quota, the file store trims to this fraction of it
+STALE_TMP_S = 300.0  # a temporary file this old is a crashed writer's: removed on open / rescan
+
+
+def parse_timeout(value: str, location: str) -> float:
+    """A location's ``timeout_s`` parameter: seconds >= 0 (0: no deadline)."""
+    try:
+        t = float(value)
+    except ValueError:
+        t = -1.0
+    if not math.isfinite(t) or t < 0:
+        raise ValueError(f"{location!r}: timeout_s must be a number of seconds >= 0 (0: none), got {value!r}")
+    return t
+
+
+class BadObjectError(OSError):
+    """An object that is there but is not the object asked for: the codec rejected it (wrong
+    magic, fingerprint, key, life cycle, length or checksum) or the store saw a wrong
+    length.  Only this failure makes the data plane remove the object: any other ``OSError``
+    (a store that is down, slow, out of descriptors, a stale handle, an error code it does
+    not know) says nothing about the object, and removing it would wipe a good object for
+    every instance of the fleet."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
 
 
 class ObjectCodec:
@@ -75,18 +114,18 @@ class ObjectCodec:
         return HEADER.pack(MAGIC, self.fingerprint, key, lc, len(payload), zlib.crc32(payload))
 
     def check(self, obj: memoryview, key: bytes, lc: int, payload_bytes: int) -> None:
-        """Verify one object read back (``obj`` is exactly what was read): OSError(EIO)
-        naming what differs."""
+        """Verify one object read back (``obj`` is exactly what was read):
+        :class:`BadObjectError` (an ``OSError`` EIO) naming what differs."""
         want = HEADER.size + payload_bytes
         if len(obj) != want:
-            raise OSError(errno.EIO, f"shared object {self.name(key, lc)}: {len(obj)} bytes, expected {want} "
-                                     "(truncated or foreign)")
+            raise BadObjectError(f"shared object {self.name(key, lc)}: {len(obj)} bytes, expected {want} "
+                                 "(truncated or foreign)")
         magic, fp, k, olc, n, crc = HEADER.unpack_from(obj, 0)
         what = ("magic" if magic != MAGIC else "fingerprint" if fp != self.fingerprint else "key" if k != key
                 else "life cycle" if olc != lc else "length" if n != payload_bytes
                 else "checksum" if crc != zlib.crc32(obj[HEADER.size:]) else None)
         if what is not None:
-            raise OSError(errno.EIO, f"shared object {self.name(key, lc)}: wrong {what} (foreign or corrupted)")
+            raise BadObjectError(f"shared object {self.name(key, lc)}: wrong {what} (foreign or corrupted)")
 
 
 class Staging:
@@ -118,6 +157,9 @@ class SharedStore:
 
     kind = ""
     location = ""
+    # the data plane's deadline for one exists / put / get call, in seconds (0: none); a
+    # location sets it with ``?timeout_s=`` (kvcm.dataplane.open_store)
+    timeout_s = DEFAULT_TIMEOUT_S
 
     def exists(self, names: Sequence[str]) -> list[bool]:
         raise NotImplementedError
@@ -161,6 +203,9 @@ class FileStore(SharedStore):
         self.fsync = fsync
         self._estimate: int | None = None  # bytes in the directory, as far as this process knows
         self.evicted = 0  # objects this store removed to keep the quota
+        self.rescans = 0  # directory scans made to keep the quota
+        self.swept = 0  # stale temporary files removed
+        self._sweep_tmp()
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, name + OBJECT_SUFFIX)
@@ -177,7 +222,7 @@ class FileStore(SharedStore):
         for name, off, size in items:
             tmp = None
             try:
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.directory)
+                fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=self.directory)
                 try:
                     view = staging.view[off:off + size]
                     while view:  # a short write continues where it stopped
@@ -186,10 +231,12 @@ class FileStore(SharedStore):
                         os.fsync(fd)
                 finally:
                     os.close(fd)
-                os.rename(tmp, self.path(name))
+                dst = self.path(name)
+                replaced = self._size(dst)  # a put of an existing name replaces its bytes
+                os.rename(tmp, dst)
                 tmp = None
                 renamed = True
-                written += size
+                written += size - replaced
                 results.append(None)
             except OSError as e:
                 results.append(e)
@@ -210,7 +257,11 @@ class FileStore(SharedStore):
                 with open(self.path(name), "rb", buffering=0) as f:
                     n = f.readinto(staging.view[off:off + size])
                     if n == size and f.read(1):  # longer than expected: not our object
-                        raise OSError(errno.EIO, f"shared object {name}: longer than {size} bytes")
+                        raise BadObjectError(f"shared object {name}: longer than {size} bytes")
+                    if n == size:
+                        # a hot object is the newest for the quota: evicted last, not first
+                        with contextlib.suppress(OSError):
+                            os.utime(f.fileno())
                 results.append(n)
             except OSError as e:
                 results.append(e)
@@ -218,9 +269,20 @@ class FileStore(SharedStore):
 
     def remove(self, names: Sequence[str]) -> None:
         for n in names:
+            path = self.path(n)
+            size = self._size(path)
             with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path(n))
-        self._estimate = None
+                os.remove(path)
+                if self._estimate is not None:
+                    self._estimate = max(0, self._estimate - size)
+
+    @staticmethod
+    def _size(path: str) -> int:
+        """The bytes of the file at ``path``; 0 when there is none."""
+        try:
+            return os.stat(path).st_size
+        except OSError:
+            return 0
 
     def _fsync_dir(self) -> None:
         fd = os.open(self.directory, os.O_RDONLY)
@@ -231,32 +293,50 @@ class FileStore(SharedStore):
         finally:
             os.close(fd)
 
-    def _objects(self) -> list[tuple[int, str, int]]:
-        """(mtime_ns, name, bytes) of every object file, oldest first."""
+    def _objects(self, *, objects: bool = True) -> list[tuple[int, str, int]]:
+        """(mtime_ns, name, bytes) of every object file, oldest first (none unless
+        ``objects``); temporary files older than :data:`STALE_TMP_S` (a writer that crashed
+        between create and rename) are removed on the way."""
         out = []
+        stale_before = time.time_ns() - int(STALE_TMP_S * 1e9)
         with os.scandir(self.directory) as it:
             for e in it:
-                if e.name.endswith(OBJECT_SUFFIX):
-                    with contextlib.suppress(FileNotFoundError):
-                        st = e.stat()
-                        out.append((st.st_mtime_ns, e.name, st.st_size))
+                with contextlib.suppress(FileNotFoundError):
+                    if e.name.endswith(OBJECT_SUFFIX):
+                        if objects:
+                            st = e.stat()
+                            out.append((st.st_mtime_ns, e.name, st.st_size))
+                    elif e.name.startswith(TMP_PREFIX) and e.stat().st_mtime_ns < stale_before:
+                        os.remove(e.path)
+                        self.swept += 1
         out.sort()
         return out
 
+    def _sweep_tmp(self) -> None:
+        """Remove stale temporary files (at open: a crashed writer's leftovers)."""
+        with contextlib.suppress(OSError):
+            self._objects(objects=False)
+
     def _keep_quota(self, written: int) -> None:
+        """Past the quota, remove the oldest objects down to the low watermark
+        (:data:`QUOTA_LOW_WATERMARK` of the quota), so that the next scan is ~10% of the
+        quota of writes away instead of at the next write."""
         if self._estimate is not None:
             self._estimate += written
             if self._estimate <= self.quota_bytes:
                 return
+        self.rescans += 1
         objs = self._objects()
         total = sum(o[2] for o in objs)
-        for _, name, size in objs:
-            if total <= self.quota_bytes:
-                break
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(self.directory, name))
-                self.evicted += 1
-            total -= size
+        if total > self.quota_bytes:
+            low = int(self.quota_bytes * QUOTA_LOW_WATERMARK)
+            for _, name, size in objs:
+                if total <= low:
+                    break
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(self.directory, name))
+                    self.evicted += 1
+                total -= size
         self._estimate = total
 
     def usage(self) -> tuple[int, int]:
@@ -265,4 +345,17 @@ class FileStore(SharedStore):
         return len(objs), sum(o[2] for o in objs)
 
 
-__all__ = ["HEADER", "MAGIC", "OBJECT_SUFFIX", "FileStore", "ObjectCodec", "SharedStore", "Staging"]
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "HEADER",
+    "MAGIC",
+    "OBJECT_SUFFIX",
+    "QUOTA_LOW_WATERMARK",
+    "STALE_TMP_S",
+    "BadObjectError",
+    "FileStore",
+    "ObjectCodec",
+    "SharedStore",
+    "Staging",
+    "parse_timeout",
+]
