@@ -213,11 +213,12 @@ def _rss_bytes() -> int:
 
 def measure_replay(impl: str, limit: int, tokens_per_block: int, gpu: int | None, host: int | None,
                    outputs: bool = False, output_step: int = 1) -> dict:
-    """Run one replay of ``impl`` (a backend name or ``floor``) in this process, meant to
-    be a fresh child so that its peak RSS is its own: ``{"result": ReplayResult fields,
+    """Run ``impl`` (a backend name or ``floor``) over the replay in this process, meant
+    to be a fresh child so that its peak RSS is its own (a warm-up run, then the timed one): ``{"result": ReplayResult fields,
     "peak_rss": bytes, "base_rss": bytes}`` (base: after imports and the trace load,
     before the manager is built), or ``{"why": reason}`` when the backend cannot run."""
     import dataclasses
+    import gc
     import resource
 
     from kvcm.cli_common import run_guarded
@@ -225,13 +226,20 @@ def measure_replay(impl: str, limit: int, tokens_per_block: int, gpu: int | None
 
     trace = load_trace(limit=limit)
     base = _rss_bytes()
-    if impl == FLOOR:
-        res, why = run_guarded(lambda: replay_floor(trace, tokens_per_block, gpu, host, outputs, output_step))
-    else:
-        res, why = run_guarded(lambda: replay(trace, impl, tokens_per_block=tokens_per_block, gpu_quota_blocks=gpu,
-                                              host_quota_blocks=host, with_outputs=outputs, output_step=output_step))
-    if why is not None:
-        return {"why": why}
+    # Two runs, the second timed: the first pays a fresh process's first-touch page faults
+    # for every byte the cache grows into, a cost a long-running server pays once, not per
+    # request (it reuses freed memory); every implementation gets the same protocol, and the
+    # peak RSS is still one run's, since the second reuses what the first freed.
+    for _ in range(2):
+        if impl == FLOOR:
+            res, why = run_guarded(lambda: replay_floor(trace, tokens_per_block, gpu, host, outputs, output_step))
+        else:
+            res, why = run_guarded(lambda: replay(trace, impl, tokens_per_block=tokens_per_block,
+                                                  gpu_quota_blocks=gpu, host_quota_blocks=host, with_outputs=outputs,
+                                                  output_step=output_step))
+        if why is not None:
+            return {"why": why}
+        gc.collect()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     fields = {f.name: getattr(res, f.name) for f in dataclasses.fields(res) if f.name != "stats"}
     return {"result": fields, "peak_rss": peak, "base_rss": base}
