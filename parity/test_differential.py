@@ -442,14 +442,19 @@ class DifferentialMachine(RuleBasedStateMachine):
             args["history_length"] = None
         self.run({"op": "resize", "cache": h, "args": args})
 
+    def committed_and_room(self, h) -> tuple[int, int]:
+        """The cache's committed tokens and the room left below its capacity (0 for a
+        cache whose properties raise, e.g. closed)."""
+        p = self.props(h)
+        cap = p["capacity"] if isinstance(p["capacity"], int) else 0
+        nc = p["num_committed_tokens"] if isinstance(p["num_committed_tokens"], int) else 0
+        return nc, max(0, cap - nc)
+
     def op_commit(self, data) -> None:
         h = self.pick_handle(data)
         if h is None:
             return
-        p = self.props(h)
-        cap = p["capacity"] if isinstance(p["capacity"], int) else 0
-        nc = p["num_committed_tokens"] if isinstance(p["num_committed_tokens"], int) else 0
-        room = max(0, cap - nc)
+        nc, room = self.committed_and_room(h)
         k = data.draw(st.sampled_from([room, room, 1, self.B, min(room, self.B), 0, room + 1, 2 * self.B + 1]))
         k = min(k, 8 * self.B + 8)  # a capacity of 10**6 (bad input resizes) is no commit to draw
         plan = self.plans[h]
@@ -463,10 +468,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         h = self.pick_handle(data)
         if h is None:
             return
-        p = self.props(h)
-        cap = p["capacity"] if isinstance(p["capacity"], int) else 0
-        nc = p["num_committed_tokens"] if isinstance(p["num_committed_tokens"], int) else 0
-        room = max(0, cap - nc)
+        _, room = self.committed_and_room(h)
         n = data.draw(st.sampled_from([None, None, room, 1, self.B, min(room, self.B), 0, room + 1, -1, "1", True]))
         self.run({"op": "commit_input", "cache": h, "args": {} if n is None and data.draw(st.booleans()) else {"n": n}})
 

@@ -123,32 +123,31 @@ std::int64_t Manager::take_page_handle() {
 Page* Manager::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
                                  std::int64_t ordinal) {
   Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
-  Page& p = slab(take_page_handle());
-  p.serial = next_page_++;
-  p.lc = static_cast<std::uint8_t>(lc);
-  p.tier = static_cast<std::uint8_t>(tier);
-  p.slot = static_cast<std::int32_t>(pool.take_slot());
-  p.coverage = static_cast<std::int16_t>(coverage);
-  p.priority = static_cast<std::int8_t>(priority);
-  p.last_used = clock_;
-  p.ordinal = static_cast<std::int32_t>(ordinal);
+  Page* p = make_page(tier, lc, pool.take_slot(), coverage, priority, ordinal);
   count(lc, kAllocatedBlocks);
-  return &p;
+  return p;
 }
 
 // DECISIONS.md "The shared tier".
 // py: manager.py PyKVCacheManager.new_shared_page — SPEC sec. 16
 Page* Manager::new_shared_page(std::int64_t lc, std::int64_t priority, std::int64_t ordinal) {
+  Page* p = make_page(shared_pos_, lc, -1, B_, priority, ordinal);
+  count(lc, kSharedHitBlocks);
+  return p;
+}
+
+// py: manager.py PyKVCacheManager.make_page — SPEC sec. 4
+Page* Manager::make_page(std::int64_t tier, std::int64_t lc, std::int64_t slot, std::int64_t coverage,
+                         std::int64_t priority, std::int64_t ordinal) {
   Page& p = slab(take_page_handle());
   p.serial = next_page_++;
   p.lc = static_cast<std::uint8_t>(lc);
-  p.tier = static_cast<std::uint8_t>(shared_pos_);
-  p.slot = -1;
-  p.coverage = static_cast<std::int16_t>(B_);
+  p.tier = static_cast<std::uint8_t>(tier);
+  p.slot = static_cast<std::int32_t>(slot);
+  p.coverage = static_cast<std::int16_t>(coverage);
   p.priority = static_cast<std::int8_t>(priority);
   p.last_used = clock_;
   p.ordinal = static_cast<std::int32_t>(ordinal);
-  count(lc, kSharedHitBlocks);
   return &p;
 }
 

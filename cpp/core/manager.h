@@ -305,6 +305,9 @@ class Manager {
   void list_insert(EvictIndex& ix, Page& p, std::int64_t before);
   void index(Page& p);
   Page* new_shared_page(std::int64_t lc, std::int64_t priority, std::int64_t ordinal);
+  // A page with the next serial in a handle of the slab, last used now (new_page, new_shared_page).
+  Page* make_page(std::int64_t tier, std::int64_t lc, std::int64_t slot, std::int64_t coverage,
+                  std::int64_t priority, std::int64_t ordinal);
   template <typename F>
   void restate(Page& p, F change) {
     if (p.tier == shared_pos_) {  // a shared page is in no pool

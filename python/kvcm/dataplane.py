@@ -759,18 +759,21 @@ class DataPlane:
         out.append((st, groups))
         return out
 
+    def _chunks_or_fail(self, ops: list[CopyOp], side: str) -> tuple[list, list[CopyOp], BaseException | None]:
+        """``(chunks, failed, cause)`` for a shared batch: its staging chunks, or none and
+        every op failed when the staging buffer cannot be registered (the store is down)."""
+        try:
+            return self._chunks(ops, side), [], None
+        except OSError as e:
+            return [], list(ops), e
+
     def _store_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
         """Write the pages of ``store`` ops as objects, one batched put per chunk: each
         (tier, lc) group gathered into its staging region in one copy, headers written."""
         torch = _torch()
         t0 = time.perf_counter()
-        failed: list[CopyOp] = []
-        cause: BaseException | None = None
         H = HEADER.size
-        try:
-            chunks = self._chunks(ops, "src")
-        except OSError as e:  # the staging buffer cannot be registered (store down)
-            chunks, failed, cause = [], list(ops), e
+        chunks, failed, cause = self._chunks_or_fail(ops, "src")
         timed_out: OSError | None = None
         for st, groups in chunks:
             if timed_out is not None:  # the buffer is abandoned: fill nothing into it
@@ -821,13 +824,8 @@ class DataPlane:
         group's verified pages are scattered into the pool with one ``index_copy_``."""
         torch = _torch()
         t0 = time.perf_counter()
-        failed: list[CopyOp] = []
-        cause: BaseException | None = None
         H = HEADER.size
-        try:
-            chunks = self._chunks(ops, "dst")
-        except OSError as e:  # the staging buffer cannot be registered (store down)
-            chunks, failed, cause = [], list(ops), e
+        chunks, failed, cause = self._chunks_or_fail(ops, "dst")
         timed_out: OSError | None = None
         for st, groups in chunks:
             items = [(self.codec.name(op.key, lc), base + j * (H + self.life_cycles[lc].slot_bytes),

@@ -147,29 +147,29 @@ class MooncakeStore(SharedStore):
             self._registered.discard(staging.address)
 
     def put(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[OSError | None]:
-        if not items:
-            return []
-        try:
-            client = self._client()
-        except OSError as e:
-            return [e] * len(items)
-        codes = self._note(client.batch_put_from([n for n, _, _ in items],
-                                                         [staging.address + o for _, o, _ in items],
-                                                         [s for _, _, s in items]))
+        codes = self._batch("batch_put_from", items, staging)
         # an object that exists already holds the same bytes (its name is its content's key)
-        return [None if c in (0, -703) else _error(c, f"put {n}") for (n, _, _), c in zip(items, codes, strict=True)]
+        return [c if isinstance(c, OSError) else None if c in (0, -703) else _error(c, f"put {n}")
+                for (n, _, _), c in zip(items, codes, strict=True)]
 
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
+        codes = self._batch("batch_get_into", items, staging)
+        return [c if isinstance(c, OSError) or c >= 0 else _error(c, f"get {n}")
+                for (n, _, _), c in zip(items, codes, strict=True)]
+
+    def _batch(self, method: str, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
+        """One batched transfer of ``items`` (name, staging offset, size): the client's
+        result code per item, or the client's error for every item when it is closed or
+        taken as down."""
         if not items:
             return []
         try:
             client = self._client()
         except OSError as e:
             return [e] * len(items)
-        codes = self._note(client.batch_get_into([n for n, _, _ in items],
-                                                         [staging.address + o for _, o, _ in items],
-                                                         [s for _, _, s in items]))
-        return [c if c >= 0 else _error(c, f"get {n}") for (n, _, _), c in zip(items, codes, strict=True)]
+        return self._note(getattr(client, method)([n for n, _, _ in items],
+                                                  [staging.address + o for _, o, _ in items],
+                                                  [s for _, _, s in items]))
 
     def remove(self, names: Sequence[str]) -> None:
         if names:

@@ -341,20 +341,22 @@ class PyKVCacheManager(KVCacheManager):
 
     def new_page(self, tier: int, lc: int, coverage: int, priority: int, ordinal: int) -> Page:
         """SPEC sec. 4: a private page in the lowest free slot (the caller made room), no user yet."""
-        pool = self.pools[tier][lc]
-        page = Page(self.next_page, lc, tier, pool.take_slot(), coverage, priority, self.clock, ordinal)
-        self.next_page += 1
-        self.pages[page.serial] = page
+        page = self._make_page(tier, lc, self.pools[tier][lc].take_slot(), coverage, priority, ordinal)
         self.count(lc, "allocated_blocks")
         return page
 
     def new_shared_page(self, lc: int, priority: int, ordinal: int) -> Page:
         """DECISIONS.md "The shared tier": a page of a full block in the store (tier 3, no
         slot, in no pool), no user yet; the caller links it into its block."""
-        page = Page(self.next_page, lc, self.shared_pos, -1, self.B, priority, self.clock, ordinal)
+        page = self._make_page(self.shared_pos, lc, -1, self.B, priority, ordinal)
+        self.count(lc, "shared_hit_blocks")
+        return page
+
+    def _make_page(self, tier: int, lc: int, slot: int, coverage: int, priority: int, ordinal: int) -> Page:
+        """A page with the next serial, last used now, registered by serial."""
+        page = Page(self.next_page, lc, tier, slot, coverage, priority, self.clock, ordinal)
         self.next_page += 1
         self.pages[page.serial] = page
-        self.count(lc, "shared_hit_blocks")
         return page
 
     # use / unuse / set_active are restate with the change written inline: they run per
