@@ -49,7 +49,7 @@ from kvcm.python_backend import batch, observe
 from kvcm.python_backend.locking import serialized
 from kvcm.python_backend.pools import DROPPABLE, NO_NODE, NoPool, Page, Pool
 from kvcm.python_backend.request import PyKVCache
-from kvcm.python_backend.tree import NO_PAGE, RadixTree, unpack_tokens
+from kvcm.python_backend.tree import NO_PAGE, RadixTree, record_key, record_tokens
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped",
@@ -60,12 +60,14 @@ def _removed_event(event_id: int, key: bytes, lc: int) -> RemovedEvent:
     return RemovedEvent(event_id, (key,), lc)
 
 
-def _stored_event(event_id: int, parent_key: bytes | None, key: bytes, packed: bytes | tuple,
+def _stored_event(event_id: int, parent: bytes | tuple | None, record: bytes | tuple,
                   rows: Sequence[tuple[int, int, int, int]], partial: bool) -> StoredEvent:
-    """A ``stored`` event from what :meth:`PyKVCacheManager.emit_stored` recorded:
-    the block's ``Node.packed`` tokens, ``rows`` (lc, tier, priority, coverage) per lc."""
-    toks = unpack_tokens(packed)
-    return StoredEvent(event_id, parent_key,
+    """A ``stored`` event from what :meth:`PyKVCacheManager.emit_stored` recorded: the
+    ``Node.record`` (key and tokens) of the block and of its parent (None: no parent),
+    ``rows`` (lc, tier, priority, coverage) per lc."""
+    toks = record_tokens(record)
+    key = record_key(record)
+    return StoredEvent(event_id, None if parent is None else record_key(parent),
                        tuple(StoredBlock(key, len(toks), toks, lc, tier, prio, cov) for lc, tier, prio, cov in rows),
                        partial)
 
@@ -542,7 +544,7 @@ class PyKVCacheManager(KVCacheManager):
         for nid in node_ids:
             n = self.tree.nodes[nid]
             for lc in range(len(self.lcs)):
-                h = n.pages[lc]
+                h = n.page_of(lc)
                 if h == NO_PAGE:
                     continue
                 if announce:
@@ -650,19 +652,22 @@ class PyKVCacheManager(KVCacheManager):
             self.events_dropped += 1
             return
         n = self.tree.nodes[node_id]
-        parent_key = n.parent.key if n.parent is not None else None
+        parent = n.parent.record if n.parent is not None else None
         pages, tid = self.pages, self.tier_ids
         if len(lcs) == 1:  # the common case without a generator (one frame less per block)
             lc = lcs[0]
-            p = pages[n.pages[lc]]
+            h = n.pages
+            p = pages[h if type(h) is int else h[lc]]  # Node.page_of
             rows: tuple = ((lc, tid[p.tier], p.priority, n.coverage[lc]),)
         else:
-            rows = tuple((lc, tid[pages[n.pages[lc]].tier], pages[n.pages[lc]].priority, n.coverage[lc]) for lc in lcs)
+            rows = tuple((lc, tid[pages[n.page_of(lc)].tier], pages[n.page_of(lc)].priority, n.coverage[lc])
+                         for lc in lcs)
         events = self.events
         if len(events) >= max_events:
             events.popleft()
             self.events_dropped += 1
-        events.append((_STORED, eid, parent_key, n.key, n.packed, rows, n.ntok < self.B))
+        # the records, not keys and tokens: shared with the nodes, nothing built per event
+        events.append((_STORED, eid, parent, n.record, rows, n.ntok < self.B))
 
     # --- stats
 

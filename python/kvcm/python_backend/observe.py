@@ -58,7 +58,7 @@ def _snapshot_tree(tree: RadixTree) -> list[dict]:
             "tokens": [_tok(t) for t in n.tokens],
             "children": sorted(c.id for c in children_of(n)),
             "refs": n.refs,
-            "pages": [None if h == NO_PAGE else {"page": h, "coverage": n.coverage[lc]} for lc, h in enumerate(n.pages)],
+            "pages": [None if h == NO_PAGE else {"page": h, "coverage": n.coverage[lc]} for lc, h in enumerate(n.handles())],
         })
     return out
 
@@ -209,7 +209,7 @@ def _check_page_users(mgr: Any, p: Page, locks: dict[int, int], holds: dict[int,
     else:
         check(p.node in tree.nodes, f"page {p.serial}: block {p.node} does not exist")
         n = tree.nodes[p.node]
-        check(n.pages[p.lc] == p.serial, f"page {p.serial}: block {p.node} does not hold it")
+        check(n.page_of(p.lc) == p.serial, f"page {p.serial}: block {p.node} does not hold it")
         if not n.attached:
             check(p.locks + p.holds > 0, f"page {p.serial}: orphan block {p.node} page without a user")
 
@@ -220,7 +220,7 @@ def _check_tree_links(mgr: Any, nid: int, n: Node, refs: dict[int, int]) -> None
     check = mgr.check
     tree = mgr.tree
     check(n.refs == refs.get(nid, 0), f"block {nid}: {n.refs} refs, {refs.get(nid, 0)} requests")
-    for lc, h in enumerate(n.pages):
+    for lc, h in enumerate(n.handles()):
         if h != NO_PAGE:
             check(h in mgr.pages and mgr.pages[h].node == nid, f"block {nid}: page {h} of lc {lc} not linked back")
             check(n.coverage[lc] > 0, f"block {nid}: page with zero coverage")

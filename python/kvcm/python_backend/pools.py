@@ -59,17 +59,21 @@ class Page:
         return (self.priority, self.last_used, -self.ordinal, self.serial)
 
 
-# A heap entry is the page's eviction key packed into one int, 64 bits a field below the
-# priority: (priority, last_used, 2**64-1 - ordinal, serial).  Int order is the tuple order
-# of sec. 8 (every field fits its width: clock, ordinals and serials stay below 2**63), the
-# low field names the page, and one int (~44 bytes, untracked by the cyclic GC) replaces a
-# five-field tuple (~88 bytes).
+# A heap entry is the page's eviction key packed into one int: (priority, last_used,
+# 2**32-1 - ordinal, serial), 64 bits a field below the priority but 32 for the ordinal.
+# Int order is the tuple order of sec. 8 (every field fits its width: clock and serials
+# stay below 2**63; a page's ordinal is at most MAX_REQUEST_BLOCKS = 2**24 but for a
+# shared-tier hit's, bounded by an input of 2**32 blocks no process holds), the low field names
+# the page, and one int of 167 bits (48 bytes, untracked by the cyclic GC) replaces a
+# five-field tuple (~88 bytes); the narrow ordinal keeps it to six 30-bit digits.
 _W = 64
 _MASK = (1 << _W) - 1
+_OW = 32
+_OMASK = (1 << _OW) - 1
 
 
 def _entry(page: Page) -> int:
-    return (((page.priority << _W | page.last_used) << _W | (_MASK - page.ordinal)) << _W) | page.serial
+    return (((page.priority << _W | page.last_used) << _OW | (_OMASK - page.ordinal)) << _W) | page.serial
 
 
 class Pool:
@@ -132,7 +136,7 @@ class Pool:
         else:
             return
         heap = self._heaps[state]
-        heapq.heappush(heap, (((page.priority << _W | page.last_used) << _W | (_MASK - page.ordinal)) << _W) | page.serial)  # _entry
+        heapq.heappush(heap, (((page.priority << _W | page.last_used) << _OW | (_OMASK - page.ordinal)) << _W) | page.serial)  # _entry
         if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
             self._compact(state)
 

@@ -684,28 +684,28 @@ class PyKVCache(KVCache):
         siblings = tree.attach(parent, nid)
         node = tree.nodes[nid]
         if not siblings:  # the common case: nothing detached, nothing swapped, only ``stored``
-            mgr.emit_stored(nid, [lc for lc, h in enumerate(node.pages) if h != NO_PAGE])
+            mgr.emit_stored(nid, [lc for lc, h in enumerate(node.handles()) if h != NO_PAGE])
             return
         had: dict[int, set[int]] = {sid: set() for sid in siblings}
         for sid in siblings:  # page.node still names the owner from before the swap
-            for lc, h in enumerate(tree.nodes[sid].pages):
+            for lc, h in enumerate(tree.nodes[sid].handles()):
                 if h != NO_PAGE and mgr.pages[h].node == sid:
                     had[sid].add(lc)
-        for lc, h in enumerate(node.pages):
+        for lc, h in enumerate(node.handles()):
             if h != NO_PAGE and mgr.pages[h].node in had:
                 had[mgr.pages[h].node].add(lc)
         for sid in siblings:
             for lc in sorted(had[sid]):
                 mgr.emit_removed(tree.nodes[sid].key, lc)
         for lc in range(len(mgr.lcs)):
-            if node.pages[lc] != NO_PAGE:
-                mgr.pages[node.pages[lc]].node = nid
+            if node.page_of(lc) != NO_PAGE:
+                mgr.pages[node.page_of(lc)].node = nid
             for sid in siblings:
-                h = tree.nodes[sid].pages[lc]
+                h = tree.nodes[sid].page_of(lc)
                 if h != NO_PAGE:
                     mgr.pages[h].node = sid
         mgr.retire_nodes(siblings, announce=False)
-        mgr.emit_stored(nid, [lc for lc in range(len(mgr.lcs)) if node.pages[lc] != NO_PAGE])
+        mgr.emit_stored(nid, [lc for lc in range(len(mgr.lcs)) if node.page_of(lc) != NO_PAGE])
 
     def _extend_chain(self, i: int, end: int) -> int:
         """The common case of :meth:`_insert_block`, for the full blocks ``i, i+1, ... < end``

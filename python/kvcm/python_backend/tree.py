@@ -27,21 +27,36 @@ NO_PAGE = -1
 NO_NODE = -1
 
 
+KEY_BYTES = 32  # a key is a sha256 digest (a root's: its scope key)
+
+
 def compact_tokens(tokens: Sequence) -> bytes | tuple:
-    """A block's tokens as a node keeps them (``Node.packed``): 4-byte little-endian ints
-    (the bytes its key hashes; no object per token, nothing the cyclic GC walks) when all
-    are ints, a tuple when digests are among them."""
+    """Tokens as a node keeps them (after its key in ``Node.record``): 4-byte little-endian
+    ints (the bytes its key hashes; no object per token, nothing the cyclic GC walks) when
+    all are ints, a tuple when digests are among them."""
     try:
         return struct.pack(f"<{len(tokens)}I", *tokens)
     except struct.error:
         return tuple(tokens)
 
 
-def unpack_tokens(packed: bytes | tuple) -> tuple:
-    """The token tuple of a ``Node.packed``."""
-    if type(packed) is bytes:
-        return struct.unpack(f"<{len(packed) // 4}I", packed)
-    return packed
+def make_record(key: bytes, packed: bytes | tuple) -> bytes | tuple:
+    """``Node.record`` of a block: its key, then its ``compact_tokens``: one bytes object
+    (a tuple ``(key, *tokens)`` when digests are among the tokens)."""
+    assert len(key) == KEY_BYTES, "a key is a sha256 digest"
+    return key + packed if type(packed) is bytes else (key, *packed)
+
+
+def record_key(record: bytes | tuple) -> bytes:
+    """The key of a ``Node.record``."""
+    return record[:KEY_BYTES] if type(record) is bytes else record[0]
+
+
+def record_tokens(record: bytes | tuple) -> tuple:
+    """The token tuple of a ``Node.record``."""
+    if type(record) is bytes:
+        return struct.unpack_from(f"<{(len(record) - KEY_BYTES) // 4}I", record, KEY_BYTES)
+    return record[1:]
 
 
 def child_of(n: Node, key: bytes) -> Node | None:
@@ -50,7 +65,7 @@ def child_of(n: Node, key: bytes) -> Node | None:
     if c is None:
         return None
     if type(c) is Node:
-        return c if c.key == key else None
+        return c if c.has_key(key) else None
     return c.get(key)
 
 
@@ -100,24 +115,29 @@ class Node:
     """One block of one scope.  Every field is maintained by RadixTree alone."""
 
     __slots__ = (
-        "attached",
         "children",
         "coverage",
         "id",
-        "key",
         "links",
         "ordinal",
-        "packed",
         "pages",
         "parent",
+        "record",
         "refs",
     )
 
-    def __init__(self, node_id: int, key: bytes, packed: bytes | tuple, ordinal: int, no_pages: tuple, no_coverage: tuple,
-                 is_root: bool) -> None:
+    def __init__(self, node_id: int, record: bytes | tuple, ordinal: int, no_pages: int | tuple,
+                 no_coverage: tuple) -> None:
         self.id = node_id  # creation serial; the canonical order of nodes everywhere
-        self.key = key  # sha256 chain key (a root's key is its scope key)
-        self.parent: Node | None = None  # None when detached (an orphan) or a root
+        # the sha256 chain key (a root's: its scope key) and the block's tokens (B for a full
+        # block, fewer for a partial one) in one object (make_record): one object header and
+        # one slot less per block than a key and a token buffer apart; ``key`` and
+        # ``tokens`` read it
+        self.record = record
+        # None when detached (an orphan) or a root.  A block is attached (reachable from a
+        # root) exactly while it has a parent: every link and unlink sets both, so
+        # ``attached`` is derived (a slot less per block) but for a root (_Root)
+        self.parent: Node | None = None
         # only full blocks have children.  None (a leaf), the Node itself when there is one
         # (a chain, the common case), a dict by key from two on: no dict object per block
         # (see child_of / children_of)
@@ -129,13 +149,12 @@ class Node:
         # ``index``, ``tnode`` and ``tnext`` (below) live in one _Links object made only
         # while one of them is set: a chain block has none, and saves two slots
         self.links: _Links | None = None
-        # B tokens for a full block, fewer for a partial one, as compact_tokens keeps them
-        self.packed = packed
         self.ordinal = ordinal  # block index in the sequence; -1 for a root (is_root)
-        self.attached = is_root  # reachable from a root
-        # tuples of ints, replaced by ``put``: the GC stops tracking them, and a node that
-        # never had a page shares the tree's all-empty ones
-        self.pages = no_pages  # page handle per life cycle
+        # the page handle per life cycle: a tuple of ints replaced by ``put`` (the GC stops
+        # tracking it; a node that never had a page shares the tree's all-empty one), but
+        # the bare handle when the model has one life cycle (the common one): no 1-tuple
+        # (48 bytes) per block.  Read it through page_of / handles
+        self.pages = no_pages
         self.coverage = no_coverage  # tokens of this block the page covers (0 = none)
         self.refs = 0  # live requests referencing this block
 
@@ -179,11 +198,25 @@ class Node:
         if x.index is None and x.tnode is None and x.tnext is None:
             self.links = None
 
-    # ntok and is_root are derived, not stored: two slots (16 bytes) less per cached block
+    # key, ntok and is_root are derived, not stored: slots (8 bytes each) less per block
+    @property
+    def key(self) -> bytes:
+        r = self.record
+        return r[:KEY_BYTES] if type(r) is bytes else r[0]  # record_key
+
+    def has_key(self, key: bytes) -> bool:
+        """``self.key == key`` without building the key (the match walk's test)."""
+        r = self.record
+        return r.startswith(key) and len(key) == KEY_BYTES if type(r) is bytes else r[0] == key
+
+    @property
+    def attached(self) -> bool:
+        return self.parent is not None
+
     @property
     def ntok(self) -> int:
-        p = self.packed
-        return len(p) // 4 if type(p) is bytes else len(p)
+        r = self.record
+        return (len(r) - KEY_BYTES) // 4 if type(r) is bytes else len(r) - 1
 
     @property
     def is_root(self) -> bool:
@@ -191,27 +224,63 @@ class Node:
 
     @property
     def tokens(self) -> Sequence:
-        """The block's tokens (ints, or a tuple with digests), decoded from ``packed``."""
-        p = self.packed
-        if type(p) is not bytes:
-            return p
-        out = array("I", p)
+        """The block's tokens (ints, or a tuple with digests), decoded from ``record``."""
+        r = self.record
+        if type(r) is not bytes:
+            return r[1:]
+        out = array("I", r[KEY_BYTES:])
         if sys.byteorder == "big":
             out.byteswap()
         return out
 
+    def page_of(self, lc: int) -> int:
+        """Life cycle ``lc``'s page handle (IndexError for an lc out of range)."""
+        p = self.pages
+        if type(p) is tuple:
+            return p[lc]
+        if lc != 0 and lc != -1:  # one life cycle: as a 1-tuple would
+            raise IndexError("tuple index out of range")
+        return p
+
+    def handles(self) -> tuple:
+        """The page handle per life cycle."""
+        p = self.pages
+        return p if type(p) is tuple else (p,)
+
     def put(self, lc: int, page: int, coverage: int) -> None:
         """Life cycle ``lc``'s page handle and coverage (the tuples are rebuilt)."""
         p, c = self.pages, self.coverage
-        if lc < 0:
-            lc += len(p)
-        self.pages = (*p[:lc], page, *p[lc + 1:])
+        if type(p) is not tuple:  # one life cycle: the bare handle
+            self.page_of(lc)  # (the lc's range check)
+            self.pages = page
+            lc = 0
+        else:
+            if lc < 0:
+                lc += len(p)
+            self.pages = (*p[:lc], page, *p[lc + 1:])
         cov = (*c[:lc], coverage, *c[lc + 1:])
         # few coverage tuples exist (full blocks all have the same): one object each
         self.coverage = _COVERAGES.setdefault(cov, cov) if len(_COVERAGES) < _MAX_COVERAGES else cov
 
     def has_page(self) -> bool:
-        return any(p != NO_PAGE for p in self.pages)
+        p = self.pages
+        return any(h != NO_PAGE for h in p) if type(p) is tuple else p != NO_PAGE
+
+
+class _Root(Node):
+    """A scope's root (ordinal -1): attached from its creation until it is detached (only
+    the tree's own ``detach`` does that), a flag of its own as it never has a parent."""
+
+    __slots__ = ("root_attached",)
+
+    def __init__(self, node_id: int, record: bytes | tuple, ordinal: int, no_pages: int | tuple,
+                 no_coverage: tuple) -> None:
+        super().__init__(node_id, record, ordinal, no_pages, no_coverage)
+        self.root_attached = True
+
+    @property
+    def attached(self) -> bool:
+        return self.root_attached
 
 
 class _Links:
@@ -299,7 +368,7 @@ class RadixTree:
         self.num_lcs = len(self.lcs)
         self.nodes: dict[int, Node] = {}
         self.roots: dict[bytes, Node] = {}
-        self._no_pages = (NO_PAGE,) * self.num_lcs
+        self._no_pages = (NO_PAGE,) * self.num_lcs if self.num_lcs != 1 else NO_PAGE  # Node.pages
         self._no_coverage = (0,) * self.num_lcs
         self.next_id = 0
 
@@ -310,7 +379,7 @@ class RadixTree:
         child and no reference is released by ``unref``, ``prune_upward`` or ``collect``)."""
         node = self.roots.get(scope_key)
         if node is None:
-            node = self._new(scope_key, compact_tokens(()), -1, is_root=True)
+            node = self._new(make_record(scope_key, compact_tokens(())), -1, is_root=True)
             self.roots[scope_key] = node
         return node.id
 
@@ -321,16 +390,17 @@ class RadixTree:
 
     def new_block(self, key: bytes, tokens: Sequence, ordinal: int) -> int:
         """A detached block with no pages and no references (caller refs or attaches it)."""
-        return self._new(key, compact_tokens(tokens), ordinal, is_root=False).id
+        return self._new(make_record(key, compact_tokens(tokens)), ordinal, is_root=False).id
 
     def extend(self, parent: int, key: bytes, tokens: Sequence, ordinal: int) -> int:
         """``new_block`` + ``attach`` under a ``parent`` without children (a chain grows at
-        its end): attach's trivial case, no sibling to detach and no index to update."""
+        its end): attach's trivial case, no sibling to detach and no index to update.
+        ``tokens`` may be ``compact_tokens`` already."""
         p = self.nodes[parent]
         assert not p.children and p.attached, "extend: parent has children or is detached"
-        n = self._new(key, tokens if type(tokens) is bytes else compact_tokens(tokens), ordinal, is_root=False)
+        packed = tokens if type(tokens) is bytes else compact_tokens(tokens)
+        n = self._new(make_record(key, packed), ordinal, is_root=False)
         n.parent = p
-        n.attached = True
         p.children = n
         return n.id
 
@@ -357,12 +427,11 @@ class RadixTree:
         for s in detached:
             self._unlink(s)
             for lc in range(self.num_lcs):
-                if s.pages[lc] != NO_PAGE and s.coverage[lc] > n.coverage[lc]:
-                    sp, sc = s.pages[lc], s.coverage[lc]
-                    s.put(lc, n.pages[lc], n.coverage[lc])
+                if s.page_of(lc) != NO_PAGE and s.coverage[lc] > n.coverage[lc]:
+                    sp, sc = s.page_of(lc), s.coverage[lc]
+                    s.put(lc, n.page_of(lc), n.coverage[lc])
                     n.put(lc, sp, sc)
         n.parent = p
-        n.attached = True
         _add_child(p, n)
         self._index_add(p, n)
         return [s.id for s in detached]
@@ -385,8 +454,7 @@ class RadixTree:
             out.append(n.id)
             kids = sorted(children_of(n), key=lambda x: x.key)
             for k in kids:
-                k.parent = None
-                k.attached = False
+                k.parent = None  # (detached: Node.attached)
                 k.tnode = k.tnext = None
             n.children = None
             n.index = None
@@ -397,7 +465,8 @@ class RadixTree:
         """SPEC sec. 5 pruning: from ``node`` up, detach while attached, childless and pageless."""
         out: list[int] = []
         n: Node | None = self.nodes[node]
-        while n is not None and n.attached and not n.is_root and not n.children and not n.has_page():
+        # (a block is attached while it has a parent, Node.attached; a root has none)
+        while n is not None and n.parent is not None and not n.children and not n.has_page():
             parent = n.parent
             self._unlink(n)
             out.append(n.id)
@@ -411,7 +480,7 @@ class RadixTree:
         """Install ``page`` for ``lc``; returns the page it replaced (or -1)."""
         n = self.nodes[node]
         try:
-            old = n.pages[lc]
+            old = n.page_of(lc)
         except IndexError:
             raise _lc_error() from None
         n.put(lc, page, coverage)
@@ -421,7 +490,7 @@ class RadixTree:
         """Remove the page of ``lc``; returns it (or -1).  May delete a dead orphan."""
         n = self.nodes[node]
         try:
-            old = n.pages[lc]
+            old = n.page_of(lc)
         except IndexError:
             raise _lc_error() from None
         n.put(lc, NO_PAGE, 0)
@@ -506,7 +575,7 @@ class RadixTree:
 
     def page(self, node: int, lc: int) -> int:
         try:
-            return self.nodes[node].pages[lc]
+            return self.nodes[node].page_of(lc)
         except IndexError:
             raise _lc_error() from None
 
@@ -524,15 +593,15 @@ class RadixTree:
             out.append([
                 n.id, n.key.hex(), n.parent.id if n.parent is not None else NO_NODE, n.attached, n.is_root,
                 n.ordinal, [t if isinstance(t, int) else t.hex() for t in n.tokens],
-                sorted(c.id for c in children_of(n)), list(n.pages), list(n.coverage), n.refs,
+                sorted(c.id for c in children_of(n)), list(n.handles()), list(n.coverage), n.refs,
             ])
         return out
 
     # ---------------------------------------------------------------- helpers
 
-    def _new(self, key: bytes, packed: bytes | tuple, ordinal: int, is_root: bool) -> Node:
+    def _new(self, record: bytes | tuple, ordinal: int, is_root: bool) -> Node:
         assert (ordinal < 0) == is_root, "a root has ordinal -1 (Node.is_root), a block its index"
-        node = Node(self.next_id, key, packed, ordinal, self._no_pages, self._no_coverage, is_root)
+        node = (_Root if is_root else Node)(self.next_id, record, ordinal, self._no_pages, self._no_coverage)
         self.next_id += 1
         self.nodes[node.id] = node
         return node
@@ -542,8 +611,9 @@ class RadixTree:
         if p is not None:
             _remove_child(p, n)
             self._index_remove(p, n)
-        n.parent = None
-        n.attached = False
+        n.parent = None  # (detached: Node.attached)
+        if n.is_root:
+            n.root_attached = False
 
     def _release_root_if_unused(self, n: Node) -> None:
         """SPEC sec. 15: no scope is kept forever: a root goes with its last child and its
@@ -560,8 +630,7 @@ class RadixTree:
             return
         if not n.attached and not n.is_root and n.refs == 0 and not n.has_page() and n.id in self.nodes:
             for k in children_of(n):  # only reachable through a detached, dying node
-                k.parent = None
-                k.attached = False
+                k.parent = None  # (detached: Node.attached)
                 k.tnode = k.tnext = None
                 self._maybe_delete(k)
             n.children = None
