@@ -9,6 +9,7 @@ int subclass to its int value), so both backends see exactly the same values.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,15 +110,27 @@ def check_tokens(tokens: Any, name: str = "tokens") -> list[Token]:
     cpp/token_parse.h has the same results and messages): a list or tuple of tokens, or
     what :func:`_token_items` accepts.  A token is an ``int`` in ``[0, 2**31)`` (not bool;
     an int subclass counts by its int value) or ``bytes`` (exactly) of length 32."""
+    return check_tokens_packed(tokens, name)[0]
+
+
+def check_tokens_packed(tokens: Any, name: str = "tokens") -> tuple[list[Token], bytes | None]:
+    """:func:`check_tokens`, and the tokens as 4-byte little-endian ints (the bytes their
+    keys hash, ``kvcm.keys.chain_keys_packed``) when all are ints (None otherwise)."""
     out = list(tokens) if type(tokens) in (list, tuple) else _token_items(tokens, name)
     if not out:
-        return out
+        return out, b""
     types = set(map(type, out))
     if types == {int}:  # the common case, checked at C speed
-        if min(out) < 0 or max(out) >= MAX_TOKEN:
+        # the range check is the packing: it fails below 0 or from 2**32, and a token from
+        # 2**31 on has its top bit set, so its high (little-endian: last) byte is not ascii
+        try:
+            buf = struct.pack(f"<{len(out)}I", *out)
+        except struct.error:
+            buf = None
+        if buf is None or not buf[3::4].isascii():
             bad = next(t for t in out if not 0 <= t < MAX_TOKEN)
             raise ValueError(f"{name}: token {bad} out of range [0, 2**31)")
-        return out
+        return out, buf
     for i, t in enumerate(out):
         tt = type(t)
         if tt is bytes:
@@ -130,7 +143,7 @@ def check_tokens(tokens: Any, name: str = "tokens") -> list[Token]:
         if not 0 <= v < MAX_TOKEN:
             raise ValueError(f"{name}: token {v} out of range [0, 2**31)")
         out[i] = v
-    return out
+    return out, None if bytes in types else struct.pack(f"<{len(out)}I", *out)
 
 
 def check_scope(scope: Any) -> ReuseScope:
@@ -327,6 +340,7 @@ __all__ = [
     "check_priority",
     "check_scope",
     "check_tokens",
+    "check_tokens_packed",
     "closed_error",
     "default_cache_id",
     "int32_view",

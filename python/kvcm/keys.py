@@ -46,10 +46,19 @@ def chain_keys(parent_key: bytes, tokens: Sequence[Token], tokens_per_block: int
             key = block_key(key, tokens[start : start + tokens_per_block])
             keys.append(key)
         return keys
+    return chain_keys_packed(parent_key, buf, tokens_per_block, len(tokens))
+
+
+def chain_keys_packed(parent_key: bytes, buf: bytes, tokens_per_block: int, n: int) -> list[bytes]:
+    """:func:`chain_keys` of the first ``n`` tokens of ``buf`` (int tokens as 4-byte
+    little-endian ints, ``kvcm.checks.check_tokens_packed``): each block hashed from a slice."""
+    keys: list[bytes] = []
+    key = parent_key
     sha = hashlib.sha256
     step = 4 * tokens_per_block
-    for start in range(0, len(buf), step):
-        key = sha(key + buf[start : start + step]).digest()
+    end = 4 * n
+    for start in range(0, end, step):
+        key = sha(key + buf[start : min(start + step, end)]).digest()
         keys.append(key)
     return keys
 

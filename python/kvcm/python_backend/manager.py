@@ -9,6 +9,7 @@ observable.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ from kvcm.checks import (
     check_scope,
     check_shared_hits,
     check_tokens,
+    check_tokens_packed,
     default_cache_id,
     shut_down_error,
     still_open_error,
@@ -72,6 +74,33 @@ def _stored_event(event_id: int, parent: bytes | tuple | None, record: bytes | t
                        partial)
 
 
+def _copy_op_setters() -> tuple[Callable[[CopyOp, Any], None], ...]:
+    # CopyOp is a frozen slots dataclass: its __init__ goes through object.__setattr__ per
+    # field (~0.6 us, one op per evicted page); its slot descriptors set the same fields in
+    # half the time (as the cpp bindings fill them).  The result is an ordinary CopyOp.
+    return tuple(getattr(CopyOp, f.name).__set__ for f in dataclasses.fields(CopyOp))
+
+
+_SET_LC, _SET_SRC_TIER, _SET_SRC_SLOT, _SET_DST_TIER, _SET_DST_SLOT, _SET_REASON, _SET_KEY = _copy_op_setters()
+
+
+def _copy_op(lc: int, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int, reason: str,
+             key: bytes | None = None) -> CopyOp:
+    """``CopyOp(lc, src_tier, src_slot, dst_tier, dst_slot, reason, key)`` (see _copy_op_setters)."""
+    op = object.__new__(CopyOp)
+    _SET_LC(op, lc)
+    _SET_SRC_TIER(op, src_tier)
+    _SET_SRC_SLOT(op, src_slot)
+    _SET_DST_TIER(op, dst_tier)
+    _SET_DST_SLOT(op, dst_slot)
+    _SET_REASON(op, reason)
+    _SET_KEY(op, key)
+    return op
+
+
+# the counters a move counts, by reason
+_MOVE_COUNTERS = {"offload": ("offloads", "offload_bytes"), "onboard": ("onboards", "onboard_bytes")}
+
 # the events emit_lazy keeps as tuples, by kind
 _STORED, _REMOVED, _TIER_CHANGED = 0, 1, 2
 _LAZY_EVENTS: tuple[Callable[..., Event], ...] = (_stored_event, _removed_event, TierChangedEvent)
@@ -88,6 +117,10 @@ class PyKVCacheManager(KVCacheManager):
         self.B = config.tokens_per_block
         self.lcs = rc.life_cycles
         self.attn_lcs = [lc.id for lc in self.lcs if lc.kind == "attn"]
+        # sec. 5 pruning: the ordinals below which a block that loses its page of an lc loses
+        # its subtree too (full attention: every block; windowed: the sink blocks; ssm: none)
+        self.subtree_below = [(1 << 63 if lc.is_full_attention else lc.num_sink_blocks(self.B)) if lc.kind == "attn"
+                              else 0 for lc in self.lcs]
         # no windowed attention: no block ever becomes stale (the decode step's fast paths)
         self.full_attention_only = all(lc.window is None for lc in self.lcs if lc.kind == "attn")
         self.ssm_lc = rc.ssm_lc
@@ -150,7 +183,7 @@ class PyKVCacheManager(KVCacheManager):
         ``shared_hits`` the match may extend into the shared tier (DECISIONS.md "The shared tier")."""
         # the tokens are read first: any Python code they run (tolist, __iter__) runs
         # before this call looks at any state (DECISIONS "Tokens")
-        tokens = check_tokens(() if input_tokens is None else input_tokens, "input_tokens")
+        tokens, packed = check_tokens_packed(() if input_tokens is None else input_tokens, "input_tokens")
         scope = check_scope(scope)
         prio = check_priority(priority, self._config.default_priority)
         cache_id = check_cache_id(id)
@@ -164,7 +197,7 @@ class PyKVCacheManager(KVCacheManager):
         self.next_request += 1
         if cache_id is None:
             cache_id = default_cache_id(serial, self.open_ids)
-        cache = PyKVCache(self, serial, cache_id, tokens, scope, prio, None if hits is None else set(hits))
+        cache = PyKVCache(self, serial, cache_id, tokens, packed, scope, prio, None if hits is None else set(hits))
         self.open_ids.add(cache_id)
         return cache
 
@@ -482,33 +515,31 @@ class PyKVCacheManager(KVCacheManager):
         """SPEC sec. 8: move ``page`` to a free slot of tier ``dst`` (the caller made room), with
         its copy op (offload / onboard) and ``tier_changed`` event.  A shared page (no slot,
         no pool) is onboarded by an op naming its object by block key (DECISIONS.md)."""
-        dst_pool = self.pools[dst][page.lc]
+        lc = page.lc
+        dst_pool = self.pools[dst][lc]
         old_tier, old_slot = page.tier, page.slot
         new_slot = dst_pool.take_slot()
+        node = self.tree.nodes[page.node] if page.node != NO_NODE else None
         key = None
         if old_tier == self.shared_pos:
-            key = self.tree.key(page.node)
+            key = node.key
         else:
-            src_pool = self.pools[old_tier][page.lc]
+            src_pool = self.pools[old_tier][lc]
             src_pool.unindex(page)
             src_pool.give_slot(old_slot)
         page.tier, page.slot = dst, new_slot
         dst_pool.index(page)
         tid = self.tier_ids
-        self._add_copy_op(CopyOp(page.lc, tid[old_tier], old_slot, tid[dst], new_slot, reason, key))
+        self._add_copy_op(_copy_op(lc, tid[old_tier], old_slot, tid[dst], new_slot, reason, key))
         self.copy_pages.append(page.serial)
-        nbytes = self.lcs[page.lc].slot_bytes
-        kind = "offloads" if reason == "offload" else "onboards"
-        self.count(page.lc, kind)
-        self.count(page.lc, kind[:-1] + "_bytes", nbytes)
-        if page.node != NO_NODE and self.tree.is_attached(page.node):
-            self.emit_lazy(_TIER_CHANGED, self.tree.key(page.node), page.lc, tid[old_tier], tid[dst])
+        self.count_bytes(lc, *_MOVE_COUNTERS[reason], self.lcs[lc].slot_bytes)
+        if node is not None and node.attached:
+            self.emit_lazy(_TIER_CHANGED, node.key if key is None else key, lc, tid[old_tier], tid[dst])
 
     def drop(self, page: Page) -> None:
         """SPEC sec. 8: drop a DROPPABLE page: unlink it from its block, prune, free its slot."""
-        assert page.state == DROPPABLE
-        self.count(page.lc, "drops")
-        self.count(page.lc, "drop_bytes", self.lcs[page.lc].slot_bytes)
+        assert page.node != NO_NODE and not page.locks and not page.holds, "drop: not DROPPABLE"  # Page.state
+        self.count_bytes(page.lc, "drops", "drop_bytes", self.lcs[page.lc].slot_bytes)
         self.unlink_committed(page)
         self.free_page(page)
 
@@ -516,16 +547,15 @@ class PyKVCacheManager(KVCacheManager):
         """Remove ``page`` from its attached block and prune (sec. 5).  The page itself is
         left to the caller (freed, or kept by its users as an orphan page)."""
         node, lc = page.node, page.lc
-        key = self.tree.key(node)
-        ordinal = self.tree.nodes[node].ordinal
+        n = self.tree.nodes[node]
+        key = n.key
         self.unlink_from_node(page)
-        self.emit_removed(key, lc)
-        life = self.lcs[lc]
-        if life.is_full_attention or (life.kind == "attn" and ordinal < life.num_sink_blocks(self.B)):
-            parent = self.tree.parent(node)
+        self.emit_lazy(_REMOVED, key, lc)  # emit_removed
+        if n.ordinal < self.subtree_below[lc]:
+            parent = n.parent
             self.retire_nodes(self.tree.remove_subtree(node))
-            if parent != NO_NODE:
-                self.tree.prune_upward(parent)
+            if parent is not None:
+                self.tree.prune_upward(parent.id)
         else:
             self.tree.prune_upward(node)
 
@@ -553,8 +583,7 @@ class PyKVCacheManager(KVCacheManager):
                 if page.locks == 0 and page.holds == 0:
                     if self.evicting:  # freed with an evicted page: written back too
                         self.store_evicted(page)
-                    self.count(lc, "drops")
-                    self.count(lc, "drop_bytes", self.lcs[lc].slot_bytes)
+                    self.count_bytes(lc, "drops", "drop_bytes", self.lcs[lc].slot_bytes)
                     self.free_orphan_page(page)
             self.tree.collect(nid)
 
@@ -579,10 +608,9 @@ class PyKVCacheManager(KVCacheManager):
     def store(self, page: Page, key: bytes) -> None:
         """A ``store`` op: ``page`` (a full-coverage page of the full block ``key``) is
         written to the shared tier.  It fills no page here (forget_copies forgets nothing)."""
-        self._add_copy_op(CopyOp(page.lc, self.tier_ids[page.tier], page.slot, SHARED, -1, "store", key))
+        self._add_copy_op(_copy_op(page.lc, self.tier_ids[page.tier], page.slot, SHARED, -1, "store", key))
         self.copy_pages.append(-1)
-        self.count(page.lc, "shared_stores")
-        self.count(page.lc, "shared_store_bytes", self.lcs[page.lc].slot_bytes)
+        self.count_bytes(page.lc, "shared_stores", "shared_store_bytes", self.lcs[page.lc].slot_bytes)
 
     def store_evicted(self, page: Page) -> None:
         """``shared_write="evict"``: eviction is about to drop ``page``; a full-coverage page
@@ -595,7 +623,7 @@ class PyKVCacheManager(KVCacheManager):
 
     def copy(self, lc: int, src: Page, dst: Page, reason: str) -> None:
         tid = self.tier_ids
-        self._add_copy_op(CopyOp(lc, tid[src.tier], src.slot, tid[dst.tier], dst.slot, reason))
+        self._add_copy_op(_copy_op(lc, tid[src.tier], src.slot, tid[dst.tier], dst.slot, reason))
         self.copy_pages.append(dst.serial)
 
     def _add_copy_op(self, op: CopyOp) -> None:
@@ -678,6 +706,14 @@ class PyKVCacheManager(KVCacheManager):
     def count(self, lc: int, name: str, n: int = 1) -> None:
         self.totals["lc"][lc][name] += n
         self.iteration["lc"][lc][name] += n
+
+    def count_bytes(self, lc: int, name: str, bytes_name: str, nbytes: int) -> None:
+        """``count(lc, name)`` and ``count(lc, bytes_name, nbytes)`` in one call (per evicted page)."""
+        t, i = self.totals["lc"][lc], self.iteration["lc"][lc]
+        t[name] += 1
+        t[bytes_name] += nbytes
+        i[name] += 1
+        i[bytes_name] += nbytes
 
     def record_match(self, n_query: int, m: int) -> None:
         """Hit-rate stats count attention life cycles only (sec. 9)."""

@@ -21,8 +21,10 @@ class Page:
         "last_used",
         "lc",
         "locks",
+        "next",
         "node",
         "ordinal",
+        "prev",
         "priority",
         "serial",
         "slot",
@@ -42,6 +44,9 @@ class Page:
         self.node = NO_NODE  # tree node id while committed; -1 for a private (uncommitted) page
         self.locks = 0  # ACTIVE requests using it
         self.holds = 0  # SUSPENDED requests using it
+        # the neighbours on its pool's eviction list (_Index) while it is on it
+        self.prev: Page | None = None
+        self.next: Page | None = None
 
     @property
     def state(self) -> str | None:
@@ -59,13 +64,13 @@ class Page:
         return (self.priority, self.last_used, -self.ordinal, self.serial)
 
 
-# A heap entry is the page's eviction key packed into one int: (priority, last_used,
-# 2**32-1 - ordinal, serial), 64 bits a field below the priority but 32 for the ordinal.
-# Int order is the tuple order of sec. 8 (every field fits its width: clock and serials
-# stay below 2**63; a page's ordinal is at most MAX_REQUEST_BLOCKS = 2**24 but for a
-# shared-tier hit's, bounded by an input of 2**32 blocks no process holds), the low field names
-# the page, and one int of 167 bits (48 bytes, untracked by the cyclic GC) replaces a
-# five-field tuple (~88 bytes); the narrow ordinal keeps it to six 30-bit digits.
+# A page's eviction key packed into one int: (priority, last_used, 2**32-1 - ordinal,
+# serial), 64 bits a field below the priority but 32 for the ordinal.  Int order is the
+# tuple order of sec. 8 (every field fits its width: clock and serials stay below 2**63; a
+# page's ordinal is at most MAX_REQUEST_BLOCKS = 2**24 but for a shared-tier hit's, bounded
+# by an input of 2**32 blocks no process holds), one compare orders two pages, and as a
+# heap entry (below) the low field names the page: one int of 167 bits (48 bytes,
+# untracked by the cyclic GC) instead of a five-field tuple (~88 bytes).
 _W = 64
 _MASK = (1 << _W) - 1
 _OW = 32
@@ -76,16 +81,79 @@ def _entry(page: Page) -> int:
     return (((page.priority << _W | page.last_used) << _OW | (_OMASK - page.ordinal)) << _W) | page.serial
 
 
+def _before(a: Page, b: Page) -> bool:
+    """``a`` sorts before ``b`` in sec. 8's order (``a.evict_key() < b.evict_key()``,
+    field by field: no tuple or packed int built)."""
+    if a.priority != b.priority:
+        return a.priority < b.priority
+    if a.last_used != b.last_used:
+        return a.last_used < b.last_used
+    if a.ordinal != b.ordinal:
+        return a.ordinal > b.ordinal
+    return a.serial < b.serial
+
+
+class _Index:
+    """The HELD (or the DROPPABLE) pages of one pool in eviction order (C++: EvictIndex).
+
+    Pages mostly arrive in order: a page released now carries the newest last_used, and
+    the pages a call releases together come by ascending ordinal, i.e. each sorts just
+    before the previous one.  So they go on a list threaded through the pages
+    (``Page.prev`` / ``Page.next``, as vLLM's free-block queue): appended at the tail, or
+    inserted just before ``run``, in O(1) without an object per page.  Any other arrival
+    (a page suspended with an old last_used, a lower priority than the tail's) goes into
+    ``heap``, a lazy min-heap of ``_entry`` ints: an entry is valid only while its page is
+    still in this pool, in this state, with that key (recomputed), so it turns stale by the
+    page's change itself and is dropped when it surfaces.  The next victim is the smaller
+    of the two heads.  Invariants: the list is sorted by key; every page from ``run`` to
+    ``tail`` has the tail's last_used."""
+
+    __slots__ = ("head", "heap", "run", "tail")
+
+    def __init__(self) -> None:
+        self.head: Page | None = None
+        self.tail: Page | None = None
+        self.run: Page | None = None
+        self.heap: list[int] = []
+
+    def insert(self, page: Page, before: Page | None) -> None:
+        """Link ``page`` into the list just before ``before`` (None: at the tail)."""
+        after = before.prev if before is not None else self.tail
+        page.prev = after
+        page.next = before
+        if after is not None:
+            after.next = page
+        else:
+            self.head = page
+        if before is not None:
+            before.prev = page
+        else:
+            self.tail = page
+
+    def remove(self, page: Page) -> None:
+        """Unlink ``page`` if it is on the list (a heap entry of it needs nothing: stale)."""
+        prev, nxt = page.prev, page.next
+        if prev is None and self.head is not page:
+            return  # not on the list
+        if prev is not None:
+            prev.next = nxt
+        else:
+            self.head = nxt
+        if nxt is not None:
+            nxt.prev = prev
+        else:
+            self.tail = prev
+        if self.run is page:  # [run, tail] keeps one last_used: step run forward, or onto the new tail
+            self.run = nxt if nxt is not None else self.tail
+        page.prev = page.next = None
+
+
 class Pool:
     """Slots of one life cycle in one tier.
 
     Free slots sit in a min-heap so allocation is always the lowest free index.  Evictable
-    pages sit in two lazy min-heaps by eviction key, one per state: an entry is valid only
-    while its page is still in this pool, in that state, with that key (``_entry``
-    recomputed from the page), so a key change is a push (O(log n)) and a stale entry is
-    dropped when it surfaces.  A page pushed twice with an unchanged key has two equal
-    valid entries: harmless (both name the same page; once it leaves, both are stale).
-    An entry names its page by serial (``pages``: the manager's live pages by serial).
+    pages sit in one ``_Index`` per state (HELD, DROPPABLE).  An index entry of a page in
+    the heap names its page by serial (``pages``: the manager's live pages by serial).
     """
 
     def __init__(self, tier: int, lc: int, total: int, pages: dict[int, Page]) -> None:
@@ -97,7 +165,7 @@ class Pool:
         self.locked = 0
         self.held = 0
         self.droppable = 0
-        self._heaps: dict[str, list[int]] = {HELD: [], DROPPABLE: []}
+        self._index: dict[str, _Index] = {HELD: _Index(), DROPPABLE: _Index()}
 
     @property
     def nfree(self) -> int:
@@ -112,44 +180,59 @@ class Pool:
 
     def unindex(self, page: Page) -> None:
         """Before a change of ``page``'s state, eviction key or place: it leaves its state's
-        count (SPEC sec. 4 states); its heap entry turns stale by the change itself.  The
-        state is derived inline (as ``Page.state``): this runs on every page change."""
+        count (SPEC sec. 4 states) and its index.  The state is derived inline (as
+        ``Page.state``): this runs on every page change."""
         if page.locks:
             self.locked -= 1
         elif page.holds:
             self.held -= 1
+            self._index[HELD].remove(page)
         elif page.node != NO_NODE:
             self.droppable -= 1
+            self._index[DROPPABLE].remove(page)
 
     def index(self, page: Page) -> None:
         """After the change: ``page`` is counted under its new state and, when it is a victim
-        candidate (HELD or DROPPABLE), pushed with its new eviction key (SPEC sec. 8)."""
+        candidate (HELD or DROPPABLE), indexed with its new eviction key (SPEC sec. 8)."""
         if page.locks:
             self.locked += 1
             return
         if page.holds:
             self.held += 1
-            state = HELD
+            ix = self._index[HELD]
         elif page.node != NO_NODE:
             self.droppable += 1
-            state = DROPPABLE
+            ix = self._index[DROPPABLE]
         else:
             return
-        heap = self._heaps[state]
-        heapq.heappush(heap, (((page.priority << _W | page.last_used) << _OW | (_OMASK - page.ordinal)) << _W) | page.serial)  # _entry
+        tail = ix.tail
+        if tail is None or _before(tail, page):  # the newest: appended
+            if tail is None or tail.last_used != page.last_used:
+                ix.run = page
+            ix.insert(page, None)
+            return
+        r = ix.run
+        if r.last_used == page.last_used and _before(page, r) and (r.prev is None or _before(r.prev, page)):
+            ix.insert(page, r)  # just before the tail's run
+            ix.run = page
+            return
+        heap = ix.heap
+        heapq.heappush(heap, _entry(page))
         if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
-            self._compact(state)
+            self._compact(ix, HELD if ix is self._index[HELD] else DROPPABLE)
 
     def peek(self, state: str) -> Page | None:
         """The lowest page of ``state`` by eviction key (stale heap entries dropped)."""
-        heap = self._heaps[state]
+        ix = self._index[state]
+        heap = ix.heap
+        first = ix.head
         while heap:
             e = heap[0]
             page = self.pages.get(e & _MASK)
             if page is not None and self._valid(page, e, state):
-                return page
+                return page if first is None or e < _entry(first) else first
             heapq.heappop(heap)
-        return None
+        return first
 
     def victim(self, movable: bool) -> Page | None:
         """SPEC sec. 8: the page to evict from this pool, the one home of the order and the
@@ -165,19 +248,19 @@ class Pool:
             return d
         if d is None:
             return h
-        return h if h.evict_key() < d.evict_key() else d
+        return h if _before(h, d) else d
 
     def _valid(self, page: Page, entry: int, state: str) -> bool:
         if page.tier != self.tier or page.slot < 0 or page.locks or _entry(page) != entry:
             return False
         return state == HELD if page.holds else state == DROPPABLE and page.node != NO_NODE  # Page.state
 
-    def _compact(self, state: str) -> None:
+    def _compact(self, ix: _Index, state: str) -> None:
         # a set: equal entries (a page pushed again with an unchanged key) kept once
         pages = self.pages
-        heap = [e for e in set(self._heaps[state]) if (e & _MASK) in pages and self._valid(pages[e & _MASK], e, state)]
+        heap = [e for e in set(ix.heap) if (e & _MASK) in pages and self._valid(pages[e & _MASK], e, state)]
         heapq.heapify(heap)
-        self._heaps[state] = heap
+        ix.heap = heap
 
 
 class NoPool:

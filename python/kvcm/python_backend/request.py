@@ -29,15 +29,15 @@ from kvcm.checks import (
     status_error,
     stopped_error,
 )
-from kvcm.keys import block_key, chain_keys, scope_root_key
+from kvcm.keys import block_key, chain_keys, chain_keys_packed, scope_root_key
 from kvcm.python_backend.locking import serialized
 from kvcm.python_backend.pools import NO_NODE, Page
 from kvcm.python_backend.tree import NO_PAGE, compact_tokens
 
 
 class PyKVCache(KVCache):
-    def __init__(self, mgr: Any, serial: int, cache_id: int | str, tokens: list, scope: ReuseScope, priority: int,
-                 hits: set[tuple[bytes, int]] | None = None) -> None:
+    def __init__(self, mgr: Any, serial: int, cache_id: int | str, tokens: list, packed: bytes | None,
+                 scope: ReuseScope, priority: int, hits: set[tuple[bytes, int]] | None = None) -> None:
         B = mgr.B
         self.mgr = mgr  # the PyKVCacheManager that created it
         self.serial = serial  # creation order in the manager
@@ -53,8 +53,14 @@ class PyKVCache(KVCache):
         mgr.tree.ref(self.root)
         # full-block keys of the input, hashed once and reused by commit for the same tokens
         self.input_tokens = tokens
+        # the input as 4-byte little-endian ints (None: digests among them), packed once by
+        # the token check: the keys hash it, commit slices its blocks' tokens from it
+        self.input_packed = packed
         nfull = len(tokens) // B
-        self.keys: list[bytes] = chain_keys(self.root_key, tokens[: nfull * B], B)  # key per full block
+        if packed is not None:
+            self.keys: list[bytes] = chain_keys_packed(self.root_key, packed, B, nfull * B)  # key per full block
+        else:
+            self.keys = chain_keys(self.root_key, tokens[: nfull * B], B)
         self.pages: dict[int, list[Page | None]] = {}
         self.live: Page | None = None  # the live ssm state
         self.snap: Page | None = None  # matched ssm snapshot, held until the first resume copies it
@@ -726,14 +732,17 @@ class PyKVCache(KVCache):
         tokens = self.tokens
         # the keys: the input's where the tokens are the input's (the hash done at create)
         keys = self.keys
-        if end <= len(keys) and keys[i - 1] == parent.key and self.input_tokens[i * B:end * B] == tokens[i * B:end * B]:
+        if end <= len(keys) and parent.has_key(keys[i - 1]) and self.input_tokens[i * B:end * B] == tokens[i * B:end * B]:
             run_keys = keys[i:end]
+            packed = self.input_packed
+            # once for the run, sliced per block (the input's packing when it is the input's)
+            packed = compact_tokens(tokens[i * B:end * B]) if packed is None else packed[4 * i * B:4 * end * B]
         else:
             run_keys = chain_keys(parent.key, tokens[i * B:end * B], B)
+            packed = compact_tokens(tokens[i * B:end * B])
         tables = [(lc, self.pages[lc]) for lc in mgr.attn_lcs]
         blocks = self.blocks
         store = mgr.store_on_commit
-        packed = compact_tokens(tokens[i * B:end * B])  # once for the run, sliced per block
         step = 4 * B if type(packed) is bytes else B
         for j in range(i, end):
             gained = [lc for lc, t in tables if j < len(t) and t[j] is not None]

@@ -452,6 +452,8 @@ class RadixTree:
         while stack:
             n = stack.pop()
             out.append(n.id)
+            if n.children is None:  # a leaf (most are): nothing below, no index
+                continue
             kids = sorted(children_of(n), key=lambda x: x.key)
             for k in kids:
                 k.parent = None  # (detached: Node.attached)
@@ -610,9 +612,10 @@ class RadixTree:
         p = n.parent
         if p is not None:
             _remove_child(p, n)
-            self._index_remove(p, n)
+            if n.links is not None:  # (else it is in no index: Node.tnode)
+                self._index_remove(p, n)
         n.parent = None  # (detached: Node.attached)
-        if n.is_root:
+        if n.ordinal < 0:  # is_root
             n.root_attached = False
 
     def _release_root_if_unused(self, n: Node) -> None:
@@ -625,16 +628,18 @@ class RadixTree:
     def _maybe_delete(self, n: Node) -> None:
         """Node life time (module docstring): an orphan goes with its last user (sec. 5), an
         unused scope root with its last child and request (sec. 15)."""
-        if n.is_root:
+        if n.ordinal < 0:  # is_root
             self._release_root_if_unused(n)
             return
-        if not n.attached and not n.is_root and n.refs == 0 and not n.has_page() and n.id in self.nodes:
-            for k in children_of(n):  # only reachable through a detached, dying node
-                k.parent = None  # (detached: Node.attached)
-                k.tnode = k.tnext = None
-                self._maybe_delete(k)
-            n.children = None
-            n.index = None
+        # (a block is detached exactly while it has no parent: Node.attached)
+        if n.parent is None and n.refs == 0 and not n.has_page() and n.id in self.nodes:
+            if n.children is not None:
+                for k in children_of(n):  # only reachable through a detached, dying node
+                    k.parent = None  # (detached: Node.attached)
+                    k.tnode = k.tnext = None
+                    self._maybe_delete(k)
+                n.children = None
+                n.index = None
             del self.nodes[n.id]
 
     def _covering(self, p: Node, tokens: tuple) -> int:
