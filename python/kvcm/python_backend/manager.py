@@ -98,6 +98,8 @@ def _copy_op(lc: int, src_tier: int, src_slot: int, dst_tier: int, dst_slot: int
     return op
 
 
+_MAX_STORED_ROWS = 4096  # emit_stored's shared rows kept at most (then it starts over)
+
 # the counters a move counts, by reason
 _MOVE_COUNTERS = {"offload": ("offloads", "offload_bytes"), "onboard": ("onboards", "onboard_bytes")}
 
@@ -159,6 +161,7 @@ class PyKVCacheManager(KVCacheManager):
         self.copy_ops_warn_due = False
         self.events: deque[Event | tuple] = deque()  # Events, or (make, args) built when read
         self.events_dropped = 0
+        self._stored_rows: dict[tuple, tuple] = {}  # emit_stored's shared one-lc rows
         self.next_event = 0
         self.is_shutdown = False
         self.totals = self._zero_counters()
@@ -376,18 +379,18 @@ class PyKVCacheManager(KVCacheManager):
 
     def new_page(self, tier: int, lc: int, coverage: int, priority: int, ordinal: int) -> Page:
         """SPEC sec. 4: a private page in the lowest free slot (the caller made room), no user yet."""
-        page = self._make_page(tier, lc, self.pools[tier][lc].take_slot(), coverage, priority, ordinal)
+        page = self.make_page(tier, lc, self.pools[tier][lc].take_slot(), coverage, priority, ordinal)
         self.count(lc, "allocated_blocks")
         return page
 
     def new_shared_page(self, lc: int, priority: int, ordinal: int) -> Page:
         """DECISIONS.md "The shared tier": a page of a full block in the store (tier 3, no
         slot, in no pool), no user yet; the caller links it into its block."""
-        page = self._make_page(self.shared_pos, lc, -1, self.B, priority, ordinal)
+        page = self.make_page(self.shared_pos, lc, -1, self.B, priority, ordinal)
         self.count(lc, "shared_hit_blocks")
         return page
 
-    def _make_page(self, tier: int, lc: int, slot: int, coverage: int, priority: int, ordinal: int) -> Page:
+    def make_page(self, tier: int, lc: int, slot: int, coverage: int, priority: int, ordinal: int) -> Page:
         """A page with the next serial, last used now, registered by serial."""
         page = Page(self.next_page, lc, tier, slot, coverage, priority, self.clock, ordinal)
         self.next_page += 1
@@ -648,17 +651,24 @@ class PyKVCacheManager(KVCacheManager):
         per block is the costliest thing a commit would build).  ``args`` are the values at
         emission, ints, bytes and tuples of them only: the record is no object the cyclic
         GC tracks, so the event buffer does not make the collector run more often."""
+        eid = self._event_slot()
+        if eid >= 0:
+            self.events.append((kind, eid, *args))
+
+    def _event_slot(self) -> int:
+        """The next event's id, with room made for it in the buffer (:meth:`emit` written
+        out: the oldest dropped and counted when full); -1 when ``max_events`` is 0 (the
+        event is counted dropped at once and nothing needs gathering)."""
         eid = self.next_event
         self.next_event += 1
-        max_events = self._config.max_events  # emit, written out
+        max_events = self._config.max_events
         if max_events == 0:
             self.events_dropped += 1
-            return
-        events = self.events
-        if len(events) >= max_events:
-            events.popleft()
+            return -1
+        if len(self.events) >= max_events:
+            self.events.popleft()
             self.events_dropped += 1
-        events.append((kind, eid, *args))
+        return eid
 
     def event_id(self) -> int:
         self.next_event += 1
@@ -666,18 +676,16 @@ class PyKVCacheManager(KVCacheManager):
 
     def emit_removed(self, key: bytes, lc: int) -> None:
         """SPEC sec. 9: ``removed`` for a block that lost its last page of ``lc`` or was detached."""
-        self.emit_lazy(_REMOVED, key, lc)
+        eid = self._event_slot()  # emit_lazy without its argument tuple (one per dropped page)
+        if eid >= 0:
+            self.events.append((_REMOVED, eid, key, lc))
 
     def emit_stored(self, node_id: int, lcs: list[int]) -> None:
         """SPEC sec. 9: ``stored`` for a block that just gained (or regained) pages of ``lcs``."""
         if not lcs:
             return
-        # emit_lazy written out: this runs once per committed block
-        eid = self.next_event
-        self.next_event += 1
-        max_events = self._config.max_events
-        if max_events == 0:  # dropped at once: nothing to gather
-            self.events_dropped += 1
+        eid = self._event_slot()  # (emit_lazy: this runs once per committed block)
+        if eid < 0:  # dropped at once: nothing to gather
             return
         n = self.tree.nodes[node_id]
         parent = n.parent.record if n.parent is not None else None
@@ -686,16 +694,17 @@ class PyKVCacheManager(KVCacheManager):
             lc = lcs[0]
             h = n.pages
             p = pages[h if type(h) is int else h[lc]]  # Node.page_of
-            rows: tuple = ((lc, tid[p.tier], p.priority, n.coverage[lc]),)
+            row = (lc, tid[p.tier], p.priority, n.coverage[lc])
+            # few distinct rows exist (a full block's are all alike): one object each, and
+            # two tuples less per event for the collector to count
+            rows: tuple = self._stored_rows.get(row) or self._stored_rows.setdefault(row, (row,))
+            if len(self._stored_rows) > _MAX_STORED_ROWS:
+                self._stored_rows.clear()
         else:
             rows = tuple((lc, tid[pages[n.page_of(lc)].tier], pages[n.page_of(lc)].priority, n.coverage[lc])
                          for lc in lcs)
-        events = self.events
-        if len(events) >= max_events:
-            events.popleft()
-            self.events_dropped += 1
         # the records, not keys and tokens: shared with the nodes, nothing built per event
-        events.append((_STORED, eid, parent, n.record, rows, n.ntok < self.B))
+        self.events.append((_STORED, eid, parent, n.record, rows, n.ntok < self.B))
 
     # --- stats
 

@@ -298,7 +298,7 @@ class PyKVCache(KVCache):
         if not self._could_hold(nb, history):
             return False
         releases: list[tuple[int, int]] = []  # (lc, ordinal)
-        allocs: list[tuple[int, int]] = []
+        allocs: list[tuple[int, range]] = []  # (lc, ordinals): a prompt's are one range
         # Only the ordinals whose page changes are visited, so a decode step costs the same
         # on any length: below the table's end ``n`` a block has a page exactly when it is
         # not stale at the current history (observe.py checks it), so pages are released
@@ -313,11 +313,10 @@ class PyKVCache(KVCache):
             for i in (*range(nb, min(lo, n)), *range(old_hi, min(hi, n)), *range(max(old_hi, nb, min(hi, n)), n)):
                 if pages[i] is not None:
                     releases.append((lc, i))
-            for i in (*range(n, min(lo, nb)), *range(max(hi, n), nb)):
-                allocs.append((lc, i))
+            allocs.extend((lc, r) for r in (range(n, min(lo, nb)), range(max(hi, n), nb)) if r)
         # feasibility from counters, with the releases applied (DECISIONS.md)
         for lc in mgr.attn_lcs:
-            n = sum(1 for a in allocs if a[0] == lc)
+            n = sum(len(r) for a, r in allocs if a == lc)
             if not n:
                 continue
             pool = mgr.pools[GPU][lc]
@@ -347,14 +346,17 @@ class PyKVCache(KVCache):
             pages = self.pages[lc]
             del pages[nb:]
             pages.extend([None] * (nb - len(pages)))
-        for lc, i in allocs:  # _alloc_private written out: a prompt allocates a page per block
+        for lc, ordinals in allocs:  # _alloc_private written out: a prompt allocates a page per block
             pool = mgr.pools[GPU][lc]
-            if not pool.free_slots:
-                self._ensure_room(GPU, lc)
-            page = mgr.new_page(GPU, lc, 0, self._priority, i)
-            page.locks = 1  # use() of a fresh page by this ACTIVE request: it is LOCKED
-            pool.locked += 1
-            self.pages[lc][i] = page
+            free, pages, prio = pool.free_slots, self.pages[lc], self._priority
+            for i in ordinals:
+                if not free:
+                    self._ensure_room(GPU, lc)
+                page = mgr.make_page(GPU, lc, pool.take_slot(), 0, prio, i)  # new_page, counted below
+                page.locks = 1  # use() of a fresh page by this ACTIVE request: it is LOCKED
+                pool.locked += 1
+                pages[i] = page
+            mgr.count(lc, "allocated_blocks", len(ordinals))
         return True
 
     def _could_hold(self, nb: int, history: int) -> bool:
@@ -422,12 +424,13 @@ class PyKVCache(KVCache):
         self.tokens.extend(toks)
         new = len(self.tokens)
         self.history = max(self.history, new)
+        full = new // B
         for lc in mgr.attn_lcs:  # written tokens cover more of their private pages
             pages = self.pages[lc]
             for i in range(old // B, min(-(-new // B), len(pages))):
                 p = pages[i]
                 if p is not None and p.node == NO_NODE:
-                    p.coverage = min(new - i * B, B)
+                    p.coverage = B if i < full else new - i * B
         last = new // B - 1
         i = old // B
         while i <= last:
@@ -744,8 +747,13 @@ class PyKVCache(KVCache):
         blocks = self.blocks
         store = mgr.store_on_commit
         step = 4 * B if type(packed) is bytes else B
+        one_lc = [tables[0][0]] if len(tables) == 1 else None  # the common model: gained is [lc] or []
         for j in range(i, end):
-            gained = [lc for lc, t in tables if j < len(t) and t[j] is not None]
+            if one_lc is not None:
+                t = tables[0][1]
+                gained = one_lc if j < len(t) and t[j] is not None else []
+            else:
+                gained = [lc for lc, t in tables if j < len(t) and t[j] is not None]
             if not gained:  # a pageless block: the general path (pruning) applies
                 return j - i
             k = (j - i) * step

@@ -251,14 +251,15 @@ class Node:
         """Life cycle ``lc``'s page handle and coverage (the tuples are rebuilt)."""
         p, c = self.pages, self.coverage
         if type(p) is not tuple:  # one life cycle: the bare handle
-            self.page_of(lc)  # (the lc's range check)
+            if lc != 0 and lc != -1:
+                self.page_of(lc)  # (raises as a 1-tuple would)
             self.pages = page
-            lc = 0
+            cov: tuple = (coverage,)
         else:
             if lc < 0:
                 lc += len(p)
             self.pages = (*p[:lc], page, *p[lc + 1:])
-        cov = (*c[:lc], coverage, *c[lc + 1:])
+            cov = (*c[:lc], coverage, *c[lc + 1:])
         # few coverage tuples exist (full blocks all have the same): one object each
         self.coverage = _COVERAGES.setdefault(cov, cov) if len(_COVERAGES) < _MAX_COVERAGES else cov
 
