@@ -8,7 +8,9 @@ taking the ``Request``).  The single calls are ``check_x`` (raises, changes noth
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from array import array
+from collections.abc import MutableSequence, Sequence
 from typing import Any
 
 from kvcm.api import (
@@ -35,6 +37,14 @@ from kvcm.python_backend.pools import NO_NODE, Page
 from kvcm.python_backend.tree import NO_PAGE, compact_tokens
 
 
+def _int_array(packed: bytes) -> array:
+    """The int tokens of ``packed`` (4-byte little-endian ints) as an array."""
+    out = array("I", packed)
+    if sys.byteorder == "big":
+        out.byteswap()
+    return out
+
+
 class PyKVCache(KVCache):
     def __init__(self, mgr: Any, serial: int, cache_id: int | str, tokens: list, packed: bytes | None,
                  scope: ReuseScope, priority: int, hits: set[tuple[bytes, int]] | None = None) -> None:
@@ -52,10 +62,13 @@ class PyKVCache(KVCache):
         self.root = mgr.tree.root(self.root_key)
         mgr.tree.ref(self.root)
         # full-block keys of the input, hashed once and reused by commit for the same tokens
-        self.input_tokens = tokens
         # the input as 4-byte little-endian ints (None: digests among them), packed once by
         # the token check: the keys hash it, commit slices its blocks' tokens from it
         self.input_packed = packed
+        # the input's (and, sliced from it, the committed) tokens: an array of ints when all
+        # are ints, a list otherwise.  An array is no container the cyclic GC walks: a
+        # long prompt's token lists would be walked by every collection during its request
+        self.input_tokens: MutableSequence[Token] = tokens if packed is None else _int_array(packed)
         nfull = len(tokens) // B
         if packed is not None:
             self.keys: list[bytes] = chain_keys_packed(self.root_key, packed, B, nfull * B)  # key per full block
@@ -64,11 +77,12 @@ class PyKVCache(KVCache):
         self.pages: dict[int, list[Page | None]] = {}
         self.live: Page | None = None  # the live ssm state
         self.snap: Page | None = None  # matched ssm snapshot, held until the first resume copies it
-        self._reused = self.match_and_hold(tokens, self.keys, hits)
+        self._reused = self.match_and_hold(self.input_tokens, self.keys, hits)
         mgr.requests[serial] = self
         mgr.record_match(len(tokens), self._reused)
 
-    def match_and_hold(self, tokens: list, keys: list[bytes], hits: set[tuple[bytes, int]] | None = None) -> int:
+    def match_and_hold(self, tokens: MutableSequence[Token], keys: list[bytes],
+                       hits: set[tuple[bytes, int]] | None = None) -> int:
         """SPEC sec. 7 create: match ``tokens`` and hold what the match found (the pages of
         the non-stale blocks, the snapshot at the match end), as a fresh SUSPENDED request
         (create, and the roll-back of ``forget_copies``); returns the match length.  With
@@ -82,7 +96,7 @@ class PyKVCache(KVCache):
             if m_ext > m:
                 m = m_ext
                 path = self._insert_shared_blocks(tokens, keys, m, tree_path, rows)
-        self.tokens: list[Token] = tokens[:m]  # committed tokens
+        self.tokens: MutableSequence[Token] = tokens[:m]  # committed tokens (input_tokens' kind)
         self._capacity = m
         self.history = m
         # blocks[i]: tree node this request references for ordinal i (-1: none)
@@ -421,7 +435,11 @@ class PyKVCache(KVCache):
         mgr.tick()
         old = len(self.tokens)
         old_history = self.history
-        self.tokens.extend(toks)
+        try:
+            self.tokens.extend(toks)
+        except TypeError:  # a digest token into an int array: the committed tokens become a list
+            del self.tokens[old:]  # (what array.extend appended before it failed)
+            self.tokens = [*self.tokens, *toks]
         new = len(self.tokens)
         self.history = max(self.history, new)
         full = new // B
