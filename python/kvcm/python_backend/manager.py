@@ -51,7 +51,7 @@ from kvcm.python_backend import batch, observe
 from kvcm.python_backend.locking import serialized
 from kvcm.python_backend.pools import DROPPABLE, NO_NODE, NoPool, Page, Pool
 from kvcm.python_backend.request import PyKVCache
-from kvcm.python_backend.tree import NO_PAGE, RadixTree, record_key, record_tokens
+from kvcm.python_backend.tree import NO_PAGE, Node, RadixTree, record_key, record_tokens
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped",
@@ -430,11 +430,12 @@ class PyKVCacheManager(KVCacheManager):
             return
         pool.index(page)
         if unused:
-            if page.tier == self.shared_pos and self.tree.is_attached(page.node):
+            attached = self.tree.nodes[page.node].attached  # (tree.is_attached)
+            if page.tier == self.shared_pos and attached:
                 # DECISIONS "The shared tier": a shared page lives only while a request uses it
                 self.unlink_committed(page)
                 self.free_page(page)
-            elif not self.tree.is_attached(page.node):
+            elif not attached:
                 self.free_orphan_page(page)
 
     def set_active(self, page: Page, active: bool) -> None:
@@ -682,12 +683,14 @@ class PyKVCacheManager(KVCacheManager):
 
     def emit_stored(self, node_id: int, lcs: list[int]) -> None:
         """SPEC sec. 9: ``stored`` for a block that just gained (or regained) pages of ``lcs``."""
-        if not lcs:
-            return
+        if lcs:
+            self.emit_stored_node(self.tree.nodes[node_id], lcs)
+
+    def emit_stored_node(self, n: Node, lcs: list[int]) -> None:
+        """:meth:`emit_stored` of the block ``n``, ``lcs`` not empty."""
         eid = self._event_slot()  # (emit_lazy: this runs once per committed block)
         if eid < 0:  # dropped at once: nothing to gather
             return
-        n = self.tree.nodes[node_id]
         parent = n.parent.record if n.parent is not None else None
         pages, tid = self.pages, self.tier_ids
         if len(lcs) == 1:  # the common case without a generator (one frame less per block)

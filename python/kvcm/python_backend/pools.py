@@ -205,16 +205,19 @@ class Pool:
             ix = self._index[DROPPABLE]
         else:
             return
+        # (the two list cases exclude each other; the run's is tested first as the pages a
+        # call releases together all but the first take it)
+        r = ix.run
+        if r is not None and r.last_used == page.last_used and _before(page, r) and (
+                r.prev is None or _before(r.prev, page)):
+            ix.insert(page, r)  # just before the tail's run
+            ix.run = page
+            return
         tail = ix.tail
         if tail is None or _before(tail, page):  # the newest: appended
             if tail is None or tail.last_used != page.last_used:
                 ix.run = page
             ix.insert(page, None)
-            return
-        r = ix.run
-        if r.last_used == page.last_used and _before(page, r) and (r.prev is None or _before(r.prev, page)):
-            ix.insert(page, r)  # just before the tail's run
-            ix.run = page
             return
         heap = ix.heap
         heapq.heappush(heap, _entry(page))

@@ -34,7 +34,7 @@ from kvcm.checks import (
 from kvcm.keys import block_key, chain_keys, chain_keys_packed, scope_root_key
 from kvcm.python_backend.locking import serialized
 from kvcm.python_backend.pools import NO_NODE, Page
-from kvcm.python_backend.tree import NO_PAGE, compact_tokens
+from kvcm.python_backend.tree import NO_PAGE, compact_tokens, make_record
 
 
 def _int_array(packed: bytes) -> array:
@@ -766,6 +766,7 @@ class PyKVCache(KVCache):
         store = mgr.store_on_commit
         step = 4 * B if type(packed) is bytes else B
         one_lc = [tables[0][0]] if len(tables) == 1 else None  # the common model: gained is [lc] or []
+        single = len(mgr.lcs) == 1  # Node.pages is the bare handle
         for j in range(i, end):
             if one_lc is not None:
                 t = tables[0][1]
@@ -775,15 +776,22 @@ class PyKVCache(KVCache):
             if not gained:  # a pageless block: the general path (pruning) applies
                 return j - i
             k = (j - i) * step
-            # the ordinal as the page's int object: one object for both (j is a fresh one)
-            ordinal = self.pages[gained[0]][j].ordinal
             key = run_keys[j - i]
-            nid = tree.extend(parent.id, key, packed[k:k + step], ordinal)
-            node = tree.nodes[nid]
-            for lc in gained:
-                p = self.pages[lc][j]
+            ps = [self.pages[lc][j] for lc in gained] if one_lc is None else [tables[0][1][j]]
+            if single:
+                handles: int | tuple = ps[0].serial
+                coverage: tuple = (B,)
+            else:  # (Node.put per gained lc)
+                hs, cs = [NO_PAGE] * len(mgr.lcs), [0] * len(mgr.lcs)
+                for lc, p in zip(gained, ps):
+                    hs[lc], cs[lc] = p.serial, B
+                handles, coverage = tuple(hs), tuple(cs)
+            # the ordinal as the page's int object: one object for both (j is a fresh one)
+            record = make_record(key, packed[k:k + step])
+            node = tree.extend(parent, record, ps[0].ordinal, handles, coverage)
+            nid = node.id
+            for p in ps:
                 p.coverage = B
-                node.put(lc, p.serial, B)
                 p.node = nid  # a used page: its state does not depend on the node
                 if store:  # shared_write="commit", as in _insert_block
                     mgr.store(p, key)
@@ -792,7 +800,7 @@ class PyKVCache(KVCache):
                 blocks.append(nid)
             else:
                 self._set_block(j, nid)
-            mgr.emit_stored(nid, gained)
+            mgr.emit_stored_node(node, gained)
             parent = node
         return end - i
 

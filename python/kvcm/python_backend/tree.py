@@ -260,8 +260,7 @@ class Node:
                 lc += len(p)
             self.pages = (*p[:lc], page, *p[lc + 1:])
             cov = (*c[:lc], coverage, *c[lc + 1:])
-        # few coverage tuples exist (full blocks all have the same): one object each
-        self.coverage = _COVERAGES.setdefault(cov, cov) if len(_COVERAGES) < _MAX_COVERAGES else cov
+        self.coverage = _shared_coverage(cov)
 
     def has_page(self) -> bool:
         p = self.pages
@@ -295,8 +294,13 @@ class _Links:
         self.tnext: Node | None = None
 
 
-_COVERAGES: dict[tuple, tuple] = {}  # Node.put's shared coverage tuples (bounded)
+_COVERAGES: dict[tuple, tuple] = {}  # Node.coverage's shared tuples (bounded)
 _MAX_COVERAGES = 4096
+
+
+def _shared_coverage(cov: tuple) -> tuple:
+    """Few coverage tuples exist (full blocks all have the same): one object each."""
+    return _COVERAGES.setdefault(cov, cov) if len(_COVERAGES) < _MAX_COVERAGES else cov
 
 
 class _Trie:
@@ -393,17 +397,19 @@ class RadixTree:
         """A detached block with no pages and no references (caller refs or attaches it)."""
         return self._new(make_record(key, compact_tokens(tokens)), ordinal, is_root=False).id
 
-    def extend(self, parent: int, key: bytes, tokens: Sequence, ordinal: int) -> int:
-        """``new_block`` + ``attach`` under a ``parent`` without children (a chain grows at
-        its end): attach's trivial case, no sibling to detach and no index to update.
-        ``tokens`` may be ``compact_tokens`` already."""
-        p = self.nodes[parent]
+    def extend(self, p: Node, record: bytes | tuple, ordinal: int, pages: int | tuple, coverage: tuple) -> Node:
+        """``new_block`` (of ``make_record``'s ``record``) + ``set_page`` of every lc (the
+        handles ``pages``, as ``Node.pages`` keeps them, and their ``coverage``) + ``attach``
+        under a block ``p`` without children (a chain grows at its end): attach's trivial
+        case, no sibling to detach and no index to update.  Python's commit fast path
+        (``PyKVCache._extend_chain``), so it takes and returns nodes, not ids."""
         assert not p.children and p.attached, "extend: parent has children or is detached"
-        packed = tokens if type(tokens) is bytes else compact_tokens(tokens)
-        n = self._new(make_record(key, packed), ordinal, is_root=False)
+        n = Node(self.next_id, record, ordinal, pages, _shared_coverage(coverage))  # _new
+        self.next_id += 1
+        self.nodes[n.id] = n
         n.parent = p
         p.children = n
-        return n.id
+        return n
 
     def find_existing(self, parent: int, key: bytes, tokens: Sequence) -> int:
         """SPEC sec. 5 find_existing: the child of ``parent`` with ``key``, else a covering sibling (a longer child whose
