@@ -536,9 +536,12 @@ class PyKVCacheManager(KVCacheManager):
         tid = self.tier_ids
         self._add_copy_op(_copy_op(lc, tid[old_tier], old_slot, tid[dst], new_slot, reason, key))
         self.copy_pages.append(page.serial)
-        self.count_bytes(lc, *_MOVE_COUNTERS[reason], self.lcs[lc].slot_bytes)
+        name, bytes_name = _MOVE_COUNTERS[reason]
+        self.count_bytes(lc, name, bytes_name, self.lcs[lc].slot_bytes)
         if node is not None and node.attached:
-            self.emit_lazy(_TIER_CHANGED, node.key if key is None else key, lc, tid[old_tier], tid[dst])
+            eid = self._event_slot()  # emit_lazy without its argument tuple (one per moved page)
+            if eid >= 0:
+                self.events.append((_TIER_CHANGED, eid, node.key if key is None else key, lc, tid[old_tier], tid[dst]))
 
     def drop(self, page: Page) -> None:
         """SPEC sec. 8: drop a DROPPABLE page: unlink it from its block, prune, free its slot."""
@@ -577,8 +580,10 @@ class PyKVCacheManager(KVCacheManager):
         (counted as drops); pages with users stay with the orphan."""
         for nid in node_ids:
             n = self.tree.nodes[nid]
-            for lc in range(len(self.lcs)):
-                h = n.page_of(lc)
+            if not n.has_page():  # (an evicted leaf: its page already left it)
+                self.tree.collect(nid)
+                continue
+            for lc, h in enumerate(n.handles()):
                 if h == NO_PAGE:
                     continue
                 if announce:
