@@ -513,7 +513,8 @@ class RadixTree:
         n = self.nodes[node]
         assert n.refs > 0, "unref: not referenced"
         n.refs -= 1
-        if not n.refs and (n.is_root or not n.attached):  # else _maybe_delete keeps it
+        # a root, or a detached block (no parent: Node.attached); else _maybe_delete keeps it
+        if not n.refs and (n.ordinal < 0 or n.parent is None):
             self._maybe_delete(n)
 
     def collect(self, node: int) -> None:
