@@ -119,8 +119,7 @@ def check_tokens_packed(tokens: Any, name: str = "tokens") -> tuple[list[Token],
     out = list(tokens) if type(tokens) in (list, tuple) else _token_items(tokens, name)
     if not out:
         return out, b""
-    types = set(map(type, out))
-    if types == {int}:  # the common case, checked at C speed
+    if list(map(type, out)).count(int) == len(out):  # all exact ints: the common case, checked at C speed
         # the range check is the packing: it fails below 0 or from 2**32, and a token from
         # 2**31 on has its top bit set, so its high (little-endian: last) byte is not ascii
         try:
@@ -143,7 +142,7 @@ def check_tokens_packed(tokens: Any, name: str = "tokens") -> tuple[list[Token],
         if not 0 <= v < MAX_TOKEN:
             raise ValueError(f"{name}: token {v} out of range [0, 2**31)")
         out[i] = v
-    return out, None if bytes in types else struct.pack(f"<{len(out)}I", *out)
+    return out, None if bytes in set(map(type, out)) else struct.pack(f"<{len(out)}I", *out)
 
 
 def check_scope(scope: Any) -> ReuseScope:

@@ -61,7 +61,6 @@ class PyKVCache(KVCache):
         # with its last child and its last request)
         self.root = mgr.tree.root(self.root_key)
         mgr.tree.ref(self.root)
-        # full-block keys of the input, hashed once and reused by commit for the same tokens
         # the input as 4-byte little-endian ints (None: digests among them), packed once by
         # the token check: the keys hash it, commit slices its blocks' tokens from it
         self.input_packed = packed
@@ -69,6 +68,7 @@ class PyKVCache(KVCache):
         # are ints, a list otherwise.  An array is no container the cyclic GC walks: a
         # long prompt's token lists would be walked by every collection during its request
         self.input_tokens: MutableSequence[Token] = tokens if packed is None else _int_array(packed)
+        # full-block keys of the input, hashed once and reused by commit for the same tokens
         nfull = len(tokens) // B
         if packed is not None:
             self.keys: list[bytes] = chain_keys_packed(self.root_key, packed, B, nfull * B)  # key per full block

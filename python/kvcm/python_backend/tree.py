@@ -126,8 +126,8 @@ class Node:
         "refs",
     )
 
-    def __init__(self, node_id: int, record: bytes | tuple, ordinal: int, no_pages: int | tuple,
-                 no_coverage: tuple) -> None:
+    def __init__(self, node_id: int, record: bytes | tuple, ordinal: int, pages: int | tuple,
+                 coverage: tuple) -> None:
         self.id = node_id  # creation serial; the canonical order of nodes everywhere
         # the sha256 chain key (a root's: its scope key) and the block's tokens (B for a full
         # block, fewer for a partial one) in one object (make_record): one object header and
@@ -154,8 +154,8 @@ class Node:
         # tracking it; a node that never had a page shares the tree's all-empty one), but
         # the bare handle when the model has one life cycle (the common one): no 1-tuple
         # (48 bytes) per block.  Read it through page_of / handles
-        self.pages = no_pages
-        self.coverage = no_coverage  # tokens of this block the page covers (0 = none)
+        self.pages = pages
+        self.coverage = coverage  # tokens of this block the page covers (0 = none), per lc
         self.refs = 0  # live requests referencing this block
 
     @property
@@ -273,9 +273,9 @@ class _Root(Node):
 
     __slots__ = ("root_attached",)
 
-    def __init__(self, node_id: int, record: bytes | tuple, ordinal: int, no_pages: int | tuple,
-                 no_coverage: tuple) -> None:
-        super().__init__(node_id, record, ordinal, no_pages, no_coverage)
+    def __init__(self, node_id: int, record: bytes | tuple, ordinal: int, pages: int | tuple,
+                 coverage: tuple) -> None:
+        super().__init__(node_id, record, ordinal, pages, coverage)
         self.root_attached = True
 
     @property
