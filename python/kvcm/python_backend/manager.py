@@ -493,14 +493,14 @@ class PyKVCacheManager(KVCacheManager):
         moved one tier colder (which may evict there first), else dropped (``Pool.victim``
         holds the order and which pages may go)."""
         pool = self.pools[tier][lc]
-        if pool.nfree:
+        if pool.free_slots:  # (nfree)
             return True
         if tier < self.num_tiers - 1:
             victim = pool.victim(movable=True)
             if victim is None:
                 return False
             if self.make_room(tier + 1, lc):
-                if pool.nfree:  # a drop down there removed a subtree and freed a slot here
+                if pool.free_slots:  # a drop down there removed a subtree and freed a slot here
                     return True
                 self.move(victim, tier + 1, "offload")
                 return True

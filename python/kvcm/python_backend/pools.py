@@ -165,7 +165,8 @@ class Pool:
         self.locked = 0
         self.held = 0
         self.droppable = 0
-        self._index: dict[str, _Index] = {HELD: _Index(), DROPPABLE: _Index()}
+        self.held_index = _Index()
+        self.droppable_index = _Index()
 
     @property
     def nfree(self) -> int:
@@ -186,10 +187,10 @@ class Pool:
             self.locked -= 1
         elif page.holds:
             self.held -= 1
-            self._index[HELD].remove(page)
+            self.held_index.remove(page)
         elif page.node != NO_NODE:
             self.droppable -= 1
-            self._index[DROPPABLE].remove(page)
+            self.droppable_index.remove(page)
 
     def index(self, page: Page) -> None:
         """After the change: ``page`` is counted under its new state and, when it is a victim
@@ -199,10 +200,10 @@ class Pool:
             return
         if page.holds:
             self.held += 1
-            ix = self._index[HELD]
+            ix = self.held_index
         elif page.node != NO_NODE:
             self.droppable += 1
-            ix = self._index[DROPPABLE]
+            ix = self.droppable_index
         else:
             return
         # (the two list cases exclude each other; the run's is tested first as the pages a
@@ -222,11 +223,11 @@ class Pool:
         heap = ix.heap
         heapq.heappush(heap, _entry(page))
         if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
-            self._compact(ix, HELD if ix is self._index[HELD] else DROPPABLE)
+            self._compact(ix, HELD if ix is self.held_index else DROPPABLE)
 
     def peek(self, state: str) -> Page | None:
         """The lowest page of ``state`` by eviction key (stale heap entries dropped)."""
-        ix = self._index[state]
+        ix = self.held_index if state == HELD else self.droppable_index
         heap = ix.heap
         first = ix.head
         while heap:
