@@ -153,7 +153,9 @@ class PyKVCacheManager(KVCacheManager):
         self.copy_ops: list[CopyOp] = []
         self.copy_pages: list[int] = []  # serial of the page each pending op fills
         # the ops of the last drain not reported yet, with the page each fills (forget_copies)
-        self.issued: list[tuple[CopyOp, int]] = []
+        # (two lists, not a list of pairs: a drain makes no object per op)
+        self.issued: list[CopyOp] = []
+        self.issued_pages: list[int] = []
         # sec. 15: undrained copy ops are a visible bound: stats()["pending_copy_ops"] and one
         # PendingCopyOpsWarning when they reach the configured figure (DECISIONS.md)
         self.copy_ops_warn_at = config.pending_copy_ops_warning
@@ -267,7 +269,7 @@ class PyKVCacheManager(KVCacheManager):
     def drain_copy_ops(self) -> list[CopyOp]:
         ops, self.copy_ops = self.copy_ops, []
         pages, self.copy_pages = self.copy_pages, []
-        self.issued = list(zip(ops, pages))
+        self.issued, self.issued_pages = list(ops), pages  # (a copy: the caller owns ``ops``)
         return ops
 
     @serialized
@@ -275,7 +277,7 @@ class PyKVCacheManager(KVCacheManager):
         """SPEC sec. 15 failed copies (contract: kvcm.api.KVCacheManager.forget_copies)."""
         ops = check_copy_ops(ops)
         pending: dict[CopyOp, list[int]] = {}  # op -> its indices in self.issued, in order
-        for k, (iop, _) in enumerate(self.issued):
+        for k, iop in enumerate(self.issued):
             pending.setdefault(iop, []).append(k)
         taken: set[int] = set()  # indices into self.issued, one per reported op
         for i, op in enumerate(ops):
@@ -289,10 +291,11 @@ class PyKVCacheManager(KVCacheManager):
         self.tick()
         lost: list[Page] = []
         for k in sorted(taken):
-            page = self.pages.get(self.issued[k][1])
+            page = self.pages.get(self.issued_pages[k])
             if page is not None and page not in lost:
                 lost.append(page)
         self.issued = [e for k, e in enumerate(self.issued) if k not in taken]
+        self.issued_pages = [e for k, e in enumerate(self.issued_pages) if k not in taken]
         lost_serials = {p.serial for p in lost}
         # the caches that use a lost page, and where each rolls back to (before any change)
         resets = []

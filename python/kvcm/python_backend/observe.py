@@ -34,7 +34,7 @@ def snapshot(mgr: Any) -> dict:
         "stats": mgr.stats(),
         "iteration_stats": mgr.stats_view(mgr.iteration),
         "copy_ops": _snapshot_copy_ops(mgr),
-        "issued_copy_ops": [[*op.to_json(), serial] for op, serial in mgr.issued],
+        "issued_copy_ops": [[*op.to_json(), serial] for op, serial in zip(mgr.issued, mgr.issued_pages)],
         "events": _snapshot_events(mgr),
         "events_dropped": mgr.events_dropped,
         "next": {"event": mgr.next_event, "page": mgr.next_page, "request": mgr.next_request,
