@@ -68,9 +68,9 @@ class Page:
 # serial), 64 bits a field below the priority but 32 for the ordinal.  Int order is the
 # tuple order of sec. 8 (every field fits its width: clock and serials stay below 2**63; a
 # page's ordinal is at most MAX_REQUEST_BLOCKS = 2**24 but for a shared-tier hit's, bounded
-# by an input of 2**32 blocks no process holds), one compare orders two pages, and as a
-# heap entry (below) the low field names the page: one int of 167 bits (48 bytes,
-# untracked by the cyclic GC) instead of a five-field tuple (~88 bytes).
+# by an input of 2**32 blocks no process holds) and the low field names the page: a heap
+# entry of _Index (below) is one int of 167 bits (48 bytes, untracked by the cyclic GC),
+# not a five-field tuple (~88 bytes).
 _W = 64
 _MASK = (1 << _W) - 1
 _OW = 32
