@@ -563,7 +563,14 @@ class PyKVCacheManager(KVCacheManager):
         self.emit_lazy(_REMOVED, key, lc)  # emit_removed
         if n.ordinal < self.subtree_below[lc]:
             parent = n.parent
-            self.retire_nodes(self.tree.remove_subtree(node))
+            if self.tree.is_bare_leaf(node):
+                # the usual victim (a leaf holding no other page): what remove_subtree +
+                # retire_nodes do to it, without the lists: it leaves the tree and dies
+                # (unless a request still references it), nothing to announce
+                self.tree.detach(node)
+                self.tree.collect(node)
+            else:
+                self.retire_nodes(self.tree.remove_subtree(node))
             if parent is not None:
                 self.tree.prune_upward(parent.id)
         else:
@@ -583,9 +590,6 @@ class PyKVCacheManager(KVCacheManager):
         (counted as drops); pages with users stay with the orphan."""
         for nid in node_ids:
             n = self.tree.nodes[nid]
-            if not n.has_page():  # (an evicted leaf: its page already left it)
-                self.tree.collect(nid)
-                continue
             for lc, h in enumerate(n.handles()):
                 if h == NO_PAGE:
                     continue

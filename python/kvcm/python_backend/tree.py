@@ -443,6 +443,12 @@ class RadixTree:
         self._index_add(p, n)
         return [s.id for s in detached]
 
+    def is_bare_leaf(self, node: int) -> bool:
+        """No children and no page: ``remove_subtree`` would list it alone, ``retire_nodes``
+        free nothing."""
+        n = self.nodes[node]
+        return n.children is None and not n.has_page()
+
     def detach(self, node: int) -> None:
         """Unlink ``node`` from its parent (it keeps its children links); the caller frees
         its unused pages and then calls :meth:`collect`."""
