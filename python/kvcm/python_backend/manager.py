@@ -161,7 +161,10 @@ class PyKVCacheManager(KVCacheManager):
         self.copy_ops_warn_at = config.pending_copy_ops_warning
         self.copy_ops_warned = False
         self.copy_ops_warn_due = False
-        self.events: deque[Event | tuple] = deque()  # Events, or (make, args) built when read
+        # Events, or the tuples emit_lazy keeps (built when read); a full buffer drops its
+        # oldest on append by itself (maxlen), counted in emit / _event_slot
+        self.max_events = config.max_events
+        self.events: deque[Event | tuple] = deque(maxlen=config.max_events)
         self.events_dropped = 0
         self._stored_rows: dict[tuple, tuple] = {}  # emit_stored's shared one-lc rows
         self.next_event = 0
@@ -650,13 +653,11 @@ class PyKVCacheManager(KVCacheManager):
 
     def emit(self, event: Event | tuple) -> None:
         """SPEC sec. 9 / 15: buffer ``event``; the oldest is dropped (and counted) when full."""
-        if self._config.max_events == 0:
+        if len(self.events) == self.max_events:  # full (0: always): one is dropped
             self.events_dropped += 1
-            return
-        if len(self.events) >= self._config.max_events:
-            self.events.popleft()
-            self.events_dropped += 1
-        self.events.append(event)
+            if not self.max_events:
+                return
+        self.events.append(event)  # (the oldest leaves by the deque's maxlen)
 
     def emit_lazy(self, kind: int, *args: Any) -> None:
         """:meth:`emit` of ``_LAZY_EVENTS[kind](event_id, *args)``, kept as a plain tuple and
@@ -674,14 +675,11 @@ class PyKVCacheManager(KVCacheManager):
         event is counted dropped at once and nothing needs gathering)."""
         eid = self.next_event
         self.next_event += 1
-        max_events = self._config.max_events
-        if max_events == 0:
+        if len(self.events) == self.max_events:  # full (0: always): one is dropped
             self.events_dropped += 1
-            return -1
-        if len(self.events) >= max_events:
-            self.events.popleft()
-            self.events_dropped += 1
-        return eid
+            if not self.max_events:
+                return -1
+        return eid  # (the caller's append drops the oldest by the deque's maxlen)
 
     def event_id(self) -> int:
         self.next_event += 1
