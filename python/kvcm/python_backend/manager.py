@@ -166,7 +166,7 @@ class PyKVCacheManager(KVCacheManager):
         self.max_events = config.max_events
         self.events: deque[Event | tuple] = deque(maxlen=config.max_events)
         self.events_dropped = 0
-        self._stored_rows: dict[tuple, tuple] = {}  # emit_stored's shared one-lc rows
+        self._stored_rows: dict[int, tuple] = {}  # emit_stored's shared one-lc rows
         self.next_event = 0
         self.is_shutdown = False
         self.totals = self._zero_counters()
@@ -698,21 +698,28 @@ class PyKVCacheManager(KVCacheManager):
 
     def emit_stored_node(self, n: Node, lcs: list[int]) -> None:
         """:meth:`emit_stored` of the block ``n``, ``lcs`` not empty."""
-        eid = self._event_slot()  # (emit_lazy: this runs once per committed block)
-        if eid < 0:  # dropped at once: nothing to gather
-            return
+        eid = self.next_event  # _event_slot written out: this runs once per committed block
+        self.next_event += 1
+        if len(self.events) == self.max_events:  # full (0: always): one is dropped
+            self.events_dropped += 1
+            if not self.max_events:  # nothing to gather
+                return
         parent = n.parent.record if n.parent is not None else None
         pages, tid = self.pages, self.tier_ids
         if len(lcs) == 1:  # the common case without a generator (one frame less per block)
             lc = lcs[0]
             h = n.pages
             p = pages[h if type(h) is int else h[lc]]  # Node.page_of
-            row = (lc, tid[p.tier], p.priority, n.coverage[lc])
-            # few distinct rows exist (a full block's are all alike): one object each, and
-            # two tuples less per event for the collector to count
-            rows: tuple = self._stored_rows.get(row) or self._stored_rows.setdefault(row, (row,))
-            if len(self._stored_rows) > _MAX_STORED_ROWS:
-                self._stored_rows.clear()
+            tier, prio, cov = tid[p.tier], p.priority, n.coverage[lc]
+            # few distinct rows exist (a full block's are all alike): one shared object
+            # each (two tuples less per event for the collector to count), found by the
+            # row's fields packed into an int (tier 0..3, priority 0..100, coverage <= 4096)
+            k = (((lc << 2 | tier) << 7 | prio) << 13) | cov
+            rows: tuple | None = self._stored_rows.get(k)
+            if rows is None:
+                if len(self._stored_rows) >= _MAX_STORED_ROWS:
+                    self._stored_rows.clear()
+                rows = self._stored_rows[k] = ((lc, tier, prio, cov),)
         else:
             rows = tuple((lc, tid[pages[n.page_of(lc)].tier], pages[n.page_of(lc)].priority, n.coverage[lc])
                          for lc in lcs)
