@@ -436,7 +436,7 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens, bool tok
   e.kind = kind;
   e.id = id;
   e.ntokens = static_cast<std::uint32_t>(tokens.size());
-  event_tokens_.append(tokens.begin(), tokens.end());
+  event_tokens_.append(tokens.data(), tokens.size());
   std::uint32_t sized = e.ntokens;
   if (tokens_have_digest) {
     tree_.retain_all(tokens);  // the buffered event holds its digests (released when dropped or taken)
