@@ -105,6 +105,8 @@ struct TakenEvents {
 // one pop per event once full) felt both on every commit and eviction.
 template <typename T>
 class Fifo {
+  static_assert(std::is_trivially_destructible_v<T>);
+
  public:
   class Iter {  // forward iteration from the oldest element (take_events copies out with it)
    public:
@@ -142,10 +144,11 @@ class Fifo {
   template <typename... A>
   T& emplace_back(A&&... a) {
     if (size_ == v_.size()) grow(1);
-    T& slot = v_[(head_ + size_) & mask_];
-    slot = T(std::forward<A>(a)...);
+    // built in place (T is trivially destructible): assigning a temporary would write it
+    // to the stack field by field and read it back whole, a store-forwarding stall
+    T* slot = std::construct_at(&v_[(head_ + size_) & mask_], std::forward<A>(a)...);
     ++size_;
-    return slot;
+    return *slot;
   }
   // Append [first, first + n) (a contiguous range): at most two copies.
   void append(const T* first, std::size_t n) {

@@ -775,9 +775,8 @@ void RadixTree::index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const {
   }
 }
 
-void RadixTree::index_clear(Ref p) {
+void RadixTree::index_clear_trie(Ref p) {
   const TRef root = at(p).index;
-  if (root == kNil) return;
   at(p).index = kNil;
   std::vector<TRef> stack{root};
   while (!stack.empty()) {

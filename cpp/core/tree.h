@@ -354,7 +354,12 @@ class RadixTree {
   void index_add(Ref p, Ref n);
   void index_remove(Ref p, Ref n);
   void index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const;
-  void index_clear(Ref p);  // p loses every child at once (remove_subtree, a dying node)
+  // p loses every child at once (remove_subtree, a dying node); inline for the usual
+  // parent with no trie, which every evicted leaf is
+  void index_clear(Ref p) {
+    if (at(p).index != kNil) index_clear_trie(p);
+  }
+  void index_clear_trie(Ref p);
   void index_build(Ref p);
   NodeId covering_scan(Ref p, std::span<const Code> tokens) const;
   std::pair<Ref, std::int64_t> longest_run_scan(Ref node, std::span<const Code> tokens, std::size_t start) const;
