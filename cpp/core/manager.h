@@ -146,7 +146,13 @@ class Fifo {
     if (size_ == v_.size()) grow(1);
     // built in place (T is trivially destructible): assigning a temporary would write it
     // to the stack field by field and read it back whole, a store-forwarding stall
-    T* slot = std::construct_at(&v_[(head_ + size_) & mask_], std::forward<A>(a)...);
+    T* at = &v_[(head_ + size_) & mask_];
+    T* slot = nullptr;
+    if constexpr (sizeof...(A) == 0) {
+      slot = ::new (static_cast<void*>(at)) T;  // default-init: each member's initialiser, no memset of the whole
+    } else {
+      slot = std::construct_at(at, std::forward<A>(a)...);
+    }
     ++size_;
     return *slot;
   }
