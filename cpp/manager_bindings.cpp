@@ -15,6 +15,7 @@
 #include <deque>
 #include <type_traits>
 #include <mutex>
+#include <set>
 #include <optional>
 #include <string>
 #include <utility>
@@ -39,6 +40,7 @@ PyObject* api_attr(const char* name) {
 
 struct Api {
   PyObject* CopyOp = api_attr("CopyOp");
+  PyObject* CopyRun = api_attr("CopyRun");
   PyObject* StoredEvent = api_attr("StoredEvent");
   PyObject* StoredBlock = api_attr("StoredBlock");
   PyObject* RemovedEvent = api_attr("RemovedEvent");
@@ -280,6 +282,129 @@ nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), obj.release().ptr());
   }
   return nb::borrow<nb::list>(out);
+}
+
+// ------------------------------------------------------------------ copy runs
+// A set of int64 keys for copy_runs' per-run locations, cleared in O(1) per run: entries of
+// an older generation count as empty (open addressing, linear probing; the table holds at
+// most two keys per op of the drain at load <= 1/2, so probe runs stay short).
+class RunSet {
+ public:
+  void reset(std::size_t max_keys) {
+    std::size_t cap = 16;
+    while (cap < 2 * max_keys) cap *= 2;
+    if (cap > slots_.size()) {
+      slots_.assign(cap, Slot{});
+      gen_ = 0;
+    }
+    next_run();
+  }
+  void next_run() noexcept { ++gen_; }
+  bool contains(std::int64_t k) const noexcept {
+    for (std::size_t i = home(k);; i = (i + 1) & (slots_.size() - 1)) {
+      if (slots_[i].gen != gen_) return false;
+      if (slots_[i].key == k) return true;
+    }
+  }
+  void insert(std::int64_t k) noexcept {
+    std::size_t i = home(k);
+    while (slots_[i].gen == gen_) {
+      if (slots_[i].key == k) return;
+      i = (i + 1) & (slots_.size() - 1);
+    }
+    slots_[i] = Slot{k, gen_};
+  }
+
+ private:
+  struct Slot {
+    std::int64_t key = 0;
+    std::uint64_t gen = 0;
+  };
+  std::size_t home(std::int64_t k) const noexcept {
+    return static_cast<std::size_t>((static_cast<std::uint64_t>(k) * 0x9E3779B97F4A7C15ull) >> 20) &
+           (slots_.size() - 1);
+  }
+  std::vector<Slot> slots_;
+  std::uint64_t gen_ = 0;
+};
+
+// Python twin: kvcm.api.copy_runs (DECISIONS.md "Copy runs"), the same rule: an op joins
+// the current run when it has the run's lc, tiers and reason and touches no location the
+// run wrote, nor writes one it read.  A location is a slot of the run's pool on either side
+// (with one pool, src and dst slots are of the same pool), or a key on the shared tier.
+// Returns each run's [begin, end) in `ops`.
+std::vector<std::pair<std::size_t, std::size_t>> copy_runs(const std::vector<kvcm::CopyOpC>& ops) {
+  thread_local RunSet locs;  // reused: its memory, not its contents, outlives the call
+  locs.reset(2 * ops.size());
+  std::set<kvcm::Digest> keys_written;  // shared-tier locations (rare: a store or an onboard run)
+  std::vector<std::pair<std::size_t, std::size_t>> runs;
+  constexpr std::int64_t kShared = 3;
+  // a slot read (tag 1) or written (tag 0) in the run's pool(s)
+  const auto wkey = [](std::int64_t slot) { return slot * 2; };
+  const auto rkey = [](std::int64_t slot) { return slot * 2 + 1; };
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const kvcm::CopyOpC& o = ops[i];
+    bool join = !runs.empty();
+    if (join) {
+      const kvcm::CopyOpC& h = ops[runs.back().first];
+      join = o.lc == h.lc && o.src_tier == h.src_tier && o.dst_tier == h.dst_tier && std::strcmp(o.reason, h.reason) == 0;
+    }
+    const bool one_pool = o.src_tier == o.dst_tier;  // never the shared tier (no slots there)
+    if (join) {
+      if (o.dst_tier == kShared) {
+        join = !keys_written.contains(o.key);
+      } else {
+        join = !locs.contains(wkey(o.dst_slot)) &&
+               !(one_pool && (locs.contains(wkey(o.src_slot)) || locs.contains(rkey(o.dst_slot))));
+      }
+    }
+    if (!join) {
+      if (!runs.empty()) runs.back().second = i;
+      runs.emplace_back(i, ops.size());
+      locs.next_run();
+      keys_written.clear();
+    }
+    if (o.dst_tier == kShared) {
+      keys_written.insert(o.key);
+    } else {
+      locs.insert(wkey(o.dst_slot));
+      if (one_pool) locs.insert(rkey(o.src_slot));
+    }
+  }
+  return runs;
+}
+
+// The drained ops as kvcm.api.CopyRun objects (slot lists of cached ints: a run costs two
+// list slots per op, no per-op object).
+nb::list copy_run_list(const std::vector<kvcm::CopyOpC>& ops) {
+  nb::list out;
+  constexpr std::int64_t kShared = 3;
+  for (const auto& [b, e] : copy_runs(ops)) {
+    const kvcm::CopyOpC& h = ops[b];
+    const auto n = static_cast<Py_ssize_t>(e - b);
+    nb::object src = nb::steal(PyList_New(n)), dst = nb::steal(PyList_New(n));
+    if (!src.is_valid() || !dst.is_valid()) throw nb::python_error();
+    const bool with_keys = h.src_tier == kShared || h.dst_tier == kShared;
+    nb::object keys = with_keys ? nb::steal(PyList_New(n)) : nb::none();
+    if (!keys.is_valid()) throw nb::python_error();
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      const kvcm::CopyOpC& o = ops[b + static_cast<std::size_t>(k)];
+      PyObject* s = cached_int(o.src_slot);
+      PyObject* d = cached_int(o.dst_slot);
+      if (s == nullptr || d == nullptr) {
+        Py_XDECREF(s);
+        Py_XDECREF(d);
+        throw nb::python_error();
+      }
+      PyList_SET_ITEM(src.ptr(), k, s);
+      PyList_SET_ITEM(dst.ptr(), k, d);
+      if (with_keys) PyList_SET_ITEM(keys.ptr(), k, to_bytes(o.key).release().ptr());
+    }
+    nb::object run = nb::handle(api().CopyRun)(h.lc, h.src_tier, h.dst_tier, nb::handle(reason_str(h.reason)), src,
+                                              dst, keys);
+    out.append(run);
+  }
+  return out;
 }
 
 // The text of an int argument's value in an error: an int subclass by its int value
@@ -577,6 +702,11 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
            [](Manager& mgr) {
              std::vector<kvcm::CopyOpC> ops = quick(mgr, [&] { return mgr.drain_copy_ops(); });
              return copy_op_list(ops);
+           })
+      .def("drain_copy_runs",
+           [](Manager& mgr) {
+             std::vector<kvcm::CopyOpC> ops = quick(mgr, [&] { return mgr.drain_copy_ops(); });
+             return copy_run_list(ops);
            })
       .def(
           "forget_copies",
