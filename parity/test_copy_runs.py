@@ -4,6 +4,7 @@ per run, runs in order)."""
 
 from __future__ import annotations
 
+import array
 import dataclasses
 
 import pytest
@@ -15,6 +16,11 @@ from parity.helpers import GPU, HOST, attn_cfg, fill, keys, toks
 P = toks(16, base=100)
 Q = toks(16, base=200)
 R = toks(16, base=300)
+
+
+def run(lc, src_tier, dst_tier, reason, src, dst, keys=None) -> CopyRun:
+    """A CopyRun with its slot columns as int64 arrays."""
+    return CopyRun(lc, src_tier, dst_tier, reason, array.array("q", src), array.array("q", dst), keys)
 
 
 def _offloads(make_manager, gpu: int, host: int) -> list:
@@ -34,7 +40,7 @@ def test_runs_are_the_drain_grouped(make_manager):
     runs = a.drain_copy_runs()
     ops = b.drain_copy_ops()
     assert ops == [CopyOp(0, GPU, s, HOST, d, "offload") for s, d in ((2, 0), (1, 1), (0, 2))]
-    assert runs == copy_runs(ops) == [CopyRun(0, GPU, HOST, "offload", [2, 1, 0], [0, 1, 2])]
+    assert runs == copy_runs(ops) == [run(0, GPU, HOST, "offload", [2, 1, 0], [0, 1, 2])]
     assert [op for r in runs for op in r.ops()] == ops
     assert len(runs[0]) == 3 and runs[0].keys is None
     assert runs[0].to_json() == [0, GPU, HOST, "offload", [2, 1, 0], [0, 1, 2]]
@@ -50,8 +56,8 @@ def test_a_slot_written_twice_starts_a_new_run(make_manager):
     ops = b.drain_copy_ops()
     assert ops == [CopyOp(0, GPU, 1, HOST, 0, "offload"), CopyOp(0, GPU, 0, HOST, 0, "offload")]
     runs = a.drain_copy_runs()
-    assert runs == copy_runs(ops) == [CopyRun(0, GPU, HOST, "offload", [1], [0]),
-                                      CopyRun(0, GPU, HOST, "offload", [0], [0])]
+    assert runs == copy_runs(ops) == [run(0, GPU, HOST, "offload", [1], [0]),
+                                      run(0, GPU, HOST, "offload", [0], [0])]
     a.check_invariants()
 
 
@@ -80,7 +86,7 @@ def test_one_pool_a_slot_written_twice_starts_a_new_run(make_manager):
     a, b = _cows(make_manager, chained=False)
     ops = b.drain_copy_ops()
     assert ops == [CopyOp(0, GPU, 1, GPU, 2, "cow")] * 2
-    assert a.drain_copy_runs() == copy_runs(ops) == [CopyRun(0, GPU, GPU, "cow", [1], [2])] * 2
+    assert a.drain_copy_runs() == copy_runs(ops) == [run(0, GPU, GPU, "cow", [1], [2])] * 2
     a.check_invariants()
 
 
@@ -89,8 +95,8 @@ def test_one_pool_a_slot_the_run_wrote_or_read_starts_a_new_run(make_manager):
     a, b = _cows(make_manager, chained=True)
     ops = b.drain_copy_ops()
     assert ops == [CopyOp(0, GPU, 1, GPU, 2, "cow"), CopyOp(0, GPU, 2, GPU, 1, "cow")]
-    assert a.drain_copy_runs() == copy_runs(ops) == [CopyRun(0, GPU, GPU, "cow", [1], [2]),
-                                                     CopyRun(0, GPU, GPU, "cow", [2], [1])]
+    assert a.drain_copy_runs() == copy_runs(ops) == [run(0, GPU, GPU, "cow", [1], [2]),
+                                                     run(0, GPU, GPU, "cow", [2], [1])]
     a.check_invariants()
 
 
@@ -109,10 +115,10 @@ def test_runs_split_where_reason_or_tiers_change(make_manager):
         (HOST, 1, GPU, 0, "onboard"), (GPU, 1, HOST, 1, "offload"), (HOST, 0, GPU, 1, "onboard")]
     runs = a.drain_copy_runs()
     assert runs == copy_runs(ops) == [
-        CopyRun(0, GPU, HOST, "offload", [1, 0, 0], [0, 1, 2]),  # a slot read twice: no conflict
-        CopyRun(0, HOST, GPU, "onboard", [1], [0]),
-        CopyRun(0, GPU, HOST, "offload", [1], [1]),
-        CopyRun(0, HOST, GPU, "onboard", [0], [1])]
+        run(0, GPU, HOST, "offload", [1, 0, 0], [0, 1, 2]),  # a slot read twice: no conflict
+        run(0, HOST, GPU, "onboard", [1], [0]),
+        run(0, GPU, HOST, "offload", [1], [1]),
+        run(0, HOST, GPU, "onboard", [0], [1])]
     assert [op for r in runs for op in r.ops()] == ops
     a.check_invariants()
 
@@ -136,7 +142,7 @@ def test_shared_tier_runs_carry_the_keys(make_manager):
     kv.commit(R[:12])
     k = keys(R[:12])
     runs = a.drain_copy_runs()
-    assert runs == [CopyRun(0, GPU, 3, "store", [0, 1, 2], [-1, -1, -1], k)]
+    assert runs == [run(0, GPU, 3, "store", [0, 1, 2], [-1, -1, -1], k)]
     assert runs[0].to_json()[-1] == [x.hex() for x in k]
     assert [o.key for o in runs[0].ops()] == k
     a.check_invariants()

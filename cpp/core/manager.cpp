@@ -719,9 +719,16 @@ Manager::SharedMatch Manager::match_shared(NodeId root, std::span<const Digest> 
 std::vector<CopyOpC> Manager::drain_copy_ops() {
   std::vector<CopyOpC> out;
   out.swap(copy_ops_);
-  issued_.clear();
-  issued_.reserve(out.size());
-  for (std::size_t k = 0; k < out.size(); ++k) issued_.push_back({out[k], copy_pages_[k].first, copy_pages_[k].second});
+  copy_ops_.reserve(out.size());  // the next step's ops: one allocation, not a doubling chain
+  // field by field into place: an IssuedOp temporary went through the stack in pieces and
+  // was read back whole, a store-forwarding stall per op
+  issued_.resize(out.size());
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    IssuedOp& io = issued_[k];
+    io.op = out[k];
+    io.handle = copy_pages_[k].first;
+    io.serial = copy_pages_[k].second;
+  }
   copy_pages_.clear();
   return out;
 }

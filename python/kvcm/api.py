@@ -11,6 +11,7 @@ per backend.  SPEC sections are cited as ``sec. N``.
 from __future__ import annotations
 
 import abc
+import array
 import enum
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -231,7 +232,7 @@ class CopyOp:
 class CopyRun:
     """A run of a drain's copy ops in column form (:meth:`KVCacheManager.drain_copy_runs`):
     consecutive ops with one ``lc``, ``src_tier``, ``dst_tier`` and ``reason``, op ``i``
-    copying ``src_slots[i]`` to ``dst_slots[i]`` (``keys[i]`` names its object on the
+    copying ``src_slots[i]`` to ``dst_slots[i]`` (``array('q')``, int64) (``keys[i]`` names its object on the
     shared tier; ``keys`` is None when the run's tiers do not include it).  The ops of a run
     commute: no location (a slot of the run's pool on either side, a key on the shared
     tier) is written twice or both written and read, so one batched copy per run, runs in
@@ -241,8 +242,8 @@ class CopyRun:
     src_tier: int
     dst_tier: int
     reason: str
-    src_slots: list[int]
-    dst_slots: list[int]
+    src_slots: array.array  # typecode "q" (int64): a buffer an engine hands to torch as is
+    dst_slots: array.array
     keys: list[bytes] | None = None
 
     def __len__(self) -> int:
@@ -255,7 +256,8 @@ class CopyRun:
                 for s, d, k in zip(self.src_slots, self.dst_slots, keys)]
 
     def to_json(self) -> list:
-        row: list = [self.lc, self.src_tier, self.dst_tier, self.reason, list(self.src_slots), list(self.dst_slots)]
+        row: list = [self.lc, self.src_tier, self.dst_tier, self.reason, self.src_slots.tolist(),
+                     self.dst_slots.tolist()]
         if self.keys is not None:
             row.append([k.hex() for k in self.keys])
         return row
@@ -278,7 +280,8 @@ def copy_runs(ops: Sequence[CopyOp]) -> list[CopyRun]:
             head = (op.lc, op.src_tier, op.dst_tier, op.reason)
             written, read = set(), set()
             on_shared = SHARED in (op.src_tier, op.dst_tier)
-            runs.append(CopyRun(op.lc, op.src_tier, op.dst_tier, op.reason, [], [], [] if on_shared else None))
+            runs.append(CopyRun(op.lc, op.src_tier, op.dst_tier, op.reason, array.array("q"), array.array("q"),
+                                [] if on_shared else None))
         run = runs[-1]
         run.src_slots.append(op.src_slot)
         run.dst_slots.append(op.dst_slot)
