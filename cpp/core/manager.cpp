@@ -113,8 +113,8 @@ std::int64_t Manager::take_page_handle() {
     }
     handle = page_slots_++;
   }
-  Page& p = slab(handle);
-  p = Page{};
+  // built in place, member by member (assigning a Page{} temporary round-trips the stack)
+  Page& p = *::new (static_cast<void*>(&slab(handle))) Page;
   p.handle = static_cast<std::int32_t>(handle);
   return handle;
 }

@@ -373,8 +373,9 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::in
   const std::size_t nlc = lcs_.size();
   std::fill_n(pages_.row(r), nlc, kNoPage);
   std::fill_n(coverage_.row(r), nlc, 0);
-  Node& n = at(r);
-  n = Node{};
+  // built in place, member by member (assigning Node{} built a zeroed temporary on the
+  // stack and read it back whole: a store-forwarding stall per new block)
+  Node& n = *::new (static_cast<void*>(&at(r))) Node;
   n.key = key;
   n.uid = next_uid_++;
   n.ordinal = static_cast<std::int32_t>(ordinal);

@@ -25,6 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -316,6 +317,7 @@ class RadixTree {
     bool has_digest : 1 = false;  // its tokens hold digest references (released by erase_node)
   };
   static_assert(sizeof(Digest) == 32);
+  static_assert(std::is_trivially_destructible_v<Node>);  // make_node builds over a dead one
 
   // The children index (tree.py: class _Trie): per parent, a compressed trie over the
   // children's token sequences, so partial matching (sec. 6 step 1), covering siblings
