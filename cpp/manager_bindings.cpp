@@ -11,10 +11,13 @@
 #include <structmember.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <deque>
 #include <type_traits>
 #include <mutex>
+#include <set>
+#include <unordered_set>
 #include <optional>
 #include <string>
 #include <utility>
@@ -39,6 +42,7 @@ PyObject* api_attr(const char* name) {
 
 struct Api {
   PyObject* CopyOp = api_attr("CopyOp");
+  PyObject* CopyRun = api_attr("CopyRun");
   PyObject* StoredEvent = api_attr("StoredEvent");
   PyObject* StoredBlock = api_attr("StoredBlock");
   PyObject* RemovedEvent = api_attr("RemovedEvent");
@@ -210,16 +214,20 @@ PyObject* cached_int(std::int64_t v) {
   return ints[i];
 }
 
-struct CopyOpLayout {
-  static constexpr int kFields = 7;  // lc, src_tier, src_slot, dst_tier, dst_slot, reason, key
-  PyObject* names[kFields] = {};
-  Py_ssize_t offsets[kFields] = {};
+// Where a slots dataclass of kvcm.api keeps each field, so the bindings can fill a new
+// instance directly (no Python __init__; a frozen dataclass's sets every field through
+// object.__setattr__).  direct is false when the layout is not the expected one (then
+// the caller goes through the type's own construction).
+template <int N>
+struct SlotsLayout {
+  static constexpr int kFields = N;
+  PyObject* names[N] = {};
+  Py_ssize_t offsets[N] = {};
   bool direct = true;
-  CopyOpLayout() {
-    static const char* fields[kFields] = {"lc", "src_tier", "src_slot", "dst_tier", "dst_slot", "reason", "key"};
-    auto* tp = reinterpret_cast<PyTypeObject*>(api().CopyOp);
-    for (int k = 0; k < kFields; ++k) {
-      names[k] = PyUnicode_InternFromString(fields[k]);  // kept for the process
+  SlotsLayout(PyObject* type, const std::array<const char*, N>& fields) {
+    auto* tp = reinterpret_cast<PyTypeObject*>(type);
+    for (int k = 0; k < N; ++k) {
+      names[k] = PyUnicode_InternFromString(fields[static_cast<std::size_t>(k)]);  // kept for the process
       PyObject* d = names[k] != nullptr ? PyDict_GetItemWithError(tp->tp_dict, names[k]) : nullptr;
       if (d != nullptr && Py_TYPE(d) == &PyMemberDescr_Type) {
         const PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
@@ -231,11 +239,46 @@ struct CopyOpLayout {
     }
     PyErr_Clear();
   }
+  // A new instance of `type` owning `fields` (stolen, all non-null), or an invalid object
+  // with a Python error set.
+  nb::object make(PyObject* type, PyObject* (&fields)[N]) const {
+    auto* tp = reinterpret_cast<PyTypeObject*>(type);
+    nb::object obj;
+    if (direct) {
+      obj = nb::steal(tp->tp_alloc(tp, 0));
+      if (obj.is_valid()) {
+        for (int k = 0; k < N; ++k) {
+          *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj.ptr()) + offsets[k]) = fields[k];
+          fields[k] = nullptr;  // the instance owns it now
+        }
+      }
+    } else {
+      static PyObject* no_args = PyTuple_New(0);
+      obj = nb::steal(PyBaseObject_Type.tp_new(tp, no_args, nullptr));
+      for (int k = 0; obj.is_valid() && k < N; ++k) {
+        if (PyObject_GenericSetAttr(obj.ptr(), names[k], fields[k]) != 0) obj = nb::object();
+      }
+    }
+    for (PyObject* f : fields) Py_XDECREF(f);
+    return obj;
+  }
 };
+
+struct CopyOpLayout : SlotsLayout<7> {
+  CopyOpLayout() : SlotsLayout(api().CopyOp, {"lc", "src_tier", "src_slot", "dst_tier", "dst_slot", "reason", "key"}) {}
+};
+
+// PyObject* fields, all non-null? Else they are released and the pending Python error
+// raised.
+template <int N>
+void require_fields(PyObject* (&fields)[N]) {
+  if (std::all_of(fields, fields + N, [](PyObject* f) { return f != nullptr; })) return;
+  for (PyObject* f : fields) Py_XDECREF(f);
+  throw nb::python_error();
+}
 
 nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
   static const CopyOpLayout* layout = new CopyOpLayout();  // intentionally never freed
-  auto* tp = reinterpret_cast<PyTypeObject*>(api().CopyOp);
   nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(ops.size())));
   if (!out.is_valid()) throw nb::python_error();
   for (std::size_t i = 0; i < ops.size(); ++i) {
@@ -252,34 +295,166 @@ nb::list copy_op_list(const std::vector<kvcm::CopyOpC>& ops) {
       fields[6] = Py_None;
       Py_INCREF(fields[6]);
     }
-    nb::object obj;
-    bool ok = std::all_of(fields, fields + CopyOpLayout::kFields, [](PyObject* f) { return f != nullptr; });
-    if (ok && layout->direct) {
-      obj = nb::steal(tp->tp_alloc(tp, 0));
-      if (obj.is_valid()) {
-        for (int k = 0; k < CopyOpLayout::kFields; ++k) {
-          *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj.ptr()) + layout->offsets[k]) = fields[k];
-          fields[k] = nullptr;  // the instance owns it now
-        }
-      }
-      // An op refers to ints, a str and None or bytes only, so it can never be part of a reference
-      // cycle: untracked, the cyclic GC never traverses it nor promotes it to an older
-      // generation (CPython untracks tuples and dicts of such values for the same reason).
-      // A tight pool issues an op per allocation; tracked, they made the collections the
-      // op allocations trigger visit every op still held.
-      if (obj.is_valid()) PyObject_GC_UnTrack(obj.ptr());
-    } else if (ok) {
-      static PyObject* no_args = PyTuple_New(0);
-      obj = nb::steal(PyBaseObject_Type.tp_new(tp, no_args, nullptr));
-      for (int k = 0; obj.is_valid() && k < CopyOpLayout::kFields; ++k) {
-        if (PyObject_GenericSetAttr(obj.ptr(), layout->names[k], fields[k]) != 0) obj = nb::object();
-      }
-    }
-    for (PyObject* f : fields) Py_XDECREF(f);
+    require_fields(fields);
+    nb::object obj = layout->make(api().CopyOp, fields);
     if (!obj.is_valid()) throw nb::python_error();
+    // An op refers to ints, a str and None or bytes only, so it can never be part of a reference
+    // cycle: untracked, the cyclic GC never traverses it nor promotes it to an older
+    // generation (CPython untracks tuples and dicts of such values for the same reason).
+    // A tight pool issues an op per allocation; tracked, they made the collections the
+    // op allocations trigger visit every op still held.
+    if (layout->direct) PyObject_GC_UnTrack(obj.ptr());
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), obj.release().ptr());
   }
   return nb::borrow<nb::list>(out);
+}
+
+// ------------------------------------------------------------------ copy runs
+// The locations copy_runs marks in the current run: a slot written (key 2 * slot) or read
+// (2 * slot + 1).  A bitmap over the drain's slots (cleared by unmarking what the run
+// marked, so a run costs its own length); past 2**24 slots a hash set instead, to bound the
+// memory.  Kept between calls (thread_local) with every bit clear.
+class SlotMarks {
+ public:
+  void start(std::int64_t max_slot) {
+    big_ = max_slot >= (std::int64_t{1} << 24);
+    if (big_) return;
+    const auto words = static_cast<std::size_t>((2 * max_slot + 2) / 64 + 1);
+    if (bits_.size() < words) bits_.resize(words, 0);
+  }
+  bool test(std::int64_t k) const noexcept {
+    if (big_) return set_.contains(k);
+    const auto u = static_cast<std::uint64_t>(k);
+    return (bits_[u >> 6] >> (u & 63)) & 1u;
+  }
+  void mark(std::int64_t k) {
+    if (big_) {
+      set_.insert(k);
+      return;
+    }
+    const auto u = static_cast<std::uint64_t>(k);
+    std::uint64_t& w = bits_[u >> 6];
+    if (!((w >> (u & 63)) & 1u)) {
+      w |= std::uint64_t{1} << (u & 63);
+      marked_.push_back(k);
+    }
+  }
+  void clear() noexcept {
+    for (std::int64_t k : marked_) {
+      const auto u = static_cast<std::uint64_t>(k);
+      bits_[u >> 6] &= ~(std::uint64_t{1} << (u & 63));
+    }
+    marked_.clear();
+    set_.clear();
+  }
+
+ private:
+  bool big_ = false;
+  std::vector<std::uint64_t> bits_;
+  std::vector<std::int64_t> marked_;
+  std::unordered_set<std::int64_t> set_;
+};
+
+// Python twin: kvcm.api.copy_runs (DECISIONS.md "Copy runs"), the same rule: an op joins
+// the current run when it has the run's lc, tiers and reason and touches no location the
+// run wrote, nor writes one it read.  A location is a slot of the run's pool on either side
+// (with one pool, src and dst slots are of the same pool), or a key on the shared tier.
+// Returns each run's [begin, end) in `ops`.
+std::vector<std::pair<std::size_t, std::size_t>> copy_runs(const std::vector<kvcm::CopyOpC>& ops) {
+  constexpr std::int64_t kShared = 3;
+  std::int64_t max_slot = 0;
+  for (const kvcm::CopyOpC& o : ops) max_slot = std::max({max_slot, o.src_slot, o.dst_slot});
+  thread_local SlotMarks marks;
+  marks.start(max_slot);
+  std::set<kvcm::Digest> keys_written;  // shared-tier locations (a store or an onboard run)
+  std::vector<std::pair<std::size_t, std::size_t>> runs;
+  const auto wkey = [](std::int64_t slot) { return slot * 2; };
+  const auto rkey = [](std::int64_t slot) { return slot * 2 + 1; };
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    const kvcm::CopyOpC& o = ops[i];
+    bool join = !runs.empty();
+    if (join) {
+      const kvcm::CopyOpC& h = ops[runs.back().first];
+      join = o.lc == h.lc && o.src_tier == h.src_tier && o.dst_tier == h.dst_tier && std::strcmp(o.reason, h.reason) == 0;
+    }
+    const bool one_pool = o.src_tier == o.dst_tier;  // never the shared tier (no slots there)
+    if (join) {
+      if (o.dst_tier == kShared) {
+        join = !keys_written.contains(o.key);
+      } else {
+        join = !marks.test(wkey(o.dst_slot)) &&
+               !(one_pool && (marks.test(wkey(o.src_slot)) || marks.test(rkey(o.dst_slot))));
+      }
+    }
+    if (!join) {
+      if (!runs.empty()) runs.back().second = i;
+      runs.emplace_back(i, ops.size());
+      marks.clear();
+      keys_written.clear();
+    }
+    if (o.dst_tier == kShared) {
+      keys_written.insert(o.key);
+    } else {
+      marks.mark(wkey(o.dst_slot));
+      if (one_pool) marks.mark(rkey(o.src_slot));
+    }
+  }
+  marks.clear();
+  return runs;
+}
+
+// An array.array('q') of `n` int64s (kvcm.api.CopyRun's slot columns: a buffer an engine
+// hands to torch as it is, no int object per slot).
+nb::object int64_array(const std::int64_t* v, std::size_t n) {
+  static PyObject* array_type = [] {
+    nb::object mod = nb::module_::import_("array");
+    return nb::object(mod.attr("array")).release().ptr();  // kept for the process
+  }();
+  nb::object raw = nb::steal(PyBytes_FromStringAndSize(reinterpret_cast<const char*>(v),
+                                                      static_cast<Py_ssize_t>(n * sizeof(std::int64_t))));
+  if (!raw.is_valid()) throw nb::python_error();
+  static_assert(sizeof(long long) == sizeof(std::int64_t));
+  return nb::handle(array_type)("q", raw);
+}
+
+struct CopyRunLayout : SlotsLayout<7> {
+  CopyRunLayout()
+      : SlotsLayout(api().CopyRun, {"lc", "src_tier", "dst_tier", "reason", "src_slots", "dst_slots", "keys"}) {}
+};
+
+// The drained ops as kvcm.api.CopyRun objects (built like copy_op_list's ops).
+nb::list copy_run_list(const std::vector<kvcm::CopyOpC>& ops) {
+  static const CopyRunLayout* layout = new CopyRunLayout();  // intentionally never freed
+  nb::list out;
+  constexpr std::int64_t kShared = 3;
+  std::vector<std::int64_t> src, dst;
+  for (const auto& [b, e] : copy_runs(ops)) {
+    const kvcm::CopyOpC& h = ops[b];
+    src.clear();
+    dst.clear();
+    for (std::size_t k = b; k < e; ++k) {
+      src.push_back(ops[k].src_slot);
+      dst.push_back(ops[k].dst_slot);
+    }
+    nb::object keys = nb::none();
+    if (h.src_tier == kShared || h.dst_tier == kShared) {
+      nb::list kl;
+      for (std::size_t k = b; k < e; ++k) kl.append(to_bytes(ops[k].key));
+      keys = std::move(kl);
+    }
+    nb::object src_arr = int64_array(src.data(), src.size()), dst_arr = int64_array(dst.data(), dst.size());
+    PyObject* fields[CopyRunLayout::kFields] = {cached_int(h.lc), cached_int(h.src_tier), cached_int(h.dst_tier),
+                                                reason_str(h.reason)};
+    Py_INCREF(fields[3]);
+    fields[4] = src_arr.release().ptr();
+    fields[5] = dst_arr.release().ptr();
+    fields[6] = keys.release().ptr();
+    require_fields(fields);
+    nb::object run = layout->make(api().CopyRun, fields);
+    if (!run.is_valid()) throw nb::python_error();
+    out.append(run);
+  }
+  return out;
 }
 
 // The text of an int argument's value in an error: an int subclass by its int value
@@ -577,6 +752,11 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
            [](Manager& mgr) {
              std::vector<kvcm::CopyOpC> ops = quick(mgr, [&] { return mgr.drain_copy_ops(); });
              return copy_op_list(ops);
+           })
+      .def("drain_copy_runs",
+           [](Manager& mgr) {
+             std::vector<kvcm::CopyOpC> ops = quick(mgr, [&] { return mgr.drain_copy_ops(); });
+             return copy_run_list(ops);
            })
       .def(
           "forget_copies",

@@ -147,8 +147,8 @@ token_st = st.integers(0, 5)
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # ops an example may switch off (swarm testing): e.g. never close, so pressure builds;
 # never drain, so copy ops pile up.  create is never switched off.
-SWITCHABLE_OPS = ("close", "stop_committing", "suspend", "drain_copy_ops", "clear_reusable", "shutdown", "probe",
-                  "decode_step")
+SWITCHABLE_OPS = ("close", "stop_committing", "suspend", "drain_copy_ops", "drain_copy_runs", "clear_reusable",
+                  "shutdown", "probe", "decode_step")
 
 
 @st.composite
@@ -255,8 +255,15 @@ class DifferentialMachine(RuleBasedStateMachine):
                 raise NotImplementedError(d.detail)
             self.fail(d)
         out = self.ls.records[-1]["outcome"]
-        if op["op"] == "drain_copy_ops" and isinstance(out.get("result"), list):
-            self.last_drain = list(out["result"])
+        drained = out.get("result")
+        if op["op"] == "drain_copy_runs" and isinstance(drained, list):
+            # the same drain in column form (kvcm.api.CopyRun.to_json rows): its ops, in order
+            drained = [[lc, st, ss, dt, ds, reason, *([run[6][k]] if len(run) > 6 else [])]
+                       for run in drained
+                       for lc, st, dt, reason in [run[:4]]
+                       for k, (ss, ds) in enumerate(zip(run[4], run[5]))]
+        if op["op"] in ("drain_copy_ops", "drain_copy_runs") and isinstance(drained, list):
+            self.last_drain = list(drained)
             # the data plane executed them: the store ops' objects now exist
             self.store |= {(o[6], o[0]) for o in self.last_drain if o[5] == "store"}
         return out
@@ -694,6 +701,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         ("page_indices", 25),
         ("probe", 25),
         ("drain_copy_ops", 30),
+        ("drain_copy_runs", 10),
         ("forget_copies", 12),
         ("take_events", 15),
         ("stats", 10),

@@ -113,8 +113,8 @@ std::int64_t Manager::take_page_handle() {
     }
     handle = page_slots_++;
   }
-  Page& p = slab(handle);
-  p = Page{};
+  // built in place, member by member (assigning a Page{} temporary round-trips the stack)
+  Page& p = *::new (static_cast<void*>(&slab(handle))) Page;
   p.handle = static_cast<std::int32_t>(handle);
   return handle;
 }
@@ -436,7 +436,7 @@ EventC* Manager::new_event(EventKind kind, std::span<const Tok> tokens, bool tok
   e.kind = kind;
   e.id = id;
   e.ntokens = static_cast<std::uint32_t>(tokens.size());
-  event_tokens_.append(tokens.begin(), tokens.end());
+  event_tokens_.append(tokens.data(), tokens.size());
   std::uint32_t sized = e.ntokens;
   if (tokens_have_digest) {
     tree_.retain_all(tokens);  // the buffered event holds its digests (released when dropped or taken)
@@ -719,9 +719,16 @@ Manager::SharedMatch Manager::match_shared(NodeId root, std::span<const Digest> 
 std::vector<CopyOpC> Manager::drain_copy_ops() {
   std::vector<CopyOpC> out;
   out.swap(copy_ops_);
-  issued_.clear();
-  issued_.reserve(out.size());
-  for (std::size_t k = 0; k < out.size(); ++k) issued_.push_back({out[k], copy_pages_[k].first, copy_pages_[k].second});
+  copy_ops_.reserve(out.size());  // the next step's ops: one allocation, not a doubling chain
+  // field by field into place: an IssuedOp temporary went through the stack in pieces and
+  // was read back whole, a store-forwarding stall per op
+  issued_.resize(out.size());
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    IssuedOp& io = issued_[k];
+    io.op = out[k];
+    io.handle = copy_pages_[k].first;
+    io.serial = copy_pages_[k].second;
+  }
   copy_pages_.clear();
   return out;
 }

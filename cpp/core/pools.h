@@ -9,6 +9,7 @@
 #include <memory_resource>
 #include <set>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -75,6 +76,7 @@ struct Page {
   EvictKey evict_key() const noexcept { return {priority, last_used, -std::int64_t{ordinal}, serial}; }
 };
 static_assert(sizeof(Page) == 64);
+static_assert(std::is_trivially_destructible_v<Page>);  // reset in place, never destroyed
 
 // The HELD (or the DROPPABLE) pages of one pool in eviction order.  Pages mostly arrive
 // in order — a page released now carries the newest last_used, and the pages a call

@@ -373,8 +373,9 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::in
   const std::size_t nlc = lcs_.size();
   std::fill_n(pages_.row(r), nlc, kNoPage);
   std::fill_n(coverage_.row(r), nlc, 0);
-  Node& n = at(r);
-  n = Node{};
+  // built in place, member by member (assigning Node{} built a zeroed temporary on the
+  // stack and read it back whole: a store-forwarding stall per new block)
+  Node& n = *::new (static_cast<void*>(&at(r))) Node;
   n.key = key;
   n.uid = next_uid_++;
   n.ordinal = static_cast<std::int32_t>(ordinal);
@@ -775,9 +776,8 @@ void RadixTree::index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const {
   }
 }
 
-void RadixTree::index_clear(Ref p) {
+void RadixTree::index_clear_trie(Ref p) {
   const TRef root = at(p).index;
-  if (root == kNil) return;
   at(p).index = kNil;
   std::vector<TRef> stack{root};
   while (!stack.empty()) {

@@ -25,6 +25,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -316,6 +317,7 @@ class RadixTree {
     bool has_digest : 1 = false;  // its tokens hold digest references (released by erase_node)
   };
   static_assert(sizeof(Digest) == 32);
+  static_assert(std::is_trivially_destructible_v<Node>);  // make_node builds over a dead one
 
   // The children index (tree.py: class _Trie): per parent, a compressed trie over the
   // children's token sequences, so partial matching (sec. 6 step 1), covering siblings
@@ -354,7 +356,12 @@ class RadixTree {
   void index_add(Ref p, Ref n);
   void index_remove(Ref p, Ref n);
   void index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const;
-  void index_clear(Ref p);  // p loses every child at once (remove_subtree, a dying node)
+  // p loses every child at once (remove_subtree, a dying node); inline for the usual
+  // parent with no trie, which every evicted leaf is
+  void index_clear(Ref p) {
+    if (at(p).index != kNil) index_clear_trie(p);
+  }
+  void index_clear_trie(Ref p);
   void index_build(Ref p);
   NodeId covering_scan(Ref p, std::span<const Code> tokens) const;
   std::pair<Ref, std::int64_t> longest_run_scan(Ref node, std::span<const Code> tokens, std::size_t start) const;

@@ -11,6 +11,7 @@ per backend.  SPEC sections are cited as ``sec. N``.
 from __future__ import annotations
 
 import abc
+import array
 import enum
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -225,6 +226,70 @@ class CopyOp:
         if self.key is not None:
             row.append(self.key.hex())
         return row
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRun:
+    """A run of a drain's copy ops in column form (:meth:`KVCacheManager.drain_copy_runs`):
+    consecutive ops with one ``lc``, ``src_tier``, ``dst_tier`` and ``reason``, op ``i``
+    copying ``src_slots[i]`` to ``dst_slots[i]`` (``array('q')``, int64) (``keys[i]`` names its object on the
+    shared tier; ``keys`` is None when the run's tiers do not include it).  The ops of a run
+    commute: no location (a slot of the run's pool on either side, a key on the shared
+    tier) is written twice or both written and read, so one batched copy per run, runs in
+    order, does what the ops in order do (DECISIONS.md "Copy runs")."""
+
+    lc: int
+    src_tier: int
+    dst_tier: int
+    reason: str
+    src_slots: array.array  # typecode "q" (int64): a buffer an engine hands to torch as is
+    dst_slots: array.array
+    keys: list[bytes] | None = None
+
+    def __len__(self) -> int:
+        return len(self.src_slots)
+
+    def ops(self) -> list[CopyOp]:
+        """The run's ops as CopyOps, in order (e.g. for ``forget_copies``)."""
+        keys = self.keys if self.keys is not None else [None] * len(self.src_slots)
+        return [CopyOp(self.lc, self.src_tier, s, self.dst_tier, d, self.reason, k)
+                for s, d, k in zip(self.src_slots, self.dst_slots, keys)]
+
+    def to_json(self) -> list:
+        row: list = [self.lc, self.src_tier, self.dst_tier, self.reason, self.src_slots.tolist(),
+                     self.dst_slots.tolist()]
+        if self.keys is not None:
+            row.append([k.hex() for k in self.keys])
+        return row
+
+
+def copy_runs(ops: Sequence[CopyOp]) -> list[CopyRun]:
+    """``ops`` (one drain, in order) as maximal runs (the rule of :class:`CopyRun`): an op
+    joins the current run when it has the run's lc, tiers and reason and touches no
+    location the run wrote, nor writes one it read; otherwise it starts the next run.
+    A location is (tier, slot), or (SHARED, key) on the shared tier."""
+    runs: list[CopyRun] = []
+    head: tuple | None = None
+    written: set = set()
+    read: set = set()
+    for op in ops:
+        src = (op.src_tier, op.key) if op.src_tier == SHARED else (op.src_tier, op.src_slot)
+        dst = (op.dst_tier, op.key) if op.dst_tier == SHARED else (op.dst_tier, op.dst_slot)
+        if (head != (op.lc, op.src_tier, op.dst_tier, op.reason) or src in written or dst in written
+                or dst in read):
+            head = (op.lc, op.src_tier, op.dst_tier, op.reason)
+            written, read = set(), set()
+            on_shared = SHARED in (op.src_tier, op.dst_tier)
+            runs.append(CopyRun(op.lc, op.src_tier, op.dst_tier, op.reason, array.array("q"), array.array("q"),
+                                [] if on_shared else None))
+        run = runs[-1]
+        run.src_slots.append(op.src_slot)
+        run.dst_slots.append(op.dst_slot)
+        if run.keys is not None:
+            run.keys.append(op.key)
+        written.add(dst)
+        read.add(src)
+    return runs
 
 
 @dataclass(frozen=True)
@@ -515,6 +580,13 @@ class KVCacheManager(abc.ABC):
     @abc.abstractmethod
     def drain_copy_ops(self) -> list[CopyOp]: ...
 
+    def drain_copy_runs(self) -> list[CopyRun]:
+        """:meth:`drain_copy_ops` in column form: the same drain (the pending ops are taken,
+        and they are the last drain for :meth:`forget_copies`), handed over as
+        ``copy_runs(ops)`` — per run, slot lists an engine feeds to one batched copy
+        (DECISIONS.md "Copy runs").  ``[op for r in runs for op in r.ops()]`` is the ops."""
+        return copy_runs(self.drain_copy_ops())
+
     @abc.abstractmethod
     def forget_copies(self, ops: Sequence[CopyOp]) -> list[int | str]:
         """Report copy ops of the last :meth:`drain_copy_ops` that did not complete
@@ -568,6 +640,7 @@ __all__ = [
     "ConfigError",
     "CopyError",
     "CopyOp",
+    "CopyRun",
     "Event",
     "InvalidStateError",
     "InvariantError",
@@ -588,6 +661,7 @@ __all__ = [
     "Tier",
     "TierChangedEvent",
     "as_int",
+    "copy_runs",
     "register_manager_factory",
     "scope_field",
 ]

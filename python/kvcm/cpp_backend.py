@@ -20,6 +20,7 @@ from kvcm import _kvcm_cpp
 from kvcm.api import (
     ClosedError,
     CopyOp,
+    CopyRun,
     Event,
     KVCache,
     KVCacheManager,
@@ -139,6 +140,9 @@ class CppKVCacheManager(KVCacheManager):
 
     def drain_copy_ops(self) -> list[CopyOp]:
         return self._core.drain_copy_ops()
+
+    def drain_copy_runs(self) -> list[CopyRun]:
+        return self._core.drain_copy_runs()  # kvcm.api.copy_runs's rule, in C++ (manager_bindings.cpp)
 
     def forget_copies(self, ops: Sequence[CopyOp]) -> list[int | str]:
         ops = check_copy_ops(ops)

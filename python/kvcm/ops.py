@@ -5,6 +5,7 @@ One *op* is a dict::
     {"op": "create_kv_cache", "args": {"input_tokens": [1, 2, 3], "scope": null}}
     {"op": "commit", "cache": 0, "args": {"tokens": [4, {"digest": "ab..."}]}}
     {"op": "drain_copy_ops"}
+    {"op": "drain_copy_runs"}
 
 ``cache`` is a *handle*: the index, in creation order, of a cache created by a successful
 ``create_kv_cache`` of the same op sequence.  ``args`` holds keyword arguments; a missing
@@ -52,7 +53,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvcm.api import CopyOp, Event, KVCache, ReuseProbe, ReuseScope, Status
+from kvcm.api import CopyOp, CopyRun, Event, KVCache, ReuseProbe, ReuseScope, Status
 
 # op name -> allowed argument names (manager ops, then cache ops, which need a handle)
 MANAGER_OPS: dict[str, tuple[str, ...]] = {
@@ -61,6 +62,7 @@ MANAGER_OPS: dict[str, tuple[str, ...]] = {
     "shared_candidates": ("tokens", "scope"),
     "probe_reuse_detail": ("tokens", "scope"),
     "drain_copy_ops": (),
+    "drain_copy_runs": (),
     "clear_reusable": (),
     "take_events": (),
     "stats": (),
@@ -319,7 +321,7 @@ def normalize(value: Any, caches: Sequence[KVCache] = ()) -> Any:
         return value.name
     if isinstance(value, enum.Enum):
         return value.name
-    if isinstance(value, (CopyOp, Event)):
+    if isinstance(value, (CopyOp, CopyRun, Event)):
         return normalize(value.to_json())
     if isinstance(value, ReuseProbe):
         return [value.num_tokens, value.num_tokens_before_ssm]

@@ -5,11 +5,12 @@ Per request, in trace order, one request in flight at a time::
     kv = mgr.create_kv_cache(prompt)              # match: reused prefix, SUSPENDED
     kv.resume()                                   # LOCKED on gpu (onboard / copy-on-write)
     kv.resize(len(prompt))                        # pages for the whole prompt
-    mgr.drain_copy_ops()                          # the engine would execute these
+    mgr.drain_copy_runs()                         # the engine would execute these (a batched
+                                                  # copy per run)
     kv.commit_input()                             # prompt blocks enter the tree (the prompt
                                                   # given at create: not handed over again)
     for step in outputs, output_step at a time:   # only with with_outputs=True
-        cap += len(step); kv.resize(cap); mgr.drain_copy_ops(); kv.commit(step)
+        cap += len(step); kv.resize(cap); mgr.drain_copy_runs(); kv.commit(step)
     kv.close()                                    # partial tail inserted, pages reusable
 
 ``output_step`` is how many output tokens one decode step commits: 1 (token by token), or
@@ -204,8 +205,8 @@ def replay(
             mgr_s += _replay_request(mgr, req, res, ops, with_outputs)
             if bar:
                 bar.update()
-        for op in mgr.drain_copy_ops():
-            ops[op.reason] += 1
+        for run in mgr.drain_copy_runs():
+            ops[run.reason] += len(run)
         if check_invariants:
             mgr.check_invariants()
         res.stats = mgr.stats()
@@ -233,7 +234,9 @@ def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, o
     res.requests += 1
     res.prompt_tokens += n
     res.prompt_blocks += ceildiv(n, B)
-    drained: list[list] = []  # the engine executes these; counted by reason off the clock
+    # the engine executes these, a batched copy per run (kvcm.api.CopyRun); counted by reason
+    # off the clock
+    drained: list[list] = []
     ts = clock()
     kv = mgr.create_kv_cache(prompt)
     ok = kv.resume()
@@ -241,14 +244,14 @@ def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, o
         ok = kv.resize(n)
     if not ok:
         kv.close()
-        drained.append(mgr.drain_copy_ops())
+        drained.append(mgr.drain_copy_runs())
         spent = clock() - ts
         res.preemptions += 1
         res.failed += 1
         _count_ops(ops, drained)
         return spent
     reused = kv.num_reused_tokens
-    drained.append(mgr.drain_copy_ops())
+    drained.append(mgr.drain_copy_runs())
     kv.commit_input()  # the rest of the prompt given at create
     cap = n
     k = res.output_step
@@ -260,7 +263,7 @@ def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, o
         if not kv.resize(cap):
             truncated = True
             break
-        drained.append(mgr.drain_copy_ops())
+        drained.append(mgr.drain_copy_runs())
         kv.commit(step)
         done += len(step)
     kv.close()
@@ -277,9 +280,9 @@ def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, o
 
 
 def _count_ops(ops: Counter[str], drained: list[list]) -> None:
-    for batch in drained:
-        for op in batch:
-            ops[op.reason] += 1
+    for runs in drained:
+        for run in runs:
+            ops[run.reason] += len(run)
 
 
 __all__ = ["ReplayResult", "eviction_counts", "replay", "replay_config", "slot_bytes"]

@@ -369,6 +369,9 @@ class RecordingManager(KVCacheManager):
     def drain_copy_ops(self):
         return self._record("drain_copy_ops", None, {}, self._inner.drain_copy_ops)
 
+    def drain_copy_runs(self):
+        return self._record("drain_copy_runs", None, {}, self._inner.drain_copy_runs)
+
     def forget_copies(self, ops):
         return self._record("forget_copies", None, {"ops": ops}, lambda: self._inner.forget_copies(ops))
 
