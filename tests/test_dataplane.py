@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from kvcm import AttentionLayer, CopyOp, KVCacheManagerConfig, SsmLayer, Tier
+from kvcm.api import copy_runs
 from kvcm.dataplane import DataPlane, DiskPool
 
 B = 4
@@ -140,8 +141,8 @@ def test_independent_ops_run_as_one_batch(plane):
     sequential(plane, state, ops)
     plane.apply(ops)
     assert same(plane, state)
-    assert plane.runs == 1
-    assert plane.kernel_calls == 3  # one gather + scatter per (src tier, dst tier, lc)
+    assert plane.runs == 3 == len(copy_runs(ops))  # one run per (lc, src tier, dst tier, reason) here
+    assert plane.kernel_calls == 3  # one gather + scatter per run
 
 
 def test_swaps_and_chains_keep_sequential_semantics(plane):
@@ -162,8 +163,7 @@ def test_swaps_and_chains_keep_sequential_semantics(plane):
     assert torch.equal(plane.pool("gpu", 0)[0], before[GPU][0][1])
     assert torch.equal(plane.pool("gpu", 0)[1], before[GPU][0][0])
     assert torch.equal(raw(plane.pool("disk", 1))[4], before[GPU][1][2])
-    assert plane.runs < len(ops)  # still batched where it could be
-    assert DataPlane.runs_of(ops) == [ops[0:1], ops[1:2], ops[2:4], ops[4:6]]
+    assert plane.runs == len(copy_runs(ops))
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -180,7 +180,7 @@ def test_random_drains_equal_sequential_execution(plane, seed):
     sequential(plane, state, ops)
     plane.apply(ops)
     assert same(plane, state)
-    assert plane.runs == len(DataPlane.runs_of(ops)) <= len(ops)
+    assert plane.runs == len(copy_runs(ops)) <= len(ops)
 
 
 @pytest.mark.parametrize(

@@ -139,14 +139,15 @@ def test_write_to_a_truncated_file_on_a_full_filesystem_is_a_copy_error(tmp_path
         with open(d / "filler", "wb", buffering=0) as fill, pytest.raises(OSError):  # fill the filesystem
             while True:
                 fill.write(b"\0" * 4096)
-        ops = [CopyOp(0, GPU, 0, DISK, 7, "offload"), CopyOp(0, GPU, 0, GPU, 1, "cow"),
-               CopyOp(0, GPU, 1, HOST, 0, "offload")]
+        ops = [CopyOp(0, GPU, 0, DISK, 7, "offload"), CopyOp(0, GPU, 2, DISK, 6, "offload"),
+               CopyOp(0, GPU, 0, GPU, 1, "cow"), CopyOp(0, GPU, 1, HOST, 0, "offload")]
+        p.pool("gpu", 0)[0] = 5
         with pytest.raises(CopyError) as info:
             p.apply(ops)
         assert info.value.cause.errno == errno.ENOSPC
-        # ops 0 and 1 are one run (independent): 1 completed; op 2 (reads what 1 wrote) never ran
-        assert info.value.ops == [ops[0], ops[2]]
-        assert p.copies["cow"] == 1 and p.copies["offload"] == 0
+        # ops 0 and 1 are one run (both tried, both fail); ops 2 and 3 (later runs) never ran
+        assert info.value.ops == ops
+        assert sum(p.copies.values()) == 0 and int(p.pool("gpu", 0)[1].count_nonzero()) == 0
     finally:
         p.close()
         subprocess.run(["umount", "-l", str(d)], check=False)

@@ -84,18 +84,19 @@ def _op_lists(model, make_manager, tmp_path, monkeypatch) -> list[tuple[int, lis
     """(global position of its first op, ops) of every non-empty op list of a clean run."""
     lists: list[tuple[int, list]] = []
     seen = 0
-    orig = DataPlane.apply
+    orig = DataPlane.apply_runs
 
-    def spy(self, ops):
+    def spy(self, runs):
         nonlocal seen
-        ops = list(ops)
+        runs = list(runs)
+        ops = [op for r in runs for op in r.ops()]
         if ops:
             lists.append((seen, ops))
             seen += len(ops)
-        return orig(self, ops)
+        return orig(self, runs)
 
     with monkeypatch.context() as m:
-        m.setattr(DataPlane, "apply", spy)
+        m.setattr(DataPlane, "apply_runs", spy)
         run(model, make_manager, tmp_path)
     return lists
 

@@ -32,7 +32,7 @@ resumed later (suspending frees gpu slots only through a colder tier: with a gpu
 a request that cannot grow raises RuntimeError).  Copy ops are applied right after every manager call that can emit them, so
 they always run before the step that uses the new page indices.
 
-Failed copies (SPEC sec. 15): when ``DataPlane.apply`` raises ``CopyError`` (a disk I/O
+Failed copies (SPEC sec. 15): when ``DataPlane.apply_runs`` (the manager's ``drain_copy_runs``) raises ``CopyError`` (a disk I/O
 error, a checksum mismatch, ...), :meth:`Engine.sync` reports its ops with
 ``forget_copies``; each request the manager rolled back (now SUSPENDED, with fewer committed
 tokens) is taken out of the running batch and admitted again later, recomputing the K/V of
@@ -360,7 +360,7 @@ class Engine:
         did not complete are reported to the manager; the requests it rolls back are
         flagged (``rolled_back``) and recomputed by the scheduler."""
         try:
-            self.plane.apply(self.mgr.drain_copy_ops())
+            self.plane.apply_runs(self.mgr.drain_copy_runs())
         except CopyError as e:
             self.counters["copy_failures"] += 1
             for cache_id in self.mgr.forget_copies(e.ops):
