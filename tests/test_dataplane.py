@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+import errno
 import os
 import random
 import subprocess
@@ -10,7 +12,7 @@ import sys
 import pytest
 import torch
 from kvcm import AttentionLayer, CopyOp, KVCacheManagerConfig, SsmLayer, Tier
-from kvcm.api import copy_runs
+from kvcm.api import CopyError, CopyRun, copy_runs
 from kvcm.dataplane import DataPlane, DiskPool
 
 B = 4
@@ -292,3 +294,148 @@ def test_random_drains_on_the_engine_device(tmp_path):
             sequential(p, state, ops)
             p.apply(ops)
             assert same(p, state)
+
+
+# ---------------------------------------------------------------------- apply_runs (CopyRuns)
+
+def _random_ops(rng: random.Random, plane: DataPlane, n_ops: int) -> list[CopyOp]:
+    """Ops in stretches of one (lc, src tier, dst tier, reason) — as a drain emits them, so
+    runs are long — with random slots: within one tier (cow, snapshot) slots collide."""
+    n = {t: [len(pool) for pool in plane.pools[t]] for t in range(3)}
+    ops: list[CopyOp] = []
+    while len(ops) < n_ops:
+        lc, st, dt = rng.randrange(3), rng.randrange(3), rng.randrange(3)
+        reason = rng.choice(["cow", "snapshot"] if st == dt else ["offload", "onboard"])
+        for _ in range(rng.randint(1, 6)):
+            ops.append(CopyOp(lc, st, rng.randrange(n[st][lc]), dt, rng.randrange(n[dt][lc]), reason))
+    return ops[:n_ops]
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_apply_runs_equals_op_by_op_execution(tmp_path, plane, seed):
+    rng = random.Random(seed)
+    ops = _random_ops(rng, plane, rng.randint(1, 60))
+    state = snapshot(plane)
+    sequential(plane, state, ops)
+    runs = copy_runs(ops)
+    assert plane.apply_runs(runs) == len(ops)
+    assert same(plane, state)
+    assert plane.runs == len(runs)
+    with DataPlane(config(tmp_path / "b"), shapes=SHAPES) as q:  # apply(ops) is the same thing
+        fill(q)
+        q.apply(ops)
+        assert same(q, state)
+        assert q.stats() == plane.stats()
+    assert sum(plane.copies.values()) == len(ops)
+
+
+def _fail_at(at: int):
+    """A fault hook failing the op at position ``at`` of execution (= op) order."""
+    seen = iter(range(1 << 30))
+
+    def fault(op: CopyOp) -> None:
+        if next(seen) == at:
+            raise OSError(errno.EIO, f"injected failure of {op}")
+
+    return fault
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_apply_runs_failure_names_the_ops_not_completed(tmp_path, plane, seed):
+    """A failed op (injected at a random position): its run completes, nothing after it
+    runs, CopyError names the failed op and every op of the later runs, in op order, as
+    CopyOps; the stats count the completed ops only.  apply(ops) does the same."""
+    rng = random.Random(seed)
+    ops = _random_ops(rng, plane, rng.randint(2, 40))
+    runs = copy_runs(ops)
+    at = rng.randrange(len(ops))
+    start = 0
+    for r in runs:  # the run holding op `at`
+        if start + len(r) > at:
+            break
+        start += len(r)
+    end = start + len(r)
+    state = snapshot(plane)
+    sequential(plane, state, [op for k, op in enumerate(ops[:end]) if k != at])  # the run's ops commute
+    plane.fault = _fail_at(at)
+    with pytest.raises(CopyError) as e:
+        plane.apply_runs(runs)
+    assert e.value.ops == [ops[at], *ops[end:]]
+    assert all(type(op) is CopyOp for op in e.value.ops)
+    assert isinstance(e.value.cause, OSError)
+    assert same(plane, state)
+    assert sum(plane.copies.values()) == end - 1
+    with DataPlane(config(tmp_path / "b"), shapes=SHAPES) as q:
+        fill(q)
+        q.fault = _fail_at(at)
+        with pytest.raises(CopyError) as e2:
+            q.apply(ops)
+        assert e2.value.ops == e.value.ops and all(a is b for a, b in zip(e2.value.ops, [ops[at], *ops[end:]]))
+        assert same(q, state) and q.stats() == plane.stats()
+
+
+def _run(lc, st, dt, reason, src, dst, keys=None, code="q"):
+    return CopyRun(lc, st, dt, reason, array.array(code, src), array.array(code, dst), keys)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        _run(0, GPU, HOST, "offload", [6], [0]),  # src slot out of range
+        _run(0, GPU, HOST, "offload", [0, 1], [0, 5]),  # dst slot out of range
+        _run(0, GPU, HOST, "offload", [-1], [0]),
+        _run(3, GPU, HOST, "offload", [0], [0]),  # unknown lc
+        _run(0, GPU, 3, "offload", [0], [0]),  # unknown tier (no shared tier here)
+        _run(0, -1, GPU, "onboard", [0], [0]),
+        _run(0, GPU, 5, "offload", [0], [0]),
+        _run(0, GPU, HOST, "teleport", [0], [0]),  # unknown reason
+        _run(0, GPU, HOST, "store", [0], [0]),  # a store writes the shared tier
+        _run(True, GPU, HOST, "offload", [0], [0]),  # not an int
+        _run(0, GPU, HOST, "offload", [0, 1], [0]),  # columns of different lengths
+        _run(0, GPU, HOST, "offload", [0], [0], code="i"),  # not int64 columns
+        CopyRun(0, GPU, HOST, "offload", [0], [0]),  # lists, not arrays
+        _run(0, GPU, HOST, "offload", [0], [0], keys=[b"k" * 32]),  # keys off the shared tier
+        _run(0, GPU, HOST, "offload", [0, 1], [2, 2]),  # a slot written twice: not a run
+        _run(0, GPU, GPU, "cow", [0, 1], [1, 2]),  # a slot read and written: not a run
+        CopyOp(0, GPU, 0, HOST, 0, "offload"),  # an op, not a run
+    ],
+)
+def test_bad_runs_raise_before_anything_is_copied(plane, bad):
+    before = snapshot(plane)
+    with pytest.raises(ValueError, match=r"runs\[1\]"):
+        plane.apply_runs([_run(0, GPU, HOST, "offload", [0, 1], [0, 1]), bad])
+    assert same(plane, before)
+    assert plane.runs == 0 and sum(plane.copies.values()) == 0 and plane.routes == {}
+
+
+def test_a_run_reading_one_slot_twice_is_fine(plane):
+    state = snapshot(plane)
+    ops = [CopyOp(0, GPU, 3, GPU, 1, "cow"), CopyOp(0, GPU, 3, GPU, 2, "cow")]
+    sequential(plane, state, ops)
+    assert plane.apply_runs([_run(0, GPU, GPU, "cow", [3, 3], [1, 2])]) == 2
+    assert same(plane, state) and plane.kernel_calls == 1
+    assert plane.apply_runs([_run(0, GPU, GPU, "cow", [4, 0], [4, 5])]) == 2  # a copy onto itself reads what it writes
+    with pytest.raises(ValueError, match="do not commute"):
+        plane.apply_runs([_run(0, GPU, GPU, "cow", [4, 5], [4, 4])])
+
+
+@pytest.mark.parametrize("which", ["python", "cpp"])
+def test_a_managers_drained_runs_execute(tmp_path, which):
+    """drain_copy_runs() of either backend goes straight into apply_runs (gpu -> disk)."""
+    import kvcm
+
+    cfg = config(tmp_path, gpu=1, host=0, disk=2)
+    with DataPlane(cfg, shapes=SHAPES) as p:
+        fill(p)
+        mgr = kvcm.KVCacheManager(cfg, backend=which)
+        a = mgr.create_kv_cache()
+        assert a.resume() and a.resize(B)
+        a.commit([1, 2, 3, 4])
+        a.close()
+        b = mgr.create_kv_cache()
+        assert b.resume() and b.resize(B)  # a's pages: gpu 0 -> disk 0
+        runs = mgr.drain_copy_runs()
+        gpu_before = [p.pool(GPU, lc)[0].clone() for lc in range(3)]
+        assert p.apply_runs(runs) == sum(len(r) for r in runs) > 0
+        for op in (op for r in runs for op in r.ops()):
+            assert p.pool(DISK, op.lc).read(op.dst_slot) == gpu_before[op.lc].numpy().tobytes()

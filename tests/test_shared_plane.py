@@ -4,6 +4,7 @@ store — on the file store and on Mooncake Store."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import os
@@ -13,7 +14,7 @@ import time
 
 import pytest
 import torch
-from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig, SsmLayer, Tier
+from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig, SsmLayer, Tier, copy_runs
 from kvcm.dataplane import DataPlane
 from kvcm.shared_store import FileStore, SharedStore
 from mooncake_env import need_mooncake
@@ -124,6 +125,27 @@ def test_store_lookup_onboard_batched(store_url, ns):
         st = plane.shared_stats
         assert (st["stores"], st["loads"], st["store_bytes"], st["load_bytes"]) == (6, 6, 3 * 56, 3 * 56)
         assert plane.routes == {"gpu->shared": 6, "shared->gpu": 6}
+    spy.inner.close()
+
+
+def test_shared_runs_of_alternating_life_cycles_are_one_batch(tmp_path, ns):
+    """A drain's store / load ops alternate life cycles, so copy_runs cuts them into runs of
+    one op; consecutive shared runs that write no location twice still go as one put / get.
+    A run that writes an object again starts the next batch."""
+    spy = open_spy(str(tmp_path))
+    with make_plane(str(tmp_path), ns, spy) as plane:
+        fill(plane)
+        runs = copy_runs(store_ops(3))
+        assert len(runs) == 6
+        assert plane.apply_runs(runs) == 6 and spy.calls == {"put": 1}
+        assert plane.apply_runs(copy_runs(load_ops(3))) == 6 and spy.calls["get"] == 1
+        assert torch.equal(plane.pool("gpu", 1)[4:7], plane.pool("gpu", 1)[0:3])
+        again = [*store_ops(2), CopyOp(0, 0, 5, SHARED, -1, "store", key=key(0))]  # (key 0, lc 0) twice
+        assert plane.apply_runs(copy_runs(again)) == 5 and spy.calls["put"] == 3
+        bad = [dataclasses.replace(copy_runs([CopyOp(0, 0, 0, SHARED, -1, "store", key=key(0))])[0], keys=[b"short"])]
+        with pytest.raises(ValueError, match="32-byte"):
+            plane.apply_runs(copy_runs(store_ops(1)) + bad)
+        assert spy.calls["put"] == 3  # nothing stored
     spy.inner.close()
 
 

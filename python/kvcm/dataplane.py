@@ -574,8 +574,11 @@ class DataPlane:
                 raise ValueError(f"{what}: {side} slot {bad} out of range [0, {lim})")
         if run.dst_tier != SHARED:
             dst = set(run.dst_slots)
-            if len(dst) != n or (run.src_tier == run.dst_tier and not dst.isdisjoint(run.src_slots)):
-                raise ValueError(f"{what}: its ops do not commute (a slot written twice, or both read and written)")
+            if len(dst) != n or (run.src_tier == run.dst_tier and not dst.isdisjoint(run.src_slots) and any(
+                    s != d for s, d in zip(run.src_slots, run.dst_slots, strict=True) if s in dst)):
+                # (an op may read the slot it writes: a copy onto itself; no other op may)
+                raise ValueError(f"{what}: its ops do not commute (a slot written twice, or written by one op "
+                                 "and read by another)")
         return run
 
     def apply(self, ops: Iterable[Any]) -> int:
