@@ -47,22 +47,29 @@ Typed views (no copies) are offered per layer: :meth:`DataPlane.kv` returns
 ``shapes`` argument (default: flat, ``bytes // itemsize``).  The reference engine uses
 ``token_shape = (2, heads, head_dim)``: K then V of one token.
 
-Copy ops
---------
-:meth:`DataPlane.apply` executes ``CopyOp`` s (whole slots, raw bytes) with sequential
-semantics — the result always equals running them one by one in order — but batched: the
-ops are cut into maximal *runs* in which no slot written by one op is read or written by
-another, and each run is executed as one gather (``index_select``) plus one scatter
-(``index_copy_``) per ``(src tier, dst tier, lc)``; a disk side goes op by op
-(``pread`` / ``pwrite``).  Every op is validated first (known tier and lc, slot in range,
-known reason): a bad op raises ``ValueError`` and nothing is copied.
+Copy ops and copy runs
+----------------------
+:meth:`DataPlane.apply_runs` executes :class:`~kvcm.api.CopyRun` s
+(``KVCacheManager.drain_copy_runs()``: whole slots, raw bytes), runs in order, with the
+result of the ops one by one in order: the ops of a run commute (DECISIONS.md "Copy runs"),
+so a run of memory tiers (gpu, host) is **one** gather (``index_select``) and one scatter
+(``index_copy_``) whose index tensors are the run's ``array('q')`` slot columns as they are
+(``torch.frombuffer``: no per-op Python); a disk side goes op by op (``pread`` /
+``pwrite``); consecutive runs of the shared tier with one direction that write no location
+twice (``copy_runs`` cuts them apart at every change of life cycle) are one store or load
+batch.  :meth:`DataPlane.apply` executes ``CopyOp`` s: it validates them and hands
+``kvcm.api.copy_runs(ops)`` to the same code, so the project has one run rule.  Everything
+is validated before anything is copied (known tier and lc, every slot in range, a known
+reason, keys exactly on the shared side; for a run also that its ops commute): a bad op or
+run raises ``ValueError`` and nothing is copied.
 
 Failures (SPEC sec. 15): when an op fails (an ``OSError`` of disk I/O or a checksum, or any
-exception of a torch copy, e.g. out of memory), :meth:`DataPlane.apply` finishes the run it
-is in (the run's ops are independent of each other), executes **nothing after that run**,
-and raises :class:`kvcm.api.CopyError` whose ``ops`` are the failed ops of the run and
-every op after the run, in order: exactly the ops whose destination cannot be trusted.
-The engine passes them to ``KVCacheManager.forget_copies``.
+exception of a torch copy, e.g. out of memory), the plane finishes the run it is in (the
+shared batch it is in: its ops commute), executes **nothing after it**, and raises
+:class:`kvcm.api.CopyError` whose ``ops`` (``CopyOp`` s: ``run.ops()``, or the very ops
+given to :meth:`DataPlane.apply`) are the failed ops of the run and every op after the run,
+in op order: exactly the ops whose destination cannot be trusted.  Stats count completed
+ops only.  The engine passes them to ``KVCacheManager.forget_copies``.
 
 A tier given as an int (in ops, :meth:`DataPlane.pool`, the views) is SPEC's number by
 kind, as the manager's copy ops carry it: gpu 0, host 1, disk 2, shared 3 (a gpu + disk
