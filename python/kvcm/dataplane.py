@@ -698,7 +698,8 @@ class DataPlane:
             return failed, cause
         torch = _torch()
         sp, dp = self.pools[self._tier_pos[run.src_tier]][run.lc], self.pools[self._tier_pos[run.dst_tier]][run.lc]
-        keep = [p for p in range(len(run)) if p not in set(failed)] if failed else None
+        skip = set(failed)
+        keep = [p for p in range(len(run)) if p not in skip] if failed else None
         if isinstance(sp, DiskPool) or isinstance(dp, DiskPool):  # file I/O: op by op
             done = 0
             for p in keep if keep is not None else range(len(run)):
