@@ -215,22 +215,30 @@ def test_a_tier_the_config_lacks_is_unknown(tmp_path):
             p.pool("disk", 0)
 
 
+def _offloading_manager(cfg, backend: str):
+    """A manager of ``cfg`` (one gpu slot) whose drain holds request a's pages moving
+    gpu 0 -> disk 0 to make room for request b."""
+    import kvcm
+
+    mgr = kvcm.KVCacheManager(cfg, backend=backend)
+    a = mgr.create_kv_cache()
+    assert a.resume() and a.resize(B)
+    a.commit([1, 2, 3, 4])
+    a.close()
+    b = mgr.create_kv_cache()
+    assert b.resume() and b.resize(B)
+    return mgr
+
+
 def test_gpu_disk_config_disk_tier_is_2_as_in_copy_ops(tmp_path):
     """SPEC sec. 1 numbers tiers by kind: with no host tier the manager's copy ops say 2
     for disk, and the data plane executes them (1 names no tier of this config)."""
-    import kvcm
 
     cfg = config(tmp_path, gpu=1, host=0, disk=2)
     with DataPlane(cfg, shapes=SHAPES) as p:
         fill(p)
         assert p.pool(DISK, 0) is p.pool("disk", 0) and p.pool(DISK, 0).num_slots == 2
-        mgr = kvcm.KVCacheManager(cfg, backend="python")
-        a = mgr.create_kv_cache()
-        assert a.resume() and a.resize(B)
-        a.commit([1, 2, 3, 4])
-        a.close()
-        b = mgr.create_kv_cache()
-        assert b.resume() and b.resize(B)  # a's pages: gpu 0 -> disk 0
+        mgr = _offloading_manager(cfg, "python")
         ops = mgr.drain_copy_ops()
         assert {(op.src_tier, op.dst_tier) for op in ops} == {(GPU, DISK)}
         gpu_before = [p.pool(GPU, lc)[0].clone() for lc in range(3)]
@@ -422,18 +430,11 @@ def test_a_run_reading_one_slot_twice_is_fine(plane):
 @pytest.mark.parametrize("which", ["python", "cpp"])
 def test_a_managers_drained_runs_execute(tmp_path, which):
     """drain_copy_runs() of either backend goes straight into apply_runs (gpu -> disk)."""
-    import kvcm
 
     cfg = config(tmp_path, gpu=1, host=0, disk=2)
     with DataPlane(cfg, shapes=SHAPES) as p:
         fill(p)
-        mgr = kvcm.KVCacheManager(cfg, backend=which)
-        a = mgr.create_kv_cache()
-        assert a.resume() and a.resize(B)
-        a.commit([1, 2, 3, 4])
-        a.close()
-        b = mgr.create_kv_cache()
-        assert b.resume() and b.resize(B)  # a's pages: gpu 0 -> disk 0
+        mgr = _offloading_manager(cfg, which)
         runs = mgr.drain_copy_runs()
         gpu_before = [p.pool(GPU, lc)[0].clone() for lc in range(3)]
         assert p.apply_runs(runs) == sum(len(r) for r in runs) > 0
