@@ -673,9 +673,8 @@ void RadixTree::index_add(Ref p, Ref n) {
   const auto len = static_cast<std::uint32_t>(t.size());
   while (true) {
     if (tn(v).depth == len) {
-      at(n).tnext = tn(v).leaf;
+      tlinks_[n] = TLink{v, tn(v).leaf};
       tn(v).leaf = n;
-      at(n).tnode = v;
       break;
     }
     const Code tok = t[tn(v).depth];
@@ -683,8 +682,7 @@ void RadixTree::index_add(Ref p, Ref n) {
     if (c == kNil) {
       const TRef leaf = new_tnode(len, n, v, tok);
       tn(leaf).leaf = n;
-      at(n).tnext = kNil;
-      at(n).tnode = leaf;
+      tlinks_[n] = TLink{leaf, kNil};
       add_kid(v, leaf);
       break;
     }
@@ -703,7 +701,7 @@ void RadixTree::index_add(Ref p, Ref n) {
     add_kid(mid, c);
     v = mid;
   }
-  for (TRef x = at(n).tnode; x != kNil; x = tn(x).up) {
+  for (TRef x = tnode_of(n); x != kNil; x = tn(x).up) {
     TNode& xn = tn(x);
     if (xn.best == kNil || at(n).key < at(xn.best).key) xn.best = n;
     if (xn.cover == kNil || covers_more(n, xn.cover)) xn.cover = n;
@@ -712,17 +710,18 @@ void RadixTree::index_add(Ref p, Ref n) {
 
 // py: tree.py RadixTree.index_remove — SPEC sec. 5
 void RadixTree::index_remove(Ref p, Ref n) {
-  TRef v = at(n).tnode;
-  if (v == kNil) return;
-  at(n).tnode = kNil;
+  const auto it = tlinks_.find(n);
+  if (it == tlinks_.end()) return;
+  const TLink l = it->second;
+  tlinks_.erase(it);
+  TRef v = l.tnode;
   if (tn(v).leaf == n) {
-    tn(v).leaf = at(n).tnext;
+    tn(v).leaf = l.tnext;
   } else {
     Ref x = tn(v).leaf;
-    while (at(x).tnext != n) x = at(x).tnext;
-    at(x).tnext = at(n).tnext;
+    while (tnext_of(x) != n) x = tnext_of(x);
+    tlinks_.find(x)->second.tnext = l.tnext;
   }
-  at(n).tnext = kNil;
   if (tn(v).leaf == kNil && tn(v).first_kid == kNil && tn(v).up != kNil) {  // a bare leaf: drop it
     const TRef up = tn(v).up;
     remove_kid(v);
@@ -749,7 +748,7 @@ void RadixTree::index_remove(Ref p, Ref n) {
     TNode& vn = tn(v);
     if (vn.best == n || vn.cover == n) {
       Ref best = vn.leaf, cover = vn.leaf;
-      for (Ref x = best != kNil ? at(best).tnext : kNil; x != kNil; x = at(x).tnext) {
+      for (Ref x = best != kNil ? tnext_of(best) : kNil; x != kNil; x = tnext_of(x)) {
         if (at(x).key < at(best).key) best = x;
         if (covers_more(x, cover)) cover = x;
       }
@@ -772,7 +771,7 @@ void RadixTree::index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const {
   while (true) {
     const TNode& vn = tn(v);
     if (vn.depth < t.size() && static_cast<std::int64_t>(vn.depth) < B_) {
-      for (Ref x = vn.leaf; x != kNil; x = at(x).tnext) out.push_back(x);
+      for (Ref x = vn.leaf; x != kNil; x = tnext_of(x)) out.push_back(x);
     }
     if (vn.depth >= t.size()) return;
     const TRef c = find_kid(v, t[vn.depth]);
@@ -789,10 +788,9 @@ void RadixTree::index_clear_trie(Ref p) {
     const TRef v = stack.back();
     stack.pop_back();
     for (Ref x = tn(v).leaf; x != kNil;) {
-      const Ref next = at(x).tnext;
-      at(x).tnode = kNil;
-      at(x).tnext = kNil;
-      x = next;
+      const auto it = tlinks_.find(x);
+      x = it->second.tnext;
+      tlinks_.erase(it);
     }
     for (TRef k = tn(v).first_kid; k != kNil; k = tn(k).next_kid) stack.push_back(k);
     if (tn(v).up != kNil) remove_kid_entry_only(v);

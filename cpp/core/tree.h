@@ -315,12 +315,10 @@ class RadixTree {
     bool has_digest : 1 = false;      // its tokens hold digest references (released by erase_node)
     std::uint32_t nchildren : 31 = 0;  // linked children
     bool indexed : 1 = false;          // its children have a token trie, its root in tindex_
-    std::uint32_t tnode = kNil;  // the trie node this block ends at in its parent's index
-    Ref tnext = kNil;            // next sibling with the very same tokens (rare)
   };
   static constexpr std::int64_t kUidMask = (std::int64_t{1} << 47) - 1;
-  // 80 bytes: a cached block costs one node (its tokens and pages live outside it)
-  static_assert(sizeof(Node) == 80);
+  // 72 bytes: a cached block costs one node (its tokens and pages live outside it)
+  static_assert(sizeof(Node) == 72);
   static_assert(sizeof(Digest) == 32);
   static_assert(std::is_trivially_destructible_v<Node>);  // make_node builds over a dead one
 
@@ -328,7 +326,7 @@ class RadixTree {
   // children's token sequences, so partial matching (sec. 6 step 1), covering siblings
   // (find_existing) and prefix siblings (attach) walk O(tokens) trie nodes instead of
   // scanning every sibling with the same first token (SPEC sec. 15).  A trie node's prefix
-  // is spelled by arena(rep)[0, depth); `leaf` heads the list (Node::tnext) of children
+  // is spelled by arena(rep)[0, depth); `leaf` heads the list (TLink::tnext) of children
   // whose tokens end here; best / cover aggregate the children below (smallest key / most
   // tokens then smallest key).  Every node but the root has a leaf or two kids.
   // A parent with few children has no trie (they are scanned, a bounded cost): the trie is
@@ -340,6 +338,10 @@ class RadixTree {
     TRef up = kNil, first_kid = kNil, next_kid = kNil, prev_kid = kNil;
     std::uint32_t depth = 0;
     Code tok = 0;  // the first token of the edge from `up`
+  };
+  struct TLink {
+    TRef tnode = kNil;
+    Ref tnext = kNil;
   };
   struct KidEntry {  // the kid table: (up, tok) -> trie node, open addressing
     TRef ref = kNil, up = kNil;
@@ -369,6 +371,14 @@ class RadixTree {
   // The root of p's children trie (kNil: none).  Only parents with more than
   // index_threshold children have one, so it lives in a side table, not in every node.
   TRef index_root(Ref p) const noexcept { return at(p).indexed ? tindex_.find(p)->second : kNil; }
+  // Where a child of an indexed parent sits in that parent's trie: the trie node its tokens
+  // end at, and the next child ending there too (the node's `leaf` list; same tokens are
+  // rare).  Only children of indexed parents have one, so they live in a side table.
+  TRef tnode_of(Ref n) const noexcept {
+    const auto it = tlinks_.find(n);
+    return it != tlinks_.end() ? it->second.tnode : kNil;
+  }
+  Ref tnext_of(Ref n) const noexcept { return tlinks_.find(n)->second.tnext; }  // n is in a leaf list
   void set_index_root(Ref p, TRef t) {
     if (t == kNil) {
       tindex_.erase(p);
@@ -458,6 +468,7 @@ class RadixTree {
   std::vector<TNode> tnodes_;      // the children tries' nodes (slab)
   std::vector<TRef> tfree_;        // dead trie slots (LIFO)
   std::unordered_map<Ref, TRef> tindex_;  // parent slot -> its children trie's root (Node::indexed)
+  std::unordered_map<Ref, TLink> tlinks_;  // child slot -> its place in its parent's trie
   std::vector<KidEntry> tkids_ = std::vector<KidEntry>(16);  // size a power of two
   std::size_t num_tkids_ = 0;
   std::int64_t next_uid_ = 0;
