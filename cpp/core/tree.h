@@ -462,7 +462,7 @@ class RadixTree {
   // refuses to grow past 2**31 - 1), and the tokens it covers (<= B <= 4096)
   ChunkedRows<std::int32_t> pages_;
   ChunkedRows<std::int16_t> coverage_;
-  std::vector<Entry> children_;    // the child table (ref kNil = empty); at most 3/4 full
+  std::vector<Entry> children_;    // the child table (ref kNil = empty); at most 3/5 full
   std::size_t num_children_ = 0;
   std::unordered_map<Digest, Ref, DigestHash> roots_;
   std::vector<TNode> tnodes_;      // the children tries' nodes (slab)
