@@ -414,7 +414,7 @@ void Manager::check_pool_index(const Pool& pool, const std::string& where, const
     const Page* before = nullptr;
     for (std::int64_t h = ix->head; h >= 0; h = page(h).next) {
       const Page& q = page(h);
-      check(q.in_list && (before == nullptr || before->idx_key() < q.idx_key()), where + ": eviction list out of order");
+      check(q.in_list && (before == nullptr || before->evict_key() < q.evict_key()), where + ": eviction list out of order");
       before = &q;
       ++n;
     }

@@ -79,7 +79,7 @@ void Manager::unindex(Page& p) {
   if (p.idx_state == kHeld || p.idx_state == kDroppable) {
     EvictIndex& ix = pool.index_of(p.idx_state);
     if (!p.in_list) {
-      ix.set.erase({p.idx_key(), p.handle});
+      ix.set.erase({p.evict_key(), p.handle});
     } else {
       if (p.prev >= 0) {
         slab(p.prev).next = p.next;
@@ -123,22 +123,20 @@ void Manager::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
 void Manager::index(Page& p) {
   Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
   p.idx_state = static_cast<std::uint8_t>(p.state());
-  p.idx_priority = p.priority;
-  p.idx_last_used = p.last_used;
   pool.count(p.idx_state, +1);
   if (p.idx_state != kHeld && p.idx_state != kDroppable) return;
   EvictIndex& ix = pool.index_of(p.idx_state);
-  const std::int64_t last_used = p.idx_last_used;
-  const EvictKey key = p.idx_key();
-  if (ix.tail < 0 || slab(ix.tail).idx_key() < key) {  // newest: append
-    const bool same_run = ix.tail >= 0 && slab(ix.tail).idx_last_used == last_used;
+  const std::int64_t last_used = p.last_used;
+  const EvictKey key = p.evict_key();
+  if (ix.tail < 0 || slab(ix.tail).evict_key() < key) {  // newest: append
+    const bool same_run = ix.tail >= 0 && slab(ix.tail).last_used == last_used;
     list_insert(ix, p, -1);
     if (!same_run) ix.run = p.handle;
     return;
   }
   const Page& r = slab(ix.run);
-  if (r.idx_last_used == last_used && key < r.idx_key() &&
-      (r.prev < 0 || slab(r.prev).idx_key() < key)) {  // just before the tail's run
+  if (r.last_used == last_used && key < r.evict_key() &&
+      (r.prev < 0 || slab(r.prev).evict_key() < key)) {  // just before the tail's run
     list_insert(ix, p, ix.run);
     ix.run = p.handle;
     return;
@@ -152,7 +150,7 @@ Page* Manager::peek(Pool& pool, int state) {
   Page* first = ix.head >= 0 ? &slab(ix.head) : nullptr;
   if (!ix.set.empty()) {
     const EvictEntry& e = *ix.set.begin();
-    if (first == nullptr || e.first < first->idx_key()) return &page(e.second);
+    if (first == nullptr || e.first < first->evict_key()) return &page(e.second);
   }
   return first;
 }

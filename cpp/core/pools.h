@@ -44,16 +44,14 @@ using EvictKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64
 // handle never decides the order).
 using EvictEntry = std::pair<EvictKey, std::int64_t>;
 
-// One slot's worth of KV (or ssm state) in one pool.  Kept small — one cache line, 64
-// bytes: a cached block costs one Page besides its tree node, and an eviction walks the
+// One slot's worth of KV (or ssm state) in one pool.  Kept small — 56 bytes, under a
+// cache line: a cached block costs one Page besides its tree node, and an eviction walks the
 // coldest pages.  Handles, node slots, pool slots and ordinals fit 32 bits (pool slots are
 // at most 2**31 - 1, DECISIONS "Configuration bounds"; the page and node slabs refuse to
 // grow past that), coverage is at most B <= 4096, priority 0..100.
 struct Page {
   std::int64_t serial = 0;     // creation number (snapshots, the eviction tie-break)
   std::int64_t last_used = 0;  // clock of the last use / release
-  std::int64_t idx_last_used = 0;  // the key it is indexed under: (idx_priority,
-                                   //   idx_last_used, -ordinal, serial)
   std::int32_t ordinal = 0;    // block position in its request's chain
   std::int32_t slot = 0;
   std::int32_t handle = -1;    // this page's slot in the page slab
@@ -62,20 +60,21 @@ struct Page {
   std::int32_t locks = 0, holds = 0;  // users ACTIVE / SUSPENDED
   std::int16_t coverage = 0;   // tokens of the block it holds (<= B)
   std::int8_t priority = 0;    // 0..100
-  std::int8_t idx_priority = 0;
   std::uint8_t lc = 0, tier = 0;
   std::uint8_t idx_state = kNone;  // the state this page is counted/indexed under in its pool
   bool in_list = false;
-  EvictKey idx_key() const noexcept { return {idx_priority, idx_last_used, -std::int64_t{ordinal}, serial}; }
   int state() const noexcept {
     if (locks) return kLocked;
     if (holds) return kHeld;
     if (node != kNoNode) return kDroppable;
     return kNone;
   }
+  // The key it is indexed under while idx_state is HELD / DROPPABLE: priority and
+  // last_used change only inside Manager::restate (unindex, change, index again) or before
+  // a new page is first indexed, so the live fields are the indexed key (no copy kept).
   EvictKey evict_key() const noexcept { return {priority, last_used, -std::int64_t{ordinal}, serial}; }
 };
-static_assert(sizeof(Page) == 64);
+static_assert(sizeof(Page) == 56);
 static_assert(std::is_trivially_destructible_v<Page>);  // reset in place, never destroyed
 
 // The HELD (or the DROPPABLE) pages of one pool in eviction order.  Pages mostly arrive

@@ -1,5 +1,7 @@
 #include "core/tree.h"
 
+#include "core/block_keys.h"
+
 #include <algorithm>
 
 namespace kvcm {
@@ -24,6 +26,8 @@ RadixTree::RadixTree(std::int64_t tokens_per_block, std::vector<LifeCycleSpec> l
       coverage_(lcs_.size()),
       children_(16) {
   if (B_ < 1) throw std::invalid_argument("tokens_per_block must be >= 1");
+  // Node::ntok keeps 13 bits (the manager's config refuses larger blocks first)
+  if (B_ > kMaxTokensPerBlock) throw std::invalid_argument("tokens_per_block must be <= 4096");
 }
 
 // ---------------------------------------------------------------- public API
@@ -98,7 +102,7 @@ std::vector<NodeId> RadixTree::attach(NodeId parent, NodeId node) {
   // Shorter partial siblings whose tokens prefix the node's (same first token) step aside.
   std::vector<Ref> detached;
   if (at(r).ntok > 0 && at(p).npartial > 0) {
-    if (at(p).index != kNil) {
+    if (at(p).indexed) {
       index_prefixes(p, r, detached);
     } else {
       prefixes_scan(p, r, detached);
@@ -356,6 +360,7 @@ std::vector<NodeDump> RadixTree::dump() const {
 // ---------------------------------------------------------------- helpers
 
 RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::int64_t ordinal, bool is_root) {
+  if (next_uid_ > kUidMask) [[unlikely]] throw std::overflow_error("kvcm: 2**47 blocks made, node uids exhausted");
   Ref r;
   if (!free_.empty()) {
     r = free_.back();
@@ -377,9 +382,9 @@ RadixTree::Ref RadixTree::make_node(const Digest& key, std::size_t ntok, std::in
   // stack and read it back whole: a store-forwarding stall per new block)
   Node& n = *::new (static_cast<void*>(&at(r))) Node;
   n.key = key;
-  n.uid = next_uid_++;
+  n.uid = next_uid_++ & kUidMask;  // < 2**47: checked on entry
   n.ordinal = static_cast<std::int32_t>(ordinal);
-  n.ntok = static_cast<std::uint16_t>(ntok);
+  n.ntok = ntok & 0x1FFF;  // <= B <= kMaxTokensPerBlock (the constructor's check)
   n.alive = true;
   n.is_root = is_root;
   n.attached = is_root;
@@ -407,7 +412,7 @@ void RadixTree::link(Ref parent, Ref child) {
   if (c.ntok > 0 && static_cast<std::int64_t>(c.ntok) < B_) ++p.npartial;
   table_insert(child);
   ++p.nchildren;
-  if (p.index != kNil) {
+  if (p.indexed) {
     index_add(parent, child);
   } else if (p.nchildren > index_build_) {
     index_build(parent);
@@ -427,7 +432,7 @@ void RadixTree::unlink(Ref r) {
     if (n.next_sibling != kNil) at(n.next_sibling).prev_sibling = n.prev_sibling;
     if (n.ntok > 0 && static_cast<std::int64_t>(n.ntok) < B_) --p.npartial;
     --p.nchildren;
-    if (p.index != kNil) {
+    if (p.indexed) {
       if (p.nchildren <= index_drop_) {
         index_clear(n.parent);  // few enough to scan again (r's trie node goes too)
       } else {
@@ -511,7 +516,7 @@ std::vector<RadixTree::Ref> RadixTree::children_by_key(Ref r) const {
 // py: tree.py RadixTree.covering — SPEC sec. 5
 NodeId RadixTree::covering(Ref p, std::span<const Code> tokens) const {
   if (tokens.empty() || static_cast<std::int64_t>(tokens.size()) >= B_) return kNoNode;
-  if (at(p).index == kNil) return covering_scan(p, tokens);
+  if (!at(p).indexed) return covering_scan(p, tokens);
   const auto [t, d] = walk(p, tokens, 0);
   if (t == kNil || d < tokens.size()) return kNoNode;
   const Ref best = tn(t).cover;
@@ -523,7 +528,7 @@ std::pair<RadixTree::Ref, std::int64_t> RadixTree::longest_run(Ref node, std::sp
                                                                std::size_t start) const {
   // SPEC sec. 6 step 1: the children below the walk's end
   // are exactly those sharing the longest leading run d; ties go to the smallest key.
-  if (at(node).index == kNil) return longest_run_scan(node, tokens, start);
+  if (!at(node).indexed) return longest_run_scan(node, tokens, start);
   const auto [t, d] = walk(node, tokens, start);
   if (t == kNil || d == 0) return {kNil, 0};
   return {tn(t).best, static_cast<std::int64_t>(d)};
@@ -644,7 +649,7 @@ std::uint32_t RadixTree::edge_end(std::span<const Code> q, std::size_t qstart, T
 
 // py: tree.py RadixTree.walk — SPEC sec. 6
 std::pair<RadixTree::TRef, std::uint32_t> RadixTree::walk(Ref p, std::span<const Code> q, std::size_t start) const {
-  TRef v = at(p).index;
+  TRef v = index_root(p);
   if (v == kNil) return {kNil, 0};
   std::uint32_t d = 0;
   const std::size_t n = q.size() - start;
@@ -663,14 +668,13 @@ std::pair<RadixTree::TRef, std::uint32_t> RadixTree::walk(Ref p, std::span<const
 void RadixTree::index_add(Ref p, Ref n) {
   const std::span<const Code> t = codes(n);
   if (t.empty()) return;
-  if (at(p).index == kNil) at(p).index = new_tnode(0, kNil, kNil, 0);
-  TRef v = at(p).index;
+  if (!at(p).indexed) set_index_root(p, new_tnode(0, kNil, kNil, 0));
+  TRef v = index_root(p);
   const auto len = static_cast<std::uint32_t>(t.size());
   while (true) {
     if (tn(v).depth == len) {
-      at(n).tnext = tn(v).leaf;
+      tlinks_[n] = TLink{v, tn(v).leaf};
       tn(v).leaf = n;
-      at(n).tnode = v;
       break;
     }
     const Code tok = t[tn(v).depth];
@@ -678,8 +682,7 @@ void RadixTree::index_add(Ref p, Ref n) {
     if (c == kNil) {
       const TRef leaf = new_tnode(len, n, v, tok);
       tn(leaf).leaf = n;
-      at(n).tnext = kNil;
-      at(n).tnode = leaf;
+      tlinks_[n] = TLink{leaf, kNil};
       add_kid(v, leaf);
       break;
     }
@@ -698,7 +701,7 @@ void RadixTree::index_add(Ref p, Ref n) {
     add_kid(mid, c);
     v = mid;
   }
-  for (TRef x = at(n).tnode; x != kNil; x = tn(x).up) {
+  for (TRef x = tnode_of(n); x != kNil; x = tn(x).up) {
     TNode& xn = tn(x);
     if (xn.best == kNil || at(n).key < at(xn.best).key) xn.best = n;
     if (xn.cover == kNil || covers_more(n, xn.cover)) xn.cover = n;
@@ -707,17 +710,18 @@ void RadixTree::index_add(Ref p, Ref n) {
 
 // py: tree.py RadixTree.index_remove — SPEC sec. 5
 void RadixTree::index_remove(Ref p, Ref n) {
-  TRef v = at(n).tnode;
-  if (v == kNil) return;
-  at(n).tnode = kNil;
+  const auto it = tlinks_.find(n);
+  if (it == tlinks_.end()) return;
+  const TLink l = it->second;
+  tlinks_.erase(it);
+  TRef v = l.tnode;
   if (tn(v).leaf == n) {
-    tn(v).leaf = at(n).tnext;
+    tn(v).leaf = l.tnext;
   } else {
     Ref x = tn(v).leaf;
-    while (at(x).tnext != n) x = at(x).tnext;
-    at(x).tnext = at(n).tnext;
+    while (tnext_of(x) != n) x = tnext_of(x);
+    tlinks_.find(x)->second.tnext = l.tnext;
   }
-  at(n).tnext = kNil;
   if (tn(v).leaf == kNil && tn(v).first_kid == kNil && tn(v).up != kNil) {  // a bare leaf: drop it
     const TRef up = tn(v).up;
     remove_kid(v);
@@ -737,14 +741,14 @@ void RadixTree::index_remove(Ref p, Ref n) {
   }
   if (tn(v).up == kNil && tn(v).first_kid == kNil && tn(v).leaf == kNil) {
     free_tnode(v);
-    at(p).index = kNil;
+    set_index_root(p, kNil);
     return;
   }
   for (; v != kNil; v = tn(v).up) {  // aggregates and labels that named n
     TNode& vn = tn(v);
     if (vn.best == n || vn.cover == n) {
       Ref best = vn.leaf, cover = vn.leaf;
-      for (Ref x = best != kNil ? at(best).tnext : kNil; x != kNil; x = at(x).tnext) {
+      for (Ref x = best != kNil ? tnext_of(best) : kNil; x != kNil; x = tnext_of(x)) {
         if (at(x).key < at(best).key) best = x;
         if (covers_more(x, cover)) cover = x;
       }
@@ -762,12 +766,12 @@ void RadixTree::index_remove(Ref p, Ref n) {
 // py: tree.py RadixTree.index_prefixes — SPEC sec. 5
 void RadixTree::index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const {
   const std::span<const Code> t = codes(n);
-  TRef v = at(p).index;
+  TRef v = index_root(p);
   if (v == kNil || t.empty()) return;
   while (true) {
     const TNode& vn = tn(v);
     if (vn.depth < t.size() && static_cast<std::int64_t>(vn.depth) < B_) {
-      for (Ref x = vn.leaf; x != kNil; x = at(x).tnext) out.push_back(x);
+      for (Ref x = vn.leaf; x != kNil; x = tnext_of(x)) out.push_back(x);
     }
     if (vn.depth >= t.size()) return;
     const TRef c = find_kid(v, t[vn.depth]);
@@ -777,17 +781,16 @@ void RadixTree::index_prefixes(Ref p, Ref n, std::vector<Ref>& out) const {
 }
 
 void RadixTree::index_clear_trie(Ref p) {
-  const TRef root = at(p).index;
-  at(p).index = kNil;
+  const TRef root = index_root(p);
+  set_index_root(p, kNil);
   std::vector<TRef> stack{root};
   while (!stack.empty()) {
     const TRef v = stack.back();
     stack.pop_back();
     for (Ref x = tn(v).leaf; x != kNil;) {
-      const Ref next = at(x).tnext;
-      at(x).tnode = kNil;
-      at(x).tnext = kNil;
-      x = next;
+      const auto it = tlinks_.find(x);
+      x = it->second.tnext;
+      tlinks_.erase(it);
     }
     for (TRef k = tn(v).first_kid; k != kNil; k = tn(k).next_kid) stack.push_back(k);
     if (tn(v).up != kNil) remove_kid_entry_only(v);
@@ -922,9 +925,8 @@ RadixTree::Ref RadixTree::find_child(Ref parent, const Digest& key) const noexce
   // A childless parent (the block just made before this one, in a commit of new blocks)
   // has nothing in the table: no probe of its (cold) line.
   if (at(parent).first_child == kNil) return kNil;
-  const std::size_t mask = children_.size() - 1;
   const std::uint32_t h = hash32(key);
-  for (std::size_t i = h & mask;; i = (i + 1) & mask) {
+  for (std::size_t i = home(h);; i = next_slot(i)) {
     const Entry& e = children_[i];
     if (e.ref == kNil) return kNil;
     if (e.hash != h) continue;
@@ -934,22 +936,23 @@ RadixTree::Ref RadixTree::find_child(Ref parent, const Digest& key) const noexce
 }
 
 void RadixTree::table_insert(Ref r) {
-  if ((num_children_ + 1) * 2 > children_.size()) table_grow();
-  const std::size_t mask = children_.size() - 1;
+  // at most 3/5 full: linear probing stays short (at 3/4 the tight replay, which erases
+  // and inserts all the time, ran ~5% slower), while the table is not far above need
+  // (between 2/5 and 3/5 full, 13-20 bytes per child, not 16-32 with 2**k at 1/2)
+  if ((num_children_ + 1) * 5 > children_.size() * 3) table_grow();
   const std::uint32_t h = hash32(at(r).key);
-  std::size_t i = h & mask;
-  while (children_[i].ref != kNil) i = (i + 1) & mask;
+  std::size_t i = home(h);
+  while (children_[i].ref != kNil) i = next_slot(i);
   children_[i] = Entry{r, h};
   ++num_children_;
 }
 
 void RadixTree::table_erase(Ref r) noexcept {
-  const std::size_t mask = children_.size() - 1;
   std::size_t i = slot_of(at(r).key);
-  while (children_[i].ref != r) i = (i + 1) & mask;
+  while (children_[i].ref != r) i = next_slot(i);
   // Backward-shift deletion: pull later entries of the probe run into the hole unless
   // their home slot lies cyclically in (hole, entry].
-  for (std::size_t j = (i + 1) & mask; children_[j].ref != kNil; j = (j + 1) & mask) {
+  for (std::size_t j = next_slot(i); children_[j].ref != kNil; j = next_slot(j)) {
     const std::size_t h = home(children_[j].hash);
     const bool stays = i <= j ? (i < h && h <= j) : (i < h || h <= j);
     if (!stays) {
@@ -962,13 +965,13 @@ void RadixTree::table_erase(Ref r) noexcept {
 }
 
 void RadixTree::table_grow() {
-  std::vector<Entry> old(children_.size() * 2);
+  // x1.5: 2/5 full after growing (x2 would leave it 3/10 full)
+  std::vector<Entry> old(children_.size() + children_.size() / 2);
   old.swap(children_);
-  const std::size_t mask = children_.size() - 1;
   for (const Entry& e : old) {
     if (e.ref == kNil) continue;
-    std::size_t i = e.hash & mask;
-    while (children_[i].ref != kNil) i = (i + 1) & mask;
+    std::size_t i = home(e.hash);
+    while (children_[i].ref != kNil) i = next_slot(i);
     children_[i] = e;
   }
 }

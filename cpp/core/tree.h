@@ -302,20 +302,23 @@ class RadixTree {
   // arena_[slot * B], pages and coverage at pages_/coverage_[slot * num_lcs + lc].
   struct Node {
     Digest key{};
-    std::int64_t uid = 0;        // creation number (tree.py's id)
-    std::int32_t ordinal = -1;   // block position in its chain (-1: root; < 2**24, MAX_REQUEST_BLOCKS)
+    // creation number (tree.py's id), below 2**47 (make_node refuses more: 1.4e14 blocks)
+    std::int64_t uid : 48 = 0;
+    std::uint64_t ntok : 13 = 0;  // tokens in arena_ (< B: a partial block; 0 for roots); B <= 4096
+    bool alive : 1 = false, is_root : 1 = false, attached : 1 = false;
+    std::int32_t ordinal = -1;   // block position in its chain (-1: root)
     std::uint32_t refs = 0;      // requests referencing the block
     Ref parent = kNil;           // kNil when detached (an orphan) or a root
     Ref first_child = kNil, prev_sibling = kNil, next_sibling = kNil;
-    std::uint32_t npartial = 0;  // children with fewer than B tokens (attach looks at them only)
-    std::uint32_t nchildren = 0;  // linked children
-    std::uint32_t index = kNil;  // root of the children's token trie (kNil: none, scan them)
-    std::uint32_t tnode = kNil;  // the trie node this block ends at in its parent's index
-    Ref tnext = kNil;            // next sibling with the very same tokens (rare)
-    std::uint16_t ntok = 0;      // tokens in arena_ (< B: a partial block; 0 for roots); B <= 4096
-    bool alive : 1 = false, is_root : 1 = false, attached : 1 = false;
-    bool has_digest : 1 = false;  // its tokens hold digest references (released by erase_node)
+    // children counts fit 31 bits (node slots are below 2**31), the flags the 32nd
+    std::uint32_t npartial : 31 = 0;  // children with fewer than B tokens (attach looks at them only)
+    bool has_digest : 1 = false;      // its tokens hold digest references (released by erase_node)
+    std::uint32_t nchildren : 31 = 0;  // linked children
+    bool indexed : 1 = false;          // its children have a token trie, its root in tindex_
   };
+  static constexpr std::int64_t kUidMask = (std::int64_t{1} << 47) - 1;
+  // 72 bytes: a cached block costs one node (its tokens and pages live outside it)
+  static_assert(sizeof(Node) == 72);
   static_assert(sizeof(Digest) == 32);
   static_assert(std::is_trivially_destructible_v<Node>);  // make_node builds over a dead one
 
@@ -323,7 +326,7 @@ class RadixTree {
   // children's token sequences, so partial matching (sec. 6 step 1), covering siblings
   // (find_existing) and prefix siblings (attach) walk O(tokens) trie nodes instead of
   // scanning every sibling with the same first token (SPEC sec. 15).  A trie node's prefix
-  // is spelled by arena(rep)[0, depth); `leaf` heads the list (Node::tnext) of children
+  // is spelled by arena(rep)[0, depth); `leaf` heads the list (TLink::tnext) of children
   // whose tokens end here; best / cover aggregate the children below (smallest key / most
   // tokens then smallest key).  Every node but the root has a leaf or two kids.
   // A parent with few children has no trie (they are scanned, a bounded cost): the trie is
@@ -335,6 +338,10 @@ class RadixTree {
     TRef up = kNil, first_kid = kNil, next_kid = kNil, prev_kid = kNil;
     std::uint32_t depth = 0;
     Code tok = 0;  // the first token of the edge from `up`
+  };
+  struct TLink {
+    TRef tnode = kNil;
+    Ref tnext = kNil;
   };
   struct KidEntry {  // the kid table: (up, tok) -> trie node, open addressing
     TRef ref = kNil, up = kNil;
@@ -359,7 +366,27 @@ class RadixTree {
   // p loses every child at once (remove_subtree, a dying node); inline for the usual
   // parent with no trie, which every evicted leaf is
   void index_clear(Ref p) {
-    if (at(p).index != kNil) index_clear_trie(p);
+    if (at(p).indexed) index_clear_trie(p);
+  }
+  // The root of p's children trie (kNil: none).  Only parents with more than
+  // index_threshold children have one, so it lives in a side table, not in every node.
+  TRef index_root(Ref p) const noexcept { return at(p).indexed ? tindex_.find(p)->second : kNil; }
+  // Where a child of an indexed parent sits in that parent's trie: the trie node its tokens
+  // end at, and the next child ending there too (the node's `leaf` list; same tokens are
+  // rare).  Only children of indexed parents have one, so they live in a side table.
+  TRef tnode_of(Ref n) const noexcept {
+    const auto it = tlinks_.find(n);
+    return it != tlinks_.end() ? it->second.tnode : kNil;
+  }
+  Ref tnext_of(Ref n) const noexcept { return tlinks_.find(n)->second.tnext; }  // n is in a leaf list
+  void set_index_root(Ref p, TRef t) {
+    if (t == kNil) {
+      tindex_.erase(p);
+      at(p).indexed = false;
+    } else {
+      tindex_[p] = t;
+      at(p).indexed = true;
+    }
   }
   void index_clear_trie(Ref p);
   void index_build(Ref p);
@@ -413,7 +440,12 @@ class RadixTree {
     std::uint32_t hash = 0;
   };
   static std::uint32_t hash32(const Digest& key) noexcept { return static_cast<std::uint32_t>(DigestHash{}(key)); }
-  std::size_t home(std::uint32_t hash) const noexcept { return hash & (children_.size() - 1); }
+  // Any table size: the hash scaled onto [0, size) (multiply-shift, no division), so the
+  // home slots keep the hashes' order and the table grows by a load factor, not by 2**k.
+  std::size_t home(std::uint32_t hash) const noexcept {
+    return static_cast<std::size_t>((std::uint64_t{hash} * children_.size()) >> 32);
+  }
+  std::size_t next_slot(std::size_t i) const noexcept { return i + 1 == children_.size() ? 0 : i + 1; }
   std::size_t slot_of(const Digest& key) const noexcept { return home(hash32(key)); }
   Ref find_child(Ref parent, const Digest& key) const noexcept;
   void table_insert(Ref r);
@@ -430,11 +462,13 @@ class RadixTree {
   // refuses to grow past 2**31 - 1), and the tokens it covers (<= B <= 4096)
   ChunkedRows<std::int32_t> pages_;
   ChunkedRows<std::int16_t> coverage_;
-  std::vector<Entry> children_;    // the child table (ref kNil = empty); size a power of two
+  std::vector<Entry> children_;    // the child table (ref kNil = empty); at most 3/5 full
   std::size_t num_children_ = 0;
   std::unordered_map<Digest, Ref, DigestHash> roots_;
   std::vector<TNode> tnodes_;      // the children tries' nodes (slab)
   std::vector<TRef> tfree_;        // dead trie slots (LIFO)
+  std::unordered_map<Ref, TRef> tindex_;  // parent slot -> its children trie's root (Node::indexed)
+  std::unordered_map<Ref, TLink> tlinks_;  // child slot -> its place in its parent's trie
   std::vector<KidEntry> tkids_ = std::vector<KidEntry>(16);  // size a power of two
   std::size_t num_tkids_ = 0;
   std::int64_t next_uid_ = 0;
