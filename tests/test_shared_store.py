@@ -230,17 +230,26 @@ def test_file_store_truncated_object_fails_the_read(tmp_path):
     assert isinstance(res, OSError)
 
 
+def put_aged(s: FileStore, codec: ObjectCodec, st: Staging, n: int, payload_bytes: int,
+             first_age_s: int) -> list[str]:
+    """Put objects 0..n-1 one by one, object i aged ``first_age_s + i`` seconds after the
+    epoch (oldest first, distinct whatever the filesystem's clock resolution); their names."""
+    names = []
+    for i in range(n):
+        item = make_object(codec, st, 0, key(i), 0, bytes([i]) * payload_bytes)
+        assert s.put([item], st) == [None]
+        t = (first_age_s + i) * 10**9
+        os.utime(s.path(item[0]), ns=(t, t))
+        names.append(item[0])
+    return names
+
+
 def test_file_store_quota_removes_oldest(tmp_path):
     size = HEADER.size + 1000
     s = FileStore(str(tmp_path), quota_bytes=3 * size, fsync=False)
     codec = ObjectCodec(FP)
     st = Staging(8192)
-    names = []
-    for i in range(5):
-        item = make_object(codec, st, 0, key(i), 0, bytes([i]) * 1000)
-        assert s.put([item], st) == [None]
-        os.utime(s.path(item[0]), ns=(i * 10**9, i * 10**9))  # distinct ages, whatever the fs's clock resolution
-        names.append(item[0])
+    names = put_aged(s, codec, st, 5, 1000, first_age_s=0)
     assert s.usage() == (3, 3 * size)
     assert s.exists(names) == [False, False, True, True, True]
     assert s.evicted == 2
@@ -295,12 +304,7 @@ def test_file_store_load_refreshes_a_hot_object(tmp_path):
     s = FileStore(str(tmp_path), quota_bytes=10 * size, fsync=False)
     codec = ObjectCodec(FP)
     st = Staging(4096)
-    names = []
-    for i in range(10):
-        item = make_object(codec, st, 0, key(i), 0, bytes([i]) * 100)
-        assert s.put([item], st) == [None]
-        os.utime(s.path(item[0]), ns=((i + 1) * 10**9, (i + 1) * 10**9))  # distinct ages, oldest first
-        names.append(item[0])
+    names = put_aged(s, codec, st, 10, 100, first_age_s=1)
     assert s.get([(names[0], 0, size)], st) == [size]  # object 0, the oldest, is hot
     assert s.put([make_object(codec, st, 0, key(10), 0, b"n" * 100)], st) == [None]  # past the quota
     assert s.exists(names) == [True, False, False, *[True] * 7]  # trimmed to 9: objects 1 and 2 went

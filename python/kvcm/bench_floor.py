@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 from kvcm.config import ceildiv
 from kvcm.keys import scope_root_key
-from kvcm.replay import ReplayResult
-from kvcm.trace import TraceRequest, expand_outputs, expand_prompt, load_trace, total_blocks
+from kvcm.replay import ReplayResult, replay_input
+from kvcm.trace import TraceRequest, expand_outputs, expand_prompt, load_trace
 
 FLOOR = "floor"
 
@@ -158,13 +158,8 @@ def replay_floor(trace: Sequence[TraceRequest] | None, tokens_per_block: int = 3
                  with_outputs: bool = False, output_step: int = 1, limit: int | None = None) -> ReplayResult:
     """The floor's replay of ``trace`` with one pool of the gpu quota (no tiers here: a
     host quota is ignored, so the requests that do not fit are the backends' ones)."""
-    if trace is None:
-        trace = load_trace()
-    if limit is not None:
-        trace = trace[: max(0, limit)]
+    trace, gpu_quota_blocks = replay_input(trace, limit, tokens_per_block, gpu_quota_blocks, with_outputs)
     B = tokens_per_block
-    if gpu_quota_blocks is None:
-        gpu_quota_blocks = total_blocks(trace, B, with_outputs) + 1
     res = ReplayResult(FLOOR, B, gpu_quota_blocks, host_quota_blocks, False, with_outputs, output_step)
     clock = time.perf_counter
     t0 = clock()

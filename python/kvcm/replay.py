@@ -153,6 +153,19 @@ def eviction_counts(stats: dict) -> tuple[int, int, int]:
 # ---------------------------------------------------------------------------------------
 
 
+def replay_input(trace: Sequence[TraceRequest] | None, limit: int | None, tokens_per_block: int,
+                 gpu_quota_blocks: int | None, with_outputs: bool) -> tuple[Sequence[TraceRequest], int]:
+    """The requests a replay runs (None: the shipped trace; the first ``limit``) and its gpu
+    quota in blocks (None: unbounded, every request's blocks plus one)."""
+    if trace is None:
+        trace = load_trace()
+    if limit is not None:
+        trace = trace[: max(0, limit)]
+    if gpu_quota_blocks is None:
+        gpu_quota_blocks = total_blocks(trace, tokens_per_block, with_outputs) + 1
+    return trace, gpu_quota_blocks
+
+
 def replay(
     trace: Sequence[TraceRequest] | None,
     backend: str | None,
@@ -170,13 +183,8 @@ def replay(
 
     Raises whatever the backend raises (e.g. NotImplementedError from a backend stage
     that lacks the request life cycle)."""
-    if trace is None:
-        trace = load_trace()
-    if limit is not None:
-        trace = trace[: max(0, limit)]
+    trace, gpu_quota_blocks = replay_input(trace, limit, tokens_per_block, gpu_quota_blocks, with_outputs)
     B = tokens_per_block
-    if gpu_quota_blocks is None:
-        gpu_quota_blocks = total_blocks(trace, B, with_outputs) + 1
     if backend is None:
         import kvcm
 
@@ -285,4 +293,4 @@ def _count_ops(ops: Counter[str], drained: list[list]) -> None:
             ops[run.reason] += len(run)
 
 
-__all__ = ["ReplayResult", "eviction_counts", "replay", "replay_config", "slot_bytes"]
+__all__ = ["ReplayResult", "eviction_counts", "replay", "replay_config", "replay_input", "slot_bytes"]
