@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 from kvcm.config import ceildiv
 from kvcm.keys import scope_root_key
-from kvcm.replay import ReplayResult, replay_input
-from kvcm.trace import TraceRequest, expand_outputs, expand_prompt, load_trace
+from kvcm.replay import ReplayResult, replay_input, request_input
+from kvcm.trace import TraceRequest, load_trace
 
 FLOOR = "floor"
 
@@ -168,12 +168,8 @@ def replay_floor(trace: Sequence[TraceRequest] | None, tokens_per_block: int = 3
     res.setup_s = t1 - t0
     spent = 0.0
     for req in trace:
-        prompt = expand_prompt(req)
-        outputs = expand_outputs(req.index, req.output_length) if with_outputs else ()
+        prompt, outputs = request_input(res, req, with_outputs)
         n = len(prompt)
-        res.requests += 1
-        res.prompt_tokens += n
-        res.prompt_blocks += ceildiv(n, B)
         ts = clock()
         ran, reused, done = _replay_one(cache, prompt, outputs, output_step)
         spent += clock() - ts

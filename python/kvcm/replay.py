@@ -228,6 +228,17 @@ def replay(
     return res
 
 
+def request_input(res: ReplayResult, req: TraceRequest, with_outputs: bool) -> tuple[list[int], Sequence[int]]:
+    """One trace request's prompt and outputs (none unless ``with_outputs``), counted into
+    ``res`` as a request and its prompt tokens and blocks."""
+    prompt = expand_prompt(req)
+    outputs = expand_outputs(req.index, req.output_length) if with_outputs else ()
+    res.requests += 1
+    res.prompt_tokens += len(prompt)
+    res.prompt_blocks += ceildiv(len(prompt), res.tokens_per_block)
+    return prompt, outputs
+
+
 def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, ops: Counter[str],
                     with_outputs: bool) -> float:
     """One request of the replay: create, resume, resize and commit its prompt (a request
@@ -236,12 +247,8 @@ def _replay_request(mgr: KVCacheManager, req: TraceRequest, res: ReplayResult, o
     spent in manager and cache calls."""
     B = res.tokens_per_block
     clock = time.perf_counter
-    prompt = expand_prompt(req)
-    outputs = expand_outputs(req.index, req.output_length) if with_outputs else ()
+    prompt, outputs = request_input(res, req, with_outputs)
     n = len(prompt)
-    res.requests += 1
-    res.prompt_tokens += n
-    res.prompt_blocks += ceildiv(n, B)
     # the engine executes these, a batched copy per run (kvcm.api.CopyRun); counted by reason
     # off the clock
     drained: list[list] = []
@@ -293,4 +300,4 @@ def _count_ops(ops: Counter[str], drained: list[list]) -> None:
             ops[run.reason] += len(run)
 
 
-__all__ = ["ReplayResult", "eviction_counts", "replay", "replay_config", "replay_input", "slot_bytes"]
+__all__ = ["ReplayResult", "eviction_counts", "replay", "replay_config", "replay_input", "request_input", "slot_bytes"]
