@@ -32,6 +32,7 @@ MICRO = {
     "probe": ("probe: probe_reuse of a fully cached 16,384-token prompt", "us / probe"),
     "decode": ("decode: one step of 256 ACTIVE requests", "us / step (median)"),
     "step": ("step: one ACTIVE request of L committed tokens", "us / step at L = 100,000"),
+    "ssm": ("ssm: one commit of N full blocks of fresh tokens into a pure-SSM request", "us / block, N = 4,096 (cpu)"),
     "evict": ("evict: 100 requests of 16 fresh blocks", "us / allocated block"),
     "memory": ("memory: bytes per cached block", "bytes / block (cache, after construction)"),
 }
@@ -93,6 +94,23 @@ def test_step_bench_judges_growth_with_length():
     assert p.returncode == 0, p.stdout + p.stderr
     row = re.search(r"^step at 100,000 / step at 1,000 \(target <= 2x\)\s+(.*)$", p.stdout, re.MULTILINE)
     assert row and re.fullmatch(r"\d+\.\d\dx\s+(\d+\.\d\dx|)", row.group(1).strip()), p.stdout
+
+
+def test_ssm_bench_gives_the_growth_with_commit_length_on_cpu_and_wall_time():
+    """Issue 18 item 12: µs per block of a pure-SSM commit at two lengths and their ratio,
+    by the thread's CPU time (the figure to judge) and by wall time, for both backends."""
+    p = run_bench("ssm")
+    assert p.returncode == 0, p.stdout + p.stderr
+    for n in ("256", "4,096"):
+        for kind in ("cpu", "wall"):
+            row = re.search(rf"^us / block, N = {n} \({kind}\)\s+(.*)$", p.stdout, re.MULTILINE)
+            assert row and re.fullmatch(rf"{CELL}\s+{CELL}\s+\d+\.\dx", row.group(1).strip()), p.stdout
+    for label in (
+        "cpu: block at N = 4,096 / block at N = 256 (linear: ~1x)",
+        "wall: block at N = 4,096 / block at N = 256",
+    ):
+        row = re.search(rf"^{re.escape(label)}\s+(.*)$", p.stdout, re.MULTILINE)
+        assert row and re.fullmatch(r"\d+\.\d\dx\s+(\d+\.\d\dx|)", row.group(1).strip()), p.stdout
 
 
 def test_replay_bench_quick():

@@ -1,11 +1,11 @@
-"""Micro benchmarks of ``python -m kvcm bench``: probe, decode, evict, memory.
+"""Micro benchmarks of ``python -m kvcm bench``: probe, decode, step, ssm, evict, memory.
 
 Each bench measures both backends in one process, one after the other, on the same
 workload, and prints a table ``| metric | python | cpp | python/cpp |``.  The ratio column
 is python's figure over cpp's (for times: how many times faster cpp is; for memory: how
 many times smaller).  A backend that cannot run shows why in its column (as ``replay``).
 
-All workloads use one full-attention layer group (``AttentionLayer(0, bytes_per_token=1)``,
+All workloads but ``ssm`` use one full-attention layer group (``AttentionLayer(0, bytes_per_token=1)``,
 so a page is ``tokens_per_block`` bytes; quotas are given in blocks) and fresh,
 pseudo-random tokens.  Timing uses ``time.perf_counter`` for reporting only; only manager
 and cache calls are inside the timed regions (token generation is outside).
@@ -19,6 +19,13 @@ and cache calls are inside the timed regions (token generation is outside).
 * ``step``    one ACTIVE request of 1k / 10k / 100k committed tokens; µs per decode step
               (``resize(capacity + 1)`` + ``commit([tok])``), median: does a step cost
               more on a longer request?
+* ``ssm``     a pure-SSM model (one ``SsmLayer``): one ``commit`` of N full blocks of fresh
+              tokens (a Python list) into a fresh ACTIVE request, for N = 1k and 16k blocks;
+              µs per committed block (best of R), wall time and the thread's CPU time, and
+              the 16k/1k ratio of each: does a block cost more in a longer commit?  The
+              CPU time is the figure to judge: on a loaded machine the wall time of a long
+              call also counts the time slices other processes ran in (issue 18 item 12
+              was that artefact), which a short call mostly fits between.
 * ``evict``   a gpu pool far smaller than the working set plus a host tier; fresh requests
               are created, resumed, resized, drained, committed and closed in a loop, so
               (after a warm-up that fills both tiers) every allocation evicts: the
@@ -56,7 +63,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcm import block_keys
-from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
+from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, SsmLayer, Tier
 from kvcm.cli_common import exit_code, format_table, int_in, ratio, run_guarded
 from kvcm.config import ceildiv
 
@@ -390,6 +397,69 @@ def bench_step(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------
+# ssm: one pure-SSM commit against its length
+# ---------------------------------------------------------------------------------------
+
+
+SSM_COMMIT_BLOCKS = (1_024, 16_384)
+SSM_COMMIT_BLOCKS_QUICK = (256, 4_096)
+
+
+def bench_ssm(args: argparse.Namespace) -> int:
+    """One ``commit`` of N blocks into a pure-SSM request (its blocks have no page; only
+    the last gets a snapshot), N in two lengths 16x apart; µs per block, wall and thread
+    CPU time (best of R each), and the long/short ratio of each (linear: about 1x)."""
+    B = args.block_size
+    small, large = SSM_COMMIT_BLOCKS_QUICK if args.quick else SSM_COMMIT_BLOCKS
+    reps = 2 if args.quick else 5
+    rng = random.Random(7)
+    prompts = {n: _tokens(rng, n * B) for n in (small, large)}
+    cfg = KVCacheManagerConfig(tokens_per_block=B, layers=[SsmLayer(0, state_bytes=1)], tiers=[Tier("gpu", 4)])
+
+    def run(backend: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for n, prompt in prompts.items():
+            wall, cpu = [], []
+            for _ in range(reps):
+                mgr = KVCacheManager(cfg, backend=backend)
+                kv = mgr.create_kv_cache()
+                assert kv.resume() and kv.resize(len(prompt))
+                mgr.drain_copy_ops()
+                c, t = time.thread_time(), time.perf_counter()
+                kv.commit(prompt)
+                wall.append(time.perf_counter() - t)
+                cpu.append(time.thread_time() - c)
+                assert kv.num_committed_tokens == len(prompt)
+                assert mgr.stats()["lc"][0]["snapshots_taken"] == 1  # the commit's last block only
+                kv.close()
+                mgr.shutdown()
+            out[("wall", n)] = 1e6 * min(wall) / n
+            out[("cpu", n)] = 1e6 * min(cpu) / n
+        for kind in ("wall", "cpu"):
+            out[(kind, "growth")] = out[(kind, large)] / out[(kind, small)]
+        return out
+
+    results = _run_both(run)
+
+    def x(v: float) -> str:
+        return f"{v:.2f}x"
+
+    return _print(
+        f"ssm: one commit of N full blocks of fresh tokens into a pure-SSM request (SsmLayer only), "
+        f"us per committed block, best of {reps}, tokens_per_block={B}",
+        results,
+        [
+            (f"us / block, N = {small:,} (cpu)", ("cpu", small), _us, True),
+            (f"us / block, N = {large:,} (cpu)", ("cpu", large), _us, True),
+            (f"cpu: block at N = {large:,} / block at N = {small:,} (linear: ~1x)", ("cpu", "growth"), x, False),
+            (f"us / block, N = {small:,} (wall)", ("wall", small), _us, True),
+            (f"us / block, N = {large:,} (wall)", ("wall", large), _us, True),
+            (f"wall: block at N = {large:,} / block at N = {small:,}", ("wall", "growth"), x, False),
+        ],
+    )
+
+
+# ---------------------------------------------------------------------------------------
 # evict
 # ---------------------------------------------------------------------------------------
 
@@ -616,8 +686,8 @@ def bench_memory(args: argparse.Namespace) -> int:
     return rc
 
 
-MICRO = {"probe": bench_probe, "decode": bench_decode, "step": bench_step, "evict": bench_evict,
-         "memory": bench_memory}
+MICRO = {"probe": bench_probe, "decode": bench_decode, "step": bench_step, "ssm": bench_ssm,
+         "evict": bench_evict, "memory": bench_memory}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

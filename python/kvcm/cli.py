@@ -7,7 +7,7 @@ Subcommands::
            [--host-blocks N | --host-frac F] [--limit N] [--no-partial] [--outputs]
     replay [TRACE] --instances 2,4,8 --shared-tier file:DIR|mooncake|mooncake://HOST:PORT?metadata=URL
            [--page-bytes 4096] [--gpu-blocks 1024] [--plot kvcm-fleet.png]   (the fleet replay, kvcm.fleet)
-    bench [replay|keys|probe|decode|step|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
+    bench [replay|keys|probe|decode|step|ssm|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
     events --connect ENDPOINT [--replay ENDPOINT] [--snapshot] | --demo | --bench   (kvcm.events_cli)
@@ -679,7 +679,7 @@ def _add_replay_parser(sub: Any) -> None:
 def _add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="measure both backends and print python/cpp ratios")
     b.add_argument(
-        "what", nargs="?", choices=["replay", "keys", "probe", "decode", "step", "evict", "memory", "all"], default="all"
+        "what", nargs="?", choices=["replay", "keys", "probe", "decode", "step", "ssm", "evict", "memory", "all"], default="all"
     )
     b.add_argument(
         "--limit", type=_int_in(0), default=None, help=f"replay prefix (default {DEFAULT_BENCH_LIMIT} requests)"
