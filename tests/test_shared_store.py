@@ -310,6 +310,60 @@ def test_file_store_load_refreshes_a_hot_object(tmp_path):
     assert s.exists(names) == [True, False, False, *[True] * 7]  # trimmed to 9: objects 1 and 2 went
 
 
+def test_file_store_an_entry_it_cannot_remove_neither_disables_the_quota_nor_fails_puts(tmp_path):
+    """A directory named like an object (``*.kvo``) and a stale temporary that is a
+    directory, both older than every object: the trim cannot remove them.  They are skipped
+    and counted; the quota still holds for the objects the store holds, and every put
+    reports its own object's result (written: ``None``), not the trim's trouble."""
+    size = HEADER.size + 1000
+    (tmp_path / "old.kvo").mkdir()
+    (tmp_path / ".tmp-old").mkdir()
+    for d in ("old.kvo", ".tmp-old"):
+        os.utime(tmp_path / d, (1, 1))
+    s = FileStore(str(tmp_path), quota_bytes=3 * size, fsync=False)
+    codec = ObjectCodec(FP)
+    st = Staging(8192)
+    names = put_aged(s, codec, st, 40, 1000, first_age_s=10)  # asserts every put == [None]
+    assert (tmp_path / "old.kvo").is_dir() and (tmp_path / ".tmp-old").is_dir()
+    n, used = s.usage()
+    assert used <= 3 * size and n >= 2 and s.exists(names[-2:]) == [True, True]
+    assert s._estimate == used  # the quota counts only the objects it holds
+    stats = s.stats()
+    assert stats["skipped"] == 2 and stats["evicted"] == 40 - n and stats["quota_errors"] == 0
+
+
+def test_file_store_an_object_it_may_not_remove_is_skipped_and_not_counted(tmp_path, monkeypatch):
+    """An object file the store may not remove (another user's file in a sticky directory,
+    a read-only mount: EACCES / EPERM / EROFS; injected, as the tests may run as root): the
+    trim skips it, counts it, does not try it again at every rescan, and does not count
+    its bytes against the quota (they are not the store's to free), so the objects the
+    store holds stay within the quota and every put reports success."""
+    size = HEADER.size + 1000
+    s = FileStore(str(tmp_path), quota_bytes=3 * size, fsync=False)
+    codec = ObjectCodec(FP)
+    st = Staging(8192)
+    victim = codec.name(key(0), 0)
+    real_remove, tries = os.remove, []
+
+    def remove(path, *a, **kw):
+        if os.path.basename(path) == victim + ".kvo":
+            tries.append(path)
+            raise PermissionError(errno.EPERM, "injected: not this user's file", path)
+        return real_remove(path, *a, **kw)
+
+    monkeypatch.setattr(os, "remove", remove)
+    assert put_aged(s, codec, st, 1, 5000, first_age_s=1) == [victim]  # the oldest, bigger than the quota
+    for i in range(1, 40):
+        item = make_object(codec, st, 0, key(i), 0, bytes([i]) * 1000)
+        assert s.put([item], st) == [None]
+        t = (10 + i) * 10**9
+        os.utime(s.path(item[0]), ns=(t, t))
+    assert s.exists([victim]) == [True] and len(tries) == 1
+    _, used = s.usage()
+    assert 2 * size <= used <= 3 * size and s._estimate == used
+    assert s.stats()["skipped"] == 1
+
+
 def test_file_store_sweeps_stale_temporaries(tmp_path):
     """A writer that crashed between create and rename left ``.tmp-*``: removed once stale
     (at open and at every rescan); a fresh one (a live writer's) is kept."""

@@ -179,6 +179,10 @@ class SharedStore:
     def unregister(self, staging: Staging) -> None:
         """Undo :meth:`register` before the buffer is freed."""
 
+    def stats(self) -> dict[str, int]:
+        """The store's own counters (the file store: its quota's; none by default)."""
+        return {}
+
     def close(self) -> None:
         """Release the store's resources (idempotent)."""
 
@@ -201,10 +205,17 @@ class FileStore(SharedStore):
         self.directory = self.location = directory
         self.quota_bytes = quota_bytes
         self.fsync = fsync
-        self._estimate: int | None = None  # bytes in the directory, as far as this process knows
+        self._estimate: int | None = None  # bytes of the objects it holds, as far as this process knows
         self.evicted = 0  # objects this store removed to keep the quota
         self.rescans = 0  # directory scans made to keep the quota
         self.swept = 0  # stale temporary files removed
+        # entries the last scan skipped: named like an object or a temporary but not a
+        # regular file (a directory, a link), or one this store could not remove (another
+        # user's file in a sticky directory, a read-only mount); none counts against the quota
+        self.skipped = 0
+        self.quota_errors = 0  # trims that failed as a whole (the directory could not be scanned)
+        # (name, inode) of object files a removal failed on: skipped without a retry while they stay
+        self._unremovable: set[tuple[str, int]] = set()
         self._sweep_tmp()
 
     def path(self, name: str) -> str:
@@ -247,7 +258,13 @@ class FileStore(SharedStore):
         if renamed and self.fsync:
             self._fsync_dir()
         if self.quota_bytes and written:
-            self._keep_quota(written)
+            try:
+                self._keep_quota(written)
+            except OSError:
+                # each put's result is its own object's: written is written, whatever the
+                # trim met; the next put rescans
+                self.quota_errors += 1
+                self._estimate = None
         return results
 
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
@@ -293,22 +310,42 @@ class FileStore(SharedStore):
         finally:
             os.close(fd)
 
-    def _objects(self, *, objects: bool = True) -> list[tuple[int, str, int]]:
-        """(mtime_ns, name, bytes) of every object file, oldest first (none unless
-        ``objects``); temporary files older than :data:`STALE_TMP_S` (a writer that crashed
-        between create and rename) are removed on the way."""
+    def _objects(self, *, objects: bool = True) -> list[tuple[int, str, int, int]]:
+        """(mtime_ns, name, bytes, inode) of every object file this store holds, oldest
+        first (none unless ``objects``); temporary files older than :data:`STALE_TMP_S` (a
+        writer that crashed between create and rename) are removed on the way.  Skipped,
+        and counted in ``skipped``: an entry named like an object or a temporary that is
+        not a regular file (this store writes nothing else), an object file a removal
+        already failed on, a stale temporary it cannot remove."""
         out = []
+        skipped = 0
+        unremovable: set[tuple[str, int]] = set()
         stale_before = time.time_ns() - int(STALE_TMP_S * 1e9)
         with os.scandir(self.directory) as it:
             for e in it:
-                with contextlib.suppress(FileNotFoundError):
-                    if e.name.endswith(OBJECT_SUFFIX):
-                        if objects:
-                            st = e.stat()
-                            out.append((st.st_mtime_ns, e.name, st.st_size))
-                    elif e.name.startswith(TMP_PREFIX) and e.stat().st_mtime_ns < stale_before:
+                is_obj = e.name.endswith(OBJECT_SUFFIX)
+                if not (is_obj and objects) and not e.name.startswith(TMP_PREFIX):
+                    continue
+                try:
+                    if not e.is_file(follow_symlinks=False):
+                        skipped += 1
+                        continue
+                    st = e.stat(follow_symlinks=False)
+                    if is_obj:
+                        if (e.name, st.st_ino) in self._unremovable:
+                            unremovable.add((e.name, st.st_ino))
+                            skipped += 1
+                        else:
+                            out.append((st.st_mtime_ns, e.name, st.st_size, st.st_ino))
+                    elif st.st_mtime_ns < stale_before:
                         os.remove(e.path)
                         self.swept += 1
+                except FileNotFoundError:
+                    pass  # removed meanwhile (another writer's rename or trim)
+                except OSError:
+                    skipped += 1  # a stale temporary this store may not remove
+        self._unremovable = unremovable  # forget the ones that are gone
+        self.skipped = skipped
         out.sort()
         return out
 
@@ -330,19 +367,33 @@ class FileStore(SharedStore):
         total = sum(o[2] for o in objs)
         if total > self.quota_bytes:
             low = int(self.quota_bytes * QUOTA_LOW_WATERMARK)
-            for _, name, size in objs:
+            for _, name, size, ino in objs:
                 if total <= low:
                     break
-                with contextlib.suppress(FileNotFoundError):
+                try:
                     os.remove(os.path.join(self.directory, name))
                     self.evicted += 1
+                except FileNotFoundError:
+                    pass  # another writer removed it
+                except OSError:
+                    # not this store's to remove (EACCES / EPERM / EROFS ...): skipped and
+                    # counted, not tried again at every rescan, and its bytes are not counted
+                    # against the quota: the trim could only make up for them by removing
+                    # every object it holds
+                    self._unremovable.add((name, ino))
+                    self.skipped += 1
                 total -= size
         self._estimate = total
 
     def usage(self) -> tuple[int, int]:
-        """(objects, bytes) in the directory now."""
+        """(objects, bytes) the store holds now: the directory's object files, less the
+        entries it skips (``skipped``)."""
         objs = self._objects()
         return len(objs), sum(o[2] for o in objs)
+
+    def stats(self) -> dict[str, int]:
+        return {"evicted": self.evicted, "rescans": self.rescans, "swept": self.swept, "skipped": self.skipped,
+                "quota_errors": self.quota_errors}
 
 
 __all__ = [
