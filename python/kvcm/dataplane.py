@@ -108,6 +108,11 @@ fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
   deadline fails as a store that is down (``timeouts``); its staging buffer is abandoned,
   so a late get never writes into anything read afterwards (:meth:`DataPlane._call`).  A
   store that answers with the wrong number of results fails the call the same way.
+* Authentication: with a store secret (``shared_secret=``, else the config's
+  ``shared_secret_file``, else ``$KVCM_STORE_SECRET_FILE`` / ``$KVCM_STORE_SECRET``) objects
+  carry an HMAC-SHA256, checked with the rest of the object before any byte is scattered
+  into a pool; an object without a valid one fails its load like a corrupted one, is
+  removed, and is counted (``auth_failures``).
 * ``shared_stats``: lookups, objects and payload bytes stored / loaded, failures, batches,
   timeouts, and the seconds the data plane spent in store and load batches (gather, checksums, I/O).
 """

@@ -8,16 +8,23 @@ or layout never read each other's bytes.  The manager never talks to a store; th
 
 Object format
 -------------
-``header || payload``, the header (:data:`HEADER`, 88 bytes, little-endian)::
+``header || payload``, the header (:data:`HEADER`, 120 bytes, little-endian)::
 
-    magic b"KVCMOBJ1" | fingerprint (32) | block key (32) | lc (u32) | payload length (u64) |
-    crc32 of the payload (u32)
+    magic b"KVCMOBJ2" | fingerprint (32) | block key (32) | lc (u32) | payload length (u64) |
+    crc32 of the payload (u32) | mac (32)
 
 Every read is verified (:meth:`ObjectCodec.check`): an object that is missing, short, longer
-than expected, or whose magic, fingerprint, key, lc, length or checksum differs raises
+than expected, or whose magic, fingerprint, key, lc, length, checksum or MAC differs raises
 ``OSError`` — the load did not complete and the data plane reports the op as failed.  A
 present object rejected for its content or length raises :class:`BadObjectError` (an
 ``OSError``), the only failure for which the data plane removes the object.
+
+Authentication (optional): with a store secret (:func:`store_secret`: the data plane's
+argument, ``KVCacheManagerConfig.shared_secret_file``, ``$KVCM_STORE_SECRET_FILE`` or
+``$KVCM_STORE_SECRET``) the MAC is HMAC-SHA256 over the fields before it and the payload,
+and names carry a keyed hash instead of the block key; an object without a valid MAC
+never loads.  Without one the MAC is 32 zero bytes, and an object with a MAC is rejected.
+The CRC catches corruption; only the MAC stops a writer who lacks the secret.
 
 The store interface (:class:`SharedStore`)
 -----------------------------------------
@@ -47,7 +54,11 @@ A successful load refreshes the object's modification time, so hot objects go la
 total is rescanned only when this process's running estimate passes the quota, so other
 writers' bytes are noticed lazily (each writer enforces the quota on its own writes).
 Temporary files older than :data:`STALE_TMP_S` (a writer that crashed mid-write) are
-removed when the store opens and on every rescan.
+removed when the store opens and on every rescan.  Entries it cannot remove (not a regular
+file, or another user's) are skipped and counted (``skipped``), never counted against the
+quota, and never fail a put: a put's result is its own object's.  A directory the store
+creates is 0700; an existing one that group or others may write draws an
+:class:`InsecureStoreWarning`.
 """
 
 from __future__ import annotations
