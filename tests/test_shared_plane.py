@@ -572,3 +572,6 @@ def test_secret_and_no_secret_never_read_each_other(store_url, ns):
             plain.apply(load_ops(1))
         assert e.value.ops == load_ops(1) and plain.shared_stats["auth_failures"] == 2
         spy.inner.close()
+        # the store's own counters ride along in the plane's stats (the file store's quota)
+        assert plain.stats()["shared_store"] == plain.shared.stats()
+        assert ("skipped" in plain.stats()["shared_store"]) == isinstance(plain.shared, FileStore)
