@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,79 @@ def test_copied_store_directory_is_reusable(tmp_path, model, backend):
     b = run_child(f"file://{b_dir}", tmp_path, "b", backend=backend)
     assert_reused_from_shared(b)
     assert_exact(model, b)
+
+
+def forge_all(url: str, model: TinyHybridModel, requests: list[dict]) -> int:
+    """The forger, between two processes: every object the first one wrote for
+    ``requests`` gets another object's payload of its life cycle (real K/V of another
+    block), the CRC fixed and the header (its MAC) kept — intact objects that would load
+    without authentication.  (It is given the names; it never uses the secret's MAC key.)
+    Returns how many objects it replaced."""
+    from kvcm import KVCacheManager
+    from kvcm.dataplane import DataPlane
+    from kvcm.shared_store import FIELDS, HEADER, Staging
+
+    config = model.manager_config(16, 64, shared=url, shared_namespace="kvcm-tiny-hybrid")
+    mgr = KVCacheManager(config, backend="python")
+    with DataPlane(config, dtype=torch.uint8) as plane:
+        assert plane.codec.authenticated  # names as the children's (the secret from the environment)
+        cands = {}
+        for r in requests:
+            for k, lc in mgr.shared_candidates(r["prompt"] + r["output"]):
+                cands[plane.codec.name(k, lc)] = lc
+        present = plane.shared.exists(list(cands))
+        by_lc: dict[int, list[str]] = {}
+        for (name, lc), p in zip(cands.items(), present, strict=True):
+            if p:
+                by_lc.setdefault(lc, []).append(name)
+        objects = []
+        for lc, names in by_lc.items():
+            size = HEADER.size + plane.life_cycles[lc].slot_bytes
+            st = Staging(size * len(names))
+            got = plane.shared.get([(n, i * size, size) for i, n in enumerate(names)], st)
+            assert got == [size] * len(names)
+            blobs = [bytes(st.view[i * size:(i + 1) * size]) for i in range(len(names))]
+            st.close()
+            for i, name in enumerate(names):
+                payload = blobs[(i + 1) % len(blobs)][HEADER.size:]
+                magic, fp, k, olc, n, _ = FIELDS.unpack_from(blobs[i])
+                head = FIELDS.pack(magic, fp, k, olc, n, zlib.crc32(payload)) + blobs[i][FIELDS.size:HEADER.size]
+                objects.append((name, head + payload))
+        st = Staging(sum(len(b) for _, b in objects))
+        plane.shared.register(st)
+        try:
+            off, items = 0, []
+            for name, blob in objects:
+                st.view[off:off + len(blob)] = blob
+                items.append((name, off, len(blob)))
+                off += len(blob)
+            plane.shared.remove([n for n, _ in objects])  # (a Mooncake put does not replace an object)
+            assert plane.shared.put(items, st) == [None] * len(items)
+        finally:
+            plane.shared.unregister(st)
+            st.close()
+    mgr.shutdown()
+    return len(objects)
+
+
+def test_forged_objects_never_reach_a_pool(store, tmp_path, model, backend, monkeypatch):
+    """Engines with a store secret ($KVCM_STORE_SECRET, inherited by the children); a
+    forger who can write the store but lacks the secret replaces every object with an
+    intact one (valid CRC, another block's real K/V).  The next process finds them, every
+    load fails on its MAC (counted, like a corrupted object: rolled back, recomputed), no
+    page comes from the store, and its tokens and logits are exact."""
+    monkeypatch.setenv("KVCM_STORE_SECRET", "the fleet's store secret, 32+ bytes")
+    monkeypatch.delenv("KVCM_STORE_SECRET_FILE", raising=False)
+    a = run_child(store, tmp_path, "a", backend=backend)
+    assert a["shared"]["stores"] > 0 and a["shared"]["auth_failures"] == 0
+    forged = forge_all(store, model, a["requests"])
+    assert forged > 0
+    if not store.startswith("mooncake://"):  # every object the store holds was forged
+        assert forged == len([f for f in os.listdir(store) if f.endswith(OBJECT_SUFFIX)])
+    b = run_child(store, tmp_path, "b", backend=backend)
+    assert b["counters"]["shared_hits"] > 0 and b["shared"]["load_failures"] > 0
+    assert b["shared"]["auth_failures"] == b["shared"]["load_failures"]
+    assert b["counters"]["rollbacks"] > 0 and b["routes"].get("shared->gpu", 0) == 0
+    assert b["shared"]["loads"] == 0
+    assert_exact(model, b)
+    assert outputs(b) == outputs(a)

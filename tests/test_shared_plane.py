@@ -11,12 +11,13 @@ import os
 import shutil
 import signal
 import time
+import zlib
 
 import pytest
 import torch
 from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig, SsmLayer, Tier, copy_runs
 from kvcm.dataplane import DataPlane
-from kvcm.shared_store import FileStore, SharedStore
+from kvcm.shared_store import FileStore, SharedStore, Staging
 from mooncake_env import need_mooncake
 
 B = 4
@@ -76,10 +77,10 @@ def store_url(request, tmp_path) -> str:
     return request.getfixturevalue("mooncake").url
 
 
-def make_plane(url: str, namespace: str, store: SharedStore | None = None) -> DataPlane:
+def make_plane(url: str, namespace: str, store: SharedStore | None = None, secret: bytes | None = None) -> DataPlane:
     config = KVCacheManagerConfig(B, LAYERS, [Tier("gpu", 8 * 56), Tier("host", 8 * 56), Tier("shared", 0, url)],
                                   shared_namespace=namespace)
-    return DataPlane(config, store=store)
+    return DataPlane(config, store=store, shared_secret=secret)
 
 
 def open_spy(url: str) -> Spy:
@@ -295,7 +296,7 @@ def test_store_down_lookup_is_empty_and_loads_fail(tmp_path, fresh_mooncake, ns)
 def test_large_batches_are_chunked(tmp_path, ns, monkeypatch):
     import kvcm.dataplane as dp
 
-    monkeypatch.setattr(dp, "STAGING_MAX_BYTES", 3 * (88 + 32))  # three objects a chunk
+    monkeypatch.setattr(dp, "STAGING_MAX_BYTES", 3 * (dp.HEADER.size + 32))  # three objects a chunk
     spy = open_spy(str(tmp_path))
     with make_plane(str(tmp_path), ns, spy) as plane:
         fill(plane)
@@ -471,3 +472,106 @@ def test_a_hung_mooncake_master_costs_the_deadline_only(fresh_mooncake, ns):
         assert plane.apply(load_ops(2)) == 4
         for lc in (0, 1):
             assert torch.equal(plane.pool("gpu", lc)[4:6], plane.pool("gpu", lc)[0:2])
+
+
+# ---------------------------------------------------------------------------------------
+# Authenticated objects (DECISIONS.md "The shared tier", "Object authentication")
+# ---------------------------------------------------------------------------------------
+
+SECRET = hashlib.sha256(b"the fleet's store secret").digest()
+
+
+def forge(store: SharedStore, objects: list[tuple[str, bytes]]) -> None:
+    """The forger: writes whole objects under the given names through the store's own API
+    (a Mooncake put does not replace an object: removed first)."""
+    st = Staging(sum(len(b) for _, b in objects))
+    store.register(st)
+    try:
+        items, off = [], 0
+        for name, blob in objects:
+            st.view[off:off + len(blob)] = blob
+            items.append((name, off, len(blob)))
+            off += len(blob)
+        store.remove([n for n, _ in objects])
+        assert store.put(items, st) == [None] * len(items)
+    finally:
+        store.unregister(st)
+        st.close()
+
+
+def test_forged_objects_with_a_valid_crc_never_reach_a_pool(store_url, ns):
+    """A forger who can write the store — and here even knows the object names — but not
+    the secret: objects without a MAC, with another secret's, or a genuine header over
+    another payload with the CRC fixed.  Every one is intact, so only the MAC rejects it:
+    each load fails (CopyError, the engine recomputes), no byte reaches a pool, each is
+    counted (``auth_failures``) and removed like a corrupted object; the plane's own
+    objects written again load."""
+    from kvcm.shared_store import FIELDS, HEADER, MAGIC, ObjectCodec
+
+    spy = open_spy(store_url)
+    with make_plane(store_url, ns, spy, secret=SECRET) as plane:
+        fill(plane)
+        assert plane.codec.authenticated and plane.shared_secret_source == "argument"
+        assert plane.apply(store_ops(3)) == 6
+        codec, fp = plane.codec, plane.codec.fingerprint
+        evil = {lc: bytes([0xAB]) * plane.life_cycles[lc].slot_bytes for lc in (0, 1)}
+        objects = []
+        for i in range(3):
+            for lc in (0, 1):
+                if i == 0:  # written without a secret
+                    head = ObjectCodec(fp).header(key(i), lc, evil[lc])
+                elif i == 1:  # with another secret
+                    head = ObjectCodec(fp, b"not the fleet's secret, 32 bytes").header(key(i), lc, evil[lc])
+                else:  # the genuine header (its MAC) over another payload, the CRC fixed
+                    genuine = codec.header(key(i), lc, plane.pool("gpu", lc)[i].numpy().tobytes())
+                    head = FIELDS.pack(MAGIC, fp, key(i), lc, len(evil[lc]), zlib.crc32(evil[lc])) + \
+                        genuine[FIELDS.size:HEADER.size]
+                objects.append((codec.name(key(i), lc), head + evil[lc]))
+        forge(spy.inner, objects)
+        cands = [(key(i), lc) for i in range(3) for lc in (0, 1)]
+        assert plane.shared_lookup(cands) == cands  # found: the forger wrote under the right names
+        sentinel = {lc: torch.full_like(plane.pool("gpu", lc)[4:7], 7) for lc in (0, 1)}
+        for lc in (0, 1):
+            plane.pool("gpu", lc)[4:7] = sentinel[lc]
+        with pytest.raises(CopyError) as e:
+            plane.apply(load_ops(3))
+        assert e.value.ops == load_ops(3)
+        for lc in (0, 1):
+            assert torch.equal(plane.pool("gpu", lc)[4:7], sentinel[lc])  # not one byte reached the pool
+        st = plane.shared_stats
+        assert (st["auth_failures"], st["load_failures"], st["loads"], st["removed_bad"]) == (6, 6, 0, 6)
+        assert sorted(spy.removed) == sorted(n for n, _ in objects)
+        assert plane.shared_lookup(cands) == []
+        assert plane.apply(store_ops(3)) == 6 and plane.apply(load_ops(3)) == 6  # its own objects load
+        for lc in (0, 1):
+            assert torch.equal(plane.pool("gpu", lc)[4:7], plane.pool("gpu", lc)[0:3])
+    spy.inner.close()
+
+
+def test_secret_and_no_secret_never_read_each_other(store_url, ns):
+    """Objects written without a secret are not found by a plane with one, nor those of
+    one secret by a plane with another or none (other names); and a MAC'd object put
+    under a name of a plane without a secret is rejected there (counted, removed)."""
+    with (make_plane(store_url, ns) as plain, make_plane(store_url, ns, secret=SECRET) as keyed,
+          make_plane(store_url, ns, secret=b"another secret, at least 16 bytes") as other):
+        for p in (plain, keyed, other):
+            fill(p)
+        cands = [(key(i), lc) for i in range(2) for lc in (0, 1)]
+        assert plain.apply(store_ops(2)) == 4
+        assert keyed.shared_lookup(cands) == [] and other.shared_lookup(cands) == []
+        assert keyed.apply(store_ops(2)) == 4
+        assert other.shared_lookup(cands) == [] and plain.shared_lookup(cands) == cands
+        # keyed's genuine objects copied under plain's names: intact, but plain has no secret
+        spy = open_spy(store_url)
+        blobs = []
+        for lc in (0, 1):
+            page = keyed.pool("gpu", lc)[0].numpy().tobytes()
+            blobs.append((plain.codec.name(key(0), lc), keyed.codec.header(key(0), lc, page) + page))
+        forge(spy.inner, blobs)
+        with pytest.raises(CopyError) as e:
+            plain.apply(load_ops(1))
+        assert e.value.ops == load_ops(1) and plain.shared_stats["auth_failures"] == 2
+        spy.inner.close()
+        # the store's own counters ride along in the plane's stats (the file store's quota)
+        assert plain.stats()["shared_store"] == plain.shared.stats()
+        assert ("skipped" in plain.stats()["shared_store"]) == isinstance(plain.shared, FileStore)

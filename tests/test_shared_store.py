@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import zlib
 
 import pytest
 from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
@@ -225,7 +226,7 @@ def test_file_store_truncated_object_fails_the_read(tmp_path):
     with pytest.raises(OSError, match="200 bytes, expected"):
         codec.check(st.view[0:n], key(1), 0, 300)
     with open(s.path(item[0]), "ab") as f:  # longer than expected: an error of the read itself
-        f.write(b"z" * 200)
+        f.write(b"z" * (item[2] - 200 + 1))
     (res,) = s.get([item], st)
     assert isinstance(res, OSError)
 
@@ -308,6 +309,60 @@ def test_file_store_load_refreshes_a_hot_object(tmp_path):
     assert s.get([(names[0], 0, size)], st) == [size]  # object 0, the oldest, is hot
     assert s.put([make_object(codec, st, 0, key(10), 0, b"n" * 100)], st) == [None]  # past the quota
     assert s.exists(names) == [True, False, False, *[True] * 7]  # trimmed to 9: objects 1 and 2 went
+
+
+def test_file_store_an_entry_it_cannot_remove_neither_disables_the_quota_nor_fails_puts(tmp_path):
+    """A directory named like an object (``*.kvo``) and a stale temporary that is a
+    directory, both older than every object: the trim cannot remove them.  They are skipped
+    and counted; the quota still holds for the objects the store holds, and every put
+    reports its own object's result (written: ``None``), not the trim's trouble."""
+    size = HEADER.size + 1000
+    (tmp_path / "old.kvo").mkdir()
+    (tmp_path / ".tmp-old").mkdir()
+    for d in ("old.kvo", ".tmp-old"):
+        os.utime(tmp_path / d, (1, 1))
+    s = FileStore(str(tmp_path), quota_bytes=3 * size, fsync=False)
+    codec = ObjectCodec(FP)
+    st = Staging(8192)
+    names = put_aged(s, codec, st, 40, 1000, first_age_s=10)  # asserts every put == [None]
+    assert (tmp_path / "old.kvo").is_dir() and (tmp_path / ".tmp-old").is_dir()
+    n, used = s.usage()
+    assert used <= 3 * size and n >= 2 and s.exists(names[-2:]) == [True, True]
+    assert s._estimate == used  # the quota counts only the objects it holds
+    stats = s.stats()
+    assert stats["skipped"] == 2 and stats["evicted"] == 40 - n and stats["quota_errors"] == 0
+
+
+def test_file_store_an_object_it_may_not_remove_is_skipped_and_not_counted(tmp_path, monkeypatch):
+    """An object file the store may not remove (another user's file in a sticky directory,
+    a read-only mount: EACCES / EPERM / EROFS; injected, as the tests may run as root): the
+    trim skips it, counts it, does not try it again at every rescan, and does not count
+    its bytes against the quota (they are not the store's to free), so the objects the
+    store holds stay within the quota and every put reports success."""
+    size = HEADER.size + 1000
+    s = FileStore(str(tmp_path), quota_bytes=3 * size, fsync=False)
+    codec = ObjectCodec(FP)
+    st = Staging(8192)
+    victim = codec.name(key(0), 0)
+    real_remove, tries = os.remove, []
+
+    def remove(path, *a, **kw):
+        if os.path.basename(path) == victim + ".kvo":
+            tries.append(path)
+            raise PermissionError(errno.EPERM, "injected: not this user's file", path)
+        return real_remove(path, *a, **kw)
+
+    monkeypatch.setattr(os, "remove", remove)
+    assert put_aged(s, codec, st, 1, 5000, first_age_s=1) == [victim]  # the oldest, bigger than the quota
+    for i in range(1, 40):
+        item = make_object(codec, st, 0, key(i), 0, bytes([i]) * 1000)
+        assert s.put([item], st) == [None]
+        t = (10 + i) * 10**9
+        os.utime(s.path(item[0]), ns=(t, t))
+    assert s.exists([victim]) == [True] and len(tries) == 1
+    _, used = s.usage()
+    assert 2 * size <= used <= 3 * size and s._estimate == used
+    assert s.stats()["skipped"] == 1
 
 
 def test_file_store_sweeps_stale_temporaries(tmp_path):
@@ -451,3 +506,153 @@ def test_missing_mooncake_skips_locally_and_fails_in_ci(monkeypatch):
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI must run"):
         mooncake_env.need_mooncake()
+
+
+# ---------------------------------------------------------------------------- authentication
+
+SECRET = hashlib.sha256(b"the fleet's store secret").digest()
+OTHER_SECRET = hashlib.sha256(b"another fleet's store secret").digest()
+
+
+def _forged(forgery: str) -> tuple[bytes, bytes]:
+    """(a genuine object of key 1, lc 2 written with SECRET, one forged in its place) —
+    each forgery intact (magic, fingerprint, key, lc, length and CRC all right)."""
+    from kvcm.shared_store import FIELDS, MAGIC
+
+    codec = ObjectCodec(FP, SECRET)
+    payload, evil = bytes(range(64)), bytes(64)
+    good = codec.header(key(1), 2, payload) + payload
+    if forgery == "no mac":  # written without a secret
+        return good, ObjectCodec(FP).header(key(1), 2, evil) + evil
+    if forgery == "another secret":
+        return good, ObjectCodec(FP, OTHER_SECRET).header(key(1), 2, evil) + evil
+    if forgery == "payload replaced, crc fixed":  # the genuine header's MAC kept
+        fields = FIELDS.pack(MAGIC, FP, key(1), 2, 64, zlib.crc32(evil))
+        return good, fields + good[FIELDS.size:HEADER.size] + evil
+    if forgery == "replayed from another key":  # a genuine object of key 2, relabelled
+        other = codec.header(key(2), 2, payload)
+        return good, FIELDS.pack(MAGIC, FP, key(1), 2, 64, zlib.crc32(payload)) + other[FIELDS.size:] + payload
+    assert forgery == "replayed from another namespace"  # same secret, another layout / namespace
+    other = ObjectCodec(OTHER_FP, SECRET).header(key(1), 2, payload)
+    return good, FIELDS.pack(MAGIC, FP, key(1), 2, 64, zlib.crc32(payload)) + other[FIELDS.size:] + payload
+
+
+@pytest.mark.parametrize("forgery", ["no mac", "another secret", "payload replaced, crc fixed",
+                                     "replayed from another key", "replayed from another namespace"])
+def test_an_object_without_a_valid_mac_is_rejected_like_a_corrupted_one(forgery):
+    """With a secret, an object verifies only if a holder of the secret wrote it under
+    its own name: a forger who can write the store but lacks the secret gets a
+    BadObjectError (EIO, ``what == "mac"``) however well-formed the object is."""
+    from kvcm.shared_store import BadObjectError
+
+    codec = ObjectCodec(FP, SECRET)
+    good, forged = _forged(forgery)
+    codec.check(memoryview(good), key(1), 2, 64)  # the genuine object passes
+    assert len(forged) == len(good)
+    with pytest.raises(BadObjectError) as e:
+        codec.check(memoryview(forged), key(1), 2, 64)
+    assert e.value.errno == errno.EIO and e.value.what == "mac" and "mac" in str(e.value)
+
+
+def test_a_reader_without_a_secret_rejects_an_object_with_a_mac():
+    from kvcm.shared_store import BadObjectError
+
+    good, _ = _forged("no mac")
+    with pytest.raises(BadObjectError) as e:
+        ObjectCodec(FP).check(memoryview(good), key(1), 2, 64)
+    assert e.value.what == "mac"
+
+
+def test_with_a_secret_names_hide_the_block_key():
+    """Names are a keyed hash of the block key: a listing shows no block key, and writers
+    without the secret, or with another, never use the same names."""
+    plain, keyed, other = ObjectCodec(FP), ObjectCodec(FP, SECRET), ObjectCodec(FP, OTHER_SECRET)
+    n = keyed.name(key(1), 0)
+    assert key(1).hex() not in n and n.startswith(f"kvcm-{FP.hex()}-") and n.endswith("-0")
+    assert len(n) == len(plain.name(key(1), 0))
+    assert n == ObjectCodec(FP, SECRET).name(key(1), 0)  # deterministic across processes
+    assert len({n, plain.name(key(1), 0), other.name(key(1), 0), keyed.name(key(1), 1), keyed.name(key(2), 0),
+                ObjectCodec(OTHER_FP, SECRET).name(key(1), 0)}) == 6
+    assert SECRET.hex() not in repr(keyed) and "authenticated=True" in repr(keyed)
+
+
+def test_store_secret_sources_and_precedence(tmp_path):
+    """Argument, then the config's file, then $KVCM_STORE_SECRET_FILE or $KVCM_STORE_SECRET
+    (both: an error); an empty variable is unset; too short is an error that never shows the
+    secret; a file loses its trailing line end and warns when others may read it."""
+    import warnings
+
+    from kvcm.shared_store import InsecureStoreWarning, store_secret
+
+    f = tmp_path / "secret"
+    f.write_bytes(b"from the file, 32 bytes long....\n")
+    f.chmod(0o600)
+    env_val = "from the environment, long enough"
+    env = {"KVCM_STORE_SECRET": env_val}
+    assert store_secret(environ={}) == (None, "")
+    assert store_secret(environ={"KVCM_STORE_SECRET": ""}) == (None, "")
+    assert store_secret(environ=env) == (env_val.encode(), "$KVCM_STORE_SECRET")
+    assert store_secret(environ={"KVCM_STORE_SECRET_FILE": str(f)}) == (b"from the file, 32 bytes long....",
+                                                                         f"file {f}")
+    with pytest.raises(ValueError, match="both"):
+        store_secret(environ={**env, "KVCM_STORE_SECRET_FILE": str(f)})
+    assert store_secret(secret_file=str(f), environ=env)[1] == f"file {f}"  # the config beats the environment
+    assert store_secret(b"an argument, long enough", str(f), env) == (b"an argument, long enough", "argument")
+    for short in ("tiny secret", b"", b"x" * 15):
+        with pytest.raises(ValueError, match="at least 16") as e:
+            store_secret(short, environ={})
+        assert not short or str(short if isinstance(short, str) else short.decode()) not in str(e.value)
+    with pytest.raises(ValueError, match="at least 16") as e:
+        store_secret(environ={"KVCM_STORE_SECRET": "tiny secret"})
+    assert "tiny secret" not in str(e.value)
+    with pytest.raises(OSError, match="secret file") as e:
+        store_secret(secret_file=str(tmp_path / "missing"), environ={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        store_secret(secret_file=str(f), environ={})  # 0600: no warning
+    f.chmod(0o644)
+    with pytest.warns(InsecureStoreWarning, match="readable by others"):
+        store_secret(secret_file=str(f), environ={})
+
+
+def test_the_config_names_the_secret_file_never_the_secret(tmp_path):
+    from kvcm import ConfigError
+
+    layers = [AttentionLayer(0, 8)]
+    tiers = [Tier("gpu", 1 << 20), Tier("shared", 0, str(tmp_path))]
+    resolve_config(KVCacheManagerConfig(4, layers, tiers, shared_namespace="m", shared_secret_file="/etc/kvcm/key"))
+    with pytest.raises(ConfigError, match="shared_secret_file") as e:
+        resolve_config(KVCacheManagerConfig(4, layers, tiers, shared_namespace="m",
+                                            shared_secret_file=b"the secret itself by mistake"))
+    assert "the secret itself" not in str(e.value)
+    with pytest.raises(ConfigError, match="shared_secret_file"):
+        resolve_config(KVCacheManagerConfig(4, layers, tiers, shared_namespace="m", shared_secret_file="a\0b"))
+
+
+def test_file_store_creates_its_directory_0700_and_warns_when_others_may_write(tmp_path):
+    """A directory the store creates is 0700 (objects and block keys are this user's); an
+    existing one keeps its mode, with a warning when group or others may write into it."""
+    import stat
+    import warnings
+
+    from kvcm.shared_store import InsecureStoreWarning
+
+    old = os.umask(0o022)
+    try:
+        FileStore(str(tmp_path / "new" / "store"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "new" / "store").st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for mode, warns in ((0o755, False), (0o700, False), (0o775, True), (0o1777, True)):
+        shared.chmod(mode)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            FileStore(str(shared))
+        got = [x for x in w if issubclass(x.category, InsecureStoreWarning)]
+        assert bool(got) == warns, oct(mode)
+        assert stat.S_IMODE(os.stat(shared).st_mode) == mode  # never changed
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(OSError):
+        FileStore(str(tmp_path / "file"))

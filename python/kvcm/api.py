@@ -137,6 +137,10 @@ class KVCacheManagerConfig:
     # model/namespace string of the layout fingerprint that names its objects
     shared_write: str = "commit"
     shared_namespace: str = ""
+    # a file holding the store secret that authenticates the shared tier's objects (read
+    # by the data plane only; the config holds the path, never the secret; "": the
+    # environment's, if any: kvcm.shared_store.store_secret)
+    shared_secret_file: str = ""
 
     def __post_init__(self) -> None:
         # Freeze the sequences so the config is hashable-in-spirit and cannot change later.

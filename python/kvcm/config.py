@@ -363,6 +363,12 @@ def _check_scalars(config: KVCacheManagerConfig, has_shared: bool) -> None:
         # reading each other's bytes, so a shared tier never goes without one
         raise ConfigError("shared_namespace", "a shared tier needs a non-empty namespace naming the model "
                                               "(e.g. its name and revision): same-shaped models must not share bytes")
+    sf = config.shared_secret_file
+    # (the message names the type only: a secret passed here by mistake must not be shown)
+    if type(sf) is not str:
+        raise ConfigError("shared_secret_file", f"must be a str (a path), got {type(sf).__name__}")
+    if "\0" in sf:
+        raise ConfigError("shared_secret_file", "must not contain NUL")
 
 
 __all__ = [

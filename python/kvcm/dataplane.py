@@ -108,6 +108,11 @@ fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
   deadline fails as a store that is down (``timeouts``); its staging buffer is abandoned,
   so a late get never writes into anything read afterwards (:meth:`DataPlane._call`).  A
   store that answers with the wrong number of results fails the call the same way.
+* Authentication: with a store secret (``shared_secret=``, else the config's
+  ``shared_secret_file``, else ``$KVCM_STORE_SECRET_FILE`` / ``$KVCM_STORE_SECRET``) objects
+  carry an HMAC-SHA256, checked with the rest of the object before any byte is scattered
+  into a pool; an object without a valid one fails its load like a corrupted one, is
+  removed, and is counted (``auth_failures``).
 * ``shared_stats``: lookups, objects and payload bytes stored / loaded, failures, batches,
   timeouts, and the seconds the data plane spent in store and load batches (gather, checksums, I/O).
 """
@@ -132,7 +137,16 @@ from urllib.parse import parse_qs
 
 from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, CopyRun, KVCacheManagerConfig, copy_runs
 from kvcm.config import layout_fingerprint, resolve_config
-from kvcm.shared_store import HEADER, BadObjectError, FileStore, ObjectCodec, SharedStore, Staging, parse_timeout
+from kvcm.shared_store import (
+    HEADER,
+    BadObjectError,
+    FileStore,
+    ObjectCodec,
+    SharedStore,
+    Staging,
+    parse_timeout,
+    store_secret,
+)
 
 COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
 STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in several calls
@@ -308,7 +322,10 @@ class DataPlane:
     ``store``: the shared tier's store (default: the one the tier's path names).
     ``shared_timeout_s``: the deadline for one store call (default: the store's
     ``timeout_s``, :data:`kvcm.shared_store.DEFAULT_TIMEOUT_S` unless its location says;
-    0: none).
+    0: none).  ``shared_secret``: the store secret that authenticates objects (bytes or
+    str, at least 16 bytes); default: ``config.shared_secret_file``'s, else
+    ``$KVCM_STORE_SECRET_FILE``'s or ``$KVCM_STORE_SECRET`` (:func:`kvcm.shared_store.store_secret`);
+    none: objects carry no MAC.
     """
 
     def __init__(
@@ -320,6 +337,7 @@ class DataPlane:
         shapes: Mapping[int, Sequence[int]] | None = None,
         store: SharedStore | None = None,
         shared_timeout_s: float | None = None,
+        shared_secret: bytes | str | None = None,
     ) -> None:
         torch = _torch()
         rc = resolve_config(config)
@@ -342,17 +360,19 @@ class DataPlane:
         self.pools: list[list[Any]] = []  # [config position][lc] uint8[num_slots, slot_bytes] or a DiskPool
         self.shared: SharedStore | None = None
         self.codec: ObjectCodec | None = None
+        self.shared_secret_source = ""  # where the store secret came from ("": none); never the secret
         self._own_store = False
         self._staging: Staging | None = None
         self.shared_timeout_s = 0.0
         self._late: list[tuple[threading.Event, Staging | None]] = []  # calls past their deadline (_call)
         self.shared_stats = dict.fromkeys(
             ("lookups", "lookup_names", "lookup_hits", "lookup_errors", "stores", "store_bytes", "store_failures",
-             "loads", "load_bytes", "load_failures", "removed_bad", "put_batches", "get_batches", "timeouts"), 0)
+             "loads", "load_bytes", "load_failures", "removed_bad", "auth_failures", "put_batches", "get_batches",
+             "timeouts"), 0)
         self.shared_seconds = {"lookup": 0.0, "store": 0.0, "load": 0.0}  # reporting only (throughput)
         try:
             self._make_pools(torch, config, rc.tier_ids)
-            self._open_shared(config, rc, store, shared_timeout_s)
+            self._open_shared(config, rc, store, shared_timeout_s, shared_secret)
         except BaseException:
             self.pools = []
             self._finalizer()
@@ -418,16 +438,19 @@ class DataPlane:
             self.pools.append(row)
 
     def _open_shared(self, config: KVCacheManagerConfig, rc: Any, store: SharedStore | None,
-                     timeout_s: float | None) -> None:
+                     timeout_s: float | None, secret: bytes | str | None) -> None:
         tier = rc.shared_tier
         if tier is None:
             if store is not None:
                 raise ValueError("store= given but the config has no shared tier")
+            if secret is not None:
+                raise ValueError("shared_secret given but the config has no shared tier")
             return
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or not math.isfinite(timeout_s) or timeout_s < 0):
             raise ValueError(f"shared_timeout_s must be a number of seconds >= 0 (0: none), got {timeout_s!r}")
-        self.codec = ObjectCodec(layout_fingerprint(rc, config.shared_namespace))
+        key, self.shared_secret_source = store_secret(secret, config.shared_secret_file)
+        self.codec = ObjectCodec(layout_fingerprint(rc, config.shared_namespace), key)
         if store is None:
             store = open_store(tier.path, tier.quota_bytes)
             self._own_store = True
@@ -964,6 +987,8 @@ class DataPlane:
                         cause = cause or e
                         if isinstance(e, BadObjectError):  # the object itself is bad, not the store
                             bad_names.append(name)
+                            if e.what == "mac":  # intact, but not written with this plane's secret
+                                self.shared_stats["auth_failures"] += 1
                         continue
                     good.append(j)
                 if not good:
@@ -1027,6 +1052,7 @@ class DataPlane:
                "runs": self.runs, "kernel_calls": self.kernel_calls}
         if self.shared is not None:
             out["shared"] = dict(self.shared_stats)
+            out["shared_store"] = self.shared.stats()
         return out
 
     def close(self) -> None:

@@ -8,16 +8,23 @@ or layout never read each other's bytes.  The manager never talks to a store; th
 
 Object format
 -------------
-``header || payload``, the header (:data:`HEADER`, 88 bytes, little-endian)::
+``header || payload``, the header (:data:`HEADER`, 120 bytes, little-endian)::
 
-    magic b"KVCMOBJ1" | fingerprint (32) | block key (32) | lc (u32) | payload length (u64) |
-    crc32 of the payload (u32)
+    magic b"KVCMOBJ2" | fingerprint (32) | block key (32) | lc (u32) | payload length (u64) |
+    crc32 of the payload (u32) | mac (32)
 
 Every read is verified (:meth:`ObjectCodec.check`): an object that is missing, short, longer
-than expected, or whose magic, fingerprint, key, lc, length or checksum differs raises
+than expected, or whose magic, fingerprint, key, lc, length, checksum or MAC differs raises
 ``OSError`` — the load did not complete and the data plane reports the op as failed.  A
 present object rejected for its content or length raises :class:`BadObjectError` (an
 ``OSError``), the only failure for which the data plane removes the object.
+
+Authentication (optional): with a store secret (:func:`store_secret`: the data plane's
+argument, ``KVCacheManagerConfig.shared_secret_file``, ``$KVCM_STORE_SECRET_FILE`` or
+``$KVCM_STORE_SECRET``) the MAC is HMAC-SHA256 over the fields before it and the payload,
+and names carry a keyed hash instead of the block key; an object without a valid MAC
+never loads.  Without one the MAC is 32 zero bytes, and an object with a MAC is rejected.
+The CRC catches corruption; only the MAC stops a writer who lacks the secret.
 
 The store interface (:class:`SharedStore`)
 -----------------------------------------
@@ -47,7 +54,11 @@ A successful load refreshes the object's modification time, so hot objects go la
 total is rescanned only when this process's running estimate passes the quota, so other
 writers' bytes are noticed lazily (each writer enforces the quota on its own writes).
 Temporary files older than :data:`STALE_TMP_S` (a writer that crashed mid-write) are
-removed when the store opens and on every rescan.
+removed when the store opens and on every rescan.  Entries it cannot remove (not a regular
+file, or another user's) are skipped and counted (``skipped``), never counted against the
+quota, and never fail a put: a put's result is its own object's.  A directory the store
+creates is 0700; an existing one that group or others may write draws an
+:class:`InsecureStoreWarning`.
 """
 
 from __future__ import annotations
@@ -55,19 +66,31 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hmac
 import math
 import mmap
 import os
+import stat
 import struct
 import tempfile
 import time
+import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Self
 
 DEFAULT_TIMEOUT_S = 10.0  # the data plane's deadline for one exists / put / get call (0: none)
-MAGIC = b"KVCMOBJ1"
-HEADER = struct.Struct("<8s32s32sIQI")  # magic, fingerprint, key, lc, payload length, crc32(payload)
+MAGIC = b"KVCMOBJ2"
+# magic, fingerprint, key, lc, payload length, crc32(payload), then the MAC: HMAC-SHA256 of
+# the fields before it and the payload with the store secret's key, or 32 zero bytes
+# without a secret
+FIELDS = struct.Struct("<8s32s32sIQI")
+MAC_BYTES = 32
+HEADER = struct.Struct(f"<{FIELDS.size}s{MAC_BYTES}s")
+NO_MAC = bytes(MAC_BYTES)
+SECRET_ENV = "KVCM_STORE_SECRET"  # the store secret itself (UTF-8)
+SECRET_FILE_ENV = "KVCM_STORE_SECRET_FILE"  # a file holding it
+MIN_SECRET_BYTES = 16
 OBJECT_SUFFIX = ".kvo"
 TMP_PREFIX = ".tmp-"
 QUOTA_LOW_WATERMARK = 0.9  # past the quota, the file store trims to this fraction of it
@@ -87,45 +110,147 @@ def parse_timeout(value: str, location: str) -> float:
 
 class BadObjectError(OSError):
     """An object that is there but is not the object asked for: the codec rejected it (wrong
-    magic, fingerprint, key, life cycle, length or checksum) or the store saw a wrong
+    magic, fingerprint, key, life cycle, length, checksum or MAC) or the store saw a wrong
     length.  Only this failure makes the data plane remove the object: any other ``OSError``
     (a store that is down, slow, out of descriptors, a stale handle, an error code it does
     not know) says nothing about the object, and removing it would wipe a good object for
-    every instance of the fleet."""
+    every instance of the fleet.  ``what``: the field that was wrong (``"mac"``: the object
+    is intact but not authenticated by this reader's secret)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, what: str = "") -> None:
         super().__init__(errno.EIO, message)
+        self.what = what
+
+
+class InsecureStoreWarning(UserWarning):
+    """A store directory others can write into, or a secret file others can read."""
+
+
+def _secret_bytes(value: bytes | str, source: str) -> bytes:
+    """A store secret as bytes, checked (the message never shows it)."""
+    if isinstance(value, str):
+        value = value.encode("utf-8", "surrogateescape")
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"the store secret ({source}) must be bytes or str, got {type(value).__name__}")
+    value = bytes(value)
+    if len(value) < MIN_SECRET_BYTES:
+        raise ValueError(f"the store secret ({source}) is {len(value)} bytes; at least {MIN_SECRET_BYTES} "
+                         "(e.g. 32 random bytes: head -c 32 /dev/urandom | base64)")
+    return value
+
+
+def read_secret_file(path: str) -> bytes:
+    """The secret a file holds: its bytes less trailing line ends (``echo`` adds one).  A
+    file others can read is used, with an :class:`InsecureStoreWarning`."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            data = f.read()
+    except OSError as e:
+        raise OSError(e.errno, f"cannot read the store secret file {path!r}: {os.strerror(e.errno or 0)}") from None
+    if mode & 0o077:
+        warnings.warn(f"the store secret file {path!r} is readable by others (mode {stat.S_IMODE(mode):04o}): "
+                      "chmod 600 it", InsecureStoreWarning, stacklevel=3)
+    return _secret_bytes(data.rstrip(b"\r\n"), f"file {path}")
+
+
+def store_secret(given: bytes | str | None = None, secret_file: str = "",
+                 environ: Mapping[str, str] | None = None) -> tuple[bytes | None, str]:
+    """The shared tier's secret and where it came from (``""``, ``"argument"``,
+    ``"file <path>"``, ``"$KVCM_STORE_SECRET"``; never the secret itself), first found:
+    ``given`` (``DataPlane(shared_secret=...)``), ``secret_file``
+    (``KVCacheManagerConfig.shared_secret_file``), then the environment: ``$KVCM_STORE_SECRET_FILE``
+    or ``$KVCM_STORE_SECRET`` (both set: ``ValueError``, neither is more specific; an empty
+    one is unset).  None: objects are not authenticated."""
+    env = os.environ if environ is None else environ
+    if given is not None:
+        return _secret_bytes(given, "argument"), "argument"
+    if secret_file:
+        return read_secret_file(secret_file), f"file {secret_file}"
+    path, value = env.get(SECRET_FILE_ENV, ""), env.get(SECRET_ENV, "")
+    if path and value:
+        raise ValueError(f"both ${SECRET_FILE_ENV} and ${SECRET_ENV} are set: set one")
+    if path:
+        return read_secret_file(path), f"file {path}"
+    if value:
+        return _secret_bytes(value, f"${SECRET_ENV}"), f"${SECRET_ENV}"
+    return None, ""
 
 
 class ObjectCodec:
-    """Names, headers and verification of the objects of one layout fingerprint."""
+    """Names, headers and verification of the objects of one layout fingerprint.
 
-    def __init__(self, fingerprint: bytes) -> None:
+    With a ``secret`` (:func:`store_secret`) every object carries a MAC, HMAC-SHA256 with a
+    key derived from the secret over the header's fields (magic, fingerprint — which holds
+    the namespace —, block key, life cycle, length, checksum) and the payload, so an object
+    verifies only under its own name, layout and namespace, and only if a holder of the
+    secret wrote it; and names carry a keyed hash of the block key instead of the key, so
+    a listing of the store does not show block keys and writers without the secret (or
+    with another) use other names.  Without a secret the MAC field is zero and an object
+    with a MAC is rejected (it is not what such a writer writes)."""
+
+    def __init__(self, fingerprint: bytes, secret: bytes | None = None) -> None:
         if not isinstance(fingerprint, bytes) or len(fingerprint) != 32:
             raise ValueError("the layout fingerprint must be 32 bytes")
         self.fingerprint = fingerprint
         self._prefix = f"kvcm-{fingerprint.hex()}-"
+        self._mac_key: bytes | None = None
+        self._name_key: bytes | None = None
+        if secret is not None:
+            secret = _secret_bytes(secret, "argument")
+            # one key per use: a name's hash is never a valid MAC, nor the other way round
+            self._mac_key = hmac.digest(secret, b"kvcm-store-object-mac-v1", "sha256")
+            self._name_key = hmac.digest(secret, b"kvcm-store-object-name-v1", "sha256")
+
+    @property
+    def authenticated(self) -> bool:
+        """Objects carry and need a MAC (a secret was given)."""
+        return self._mac_key is not None
+
+    def __repr__(self) -> str:  # never the keys
+        return f"ObjectCodec({self.fingerprint.hex()[:16]}..., authenticated={self.authenticated})"
 
     def name(self, key: bytes, lc: int) -> str:
-        """The object's name: fingerprint, block key and life cycle."""
-        return f"{self._prefix}{key.hex()}-{lc}"
+        """The object's name: fingerprint, block key (with a secret: its keyed hash) and
+        life cycle."""
+        if self._name_key is None:
+            return f"{self._prefix}{key.hex()}-{lc}"
+        tag = hmac.digest(self._name_key, self.fingerprint + bytes(key) + lc.to_bytes(4, "little"), "sha256")
+        return f"{self._prefix}{tag.hex()}-{lc}"
+
+    def _mac(self, fields: bytes | memoryview, payload: bytes | memoryview) -> bytes:
+        h = hmac.new(self._mac_key, fields, "sha256")
+        h.update(payload)
+        return h.digest()
 
     def header(self, key: bytes, lc: int, payload: memoryview | bytes) -> bytes:
-        return HEADER.pack(MAGIC, self.fingerprint, key, lc, len(payload), zlib.crc32(payload))
+        fields = FIELDS.pack(MAGIC, self.fingerprint, key, lc, len(payload), zlib.crc32(payload))
+        return fields + (NO_MAC if self._mac_key is None else self._mac(fields, payload))
 
     def check(self, obj: memoryview, key: bytes, lc: int, payload_bytes: int) -> None:
         """Verify one object read back (``obj`` is exactly what was read):
-        :class:`BadObjectError` (an ``OSError`` EIO) naming what differs."""
+        :class:`BadObjectError` (an ``OSError`` EIO) naming what differs.  The MAC is
+        checked last, so a corrupted object is reported as such and ``"mac"`` means an
+        intact object this reader's secret did not write."""
         want = HEADER.size + payload_bytes
         if len(obj) != want:
             raise BadObjectError(f"shared object {self.name(key, lc)}: {len(obj)} bytes, expected {want} "
-                                 "(truncated or foreign)")
-        magic, fp, k, olc, n, crc = HEADER.unpack_from(obj, 0)
+                                 "(truncated or foreign)", "length")
+        magic, fp, k, olc, n, crc = FIELDS.unpack_from(obj, 0)
+        payload = obj[HEADER.size:]
         what = ("magic" if magic != MAGIC else "fingerprint" if fp != self.fingerprint else "key" if k != key
                 else "life cycle" if olc != lc else "length" if n != payload_bytes
-                else "checksum" if crc != zlib.crc32(obj[HEADER.size:]) else None)
+                else "checksum" if crc != zlib.crc32(payload) else None)
         if what is not None:
-            raise BadObjectError(f"shared object {self.name(key, lc)}: wrong {what} (foreign or corrupted)")
+            raise BadObjectError(f"shared object {self.name(key, lc)}: wrong {what} (foreign or corrupted)", what)
+        mac = obj[FIELDS.size:HEADER.size]
+        if self._mac_key is None:
+            if mac != NO_MAC:
+                raise BadObjectError(f"shared object {self.name(key, lc)}: has a mac, written with a store secret "
+                                     "(this reader has none)", "mac")
+        elif not hmac.compare_digest(mac, self._mac(obj[:FIELDS.size], payload)):
+            raise BadObjectError(f"shared object {self.name(key, lc)}: wrong mac (not written with this store's "
+                                 "secret: unauthenticated or forged)", "mac")
 
 
 class Staging:
@@ -179,6 +304,10 @@ class SharedStore:
     def unregister(self, staging: Staging) -> None:
         """Undo :meth:`register` before the buffer is freed."""
 
+    def stats(self) -> dict[str, int]:
+        """The store's own counters (the file store: its quota's; none by default)."""
+        return {}
+
     def close(self) -> None:
         """Release the store's resources (idempotent)."""
 
@@ -189,6 +318,27 @@ class SharedStore:
         self.close()
 
 
+def _open_directory(directory: str) -> None:
+    """Create the store's directory 0700 (its parents as ``makedirs`` does); an existing one
+    keeps its mode, with an :class:`InsecureStoreWarning` when group or others may write
+    into it (they could replace or remove objects: only a store secret keeps their objects
+    from loading)."""
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    try:
+        os.mkdir(directory, 0o700)
+        os.chmod(directory, 0o700)  # exactly 0700, whatever the umask
+    except FileExistsError:
+        pass
+    st = os.stat(directory)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "the shared store's location is not a directory", directory)
+    if st.st_mode & 0o022:
+        warnings.warn(f"the shared store directory {directory!r} is writable by group or others (mode "
+                      f"{stat.S_IMODE(st.st_mode):04o}): they can replace and remove objects; make it 0700 "
+                      f"and set a store secret (${SECRET_ENV})", InsecureStoreWarning, stacklevel=3)
+
+
 class FileStore(SharedStore):
     """Objects as files in one directory (see the module docstring)."""
 
@@ -197,14 +347,21 @@ class FileStore(SharedStore):
     def __init__(self, directory: str, quota_bytes: int = 0, *, fsync: bool = True) -> None:
         if quota_bytes < 0:
             raise ValueError("quota_bytes must be >= 0")
-        os.makedirs(directory, exist_ok=True)
+        _open_directory(directory)
         self.directory = self.location = directory
         self.quota_bytes = quota_bytes
         self.fsync = fsync
-        self._estimate: int | None = None  # bytes in the directory, as far as this process knows
+        self._estimate: int | None = None  # bytes of the objects it holds, as far as this process knows
         self.evicted = 0  # objects this store removed to keep the quota
         self.rescans = 0  # directory scans made to keep the quota
         self.swept = 0  # stale temporary files removed
+        # entries the last scan skipped: named like an object or a temporary but not a
+        # regular file (a directory, a link), or one this store could not remove (another
+        # user's file in a sticky directory, a read-only mount); none counts against the quota
+        self.skipped = 0
+        self.quota_errors = 0  # trims that failed as a whole (the directory could not be scanned)
+        # (name, inode) of object files a removal failed on: skipped without a retry while they stay
+        self._unremovable: set[tuple[str, int]] = set()
         self._sweep_tmp()
 
     def path(self, name: str) -> str:
@@ -247,7 +404,13 @@ class FileStore(SharedStore):
         if renamed and self.fsync:
             self._fsync_dir()
         if self.quota_bytes and written:
-            self._keep_quota(written)
+            try:
+                self._keep_quota(written)
+            except OSError:
+                # each put's result is its own object's: written is written, whatever the
+                # trim met; the next put rescans
+                self.quota_errors += 1
+                self._estimate = None
         return results
 
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
@@ -293,22 +456,42 @@ class FileStore(SharedStore):
         finally:
             os.close(fd)
 
-    def _objects(self, *, objects: bool = True) -> list[tuple[int, str, int]]:
-        """(mtime_ns, name, bytes) of every object file, oldest first (none unless
-        ``objects``); temporary files older than :data:`STALE_TMP_S` (a writer that crashed
-        between create and rename) are removed on the way."""
+    def _objects(self, *, objects: bool = True) -> list[tuple[int, str, int, int]]:
+        """(mtime_ns, name, bytes, inode) of every object file this store holds, oldest
+        first (none unless ``objects``); temporary files older than :data:`STALE_TMP_S` (a
+        writer that crashed between create and rename) are removed on the way.  Skipped,
+        and counted in ``skipped``: an entry named like an object or a temporary that is
+        not a regular file (this store writes nothing else), an object file a removal
+        already failed on, a stale temporary it cannot remove."""
         out = []
+        skipped = 0
+        unremovable: set[tuple[str, int]] = set()
         stale_before = time.time_ns() - int(STALE_TMP_S * 1e9)
         with os.scandir(self.directory) as it:
             for e in it:
-                with contextlib.suppress(FileNotFoundError):
-                    if e.name.endswith(OBJECT_SUFFIX):
-                        if objects:
-                            st = e.stat()
-                            out.append((st.st_mtime_ns, e.name, st.st_size))
-                    elif e.name.startswith(TMP_PREFIX) and e.stat().st_mtime_ns < stale_before:
+                is_obj = e.name.endswith(OBJECT_SUFFIX)
+                if not (is_obj and objects) and not e.name.startswith(TMP_PREFIX):
+                    continue
+                try:
+                    if not e.is_file(follow_symlinks=False):
+                        skipped += 1
+                        continue
+                    st = e.stat(follow_symlinks=False)
+                    if is_obj:
+                        if (e.name, st.st_ino) in self._unremovable:
+                            unremovable.add((e.name, st.st_ino))
+                            skipped += 1
+                        else:
+                            out.append((st.st_mtime_ns, e.name, st.st_size, st.st_ino))
+                    elif st.st_mtime_ns < stale_before:
                         os.remove(e.path)
                         self.swept += 1
+                except FileNotFoundError:
+                    pass  # removed meanwhile (another writer's rename or trim)
+                except OSError:
+                    skipped += 1  # a stale temporary this store may not remove
+        self._unremovable = unremovable  # forget the ones that are gone
+        self.skipped = skipped
         out.sort()
         return out
 
@@ -330,32 +513,54 @@ class FileStore(SharedStore):
         total = sum(o[2] for o in objs)
         if total > self.quota_bytes:
             low = int(self.quota_bytes * QUOTA_LOW_WATERMARK)
-            for _, name, size in objs:
+            for _, name, size, ino in objs:
                 if total <= low:
                     break
-                with contextlib.suppress(FileNotFoundError):
+                try:
                     os.remove(os.path.join(self.directory, name))
                     self.evicted += 1
+                except FileNotFoundError:
+                    pass  # another writer removed it
+                except OSError:
+                    # not this store's to remove (EACCES / EPERM / EROFS ...): skipped and
+                    # counted, not tried again at every rescan, and its bytes are not counted
+                    # against the quota: the trim could only make up for them by removing
+                    # every object it holds
+                    self._unremovable.add((name, ino))
+                    self.skipped += 1
                 total -= size
         self._estimate = total
 
     def usage(self) -> tuple[int, int]:
-        """(objects, bytes) in the directory now."""
+        """(objects, bytes) the store holds now: the directory's object files, less the
+        entries it skips (``skipped``)."""
         objs = self._objects()
         return len(objs), sum(o[2] for o in objs)
+
+    def stats(self) -> dict[str, int]:
+        return {"evicted": self.evicted, "rescans": self.rescans, "swept": self.swept, "skipped": self.skipped,
+                "quota_errors": self.quota_errors}
 
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "FIELDS",
     "HEADER",
+    "MAC_BYTES",
     "MAGIC",
+    "MIN_SECRET_BYTES",
     "OBJECT_SUFFIX",
     "QUOTA_LOW_WATERMARK",
+    "SECRET_ENV",
+    "SECRET_FILE_ENV",
     "STALE_TMP_S",
     "BadObjectError",
     "FileStore",
+    "InsecureStoreWarning",
     "ObjectCodec",
     "SharedStore",
     "Staging",
     "parse_timeout",
+    "read_secret_file",
+    "store_secret",
 ]
