@@ -361,35 +361,29 @@ class EventPublisher:
         if len(payload) <= self._max_batch:
             self._send_payload(ts, payload)
             return
+        # cut into consecutive batches of at most max_batch_bytes, each event encoded once
         self.split += 1
-        for part in self._parts(wire):
-            self._send_payload(ts, self._encoder.encode(ts, part))
-
-    def _parts(self, wire: list) -> list[list]:
-        """``wire`` cut into consecutive event lists each encoding to at most
-        ``max_batch_bytes`` (an event naming several blocks is cut into a chain first)."""
         room = self._max_batch - 64  # the batch's own items (ts, rank, instance, headers)
-        events: list = []
-        for e in wire:
-            events.extend(self._fit(e, room))
-        parts: list[list] = [[]]
+        parts: list[list[msgspec.Raw]] = [[]]
         used = 0
-        for e in events:
-            n = self._encoder.event_size(e)
-            if parts[-1] and used + n > room:
-                parts.append([])
-                used = 0
-            parts[-1].append(e)
-            used += n
-        return parts
+        for e in wire:
+            for raw in self._fit(e, room):
+                if parts[-1] and used + len(raw) > room:
+                    parts.append([])
+                    used = 0
+                parts[-1].append(raw)
+                used += len(raw)
+        for part in parts:
+            self._send_payload(ts, self._encoder.encode_raw(ts, part))
 
-    def _fit(self, e: Any, room: int) -> list:
-        """``e``, or ``e`` cut into events naming fewer blocks, each at most ``room`` bytes
-        where one block's event allows it (vLLM subscribers apply them in order: the same
-        blocks, the same parents)."""
+    def _fit(self, e: Any, room: int) -> list[msgspec.Raw]:
+        """``e`` encoded, or ``e`` cut into events naming fewer blocks, each at most ``room``
+        bytes where one block's event allows it (vLLM subscribers apply them in order: the
+        same blocks, the same parents)."""
+        raw = self._encoder.raw(e)
         k = len(getattr(e, "block_hashes", ()))
-        if k < 2 or self._encoder.event_size(e) <= room:
-            return [e]
+        if k < 2 or len(raw) <= room:
+            return [raw]
         m = k // 2
         if isinstance(e, BlockRemoved):
             a = msgspec.structs.replace(e, block_hashes=e.block_hashes[:m])
@@ -493,11 +487,18 @@ class EventPublisher:
                         frames, done = [*job.head, *REPLAY_END], True
                     else:
                         frames = [*job.head, self._topic, seq_bytes(job.next), self._buf[job.next]]
+                # counted before the end marker goes out, so a client that has it reads
+                # the count (taken back if it does not go out)
+                served = ("snapshots_served" if job.snapshot else "replays_served") if done else None
+                if served is not None:
+                    setattr(self, served, getattr(self, served) + 1)
                 try:
                     self._replay.send_multipart(frames, zmq.NOBLOCK)
-                except zmq.Again:
-                    break  # the client's pipe is full: it is not reading; skip it this turn
                 except zmq.ZMQError as e:
+                    if served is not None:
+                        setattr(self, served, getattr(self, served) - 1)
+                    if e.errno == errno.EAGAIN:
+                        break  # the client's pipe is full: it is not reading; skip it this turn
                     if e.errno != errno.EHOSTUNREACH:
                         raise
                     jobs.clear()  # the client went away
@@ -506,10 +507,6 @@ class EventPublisher:
                 nbytes += len(frames[-1])
                 if done:
                     jobs.popleft()
-                    if job.snapshot:
-                        self.snapshots_served += 1
-                    else:
-                        self.replays_served += 1
                 elif job.snapshot:
                     job.snapshot_sent = True
                 else:

@@ -167,11 +167,19 @@ class Encoder:
         return self._enc.encode(self._s["KVEventBatchOfInstance"](
             ts=float(ts), events=events, data_parallel_rank=self.data_parallel_rank, kvcm_instance=self.instance))
 
-    def event_size(self, event: Any) -> int:
-        """The encoded size of one event in this layout (a batch adds a few bytes)."""
+    def raw(self, event: Any) -> msgspec.Raw:
+        """One event encoded in this layout; ``encode`` takes such items as events (a batch
+        is its items' encodings in a row, so the payload is the same as from the events)."""
         if self.layout != "map":
             event = self._s[type(event).__name__](**msgspec.structs.asdict(event))
-        return len(self._enc.encode(event))
+        return msgspec.Raw(self._enc.encode(event))
+
+    def encode_raw(self, ts: float, events: list[msgspec.Raw]) -> bytes:
+        """``encode`` of events already encoded by ``raw``."""
+        batch = "KVEventBatch" if self.instance is None else "KVEventBatchOfInstance"
+        extra = {} if self.instance is None else {"kvcm_instance": self.instance}
+        return self._enc.encode(self._s[batch](ts=float(ts), events=events,
+                                               data_parallel_rank=self.data_parallel_rank, **extra))
 
 
 class Decoder:
