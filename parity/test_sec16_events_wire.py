@@ -3,8 +3,9 @@
 ``test_wire_payloads_are_byte_identical[cpp]`` drives a python and a cpp manager through
 the same op sequence, each behind an ``EventPublisher`` on real sockets (127.0.0.1), and
 compares every published payload byte for byte, and the snapshot answer ([python]: two
-python managers, which catches nondeterminism).  ``ts`` is the step number, so nothing
-wall-clock-dependent is on the wire.
+python managers, which catches nondeterminism).  ``ts`` is the step number and the
+publisher's instance identity is given (its default is random per life), so nothing
+wall-clock- or chance-dependent is on the wire.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def payloads(pub: EventPublisher, ctx: zmq.Context, request: bytes) -> list[tupl
     try:
         while True:
             assert s.poll(3000), "no answer from the replay endpoint"
-            _, sq, payload = s.recv_multipart()
+            _, _topic, sq, payload = s.recv_multipart()
             if sq == END_SEQ:
                 return out
             out.append((seq_of(sq), payload))
@@ -76,7 +77,8 @@ def payloads(pub: EventPublisher, ctx: zmq.Context, request: bytes) -> list[tupl
 
 def published(backend: str, ctx: zmq.Context) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
     mgr = kvcm.KVCacheManager(hybrid_config(), backend=backend)
-    with EventPublisher(mgr, context=ctx, scopes=[ReuseScope(lora_id=3, salt=11)]) as pub:
+    # a fixed instance identity: the default is random per publisher life
+    with EventPublisher(mgr, context=ctx, scopes=[ReuseScope(lora_id=3, salt=11)], instance=b"parity") as pub:
         workload(mgr, pub)
         assert pub.flush()
         batches = payloads(pub, ctx, seq_bytes(0))

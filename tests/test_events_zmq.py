@@ -57,13 +57,14 @@ def joined(ctx: zmq.Context, pub: EventPublisher, mgr: kvcm.KVCacheManager) -> z
 
 
 def req_first_reply(ctx: zmq.Context, pub: EventPublisher, req: bytes) -> tuple[int, bytes]:
-    """vLLM's replay client uses a REQ socket: it sees ``(seq, payload)`` frames."""
+    """vLLM's replay client uses a REQ socket: it sees ``(topic, seq, payload)`` frames."""
     s = ctx.socket(zmq.REQ)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(pub.replay_endpoint)
     try:
         s.send(req)
-        sq, payload = recv(s)
+        topic, sq, payload = recv(s)
+        assert topic == b"kvcm"
         return seq_of(sq), payload
     finally:
         s.close(linger=0)
@@ -77,11 +78,12 @@ def dealer_request(ctx: zmq.Context, pub: EventPublisher, req: bytes) -> list[tu
     out = []
     try:
         while True:
-            empty, sq, payload = recv(s)
+            empty, topic, sq, payload = recv(s)
             assert empty == b""
             if sq == END_SEQ:
-                assert payload == b""
+                assert topic == payload == b""
                 return out
+            assert topic == b"kvcm"
             out.append((seq_of(sq), payload))
     finally:
         s.close(linger=0)
@@ -217,5 +219,6 @@ def test_publisher_payload_decodes_with_plain_msgpack(ctx: zmq.Context) -> None:
         pub.publish(mgr.take_events())
         pub.flush()
         [(_, payload)] = dealer_request(ctx, pub, seq_bytes(0))
-        ts, events, rank = msgspec.msgpack.decode(payload)
+        ts, events, rank, instance = msgspec.msgpack.decode(payload)  # 4th: kvcm's instance identity
         assert ts == 0.0 and rank == 0 and [e["type"] for e in events] == ["BlockStored"] * 3
+        assert instance == pub.instance and len(instance) == 8

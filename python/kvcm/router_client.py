@@ -1,8 +1,9 @@
 """The router's side of the wire: subscribe to many instances and keep a ``RouterIndex`` exact.
 
 Per instance: a SUB socket on its PUB endpoint and a DEALER socket on its replay endpoint
-(frames as vLLM's replay clients: an empty delimiter, then the request).  Every batch carries
-a sequence number; the client tracks the next one it needs, ``expected``:
+(frames as vLLM's replay clients: an empty delimiter, then the request; answers are
+``(topic, seq, payload)`` as vLLM frames them, the client reads the last two).  Every batch
+carries a sequence number; the client tracks the next one it needs, ``expected``:
 
 * a batch with ``seq == expected`` is applied; ``seq < expected`` was already applied
   through a replay, ignored — unless it is not above the last *live* sequence number: PUB/SUB
@@ -14,6 +15,11 @@ a sequence number; the client tracks the next one it needs, ``expected``:
 * a **snapshot** (``b"kvcm:snapshot"`` request, see ``kvcm.events``) replaces the instance's
   state and sets ``expected`` to the sequence number it is stamped with.  A router that
   starts (or restarts) takes one snapshot per instance before anything else.
+* **instance identity**: a kvcm publisher stamps every batch with ``kvcm_instance``, one
+  value per life.  A batch (live or replayed) of another life than the snapshot the index
+  was built from means the instance restarted on the same endpoints: the client counts a
+  restart and takes a snapshot of the new life; batches of a life it has left are ignored.
+  Batches without an identity (other publishers) fall back to the sequence-number rules.
 
 All waits are bounded (``timeout``); a publisher that does not answer raises TimeoutError.
 ``drop`` (tests) discards live messages before they are looked at, as a lossy network would.
@@ -23,13 +29,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 import zmq
 
 from kvcm.router import RouterIndex
-from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, Decoder, seq_bytes, seq_of
+from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, Decoder, instance_of, seq_bytes, seq_of
 
 
 @dataclass
@@ -39,6 +45,8 @@ class _Feed:
     replay: zmq.Socket
     expected: int = -1  # -1: no snapshot yet
     last_live: int = -1  # the last sequence number received live
+    instance: bytes | None = None  # the publisher life the index follows (None: unknown)
+    retired: set[bytes] = field(default_factory=set)  # lives left behind (restarts)
 
 
 class FleetSubscriber:
@@ -105,7 +113,10 @@ class FleetSubscriber:
                     _topic, sq, payload = sock.recv_multipart()
                     n += 1
                     seq = seq_of(sq)
-                    restarted = seq <= feed.last_live
+                    life = self._life(feed, payload)
+                    if life == "retired":
+                        continue  # a late batch of a life the index has left
+                    restarted = life == "new" or seq <= feed.last_live
                     feed.last_live = seq
                     if restarted:
                         self.restarts += 1
@@ -150,6 +161,15 @@ class FleetSubscriber:
                     return
         self._apply(feed, seq, payload)
 
+    @staticmethod
+    def _life(feed: _Feed, payload: bytes) -> str:
+        """Whether ``payload`` is of the life the index follows ("same", also when either
+        side has no identity), of a new one ("new") or of one left behind ("retired")."""
+        inst = instance_of(payload)
+        if inst is None or feed.instance is None or inst == feed.instance:
+            return "same"
+        return "retired" if inst in feed.retired else "new"
+
     def _apply(self, feed: _Feed, seq: int, payload: bytes) -> None:
         self.router.apply(feed.name, self._dec.decode(payload))
         feed.expected = seq + 1
@@ -180,6 +200,13 @@ class FleetSubscriber:
             return
         self.replays += 1
         for seq, payload in self._request(feed, seq_bytes(feed.expected)):
+            life = self._life(feed, payload)
+            if life == "retired":
+                continue
+            if life == "new":  # the endpoint now serves another life: it restarted
+                self.restarts += 1
+                self._snapshot(feed)
+                return
             if seq == feed.expected:
                 self._apply(feed, seq, payload)
             elif seq > feed.expected:  # the buffer starts after what we need
@@ -192,8 +219,14 @@ class FleetSubscriber:
         if len(answer) != 1:
             raise ValueError(f"instance {feed.name!r}: a snapshot answer has {len(answer)} batches")
         seq, payload = answer[0]
-        self.router.reset(feed.name, self._dec.decode(payload))
+        batch = self._dec.decode(payload)
+        self.router.reset(feed.name, batch)
         feed.expected = seq
+        if batch.kvcm_instance is not None and batch.kvcm_instance != feed.instance:
+            if feed.instance is not None:
+                feed.retired.add(feed.instance)
+            feed.retired.discard(batch.kvcm_instance)
+            feed.instance = batch.kvcm_instance
 
     def close(self) -> None:
         for feed in self._feeds.values():

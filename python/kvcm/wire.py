@@ -30,10 +30,16 @@ unknown map keys, and extra trailing array items in the array layout):
   attach; an ssm snapshot then ends at ``block start + coverage``); such an event names
   exactly one block.  Absent: every named block is covered whole.  The router's SPEC
   sec. 6 fixed point needs it to be exact with partial reuse on.
+* ``EventBatch.kvcm_instance`` — the identity of the publisher's life (bytes, a fourth
+  batch item after ``data_parallel_rank``; vLLM's array-like ``EventBatch`` ignores extra
+  trailing items).  A subscriber that sees it change knows the instance restarted and
+  resynchronises (``kvcm.router_client``).  Batches encoded without one (``Encoder``'s
+  ``instance=None``, e.g. the in-process link) keep vLLM's three items exactly.
 
 Block hashes are kvcm's 32-byte keys as ``bytes`` (vLLM's ``ExternalBlockHash`` is
-``bytes | int``).  Framing (vLLM's ``ZmqEventPublisher``): PUB frames ``(topic, seq as
-8-byte big-endian, payload)``; replay replies ``(seq, payload)`` ... then ``(END_SEQ, b"")``.
+``bytes | int``).  Framing (vLLM's ``ZmqEventPublisher``, verified in v0.26.0 and v0.32.0):
+PUB frames ``(topic, seq as 8-byte big-endian, payload)``; replay replies ``(topic, seq,
+payload)`` per batch, then the end marker ``(b"", END_SEQ, b"")`` (``REPLAY_END``).
 """
 
 # No "from __future__ import annotations": msgspec resolves string annotations in module
@@ -57,6 +63,8 @@ KIND_WINDOW = "sliding_window"
 KIND_MAMBA = "mamba"
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# The last message of every replay / snapshot answer after the routing frames, as vLLM sends it
+REPLAY_END: tuple[bytes, bytes, bytes] = (b"", END_SEQ, b"")
 # A snapshot request on the replay socket (any request that is not 8 bytes long is not a
 # vLLM replay request, so the two cannot be confused).
 SNAPSHOT_REQUEST = b"kvcm:snapshot"
@@ -107,7 +115,13 @@ def _structs(array_like: bool) -> dict[str, type]:
     class KVEventBatch(EventBatch):
         events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
-    return {c.__name__: c for c in (EventBatch, KVCacheEvent, BlockStored, BlockRemoved, AllBlocksCleared, KVEventBatch)}
+    class KVEventBatchOfInstance(KVEventBatch):
+        """A batch stamped with the publisher's life (a 4th item; msgspec writes every
+        field of an array-like struct, so the 3-item batch is a separate class)."""
+        kvcm_instance: bytes | None = None  # kvcm extension
+
+    return {c.__name__: c for c in (EventBatch, KVCacheEvent, BlockStored, BlockRemoved, AllBlocksCleared,
+                                    KVEventBatch, KVEventBatchOfInstance)}
 
 
 _MAP = _structs(array_like=False)
@@ -133,27 +147,48 @@ class Encoder:
     """Encode a step's wire events as one ``KVEventBatch`` payload in a chosen layout.
 
     Events are built as map-layout structs; the array layout converts them field by field
-    (``msgspec.structs.asdict``), so both layouts carry exactly the same values."""
+    (``msgspec.structs.asdict``), so both layouts carry exactly the same values.  With an
+    ``instance``, every batch carries it as ``kvcm_instance``."""
 
-    def __init__(self, layout: Layout = "map", data_parallel_rank: int | None = 0) -> None:
+    def __init__(self, layout: Layout = "map", data_parallel_rank: int | None = 0,
+                 instance: bytes | None = None) -> None:
         self.layout = layout
         self._s = structs(layout)
         self._enc = msgspec.msgpack.Encoder()
         self.data_parallel_rank = data_parallel_rank
+        self.instance = instance
 
     def encode(self, ts: float, events: list[Any]) -> bytes:
         if self.layout != "map":
             events = [self._s[type(e).__name__](**msgspec.structs.asdict(e)) for e in events]
-        return self._enc.encode(self._s["KVEventBatch"](ts=float(ts), events=events,
-                                                         data_parallel_rank=self.data_parallel_rank))
+        if self.instance is None:
+            return self._enc.encode(self._s["KVEventBatch"](ts=float(ts), events=events,
+                                                             data_parallel_rank=self.data_parallel_rank))
+        return self._enc.encode(self._s["KVEventBatchOfInstance"](
+            ts=float(ts), events=events, data_parallel_rank=self.data_parallel_rank, kvcm_instance=self.instance))
+
+    def raw(self, event: Any) -> msgspec.Raw:
+        """One event encoded in this layout; ``encode`` takes such items as events (a batch
+        is its items' encodings in a row, so the payload is the same as from the events)."""
+        if self.layout != "map":
+            event = self._s[type(event).__name__](**msgspec.structs.asdict(event))
+        return msgspec.Raw(self._enc.encode(event))
+
+    def encode_raw(self, ts: float, events: list[msgspec.Raw]) -> bytes:
+        """``encode`` of events already encoded by ``raw``."""
+        batch = "KVEventBatch" if self.instance is None else "KVEventBatchOfInstance"
+        extra = {} if self.instance is None else {"kvcm_instance": self.instance}
+        return self._enc.encode(self._s[batch](ts=float(ts), events=events,
+                                               data_parallel_rank=self.data_parallel_rank, **extra))
 
 
 class Decoder:
-    """Decode a payload of either layout into map-layout structs (the router's input)."""
+    """Decode a payload of either layout into map-layout structs (the router's input);
+    ``kvcm_instance`` is None when the batch carries none."""
 
     def __init__(self) -> None:
-        self._map = msgspec.msgpack.Decoder(type=_MAP["KVEventBatch"])
-        self._array = msgspec.msgpack.Decoder(type=_ARRAY["KVEventBatch"])
+        self._map = msgspec.msgpack.Decoder(type=_MAP["KVEventBatchOfInstance"])
+        self._array = msgspec.msgpack.Decoder(type=_ARRAY["KVEventBatchOfInstance"])
 
     def decode(self, payload: bytes) -> Any:
         try:
@@ -161,7 +196,30 @@ class Decoder:
         except msgspec.ValidationError:
             batch = self._array.decode(payload)
             events = [_MAP[type(e).__name__](**msgspec.structs.asdict(e)) for e in batch.events]
-            return _MAP["KVEventBatch"](ts=batch.ts, events=events, data_parallel_rank=batch.data_parallel_rank)
+            return _MAP["KVEventBatchOfInstance"](ts=batch.ts, events=events,
+                                                  data_parallel_rank=batch.data_parallel_rank,
+                                                  kvcm_instance=batch.kvcm_instance)
+
+
+class _Head(msgspec.Struct, array_like=True):
+    """A batch's items without decoding its events (``instance_of``)."""
+
+    ts: msgspec.Raw
+    events: msgspec.Raw
+    data_parallel_rank: msgspec.Raw = msgspec.Raw(b"\xc0")
+    kvcm_instance: bytes | None = None
+
+
+_HEAD = msgspec.msgpack.Decoder(type=_Head)
+
+
+def instance_of(payload: bytes) -> bytes | None:
+    """The ``kvcm_instance`` a payload carries, without decoding its events; None when it
+    carries none or is not a batch (decoding it properly is what reports that)."""
+    try:
+        return _HEAD.decode(payload).kvcm_instance
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 __all__ = [
@@ -171,6 +229,7 @@ __all__ = [
     "KIND_WINDOW",
     "LAYOUTS",
     "MEDIA",
+    "REPLAY_END",
     "SNAPSHOT_REQUEST",
     "AllBlocksCleared",
     "BlockRemoved",
@@ -178,6 +237,7 @@ __all__ = [
     "Decoder",
     "Encoder",
     "KVEventBatch",
+    "instance_of",
     "seq_bytes",
     "seq_of",
     "structs",
