@@ -1,5 +1,6 @@
-"""Fixtures that start a real Mooncake Store on 127.0.0.1 (``mooncake_master`` with its HTTP
-metadata server + one ``mooncake_client`` holding the memory) and stop it.
+"""Fixtures that start a real Mooncake Store on 127.0.0.1 (``mooncake_master`` + one
+``mooncake_client`` holding the memory; no metadata server: ``P2PHANDSHAKE``) and stop it,
+and :func:`listening`: the ports a process listens on (the bind-address tests).
 
 Without the mooncake package the tests that use them are skipped, except in CI
 (``CI=true``), where a missing package fails them: CI must run them."""

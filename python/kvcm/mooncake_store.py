@@ -199,7 +199,8 @@ class MooncakeStore(SharedStore):
             store = MooncakeDistributedStore()
             rc = store.setup(config)
         if rc != 0:
-            raise OSError(errno.ECONNREFUSED, f"mooncake setup failed (error {rc}): master {master}, "
+            within = f" within the deadline of {setup_timeout_s:g} s" if setup_timeout_s else ""
+            raise OSError(errno.ECONNREFUSED, f"mooncake setup failed (error {rc}){within}: master {master}, "
                                               f"metadata {metadata}")
         self._store = store
         self._registered: set[int] = set()
