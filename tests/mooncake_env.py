@@ -1,5 +1,6 @@
-"""Fixtures that start a real Mooncake Store on 127.0.0.1 (``mooncake_master`` with its HTTP
-metadata server + one ``mooncake_client`` holding the memory) and stop it.
+"""Fixtures that start a real Mooncake Store on 127.0.0.1 (``mooncake_master`` + one
+``mooncake_client`` holding the memory; no metadata server: ``P2PHANDSHAKE``) and stop it,
+and :func:`listening`: the ports a process listens on (the bind-address tests).
 
 Without the mooncake package the tests that use them are skipped, except in CI
 (``CI=true``), where a missing package fails them: CI must run them."""
@@ -7,6 +8,7 @@ Without the mooncake package the tests that use them are skipped, except in CI
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 
 import pytest
@@ -18,6 +20,34 @@ def need_mooncake() -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(msg + ": CI must run the Mooncake tests")
         pytest.skip(msg)
+
+
+def listening(pid: int) -> set[tuple[str, int]]:
+    """The TCP ports process ``pid`` listens on, as ``(address, port)`` (``/proc``: its
+    socket inodes matched against ``/proc/<pid>/net/tcp{,6}``; IPv6 addresses compressed,
+    e.g. ``"::"``)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                # /proc prints the address as 32-bit words in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.add((str(ipaddress.ip_address(raw)), int(hexport, 16)))
+    return out
 
 
 def start(tmp_dir: str, segment_bytes: int = 256 << 20):

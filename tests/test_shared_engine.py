@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from children import child_env
 from kvcm.engine import TinyHybridModel, torch_threads
 from kvcm.shared_store import OBJECT_SUFFIX
 
@@ -37,9 +38,7 @@ def model() -> TinyHybridModel:
 
 def child_command(store: str, tmp_path: Path, name: str, *extra: str, backend: str) -> tuple[list[str], dict]:
     """The command line and environment of one child process (its JSON: ``<name>.json``)."""
-    env = dict(os.environ, KVCM_BACKEND=backend)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent.parent / "python"),
-                                                    str(Path(__file__).parent), env.get("PYTHONPATH")) if p)
+    env = child_env(KVCM_BACKEND=backend)  # the child imports this process's kvcm (issue #18 item 13)
     if "--workload" not in extra:
         extra = ("--workload", WORKLOAD, *extra)
     return [sys.executable, str(CHILD), "--shared-tier", store, "--json", str(tmp_path / f"{name}.json"), *extra], env

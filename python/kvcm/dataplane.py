@@ -283,17 +283,18 @@ def _create_disk_file(directory: str, lc: int, nbytes: int, tier: int) -> tuple[
     return path, fd
 
 
-def open_store(location: str, quota_bytes: int = 0) -> SharedStore:
+def open_store(location: str, quota_bytes: int = 0, timeout_s: float | None = None) -> SharedStore:
     """The store a shared tier's ``path`` names: ``mooncake://host:port?metadata=<url>``
     (:class:`kvcm.mooncake_store.MooncakeStore`), ``file:///dir[?timeout_s=S]`` or a plain
     directory.  ``timeout_s`` (both kinds): the data plane's deadline for one store call
-    (default :data:`kvcm.shared_store.DEFAULT_TIMEOUT_S`; 0: none)."""
+    (default :data:`kvcm.shared_store.DEFAULT_TIMEOUT_S`; 0: none); Mooncake's set-up is
+    bounded by it too (the argument ``timeout_s``, else the location's)."""
     if not isinstance(location, str) or not location:
         raise ValueError("the shared tier needs a path: a directory, file:///dir or mooncake://host:port?metadata=url")
     if location.startswith("mooncake://"):
         from kvcm.mooncake_store import MooncakeStore  # only when asked for: an optional dependency
 
-        return MooncakeStore.from_url(location, segment_bytes=quota_bytes)
+        return MooncakeStore.from_url(location, segment_bytes=quota_bytes, setup_timeout_s=timeout_s)
     timeout = None
     if location.startswith("file://"):
         path, _, q = location[len("file://"):].partition("?")
@@ -452,7 +453,7 @@ class DataPlane:
         key, self.shared_secret_source = store_secret(secret, config.shared_secret_file)
         self.codec = ObjectCodec(layout_fingerprint(rc, config.shared_namespace), key)
         if store is None:
-            store = open_store(tier.path, tier.quota_bytes)
+            store = open_store(tier.path, tier.quota_bytes, timeout_s)  # set-up within the deadline
             self._own_store = True
         self.shared = store
         self.shared_timeout_s = float(store.timeout_s if timeout_s is None else timeout_s)

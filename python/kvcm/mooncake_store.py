@@ -20,14 +20,33 @@ with ``OSError(ECONNREFUSED)`` (lookups: the store holds nothing) until the firs
 after that, which tries the master again.  Nothing is lost either way: a failed load is
 recomputed, a failed store is only not stored.
 
+Set-up has a deadline too (issue #18 item 7): Mooncake retries its set-up 20 times, each
+RPC waiting up to 30 s, and holds the GIL meanwhile, so a master that is down or hung would
+stall the process for 90 s to 10 min.  Within ``setup_timeout_s`` (the location's
+``timeout_s``, or the data plane's ``shared_timeout_s``) the store is opened or the
+constructor raises ``OSError`` (``ECONNREFUSED``: nothing listens; ``ETIMEDOUT``: no answer):
+the master (and an ``http`` metadata server) is first probed from Python with the deadline,
+then Mooncake's set-up runs with one attempt and its RPC timeouts cut to the time left
+(``MC_STORE_CLIENT_SETUP_RETRIES``, ``MC_RPC_CONNECT_TIMEOUT_MS``, ``MC_RPC_TIMEOUT_MS`` for
+the set-up only; a smaller value the user set is kept).
+
 Location: ``mooncake://<master host:port>?metadata=<url>[&protocol=tcp][&local_hostname=...]
 [&local_buffer_bytes=N][&timeout_s=S]``; ``metadata`` defaults to
-``http://<master host>:8080/metadata``; ``timeout_s`` is the data plane's deadline for one
-store call (default :data:`kvcm.shared_store.DEFAULT_TIMEOUT_S`; 0: none).
+``http://<master host>:8080/metadata``; ``metadata=P2PHANDSHAKE`` needs no metadata server
+(the clients exchange it through their handshake ports; what :class:`LocalMooncake` uses).
+``timeout_s`` is the data plane's deadline for one store call and for the set-up (default
+:data:`kvcm.shared_store.DEFAULT_TIMEOUT_S`; 0: none).
 ``local_hostname`` is the address this client's segment and buffers are reached at by the
 other clients: it defaults to ``127.0.0.1``, right for one host only — **on several hosts
 set it to this host's IP** (``&local_hostname=10.0.0.2``), or other hosts' transfers to it
 fail.
+
+**Exposure** (DECISIONS.md "Bind addresses"): whatever ``local_hostname`` says, Mooncake's
+transfer engine in this process (and in every ``mooncake_client``) listens on all interfaces
+— a handshake port on ``0.0.0.0`` and a data port on ``[::]`` (dual stack), both picked in
+``[MC_MIN_RPC_PORT, MC_MAX_RPC_PORT]`` (default 15000–17000) — and the data port reads and
+writes any registered buffer (the staging buffer, a mounted segment) for any peer, without
+authentication.  Mooncake 0.3.13 has no setting that binds them; firewall them.
 """
 
 from __future__ import annotations
@@ -40,7 +59,9 @@ import socket
 import stat
 import subprocess
 import time
-from collections.abc import Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
 from typing import Self
 from urllib.parse import parse_qs, urlsplit
 
@@ -54,6 +75,70 @@ _NAMES = {-704: "OBJECT_NOT_FOUND", -900: "RPC_FAIL", -600: "BUFFER_OVERFLOW", -
 
 def _error(code: int, what: str) -> OSError:
     return OSError(_ERRNO.get(code, errno.EIO), f"mooncake {what}: error {code} ({_NAMES.get(code, 'see types.h')})")
+
+
+# Mooncake's set-up knobs, read from the environment by each set-up (real_client.cpp,
+# master_client.cpp): its attempts, and the connect / call timeout of each RPC
+_SETUP_RETRIES = "MC_STORE_CLIENT_SETUP_RETRIES"
+_RPC_TIMEOUTS = ("MC_RPC_CONNECT_TIMEOUT_MS", "MC_RPC_TIMEOUT_MS")
+P2P = "P2PHANDSHAKE"  # the metadata "server" of clients that exchange it directly
+
+
+def _unreachable(what: str, e: BaseException) -> OSError:
+    if isinstance(e, TimeoutError):
+        return OSError(errno.ETIMEDOUT, f"mooncake set-up: {what} did not answer before the deadline")
+    code = e.errno if isinstance(e, OSError) and e.errno else errno.ECONNREFUSED
+    return OSError(code, f"mooncake set-up: {what} unreachable ({e})")
+
+
+def _probe(master: str, metadata: str, deadline: float) -> None:
+    """Raise ``OSError`` unless the master's port accepts a connection and an ``http``
+    metadata server answers (any status) before ``deadline`` (``time.monotonic()``): from
+    Python, because Mooncake's set-up holds the GIL while it retries."""
+    host, _, port = master.rpartition(":")
+    try:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=left):
+            pass
+    except OSError as e:
+        raise _unreachable(f"master {master}", e) from e
+    if not metadata.startswith(("http://", "https://")):
+        return  # etcd, redis, P2PHANDSHAKE: Mooncake's own timeouts
+    try:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        with urllib.request.urlopen(f"{metadata}?key=kvcm-probe", timeout=left):  # http(s) only
+            pass
+    except urllib.error.HTTPError:
+        pass  # it answered (a missing key is a 404)
+    except urllib.error.URLError as e:
+        raise _unreachable(f"metadata server {metadata}", e.reason if isinstance(e.reason, OSError) else e) from e
+    except OSError as e:
+        raise _unreachable(f"metadata server {metadata}", e) from e
+
+
+@contextlib.contextmanager
+def _setup_knobs(left_s: float) -> Iterator[None]:
+    """Mooncake's set-up bounded by ``left_s``: one attempt, each RPC timeout at most the
+    time left (a smaller one the user set is kept); the environment is restored after."""
+    ms = max(1, int(left_s * 1000))
+    saved = {k: os.environ.get(k) for k in (_SETUP_RETRIES, *_RPC_TIMEOUTS)}
+    os.environ[_SETUP_RETRIES] = "1"  # more attempts cannot fit the deadline
+    for k in _RPC_TIMEOUTS:
+        user = saved[k]
+        if not (user and user.isdigit() and 0 < int(user) < ms):
+            os.environ[k] = str(ms)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def parse_url(url: str) -> dict:
@@ -81,7 +166,11 @@ class MooncakeStore(SharedStore):
     kind = "mooncake"
 
     def __init__(self, master: str, metadata: str, *, segment_bytes: int = 0, local_buffer_bytes: int = 16 << 20,
-                 protocol: str = "tcp", local_hostname: str = "127.0.0.1", down_retry_s: float = 2.0) -> None:
+                 protocol: str = "tcp", local_hostname: str = "127.0.0.1", down_retry_s: float = 2.0,
+                 setup_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if (isinstance(setup_timeout_s, bool) or not isinstance(setup_timeout_s, (int, float))
+                or not setup_timeout_s >= 0 or setup_timeout_s == float("inf")):
+            raise ValueError(f"setup_timeout_s must be a number of seconds >= 0 (0: none), got {setup_timeout_s!r}")
         self.down_retry_s = down_retry_s
         self._down_until = 0.0  # time.monotonic() before which the store is taken as down
         # Mooncake's log: warnings and errors only, unless the user chose otherwise
@@ -93,22 +182,37 @@ class MooncakeStore(SharedStore):
                               "(and Debian's libibverbs1 librdmacm1 libnuma1)") from e
         self.location = f"mooncake://{master}?metadata={metadata}"
         self.master, self.metadata = master, metadata
-        self._store = MooncakeDistributedStore()
-        rc = self._store.setup({
-            "local_hostname": local_hostname, "metadata_server": metadata, "global_segment_size": segment_bytes,
-            "local_buffer_size": local_buffer_bytes, "protocol": protocol, "master_server_addr": master,
-        })
+        self._store = None
+        config = {"local_hostname": local_hostname, "metadata_server": metadata, "global_segment_size": segment_bytes,
+                  "local_buffer_size": local_buffer_bytes, "protocol": protocol, "master_server_addr": master}
+        if setup_timeout_s:
+            deadline = time.monotonic() + setup_timeout_s
+            _probe(master, metadata, deadline)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OSError(errno.ETIMEDOUT, f"mooncake set-up: no time left of {setup_timeout_s:g} s after "
+                                               f"reaching master {master}")
+            store = MooncakeDistributedStore()
+            with _setup_knobs(left):
+                rc = store.setup(config)
+        else:  # no deadline: Mooncake's own attempts and timeouts
+            store = MooncakeDistributedStore()
+            rc = store.setup(config)
         if rc != 0:
-            self._store = None
-            raise OSError(errno.ECONNREFUSED, f"mooncake setup failed (error {rc}): master {master}, "
+            within = f" within the deadline of {setup_timeout_s:g} s" if setup_timeout_s else ""
+            raise OSError(errno.ECONNREFUSED, f"mooncake setup failed (error {rc}){within}: master {master}, "
                                               f"metadata {metadata}")
+        self._store = store
         self._registered: set[int] = set()
 
     @classmethod
-    def from_url(cls, url: str, *, segment_bytes: int = 0) -> MooncakeStore:
+    def from_url(cls, url: str, *, segment_bytes: int = 0, setup_timeout_s: float | None = None) -> MooncakeStore:
+        """The store ``url`` names; its set-up's deadline is ``setup_timeout_s``, by default
+        the location's ``timeout_s``."""
         p = parse_url(url)
         store = cls(p["master"], p["metadata"], segment_bytes=segment_bytes, local_buffer_bytes=p["local_buffer_bytes"],
-                    protocol=p["protocol"], local_hostname=p["local_hostname"])
+                    protocol=p["protocol"], local_hostname=p["local_hostname"],
+                    setup_timeout_s=p["timeout_s"] if setup_timeout_s is None else setup_timeout_s)
         store.timeout_s = p["timeout_s"]
         return store
 
@@ -230,10 +334,17 @@ def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float
 
 
 class LocalMooncake:
-    """A Mooncake Store on 127.0.0.1 for tests and the fleet replay: ``mooncake_master`` with
-    its built-in HTTP metadata server, and one ``mooncake_client`` that mounts
-    ``segment_bytes`` of memory (the store's capacity; it outlives the engines).  Free ports
-    are chosen; :attr:`url` is the shared tier's path.  ``stop()`` ends both (idempotent).
+    """A Mooncake Store on 127.0.0.1 for tests and the fleet replay: ``mooncake_master`` and
+    one ``mooncake_client`` that mounts ``segment_bytes`` of memory (the store's capacity; it
+    outlives the engines).  Free ports are chosen; :attr:`url` is the shared tier's path.
+    ``stop()`` ends both (idempotent).
+
+    Bound to 127.0.0.1: the master's RPC and metrics ports, the storage client's port.  No
+    metadata server: the clients exchange it through their transfer engines' handshake
+    (``P2PHANDSHAKE``), since the master's built-in HTTP metadata server listens on
+    0.0.0.0 whatever ``--http_metadata_server_host`` says (Mooncake 0.3.13).  Each transfer
+    engine's own handshake and data ports listen on every interface; nothing binds them
+    (module docstring, DECISIONS.md "Bind addresses").
 
     A free port is only free when it is picked: another process may bind it before the
     master or the client does, and the process then exits.  So the launch is retried with
@@ -260,17 +371,15 @@ class LocalMooncake:
                 raise
 
     def _launch(self, log_dir: str | None, timeout: float) -> None:
-        self.rpc_port, self.http_port, self.metrics_port, self.client_port = (_free_port() for _ in range(4))
+        self.rpc_port, self.metrics_port, self.client_port = (_free_port() for _ in range(3))
         self.master_addr = f"127.0.0.1:{self.rpc_port}"
-        self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
+        self.metadata = P2P
         self.url = f"mooncake://{self.master_addr}?metadata={self.metadata}"
         self.master = self._spawn(log_dir, "master", [
             _binary("mooncake_master"), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server", "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={self.http_port}", "--metrics_host=127.0.0.1",
-            f"--metrics_port={self.metrics_port}"])
+            "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"])
         _wait_listening(self.rpc_port, self.master, "mooncake_master", timeout)
-        _wait_listening(self.http_port, self.master, "mooncake_master's metadata server", timeout)
+        _wait_listening(self.metrics_port, self.master, "mooncake_master's metrics server", timeout)
         self.start_client(log_dir, timeout)
 
     def _spawn(self, log_dir: str | None, name: str, argv: list[str]) -> subprocess.Popen:
