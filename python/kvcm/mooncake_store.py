@@ -386,7 +386,9 @@ class LocalMooncake:
         log = open(os.path.join(log_dir, f"mooncake-{name}.log"), "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115
         if log is not subprocess.DEVNULL:
             self._logs.append(log)
-        env = {"MC_LOG_LEVEL": "WARNING", **os.environ}  # warnings and errors only, unless told otherwise
+        # warnings and errors only, unless told otherwise; the store secret stays with kvcm
+        # (Mooncake's processes never read it, and their environment is readable by the user)
+        env = {"MC_LOG_LEVEL": "WARNING", **{k: v for k, v in os.environ.items() if not k.startswith("KVCM_STORE_SECRET")}}
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def start_client(self, log_dir: str | None = None, timeout: float = 30.0) -> None:
