@@ -24,7 +24,7 @@ import threading
 
 import pytest
 from children import child_env
-from mooncake_env import listening, need_mooncake
+from mooncake_env import listening, need_mooncake, start
 
 DEADLINE_S = 2.0
 # generous: a loaded 2-core machine; the faults this catches took 90 s and more
@@ -224,3 +224,19 @@ def test_mooncake_listens_on_loopback_but_for_the_transfer_engines(fresh_mooncak
     assert ("127.0.0.1", mc.client_port) in client
     assert_transfer_engine_only("mooncake_client", client - {("127.0.0.1", mc.client_port)})
     assert_transfer_engine_only("the engine process", engine)
+
+
+def test_the_store_secret_is_not_passed_to_mooncakes_processes(monkeypatch, tmp_path):
+    """The store secret's variables stay with kvcm: the master and the storage client that
+    LocalMooncake starts do not inherit them (their environment is readable in /proc)."""
+    monkeypatch.setenv("KVCM_STORE_SECRET", "s3cret-s3cret-s3cret")
+    monkeypatch.setenv("KVCM_STORE_SECRET_FILE", str(tmp_path / "nowhere"))
+    mc = start(str(tmp_path), segment_bytes=64 << 20)
+    try:
+        for proc in (mc.master, mc.client):
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                names = {e.split(b"=", 1)[0] for e in f.read().split(b"\0") if e}
+            assert b"MC_LOG_LEVEL" in names  # the environment was read
+            assert not {n for n in names if n.startswith(b"KVCM_STORE_SECRET")}, names
+    finally:
+        mc.stop()
