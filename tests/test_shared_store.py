@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import random
 import zlib
 
 import pytest
@@ -271,7 +272,7 @@ def _counting_scans(s: FileStore) -> list[int]:
 
 def test_file_store_quota_trims_to_a_low_watermark(tmp_path):
     """Writing at the quota: each trim goes down to 90% of it, so the directory is scanned
-    about once per 10% of the quota written, not at every write; the estimate stays equal
+    once per 10% of the quota written, not at every write; the estimate stays equal
     to the bytes in the directory."""
     size = HEADER.size + 100
     s = FileStore(str(tmp_path), quota_bytes=100 * size, fsync=False)
@@ -280,8 +281,8 @@ def test_file_store_quota_trims_to_a_low_watermark(tmp_path):
     st = Staging(4096)
     for i in range(1000):
         assert s.put([make_object(codec, st, 0, key(i), 0, i.to_bytes(4, "little") * 25)], st) == [None]
-    # a scan at the first write (no estimate yet), then one per 10 objects past 90
-    assert scans[0] <= 1 + 900 // 10
+    # a scan at the first write (no estimate yet), then one per 10 objects (10% of the quota)
+    assert scans[0] <= 1 + 1000 // 10
     n, used = s.usage()
     assert 90 * size <= used <= 100 * size and s._estimate == used
     assert s.evicted == 1000 - n
@@ -656,3 +657,24 @@ def test_file_store_creates_its_directory_0700_and_warns_when_others_may_write(t
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(OSError):
         FileStore(str(tmp_path / "file"))
+
+
+def test_two_writers_keep_the_directory_near_the_quota(tmp_path):
+    """Two writers on one directory (two instances of a fleet): each used to rescan only when
+    its own estimate passed the quota, blind to the other's bytes, and the directory grew to
+    ~1.9x the quota.  Each now also rescans once per 10% of the quota it writes: the directory
+    stays below quota * (1 + 2 * 0.1) plus a batch each."""
+    size = HEADER.size + 100
+    quota = 200 * size
+    writers = [FileStore(str(tmp_path), quota_bytes=quota, fsync=False) for _ in range(2)]
+    codec = ObjectCodec(FP)
+    st = Staging(16 * size)
+    rng = random.Random(7)
+    peak = 0
+    for i in range(600):
+        w = writers[i % 2]
+        batch = [make_object(codec, st, j * size, key(rng.randrange(10**6)), 0, bytes(100)) for j in range(rng.randint(1, 8))]
+        assert w.put(batch, st) == [None] * len(batch)
+        peak = max(peak, writers[0].usage()[1])
+    assert peak > quota  # precondition: the writers did run into the quota
+    assert peak <= quota * 1.2 + 2 * 8 * size, f"the directory reached {peak / quota:.2f}x the quota"

@@ -50,6 +50,26 @@ from kvcm.api import KVCacheManagerConfig, ReuseScope, Token
 from kvcm.config import LifeCycle, resolve_config, stale_range
 from kvcm.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, AllBlocksCleared, BlockRemoved, BlockStored
 
+BlockKey = bytes | int  # vLLM's ExternalBlockHash; kvcm's own keys are 32-byte ``bytes``
+
+
+class InvalidBatchError(ValueError):
+    """A batch the router cannot apply (it does not fit the router's model, or names a
+    block by something that is not a block hash).  Raised before anything of the batch is
+    applied: the index is unchanged."""
+
+
+def block_key(h: object) -> BlockKey:
+    """The index key of a wire block hash: the hash itself, ``bytes`` or ``int``.
+
+    An int is keyed *as an int*, never converted by value (``bytes(h)`` would allocate
+    ``h`` zero bytes: 10 MB for a hash of 10**7, an error for a negative or 64-bit one).
+    An int never equals a ``bytes`` key, so vLLM's int hashes and kvcm's keys cannot meet."""
+    t = type(h)
+    if t is bytes or t is int:  # exact types: a bool is no block hash
+        return h  # type: ignore[return-value]
+    raise InvalidBatchError(f"a block hash is bytes or int, not {t.__name__}")
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -83,7 +103,7 @@ class RouterModel:
 
 @dataclass
 class _Entry:
-    parent: bytes | None
+    parent: BlockKey | None
     pages: dict[int, str] = field(default_factory=dict)  # group -> medium
     coverage: dict[int, int] = field(default_factory=dict)  # group -> tokens covered, when < B
     live_children: int = 0
@@ -98,37 +118,69 @@ class InstanceIndex:
 
     def __init__(self, model: RouterModel) -> None:
         self.model = model
-        self.blocks: dict[bytes, _Entry] = {}
+        self.blocks: dict[BlockKey, _Entry] = {}
 
     def clear(self) -> None:
         self.blocks.clear()
 
     def apply(self, events: Iterable[Any]) -> None:
+        """Apply a batch's events, all or nothing: the whole batch is validated first
+        (:meth:`validate`), so a batch that does not fit raises and changes nothing."""
+        events = list(events)
+        self.validate(events)
         for e in events:
             if isinstance(e, BlockStored):
-                self._check(e)
                 parent = e.parent_block_hash
                 for h in e.block_hashes:
-                    self._store(bytes(h), parent, e.group_idx or 0, e.medium, e.kvcm_coverage)
+                    self._store(h, parent, e.group_idx or 0, e.medium, e.kvcm_coverage)
                     parent = h
             elif isinstance(e, BlockRemoved):
                 for h in e.block_hashes:
-                    self._remove(bytes(h), e.group_idx or 0, e.medium)
-            elif isinstance(e, AllBlocksCleared):
+                    self._remove(h, e.group_idx or 0, e.medium)
+            else:
                 self.clear()
 
+    def validate(self, events: Sequence[Any]) -> None:
+        """Raise :class:`InvalidBatchError` unless every event fits the model: known event
+        types, block size, a group the model has and its spec, block hashes ``bytes`` or
+        ``int``, a ``kvcm_coverage`` of at least one token on a single block."""
+        for e in events:
+            if isinstance(e, BlockStored):
+                self._check(e)
+                if e.parent_block_hash is not None:
+                    block_key(e.parent_block_hash)
+                for h in e.block_hashes:
+                    block_key(h)
+                c = e.kvcm_coverage
+                if c is not None and (c < 1 or (c < self.model.block_size and len(e.block_hashes) != 1)):
+                    raise InvalidBatchError(f"kvcm_coverage {c} on {len(e.block_hashes)} blocks "
+                                            f"(a partial coverage is >= 1 and names one block)")
+            elif isinstance(e, BlockRemoved):
+                self._group(e.group_idx)
+                for h in e.block_hashes:
+                    block_key(h)
+            elif not isinstance(e, AllBlocksCleared):
+                raise InvalidBatchError(f"not a wire event: {type(e).__name__}")
+
+    def _group(self, group_idx: Any) -> int:
+        g = group_idx or 0
+        if type(g) is not int or not 0 <= g < len(self.model.groups):
+            raise InvalidBatchError(f"group {group_idx!r} is not a life cycle of the router's model "
+                                    f"({len(self.model.groups)} groups)")
+        return g
+
     def _check(self, e: Any) -> None:
-        g = e.group_idx or 0
+        g = self._group(e.group_idx)
         m = self.model
-        if e.block_size != m.block_size or g >= len(m.groups):
-            raise ValueError(f"event for block size {e.block_size}, group {g} does not fit the router's model {m}")
+        if e.block_size != m.block_size:
+            raise InvalidBatchError(f"event for block size {e.block_size}, group {g} does not fit the router's model {m}")
         spec = m.groups[g]
         if e.kv_cache_spec_kind is not None and (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window,
                                                  e.kvcm_sink_tokens or 0) != (spec.kind, spec.window, spec.sinks):
-            raise ValueError(f"group {g} announced as {e.kv_cache_spec_kind}/{e.kv_cache_spec_sliding_window}/"
-                             f"{e.kvcm_sink_tokens}, the router's model says {spec}")
+            raise InvalidBatchError(f"group {g} announced as {e.kv_cache_spec_kind}/{e.kv_cache_spec_sliding_window}/"
+                                    f"{e.kvcm_sink_tokens}, the router's model says {spec}")
 
-    def _store(self, key: bytes, parent: bytes | None, group: int, medium: str | None,
+    def _store(self, key: BlockKey, parent: BlockKey | None, group: int, medium: str | None,
                coverage: int | None = None) -> None:
         e = self.blocks.get(key)
         if e is None:
@@ -146,7 +198,7 @@ class InstanceIndex:
         if not was:
             self._adjust(e.parent, +1)
 
-    def _remove(self, key: bytes, group: int, medium: str | None) -> None:
+    def _remove(self, key: BlockKey, group: int, medium: str | None) -> None:
         e = self.blocks.get(key)
         if e is None or e.pages.get(group) != (medium or ""):
             return
@@ -156,7 +208,7 @@ class InstanceIndex:
             del self.blocks[key]
             self._adjust(e.parent, -1)
 
-    def _adjust(self, key: bytes | None, delta: int) -> None:
+    def _adjust(self, key: BlockKey | None, delta: int) -> None:
         """A child of ``key`` became live (+1) or dead (-1); propagate up the chain."""
         while key is not None:
             e = self.blocks.get(key)
@@ -174,7 +226,7 @@ class InstanceIndex:
 
     # ------------------------------------------------------------------ the answer
 
-    def reuse_keys(self, keys: Sequence[bytes]) -> int:
+    def reuse_keys(self, keys: Sequence[BlockKey]) -> int:
         """Reusable tokens for a prompt whose full-block keys are ``keys``."""
         B = self.model.block_size
         blocks = self.blocks
@@ -230,14 +282,22 @@ class RouterIndex:
         return idx
 
     def apply(self, name: Any, batch: Any) -> None:
-        """Apply one decoded ``KVEventBatch`` of instance ``name``."""
+        """Apply one decoded ``KVEventBatch`` of instance ``name`` (all or nothing:
+        :class:`InvalidBatchError` leaves the index unchanged)."""
         self.instance(name).apply(batch.events)
 
     def reset(self, name: Any, batch: Any) -> None:
-        """Replace instance ``name``'s state by a snapshot batch."""
+        """Replace instance ``name``'s state by a snapshot batch (validated first: an
+        invalid one raises and leaves the old state)."""
         idx = self.instance(name)
+        events = list(batch.events)
+        idx.validate(events)
         idx.clear()
-        idx.apply(batch.events)
+        idx.apply(events)
+
+    def clear(self, name: Any) -> None:
+        """Forget what instance ``name`` announced (it answers 0 until fed again)."""
+        self.instance(name).clear()
 
     def keys(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[bytes]:
         from kvcm import block_keys
@@ -255,4 +315,4 @@ class RouterIndex:
         return {name: idx.reuse_keys(keys) for name, idx in self.instances.items()}
 
 
-__all__ = ["GroupSpec", "InstanceIndex", "RouterIndex", "RouterModel"]
+__all__ = ["BlockKey", "GroupSpec", "InstanceIndex", "InvalidBatchError", "RouterIndex", "RouterModel", "block_key"]

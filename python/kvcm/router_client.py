@@ -21,6 +21,16 @@ carries a sequence number; the client tracks the next one it needs, ``expected``
   restart and takes a snapshot of the new life; batches of a life it has left are ignored.
   Batches without an identity (other publishers) fall back to the sequence-number rules.
 
+A **malformed** message — a live message that is not ``(topic, 8-byte seq, payload)``, a
+payload that does not decode as a ``KVEventBatch``, or a batch the router rejects
+(``kvcm.router.InvalidBatchError``: another block size, a group or spec the model does not
+have, a block hash that is neither bytes nor int) — never raises out of ``poll`` / ``sync``:
+it is dropped whole (nothing of it applied), counted for its instance (``stats()``), and that
+instance alone is resynchronised by a snapshot; the other instances go on.  A snapshot that is
+malformed itself leaves the instance empty and unsynchronised (it answers 0 reuse): its
+later messages are skipped and it tries again after 1, 3, 7, ... of them (at most 1023), so a
+publisher that does not fit the router's model is not asked for a snapshot per message.
+
 All waits are bounded (``timeout``); a publisher that does not answer raises TimeoutError.
 ``drop`` (tests) discards live messages before they are looked at, as a lossy network would.
 """
@@ -32,9 +42,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+import msgspec
 import zmq
 
-from kvcm.router import RouterIndex
+from kvcm.router import InvalidBatchError, RouterIndex
 from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, Decoder, instance_of, seq_bytes, seq_of
 
 
@@ -47,6 +58,9 @@ class _Feed:
     last_live: int = -1  # the last sequence number received live
     instance: bytes | None = None  # the publisher life the index follows (None: unknown)
     retired: set[bytes] = field(default_factory=set)  # lives left behind (restarts)
+    counts: dict[str, int] = field(default_factory=dict)  # see FleetSubscriber.stats
+    failures: int = 0  # snapshots in a row that were malformed
+    hold: int = 0  # live messages to skip before the next resync attempt (unsynchronised)
 
 
 class FleetSubscriber:
@@ -71,7 +85,9 @@ class FleetSubscriber:
         self.dropped = 0
         self.applied = 0
         self.restarts = 0  # publisher restarts detected
+        self.malformed = 0  # malformed messages / batches / snapshots, all instances
         self._dec = Decoder()
+        self._why: dict[Any, str] = {}  # instance -> why its last malformed message was dropped
         self._ctx = context or zmq.Context.instance()
         self._feeds: dict[Any, _Feed] = {}
         self._by_sock: dict[zmq.Socket, _Feed] = {}
@@ -110,8 +126,13 @@ class FleetSubscriber:
             for sock in ready:
                 feed = self._by_sock[sock]
                 while sock.poll(0):
-                    _topic, sq, payload = sock.recv_multipart()
+                    frames = sock.recv_multipart()
                     n += 1
+                    if len(frames) != 3 or len(frames[1]) != 8:
+                        self._malformed(feed, f"a live message of {len(frames)} frames "
+                                              f"(seq frame {len(frames[1]) if len(frames) > 1 else 0} bytes)")
+                        continue
+                    _topic, sq, payload = frames
                     seq = seq_of(sq)
                     life = self._life(feed, payload)
                     if life == "retired":
@@ -123,6 +144,7 @@ class FleetSubscriber:
                         self._snapshot(feed)
                     if self.drop is not None and self.drop(feed.name, seq):
                         self.dropped += 1
+                        self._count(feed, "dropped")
                         continue
                     self._live(feed, seq, payload)
 
@@ -146,15 +168,22 @@ class FleetSubscriber:
                         self._replay(f)
 
     def _live(self, feed: _Feed, seq: int, payload: bytes) -> None:
+        if feed.expected < 0 and feed.hold > 0:  # unsynchronised, backing off
+            feed.hold -= 1
+            self._count(feed, "skipped")
+            return
         if seq < feed.expected:
             return
         if seq > feed.expected:
             self.gaps += 1
             self._replay(feed)
+            if feed.expected < 0:  # a malformed snapshot: unsynchronised, backing off
+                return
             if seq < feed.expected:
                 return
             if seq > feed.expected:  # the replay buffer no longer reaches back
-                self._snapshot(feed)
+                if not self._snapshot(feed):
+                    return
                 if seq != feed.expected:
                     if seq > feed.expected:
                         self._replay(feed)
@@ -170,10 +199,49 @@ class FleetSubscriber:
             return "same"
         return "retired" if inst in feed.retired else "new"
 
-    def _apply(self, feed: _Feed, seq: int, payload: bytes) -> None:
-        self.router.apply(feed.name, self._dec.decode(payload))
+    def _apply(self, feed: _Feed, seq: int, payload: bytes) -> bool:
+        """Apply batch ``seq``; False when it was malformed (dropped, instance resynced)."""
+        try:
+            self.router.apply(feed.name, self._dec.decode(payload))
+        except (msgspec.MsgspecError, InvalidBatchError) as e:
+            self._malformed(feed, f"batch {seq}: {e}")
+            return False
         feed.expected = seq + 1
         self.applied += 1
+        self._count(feed, "applied")
+        return True
+
+    # ------------------------------------------------------------------ malformed input
+
+    def _count(self, feed: _Feed, what: str) -> None:
+        feed.counts[what] = feed.counts.get(what, 0) + 1
+
+    def _note_malformed(self, feed: _Feed, why: str) -> None:
+        self.malformed += 1
+        self._count(feed, "malformed")
+        self._why[feed.name] = why
+
+    def _malformed(self, feed: _Feed, why: str) -> None:
+        """Drop a malformed message or batch of ``feed`` (counted) and resynchronise that
+        instance by a snapshot."""
+        self._note_malformed(feed, why)
+        if feed.expected < 0 and feed.hold > 0:  # unsynchronised, backing off
+            feed.hold -= 1
+            return
+        self._snapshot(feed)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: fleet totals, and per instance ``applied`` (batches), ``dropped`` (by
+        the ``drop`` hook), ``malformed`` (messages, batches or snapshots dropped whole),
+        ``skipped`` (live messages skipped while unsynchronised), ``snapshots``, ``expected``
+        (-1: unsynchronised) and ``last_malformed`` (why the last malformed one was dropped)."""
+        per = {}
+        for name, f in self._feeds.items():
+            c = {k: f.counts.get(k, 0) for k in ("applied", "dropped", "malformed", "skipped", "snapshots")}
+            per[name] = {**c, "expected": f.expected, "last_malformed": self._why.get(name)}
+        return {"applied": self.applied, "dropped": self.dropped, "malformed": self.malformed,
+                "gaps": self.gaps, "replays": self.replays, "snapshots": self.snapshots,
+                "restarts": self.restarts, "instances": per}
 
     # ------------------------------------------------------------------ requests
 
@@ -189,6 +257,9 @@ class FleetSubscriber:
             if left <= 0 or not rep.poll(int(left * 1000) + 1):
                 raise TimeoutError(f"instance {feed.name!r}: no answer from the replay endpoint")
             frames = rep.recv_multipart()
+            if len(frames) < 2 or len(frames[-2]) != 8:  # not a (seq, payload) reply: dropped
+                self._note_malformed(feed, f"a replay reply of {len(frames)} frames")
+                continue
             sq, payload = frames[-2], frames[-1]
             if sq == END_SEQ:
                 return out
@@ -208,25 +279,42 @@ class FleetSubscriber:
                 self._snapshot(feed)
                 return
             if seq == feed.expected:
-                self._apply(feed, seq, payload)
+                if not self._apply(feed, seq, payload):
+                    return  # resynchronised by snapshot (or not): the rest is stale
             elif seq > feed.expected:  # the buffer starts after what we need
                 self._snapshot(feed)
                 return
 
-    def _snapshot(self, feed: _Feed) -> None:
+    def _snapshot(self, feed: _Feed) -> bool:
+        """Replace the instance's state by a snapshot.  A malformed answer is counted and
+        leaves the instance empty and unsynchronised (``expected`` -1), holding off the next
+        attempt for 2**k - 1 live messages after k failures in a row (at most 1023)."""
         self.snapshots += 1
+        self._count(feed, "snapshots")
         answer = self._request(feed, SNAPSHOT_REQUEST)
-        if len(answer) != 1:
-            raise ValueError(f"instance {feed.name!r}: a snapshot answer has {len(answer)} batches")
-        seq, payload = answer[0]
-        batch = self._dec.decode(payload)
-        self.router.reset(feed.name, batch)
-        feed.expected = seq
-        if batch.kvcm_instance is not None and batch.kvcm_instance != feed.instance:
-            if feed.instance is not None:
-                feed.retired.add(feed.instance)
-            feed.retired.discard(batch.kvcm_instance)
-            feed.instance = batch.kvcm_instance
+        why = f"a snapshot answer of {len(answer)} batches"
+        if len(answer) == 1:
+            seq, payload = answer[0]
+            try:
+                batch = self._dec.decode(payload)
+                self.router.reset(feed.name, batch)
+            except (msgspec.MsgspecError, InvalidBatchError) as e:
+                why = f"snapshot {seq}: {e}"
+            else:
+                feed.expected = seq
+                feed.failures = feed.hold = 0
+                if batch.kvcm_instance is not None and batch.kvcm_instance != feed.instance:
+                    if feed.instance is not None:
+                        feed.retired.add(feed.instance)
+                    feed.retired.discard(batch.kvcm_instance)
+                    feed.instance = batch.kvcm_instance
+                return True
+        self._note_malformed(feed, why)
+        self.router.clear(feed.name)  # what it held is not known to be true any more
+        feed.expected = -1
+        feed.failures += 1
+        feed.hold = 2 ** min(feed.failures, 10) - 1
+        return False
 
     def close(self) -> None:
         for feed in self._feeds.values():
