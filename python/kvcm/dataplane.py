@@ -148,7 +148,7 @@ from kvcm.shared_store import (
     store_secret,
 )
 
-COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
+COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store", "relocate")
 STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in several calls
 POOL_PREFIX = "kvcm-pool-"
 TRAILER = struct.Struct("<I4s")  # crc32 of the slot's data, magic
