@@ -487,7 +487,8 @@ std::optional<std::uint64_t> opt_u64(nb::handle o) {
 
 kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
                                 std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff,
-                                double max_util, std::int64_t max_events, bool shared, bool shared_write_evict) {
+                                double max_util, std::int64_t max_events, bool shared, bool shared_write_evict,
+                                std::vector<std::int64_t> quota_bytes) {
   kvcm::ManagerConfig c;
   c.tokens_per_block = B;
   for (nb::handle item : lcs) {
@@ -507,6 +508,7 @@ kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::v
   c.max_events = max_events;
   c.shared = shared;
   c.shared_write_evict = shared_write_evict;
+  c.quota_bytes = std::move(quota_bytes);
   return c;
 }
 
@@ -702,13 +704,15 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
           "__init__",
           [](Manager* self, std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
              std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff, double max_util,
-             std::int64_t max_events, bool shared_tier, bool shared_write_evict) {
+             std::int64_t max_events, bool shared_tier, bool shared_write_evict,
+             std::vector<std::int64_t> quota_bytes) {
             new (self) Manager(make_config(B, lcs, std::move(slots), std::move(tier_kinds), partial, backoff,
-                                           max_util, max_events, shared_tier, shared_write_evict));
+                                           max_util, max_events, shared_tier, shared_write_evict,
+                                           std::move(quota_bytes)));
           },
           "tokens_per_block"_a, "life_cycles"_a, "slots"_a, "tier_kinds"_a, "enable_partial_reuse"_a,
           "reuse_match_backoff"_a, "max_util_for_resume"_a, "max_events"_a, "shared_tier"_a = false,
-          "shared_write_evict"_a = false)
+          "shared_write_evict"_a = false, "quota_bytes"_a = std::vector<std::int64_t>{})
       .def(
           "create",
           [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority,
@@ -776,6 +780,18 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
           },
           "ops"_a)
       .def("clear_reusable", [](Manager& mgr) { locked(mgr, [&] { mgr.clear_reusable(); }); })
+      // quotas at run time: arguments checked by kvcm.config.resolve_quota; a refusal
+      // comes back as {lc, slots, need, locked, held} (cpp_backend raises OutOfPagesError)
+      .def(
+          "set_quota",
+          [](Manager& mgr, std::int64_t tier, std::int64_t quota_bytes, std::vector<std::int64_t> slots) {
+            if (tier < 0 || static_cast<std::size_t>(tier) >= mgr.num_tiers() ||
+                slots.size() != mgr.num_life_cycles()) {
+              throw nb::value_error("set_quota: bad tier position or slot list");
+            }
+            return locked(mgr, [&] { return mgr.set_quota(tier, quota_bytes, slots); });
+          },
+          "tier"_a, "quota_bytes"_a, "slots"_a)
       .def(
           "set_pending_copy_ops_warning",
           [](Manager& mgr, std::int64_t n) { quick(mgr, [&] { mgr.set_pending_copy_ops_warning(n); }); }, "n"_a)

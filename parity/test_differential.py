@@ -148,7 +148,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # ops an example may switch off (swarm testing): e.g. never close, so pressure builds;
 # never drain, so copy ops pile up.  create is never switched off.
 SWITCHABLE_OPS = ("close", "stop_committing", "suspend", "drain_copy_ops", "drain_copy_runs", "clear_reusable",
-                  "shutdown", "probe", "decode_step")
+                  "shutdown", "probe", "decode_step", "set_quota")
 
 
 @st.composite
@@ -678,6 +678,27 @@ class DifferentialMachine(RuleBasedStateMachine):
                 if o[5] == "store":  # a failed write never makes a block look stored
                     self.store.discard((o[6], o[0]))
 
+    def op_set_quota(self, data) -> None:
+        """Quotas at run time (DECISIONS.md): a configured tier by kind or number, resized
+        to 0..12 slot units (grow, shrink below what is held, refusals), or bad input."""
+        assert self.config is not None
+        rc = resolve_config(self.config)
+        per = sum(lc.slot_bytes for lc in rc.life_cycles)
+        r = data.draw(st.integers(0, 9))
+        if r == 0:
+            tier = data.draw(st.sampled_from(["shared", "nvme", 7, -1, True, 1.5, None]))
+        elif r < 4:
+            tier = data.draw(st.sampled_from(list(rc.tier_ids)))
+        else:
+            tier = data.draw(st.sampled_from(list(rc.tier_kinds)))
+        if data.draw(st.integers(0, 9)) == 0:
+            nbytes = data.draw(st.sampled_from([-1, 1.5, "big", True, None, 2**63, 0]))
+        else:
+            nbytes = data.draw(st.integers(0, 12)) * per + data.draw(st.sampled_from([0, 0, per // 2]))
+        self.run({"op": "set_quota", "args": {"tier": tier, "quota_bytes": nbytes}})
+        if data.draw(st.integers(0, 2)) > 0:
+            self.run({"op": "drain_copy_ops"})
+
     def op_probe(self, data) -> None:
         args: dict = {}
         args["tokens"] = self.maybe_bad_tokens(data, self.request_tokens(data, args))
@@ -707,6 +728,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         ("stats", 10),
         ("take_iteration_stats", 10),
         ("clear_reusable", 5),
+        ("set_quota", 10),
         ("decode_step", 30),
         ("resize_batch", 20),
         ("commit_batch", 20),

@@ -131,7 +131,7 @@ def test_apply_moves_whole_slots_between_every_pair_of_tiers(plane):
     sequential(plane, state, ops)
     assert plane.apply(ops) == len(ops)
     assert same(plane, state)
-    assert plane.copies == {"offload": 2, "onboard": 2, "cow": 1, "snapshot": 1, "store": 0}
+    assert plane.copies == {"offload": 2, "onboard": 2, "cow": 1, "snapshot": 1, "store": 0, "relocate": 0}
     assert plane.copy_bytes["offload"] == 192 + 64
     assert plane.routes == {"gpu->host": 1, "host->disk": 1, "disk->gpu": 1, "host->gpu": 1, "gpu->gpu": 2}
 

@@ -191,7 +191,7 @@ def test_failed_op_stops_the_list_after_its_run(tmp_path):
         assert info.value.ops == ops[1:]
         assert torch.equal(p.pool("host", 0)[0], torch.full((128,), 1, dtype=torch.uint8))  # op 0 done
         assert int(p.pool("gpu", 0)[2][0]) == 3  # op 3 never ran
-        assert p.copies == {"offload": 1, "onboard": 0, "cow": 0, "snapshot": 0, "store": 0}
+        assert p.copies == {"offload": 1, "onboard": 0, "cow": 0, "snapshot": 0, "store": 0, "relocate": 0}
 
 
 def test_stale_pool_files_of_a_crashed_run_are_removed(tmp_path):

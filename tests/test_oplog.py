@@ -60,6 +60,8 @@ def workload(m) -> None:
     a.close()
     a.close()
     b = m.create_kv_cache([1, 2])
+    m.set_quota("gpu", 40 * 8)  # grow, then back (DECISIONS.md "Quotas at run time")
+    m.set_quota(0, 40 * 6)
     m.drain_copy_ops()
     assert m.drain_copy_runs() == []  # the same drain in column form: nothing left
     assert m.forget_copies([]) == []  # nothing failed
@@ -142,7 +144,7 @@ def test_malformed_ops_raise_operror(op, match):
 
 def test_every_public_call_has_an_op():
     manager_methods = {"create_kv_cache", "probe_reuse", "probe_reuse_detail", "drain_copy_ops", "drain_copy_runs",
-                       "clear_reusable",
+                       "clear_reusable", "set_quota",
                        "shutdown", "stats", "take_iteration_stats", "take_events",
                        "resize_batch", "commit_batch", "forget_copies", "shared_candidates"}  # fmt: skip
     cache_methods = {
@@ -385,6 +387,46 @@ def shared_workload(m) -> None:
     assert m.forget_copies(onboards[:1]) == [r.id]  # block 0 did not load: r rolls back
     with pytest.raises(TypeError):
         m.create_kv_cache([1], shared_hits=[("k", 0)])
+
+
+def quota_workload(m) -> None:
+    """set_quota while serving: a shrink that offloads and relocates, a refusal, bad input."""
+    kvs = []
+    for base in (10, 20, 30, 40):
+        kv = m.create_kv_cache()
+        assert kv.resume() and kv.resize(B)
+        kv.commit(list(range(base, base + B)))
+        kvs.append(kv)
+        if base < 30:
+            kv.close()
+    m.set_quota("gpu", 40 * 3)
+    with pytest.raises(kvcm.OutOfPagesError):
+        m.set_quota("gpu", 40 * 1)
+    with pytest.raises(ValueError):
+        m.set_quota("nvme", 40)
+    with pytest.raises(TypeError):
+        m.set_quota("host", 1.5)
+    m.drain_copy_ops()
+    m.set_quota("host", 40 * 9)
+    kvs[2].close()
+    kvs[3].close()
+
+
+def test_oplog_records_and_replays_set_quota(tmp_path, monkeypatch):
+    path = record(tmp_path, monkeypatch, run=quota_workload)
+    ops = [json.loads(x) for x in read_lines(path)][1:]
+    sq = [r for r in ops if r["op"] == "set_quota"]
+    assert [r["args"] for r in sq] == [{"tier": "gpu", "quota_bytes": 120}, {"tier": "gpu", "quota_bytes": 40},
+                                       {"tier": "nvme", "quota_bytes": 40}, {"tier": "host", "quota_bytes": 1.5},
+                                       {"tier": "host", "quota_bytes": 360}]
+    assert [r["outcome"] for r in sq] == [{"result": None}, {"error": "OutOfPagesError"}, {"error": "ValueError"},
+                                          {"error": "TypeError"}, {"result": None}]
+    assert "refused, nothing changed" in sq[1]["message"]
+    drained = next(r for r in ops if r["op"] == "drain_copy_ops")["outcome"]["result"]
+    assert {o[5] for o in drained} >= {"offload", "relocate"}
+    for backends in (["python"], ["python", "cpp"]):
+        report = L.replay(path, backends)
+        assert report.ok, report
 
 
 def test_replay_reproduces_shared_tier_calls(tmp_path, monkeypatch):

@@ -40,6 +40,7 @@ Manager::Manager(ManagerConfig cfg)
   if (cfg_.shared) tier_id_.push_back(3);
   cfg_.shared_write_evict = cfg_.shared && cfg_.shared_write_evict;
   store_on_commit_ = cfg_.shared && !cfg_.shared_write_evict;
+  cfg_.quota_bytes.resize(static_cast<std::size_t>(num_tiers_), 0);
   pools_.resize(static_cast<std::size_t>(num_tiers_));
   for (std::int64_t t = 0; t < num_tiers_; ++t) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
@@ -235,10 +236,19 @@ std::int64_t Manager::capacity_of(std::int64_t tier, std::int64_t lc, const std:
 bool Manager::make_room(std::int64_t tier, std::int64_t lc) {
   Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
   if (pool.nfree()) return true;
+  return evict_one(tier, lc);
+}
+
+// One more free slot by evicting the pool's first victim (make_room of a full pool;
+// set_quota's shrink with free slots left).  false: nothing could go, nothing changed.
+// py: manager.py PyKVCacheManager.evict_one — SPEC sec. 8
+bool Manager::evict_one(std::int64_t tier, std::int64_t lc) {
+  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  const std::int64_t nfree = pool.nfree();
   Page* v = victim(pool, /*can_offload=*/true);
   if (v == nullptr) return false;
   if (tier < num_tiers_ - 1 && make_room(tier + 1, lc)) {
-    if (pool.nfree()) return true;  // a drop down there removed a subtree and freed a slot here
+    if (pool.nfree() > nfree) return true;  // a drop down there removed a subtree and freed a slot here
     move(v, tier + 1, "offload");
     return true;
   }
@@ -379,6 +389,8 @@ void Manager::json_tier_head(std::string& o, std::size_t t) const {
   j_int(o, tier_id_[t]);
   o += ",\"kind\":";
   j_str(o, cfg_.tier_kinds[t].c_str());
+  o += ",\"quota_bytes\":";
+  j_int(o, cfg_.quota_bytes[t]);
   o += ",\"lc\":[";
 }
 
@@ -740,6 +752,64 @@ void Manager::clear_reusable() {
   tick();
   drop_all_droppable();
   new_event(EventKind::cleared);
+}
+
+// ------------------------------------------------ quotas at run time (issue 22)
+
+// DECISIONS.md "Quotas at run time": every pool is checked before any changes.
+// py: manager.py PyKVCacheManager.set_quota — SPEC sec. 18
+std::vector<std::int64_t> Manager::set_quota(std::int64_t tier, std::int64_t quota_bytes,
+                                             const std::vector<std::int64_t>& slots) {
+  if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
+  auto& row = pools_[static_cast<std::size_t>(tier)];
+  for (std::size_t lc = 0; lc < row.size(); ++lc) {
+    const Pool& pool = row[lc];
+    const auto ilc = static_cast<std::int64_t>(lc);
+    const std::int64_t movable =
+        tier < num_tiers_ - 1 ? std::min(pool.held, capacity_of(tier + 1, ilc, nullptr)) : 0;
+    const std::int64_t need = pool.total - pool.nfree() - pool.droppable - movable;
+    if (slots[lc] < need) return {ilc, slots[lc], need, pool.locked, pool.held - movable};
+  }
+  tick();
+  for (std::size_t lc = 0; lc < row.size(); ++lc) resize_pool(tier, static_cast<std::int64_t>(lc), slots[lc]);
+  cfg_.quota_bytes[static_cast<std::size_t>(tier)] = quota_bytes;
+  return {};
+}
+
+// py: manager.py PyKVCacheManager.resize_pool — SPEC sec. 18
+void Manager::resize_pool(std::int64_t tier, std::int64_t lc, std::int64_t n) {
+  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  if (n >= pool.total) {
+    pool.free_slots.resize(pool.total, n);
+    pool.total = n;
+    return;
+  }
+  while (pool.total - pool.nfree() > n) {  // evict what must go, in the usual order (sec. 8)
+    if (!evict_one(tier, lc)) throw InternalErr("kvcm bug: set_quota found no victim");
+  }
+  // the survivors of slots [n, total) move down, by slot, each to the lowest free slot
+  std::vector<Page*> movers;
+  for (std::int64_t h = 0; h < page_slots_; ++h) {
+    if (!page_alive(h)) continue;
+    Page& p = slab(h);
+    if (p.tier == tier && p.lc == lc && p.slot >= n) movers.push_back(&p);
+  }
+  std::sort(movers.begin(), movers.end(), [](const Page* a, const Page* b) { return a->slot < b->slot; });
+  for (Page* p : movers) relocate(p);
+  pool.free_slots.resize(pool.total, n);
+  pool.total = n;
+}
+
+// py: manager.py PyKVCacheManager.relocate — SPEC sec. 18
+void Manager::relocate(Page* p) {
+  Pool& pool = pools_[static_cast<std::size_t>(p->tier)][static_cast<std::size_t>(p->lc)];
+  const std::int64_t old = p->slot;
+  p->slot = static_cast<std::int32_t>(pool.take_slot());
+  pool.give_slot(old);
+  const std::int64_t t = tier_id(p->tier);
+  add_copy_op(CopyOpC{p->lc, t, old, t, p->slot, "relocate"});
+  copy_pages_.emplace_back(p->handle, p->serial);
+  count(p->lc, kRelocations);
 }
 
 // py: manager.py PyKVCacheManager.shutdown — SPEC sec. 8

@@ -59,6 +59,7 @@ struct ManagerConfig {
   double max_util_for_resume = 1.0;
   std::int64_t max_events = 10000;
   std::int64_t pending_copy_ops_warning = 1000000;  // 0: never warn
+  std::vector<std::int64_t> quota_bytes;  // [tier]: shown by stats / snapshot; set_quota changes it
   // The shared tier (DECISIONS.md "The shared tier"): configured (tier number 3, no pools),
   // and its write policy (false: "commit", write-through; true: "evict", write-back).
   bool shared = false;
@@ -222,6 +223,12 @@ class Manager {
   // server keeps must stay bounded by the live state), as (name, count) pairs.
   std::vector<std::pair<std::string, std::int64_t>> internal_sizes() const;
   void clear_reusable();
+  // Quotas at run time (DECISIONS.md): pools of config position `tier` resized to `slots`
+  // (per lc, computed and checked by kvcm.config.resolve_quota).  Refused, nothing changed:
+  // returns {lc, slots, need, locked, held that must stay} of the first pool that cannot
+  // shrink that far (the bindings raise OutOfPagesError); empty when done.
+  std::vector<std::int64_t> set_quota(std::int64_t tier, std::int64_t quota_bytes,
+                                      const std::vector<std::int64_t>& slots);
   void shutdown();
   bool is_shutdown() const noexcept { return is_shutdown_; }
   std::size_t num_open() const noexcept { return requests_.size(); }
@@ -245,6 +252,7 @@ class Manager {
   ClosedTokens close(std::int64_t serial);
   std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc);
   std::size_t num_life_cycles() const noexcept { return cfg_.lcs.size(); }
+  std::size_t num_tiers() const noexcept { return pools_.size(); }
 
  private:
   // --- helpers: tokens
@@ -366,6 +374,9 @@ class Manager {
   bool can_allocate(std::int64_t tier, std::int64_t lc, std::int64_t n, const std::int64_t* adjust);
   std::int64_t capacity_of(std::int64_t tier, std::int64_t lc, const std::int64_t* adjust);
   bool make_room(std::int64_t tier, std::int64_t lc);
+  bool evict_one(std::int64_t tier, std::int64_t lc);
+  void resize_pool(std::int64_t tier, std::int64_t lc, std::int64_t n);
+  void relocate(Page* p);
   Page* peek(Pool& pool, int state);
   Page* victim(Pool& pool, bool can_offload);
   void move(Page* p, std::int64_t dst, const char* reason);

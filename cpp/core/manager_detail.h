@@ -33,12 +33,14 @@ enum Counter : int {
   kSharedStores,
   kSharedStoreBytes,
   kSharedHitBlocks,
+  kRelocations,
   kNumCounters
 };
 inline constexpr const char* kCounterNames[kNumCounters] = {
     "reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads",       "offload_bytes",
     "onboards",      "onboard_bytes", "drops",         "drop_bytes",       "cows",           "snapshots_taken",
-    "snapshots_skipped", "lost_pages", "shared_stores", "shared_store_bytes", "shared_hit_blocks"};
+    "snapshots_skipped", "lost_pages", "shared_stores", "shared_store_bytes", "shared_hit_blocks",
+    "relocations"};
 inline constexpr std::size_t kHeader = 3;  // requests, query_tokens, reused_tokens
 
 inline const char* state_name(int s) {

@@ -56,6 +56,26 @@ std::vector<std::int64_t> FreeSlots::sorted() const {
   return out;
 }
 
+void FreeSlots::remove(std::int64_t slot) noexcept {
+  const auto s = static_cast<std::size_t>(slot);
+  words_[s >> 6] &= ~(std::uint64_t{1} << (s & 63));
+  if (words_[s >> 6] == 0) summary_[s >> 12] &= ~(std::uint64_t{1} << ((s >> 6) & 63));
+  --count_;
+}
+
+// Rebuilt at the new size (set_quota is rare): the used slots below min(total, n) stay used.
+// py: pools.py Pool.grow — SPEC sec. 18
+void FreeSlots::resize(std::int64_t total, std::int64_t n) {
+  FreeSlots next(n);
+  for (std::int64_t s = 0; s < std::min(total, n); ++s) {
+    if (!contains(s)) next.remove(s);
+  }
+  if (n < total && count_ - next.count_ != total - n) {
+    throw InternalErr("kvcm bug: shrink of a used slot");
+  }
+  *this = std::move(next);
+}
+
 // py: pools.py Pool.give_slot — SPEC sec. 4
 void Pool::give_slot(std::int64_t slot) {
   if (!free_slots.give(slot)) throw InternalErr("kvcm bug: slot " + std::to_string(slot) + " freed twice");

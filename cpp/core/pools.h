@@ -31,8 +31,12 @@ class FreeSlots {
     return (words_[static_cast<std::size_t>(slot) >> 6] >> (slot & 63)) & 1u;
   }
   std::vector<std::int64_t> sorted() const;
+  // set_quota: from `total` slots to `n`: slots [total, n) join free; shrinking, the
+  // caller emptied [n, total) first (DECISIONS.md "Quotas at run time").
+  void resize(std::int64_t total, std::int64_t n);
 
  private:
+  void remove(std::int64_t slot) noexcept;  // mark a free slot used (resize)
   std::vector<std::uint64_t> words_, summary_;
   std::size_t hint_ = 0;
   std::int64_t count_ = 0;

@@ -202,7 +202,7 @@ class Status(enum.Enum):
     CLOSED = "CLOSED"
 
 
-CopyReason = Literal["offload", "onboard", "cow", "snapshot", "store"]
+CopyReason = Literal["offload", "onboard", "cow", "snapshot", "store", "relocate"]
 
 SHARED = 3  # tier number of the shared tier (a store shared by many managers; DECISIONS.md)
 
@@ -616,6 +616,27 @@ class KVCacheManager(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Requires every cache closed (InvalidStateError otherwise)."""
+
+    @abc.abstractmethod
+    def set_quota(self, tier: str | int, quota_bytes: int) -> None:
+        """Change a tier's quota while serving (SPEC sec. 18; DECISIONS.md "Quotas at run
+        time").  ``tier``: a local tier's kind (``"gpu"``, ``"host"``, ``"disk"``) or SPEC
+        number (0, 1, 2); ``quota_bytes`` is split among life cycles as at construction
+        (``pool_ratio``), and ``stats()`` / ``snapshot()`` show it.
+
+        Growing adds slots at once (the new ones are the highest indices).  Shrinking first
+        evicts in the order of sec. 8 — offloading down the tiers, dropping from the
+        coldest, with copy ops and events as usual — until the tier's pages fit, then moves
+        the pages left in the vanishing top slots ``[n, total)`` into the lowest free slots
+        (``relocate`` copy ops, in slot order): a LOCKED page's index changes, so the engine
+        executes the drained ops (``DataPlane.set_quota`` does, then resizes the pools)
+        and reads ``page_indices`` again before its next step.  Ticks the clock once.
+
+        Refused, changing nothing: a tier that is not a local tier (ValueError; TypeError
+        for a non-str, non-int), ``quota_bytes`` not an int (TypeError) in ``[0, 2**63)``
+        or too small for one slot per life cycle (ValueError), a shut-down manager
+        (InvalidStateError), and a quota too small for the LOCKED pages plus the HELD ones
+        no colder tier can take (OutOfPagesError naming the life cycle and the counts)."""
 
     @abc.abstractmethod
     def stats(self) -> dict: ...

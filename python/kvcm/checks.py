@@ -20,6 +20,7 @@ from kvcm.api import (
     CopyOp,
     InvalidStateError,
     KVCache,
+    OutOfPagesError,
     ReuseScope,
     Status,
     Token,
@@ -66,6 +67,16 @@ def input_room_error(n: int, n_input: int, n_committed: int) -> ValueError:
 def shut_down_error() -> InvalidStateError:
     """The error of a manager call after ``shutdown()``."""
     return InvalidStateError("the manager is shut down")
+
+
+def quota_refused_error(kind: str, quota_bytes: int, lc: int, slots: int, need: int, locked: int,
+                        held: int) -> OutOfPagesError:
+    """set_quota refused (DECISIONS.md "Quotas at run time"): the pages that must stay in
+    the tier do not fit what ``quota_bytes`` gives; nothing changed."""
+    return OutOfPagesError(
+        f"set_quota({kind!r}, {quota_bytes}) refused, nothing changed: it gives life cycle {lc} {slots} "
+        f"{kind} slots, but {need} pages must stay there ({locked} LOCKED, {held} HELD that no colder tier "
+        f"can take)")
 
 
 def still_open_error(n_open: int) -> InvalidStateError:
@@ -343,6 +354,7 @@ __all__ = [
     "closed_error",
     "default_cache_id",
     "int32_view",
+    "quota_refused_error",
     "shut_down_error",
     "status_error",
     "still_open_error",

@@ -26,6 +26,7 @@ from kvcm.api import (
     KVCacheManagerConfig,
     SsmLayer,
     Tier,
+    as_int,
 )
 
 INT64_LIMIT = 2**63  # every count, size and byte figure both backends hold fits below this
@@ -110,6 +111,11 @@ class ResolvedConfig:
     @property
     def tokens_per_block(self) -> int:
         return self.config.tokens_per_block
+
+    @property
+    def quotas(self) -> tuple[int, ...]:
+        """The local tiers' ``quota_bytes`` at construction, by config position."""
+        return tuple(t.quota_bytes for t in self.config.tiers if t.kind != "shared")
 
     @property
     def tier_ids(self) -> tuple[int, ...]:
@@ -308,19 +314,12 @@ def _resolve_slots(config: KVCacheManagerConfig, life_cycles: tuple[LifeCycle, .
     None: the same count for every life cycle) or by the ratio's weights.  A shared tier
     has no slots: its quota is the data plane's (DECISIONS "The shared tier")."""
     ratio = config.pool_ratio
-    weights = _resolve_weights(ratio, life_cycles) if ratio is not None else {}
+    weights = _resolve_weights(ratio, life_cycles) if ratio is not None else None
     slots: list[tuple[int, ...]] = []
     for tier in config.tiers:
         if tier.kind == "shared":
             continue
-        if ratio is None:
-            n = tier.quota_bytes // sum(lc.slot_bytes for lc in life_cycles)
-            per_lc = tuple(n for _ in life_cycles)
-        else:
-            total_w = float(sum(weights.values()))
-            per_lc = tuple(
-                math.floor(tier.quota_bytes * weights[lc.id] / total_w / lc.slot_bytes) for lc in life_cycles
-            )
+        per_lc = _split_quota(tier.quota_bytes, life_cycles, weights)
         if min(per_lc) < 1:
             raise ConfigError("tiers.quota_bytes", f"{tier.kind} quota {tier.quota_bytes} is too small for one slot per life cycle")
         if max(per_lc) > MAX_POOL_SLOTS:
@@ -328,6 +327,55 @@ def _resolve_slots(config: KVCacheManagerConfig, life_cycles: tuple[LifeCycle, .
                               f"life cycle; at most 2**31 - 1 (page indices are int32)")
         slots.append(per_lc)
     return tuple(slots)
+
+
+def _split_quota(quota_bytes: int, life_cycles: tuple[LifeCycle, ...],
+                 weights: dict[int, float] | None) -> tuple[int, ...]:
+    """One tier's slots per life cycle for ``quota_bytes`` (SPEC sec. 2): the same count
+    for every life cycle (``weights`` None), else ``floor(quota * w / sum(w) / slot_bytes)``."""
+    if weights is None:
+        n = quota_bytes // sum(lc.slot_bytes for lc in life_cycles)
+        return tuple(n for _ in life_cycles)
+    total_w = float(sum(weights.values()))
+    return tuple(math.floor(quota_bytes * weights[lc.id] / total_w / lc.slot_bytes) for lc in life_cycles)
+
+
+def resolve_quota(rc: ResolvedConfig, tier: Any, quota_bytes: Any) -> tuple[int, int, tuple[int, ...]]:
+    """``set_quota(tier, quota_bytes)``'s argument checks, shared by both backends
+    (DECISIONS.md "Quotas at run time"): ``tier`` a local tier's kind (``"gpu"``,
+    ``"host"``, ``"disk"``) or SPEC number (0, 1, 2); ``quota_bytes`` a count in
+    ``[0, 2**63)`` that gives every life cycle between 1 and 2**31 - 1 slots, split as at
+    construction.  Returns ``(config position, quota_bytes, slots per lc)``; TypeError /
+    ValueError otherwise."""
+    if isinstance(tier, str):
+        if tier not in rc.tier_kinds:
+            why = "the shared tier has no pools (its quota is the store's)" if tier == "shared" else (
+                f"tiers: {', '.join(rc.tier_kinds)}")
+            raise ValueError(f"set_quota: no {tier!r} tier with pools; {why}")
+        pos = rc.tier_kinds.index(tier)
+    else:
+        t = as_int(tier)
+        if t is None:
+            raise TypeError(f"set_quota: tier must be a tier kind (str) or SPEC tier number (int), "
+                            f"got {type(tier).__name__}")
+        if t not in rc.tier_ids:
+            names = ", ".join(f"{i} ({k})" for i, k in zip(rc.tier_ids, rc.tier_kinds))
+            raise ValueError(f"set_quota: unknown tier {t}; tiers with pools: {names}")
+        pos = rc.tier_ids.index(t)
+    q = as_int(quota_bytes)
+    if q is None:
+        raise TypeError(f"set_quota: quota_bytes must be an int, got {type(quota_bytes).__name__}")
+    if not 0 <= q < INT64_LIMIT:
+        raise ValueError(f"set_quota: quota_bytes must be in [0, 2**63), got {q}")
+    ratio = rc.config.pool_ratio
+    per_lc = _split_quota(q, rc.life_cycles, _resolve_weights(ratio, rc.life_cycles) if ratio is not None else None)
+    kind = rc.tier_kinds[pos]
+    if min(per_lc) < 1:
+        raise ValueError(f"set_quota: {kind} quota {q} is too small for one slot per life cycle")
+    if max(per_lc) > MAX_POOL_SLOTS:
+        raise ValueError(f"set_quota: {kind} quota {q} gives {max(per_lc)} slots to one life cycle; "
+                         "at most 2**31 - 1 (page indices are int32)")
+    return pos, q, per_lc
 
 
 def _check_scalars(config: KVCacheManagerConfig, has_shared: bool) -> None:
@@ -381,6 +429,7 @@ __all__ = [
     "ceildiv",
     "floordiv",
     "resolve_config",
+    "resolve_quota",
     "stale_range",
 ]
 

@@ -44,11 +44,12 @@ from kvcm.checks import (
     closed_error,
     default_cache_id,
     int32_view,
+    quota_refused_error,
     status_error,
 )
-from kvcm.config import LifeCycle, resolve_config
+from kvcm.config import LifeCycle, resolve_config, resolve_quota
 
-COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
+COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store", "relocate")
 _parse_tokens = _kvcm_cpp.parse_tokens
 
 
@@ -82,7 +83,8 @@ class CppKVCacheManager(KVCacheManager):
         self._core = _kvcm_cpp.Manager(
             config.tokens_per_block, lcs, [list(s) for s in rc.slots], list(rc.tier_kinds),
             config.enable_partial_reuse, config.reuse_match_backoff, float(config.max_util_for_resume),
-            config.max_events, shared_tier=rc.has_shared, shared_write_evict=rc.shared_write_evict)
+            config.max_events, shared_tier=rc.has_shared, shared_write_evict=rc.shared_write_evict,
+            quota_bytes=list(rc.quotas))
         self._core.set_pending_copy_ops_warning(config.pending_copy_ops_warning)
         self._open: dict[int, CppKVCache] = {}  # serial -> open cache
         self._ids: set[int | str] = set()  # ids of the open caches
@@ -160,6 +162,13 @@ class CppKVCacheManager(KVCacheManager):
 
     def clear_reusable(self) -> None:
         self._core.clear_reusable()
+
+    def set_quota(self, tier: str | int, quota_bytes: int) -> None:
+        pos, q, per_lc = resolve_quota(self._rc, tier, quota_bytes)
+        refused = self._core.set_quota(pos, q, list(per_lc))
+        if refused:
+            lc, n, need, locked, held = refused
+            raise quota_refused_error(self._rc.tier_kinds[pos], q, lc, n, need, locked, held)
 
     def shutdown(self) -> None:
         self._core.shutdown()

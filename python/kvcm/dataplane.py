@@ -136,7 +136,7 @@ from typing import Any, Self
 from urllib.parse import parse_qs
 
 from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, CopyRun, KVCacheManagerConfig, copy_runs
-from kvcm.config import layout_fingerprint, resolve_config
+from kvcm.config import layout_fingerprint, resolve_config, resolve_quota
 from kvcm.shared_store import (
     HEADER,
     BadObjectError,
@@ -148,7 +148,7 @@ from kvcm.shared_store import (
     store_secret,
 )
 
-COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store")
+COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store", "relocate")
 STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in several calls
 POOL_PREFIX = "kvcm-pool-"
 TRAILER = struct.Struct("<I4s")  # crc32 of the slot's data, magic
@@ -258,6 +258,22 @@ class DiskPool:
     def read_all(self):
         return self.read_rows(range(self.num_slots))
 
+    def resize(self, n: int) -> None:
+        """set_quota: ``n`` records.  Growing reserves the new records' space at once
+        (``posix_fallocate``: ENOSPC raises and changes nothing) and leaves them unwritten
+        (a read fails its checksum until a page is written there); shrinking truncates the
+        file after record ``n``.  The records kept are not touched: their checksums hold."""
+        if n > self.num_slots:
+            try:
+                os.posix_fallocate(self.fd, 0, n * self.record)
+            except OSError as e:
+                why = os.strerror(e.errno) if e.errno else str(e)
+                raise OSError(e.errno, f"disk pool: cannot reserve {n} slots of {self.record} bytes: {why}",
+                              self.path) from e
+        else:
+            os.ftruncate(self.fd, n * self.record)
+        self.num_slots = n
+
     def write_all(self, rows) -> None:
         self.write_rows(range(self.num_slots), rows)
 
@@ -349,7 +365,8 @@ class DataPlane:
         # an int tier is SPEC's number by kind (gpu 0, host 1, disk 2), as in copy ops;
         # pools are indexed by config position
         self._tier_pos = {tid: pos for pos, tid in enumerate(rc.tier_ids)}
-        self.num_slots = rc.slots  # [tier][lc]
+        self._rc = rc
+        self.num_slots = [list(row) for row in rc.slots]  # [tier][lc]; set_quota changes it
         self.device = torch.device(device)
         self.dtype = torch.float32 if dtype is None else dtype
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -499,6 +516,56 @@ class DataPlane:
 
     def _tier_names(self) -> str:
         return ", ".join(f"{t} ({self.tier_kinds[p]})" for t, p in self._tier_pos.items())
+
+    # ------------------------------------------------------------------ quotas at run time
+
+    def set_quota(self, manager: Any, tier: int | str, quota_bytes: int) -> int:
+        """``manager.set_quota(tier, quota_bytes)`` with the pools following it
+        (DECISIONS.md "Quotas at run time"): pools that grow are grown first (a disk pool's
+        new records reserved), then the manager resizes its pools, then its pending copy
+        ops are drained and executed (:meth:`apply`: the offloads of the shrink and the
+        ``relocate`` ops that move live pages out of the vanishing slots), and only then do
+        shrinking pools lose their top slots, so no live page's bytes are lost.  Returns
+        the number of ops executed.  A refusal of the manager (or a disk that cannot
+        reserve the space) raises with the pools as they were.  A failed copy raises
+        :class:`~kvcm.api.CopyError` after the pools are resized (the manager's already
+        are): report its ops with ``manager.forget_copies``.  Views taken before
+        (:meth:`kv`, :meth:`state`, :meth:`pool`) are stale afterwards."""
+        pos, _q, per_lc = resolve_quota(self._rc, tier, quota_bytes)
+        old = list(self.num_slots[pos])
+        grown: list[int] = []
+        try:
+            for lc, n in enumerate(per_lc):
+                if n > old[lc]:
+                    self._resize_pool(pos, lc, n)
+                    grown.append(lc)
+            manager.set_quota(tier, quota_bytes)
+        except BaseException:
+            for lc in grown:  # the new slots were never used: nothing to keep
+                self._resize_pool(pos, lc, old[lc])
+            raise
+        try:
+            return self.apply(manager.drain_copy_ops())
+        finally:
+            for lc, n in enumerate(per_lc):
+                if n < old[lc]:
+                    self._resize_pool(pos, lc, n)
+
+    def _resize_pool(self, pos: int, lc: int, n: int) -> None:
+        """Pool (config position ``pos``, ``lc``) to ``n`` slots, keeping slots
+        ``[0, min(old, n))`` byte for byte; new slots of a memory tier are zero."""
+        pool = self.pools[pos][lc]
+        if isinstance(pool, DiskPool):
+            pool.resize(n)
+        else:
+            torch = _torch()
+            keep = min(n, pool.shape[0])
+            kind = self.tier_kinds[pos]
+            pin = kind == "host" and torch.cuda.is_available()
+            new = torch.zeros((n, pool.shape[1]), dtype=torch.uint8, device=pool.device, pin_memory=pin)
+            new[:keep].copy_(pool[:keep])
+            self.pools[pos][lc] = new
+        self.num_slots[pos][lc] = n
 
     # ------------------------------------------------------------------ copy ops
 

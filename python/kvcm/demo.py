@@ -48,8 +48,22 @@ def _unusable_device(device: str) -> str | None:
     return None
 
 
-def run_backend(backend: str, workload_name: str, device: str | None) -> dict:
-    """Run the workload on ``backend``; returns the numbers the demo prints."""
+def _scrape_lines(url: str) -> list[str]:
+    """The samples a Prometheus server would scrape from ``url`` that are not zero, but the
+    per-state slot counts (a screenful: usage per pool says the same)."""
+    import urllib.request
+
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    return [line for line in body.splitlines()
+            if line and not line.startswith("#") and not line.startswith("kvcm:kv_cache_slots")
+            and "_created" not in line and float(line.rsplit(" ", 1)[1]) != 0]
+
+
+def run_backend(backend: str, workload_name: str, device: str | None, metrics_port: int | None = None,
+                metrics_addr: str = "127.0.0.1") -> dict:
+    """Run the workload on ``backend``; returns the numbers the demo prints.  With
+    ``metrics_port`` the manager's Prometheus metrics (kvcm.metrics) are served while it
+    runs, and scraped once over HTTP at the end."""
     import kvcm
     from kvcm.engine import TinyHybridModel, builtin_workload, run_workload
 
@@ -58,9 +72,20 @@ def run_backend(backend: str, workload_name: str, device: str | None) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvcm-demo-") as disk:
         config = model.manager_config(TOKENS_PER_BLOCK, GPU_SLOTS, HOST_SLOTS, DISK_SLOTS, disk)
         mgr = kvcm.KVCacheManager(config, backend=backend)
-        t0 = time.perf_counter()
-        out = run_workload(model, mgr, workload)
-        seconds = time.perf_counter() - t0
+        server = None
+        if metrics_port is not None:
+            from kvcm import metrics
+
+            server = metrics.serve(mgr, metrics_port, metrics_addr, labels={"backend": backend})
+            print(f"[{backend}] metrics live at {server.url} while the workload runs", flush=True)
+        try:
+            t0 = time.perf_counter()
+            out = run_workload(model, mgr, workload)
+            seconds = time.perf_counter() - t0
+            scraped = _scrape_lines(server.url) if server is not None else None
+        finally:
+            if server is not None:
+                server.close()
         mgr.shutdown()
     c = out.engine_counters
     return {
@@ -74,14 +99,16 @@ def run_backend(backend: str, workload_name: str, device: str | None) -> dict:
         "identical": out.tokens_equal and out.max_logit_diff < LOGIT_TOL,
         "max_logit_diff": out.max_logit_diff,
         "seconds": seconds,
+        "metrics": scraped,
     }
 
 
-def _guarded(backend: str, workload: str, device: str | None) -> tuple[dict | None, str | None]:
+def _guarded(backend: str, workload: str, device: str | None, metrics_port: int | None = None,
+             metrics_addr: str = "127.0.0.1") -> tuple[dict | None, str | None]:
     from kvcm import BackendUnavailableError
 
     try:
-        return run_backend(backend, workload, device), None
+        return run_backend(backend, workload, device, metrics_port, metrics_addr), None
     except NotImplementedError:
         return None, NOT_IMPLEMENTED
     except BackendUnavailableError as e:
@@ -105,7 +132,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="python,cpp", help="comma-separated backends (default python,cpp)")
     p.add_argument("--workload", choices=sorted(BUILTIN_WORKLOADS), default="multi-turn")
     p.add_argument("--device", default=None, help="where the gpu tier lives (default $KVCM_ENGINE_DEVICE or cpu)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="N",
+                   help="serve each backend's Prometheus metrics (kvcm.metrics) on port N while it runs, and print "
+                   "one scrape (0: a free port; needs kvcm[metrics])")
+    p.add_argument("--metrics-addr", default="127.0.0.1", help="the address the metrics server binds (default 127.0.0.1)")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port <= 65535:
+            p.error(f"--metrics-port {args.metrics_port}: must be in 0..65535")
+        try:
+            import prometheus_client  # noqa: F401 - only whether the extra is installed
+        except ImportError:
+            p.error("--metrics-port needs prometheus-client: pip install kvcm[metrics]")
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     from kvcm import BACKENDS
 
@@ -130,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ran = failed = 0
     for b in backends:
         with torch_threads(1):
-            res, why = _guarded(b, args.workload, args.device)
+            res, why = _guarded(b, args.workload, args.device, args.metrics_port, args.metrics_addr)
         print(f"\n[{b}]")
         if res is None:
             print(f"  {why}")
@@ -146,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  copies by route     " + ", ".join(f"{k} {v}" for k, v in sorted(routes.items())))
         print(f"  {_mark(res['identical'])} outputs identical to no-cache run "
               f"(same tokens; max |logit diff| {res['max_logit_diff']:.1e}); {res['seconds']:.1f}s")
+        if res["metrics"] is not None:
+            print("  metrics (one scrape over HTTP, non-zero samples but per-state slots):")
+            for line in res["metrics"]:
+                print(f"    {line}")
     return 0 if ran and not failed else 1
 
 

@@ -68,6 +68,8 @@ MANAGER_OPS: dict[str, tuple[str, ...]] = {
     "stats": (),
     "take_iteration_stats": (),
     "shutdown": (),
+    # quotas at run time (DECISIONS.md "Quotas at run time")
+    "set_quota": ("tier", "quota_bytes"),
     # the batched decode step (``caches``: handles, see the module docstring)
     "resize_batch": ("caches", "capacities", "history_lengths"),
     "commit_batch": ("caches", "tokens"),

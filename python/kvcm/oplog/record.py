@@ -378,6 +378,10 @@ class RecordingManager(KVCacheManager):
     def clear_reusable(self) -> None:
         return self._record("clear_reusable", None, {}, self._inner.clear_reusable)
 
+    def set_quota(self, tier, quota_bytes) -> None:
+        return self._record("set_quota", None, {"tier": tier, "quota_bytes": quota_bytes},
+                            lambda: self._inner.set_quota(tier, quota_bytes))
+
     def shutdown(self) -> None:
         return self._record("shutdown", None, {}, self._inner.shutdown)
 

@@ -42,10 +42,11 @@ from kvcm.checks import (
     check_tokens,
     check_tokens_packed,
     default_cache_id,
+    quota_refused_error,
     shut_down_error,
     still_open_error,
 )
-from kvcm.config import resolve_config
+from kvcm.config import resolve_config, resolve_quota
 from kvcm.keys import chain_keys, scope_root_key
 from kvcm.python_backend import batch, observe
 from kvcm.python_backend.locking import serialized
@@ -55,7 +56,7 @@ from kvcm.python_backend.tree import NO_PAGE, Node, RadixTree, record_key, recor
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped",
-                "lost_pages", "shared_stores", "shared_store_bytes", "shared_hit_blocks")
+                "lost_pages", "shared_stores", "shared_store_bytes", "shared_hit_blocks", "relocations")
 
 
 def _removed_event(event_id: int, key: bytes, lc: int) -> RemovedEvent:
@@ -141,6 +142,7 @@ class PyKVCacheManager(KVCacheManager):
             self.tier_ids = (*rc.tier_ids, SHARED)
         self.pages: dict[int, Page] = {}  # live pages by serial (= tree page handle)
         self.pools = [[Pool(t, lc.id, rc.slots[t][lc.id], self.pages) for lc in self.lcs] for t in range(self.num_tiers)]
+        self.quotas = list(rc.quotas)  # quota_bytes per local tier (set_quota changes them)
         # the pools by a page's tier position, the shared tier's included (its pages are in
         # no pool: NoPool): the written-out restates index pages without a test for it
         self.page_pools = [*self.pools, [NoPool()] * len(self.lcs)]
@@ -342,6 +344,57 @@ class PyKVCacheManager(KVCacheManager):
         self._drop_all_droppable()
         self.is_shutdown = True
 
+    # ------------------------------------------------ quotas at run time (issue 22)
+
+    @serialized
+    def set_quota(self, tier: str | int, quota_bytes: int) -> None:
+        """SPEC sec. 18, DECISIONS.md "Quotas at run time": resize the pools of ``tier``
+        to what ``quota_bytes`` gives (split as at construction).  Growing adds slots at
+        the top; shrinking evicts in sec. 8 order until the pages fit, then relocates the
+        pages of the vanishing top slots into the lowest free ones (``relocate`` ops).
+        Refused (OutOfPagesError, nothing changed) when the LOCKED and HELD pages that
+        must stay could not fit."""
+        pos, q, per_lc = resolve_quota(self._rc, tier, quota_bytes)
+        if self.is_shutdown:
+            raise shut_down_error()
+        for lc, n in enumerate(per_lc):  # every pool is checked before any changes
+            pool = self.pools[pos][lc]
+            movable = min(pool.held, self._capacity_of(pos + 1, lc, None)) if pos < self.num_tiers - 1 else 0
+            need = pool.total - pool.nfree - pool.droppable - movable
+            if n < need:
+                raise quota_refused_error(self._rc.tier_kinds[pos], q, lc, n, need, pool.locked, pool.held - movable)
+        self.tick()
+        for lc, n in enumerate(per_lc):
+            self._resize_pool(pos, lc, n)
+        self.quotas[pos] = q
+
+    def _resize_pool(self, tier: int, lc: int, n: int) -> None:
+        """Pool (tier, lc) to ``n`` slots; shrinking, room was checked by set_quota."""
+        pool = self.pools[tier][lc]
+        if n >= pool.total:
+            pool.grow(n)
+            return
+        while pool.total - pool.nfree > n:  # evict what must go, in the usual order (sec. 8)
+            if not self.evict_one(tier, lc):
+                raise AssertionError(f"kvcm bug: set_quota found no victim in pool ({tier}, {lc})")
+        # the survivors of slots [n, total) move down, by slot, each to the lowest free slot
+        for page in sorted((p for p in self.pages.values() if p.tier == tier and p.lc == lc and p.slot >= n),
+                           key=lambda p: p.slot):
+            self.relocate(page)
+        pool.shrink(n)
+
+    def relocate(self, page: Page) -> None:
+        """Move ``page`` to the lowest free slot of its own pool (a ``relocate`` op; its
+        state, eviction key and events are unchanged: events name no slot)."""
+        pool = self.pools[page.tier][page.lc]
+        old = page.slot
+        page.slot = pool.take_slot()
+        pool.give_slot(old)
+        tid = self.tier_ids[page.tier]
+        self._add_copy_op(_copy_op(page.lc, tid, old, tid, page.slot, "relocate"))
+        self.copy_pages.append(page.serial)
+        self.count(page.lc, "relocations")
+
     @serialized
     def stats(self) -> dict:
         return self.stats_view(self.totals)
@@ -501,12 +554,20 @@ class PyKVCacheManager(KVCacheManager):
         pool = self.pools[tier][lc]
         if pool.free_slots:  # (nfree)
             return True
+        return self.evict_one(tier, lc)
+
+    def evict_one(self, tier: int, lc: int) -> bool:
+        """SPEC sec. 8: free one more slot of pool (tier, lc) by evicting its first victim
+        (make_room when it is full; set_quota's shrink with free slots left).  False:
+        nothing could go, nothing changed."""
+        pool = self.pools[tier][lc]
+        nfree = pool.nfree
         if tier < self.num_tiers - 1:
             victim = pool.victim(movable=True)
             if victim is None:
                 return False
             if self.make_room(tier + 1, lc):
-                if pool.free_slots:  # a drop down there removed a subtree and freed a slot here
+                if pool.nfree > nfree:  # a drop down there removed a subtree and freed a slot here
                     return True
                 self.move(victim, tier + 1, "offload")
                 return True
@@ -768,6 +829,7 @@ class PyKVCacheManager(KVCacheManager):
                 {
                     "tier": self.tier_ids[t],
                     "kind": self._rc.tier_kinds[t],
+                    "quota_bytes": self.quotas[t],
                     "lc": [
                         {"total": p.total, "free": p.nfree, "locked": p.locked, "held": p.held,
                          "droppable": p.droppable}

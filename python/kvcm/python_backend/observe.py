@@ -79,7 +79,7 @@ def _page_entry(mgr: Any, p: Page) -> dict:
 
 def _snapshot_pools(mgr: Any) -> list[dict]:
     """``pools``: per tier, per life cycle, the free slots."""
-    return [{"tier": mgr.tier_ids[t], "kind": mgr._rc.tier_kinds[t],
+    return [{"tier": mgr.tier_ids[t], "kind": mgr._rc.tier_kinds[t], "quota_bytes": mgr.quotas[t],
              "lc": [{"total": p.total, "free": p.nfree, "free_slots": sorted(p.free_slots)} for p in tier]}
             for t, tier in enumerate(mgr.pools)]
 

@@ -179,6 +179,20 @@ class Pool:
     def give_slot(self, slot: int) -> None:
         heapq.heappush(self.free_slots, slot)
 
+    def grow(self, n: int) -> None:
+        """set_quota: slots ``[total, n)`` join the free slots (DECISIONS.md "Quotas at
+        run time"); each is larger than every slot in the heap, so it stays a heap."""
+        self.free_slots.extend(range(self.total, n))
+        self.total = n
+
+    def shrink(self, n: int) -> None:
+        """set_quota: slots ``[n, total)`` go; the caller emptied them."""
+        kept = [s for s in self.free_slots if s < n]
+        assert len(self.free_slots) - len(kept) == self.total - n, "kvcm bug: shrink of a used slot"
+        heapq.heapify(kept)
+        self.free_slots = kept
+        self.total = n
+
     def unindex(self, page: Page) -> None:
         """Before a change of ``page``'s state, eviction key or place: it leaves its state's
         count (SPEC sec. 4 states) and its index.  The state is derived inline (as
