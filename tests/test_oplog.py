@@ -590,7 +590,7 @@ def test_differential_harness_catches_a_divergence_and_prints_a_replayable_log(t
             return None if built is None else [built[0], OffByOne(built[1])]
 
     with pytest.raises(AssertionError) as info:
-        run_state_machine_as_test(Planted, settings=settings(D.DIFF_SETTINGS, max_examples=300))
+        run_state_machine_as_test(Planted, settings=settings(D.DIFF_SETTINGS, max_examples=1000))
     msg = str(info.value)
     assert "(outcome)" in msg and "probe_reuse" in msg
     log = msg.split("---\n", 1)[1]
