@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "cpp" / "core"
 PY = ROOT / "python" / "kvcm"
-SPEC_SECTIONS = set(range(17))
+SPEC_SECTIONS = set(range(19))
 POINTER = re.compile(r"//\s*py:\s*(?P<file>[\w/]+\.py)\s+(?P<qual>[\w.]+)\s*[—-]+\s*SPEC sec\.\s*(?P<sec>\d+)")
 
 
