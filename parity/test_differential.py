@@ -706,7 +706,9 @@ class DifferentialMachine(RuleBasedStateMachine):
                 continue
             nc = p["num_committed_tokens"]
             if self.run({"op": "resize", "cache": b, "args": {"capacity": max(p["capacity"], nc + 1)}}).get("result"):
-                self.run({"op": "commit", "cache": b, "args": {"tokens": [(self.plans[b][nc:nc + 1] or [k])[0] + k]}})
+                # the parent follows its plan; each branch commits a token of its own
+                tokens = self.plans[b][nc:nc + 1] if k == 0 else [k % 6]
+                self.run({"op": "commit", "cache": b, "args": {"tokens": tokens or [k % 6]}})
         for b in beams:
             if data.draw(st.integers(0, 2)) == 0:
                 self.run({"op": "close", "cache": b})  # pruned
