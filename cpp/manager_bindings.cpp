@@ -963,6 +963,16 @@ void bind_batch(nb::module_& m) {
       "(kvcm.api.KVCacheManager.commit_batch); keys: each cache's (core, serial).");
 }
 
+// Forks (issue 22, DECISIONS.md "Forks (issue 22)"): their own section, so the class
+// definitions above stay untouched.
+void bind_forks(nb::class_<Manager>& cls) {
+  cls.def(
+      "fork", [](Manager& mgr, std::int64_t serial) { return locked(mgr, [&] { return mgr.fork(serial); }); },
+      "serial"_a,
+      "Fork the ACTIVE cache `serial` (kvcm.api.KVCache.fork): the new cache's serial, or -1 (nothing "
+      "changed) when the gpu cannot take its own pages.");
+}
+
 }  // namespace
 
 void bind_manager(nb::module_& m) {
@@ -972,4 +982,5 @@ void bind_manager(nb::module_& m) {
   bind_manager_calls(cls);
   bind_request_calls(cls);
   bind_batch(m);
+  bind_forks(cls);
 }

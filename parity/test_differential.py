@@ -8,7 +8,8 @@ Every op comes from the :mod:`kvcm.ops` vocabulary — every public call, bad in
 (out-of-range / wrong-type tokens, bad scopes and priorities, wrong status, shrinking
 capacity, commits beyond capacity, unknown life cycles, short buffers), batched decode steps
 (``resize_batch`` / ``commit_batch`` with lists, arrays, numpy and torch containers;
-repeated, closed, suspended and foreign caches, length mismatches) — over hybrid
+repeated, closed, suspended and foreign caches, length mismatches), forks (any status, bad ids)
+and beam steps (fork, copy-on-write resizes, prunes, either drain) — over hybrid
 (full attention + window/sinks + ssm), pure-ssm and attention-only models, 1–3 tiers
 (disk under a temp dir) and a shared tier under both write policies (driven with a model
 store: the store ops drained so far, minus random deletions and failed writes; hits from
@@ -656,6 +657,63 @@ class DifferentialMachine(RuleBasedStateMachine):
         if data.draw(st.integers(0, 2)) > 0:
             self.run({"op": "drain_copy_ops"})
 
+    # ---- forks (issue 22) -------------------------------------------------------------
+    def fork(self, h: int, args: dict) -> dict:
+        """Run ``fork`` on handle ``h``; a new cache plans its parent's committed tokens
+        and a continuation of its own."""
+        out = self.run({"op": "fork", "cache": h, "args": args})
+        if "result" in out:
+            p = self.props(h)
+            nc = p["num_committed_tokens"] if isinstance(p["num_committed_tokens"], int) else 0
+            self.plans.append(self.plans[h][:nc] + [self.B + 7 + len(self.plans) % 5] + self.plans[h][nc + 1:])
+            self.scopes.append(self.scopes[h])
+        return out
+
+    def op_fork(self, data) -> None:
+        """A fork of any cache (any status, history past the committed tokens, room beyond
+        them or not), with an id drawn like create's: fresh, in use, or of a bad type."""
+        h = self.pick_handle(data)
+        if h is None:
+            return
+        args: dict = {}
+        r = data.draw(st.integers(0, 9))
+        if r == 0:
+            existing = [self.props(i).get("id") for i in range(len(self.caches[0]))]
+            args["id"] = data.draw(st.sampled_from(existing + [1.5, True, None]))
+        elif r == 1:
+            args["id"] = data.draw(st.sampled_from([200, "f"]))
+        self.fork(h, args)
+
+    def op_beam_step(self, data) -> None:
+        """Beam search on one request: fork it into a few branches, each resizes by one
+        token (the shared partial page is copied on write) and commits a different token;
+        some branches are pruned (closed); the step's copy ops are drained by either drain."""
+        h = self.pick_handle(data)
+        if h is None:
+            return
+        if self.props(h).get("status") == "SUSPENDED":
+            self.run({"op": "resume", "cache": h})
+        if self.props(h).get("status") != "ACTIVE":
+            return
+        beams = [h]
+        for _ in range(data.draw(st.integers(1, 3))):
+            out = self.fork(h, {})
+            if "result" in out:
+                beams.append(out["result"])
+        for k, b in enumerate(beams):
+            p = self.props(b)
+            if p.get("status") != "ACTIVE" or not isinstance(p.get("num_committed_tokens"), int):
+                continue
+            nc = p["num_committed_tokens"]
+            if self.run({"op": "resize", "cache": b, "args": {"capacity": max(p["capacity"], nc + 1)}}).get("result"):
+                # the parent follows its plan; each branch commits a token of its own
+                tokens = self.plans[b][nc:nc + 1] if k == 0 else [k % 6]
+                self.run({"op": "commit", "cache": b, "args": {"tokens": tokens or [k % 6]}})
+        for b in beams:
+            if data.draw(st.integers(0, 2)) == 0:
+                self.run({"op": "close", "cache": b})  # pruned
+        self.run({"op": data.draw(st.sampled_from(["drain_copy_ops", "drain_copy_runs"]))})
+
     def op_forget_copies(self, data) -> None:
         """A data plane that failed: report the ops from some position of the last drain
         on (what DataPlane.apply's CopyError lists), a random subset, or bad input."""
@@ -732,6 +790,8 @@ class DifferentialMachine(RuleBasedStateMachine):
         ("decode_step", 30),
         ("resize_batch", 20),
         ("commit_batch", 20),
+        ("fork", 20),
+        ("beam_step", 25),
         ("shutdown", 1),  # ends the interesting part of a run: rare
     )
 

@@ -52,6 +52,7 @@ def workload(m) -> None:
     m.commit_batch((a,), array.array("i", [6]))
     with pytest.raises(ValueError):
         m.resize_batch([a, a], [10, 11])  # the same cache twice
+    a.fork(id="f").close()  # a cache op whose result is a new cache (issue 22)
     a.suspend()
     m.probe_reuse([1, 2, 3], ReuseScope(lora_id=0))
     m.probe_reuse_detail([1, 2, 3])
@@ -157,6 +158,7 @@ def test_every_public_call_has_an_op():
         "close",
         "page_indices",
         "page_indices_into",
+        "fork",
     }
     assert set(O.MANAGER_OPS) == manager_methods
     assert set(O.CACHE_OPS) == cache_methods
@@ -558,6 +560,38 @@ def test_forget_copies_is_recorded_and_replayed(tmp_path, monkeypatch):
     assert forgets[1]["args"]["ops"] == [ops[1].to_json()] and forgets[1]["outcome"] == {"result": ["r100"]}
     report = L.replay(str(path), ["python", "cpp"])
     assert report.ok, str(report)
+
+
+def test_fork_is_recorded_and_replayed(tmp_path, monkeypatch):
+    """Forks (issue 22) in the op log: ``fork`` is a cache op whose result is the new
+    cache's handle; later ops on the fork name that handle; a refused fork records its
+    error; the log replays on both backends with the same outcomes and snapshots."""
+    path = tmp_path / "log.jsonl"
+    monkeypatch.setenv(L.ENV_VAR, str(path))
+    cfg = KVCacheManagerConfig(tokens_per_block=4, layers=[AttentionLayer(0, 1)], tiers=[Tier("gpu", 24)])
+    m = L.maybe_wrap(L.build_manager(cfg, "python"))
+    kv = m.create_kv_cache(id="p")
+    assert kv.resume() and kv.resize(6)
+    kv.commit(list(range(100, 106)))
+    f = kv.fork(id="beam")
+    assert isinstance(f, L.RecordingCache) and f.id == "beam"
+    with pytest.raises(ValueError):
+        kv.fork(id="beam")  # in use
+    assert f.resize(7)
+    f.commit([7])
+    g = f.fork()
+    assert [o.reason for o in m.drain_copy_ops()] == ["cow"]
+    g.close()
+    recs = [json.loads(x) for x in path.read_text().splitlines()[1:]]
+    forks = [r for r in recs if r["op"] == "fork"]
+    assert [(r["cache"], r["args"], r["outcome"]) for r in forks] == [
+        (0, {"id": "beam"}, {"result": 1}),
+        (0, {"id": "beam"}, {"error": "ValueError"}),
+        (1, {"id": None}, {"result": 2}),
+    ]
+    assert [r["cache"] for r in recs if r["op"] in ("commit", "close")] == [0, 1, 2]
+    report = L.replay(str(path), ["python", "cpp"])
+    assert report.ok and report.steps == len(recs), str(report)
 
 
 # ---------------------------------------------------------------------------------------

@@ -253,6 +253,10 @@ class Manager {
   std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc);
   std::size_t num_life_cycles() const noexcept { return cfg_.lcs.size(); }
   std::size_t num_tiers() const noexcept { return pools_.size(); }
+  // Forks (issue 22, DECISIONS.md "Forks (issue 22)"): a new ACTIVE request sharing this
+  // one's committed pages; its serial, or -1 (nothing changed) when the gpu cannot take the
+  // fork's own pages.  ClosedErr / InvalidStateErr (status, history) change nothing.
+  std::int64_t fork(std::int64_t serial);
 
  private:
   // --- helpers: tokens
@@ -294,6 +298,12 @@ class Manager {
   void insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot,
                     bool defer_prune = false);
   void set_block(Request& r, std::int64_t i, NodeId nid);
+  // --- forks (request.cpp): (lc, page handle) pairs of a request's partial block
+  using TailPages = std::vector<std::pair<std::int64_t, std::int64_t>>;
+  void init_fork(Request& child, const Request& parent);
+  TailPages tail_pages(const Request& r) const;
+  TailPages shared_tail(const Request& r, std::int64_t history) const;
+  void copy_tail(Request& r, const TailPages& shared);
   // Match `tokens` (full-block `keys`) and hold what it found, as a fresh SUSPENDED
   // request (create, and the roll-back of forget_copies); returns the match length.
   std::int64_t match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys,

@@ -381,6 +381,9 @@ bool Manager::could_hold(std::int64_t nb, std::int64_t history) const {
 // py: request.py PyKVCache.resize_checked — SPEC sec. 7
 bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t history) {
   const std::int64_t nb = ceildiv(capacity, B_);
+  // forks (DECISIONS.md "Forks"): room to write into a shared partial page copies it first
+  const TailPages cows =
+      capacity > static_cast<std::int64_t>(r.tokens.size()) ? shared_tail(r, history) : TailPages{};
   if (!could_hold(nb, history)) return false;
   // (lc, block) pairs; members so a decode step's resize does not allocate
   std::vector<std::pair<std::int64_t, std::int64_t>>& releases = scratch_releases_;
@@ -411,6 +414,7 @@ bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t his
   for (std::int64_t lc : attn_lcs_) {
     std::int64_t n = 0;
     for (const auto& a : allocs) n += a.first == lc;
+    for (const auto& a : cows) n += a.first == lc;
     if (!n) continue;
     const Pool& pool = pools_[0][static_cast<std::size_t>(lc)];
     std::int64_t adjust[3] = {pool.nfree(), pool.held, pool.droppable};
@@ -439,6 +443,7 @@ bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t his
     unuse(p, true);
   }
   for (std::int64_t lc : attn_lcs_) r.pages[static_cast<std::size_t>(lc)].resize(static_cast<std::size_t>(nb), -1);
+  copy_tail(r, cows);
   for (const auto& [lc, i] : allocs) {
     const std::int64_t s = alloc_private(r, lc, 0, i)->handle;
     r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = s;
@@ -610,6 +615,122 @@ ClosedTokens Manager::close(std::int64_t serial) {
   }
   requests_.erase(it);
   return out;
+}
+
+// ------------------------------------------------------------------ forks (issue 22)
+
+// DECISIONS.md "Forks (issue 22)".
+// py: request.py PyKVCache.fork — SPEC sec. 18
+std::int64_t Manager::fork(std::int64_t serial) {
+  Request& parent = req(serial);
+  require(parent, ReqStatus::active, "fork");
+  const auto c = static_cast<std::int64_t>(parent.tokens.size());
+  if (parent.history != c) {
+    throw InvalidStateErr("fork() needs history_length == num_committed_tokens, this cache has history_length " +
+                          std::to_string(parent.history) + " and " + std::to_string(c) + " committed tokens");
+  }
+  // the partial block is copied at once when the parent may already be writing into it
+  const TailPages copies = parent.capacity > c ? tail_pages(parent) : TailPages{};
+  for (std::int64_t lc = 0; lc < static_cast<std::int64_t>(cfg_.lcs.size()); ++lc) {
+    std::int64_t need = lc == ssm_lc_ ? 1 : 0;
+    for (const auto& [clc, h] : copies) need += clc == lc;
+    if (need && !can_allocate(kGpu, lc, need, nullptr)) return -1;
+  }
+
+  tick();
+  const std::int64_t child_serial = next_request_++;
+  Request& child = requests_[child_serial];  // (unordered_map: `parent` stays valid)
+  child.serial = child_serial;
+  init_fork(child, parent);
+  if (ssm_lc_ >= 0) {  // its own live state, a copy of the parent's
+    child.live = alloc_private(child, ssm_lc_, 0, c / B_)->handle;
+    copy(ssm_lc_, &page(parent.live), &page(child.live), "cow");
+    count(ssm_lc_, kCows);
+  }
+  copy_tail(child, copies);
+  return child_serial;
+}
+
+// py: request.py PyKVCache.init_fork — SPEC sec. 18
+void Manager::init_fork(Request& child, const Request& parent) {
+  child.root_key = parent.root_key;
+  child.root = parent.root;
+  tree_.ref(child.root);
+  child.lora = parent.lora;
+  child.salt = parent.salt;
+  child.priority = parent.priority;
+  child.status = ReqStatus::active;
+  child.stopped = false;
+  child.input_tokens = parent.input_tokens;
+  child.keys = parent.keys;
+  child.tokens = parent.tokens;
+  child.has_digests = parent.has_digests;
+  if (child.has_digests) {  // its own digest references (released at its close)
+    tree_.retain_all(child.input_tokens);
+    tree_.retain_all(child.tokens);
+  }
+  child.capacity = child.history = static_cast<std::int64_t>(child.tokens.size());
+  child.reused = parent.reused;
+  const auto nb = static_cast<std::size_t>(ceildiv(child.capacity, B_));
+  child.blocks.assign(parent.blocks.begin(), parent.blocks.begin() + std::min(nb, parent.blocks.size()));
+  for (NodeId nid : child.blocks) {
+    if (nid != kNoNode) tree_.ref(nid);
+  }
+  child.pages.assign(cfg_.lcs.size(), {});
+  for (std::int64_t lc : attn_lcs_) {
+    const auto& from = parent.pages[static_cast<std::size_t>(lc)];
+    auto& pages = child.pages[static_cast<std::size_t>(lc)];
+    pages.assign(from.begin(), from.begin() + std::min(nb, from.size()));
+    for (std::int64_t h : pages) {
+      if (h >= 0) use(&page(h), true, child.priority);
+    }
+  }
+  child.live = child.snap = -1;
+  child.cow_block = -1;
+}
+
+// py: request.py PyKVCache.tail_pages — SPEC sec. 18
+Manager::TailPages Manager::tail_pages(const Request& r) const {
+  TailPages out;
+  const auto n = static_cast<std::int64_t>(r.tokens.size());
+  if (n % B_ == 0) return out;
+  for (std::int64_t lc : attn_lcs_) {
+    const std::int64_t h = page_at(r, lc, n / B_);
+    if (h >= 0) out.emplace_back(lc, h);
+  }
+  return out;
+}
+
+// py: request.py PyKVCache.shared_tail — SPEC sec. 18
+Manager::TailPages Manager::shared_tail(const Request& r, std::int64_t history) const {
+  TailPages out;
+  if (r.stopped) return out;  // it never writes again
+  const std::int64_t j = static_cast<std::int64_t>(r.tokens.size()) / B_;
+  for (const auto& [lc, h] : tail_pages(r)) {
+    const auto [lo, hi] = stale_range(lc, history);
+    const Page& p = page(h);
+    if (!(lo <= j && j < hi) && (p.node != kNoNode || p.locks + p.holds > 1)) out.emplace_back(lc, h);
+  }
+  return out;
+}
+
+// py: request.py PyKVCache.copy_tail — SPEC sec. 18
+void Manager::copy_tail(Request& r, const TailPages& shared) {
+  if (shared.empty()) return;
+  const std::int64_t j = static_cast<std::int64_t>(r.tokens.size()) / B_;
+  const std::int64_t covered = static_cast<std::int64_t>(r.tokens.size()) - j * B_;
+  for (const auto& [lc, h] : shared) {
+    Page* dst = alloc_private(r, lc, covered, j);
+    Page* src = &page(h);
+    copy(lc, src, dst, "cow");
+    count(lc, kCows);
+    unuse(src, r.status == ReqStatus::active);
+    r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
+  }
+  if (j < static_cast<std::int64_t>(r.blocks.size()) && r.blocks[static_cast<std::size_t>(j)] != kNoNode) {
+    tree_.unref(r.blocks[static_cast<std::size_t>(j)]);
+    r.blocks[static_cast<std::size_t>(j)] = kNoNode;
+  }
 }
 
 // py: request.py PyKVCache.page_indices — SPEC sec. 7

@@ -117,6 +117,11 @@ class Manager:
 
     def page_indices_into(self, serial: int, lc: int, out: object) -> int: ...
 
+    def fork(self, serial: int) -> int:
+        """
+        Fork the ACTIVE cache `serial` (kvcm.api.KVCache.fork): the new cache's serial, or -1 (nothing changed) when the gpu cannot take its own pages.
+        """
+
 def resize_batch(manager: Manager, keys: list[tuple[Manager, int]], capacities: object, history_lengths: object | None) -> list[bool]:
     """
     Manager.resize for each (cache, capacity, history) in order, the whole batch validated first (kvcm.api.KVCacheManager.resize_batch); keys: each cache's (core, serial).

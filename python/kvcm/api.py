@@ -462,6 +462,17 @@ class KVCache(abc.ABC):
     def close(self) -> None:
         """Release everything.  Idempotent."""
 
+    # --- forks (issue 22, SPEC sec. 18; DECISIONS.md "Forks (issue 22)")
+    @abc.abstractmethod
+    def fork(self, id: int | str | None = None) -> KVCache:
+        """ACTIVE only, with ``history_length == num_committed_tokens``.  A new ACTIVE cache
+        (same scope and priority, id as at create) with this one's committed tokens that
+        shares every page this one holds for them, the current partial block's included:
+        the first of the two to ``resize`` beyond its committed tokens copies a shared
+        partial page (a ``cow`` op) before it writes; an ssm fork gets its own live state
+        at once (a ``cow`` op).  ``capacity == history_length == num_committed_tokens``.
+        OutOfPagesError (nothing changed) when the gpu cannot take the fork's own pages."""
+
     @abc.abstractmethod
     def page_indices(self, lc: int) -> list[int]:
         """ACTIVE only.  gpu slot per block ordinal (-1 stale/absent); ssm: [live_slot]."""

@@ -57,6 +57,18 @@ def stopped_error() -> InvalidStateError:
     return InvalidStateError("commit after stop_committing()")
 
 
+def fork_history_error(history: int, committed: int) -> InvalidStateError:
+    """The error of ``fork()`` on a cache whose history runs past its committed tokens
+    (DECISIONS.md "Forks": written but uncommitted tokens are not shared)."""
+    return InvalidStateError(f"fork() needs history_length == num_committed_tokens, this cache has "
+                             f"history_length {history} and {committed} committed tokens")
+
+
+def fork_room_error() -> OutOfPagesError:
+    """The error of ``fork()`` when the gpu cannot take the fork's own pages (DECISIONS.md "Forks")."""
+    return OutOfPagesError("fork(): no gpu slot for the fork's own pages (live ssm state, copied partial block)")
+
+
 def input_room_error(n: int, n_input: int, n_committed: int) -> ValueError:
     """The error of ``commit_input(n)`` when fewer than ``n`` input tokens follow the
     committed ones."""
@@ -353,6 +365,8 @@ __all__ = [
     "check_tokens_packed",
     "closed_error",
     "default_cache_id",
+    "fork_history_error",
+    "fork_room_error",
     "int32_view",
     "quota_refused_error",
     "shut_down_error",

@@ -43,6 +43,7 @@ from kvcm.checks import (
     check_tokens,
     closed_error,
     default_cache_id,
+    fork_room_error,
     int32_view,
     quota_refused_error,
     status_error,
@@ -342,6 +343,25 @@ class CppKVCache(KVCache):
             self._final = (closed.info, closed)
             mgr._open.pop(self._serial, None)
             mgr._ids.discard(self._id)
+
+    def fork(self, id: int | str | None = None) -> KVCache:
+        """Forks (DECISIONS.md "Forks (issue 22)"): the python backend's order of checks —
+        closed, the id's type, the id in use, then status, history and room in the core."""
+        self._require_open("fork")
+        cache_id = check_cache_id(id)
+        mgr = self._mgr
+        with mgr._lock:  # the open ids change only under it (as create_kv_cache)
+            if cache_id is not None and cache_id in mgr._ids:
+                raise ValueError(f"id {cache_id!r} is already used by an open cache")
+            serial = self._core.fork(self._serial)
+            if serial < 0:
+                raise fork_room_error()
+            if cache_id is None:
+                cache_id = default_cache_id(serial, mgr._ids)
+            child = CppKVCache(mgr, serial, cache_id, self._prio)
+            mgr._open[serial] = child
+            mgr._ids.add(cache_id)
+        return child
 
     def page_indices(self, lc: int) -> list[int]:
         self._require(Status.ACTIVE, "page_indices")

@@ -536,6 +536,119 @@ class Engine:
 
 
 # ---------------------------------------------------------------------------------------
+# Beam search: forks and closes (issue 22, SPEC sec. 18)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Beam:
+    """One hypothesis: ``seq`` = prompt + generated tokens; the K/V (and the ssm state) of
+    ``seq[:-1]`` are in its cache, the last token is the next step's input."""
+
+    seq: list[int]
+    score: float  # sum of the log-probabilities of the generated tokens
+    kv: Any = None  # its KVCache (None in the no-cache reference)
+
+
+def _select(beams: Sequence[Beam], logps: Sequence[Any], width: int) -> list[tuple[int, int, float]]:
+    """The ``width`` best ``(parent, token, score)`` extensions of ``beams`` by score; ties
+    by parent index, then token (deterministic, the same in both runs)."""
+    cands = []
+    for i, (b, lp) in enumerate(zip(beams, logps)):
+        top = lp.topk(width)
+        cands.extend((b.score + float(v), i, int(t)) for v, t in zip(top.values, top.indices))
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    return [(i, t, sc) for sc, i, t in cands[:width]]
+
+
+def reference_beam_search(model: TinyHybridModel, prompt: Sequence[int], width: int, steps: int) -> list[Beam]:
+    """Beam search with no cache: every step recomputes each beam's whole sequence."""
+    beams = [Beam(list(prompt), 0.0)]
+    for _ in range(steps):
+        logps = [model.forward_dense(b.seq)[-1].cpu().log_softmax(-1) for b in beams]
+        beams = [Beam(beams[i].seq + [t], sc) for i, t, sc in _select(beams, logps, width)]
+    return beams
+
+
+def beam_search(model: TinyHybridModel, manager: Any, prompt: Sequence[int], width: int, steps: int, *,
+                plane: DataPlane | None = None, suspend_between_steps: bool = False) -> list[Beam]:
+    """Beam search through kvcm: the prompt is prefilled once; each step every beam writes
+    its last token (``resize`` by one: a partial page it shares with a sibling is copied
+    first, a ``cow`` op), the best ``width`` extensions are kept, a parent continues as
+    its first kept child and is ``fork``-ed for the others, and a parent with no kept
+    child is closed (pruned).  ``suspend_between_steps``: every beam is suspended after
+    its step and resumed for the next (its shared pages may be offloaded meanwhile).
+    Returns the beams (their caches closed) in the order of :func:`reference_beam_search`."""
+    engine = Engine(model, manager, plane)
+    B = engine.B
+    prompt = list(prompt)
+    kv = manager.create_kv_cache(prompt[:-1])
+    if not kv.resume() or not kv.resize(len(prompt) - 1):
+        raise RuntimeError("the gpu quota cannot hold the prompt")
+    engine.sync()
+    if kv.num_committed_tokens == 0 and engine.ssm_lc is not None:  # no snapshot: start from zeros
+        slot = kv.page_indices(engine.ssm_lc)[0]
+        for layer_id in engine.ssm_layers:
+            engine.plane.state(layer_id)[slot].zero_()
+    r = Request(prompt, 0)
+    r.kv = kv
+    c = kv.num_committed_tokens
+    while c < len(prompt) - 1:  # prefill in chunks ending on block boundaries (ssm snapshots)
+        e = min(len(prompt) - 1, (c // B + 1) * B)
+        engine._forward(r, prompt[c:e], c)
+        kv.commit(prompt[c:e])
+        engine.sync()
+        c = e
+    beams = [Beam(prompt, 0.0, kv)]
+    for _ in range(steps):
+        logps = []
+        for b in beams:
+            if b.kv.status.name == "SUSPENDED" and not b.kv.resume():
+                raise RuntimeError("the gpu quota cannot hold one beam")
+            if not b.kv.resize(len(b.seq)):
+                raise RuntimeError("the gpu quota cannot grow one beam")
+            engine.sync()  # the copy-on-write of a shared partial page runs before the write
+            r.kv = b.kv
+            logits = engine._forward(r, b.seq[-1:], len(b.seq) - 1)
+            b.kv.commit(b.seq[-1:])
+            engine.sync()
+            logps.append(logits[-1].cpu().log_softmax(-1))
+            if suspend_between_steps:
+                b.kv.suspend()
+                engine.sync()
+        chosen = _select(beams, logps, width)
+        kept: set[int] = set()
+        nxt = []
+        for i, t, sc in chosen:
+            parent = beams[i]
+            if i in kept:  # a second child: a branch of the parent's cache
+                if parent.kv.status.name == "SUSPENDED" and not parent.kv.resume():
+                    raise RuntimeError("the gpu quota cannot hold one beam")
+                child = parent.kv.fork()
+                engine.sync()  # an ssm fork's live state is a copy op
+                if suspend_between_steps:
+                    child.suspend()
+                    engine.sync()
+            else:
+                kept.add(i)
+                child = parent.kv
+            nxt.append(Beam(parent.seq + [t], sc, child))
+        for i, b in enumerate(beams):
+            if suspend_between_steps and b.kv.status.name == "ACTIVE":
+                b.kv.suspend()
+                engine.sync()
+            if i not in kept:
+                b.kv.close()  # pruned
+                engine.sync()
+        beams = nxt
+    for b in beams:
+        b.kv.close()
+        engine.sync()
+    engine.close()
+    return beams
+
+
+# ---------------------------------------------------------------------------------------
 # Workloads and the exactness check (shared by the tests and the demo)
 # ---------------------------------------------------------------------------------------
 
@@ -716,18 +829,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = [
     "BUILTIN_WORKLOADS",
+    "Beam",
     "Engine",
     "ModelConfig",
     "Outcome",
     "Request",
     "TinyHybridModel",
     "Workload",
+    "beam_search",
     "builtin_workload",
     "compare_with_reference",
     "default_device",
     "instance_parser",
     "main",
     "make_workload",
+    "reference_beam_search",
     "run_instance",
     "run_workload",
     "torch_threads",

@@ -8,7 +8,8 @@ One *op* is a dict::
     {"op": "drain_copy_runs"}
 
 ``cache`` is a *handle*: the index, in creation order, of a cache created by a successful
-``create_kv_cache`` of the same op sequence.  ``args`` holds keyword arguments; a missing
+``create_kv_cache`` or ``fork`` (a cache op whose result is the new cache's handle) of the
+same op sequence.  ``args`` holds keyword arguments; a missing
 key means "use the default" (the argument is not passed at all).
 
 Tokens: an int stays an int; a digest token (``bytes``) is ``{"digest": "<hex>"}``.  Any
@@ -89,8 +90,12 @@ CACHE_OPS: dict[str, tuple[str, ...]] = {
     # out: a fresh buffer of ``size`` items of ``dtype`` ("int32", "int64", "float32")
     # filled with -7; the result is {"count": n, "out": [...]} (see ``written``).
     "page_indices_into": ("lc", "size", "dtype"),
+    # forks (issue 22): the result is the new cache's handle, as create_kv_cache's
+    "fork": ("id",),
 }
 OPS: tuple[str, ...] = tuple(MANAGER_OPS) + tuple(CACHE_OPS)
+# The ops whose successful result is a new cache (recorded and compared as its handle).
+CREATING_OPS: frozenset[str] = frozenset({"create_kv_cache", "fork"})
 
 # The properties of a KVCache (sec. 7) compared by :func:`cache_props`.
 CACHE_PROPS: tuple[str, ...] = (
@@ -451,6 +456,9 @@ def _call(manager: Any, caches: list, op: dict[str, Any]) -> Any:
             return len(caches) - 1
         return normalize(result, caches)
     cache = caches[op["cache"]]
+    if name == "fork":
+        caches.append(cache.fork(**args))
+        return len(caches) - 1
     if name == "page_indices_into":
         buf = _make_buffer(args.pop("size", 0), args.pop("dtype", "int32"))
         count = cache.page_indices_into(args.get("lc"), buf)
@@ -460,7 +468,7 @@ def _call(manager: Any, caches: list, op: dict[str, Any]) -> Any:
 
 def apply(manager: Any, caches: list, op: dict[str, Any], *, with_message: bool = False) -> dict[str, Any]:
     """Run ``op`` on ``manager``; ``caches`` (created caches by handle) grows on a
-    successful ``create_kv_cache``.  Returns ``{"result": ...}`` or ``{"error": name}``
+    successful ``create_kv_cache`` or ``fork``.  Returns ``{"result": ...}`` or ``{"error": name}``
     (plus ``"message"`` when ``with_message``).  Raises :class:`OpError` for a malformed op."""
     validate_op(op, len(caches))
     try:
@@ -491,6 +499,7 @@ __all__ = [
     "BATCH_OPS",
     "CACHE_OPS",
     "CACHE_PROPS",
+    "CREATING_OPS",
     "MANAGER_OPS",
     "OPS",
     "ForeignCache",

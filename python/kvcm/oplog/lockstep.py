@@ -172,7 +172,7 @@ def run_ops(
     handles: dict[int, int] = {}
     for op in ops:
         op = {k: v for k, v in op.items() if k in ("op", "args", "cache", "outcome")}
-        recorded_handle = op.pop("outcome", {}).get("result") if op["op"] == "create_kv_cache" else None
+        recorded_handle = op.pop("outcome", {}).get("result") if op["op"] in _ops.CREATING_OPS else None
         if "cache" in op:
             if op["cache"] not in handles:
                 continue
@@ -189,6 +189,6 @@ def run_ops(
         if d is not None:
             return d, ls.records
         result = ls.records[-1]["outcome"].get("result")
-        if op["op"] == "create_kv_cache" and isinstance(recorded_handle, int) and isinstance(result, int):
+        if op["op"] in _ops.CREATING_OPS and isinstance(recorded_handle, int) and isinstance(result, int):
             handles[recorded_handle] = result
     return None, ls.records

@@ -244,7 +244,7 @@ class RecordingManager(KVCacheManager):
                     rec["message"] = str(e)
                     log.write(rec)
                 raise
-            if name == "create_kv_cache":
+            if name in _ops.CREATING_OPS:  # create_kv_cache, fork: the new cache's handle
                 result = RecordingCache(result, self, len(self._caches))
                 self._caches.append(result)
                 if rec is not None:
@@ -462,6 +462,9 @@ class RecordingCache(KVCache):
 
     def close(self) -> None:
         return self._record("close", {}, self._inner.close)
+
+    def fork(self, id=None) -> KVCache:
+        return self._record("fork", {"id": id}, lambda: self._inner.fork(id))
 
     def page_indices(self, lc) -> list[int]:
         return self._record("page_indices", {"lc": lc}, lambda: self._inner.page_indices(lc))

@@ -23,9 +23,13 @@ from kvcm.api import (
 )
 from kvcm.checks import (
     MAX_REQUEST_BLOCKS,
+    check_cache_id,
     check_count,
     check_tokens,
     closed_error,
+    default_cache_id,
+    fork_history_error,
+    fork_room_error,
     input_room_error,
     int32_view,
     status_error,
@@ -302,7 +306,9 @@ class PyKVCache(KVCache):
         mgr = self.mgr
         B = mgr.B
         nb = -(-capacity // B)
-        if mgr.full_attention_only and all(len(self.pages[lc]) == nb for lc in mgr.attn_lcs):
+        # forks (DECISIONS.md "Forks"): room to write into a shared partial page copies it first
+        cows = self._shared_tail(history) if capacity > len(self.tokens) else []
+        if not cows and mgr.full_attention_only and all(len(self.pages[lc]) == nb for lc in mgr.attn_lcs):
             # a decode step inside the last block: nothing is stale, nothing to allocate or
             # release, and the pages held already fit (what the general path finds, at once)
             mgr.tick()
@@ -330,7 +336,7 @@ class PyKVCache(KVCache):
             allocs.extend((lc, r) for r in (range(n, min(lo, nb)), range(max(hi, n), nb)) if r)
         # feasibility from counters, with the releases applied (DECISIONS.md)
         for lc in mgr.attn_lcs:
-            n = sum(len(r) for a, r in allocs if a == lc)
+            n = sum(len(r) for a, r in allocs if a == lc) + sum(1 for a, _p in cows if a == lc)
             if not n:
                 continue
             pool = mgr.pools[GPU][lc]
@@ -360,6 +366,7 @@ class PyKVCache(KVCache):
             pages = self.pages[lc]
             del pages[nb:]
             pages.extend([None] * (nb - len(pages)))
+        self._copy_tail(cows)
         for lc, ordinals in allocs:  # _alloc_private written out: a prompt allocates a page per block
             pool = mgr.pools[GPU][lc]
             free, pages, prio = pool.free_slots, self.pages[lc], self._priority
@@ -503,6 +510,124 @@ class PyKVCache(KVCache):
         self._status = Status.CLOSED
         del mgr.requests[self.serial]
         mgr.open_ids.discard(self._id)
+
+    # ------------------------------------------------------------------ forks (issue 22)
+
+    @serialized
+    def fork(self, id: int | str | None = None) -> PyKVCache:
+        """SPEC sec. 18 fork (DECISIONS.md "Forks (issue 22)"): checks first (a failed call
+        changes nothing), then a new ACTIVE cache sharing this one's committed pages."""
+        self._require_open("fork")
+        cache_id = check_cache_id(id)
+        mgr = self.mgr
+        if cache_id is not None and cache_id in mgr.open_ids:
+            raise ValueError(f"id {cache_id!r} is already used by an open cache")
+        self._require(Status.ACTIVE, "fork")
+        if self.history != len(self.tokens):
+            raise fork_history_error(self.history, len(self.tokens))
+        # the partial block is copied at once when this cache may already be writing into
+        # it (room beyond its committed tokens); else it is shared until a resize
+        copies = self._tail_pages() if self._capacity > len(self.tokens) else []
+        for lc in range(len(mgr.lcs)):
+            need = sum(1 for clc, _p in copies if clc == lc) + (1 if lc == mgr.ssm_lc else 0)
+            if need and not mgr.can_allocate(GPU, lc, need):
+                raise fork_room_error()
+
+        mgr.tick()
+        serial = mgr.next_request
+        mgr.next_request += 1
+        if cache_id is None:
+            cache_id = default_cache_id(serial, mgr.open_ids)
+        child = PyKVCache.__new__(PyKVCache)
+        child._init_fork(self, serial, cache_id)
+        if mgr.ssm_lc is not None:  # its own live state, a copy of this one's
+            child.live = child._alloc_private(mgr.ssm_lc, 0, len(child.tokens) // mgr.B)
+            mgr.copy(mgr.ssm_lc, self.live, child.live, "cow")
+            mgr.count(mgr.ssm_lc, "cows")
+        child._copy_tail(copies)
+        mgr.requests[serial] = child
+        mgr.open_ids.add(cache_id)
+        return child
+
+    def _init_fork(self, parent: PyKVCache, serial: int, cache_id: int | str) -> None:
+        """The fork's fields (its ``__init__``): the parent's committed tokens, input and
+        keys; ACTIVE, using every page and block the parent uses below ``ceil(c / B)``."""
+        mgr = parent.mgr
+        self.mgr = mgr
+        self.serial = serial
+        self._id = cache_id
+        self.scope = parent.scope
+        self._priority = parent._priority
+        self._status = Status.ACTIVE
+        self.stopped = False
+        self.root_key = parent.root_key
+        self.root = parent.root
+        mgr.tree.ref(self.root)
+        # never changed after create: shared with the parent
+        self.input_packed = parent.input_packed
+        self.input_tokens = parent.input_tokens
+        self.keys = parent.keys
+        self.tokens = parent.tokens[:]
+        self._capacity = self.history = len(self.tokens)
+        self._reused = parent._reused
+        nb = -(-len(self.tokens) // mgr.B)
+        self.blocks = list(parent.blocks[:nb])
+        for nid in self.blocks:
+            if nid != NO_NODE:
+                mgr.tree.ref(nid)
+        self.pages = {}
+        for lc in mgr.attn_lcs:
+            pages = parent.pages[lc][:nb]
+            for p in pages:
+                if p is not None:
+                    mgr.use(p, True, self._priority)
+            self.pages[lc] = pages
+        self.live = None
+        self.snap = None
+        self.cow_block = -1
+
+    def _tail_pages(self) -> list[tuple[int, Page]]:
+        """(lc, page) of the partial block this cache writes into next (none when its
+        committed tokens end on a block boundary)."""
+        B = self.mgr.B
+        j = len(self.tokens) // B
+        if len(self.tokens) % B == 0:
+            return []
+        return [(lc, self.pages[lc][j]) for lc in self.mgr.attn_lcs
+                if j < len(self.pages[lc]) and self.pages[lc][j] is not None]
+
+    def _shared_tail(self, history: int) -> list[tuple[int, Page]]:
+        """DECISIONS.md "Forks": the pages of the partial block this cache is about to
+        write into (a resize beyond its committed tokens, to ``history``) that are not its
+        own alone: a tree page, or a private page another cache uses too (a fork's).
+        None without forks: a cache's partial page is its own after its first resume."""
+        if self.stopped:
+            return []  # it never writes again
+        out = []
+        j = len(self.tokens) // self.mgr.B
+        for lc, p in self._tail_pages():
+            lo, hi = self.mgr.lcs[lc].stale_range(history, self.mgr.B)
+            if not lo <= j < hi and (p.node != NO_NODE or p.locks + p.holds > 1):
+                out.append((lc, p))
+        return out
+
+    def _copy_tail(self, shared: list[tuple[int, Page]]) -> None:
+        """Copy-on-write of the partial block's ``shared`` pages into private ones (a
+        ``cow`` op each); this cache stops using the originals and its tree block there."""
+        if not shared:
+            return
+        mgr = self.mgr
+        j = len(self.tokens) // mgr.B
+        covered = len(self.tokens) - j * mgr.B
+        for lc, src in shared:
+            dst = self._alloc_private(lc, covered, j)
+            mgr.copy(lc, src, dst, "cow")
+            mgr.count(lc, "cows")
+            mgr.unuse(src, self._status == Status.ACTIVE)
+            self.pages[lc][j] = dst
+        if j < len(self.blocks) and self.blocks[j] != NO_NODE:
+            mgr.tree.unref(self.blocks[j])
+            self.blocks[j] = NO_NODE
 
     @serialized
     def page_indices(self, lc: int) -> list[int]:
