@@ -461,7 +461,9 @@ def test_a_hung_mooncake_master_costs_the_deadline_only(fresh_mooncake, ns):
             with pytest.raises(CopyError) as e:
                 plane.apply(load_ops(2))
             assert e.value.ops == load_ops(2)
-            assert time.monotonic() - t0 < 2 * DEADLINE + 0.5
+            # two calls, each cut at the deadline (without it: Mooncake's 30 s RPC timeouts);
+            # the slack is for a loaded machine, not a speed claim
+            assert time.monotonic() - t0 < 2 * DEADLINE + 10
             assert plane.shared_stats["timeouts"] == 2
         finally:
             os.kill(fresh_mooncake.master.pid, signal.SIGCONT)
