@@ -2,6 +2,8 @@
 # The CI matrix.  Usage: ci/matrix.sh [LEG...]   (default: all legs, in this order)
 #
 #   python   KVCM_BACKEND=python pytest tests      unit/integration tests on the reference backend
+#                                                  (pytest-xdist: -n $KVCM_XDIST, default 2 workers;
+#                                                  each worker starts its own Mooncake Store)
 #   cpp      KVCM_BACKEND=cpp    pytest tests      the same tests on the C++ backend
 #                                                  (both legs start a real Mooncake Store on
 #                                                  127.0.0.1 for the shared-tier tests; with
@@ -27,6 +29,11 @@ unset KVCM_ALLOW_NO_CPP KVCM_OPLOG
 # shellcheck disable=SC2206
 EXTRA=(${KVCM_PYTEST_ARGS:-})
 COMMON=(-p no:cacheprovider --tb=short -ra)
+# the test legs on every core: the suite is xdist-safe (ephemeral ports, tmp_path, a Mooncake
+# Store per worker); KVCM_XDIST=0 runs them in one process.  The parity leg stays in one
+# process: its report reads each test's outcome through an in-process plugin.
+XDIST=(-n "${KVCM_XDIST:-2}")
+[ "${KVCM_XDIST:-2}" = 0 ] && XDIST=(-p no:xdist)
 
 legs=("$@")
 [ ${#legs[@]} -eq 0 ] && legs=(python cpp parity sanitize)
@@ -34,8 +41,8 @@ legs=("$@")
 run_leg() {
   local leg=$1
   case "$leg" in
-    python) KVCM_BACKEND=python "$PY" -m pytest tests "${COMMON[@]}" "${EXTRA[@]}" ;;
-    cpp)    KVCM_BACKEND=cpp    "$PY" -m pytest tests "${COMMON[@]}" "${EXTRA[@]}" ;;
+    python) KVCM_BACKEND=python "$PY" -m pytest tests "${XDIST[@]}" "${COMMON[@]}" "${EXTRA[@]}" ;;
+    cpp)    KVCM_BACKEND=cpp    "$PY" -m pytest tests "${XDIST[@]}" "${COMMON[@]}" "${EXTRA[@]}" ;;
     parity) "$PY" -m parity.report --output "$OUT/parity-report.md" parity "${COMMON[@]}" "${EXTRA[@]}" ;;
     sanitize) ci/sanitize.sh ;;
     *) echo "ci/matrix.sh: unknown leg '$leg' (legs: python cpp parity sanitize)" >&2; return 2 ;;
