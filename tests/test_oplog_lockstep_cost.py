@@ -1,5 +1,5 @@
 """``oplog-replay`` in linear time (issue #20 item 3): the full comparison (every cache's
-properties, ``snapshot()``, ``check_invariants()``) runs at doubling points of the log,
+properties, ``snapshot()``, ``check_invariants()``) runs at halving points of the log (1/2, 1/4, ... of it),
 not after every op, and a divergence it finds is located exactly, at the op where it
 happens, by re-running the log (bisection).  Counts, never timings."""
 
@@ -74,9 +74,9 @@ def planted(monkeypatch, after: int, what: str) -> list[int]:
 
 def test_oplog_replay_full_checks_are_not_after_every_op(tmp_path, monkeypatch):
     """The 50-request log that ran 11 minutes: a full snapshot comparison after each of
-    its 303 ops.  Now a handful, at doubling points of the log."""
+    its 303 ops.  Now a handful, where the log read reaches 1/2, 1/4, ... of it."""
     path = write_log(tmp_path)
-    monkeypatch.setattr(playback, "FULL_CHECK_MIN_CHARS", 1)  # as on a big log: many doubling points
+    monkeypatch.setattr(playback, "FULL_CHECK_MIN_CHARS", 1)  # as on a big log: many halving points
     counter = planted(monkeypatch, after=10**9, what="none")
     report = L.replay(path, ["python", "cpp"])
     assert report.ok and report.steps == REQUESTS * OPS_PER_REQUEST

@@ -47,23 +47,32 @@ def build_manager(config: KVCacheManagerConfig, backend: str) -> KVCacheManager:
 # The full check (every cache's properties, snapshot(), check_invariants()) costs the size
 # of the whole state, which grows with the log: run after every op it made a replay
 # quadratic (a 50-request log of the shipped trace took 11 minutes).  It runs after the
-# first op, then whenever the log read since the last one is as long as everything read
-# before it (at doubling points of the log), and after the last op: at most twice the
-# cost of the final check in all, so the replay stays linear in the log.  Every op still
-# gets the light check (outcomes, the caches it touches, stats()).
+# first op, after the ops where the log read so far reaches 1/2, 1/4, 1/8, ... of the
+# stream (down to FULL_CHECK_MIN_CHARS), and after the last op: the state at each is at
+# most that fraction of the final one, so all of them cost about twice the final check,
+# and the replay stays linear in the log.  Every op still gets the light check
+# (outcomes, the caches it touches, stats()).
 FULL_CHECK_MIN_CHARS = 1 << 16
 
 
 def _schedule(sizes: Sequence[int]) -> list[bool]:
     """For each op of a stream: run the full check after it (see above)?"""
     out = [False] * len(sizes)
-    done = 0  # characters read up to the last full check
-    total = 0
+    if not sizes:
+        return out
+    out[0] = out[-1] = True
+    marks = []
+    mark = sum(sizes) / 2
+    while mark >= FULL_CHECK_MIN_CHARS:
+        marks.append(mark)
+        mark /= 2
+    marks.reverse()
+    read = j = 0
     for k, n in enumerate(sizes):
-        total += n
-        if k == 0 or k == len(sizes) - 1 or total - done >= max(FULL_CHECK_MIN_CHARS, done):
+        read += n
+        while j < len(marks) and read >= marks[j]:
             out[k] = True
-            done = total
+            j += 1
     return out
 
 
