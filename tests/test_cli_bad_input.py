@@ -282,6 +282,18 @@ def test_missing_extra_names_the_extra_to_install(argv, extra):
     assert f"pip install 'kvcm[{extra}]'" in line and "kvcm[all]" in line, line
 
 
+NO_TORCH = NO_EXTRAS.replace('("zmq", "msgspec", "matplotlib")', '("torch",)').replace(
+    "from kvcm.cli import main", "import importlib; main = importlib.import_module(sys.argv[1]).main"
+).replace("main(sys.argv[1:])", "main(sys.argv[2:])")
+
+
+@pytest.mark.parametrize("argv", [["kvcm.cli", "demo", "--backend", "python"], ["kvcm.engine", "--no-check"]])
+def test_missing_torch_names_the_pinned_install(argv):
+    p = run_py(argv, code=NO_TORCH)
+    assert p.returncode == 2, p.stderr
+    assert "needs torch: pip install torch==2.13.0" in one_line(p.stderr)
+
+
 def test_all_extra_holds_every_other_extra():
     import tomllib
 

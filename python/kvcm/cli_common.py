@@ -160,3 +160,16 @@ def oplog_unusable(prog: str) -> str | None:
 
     why = check_env_path()
     return None if why is None else f"{prog}: {why}"
+
+
+TORCH_HINT = "pip install torch==2.13.0 (the pinned CPU build; a plain `torch` pulls a multi-GB CUDA build)"
+
+
+def torch_missing(prog: str) -> str | None:
+    """One line when torch (the data plane's pools, the reference engine) is not
+    installed; None when it imports."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return f"{prog}: needs torch: {TORCH_HINT}"
+    return None

@@ -106,6 +106,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workload", choices=sorted(BUILTIN_WORKLOADS), default="multi-turn")
     p.add_argument("--device", default=None, help="where the gpu tier lives (default $KVCM_ENGINE_DEVICE or cpu)")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    from kvcm.cli_common import torch_missing
+
+    why = torch_missing("python -m kvcm demo")
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 2
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     from kvcm import BACKENDS
 

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, CopyError, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
-from kvcm.cli_common import backend_arg, int_in, oplog_unusable, writable_file
+from kvcm.cli_common import backend_arg, int_in, oplog_unusable, torch_missing, writable_file
 from kvcm.dataplane import DataPlane
 
 
@@ -711,7 +711,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     prog = "python -m kvcm.engine"
     args = instance_parser().parse_args(argv)
-    why = oplog_unusable(prog)
+    why = torch_missing(prog) or oplog_unusable(prog)
     if why is not None:
         print(why, file=sys.stderr)
         return 2
