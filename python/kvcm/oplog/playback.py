@@ -168,7 +168,8 @@ def replay(
                 report.divergence = Divergence(stream.m, -1, {"op": "<construct>"}, "construct",
                                                f"{type(e).__name__}: {e}")
                 break
-            full = _schedule(stream.sizes)
+            sizes = stream.sizes if len(stream.sizes) == len(stream.ops) else [len(str(r)) for r in stream.ops]
+            full = _schedule(sizes)
             checked = -1  # the last op after which the full check passed
             for k in range(len(stream.ops)):
                 d = run.step(k, False)
