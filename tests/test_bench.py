@@ -10,6 +10,7 @@ import sys
 
 import kvcm
 import pytest
+from kvcm.bench import QUICK_NOTE
 
 PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
 
@@ -63,8 +64,25 @@ def test_decode_bench_times_the_batched_step_and_judges_it():
     assert p.returncode == 0, p.stdout + p.stderr
     row = re.search(r"^batched: us / step \(median\)\s+(.*)$", p.stdout, re.MULTILINE)
     assert row and re.fullmatch(rf"{CELL}\s+{CELL}\s+\d+\.\dx", row.group(1).strip()), p.stdout
-    assert re.search(r"^target: cpp < 100 us per 256-request step \(batched\) -> (met|not met)", p.stdout,
-                     re.MULTILINE), p.stdout  # fmt: skip
+    assert "target" not in p.stdout.replace(QUICK_NOTE, ""), p.stdout  # --quick judges nothing
+
+
+def test_bench_quick_prints_no_target_lines_and_says_why():
+    """Issue 20 item 6: ``bench --quick`` printed "target ... not met" lines at sizes the
+    targets are not about, unexplained.  Under --quick: no target, and a note saying why."""
+    p = run_bench("memory")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == QUICK_NOTE
+    assert "target" not in p.stdout.replace(QUICK_NOTE, "") and "not met" not in p.stdout, p.stdout
+
+
+def test_bench_at_chosen_sizes_judges_its_targets_and_says_what_they_mean(capsys):
+    from kvcm import bench, cli
+
+    code = cli.main(["bench", "decode", "--decode-batch", "8", "--decode-steps", "3", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.splitlines()[0] == bench.TARGETS_NOTE
+    assert re.search(r"^target: cpp < 100 us per 8-request step \(batched\) -> (met|not met)", out, re.MULTILINE), out
 
 
 def test_evict_bench_evicts():
@@ -78,7 +96,7 @@ def test_evict_bench_evicts():
 def test_memory_bench_prints_target_and_method():
     p = run_bench("memory")
     assert p.returncode == 0, p.stderr
-    assert "target: <= 64 + 4*B = 192 bytes per cached block" in p.stdout
+    assert "target:" not in p.stdout  # not at --quick sizes (a few blocks: construction dominates)
     assert re.search(r"^method\s+tracemalloc", p.stdout, re.MULTILINE), p.stdout
 
 
@@ -92,7 +110,7 @@ def test_keys_bench_quick():
 def test_step_bench_judges_growth_with_length():
     p = run_bench("step")
     assert p.returncode == 0, p.stdout + p.stderr
-    row = re.search(r"^step at 100,000 / step at 1,000 \(target <= 2x\)\s+(.*)$", p.stdout, re.MULTILINE)
+    row = re.search(r"^step at 100,000 / step at 1,000\s+(.*)$", p.stdout, re.MULTILINE)
     assert row and re.fullmatch(r"\d+\.\d\dx\s+(\d+\.\d\dx|)", row.group(1).strip()), p.stdout
 
 
@@ -120,10 +138,10 @@ def test_replay_bench_quick():
     # unbounded and tight, each prompt only and with outputs decoded a block at a time
     assert p.stdout.count("time ratio python/cpp") == 4, p.stdout
     assert p.stdout.count("[unbounded; ") == 2 and p.stdout.count("[tight: ") == 2, p.stdout
-    assert p.stdout.count("cpp us/block / floor (target <= 3x)") == 4, p.stdout
+    assert p.stdout.count("cpp us/block / floor") == 4 and "target" not in p.stdout.replace(QUICK_NOTE, ""), p.stdout
     # the floor runs beside the backends, each in a child process with its peak RSS
     assert re.search(r"^\s+python\s+cpp\s+floor$", p.stdout, re.MULTILINE), p.stdout
-    for label in ("time ratio python/floor (target <= 1.5x)", "peak RSS ratio python/floor (target <= 2x)"):
+    for label in ("time ratio python/floor", "peak RSS ratio python/floor"):
         assert len(re.findall(rf"^{re.escape(label)}\s+\d+\.\d\dx$", p.stdout, re.MULTILINE)) == 4, p.stdout
     assert len(re.findall(r"^peak RSS \(child process\)(\s+[\d,]+ MiB){3}$", p.stdout, re.MULTILINE)) == 4, p.stdout
 

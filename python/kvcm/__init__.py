@@ -5,7 +5,16 @@
 
 from __future__ import annotations
 
-from kvcm._select import BACKENDS, BackendUnavailableError, block_keys_impl, choose_default_backend, cpp_extension
+import sys
+
+from kvcm._select import (
+    BACKENDS,
+    BackendUnavailableError,
+    block_keys_impl,
+    choose_default_backend,
+    cli_entry,
+    cpp_extension,
+)
 from kvcm.api import (
     AttentionLayer,
     ClearedEvent,
@@ -38,9 +47,19 @@ from kvcm.construct import install
 __version__ = "0.1.0"
 
 install()  # KVCacheManager(...) builds through kvcm.construct (the interface knows no backend)
-backend: str = choose_default_backend()
-if backend == "cpp":
-    cpp_extension()  # fail the import loudly, naming KVCM_BACKEND=python and how to build
+try:
+    backend: str = choose_default_backend()
+    if backend == "cpp":
+        cpp_extension()  # fail the import loudly, naming KVCM_BACKEND=python and how to build
+except BackendUnavailableError as _e:
+    # ``python -m kvcm ...`` / ``python -m kvcm.engine``: the package is imported before the
+    # command's main() runs, so the command line's rule (exit 2, one line, no traceback) is
+    # kept here; any other importer gets the exception.
+    _prog = cli_entry()
+    if _prog is None:
+        raise
+    print(f"{_prog}: {_e}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def block_keys(tokens, tokens_per_block: int, scope: ReuseScope | None = None, *, backend: str | None = None) -> list[bytes]:

@@ -30,7 +30,10 @@ class BackendUnavailableError(ImportError):
 
 def _validate(name: str, source: str) -> str:
     if name not in BACKENDS:
-        raise BackendUnavailableError(f"{source}={name!r} is not a kvcm backend; choices: {', '.join(BACKENDS)}")
+        hint = f" (did you mean {name.lower()!r}? names are lower case)" if name.lower() in BACKENDS else ""
+        raise BackendUnavailableError(
+            f"{source}={name!r} is not a kvcm backend; choices: {', '.join(BACKENDS)}{hint}"
+        )
     return name
 
 
@@ -57,6 +60,23 @@ def choose_default_backend() -> str:
 
 def _chosen(backend: str | None) -> str:
     return _active if backend is None else _validate(backend, "backend")
+
+
+def cli_entry() -> str | None:
+    """``"python -m kvcm"`` (or ``"python -m kvcm.engine"``, ...) while Python is still
+    locating a kvcm module given to ``-m`` -- i.e. ``import kvcm`` is running as the first
+    step of a kvcm command, not inside a program that imports kvcm; otherwise None.  While
+    ``-m`` locates its module ``sys.argv[0]`` is ``"-m"``; ``sys.orig_argv`` names it."""
+    import sys
+
+    if sys.argv[:1] != ["-m"]:
+        return None
+    args = list(getattr(sys, "orig_argv", []))[1:]
+    for i, a in enumerate(args):
+        name = args[i + 1] if a == "-m" and i + 1 < len(args) else (a[2:] if a.startswith("-m") and len(a) > 2 else None)
+        if name is not None:
+            return f"python -m {name}" if name == "kvcm" or name.startswith("kvcm.") else None
+    return None
 
 
 def cpp_extension():

@@ -363,9 +363,11 @@ def bench_keys(args: argparse.Namespace) -> None:
     rows.append(["speedup hashlib/python (Python floor)", _ratio(rates.get("hashlib"), py)])
     # Time relative to the floor: how many raw-loop durations one block_keys call takes.
     floor = rates.get("cpp_raw")
+    from kvcm.bench import target as bench_target
+
     for label, _ in inputs:
         cpp_rate = rates.get(f"cpp{label}")
-        target = " (target <= 1.5x)" if label == "" else ""
+        target = bench_target("<= 1.5x") if label == "" else ""
         ratio = f"{floor / cpp_rate:.2f}x" if floor and cpp_rate else "n/a"
         rows.append([f"cpp{label or ' list'} time / raw floor{target}", ratio])
     print(_table(["", "throughput"], rows))
@@ -408,8 +410,14 @@ def _time_block_keys(inputs: list[tuple[str, Any]], n: int, B: int, repeat: int,
         kvcm.block_keys(toks, B, backend=b)  # warm-up, untimed: first-call effects are not throughput
         return _best_of(lambda: kvcm.block_keys(toks, B, backend=b), repeat)
 
+    from kvcm.bench import NOT_SELECTED, SELECTED
+
     for label, toks in inputs:
         for b in ("python", "cpp"):
+            if b not in SELECTED:
+                rates[f"{b}{label}"] = None
+                rows.append([f"block_keys{label} [{b}]", NOT_SELECTED])
+                continue
             dt, why = _run_guarded(lambda b=b, toks=toks: timed(b, toks))
             rates[f"{b}{label}"] = n / dt if why is None else None
             rows.append([f"block_keys{label} [{b}]", f"{n / dt / 1e6:.2f} M tokens/s" if why is None else why])
@@ -528,6 +536,9 @@ def bench_replay(args: argparse.Namespace) -> int:
         f"not a backend"
     )
     rc = 0
+    from kvcm.bench import NOT_SELECTED, SELECTED
+    from kvcm.bench import target as bench_target
+
     impls = ("python", "cpp", FLOOR)
     pools = (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight))
     modes = (("prompt only", False), ("prompt + outputs decoded a block at a time", True))
@@ -536,6 +547,9 @@ def bench_replay(args: argparse.Namespace) -> int:
         rss: dict[str, dict] = {}
         for _ in range(args.repeat):
             for b in impls:
+                if b != FLOOR and b not in SELECTED:
+                    results[b] = NOT_SELECTED
+                    continue
                 res, mem = _replay_in_child(b, limit, B, gpu, host, outputs)
                 prev = results.get(b)
                 if prev is None or (not isinstance(prev, str) and (isinstance(res, str) or res.manager_s < prev.manager_s)):
@@ -552,9 +566,9 @@ def bench_replay(args: argparse.Namespace) -> int:
             return all(not isinstance(r, str) for r in rs)
 
         rows.append(["time ratio python/cpp", "", _ratio(py.manager_s, cpp.manager_s) if ok(py, cpp) else "n/a", ""])
-        rows.append(["time ratio python/floor (target <= 1.5x)", "", "",
+        rows.append([f"time ratio python/floor{bench_target('<= 1.5x')}", "", "",
                      f"{py.manager_s / fl.manager_s:.2f}x" if ok(py, fl) else "n/a"])
-        rows.append(["peak RSS ratio python/floor (target <= 2x)", "", "",
+        rows.append([f"peak RSS ratio python/floor{bench_target('<= 2x')}", "", "",
                      f"{rss['python']['peak_rss'] / rss[FLOOR]['peak_rss']:.2f}x" if "python" in rss and FLOOR in rss
                      else "n/a"])
         floor = _replay_hash_floor(B, args.repeat)
@@ -562,7 +576,7 @@ def bench_replay(args: argparse.Namespace) -> int:
             rows.append(["raw SHA-256 floor us/block (same run)", "", f"{floor:.3f}", ""])
             if not isinstance(cpp, str):
                 ratio = cpp.us_per_block / floor
-                rows.append(["cpp us/block / floor (target <= 3x)", "", f"{ratio:.2f}x", ""])
+                rows.append([f"cpp us/block / floor{bench_target('<= 3x')}", "", f"{ratio:.2f}x", ""])
         print(f"\n[{label}; {mode}]")
         print(_table(["", *results.keys()], rows))
         sys.stdout.flush()
@@ -573,6 +587,9 @@ def bench_replay(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvcm import bench
 
+    bench.SELECTED = tuple(args.backend)
+    bench.QUICK = args.quick
+    print(bench.QUICK_NOTE if args.quick else bench.TARGETS_NOTE)
     if args.quick:  # tiny sizes for tests (explicit --limit still wins)
         args.key_tokens = min(args.key_tokens, 20_000)
         args.repeat = 1
@@ -688,27 +705,47 @@ def _add_bench_parser(sub: Any) -> None:
     b.add_argument("--key-tokens", type=_int_in(1), default=1_000_000, help="tokens hashed by the keys bench")
     b.add_argument("--repeat", type=_int_in(1), default=3, help="keys and replay benches: best of N")
     b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--backend", type=_backends, default=["python", "cpp"],
+                   help="comma-separated backends to measure (default python,cpp; the ratios need both)")
     from kvcm.bench import add_arguments as add_micro_bench_arguments
 
     add_micro_bench_arguments(b)
 
 
+# Commands that build managers: a KVCM_OPLOG they could not record to is refused first.
+_RECORDING = ("replay", "bench", "demo", "events", "route")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in _RECORDING and not {"-h", "--help"} & set(argv):
+        from kvcm.cli_common import oplog_unusable
+
+        why = oplog_unusable(f"python -m kvcm {argv[0]}")
+        if why is not None:
+            print(why, file=sys.stderr)
+            return 2
     if argv[:1] == ["oplog-replay"]:
         return cmd_oplog_replay(argv[1:])
     if argv[:1] == ["demo"]:
         from kvcm.demo import main as demo_main
 
         return demo_main(argv[1:])
-    if argv[:1] == ["events"]:
-        from kvcm.events_cli import main as events_main
+    if argv[:1] in (["events"], ["route"]):
+        from kvcm.cli_common import missing_extra
 
-        return events_main(argv[1:])
-    if argv[:1] == ["route"]:
-        from kvcm.route_cli import main as route_main
-
-        return route_main(argv[1:])
+        try:  # their modules import the optional dependencies (pyzmq, msgspec) at the top
+            if argv[0] == "events":
+                from kvcm.events_cli import main as command
+            else:
+                from kvcm.route_cli import main as command
+        except ImportError as e:
+            why = missing_extra(f"python -m kvcm {argv[0]}", e)
+            if why is None:
+                raise
+            print(why, file=sys.stderr)
+            return 2
+        return command(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:

@@ -78,8 +78,98 @@ def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not an int: {text!r}") from None
+        if hi is None and v < lo:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {v}")
         if v < lo or (hi is not None and v > hi):
-            raise argparse.ArgumentTypeError(f"{v} out of range {lo}..{hi if hi is not None else ''}")
+            raise argparse.ArgumentTypeError(f"{v} out of range {lo}..{hi}")
         return v
 
     return parse
+
+
+def backend_arg(text: str) -> str:
+    """An argparse type: one kvcm backend name (``python`` or ``cpp``)."""
+    from kvcm._select import BACKENDS
+
+    if text not in BACKENDS:
+        hint = " (names are lower case)" if text.lower() in BACKENDS else ""
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choices: {', '.join(BACKENDS)}{hint}")
+    return text
+
+
+def finite_in(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite float in ``lo..hi`` (``lo_open``: ``> lo``)."""
+    import math
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or (hi is not None and v > hi):
+            bound = f"> {lo:g}" if lo_open else f">= {lo:g}"
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return v
+
+    return parse
+
+
+def writable_file(prog: str, option: str, path: str) -> str | None:
+    """Why ``path`` cannot be written (its directory missing or not writable, a directory
+    itself), as one line naming ``option``; None when it can.  Checked before a long run,
+    so a bad path is not found after it."""
+    import os
+
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{prog}: {option} {path}: is a directory"
+    if not os.path.isdir(where):
+        return f"{prog}: {option} {path}: no such directory {where}"
+    if not os.access(where, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{prog}: {option} {path}: not writable"
+    return None
+
+
+# The optional dependencies of each command, the extra that installs them.
+EXTRAS = {"zmq": "events", "msgspec": "events", "matplotlib": "route"}
+# Each extra's packages (pyproject.toml): installing them directly does not rebuild kvcm.
+EXTRA_PACKAGES = {"events": "pyzmq msgspec", "route": "pyzmq msgspec matplotlib"}
+
+
+def missing_extra(prog: str, e: ImportError, extra: str | None = None) -> str | None:
+    """One line naming the extra to install (``extra``, or the one that brings the
+    module) when ``e`` is a missing optional dependency of kvcm (None for any other
+    import error)."""
+    name = (getattr(e, "name", None) or "").split(".")[0]
+    if name not in EXTRAS:
+        return None
+    extra = extra or EXTRAS[name]
+    return (f"{prog}: needs the {name!r} module, from the {extra!r} extra: pip install 'kvcm[{extra}]' "
+            f"(or 'kvcm[all]'; into an installed kvcm without rebuilding it: pip install {EXTRA_PACKAGES[extra]})")
+
+
+def oplog_unusable(prog: str) -> str | None:
+    """One line when ``KVCM_OPLOG`` is set to a path the op log cannot use (a missing
+    directory, ``/proc``, a symlink, ...): checked before a command builds managers, so
+    it is a usage error rather than an error in each backend's column."""
+    import os
+
+    if not os.environ.get("KVCM_OPLOG"):
+        return None
+    from kvcm.oplog.record import check_env_path
+
+    why = check_env_path()
+    return None if why is None else f"{prog}: {why}"
+
+
+TORCH_HINT = "pip install torch==2.13.0 (the pinned CPU build; a plain `torch` pulls a multi-GB CUDA build)"
+
+
+def torch_missing(prog: str) -> str | None:
+    """One line when torch (the data plane's pools, the reference engine) is not
+    installed; None when it imports."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return f"{prog}: needs torch: {TORCH_HINT}"
+    return None

@@ -63,7 +63,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, CopyError, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
+from kvcm.cli_common import backend_arg, int_in, oplog_unusable, torch_missing, writable_file
 from kvcm.dataplane import DataPlane
+
+
+class QuotaTooSmallError(RuntimeError):
+    """The gpu tier cannot hold even one request of the workload (a usage error)."""
 
 
 def _torch():
@@ -387,7 +392,7 @@ class Engine:
                 else:
                     running.append(r)
             if not running:
-                raise RuntimeError("the gpu quota cannot hold even one request")
+                raise QuotaTooSmallError("the gpu quota cannot hold even one request")
             for r in running.copy():  # grow by one token, preempting the newest on failure
                 while r in running and not r.rolled_back and not r.kv.resize(r.kv.capacity + 1):
                     if len(running) == 1 or len(self.plane.tier_kinds) == 1:
@@ -769,16 +774,16 @@ def instance_parser() -> argparse.ArgumentParser:
                     "instances given the same --shared-tier reuse each other's prefill.")
     p.add_argument("--workload", default=["shared-system-prompt"], type=_workloads,
                    help=f"one or more (comma-separated, run in order) of {', '.join(sorted(BUILTIN_WORKLOADS))}")
-    p.add_argument("--backend", default=None, help="kvcm backend (default: KVCM_BACKEND)")
+    p.add_argument("--backend", type=backend_arg, default=None, help="kvcm backend (default: KVCM_BACKEND)")
     p.add_argument("--shared-tier", default=None,
                    help="the shared store: a directory, file:///dir or mooncake://host:port?metadata=url")
-    p.add_argument("--shared-quota-bytes", type=int, default=0,
+    p.add_argument("--shared-quota-bytes", type=int_in(0), default=0,
                    help="file store: byte cap; Mooncake: bytes this client mounts (0: none)")
     p.add_argument("--shared-write", default="commit", choices=("commit", "evict"))
     p.add_argument("--namespace", default="kvcm-tiny-hybrid", help="the layout fingerprint's model/namespace")
-    p.add_argument("--block", type=int, default=16, help="tokens per block")
-    p.add_argument("--gpu-slots", type=int, default=1000)
-    p.add_argument("--host-slots", type=int, default=0)
+    p.add_argument("--block", type=int_in(1, 4096), default=16, help="tokens per block")
+    p.add_argument("--gpu-slots", type=int_in(1), default=1000, help="gpu slots per life cycle (default 1000)")
+    p.add_argument("--host-slots", type=int_in(0), default=0, help="host slots per life cycle (default 0: none)")
     p.add_argument("--no-check", action="store_true", help="skip the comparison with the no-cache run")
     p.add_argument("--json", default=None, help="write the outcome here (requests' tokens and logits included)")
     return p
@@ -810,8 +815,32 @@ def run_instance(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit status: 0 the outputs equal the no-cache run (or ``--no-check``); 1 they
+    differ; 2 bad usage or bad input (an option out of range, an unusable shared tier or
+    ``--json`` path, a quota too small for a request): one line, never a traceback."""
+    import sys
+
+    from kvcm.api import ConfigError
+
+    prog = "python -m kvcm.engine"
     args = instance_parser().parse_args(argv)
-    res = run_instance(args)
+    why = torch_missing(prog) or oplog_unusable(prog)
+    if why is not None:
+        print(why, file=sys.stderr)
+        return 2
+    if args.json:
+        why = writable_file(prog, "--json", args.json)
+        if why is not None:
+            print(why, file=sys.stderr)
+            return 2
+    try:
+        res = run_instance(args)
+    except (ConfigError, ValueError, OSError, ImportError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except QuotaTooSmallError as e:
+        print(f"{prog}: {e} (--gpu-slots {args.gpu_slots})", file=sys.stderr)
+        return 2
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f)
@@ -833,6 +862,7 @@ __all__ = [
     "Engine",
     "ModelConfig",
     "Outcome",
+    "QuotaTooSmallError",
     "Request",
     "TinyHybridModel",
     "Workload",

@@ -227,8 +227,8 @@ def plot(results: Sequence[FleetResult], raw: dict[str, float] | None, path: str
               label="local tiers only" if mode == "local" else f"shared tier, write on {mode}")
     a.set_xticks(range(len(ns)), [f"N={n}" for n in ns])
     a.set_ylabel("reused prompt tokens (%)")
-    a.set_title("hit rate, round-robin fleet")
-    a.legend(loc="center left")
+    a.set_title("hit rate, round-robin fleet", pad=24)
+    a.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(modes), frameon=False, fontsize=8)  # not on a bar
     width = 0.38
     sh = [r for r in results if r.mode != "local"]
     labels = [f"plane N={r.instances} {r.mode}" for r in sh]
@@ -243,8 +243,8 @@ def plot(results: Sequence[FleetResult], raw: dict[str, float] | None, path: str
     b.bar([x + width / 2 for x in xs], get, width, label="load / get")
     b.set_xticks(list(xs), labels, rotation=20)
     b.set_ylabel("MB/s")
-    b.set_title("data plane vs raw store (same run)")
-    b.legend()
+    b.set_title("data plane vs raw store (same run)", pad=24)
+    b.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -316,6 +316,13 @@ def encode_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
 
 def normalize(value: Any, caches: Sequence[KVCache] = ()) -> Any:
     """A JSON value equal (with ``==``) for equal observable results."""
+    # Fast paths for the bulk of a snapshot (token lists, one flat dict per tree node and
+    # page), values that are plain JSON already: copied, not walked value by value.
+    if type(value) in (list, dict):
+        try:
+            return _json_copy(value)
+        except _NotPlain:
+            pass
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -348,6 +355,39 @@ def normalize(value: Any, caches: Sequence[KVCache] = ()) -> Any:
     return {"repr": repr(value)}
 
 
+_SCALARS = frozenset({int, str, float, bool, type(None)})
+
+
+def _plain(items: list) -> bool:
+    """All items are exact ``int`` / ``str`` / ``float`` / ``bool`` / ``None`` (no
+    subclass): values :func:`normalize` returns unchanged."""
+    return set(map(type, items)) <= _SCALARS
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _json_copy(v: Any) -> Any:
+    """A copy of ``v`` if it is plain JSON already (exact str / int / float / bool / None,
+    lists, dicts with str keys): what :func:`normalize` returns for it.  Raises
+    :class:`_NotPlain` otherwise."""
+    tv = type(v)
+    if tv in _SCALARS:
+        return v
+    if tv is list:
+        return list(v) if _plain(v) else [_json_copy(x) for x in v]
+    if tv is dict:
+        out = {}
+        for k, x in v.items():
+            if type(k) is not str:
+                raise _NotPlain
+            tx = type(x)  # inline for the common leaves: one call per dict, not per key
+            out[k] = x if tx in _SCALARS else list(x) if tx is list and _plain(x) else _json_copy(x)
+        return out
+    raise _NotPlain
+
+
 def error_outcome(exc: BaseException, with_message: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"error": type(exc).__name__}
     if with_message:
@@ -362,10 +402,11 @@ def same_outcome(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.get("result") == b.get("result")
 
 
-def cache_props(cache: KVCache) -> dict[str, Any]:
-    """Every property of a cache, normalised (a property that raises gives its error)."""
+def cache_props(cache: KVCache, names: Sequence[str] = CACHE_PROPS) -> dict[str, Any]:
+    """Every property of a cache (or those in ``names``), normalised (a property that
+    raises gives its error)."""
     out: dict[str, Any] = {}
-    for name in CACHE_PROPS:
+    for name in names:
         try:
             out[name] = normalize(getattr(cache, name))
         except Exception as e:  # noqa: BLE001 - the error is the observable value

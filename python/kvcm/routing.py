@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvcm.api import KVCacheManager
@@ -121,6 +121,7 @@ def route_trace(
     seed: int = 0,
     window: int | None = None,
     weight: float = 1.0,
+    on_request: Callable[[], object] | None = None,
 ) -> RouteResult:
     """Route ``trace`` over ``instances`` managers with ``policy`` (see the module doc)."""
     if instances < 1:
@@ -160,6 +161,8 @@ def route_trace(
             res.mispredicted += 1
         res.reused_tokens += reused
         chooser.record(i, len(prompt) - reused)
+        if on_request is not None:  # progress display only
+            on_request()
     res.wall_s = time.perf_counter() - t0
     res.wire_bytes = sum(link.bytes_sent for link in links)
     for m in mgrs:
@@ -196,8 +199,9 @@ def plot(results: Sequence[RouteResult], path: str) -> None:
     ax2.axhline(1.0, color="grey", linewidth=0.8)
     ax2.set_xticks(list(x), labels, fontsize=8)
     ax2.set_ylabel("max / mean per instance")
-    ax2.set_title("load balance")
-    ax2.legend()
+    ax2.set_title("load balance", pad=24)
+    # between the title and the plot, never over a bar (the imbalance bars reach any height)
+    ax2.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, frameon=False, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -142,6 +142,7 @@ class LoggedManager:
     backend: str | None
     ops: list[dict[str, Any]] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)  # the log line of each op (1-based)
+    sizes: list[int] = field(default_factory=list)  # each op's line length: its share of the replay's work
 
 
 class LogFormatError(ValueError):
@@ -219,6 +220,7 @@ def read_log(path_or_lines: str | Iterable[str]) -> list[LoggedManager]:
             raise bad(f"outcome: must be an object, got {_json_kind(rec['outcome'])}")
         streams[m].ops.append(rec)
         streams[m].lines.append(lineno)
+        streams[m].sizes.append(len(line))
     return [streams[m] for m in order]
 
 

@@ -68,12 +68,25 @@ DOCUMENTED_ERRORS = frozenset(
 )
 
 
+# The cache properties compared after every op for the caches an op may have changed;
+# ``committed_tokens`` (a cache's whole token list) waits for a full check.
+LIGHT_PROPS: tuple[str, ...] = tuple(p for p in _ops.CACHE_PROPS if p != "committed_tokens")
+
+
 class Lockstep:
     """Apply ops to several managers at once and check them after every step: equal
     outcomes (and equal to a recorded one, if given), equal cache properties and
     ``snapshot()`` across sides, ``check_invariants()`` on each, no NotImplementedError
     and (with ``allowed_errors``) no undocumented error type.  Records each op with the
-    first side's outcome, so :meth:`log` is a replayable op log of what ran."""
+    first side's outcome, so :meth:`log` is a replayable op log of what ran.
+
+    ``step(op, full=False)`` checks only what an op can change at the cost of the op: the
+    outcomes, the properties (all but ``committed_tokens``) of the caches the op names or
+    creates and of every cache not yet closed, and ``stats()`` -- a digest of the whole
+    state that moves with every page, request and event.  :meth:`full_check` compares
+    the rest (every cache's properties, ``snapshot()``, ``check_invariants()``); the log
+    replay calls it on an amortised schedule and locates a failure exactly by re-running
+    (:mod:`kvcm.oplog.playback`).  ``step(op)`` does both, as before."""
 
     def __init__(
         self,
@@ -91,8 +104,9 @@ class Lockstep:
         self.allowed = allowed_errors
         self.m = m
         self.records: list[dict[str, Any]] = []
+        self._open: set[int] = set()  # handles whose last seen status was not CLOSED
 
-    def step(self, op: dict[str, Any], recorded: dict[str, Any] | None = None) -> Divergence | None:
+    def step(self, op: dict[str, Any], recorded: dict[str, Any] | None = None, *, full: bool = True) -> Divergence | None:
         i = len(self.records)
         outcomes: dict[str, Any] = {}
         if recorded is not None:
@@ -123,30 +137,88 @@ class Lockstep:
         if self.allowed is not None and err is not None and err not in self.allowed:
             return div("crash", f"{err}: {outs[0].get('message')} is not a documented error of a public call")
         if len(self.managers) > 1:
+            d = self._light(op)
+            if d is not None:
+                return div(*d)
+        if full:
+            d = self._full()
+            if d is not None:
+                return div(*d)
+        return None
+
+    def full_check(self) -> Divergence | None:
+        """The checks ``step(op, full=False)`` left out, for the state after the last op
+        (reported at that op)."""
+        d = self._full()
+        if d is None:
+            return None
+        rec = self.records[-1] if self.records else {"op": "<construct>"}
+        op = {k: v for k, v in rec.items() if k != "outcome"}
+        return Divergence(self.m, len(self.records) - 1, op, d[0], d[1])
+
+    def _touched(self, op: dict[str, Any]) -> set[int]:
+        n = len(self.caches[0])
+        hs = set(self._open)
+        h = op.get("cache")
+        if isinstance(h, int) and not isinstance(h, bool) and 0 <= h < n:
+            hs.add(h)
+        items = op.get("args", {}).get("caches") if isinstance(op.get("args"), dict) else None
+        if isinstance(items, list):
+            hs.update(x for x in items if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n)
+        if op.get("op") == "create_kv_cache" and n:
+            hs.add(n - 1)
+        return hs
+
+    def _light(self, op: dict[str, Any]) -> tuple[str, str] | None:
+        if any(len(cs) != len(self.caches[0]) for cs in self.caches):
+            return ("properties", "the sides hold different numbers of caches")
+        for h in sorted(self._touched(op)):
+            props = [_ops.cache_props(cs[h], LIGHT_PROPS) for cs in self.caches]
+            for name, p in zip(self.names[1:], props[1:]):
+                if p != props[0]:
+                    return ("properties", f"cache {h}: {self.names[0]} vs {name}: {first_difference(props[0], p)}")
+            if props[0].get("status") == "CLOSED":
+                self._open.discard(h)
+            else:
+                self._open.add(h)
+        stats = []
+        for name, mgr in zip(self.names, self.managers):
+            try:
+                stats.append(_ops.normalize(mgr.stats()))
+            except Exception as e:  # noqa: BLE001 - any failure is the divergence
+                kind = "not_implemented" if isinstance(e, NotImplementedError) else "snapshot"
+                return (kind, f"stats() on {name}: {type(e).__name__}: {e}")
+        for name, st in zip(self.names[1:], stats[1:]):
+            if st != stats[0]:
+                return ("snapshot", f"stats({self.names[0]}) vs stats({name}): {first_difference(stats[0], st)}")
+        return None
+
+    def _full(self) -> tuple[str, str] | None:
+        if len(self.managers) > 1:
             for h in range(len(self.caches[0])):
                 props = [_ops.cache_props(cs[h]) for cs in self.caches]
                 for name, p in zip(self.names[1:], props[1:]):
-                    d = first_difference(props[0], p)
-                    if d is not None:
-                        return div("properties", f"cache {h}: {self.names[0]} vs {name}: {d}")
+                    if p != props[0]:
+                        return ("properties", f"cache {h}: {self.names[0]} vs {name}: {first_difference(props[0], p)}")
             snaps = []
             for name, mgr in zip(self.names, self.managers):
                 try:
                     snaps.append(_ops.normalize(mgr.snapshot()))
                 except Exception as e:  # noqa: BLE001 - any failure is the divergence
                     kind = "not_implemented" if isinstance(e, NotImplementedError) else "snapshot"
-                    return div(kind, f"snapshot() on {name}: {type(e).__name__}: {e}")
+                    return (kind, f"snapshot() on {name}: {type(e).__name__}: {e}")
             for name, snap in zip(self.names[1:], snaps[1:]):
-                d = first_difference(snaps[0], snap)
-                if d is not None:
-                    return div("snapshot", f"snapshot({self.names[0]}) vs snapshot({name}): {d}")
+                # == first (C speed); first_difference only to say where
+                if snap != snaps[0]:
+                    d = first_difference(snaps[0], snap) or "(equal values of different types)"
+                    return ("snapshot", f"snapshot({self.names[0]}) vs snapshot({name}): {d}")
         if self.check:
             for name, mgr in zip(self.names, self.managers):
                 try:
                     mgr.check_invariants()
                 except Exception as e:  # noqa: BLE001 - any failure is the divergence
                     kind = "not_implemented" if isinstance(e, NotImplementedError) else "invariants"
-                    return div(kind, f"check_invariants() on {name}: {type(e).__name__}: {e}")
+                    return (kind, f"check_invariants() on {name}: {type(e).__name__}: {e}")
         return None
 
 

@@ -13,9 +13,10 @@ from typing import Any
 
 from kvcm._select import BACKENDS, manager_class
 from kvcm.api import KVCacheManager, KVCacheManagerConfig
-from kvcm.oplog.format import LogFormatError, config_from_json, format_log, read_log
+from kvcm.oplog.format import LogFormatError, LoggedManager, config_from_json, format_log, read_log
 from kvcm.oplog.lockstep import Divergence, Lockstep
 from kvcm.oplog.minimise import minimize
+from kvcm.progress import Progress
 
 
 @dataclass
@@ -43,16 +44,110 @@ def build_manager(config: KVCacheManagerConfig, backend: str) -> KVCacheManager:
     return manager_class(backend)(config)
 
 
+# The full check (every cache's properties, snapshot(), check_invariants()) costs the size
+# of the whole state, which grows with the log: run after every op it made a replay
+# quadratic (a 50-request log of the shipped trace took 11 minutes).  It runs after the
+# first op, after the ops where the log read so far reaches 1/2, 1/4, 1/8, ... of the
+# stream (down to FULL_CHECK_MIN_CHARS), and after the last op: the state at each is at
+# most that fraction of the final one, so all of them cost about twice the final check,
+# and the replay stays linear in the log.  Every op still gets the light check
+# (outcomes, the caches it touches, stats()).
+FULL_CHECK_MIN_CHARS = 1 << 16
+
+
+def _schedule(sizes: Sequence[int]) -> list[bool]:
+    """For each op of a stream: run the full check after it (see above)?"""
+    out = [False] * len(sizes)
+    if not sizes:
+        return out
+    out[0] = out[-1] = True
+    marks = []
+    mark = sum(sizes) / 2
+    while mark >= FULL_CHECK_MIN_CHARS:
+        marks.append(mark)
+        mark /= 2
+    marks.reverse()
+    read = j = 0
+    for k, n in enumerate(sizes):
+        read += n
+        while j < len(marks) and read >= marks[j]:
+            out[k] = True
+            j += 1
+    return out
+
+
+class _Run:
+    """One stream run in lockstep from its first op, re-startable: :meth:`to` advances it
+    (light checks only) to just after op ``k``, starting over with fresh managers when it
+    is already past ``k``."""
+
+    def __init__(self, stream: LoggedManager, factory: Any, backends: Sequence[str], check_invariants: bool) -> None:
+        self.stream, self.factory, self.backends, self.check = stream, factory, backends, check_invariants
+        self.ls: Lockstep | None = None
+        self.done = -1
+
+    def start(self) -> None:
+        self.ls = Lockstep(self.factory(config_from_json(self.stream.config)), self.backends,
+                           check_invariants=self.check, m=self.stream.m)
+        self.done = -1
+
+    def step(self, k: int, full: bool) -> Divergence | None:
+        assert self.ls is not None and k == self.done + 1
+        rec = self.stream.ops[k]
+        op = {key: v for key, v in rec.items() if key in ("op", "args", "cache")}
+        d = self.ls.step(op, rec.get("outcome"), full=full)
+        self.done = k
+        if d is not None:
+            d.line = self.stream.lines[k]
+        return d
+
+    def to(self, k: int) -> Divergence | None:
+        if self.ls is None or self.done > k:
+            self.start()
+        while self.done < k:
+            d = self.step(self.done + 1, False)
+            if d is not None:
+                return d
+        return None
+
+    def full_check(self) -> Divergence | None:
+        assert self.ls is not None
+        d = self.ls.full_check()
+        if d is not None:
+            d.line = self.stream.lines[self.done] if self.done >= 0 else None
+        return d
+
+
+def _locate(run: _Run, lo: int, hi: int, found: Divergence) -> Divergence:
+    """The full check passed after op ``lo`` (-1: none ran yet, the fresh managers) and
+    failed after op ``hi``: bisect, re-running the stream, to the op after which it first
+    fails (``found`` if re-running does not fail again: a nondeterministic backend)."""
+    first = found
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        d = run.to(mid)
+        if d is not None:  # the light check fails earlier on this run: that op is the first
+            return d
+        d = run.full_check()
+        if d is None:
+            lo = mid
+        else:
+            hi, first = mid, d
+    return first
+
+
 def replay(
     path: str,
     backends: Sequence[str] = ("python", "cpp"),
     *,
     check_invariants: bool = True,
     minimize_divergence: bool = False,
+    progress: bool = False,
 ) -> ReplayReport:
     """Replay the log at ``path`` on each of ``backends``; stop at the first divergence.
     With ``minimize_divergence`` (and 2+ backends, or a crash/invariant divergence), also
-    compute a shortest log showing it (``report.minimized``)."""
+    compute a shortest log showing it (``report.minimized``).  ``progress``: a progress
+    bar on stderr (display only)."""
     backends = tuple(backends)
     if not backends:
         raise ValueError("replay needs at least one backend")
@@ -62,30 +157,47 @@ def replay(
     def factory(cfg: KVCacheManagerConfig) -> list[Any]:
         return [build_manager(cfg, b) for b in backends]
 
-    for stream in streams:
-        config = config_from_json(stream.config)
-        try:
-            managers = factory(config)
-        except Exception as e:  # noqa: BLE001 - a backend that cannot build it diverges
-            report.divergence = Divergence(stream.m, -1, {"op": "<construct>"}, "construct", f"{type(e).__name__}: {e}")
-            break
-        ls = Lockstep(managers, backends, check_invariants=check_invariants, m=stream.m)
-        for rec, lineno in zip(stream.ops, stream.lines):
-            op = {k: v for k, v in rec.items() if k in ("op", "args", "cache")}
-            d = ls.step(op, rec.get("outcome"))
-            report.steps += 1
-            if d is not None:
-                d.line = lineno
-                report.divergence = d
+    bar = Progress(sum(len(s.ops) for s in streams), ",".join(backends)) if progress else None
+    try:
+        for stream in streams:
+            steps_before = report.steps
+            run = _Run(stream, factory, backends, check_invariants)
+            try:
+                run.start()
+            except Exception as e:  # noqa: BLE001 - a backend that cannot build it diverges
+                report.divergence = Divergence(stream.m, -1, {"op": "<construct>"}, "construct",
+                                               f"{type(e).__name__}: {e}")
                 break
-        if report.divergence is not None:
-            d = report.divergence
-            if d.kind != "op" and minimize_divergence and (
-                len(backends) > 1 or d.kind in ("invariants", "not_implemented")
-            ):
-                recs = minimize(config, factory, backends, stream.ops[: d.step + 1], d.signature)
-                report.minimized = format_log(stream.config, recs, m=stream.m)
-            break
+            sizes = stream.sizes if len(stream.sizes) == len(stream.ops) else [len(str(r)) for r in stream.ops]
+            full = _schedule(sizes)
+            checked = -1  # the last op after which the full check passed
+            for k in range(len(stream.ops)):
+                d = run.step(k, False)
+                report.steps += 1
+                if bar is not None:
+                    bar.update(1)
+                if d is None and full[k]:
+                    d = run.full_check()
+                    if d is None:
+                        checked = k
+                    elif k - checked > 1:
+                        d = _locate(run, checked, k, d)
+                if d is not None:
+                    report.divergence = d
+                    report.steps = steps_before + d.step + 1
+                    break
+            if report.divergence is not None:
+                d = report.divergence
+                if d.kind != "op" and minimize_divergence and (
+                    len(backends) > 1 or d.kind in ("invariants", "not_implemented")
+                ):
+                    recs = minimize(config_from_json(stream.config), factory, backends, stream.ops[: d.step + 1],
+                                    d.signature)
+                    report.minimized = format_log(stream.config, recs, m=stream.m)
+                break
+    finally:
+        if bar is not None:
+            bar.close()
     return report
 
 
@@ -103,6 +215,9 @@ def main_replay(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="python,cpp", help="comma-separated backends (default: python,cpp)")
     p.add_argument("--no-invariants", action="store_true", help="skip check_invariants() after each step")
     p.add_argument("--minimize", metavar="OUT", help="write a shortest log showing the divergence to OUT")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (shown only when stderr is a terminal, so that a log or a pipe gets the "
+                        "one-line error of a bad log and nothing else)")
     a = p.parse_args(argv)
     backends = tuple(b.strip() for b in a.backend.split(",") if b.strip())
     bad = [b for b in backends if b not in BACKENDS]
@@ -110,7 +225,8 @@ def main_replay(argv: Sequence[str] | None = None) -> int:
         print(f"oplog-replay: unknown backend(s) {bad}; choices: {', '.join(BACKENDS)}", file=sys.stderr)
         return 2
     try:
-        report = replay(a.path, backends, check_invariants=not a.no_invariants, minimize_divergence=bool(a.minimize))
+        report = replay(a.path, backends, check_invariants=not a.no_invariants, minimize_divergence=bool(a.minimize),
+                        progress=not a.no_progress and sys.stderr.isatty())
     except LogFormatError as e:
         print(f"oplog-replay: {e}", file=sys.stderr)
         return 2

@@ -35,7 +35,8 @@ def _open_log(path: str) -> int:
     (``O_NOFOLLOW``), and only a regular file of this user with no other hard link.
     Raises OSError saying why."""
     d = os.path.dirname(path)
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    if d and not os.path.isdir(d):  # never made here: a typo must not create directories (as root)
+        raise OSError(errno.ENOENT, f"its directory {d} does not exist (the op log creates no directories)")
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(path, flags, 0o600)  # O_NONBLOCK: a FIFO without a reader fails, not hangs
@@ -128,6 +129,21 @@ class _LogFile:
 
 def _release(f: _LogFile) -> None:
     f.release()
+
+
+def check_env_path() -> str | None:
+    """Why ``KVCM_OPLOG`` cannot be recorded to (one line), or None (unset, or usable: the
+    file is then created as a manager would create it).  For command lines, which check
+    it before they build managers rather than fail in the middle of a run."""
+    path = oplog_path()
+    if path is None:
+        return None
+    try:
+        w = _LogWriter(path)
+    except OSError as e:
+        return e.strerror or str(e)
+    del w
+    return None
 
 
 class _LogWriter:
