@@ -4,6 +4,7 @@ store — on the file store and on Mooncake Store."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -445,6 +446,21 @@ def test_a_store_answering_the_wrong_number_of_results_fails_the_batch(tmp_path,
         plane.shared = store
 
 
+def wait_stopped(pid: int, timeout: float = 30.0) -> None:
+    """Until every thread of ``pid`` is in the stopped state ('T' in /proc): a SIGSTOP takes
+    effect when each thread is next scheduled, which a loaded machine can delay."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if states and all(s in "tT" for s in states):
+            return
+        assert time.monotonic() < deadline, f"pid {pid} not stopped: {states}"
+        time.sleep(0.01)
+
+
 def test_a_hung_mooncake_master_costs_the_deadline_only(fresh_mooncake, ns):
     """A real hang (the master stopped with SIGSTOP, its sockets open): every call waits on
     RPCs that never answer.  The plane stops waiting at the deadline; once the master runs
@@ -456,6 +472,7 @@ def test_a_hung_mooncake_master_costs_the_deadline_only(fresh_mooncake, ns):
         cands = [(key(i), lc) for i in range(2) for lc in (0, 1)]
         os.kill(fresh_mooncake.master.pid, signal.SIGSTOP)
         try:
+            wait_stopped(fresh_mooncake.master.pid)  # hung for certain, not merely slow
             t0 = time.monotonic()
             assert plane.shared_lookup(cands) == []
             with pytest.raises(CopyError) as e:
