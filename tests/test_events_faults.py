@@ -108,7 +108,8 @@ def test_replay_request_flood_does_not_stop_the_live_stream(ctx: zmq.Context) ->
     """One client looping replay requests over 2,000 buffered batches must not hold back
     the live stream, nor an honest client's answer."""
     mgr = kvcm.KVCacheManager(wide(tokens_per_block=4))
-    with EventPublisher(mgr, buffer_steps=4000, context=ctx) as pub:
+    # a queue longer than the steps: no step is dropped for a slow thread on a loaded machine
+    with EventPublisher(mgr, buffer_steps=4000, max_queue=4096, context=ctx) as pub:
         for i in range(2000):
             step(mgr, pub, [i, i + 1, i + 2, i + 3])
         assert pub.flush(60) and pub.next_seq >= 2000
