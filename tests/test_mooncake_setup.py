@@ -240,3 +240,28 @@ def test_the_store_secret_is_not_passed_to_mooncakes_processes(monkeypatch, tmp_
             assert not {n for n in names if n.startswith(b"KVCM_STORE_SECRET")}, names
     finally:
         mc.stop()
+
+
+QUIET_CHILD = textwrap.dedent("""
+    import sys
+    from kvcm.mooncake_store import MooncakeStore
+    print("kvcm's own line", file=sys.stderr, flush=True)
+    MooncakeStore.from_url(sys.argv[1]).close()
+""")
+
+
+@pytest.mark.parametrize("log", ["filtered", "all"])
+def test_a_successful_mooncake_setup_prints_no_glog_chatter(mooncake, log):
+    """Issue 20 item 7: a set-up and close that succeed wrote ~17 glog INFO lines and one
+    'Local segment descriptor not found' ERROR to stderr.  kvcm holds those back (other lines
+    pass); KVCM_MOONCAKE_LOG=all shows Mooncake's log as it is (so the filter is what hides it)."""
+    env = child_env(**({"KVCM_MOONCAKE_LOG": "all"} if log == "all" else {}))
+    r = subprocess.run([sys.executable, "-c", QUIET_CHILD, mooncake.url], env=env, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    glog = [line for line in r.stderr.splitlines() if line[:1] in "IWEF" and line[1:5].isdigit()]
+    assert "kvcm's own line" in r.stderr
+    if log == "all":
+        assert any("Local segment descriptor not found" in line for line in glog), r.stderr[-2000:]
+    else:
+        assert glog == [] and "InitGoogleLogging" not in r.stderr, r.stderr[-2000:]

@@ -54,10 +54,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import socket
 import stat
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -141,6 +144,39 @@ def _setup_knobs(left_s: float) -> Iterator[None]:
                 os.environ[k] = v
 
 
+# Mooncake's glog lines that say nothing to a kvcm user: its INFO chatter at set-up and close
+# (17 lines per client), glog's notice that it logs before being initialised, and one ERROR it
+# logs on every successful set-up (no descriptor of its own segment yet, before it registers one).
+_GLOG_INFO = re.compile(rb"^I\d{4} ")
+_GLOG_BENIGN = (b"Local segment descriptor not found", b"Logging before InitGoogleLogging() is written to STDERR")
+
+
+@contextlib.contextmanager
+def _quiet_glog() -> Iterator[None]:
+    """Hold back Mooncake's INFO lines (and its one benign ERROR) written to fd 2 during a
+    set-up or close; every other line, kvcm's and other threads' included, is written
+    through afterwards, in order.  ``KVCM_MOONCAKE_LOG=all`` passes everything as it comes
+    (Mooncake's glog build ignores GLOG_minloglevel, so the filter is kvcm's)."""
+    if os.environ.get("KVCM_MOONCAKE_LOG") == "all":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            keep = [line for line in held.read().splitlines(keepends=True)
+                    if not _GLOG_INFO.match(line) and not any(b in line for b in _GLOG_BENIGN)]
+            if keep:
+                os.write(2, b"".join(keep))
+
+
 def parse_url(url: str) -> dict:
     """The setup parameters a ``mooncake://`` location names."""
     parts = urlsplit(url)
@@ -193,11 +229,12 @@ class MooncakeStore(SharedStore):
                 raise OSError(errno.ETIMEDOUT, f"mooncake set-up: no time left of {setup_timeout_s:g} s after "
                                                f"reaching master {master}")
             store = MooncakeDistributedStore()
-            with _setup_knobs(left):
+            with _setup_knobs(left), _quiet_glog():
                 rc = store.setup(config)
         else:  # no deadline: Mooncake's own attempts and timeouts
             store = MooncakeDistributedStore()
-            rc = store.setup(config)
+            with _quiet_glog():
+                rc = store.setup(config)
         if rc != 0:
             within = f" within the deadline of {setup_timeout_s:g} s" if setup_timeout_s else ""
             raise OSError(errno.ECONNREFUSED, f"mooncake setup failed (error {rc}){within}: master {master}, "
@@ -284,7 +321,8 @@ class MooncakeStore(SharedStore):
             for addr in list(self._registered):
                 self._store.unregister_buffer(addr)
             self._registered.clear()
-            self._store.close()
+            with _quiet_glog():
+                self._store.close()
             self._store = None
 
 
