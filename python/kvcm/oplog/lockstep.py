@@ -181,16 +181,22 @@ class Lockstep:
                 self._open.discard(h)
             else:
                 self._open.add(h)
-        stats = []
+        return self._same_across("stats")
+
+    def _same_across(self, call: str) -> tuple[str, str] | None:
+        """``mgr.<call>()`` (``stats`` or ``snapshot``) normalised on every manager: the first
+        difference from the first manager's, or a failing call, as a divergence."""
+        values = []
         for name, mgr in zip(self.names, self.managers):
             try:
-                stats.append(_ops.normalize(mgr.stats()))
+                values.append(_ops.normalize(getattr(mgr, call)()))
             except Exception as e:  # noqa: BLE001 - any failure is the divergence
                 kind = "not_implemented" if isinstance(e, NotImplementedError) else "snapshot"
-                return (kind, f"stats() on {name}: {type(e).__name__}: {e}")
-        for name, st in zip(self.names[1:], stats[1:]):
-            if st != stats[0]:
-                return ("snapshot", f"stats({self.names[0]}) vs stats({name}): {first_difference(stats[0], st)}")
+                return (kind, f"{call}() on {name}: {type(e).__name__}: {e}")
+        for name, v in zip(self.names[1:], values[1:]):
+            if v != values[0]:  # == first (C speed); first_difference only to say where
+                d = first_difference(values[0], v) or "(equal values of different types)"
+                return ("snapshot", f"{call}({self.names[0]}) vs {call}({name}): {d}")
         return None
 
     def _full(self) -> tuple[str, str] | None:
@@ -200,18 +206,9 @@ class Lockstep:
                 for name, p in zip(self.names[1:], props[1:]):
                     if p != props[0]:
                         return ("properties", f"cache {h}: {self.names[0]} vs {name}: {first_difference(props[0], p)}")
-            snaps = []
-            for name, mgr in zip(self.names, self.managers):
-                try:
-                    snaps.append(_ops.normalize(mgr.snapshot()))
-                except Exception as e:  # noqa: BLE001 - any failure is the divergence
-                    kind = "not_implemented" if isinstance(e, NotImplementedError) else "snapshot"
-                    return (kind, f"snapshot() on {name}: {type(e).__name__}: {e}")
-            for name, snap in zip(self.names[1:], snaps[1:]):
-                # == first (C speed); first_difference only to say where
-                if snap != snaps[0]:
-                    d = first_difference(snaps[0], snap) or "(equal values of different types)"
-                    return ("snapshot", f"snapshot({self.names[0]}) vs snapshot({name}): {d}")
+            found = self._same_across("snapshot")
+            if found is not None:
+                return found
         if self.check:
             for name, mgr in zip(self.names, self.managers):
                 try:
