@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -94,8 +96,56 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
         phases = [{"name": "main"}] + [
             {**ph, "truncate": [os.path.join(tmp, f"{name}-disk")]} if ph.get("truncate") else ph
             for ph in FAULT_PHASES]
-        out[name] = run_engine(tmp, name, connector(tmp, name, backend, shared), phases)
+        conn = connector(tmp, name, backend, shared)
+        sub = None
+        if name == "b":  # b announces what it holds outside vLLM's cache on kvcm's event stream
+            sub = EventSubscriber()
+            conn["kv_connector_extra_config"]["events_endpoint"] = sub.endpoint
+        try:
+            out[name] = run_engine(tmp, name, conn, phases)
+        finally:
+            if sub is not None:
+                out["events"] = sub.stop()
     return out
+
+
+class EventSubscriber:
+    """A ZeroMQ SUB on 127.0.0.1 collecting the media of the BlockStored events it receives."""
+
+    def __init__(self) -> None:
+        import zmq
+
+        with socket.socket() as s:  # an ephemeral port for the engine's publisher to bind
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(self.endpoint)
+        self.media: dict[str, int] = {}
+        self.batches = 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        from kvcm.wire import Decoder
+
+        dec = Decoder()
+        while not self.done.is_set():
+            if not self.sock.poll(100):
+                continue
+            frames = self.sock.recv_multipart()
+            self.batches += 1
+            for e in dec.decode(frames[-1]).events:
+                if type(e).__name__ == "BlockStored":
+                    self.media[e.medium] = self.media.get(e.medium, 0) + len(e.block_hashes)
+
+    def stop(self) -> dict:
+        self.done.set()
+        self.thread.join(timeout=10)
+        self.sock.close(linger=0)
+        return {"batches": self.batches, "media": self.media}
 
 
 def phase(result: dict, name: str) -> dict:
@@ -126,6 +176,15 @@ def test_second_instance_reuses_the_first_ones_prefill(engines: dict) -> None:
     assert delta(a, "worker", "shared_stores") > 0
     assert delta(b, "counters", "hit_blocks_shared") > 0, b["stats"]["counters"]
     assert b["cached_tokens"] > a["cached_tokens"]
+
+
+def test_events_announce_host_disk_and_shared_tiers(engines: dict) -> None:
+    """kvcm's events (EventPublisher, vLLM's wire format) name where blocks are outside vLLM's
+    cache: kvcm's tier 0 as CPU, disk as STORAGE, pages onboarded from the store as SHARED."""
+    ev = engines["events"]
+    assert ev["batches"] > 0
+    assert ev["media"].get("CPU", 0) > 0 and ev["media"].get("STORAGE", 0) > 0, ev
+    assert ev["media"].get("SHARED", 0) > 0 and "GPU" not in ev["media"], ev
 
 
 @pytest.mark.parametrize("instance", ["a", "b"])

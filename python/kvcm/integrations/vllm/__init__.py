@@ -11,7 +11,19 @@ Turn it on with configuration only::
 The keys of ``kv_connector_extra_config`` are :mod:`kvcm.integrations.vllm.settings`'s.
 """
 
-from kvcm.integrations.vllm.connector import KvcmConnector, KvcmConnectorMetadata, KvcmWorkerMetadata
+from typing import Any
+
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
 
 __all__ = ["ConnectorSettings", "KvLayout", "KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata"]
+_CONNECTOR = ("KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata")
+
+
+def __getattr__(name: str) -> Any:
+    # the connector imports vLLM: only when asked for (vLLM's loader does getattr(module, name)),
+    # so the settings and the workload helpers import without it
+    if name in _CONNECTOR:
+        from kvcm.integrations.vllm import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

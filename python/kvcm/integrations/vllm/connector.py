@@ -164,7 +164,9 @@ class KvcmConnector(KVConnectorBase_V1):
         if s.events_endpoint is not None:
             from kvcm.events import EventPublisher
 
-            self.publisher = EventPublisher(self.mgr, s.events_endpoint, replay_endpoint=s.events_replay_endpoint)
+            # kvcm's tier 0 is host memory here: announced as CPU, disk as STORAGE, the store as SHARED
+            self.publisher = EventPublisher(self.mgr, s.events_endpoint, replay_endpoint=s.events_replay_endpoint,
+                                            media=("CPU", "CPU", "STORAGE", "SHARED"))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
