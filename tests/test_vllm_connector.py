@@ -210,3 +210,33 @@ def test_faults_recompute_exactly(engines: dict, instance: str, fault: str) -> N
         assert p["stats"]["lookup"]["timeouts"] > p["stats_before"]["lookup"]["timeouts"]
     elif fault == "store-full":
         assert c("counters", "failed_ops") > 0 and c("worker", "shared_stores") == 0
+
+
+@pytest.fixture(scope="module")
+def mooncake_engines(engines: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Two more vLLM processes, sharing a real Mooncake Store (tests/mooncake_env.py) on
+    127.0.0.1: c (python backend) computes, d (cpp backend) starts after it."""
+    import mooncake_env
+
+    tmp = str(tmp_path_factory.mktemp("vllm-mooncake"))
+    mc = mooncake_env.start(tmp)
+    try:
+        out = {}
+        for name, backend in (("c", "python"), ("d", "cpp")):
+            conn = connector(tmp, name, backend, mc.url)
+            del conn["kv_connector_extra_config"]["shared_store_class"]  # the real Mooncake client
+            conn["kv_connector_extra_config"]["shared_timeout_s"] = 10
+            out[name] = run_engine(tmp, name, conn, [{"name": "main"}])
+        return out
+    finally:
+        mc.stop()
+
+
+def test_two_instances_share_mooncake(engines: dict, mooncake_engines: dict) -> None:
+    base = phase(engines["baseline"], "main")
+    c, d = (phase(mooncake_engines[k], "main") for k in ("c", "d"))
+    assert c["outputs"] == base["outputs"] and d["outputs"] == base["outputs"]
+    assert delta(c, "worker", "shared_stores") > 0
+    assert delta(d, "counters", "hit_blocks_shared") > 0, d["stats"]["counters"]
+    assert delta(d, "worker", "shared_load_failures") == 0
+    assert d["cached_tokens"] > c["cached_tokens"]

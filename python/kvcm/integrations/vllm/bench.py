@@ -29,7 +29,10 @@ import tempfile
 from typing import Any
 
 BLOCK = 32
-PAGE = BLOCK * 2 * (2 * 64 * 2 * 4)  # one kvcm page: a block of both layers (fp32, 2 kv heads x 64)
+# a random-weight Llama large enough that prefill is the cost it is on a real engine
+MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 8}
+PAGE = BLOCK * MODEL["num_hidden_layers"] * (MODEL["num_key_value_heads"] * 64 * 2 * 4)  # a block of every layer, fp32
 
 
 def _child(tmp: str, name: str, spec: dict) -> dict:
@@ -58,22 +61,23 @@ def run(args: argparse.Namespace) -> int:
     from kvcm.integrations.vllm.workload import make_model
 
     tmp = args.dir or tempfile.mkdtemp(prefix="kvcm-bench-vllm-")
-    model = make_model(os.path.join(tmp, "model"))
+    model = make_model(os.path.join(tmp, "model"), **MODEL)
     workload = {"conversations": args.conversations, "turns": args.turns, "system_len": args.system_len,
                 "user_len": args.user_len, "seed": 11}
     base = {"model": model, "gpu_blocks": args.gpu_blocks, "block_size": BLOCK, "max_tokens": args.max_tokens,
             "workload": workload, "stats": True, "phases": [{"name": "main"}], "max_num_seqs": args.max_num_seqs}
     # the working set: every conversation's final history, in blocks
     final = args.system_len + args.turns * (args.user_len + args.max_tokens)
-    working = args.conversations * -(-final // BLOCK)
+    sys_blocks = args.system_len // BLOCK  # the system prompt's whole blocks are shared by every chat
+    working = sys_blocks + args.conversations * (-(-final // BLOCK) - sys_blocks)  # distinct blocks
     shared = os.path.join(tmp, "shared")
     configs = [
         ("vllm", None),
         ("vllm+example", {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                           "kv_connector_extra_config": {"shared_storage_path": os.path.join(tmp, "example")}}),
         ("kvcm host", _kvcm(tmp, "host", args.host_blocks, 0, None)),
-        ("kvcm host+disk", _kvcm(tmp, "hostdisk", args.host_blocks // 4, working * 2, shared)),
-        ("kvcm shared (2nd)", _kvcm(tmp, "second", args.host_blocks // 4, working * 2, shared)),
+        ("kvcm host+disk", _kvcm(tmp, "hostdisk", args.host_blocks, working * 2, shared)),
+        ("kvcm shared (2nd)", _kvcm(tmp, "second", args.host_blocks, working * 2, shared)),
     ]
     rows = []
     for name, conn in configs:
@@ -95,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
             "tok_s": (p["prompt_tokens"] + gen) / p["seconds"], "exact": p["outputs"] == ref})
     print(f"\nworkload: {args.conversations} chats x {args.turns} turns, system {args.system_len}, user "
           f"{args.user_len}, reply {args.max_tokens} tokens; working set {working} blocks of {BLOCK}; vLLM's KV "
-          f"cache {args.gpu_blocks} blocks; kvcm host {args.host_blocks} blocks (host+disk runs: "
-          f"{args.host_blocks // 4} host + {working * 2} disk)\n")
+          f"cache {args.gpu_blocks} blocks; kvcm host {args.host_blocks} blocks, disk {working * 2} blocks\n")
     print("| config | prompt tokens | prefill tokens computed | kvcm hits host / disk / shared (blocks) "
           "| TTFT p50 ms | TTFT p90 ms | tokens/s | exact |")
     print("|---|---|---|---|---|---|---|---|")
@@ -135,11 +138,11 @@ def _plot(table: list[dict], path: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-len", type=int, default=256)
-    p.add_argument("--user-len", type=int, default=64)
+    p.add_argument("--system-len", type=int, default=128)
+    p.add_argument("--user-len", type=int, default=96)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--gpu-blocks", type=int, default=40, help="vLLM's KV cache, blocks of 32 tokens")
-    p.add_argument("--host-blocks", type=int, default=96, help="kvcm's host tier, blocks")
+    p.add_argument("--gpu-blocks", type=int, default=32, help="vLLM's KV cache, blocks of 32 tokens")
+    p.add_argument("--host-blocks", type=int, default=64, help="kvcm's host tier, blocks")
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
     p.add_argument("--plot", default="kvcm-vllm.png")

@@ -22,16 +22,27 @@ MODEL_DEFAULTS = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 25
                   "initializer_range": 0.2}
 
 
-def make_model(path: str, seed: int = 20261201, **overrides: Any) -> str:
-    """A random-weight Llama saved under ``path`` (reused when it is there already)."""
+def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides: Any) -> str:
+    """A random-weight model saved under ``path`` (reused when it is there already):
+    ``llama`` (full attention) or ``gemma3`` (sliding-window layers then a full-attention one,
+    Gemma-3's text model)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**MODEL_DEFAULTS, **overrides}, torch_dtype="float32")
-    LlamaForCausalLM(cfg).save_pretrained(path)
+    args = {**MODEL_DEFAULTS, **overrides}
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**args, torch_dtype="float32"))
+    elif kind == "gemma3":
+        args.update(head_dim=args["hidden_size"] // args["num_attention_heads"], sliding_window=64,
+                    layer_types=["sliding_attention"] * (args["num_hidden_layers"] - 1) + ["full_attention"])
+        args.setdefault("query_pre_attn_scalar", args["head_dim"])
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**args, torch_dtype="float32"))
+    else:
+        raise ValueError(f"unknown model kind {kind!r}: llama or gemma3")
+    model.save_pretrained(path)
     return path
 
 
