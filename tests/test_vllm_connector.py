@@ -50,10 +50,10 @@ FAULT_PHASES = [
 ]
 
 
-def run_engine(tmp: str, name: str, connector: dict | None, phases: list[dict]) -> dict:
+def run_engine(tmp: str, name: str, connector: dict | None, phases: list[dict], over: dict | None = None) -> dict:
     spec = {"model": MODEL_DIR, "gpu_blocks": GPU_BLOCKS, "block_size": BLOCK, "max_tokens": 8,
             "workload": WORKLOAD, "connector": connector, "phases": phases,
-            "fault_file": os.path.join(tmp, f"{name}.fault")}
+            "fault_file": os.path.join(tmp, f"{name}.fault"), **(over or {})}
     spec_path, out_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -240,3 +240,25 @@ def test_two_instances_share_mooncake(engines: dict, mooncake_engines: dict) -> 
     assert delta(d, "counters", "hit_blocks_shared") > 0, d["stats"]["counters"]
     assert delta(d, "worker", "shared_load_failures") == 0
     assert d["cached_tokens"] > c["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def gemma_engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A Gemma-3-style model, sliding-window layers then a full-attention one: vLLM without a
+    connector (its hybrid allocator on), then with kvcm (vLLM turns the hybrid allocator off
+    for a connector without SupportsHMA: every layer gets full-attention blocks)."""
+    from kvcm.integrations.vllm.workload import make_model
+
+    tmp = str(tmp_path_factory.mktemp("vllm-gemma3"))
+    model = make_model(os.path.join(tmp, "model"), kind="gemma3")
+    over = {"model": model, "max_model_len": (GPU_BLOCKS - 1) * BLOCK}
+    out = {"baseline": run_engine(tmp, "baseline", None, [{"name": "main"}], {**over, "gpu_blocks": 40})}
+    conn = connector(tmp, "g", "cpp", os.path.join(tmp, "shared"))
+    out["kvcm"] = run_engine(tmp, "g", conn, [{"name": "main"}], over)
+    return out
+
+
+def test_sliding_window_mix_runs_exactly(gemma_engines: dict) -> None:
+    base, p = phase(gemma_engines["baseline"], "main"), phase(gemma_engines["kvcm"], "main")
+    assert p["outputs"] == base["outputs"]
+    assert delta(p, "counters", "hit_blocks_host") > 0, p["stats"]["counters"]
