@@ -13,8 +13,8 @@ cache shrunk with ``num_gpu_blocks_override`` to a fraction of the workload's wo
 
 Reported per configuration: prompt tokens, prefill tokens vLLM computed (prompt tokens minus
 ``num_cached_tokens``: local and external hits), blocks kvcm loaded by tier, TTFT p50 / p90
-(``RequestOutput.metrics.first_token_latency``: from arrival, a turn's requests arrive
-together), throughput (prompt + generated tokens per second of the workload's wall time),
+(``RequestOutput.metrics.first_token_latency``, from arrival; requests are submitted one
+at a time by default, ``--batch N`` submits N together), throughput (prompt + generated tokens per second of the workload's wall time),
 and whether the greedy outputs equal vLLM alone's.  A markdown table on stdout and a plot.
 """
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     tmp = args.dir or tempfile.mkdtemp(prefix="kvcm-bench-vllm-")
     model = make_model(os.path.join(tmp, "model"), **MODEL)
     workload = {"conversations": args.conversations, "turns": args.turns, "system_len": args.system_len,
-                "user_len": args.user_len, "seed": 11}
+                "user_len": args.user_len, "seed": 11, "batch": args.batch}
     base = {"model": model, "gpu_blocks": args.gpu_blocks, "block_size": BLOCK, "max_tokens": args.max_tokens,
             "workload": workload, "stats": True, "phases": [{"name": "main"}], "max_num_seqs": args.max_num_seqs}
     # the working set: every conversation's final history, in blocks
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
             "seconds": p["seconds"],
             "connector_s": sum((p.get("stats") or {}).get("seconds", {}).values())
             + sum(v for k, v in (p.get("stats") or {}).get("worker", {}).items() if k.endswith("_us")) / 1e6})
-    print(f"\nworkload: {args.conversations} chats x {args.turns} turns, system {args.system_len}, user "
+    print(f"\nworkload: {args.conversations} chats x {args.turns} turns, {args.batch} request(s) at a time, system {args.system_len}, user "
           f"{args.user_len}, reply {args.max_tokens} tokens; working set {working} blocks of {BLOCK}; vLLM's KV "
           f"cache {args.gpu_blocks} blocks; kvcm host {args.host_blocks} blocks, disk {working * 2} blocks\n")
     print("| config | prompt tokens | prefill tokens computed | kvcm hits host / disk / shared (blocks) "
@@ -150,6 +150,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-blocks", type=int, default=32, help="vLLM's KV cache, blocks of 32 tokens")
     p.add_argument("--host-blocks", type=int, default=64, help="kvcm's host tier, blocks")
     p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--batch", type=int, default=1,
+                   help="requests submitted together (1: one at a time, so TTFT is the request's own prefill)")
     p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
     p.add_argument("--plot", default="kvcm-vllm.png")
 
