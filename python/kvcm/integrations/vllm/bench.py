@@ -143,11 +143,11 @@ def _plot(table: list[dict], path: str) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-len", type=int, default=128)
-    p.add_argument("--user-len", type=int, default=96)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-len", type=int, default=256)
+    p.add_argument("--user-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--gpu-blocks", type=int, default=32, help="vLLM's KV cache, blocks of 32 tokens")
+    p.add_argument("--gpu-blocks", type=int, default=24, help="vLLM's KV cache, blocks of 32 tokens")
     p.add_argument("--host-blocks", type=int, default=64, help="kvcm's host tier, blocks")
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--batch", type=int, default=1,
