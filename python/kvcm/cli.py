@@ -8,6 +8,7 @@ Subcommands::
     replay [TRACE] --instances 2,4,8 --shared-tier file:DIR|mooncake|mooncake://HOST:PORT?metadata=URL
            [--page-bytes 4096] [--gpu-blocks 1024] [--plot kvcm-fleet.png]   (the fleet replay, kvcm.fleet)
     bench [replay|keys|probe|decode|step|ssm|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
+    bench vllm [--conversations N] [--turns N] [--gpu-blocks N] ...   (kvcm.integrations.vllm.bench)
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
     events --connect ENDPOINT [--replay ENDPOINT] [--snapshot] | --demo | --bench   (kvcm.events_cli)
@@ -746,6 +747,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(why, file=sys.stderr)
             return 2
         return command(argv[1:])
+    if argv[:2] == ["bench", "vllm"]:  # real vLLM engines (kvcm[vllm]): kvcm.integrations.vllm.bench
+        try:
+            from kvcm.integrations.vllm.bench import main as bench_vllm_main
+        except ImportError as e:
+            print(f"python -m kvcm bench vllm: cannot import it ({e}); it needs vLLM: pip install 'kvcm[vllm]', "
+                  "then pip uninstall torchvision torchaudio torchcodec (README: kvcm inside vLLM)", file=sys.stderr)
+            return 2
+        return bench_vllm_main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:

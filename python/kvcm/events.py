@@ -133,6 +133,7 @@ class EventPublisher:
         clock: Callable[[], float] | None = None,
         scopes: Iterable[ReuseScope] = (),
         context: zmq.Context | None = None,
+        media: Sequence[str] | None = None,
     ) -> None:
         if buffer_steps < 1 or max_queue < 1 or max_replay_clients < 1:
             raise ValueError("buffer_steps, max_queue and max_replay_clients must be >= 1")
@@ -150,7 +151,8 @@ class EventPublisher:
         self._clock = clock
         self.instance = instance
         self._encoder = Encoder(layout, data_parallel_rank, instance)
-        self._state = WireState(manager.life_cycles, manager.config.tokens_per_block, scopes)
+        self._state = WireState(manager.life_cycles, manager.config.tokens_per_block, scopes,
+                                **({} if media is None else {"media": media}))
         snap = manager.snapshot()
         self._state.load_snapshot(snap)
         self._next_event = int(snap["next"]["event"])  # events before it are in the snapshot

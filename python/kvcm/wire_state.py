@@ -78,8 +78,11 @@ class WireState:
     """The announced blocks of one instance, and the translation of its events."""
 
     def __init__(self, life_cycles: Sequence[LifeCycle], tokens_per_block: int,
-                 scopes: Iterable[ReuseScope] = ()) -> None:
+                 scopes: Iterable[ReuseScope] = (), media: Sequence[str] = MEDIA) -> None:
         self.B = tokens_per_block
+        # the medium announced for each tier number (an engine whose tier 0 is not a gpu, e.g.
+        # kvcm inside vLLM, where tier 0 is host memory, names its own)
+        self._media = tuple(media)
         self._spec = [spec_fields(lc) for lc in life_cycles]
         self._roots: dict[bytes, ReuseScope] = {}
         self._blocks: dict[bytes, _Block] = {}
@@ -202,7 +205,7 @@ class WireState:
         self._emit_stored(out, key, blk, lc)
 
     def _emit_stored(self, out: list, key: bytes, blk: _Block, lc: int) -> None:
-        medium = medium_of(blk.pages[lc])
+        medium = self._media[blk.pages[lc]]
         first = blk.parent in self._roots
         parent = None if first else blk.parent
         scope = blk.scope
@@ -240,9 +243,8 @@ class WireState:
             kvcm_coverage=cov,
         ))
 
-    @staticmethod
-    def _removed(out: list, key: bytes, lc: int, tier: int) -> None:
-        medium = medium_of(tier)
+    def _removed(self, out: list, key: bytes, lc: int, tier: int) -> None:
+        medium = self._media[tier]
         last = out[-1] if out else None
         if isinstance(last, BlockRemoved) and last.group_idx == lc and last.medium == medium:
             last.block_hashes.append(key)

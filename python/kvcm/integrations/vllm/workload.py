@@ -1,0 +1,137 @@
+"""A multi-turn chat workload through a real vLLM engine, with or without kvcm (the tests and
+``python -m kvcm bench vllm`` share it).  No hub: the model is a random-weight Llama saved
+from a transformers config, prompts are token ids (``skip_tokenizer_init``).
+
+Run as ``python -m kvcm.integrations.vllm.workload SPEC.json OUT.json``: one engine (one
+process, vLLM spawns its engine core), several phases, each a workload, optionally after a
+``reset_prefix_cache`` (vLLM's cache and kvcm's local tiers) or with a fault mode written to
+a control file (the tests' fault store reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+MODEL_DEFAULTS = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                  "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                  "initializer_range": 0.2}
+
+
+def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides: Any) -> str:
+    """A random-weight model saved under ``path`` (reused when it is there already):
+    ``llama`` (full attention) or ``gemma3`` (sliding-window layers then a full-attention one,
+    Gemma-3's text model)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    args = {**MODEL_DEFAULTS, **overrides}
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**args, torch_dtype="float32"))
+    elif kind == "gemma3":
+        args.update(head_dim=args["hidden_size"] // args["num_attention_heads"], sliding_window=64,
+                    layer_types=["sliding_attention"] * (args["num_hidden_layers"] - 1) + ["full_attention"])
+        args.setdefault("query_pre_attn_scalar", args["head_dim"])
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**args, torch_dtype="float32"))
+    else:
+        raise ValueError(f"unknown model kind {kind!r}: llama or gemma3")
+    model.save_pretrained(path)
+    return path
+
+
+def conversations(n: int, system_len: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(1, vocab) for _ in range(system_len)]
+    return [list(system) for _ in range(n)]
+
+
+def run_turns(llm: Any, spec: dict, sampling: Any) -> dict:
+    """``turns`` rounds over ``conversations`` chats: each round every chat gets a new user
+    message, the whole history is the prompt, the reply is appended."""
+    from vllm.inputs import TokensPrompt
+
+    vocab = spec.get("vocab", MODEL_DEFAULTS["vocab_size"])
+    rng = random.Random(spec.get("seed", 0) + 1)
+    chats = conversations(spec["conversations"], spec["system_len"], spec.get("seed", 0), vocab)
+    outputs, ttft, cached, prompt_tokens = [], [], 0, 0
+    t0 = time.perf_counter()
+    for _ in range(spec["turns"]):
+        for c in chats:
+            c += [rng.randrange(1, vocab) for _ in range(spec["user_len"])]
+        prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in chats]
+        turn = []
+        for i in range(0, len(prompts), spec.get("batch", len(prompts))):
+            chunk = prompts[i:i + spec.get("batch", len(prompts))]
+            s = time.perf_counter()
+            res = llm.generate(chunk, sampling, use_tqdm=False)
+            for r in res:
+                m = getattr(r, "metrics", None)
+                ft = getattr(m, "first_token_latency", None) if m is not None else None
+                ttft.append(ft if ft else time.perf_counter() - s)
+                cached += r.num_cached_tokens or 0
+                prompt_tokens += len(r.prompt_token_ids)
+            turn += res
+        for c, r in zip(chats, turn, strict=True):
+            out = list(r.outputs[0].token_ids)
+            outputs.append(out)
+            c += out
+    return {"outputs": outputs, "ttft": ttft, "cached_tokens": cached, "prompt_tokens": prompt_tokens,
+            "seconds": time.perf_counter() - t0}
+
+
+def main(argv: list[str]) -> int:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    from vllm import LLM, SamplingParams
+
+    kw: dict[str, Any] = {"model": spec["model"], "skip_tokenizer_init": True, "dtype": "float32",
+                          "block_size": spec.get("block_size", 32), "num_gpu_blocks_override": spec["gpu_blocks"],
+                          "max_model_len": spec.get("max_model_len", (spec["gpu_blocks"] - 1) * spec.get("block_size", 32)), "enforce_eager": True,
+                          "max_num_seqs": spec.get("max_num_seqs", 4), "seed": 0,
+                          "disable_log_stats": False,  # RequestOutput.metrics: TTFT
+                          "max_num_batched_tokens": spec.get("max_num_batched_tokens", 2048),
+                          "kv_cache_memory_bytes": spec.get("kv_cache_memory_bytes", 64 << 20)}
+    if spec.get("connector") is not None:
+        kw["kv_transfer_config"] = spec["connector"]
+    t = time.perf_counter()
+    llm = LLM(**kw)
+    result: dict[str, Any] = {"start_seconds": time.perf_counter() - t, "phases": []}
+    sampling = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
+    stats_file = (spec.get("connector") or {}).get("kv_connector_extra_config", {}).get("stats_file")
+    for phase in spec["phases"]:
+        if phase.get("reset"):
+            llm.reset_prefix_cache(reset_connector=True)
+        if spec.get("fault_file"):
+            with open(spec["fault_file"], "w") as f:
+                f.write(phase.get("fault", ""))
+        for path in phase.get("truncate", []):  # a disk fault: kvcm's disk pool files cut short
+            for name in os.listdir(path):
+                if name.startswith("kvcm-pool-"):
+                    os.truncate(os.path.join(path, name), 0)
+        before = _read(stats_file)
+        r = run_turns(llm, {**spec["workload"], **phase.get("workload", {})}, sampling)
+        r["name"] = phase["name"]
+        r["stats_before"], r["stats"] = before, _read(stats_file)
+        result["phases"].append(r)
+        with open(out_path, "w") as f:  # after every phase: a crash later keeps what ran
+            json.dump(result, f)
+    return 0
+
+
+def _read(path: str | None) -> Any:
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

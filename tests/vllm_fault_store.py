@@ -1,0 +1,68 @@
+"""A file store whose faults the vLLM connector tests switch on from outside the engine.
+
+vLLM runs the connector in its own processes, so the test cannot reach into them: it writes
+a mode into the file named by ``KVCM_TEST_FAULT_FILE`` and every store call reads it.  Made
+by the connector through ``kv_connector_extra_config["shared_store_class"]``.
+
+Modes: ``""`` none; ``delete``: each object is removed just before it is read (deleted
+between the lookup and the load); ``corrupt``: one payload byte of each object is flipped
+just before it is read; ``down``: every call fails as a store that cannot be reached;
+``hang``: every call sleeps ``HANG_S`` first (past the connector's deadline); ``full``:
+writes fail with ENOSPC (a full disk under the store).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Sequence
+
+from kvcm.shared_store import HEADER, FileStore, Staging
+
+HANG_S = 3.0
+
+
+class FaultyFileStore(FileStore):
+    def __init__(self, location: str, quota_bytes: int = 0) -> None:
+        super().__init__(location.removeprefix("file://"), quota_bytes)
+
+    @staticmethod
+    def mode() -> str:
+        path = os.environ.get("KVCM_TEST_FAULT_FILE")
+        if not path or not os.path.exists(path):
+            return ""
+        with open(path) as f:
+            return f.read().strip()
+
+    def _before(self, what: str) -> None:
+        m = self.mode()
+        if m == "down":
+            raise ConnectionRefusedError(errno.ECONNREFUSED, f"test store down ({what})")
+        if m == "hang":
+            time.sleep(HANG_S)
+
+    def exists(self, names: Sequence[str]) -> list[bool]:
+        self._before("exists")
+        return super().exists(names)
+
+    def put(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[OSError | None]:
+        self._before("put")
+        if self.mode() == "full":
+            return [OSError(errno.ENOSPC, "No space left on device (test)") for _ in items]
+        return super().put(items, staging)
+
+    def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
+        self._before("get")
+        m = self.mode()
+        for name, _, _ in items:
+            path = self.path(name)
+            if m == "delete" and os.path.exists(path):
+                os.unlink(path)
+            elif m == "corrupt" and os.path.exists(path):
+                with open(path, "r+b") as f:
+                    f.seek(HEADER.size)
+                    b = f.read(1)
+                    f.seek(HEADER.size)
+                    f.write(bytes([b[0] ^ 0xFF]))
+        return super().get(items, staging)
