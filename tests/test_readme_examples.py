@@ -16,15 +16,16 @@ import pytest
 
 PKG_ROOT = Path(kvcm.__file__).resolve().parent.parent
 README = PKG_ROOT.parent / "README.md"
-MARK = re.compile(r"^<!-- example: ([\w-]+)(?: after ([\w-]+))? -->$")
+MARK = re.compile(r"^<!-- example: ([\w-]+)(?: after ([\w-]+))?(?: needs (vllm))? -->$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 
 
-def examples(text: str) -> dict[str, tuple[str | None, str, int]]:
-    """``{name: (after, code, line)}``; raises AssertionError for an unmarked python block,
+def examples(text: str) -> dict[str, tuple[str | None, str, int, str | None]]:
+    """``{name: (after, code, line, needs)}`` (``needs``: ``"vllm"`` for an example that runs
+    in the vllm leg, tests/test_vllm_connector.py, else None); raises AssertionError for an unmarked python block,
     a marker without a python block, or a chain to an unknown example."""
     lines = text.splitlines()
-    out: dict[str, tuple[str | None, str, int]] = {}
+    out: dict[str, tuple[str | None, str, int, str | None]] = {}
     i = 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -41,10 +42,10 @@ def examples(text: str) -> dict[str, tuple[str | None, str, int]]:
         mark = MARK.match(prev.strip())
         if lang == "python":
             assert mark, f"README.md:{start + 1}: a python block without an <!-- example: NAME --> marker"
-            name, after = mark.group(1), mark.group(2)
+            name, after, needs = mark.group(1), mark.group(2), mark.group(3)
             assert name not in out, f"README.md:{start + 1}: example {name!r} twice"
             assert after is None or after in out, f"README.md:{start + 1}: {name!r} after unknown {after!r}"
-            out[name] = (after, body, start + 1)
+            out[name] = (after, body, start + 1, needs)
         else:
             assert mark is None, f"README.md:{start + 1}: an example marker on a {lang or 'plain'} block"
     return out
@@ -54,27 +55,31 @@ EXAMPLES = examples(README.read_text(encoding="utf-8"))
 
 
 def chain(name: str) -> list[str]:
-    after, _, _ = EXAMPLES[name]
+    after = EXAMPLES[name][0]
     return ([*chain(after)] if after else []) + [name]
 
 
 def test_readme_has_examples_and_the_parser_refuses_unmarked_blocks():
-    assert {"engine-loop", "copy-error", "decode-batch", "publisher", "shared-tier"} <= set(EXAMPLES)
+    assert {"engine-loop", "copy-error", "decode-batch", "publisher", "shared-tier", "quota"} <= set(EXAMPLES)
+    assert EXAMPLES["vllm-llm"][3] == "vllm"  # run by tests/test_vllm_connector.py in the vllm leg
     with pytest.raises(AssertionError, match="without an <!-- example"):
         examples("text\n```python\nprint(1)\n```\n")
 
 
+# argv: NAME PATH pairs, then "--" and the arguments the examples see as sys.argv[1:]
 RUNNER = """
 import sys
+sep = sys.argv.index("--")
+pairs, sys.argv = sys.argv[1:sep], [sys.argv[0], *sys.argv[sep + 1:]]
 ns = {"__name__": "__main__"}
-for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
+for name, path in zip(pairs[0::2], pairs[1::2]):
     print(f"== {name}", flush=True)
     exec(compile(open(path).read(), f"README.md example {name}", "exec"), ns)
 """
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_readme_example_runs_as_written(name, tmp_path):
+def run_example(name: str, tmp_path: Path, argv: tuple[str, ...] = (), timeout: float = 300) -> str:
+    """Run example ``name`` (after its chain) in a fresh interpreter; its stdout."""
     args = []
     for n in chain(name):
         path = tmp_path / f"{n}.py"
@@ -82,10 +87,15 @@ def test_readme_example_runs_as_written(name, tmp_path):
         args += [n, str(path)]
     env = {k: v for k, v in os.environ.items() if k != "KVCM_OPLOG"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PKG_ROOT), env.get("PYTHONPATH")) if p)
-    p = subprocess.run([sys.executable, "-c", RUNNER, *args], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300, check=False)
+    p = subprocess.run([sys.executable, "-c", RUNNER, *args, "--", *argv], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=timeout, check=False)
     assert p.returncode == 0, f"README.md:{EXAMPLES[name][2]} ({name}):\n{p.stdout}\n{p.stderr}"
-    out = p.stdout
+    return p.stdout
+
+
+@pytest.mark.parametrize("name", sorted(n for n, e in EXAMPLES.items() if e[3] is None))
+def test_readme_example_runs_as_written(name, tmp_path):
+    out = run_example(name, tmp_path)
     if "engine-loop" in chain(name):
         assert "\n96\n" in out, out  # the system prompt is reusable: chunked commits snapshot the ssm state
     if name == "shared-tier":

@@ -30,11 +30,11 @@ import sys
 import threading
 
 import pytest
+from children import child_env
 
 if os.environ.get("KVCM_VLLM_TESTS") != "1":
     pytest.skip("the vLLM connector tests run in the vllm leg (KVCM_VLLM_TESTS=1)", allow_module_level=True)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 32
 GPU_BLOCKS = 16  # vLLM's KV cache: 16 blocks of 32 tokens, a few requests' worth
 BLOCK_BYTES = 2 * 2 * 64 * 2 * 4  # per layer: 2 kv heads x 64 dims x (K, V) x fp32 ... per token
@@ -60,10 +60,7 @@ def run_engine(tmp: str, name: str, connector: dict | None, phases: list[dict], 
     spec_path, out_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "python"), os.path.join(ROOT, "tests"),
-                                         env.get("PYTHONPATH", "")])
-    env["KVCM_TEST_FAULT_FILE"] = spec["fault_file"]
+    env = child_env(KVCM_TEST_FAULT_FILE=spec["fault_file"])  # the kvcm this process imported
     p = subprocess.run([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
                        env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     if p.returncode != 0:
@@ -265,3 +262,15 @@ def test_sliding_window_mix_runs_exactly(gemma_engines: dict) -> None:
     base, p = phase(gemma_engines["baseline"], "main"), phase(gemma_engines["kvcm"], "main")
     assert p["outputs"] == base["outputs"]
     assert delta(p, "counters", "hit_blocks_host") > 0, p["stats"]["counters"]
+
+
+def test_readme_llm_example_runs_as_written(tmp_path) -> None:
+    """The README's ``LLM(...)`` form (marked ``needs vllm``) runs as written, on a
+    random-weight model, in a fresh interpreter: it asserts its own repeated greedy output."""
+    from kvcm.integrations.vllm.workload import make_model
+    from test_readme_examples import EXAMPLES, run_example
+
+    assert EXAMPLES["vllm-llm"][3] == "vllm"
+    model = make_model(str(tmp_path / "model"))
+    out = run_example("vllm-llm", tmp_path, argv=(model,), timeout=CHILD_TIMEOUT_S)
+    assert "== vllm-llm" in out
