@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any
+from typing import Any, Self
 
 import torch
 import transformers
@@ -76,12 +76,12 @@ _PINNED_SIGNATURES: dict[tuple[type, str], tuple[str, ...]] = {
 # (function, text its source must contain): the call sites that make our overrides take effect
 _PINNED_CALLS: tuple[tuple[Any, str], ...] = (
     (tf_scheduler.Scheduler._infer_request_tokens, "self.cache.use_prefix_sharing"),
-    (tf_scheduler.Scheduler._infer_request_tokens, "self.cache.search_prefix_match(state.request_id, "
-                                                   "state.remaining_prefill_tokens)"),
+    (tf_scheduler.Scheduler._infer_request_tokens,
+     "self.cache.search_prefix_match(state.request_id, state.remaining_prefill_tokens)"),
     (tf_scheduler.Scheduler._process_candidates, "self.cache.can_store_request_tokens(state, request_len)"),
     (tf_scheduler.Scheduler._process_candidates, "self.cache.count_new_complete_blocks(state, request_len)"),
-    (tf_api.ContinuousBatchProcessor.update_batch, "self.cache.mark_complete_blocks(state, "
-                                                   "future_state.complete_blocks)"),
+    (tf_api.ContinuousBatchProcessor.update_batch,
+     "self.cache.mark_complete_blocks(state, future_state.complete_blocks)"),
     (tf_api.ContinuousBatchProcessor.update_batch, "self.cache.prepare_fork_request("),
     (tf_api.ContinuousBatchingManager._create_batch_processor, "PagedAttentionCache("),
     (tf_offload.OffloadingManager.offload_requests, "self.cache.free_blocks(state.request_id, no_cache=True)"),
@@ -320,8 +320,8 @@ class KvcmPagedAttentionCache(tf_cache.PagedAttentionCache):
         gpu = kc.mgr.stats()["tiers"][kc.gpu_pos]["lc"]
         avail = {name: gpu[lc]["free"] + gpu[lc]["droppable"] for name, lc in kc.lc.items()}
         for i, need in enumerate(list_blocks_needed):
-            for name in avail:
-                avail[name] -= need.get(name, 0)
+            for name, left in avail.items():
+                avail[name] = left - need.get(name, 0)
                 if avail[name] < 0:
                     return i
         return len(list_blocks_needed)
@@ -382,7 +382,7 @@ class KvcmContinuousBatching:
 
     # ---------------------------------------------------------------- context
 
-    def __enter__(self) -> KvcmContinuousBatching:
+    def __enter__(self) -> Self:
         problems = check_pinned_internals()
         if problems:
             raise RuntimeError("kvcm.integrations.transformers: the pinned transformers internals changed: "
