@@ -173,3 +173,15 @@ def test_two_processes_share_a_file_store(tmp_path):
 
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     assert runs[1]["reused"] > runs[0]["reused"] and runs[1]["loads"] > 0, runs
+
+
+def test_preemption_suspends_and_resumes_exactly():
+    """A gpu tier of 6 blocks for 4 growing chats: transformers preempts a starved request;
+    kvcm suspends it (its pages held, offloaded to host) and resumes it at re-admission."""
+    model = llama()
+    with KvcmContinuousBatching(host_blocks=64) as kc:
+        outs = run_turns(model, 2, 6, kc, n=4)
+        stats = kc.stats()
+    check_exact(model, outs, n=4)
+    assert stats["suspended_requests"] >= 1 and stats["resumed_requests"] >= 1, stats
+    assert stats["routes"].get("host->gpu", 0) > 0

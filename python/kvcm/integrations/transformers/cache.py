@@ -246,7 +246,7 @@ class KvcmPagedAttentionCache(tf_cache.PagedAttentionCache):
 
     def count_new_complete_blocks(self, state: RequestState, request_len: int) -> dict[str, int]:
         self._kc.counters["computed_tokens"] += request_len
-        if state.status.name != "DECODING" or not state.generated_tokens:
+        if not state.generated_tokens:  # a prompt chunk (a preempted request's prompt includes its output)
             self._kc.counters["prefill_tokens"] += request_len
         return {_TOKENS_KEY: request_len}
 
