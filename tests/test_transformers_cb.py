@@ -50,7 +50,7 @@ def gen_config(n: int = 1) -> GenerationConfig:
 
 
 def cb_config(num_blocks: int = 64) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(page_size=8, num_blocks=num_blocks, max_batch_tokens=64)
+    return ContinuousBatchingConfig(page_size=8, num_blocks=num_blocks, max_batch_tokens=64, return_logprobs=True)
 
 
 def conversations(n: int = 3) -> list[list[int]]:
@@ -60,29 +60,43 @@ def conversations(n: int = 3) -> list[list[int]]:
 
 
 def run_turns(model, turns: int, num_blocks: int, kc: KvcmContinuousBatching | None = None,
-              n: int = 3) -> list[list[list[int]]]:
-    """The multi-turn workload: each turn's prompt is the last prompt, its answer and a new question."""
+              n: int = 3) -> list[dict]:
+    """The multi-turn workload: each turn's prompt is the last prompt, its answer and a new
+    question.  Per turn: the prompts, the greedy tokens and their log-probabilities."""
     hist = conversations(n)
     outs = []
     for turn in range(turns):
         out = model.generate_batch(hist, generation_config=gen_config(), continuous_batching_config=cb_config(num_blocks),
                                    progress_bar=False)
-        res = [out[f"req_{i}"].generated_tokens for i in range(len(hist))]
-        outs.append([list(h) for h in hist] + res)
-        hist = [h + r + [200 + 3 * turn + i, 201, 202] for i, (h, r) in enumerate(zip(hist, res))]
+        res = [out[f"req_{i}"] for i in range(len(hist))]
+        outs.append({"prompts": [list(h) for h in hist], "tokens": [r.generated_tokens for r in res],
+                     "logprobs": [r.logprobs for r in res]})
+        hist = [h + r.generated_tokens + [200 + 3 * turn + i, 201, 202] for i, (h, r) in enumerate(zip(hist, res))]
     return outs
 
 
-def reference(model, prompt: list[int]) -> list[int]:
+def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """``model.generate()`` alone: greedy tokens and the log-probability of each."""
     with torch.no_grad():
-        return model.generate(torch.tensor([prompt]), generation_config=gen_config())[0, len(prompt):].tolist()
+        g = model.generate(torch.tensor([prompt]), generation_config=gen_config(), output_logits=True,
+                           return_dict_in_generate=True)
+    tokens = g.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(g.logits, tokens)]
+    return tokens, logprobs
 
 
-def check_exact(model, outs: list[list[list[int]]], n: int = 3) -> None:
+def check_exact(model, outs: list[dict], n: int = 3) -> None:
+    """Tokens equal ``generate()``'s; log-probabilities within float32 round-off."""
     for turn in outs:
-        prompts, results = turn[:n], turn[n:]
-        for p, r in zip(prompts, results):
-            assert r == reference(model, p), f"prompt of {len(p)} tokens"
+        for p, toks, lps in zip(turn["prompts"], turn["tokens"], turn["logprobs"]):
+            ref_toks, ref_lps = reference(model, p)
+            assert toks == ref_toks, f"prompt of {len(p)} tokens"
+            assert len(lps) == len(ref_lps)
+            assert max(abs(x - y) for x, y in zip(lps, ref_lps)) < 1e-4, (lps, ref_lps)
+
+
+def same_tokens(a: list[dict], b: list[dict]) -> bool:
+    return [t["tokens"] for t in a] == [t["tokens"] for t in b]
 
 
 def test_pinned_internals_unchanged():
@@ -99,24 +113,20 @@ def test_multi_turn_exact_and_reused(sliding):
     check_exact(model, outs)
     assert stats["reused_tokens"] > 0
     # transformers' own continuous batching (no kvcm) gives the same tokens
-    assert run_turns(model, 3, 64) == outs
+    assert same_tokens(run_turns(model, 3, 64), outs)
 
 
 def test_sliding_mix_shares_what_transformers_does_not():
-    """transformers turns prefix sharing off with a sliding layer; through kvcm the second
-    request of a shared system prompt reuses it."""
+    """transformers turns prefix sharing off with a sliding layer; through kvcm every chat
+    after the first reuses the shared system prompt in the first turn already, and the
+    whole conversation in the next."""
     model = llama(sliding=True)
-    mgr = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
-    try:
-        mgr.start()
-        assert mgr.batch_processor is None or not mgr.batch_processor.cache.use_prefix_sharing
-    finally:
-        mgr.stop(block=True)
-    model.destroy_cached_continuous_batching_manager() if hasattr(model, "destroy_cached_continuous_batching_manager") \
-        else None
     with KvcmContinuousBatching() as kc:
-        run_turns(model, 2, 64, kc)
-        assert kc.stats()["reused_tokens"] >= 16 * 3
+        outs = run_turns(model, 2, 64, kc)
+        stats = kc.stats()
+    assert kc.transformers_prefix_sharing is False  # what transformers itself decided for this model
+    assert stats["reused_tokens"] >= 16 * 2 + sum(len(p) - 1 for p in outs[0]["prompts"]) - 8 * 3, stats
+    check_exact(model, outs)
 
 
 @pytest.mark.parametrize("sliding,tier", [(False, "host"), (True, "disk")],
@@ -146,7 +156,7 @@ def test_parallel_sampling_forks_share_the_prompt():
     assert len(out) == 6
     for rid, o in out.items():
         i = int(rid.split("_")[1].split("__")[0])
-        assert o.generated_tokens == reference(model, prompts[i]), rid
+        assert o.generated_tokens == reference(model, prompts[i])[0], rid
 
 
 def test_two_processes_share_a_file_store(tmp_path):

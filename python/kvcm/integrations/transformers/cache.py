@@ -159,6 +159,7 @@ class KvcmPagedAttentionCache(tf_cache.PagedAttentionCache):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._kc.transformers_prefix_sharing = self.use_prefix_sharing  # transformers' own choice, for reports
         self._kv: dict[str, KVCache] = {}
         self._preempted: set[str] = set()  # suspended by a preemption: the finish that follows keeps them
         for allocator in self.cache_allocators.values():
@@ -376,6 +377,7 @@ class KvcmContinuousBatching:
         self.plane: DataPlane | None = None
         self.counters = dict.fromkeys(("prompt_tokens", "reused_tokens", "computed_tokens", "prefill_tokens",
                                        "suspended_requests", "resumed_requests", "forks"), 0)
+        self.transformers_prefix_sharing: bool | None = None  # what transformers would have done (last cache)
         self._saved: Any = None
         self._geometry: tuple | None = None
         self._tensor: torch.Tensor | None = None
