@@ -104,6 +104,23 @@ def test_pinned_internals_unchanged():
     assert check_pinned_internals() == []
 
 
+def test_a_moved_internal_is_named_and_refused(monkeypatch):
+    """The check names the change, and the context refuses to start on it."""
+    import transformers
+    from transformers.generation.continuous_batching import cache as tf_cache
+
+    def search_prefix_match(self, request_id, prompt_ids, scope):  # a new parameter upstream
+        return 0
+
+    monkeypatch.setattr(tf_cache.PagedAttentionCache, "search_prefix_match", search_prefix_match)
+    monkeypatch.setattr(transformers, "__version__", "5.20.0")
+    problems = check_pinned_internals()
+    assert any("PagedAttentionCache.search_prefix_match takes" in p for p in problems), problems
+    assert any("5.20.0" in p for p in problems), problems
+    with pytest.raises(RuntimeError, match="search_prefix_match"), KvcmContinuousBatching():
+        pass
+
+
 @pytest.mark.parametrize("sliding", [False, True], ids=["llama_full", "qwen3_sliding_mix"])
 def test_multi_turn_exact_and_reused(sliding):
     model = llama(sliding)
