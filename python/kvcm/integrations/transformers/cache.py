@@ -96,11 +96,13 @@ _PINNED_CACHE_ATTRS = ("cache_allocators", "pool", "num_sectors", "bytes_per_sec
                        "use_prefix_sharing", "device", "dtype")
 
 
-def check_pinned_internals() -> list[str]:
-    """What changed in the transformers internals this integration relies on ([] = nothing)."""
+def check_pinned_internals(version: str | None = None) -> list[str]:
+    """What changed in the transformers internals this integration relies on ([] = nothing).
+    ``version``: the transformers version to judge (default: the installed one)."""
     problems = []
-    if not transformers.__version__.startswith(PINNED_TRANSFORMERS):
-        problems.append(f"transformers {transformers.__version__} is not the pinned {PINNED_TRANSFORMERS}x")
+    version = transformers.__version__ if version is None else version
+    if not version.startswith(PINNED_TRANSFORMERS):
+        problems.append(f"transformers {version} is not the pinned {PINNED_TRANSFORMERS}x")
     for (cls, name), want in _PINNED_SIGNATURES.items():
         fn = getattr(cls, name, None)
         if fn is None:
