@@ -78,8 +78,9 @@ def run_turns(model, turns: int, num_blocks: int, kc: KvcmContinuousBatching | N
 def reference(model, prompt: list[int]) -> tuple[list[int], list[float]]:
     """``model.generate()`` alone: greedy tokens and the log-probability of each."""
     with torch.no_grad():
-        g = model.generate(torch.tensor([prompt]), generation_config=gen_config(), output_logits=True,
-                           return_dict_in_generate=True)
+        gc = gen_config()
+        gc.output_logits = gc.return_dict_in_generate = True
+        g = model.generate(torch.tensor([prompt]), generation_config=gc)
     tokens = g.sequences[0, len(prompt):].tolist()
     logprobs = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(g.logits, tokens)]
     return tokens, logprobs
@@ -92,7 +93,7 @@ def check_exact(model, outs: list[dict], n: int = 3) -> None:
             ref_toks, ref_lps = reference(model, p)
             assert toks == ref_toks, f"prompt of {len(p)} tokens"
             assert len(lps) == len(ref_lps)
-            assert max(abs(x - y) for x, y in zip(lps, ref_lps)) < 1e-4, (lps, ref_lps)
+            assert max(abs(x - y) for x, y in zip(lps, ref_lps)) < 1e-5, (lps, ref_lps)  # measured: 4.8e-7
 
 
 def same_tokens(a: list[dict], b: list[dict]) -> bool:
@@ -119,6 +120,24 @@ def test_a_moved_internal_is_named_and_refused(monkeypatch):
     assert any("transformers 5.20.0 is not the pinned 5.19.x" in p for p in check_pinned_internals("5.20.0"))
     with pytest.raises(RuntimeError, match="search_prefix_match"), KvcmContinuousBatching():
         pass
+
+
+@pytest.mark.parametrize("kw", [{"host_blocks": -1}, {"disk_blocks": 1.5}, {"shared_bytes": True},
+                                {"disk_blocks": 4}])
+def test_bad_tier_arguments_are_refused(kw):
+    with pytest.raises(ValueError):
+        KvcmContinuousBatching(**kw)
+
+
+def test_geometry_change_in_one_context_is_refused():
+    """Reusable pages live in the first cache's tensor: a second cache of another size cannot adopt it."""
+    model = llama()
+    with KvcmContinuousBatching():
+        model.generate_batch(conversations(1), generation_config=gen_config(), continuous_batching_config=cb_config(64),
+                             progress_bar=False)
+        with pytest.raises(ValueError, match="geometry"):
+            model.generate_batch(conversations(1), generation_config=gen_config(),
+                                 continuous_batching_config=cb_config(32), progress_bar=False)
 
 
 @pytest.mark.parametrize("sliding", [False, True], ids=["llama_full", "qwen3_sliding_mix"])
