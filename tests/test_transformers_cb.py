@@ -28,18 +28,28 @@ from transformers.generation.configuration_utils import ContinuousBatchingConfig
 MAX_NEW = 5
 
 
-def llama(sliding: bool = False) -> LlamaForCausalLM:
+def build(kind: str):
+    """A random-weight tiny model: ``llama`` / ``qwen3`` (full attention, GQA 4/2), ``qwen3_swa_mix``
+    (Qwen3 with ``layer_types`` sliding/full/sliding, window 12), ``gemma3_mix`` (Gemma-3 text:
+    sliding, sliding, full; window 12)."""
     torch.manual_seed(0)
     kw = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 128, "vocab_size": 512}
-    if sliding:  # a Gemma-3-style mix: layer_types with a sliding window layer and a full one
-        kw.update(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                  sliding_window=12)
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
-        cfg = Qwen3Config(**kw, head_dim=16, use_sliding_window=True, max_window_layers=0)
-        return Qwen3ForCausalLM(cfg).eval()
-    return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    kw["head_dim"] = 16
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**kw)).eval()
+    kw.update(num_hidden_layers=3, sliding_window=12)
+    if kind == "qwen3_swa_mix":
+        return Qwen3ForCausalLM(Qwen3Config(**kw, use_sliding_window=True, max_window_layers=0, layer_types=[
+            "sliding_attention", "full_attention", "sliding_attention"])).eval()
+    if kind == "gemma3_mix":
+        return Gemma3ForCausalLM(Gemma3TextConfig(**kw, layer_types=[
+            "sliding_attention", "sliding_attention", "full_attention"])).eval()
+    raise ValueError(kind)
 
 
 def gen_config(n: int = 1) -> GenerationConfig:
@@ -131,7 +141,7 @@ def test_bad_tier_arguments_are_refused(kw):
 
 def test_geometry_change_in_one_context_is_refused():
     """Reusable pages live in the first cache's tensor: a second cache of another size cannot adopt it."""
-    model = llama()
+    model = build("llama")
     with KvcmContinuousBatching():
         model.generate_batch(conversations(1), generation_config=gen_config(), continuous_batching_config=cb_config(64),
                              progress_bar=False)
@@ -140,9 +150,9 @@ def test_geometry_change_in_one_context_is_refused():
                                  continuous_batching_config=cb_config(32), progress_bar=False)
 
 
-@pytest.mark.parametrize("sliding", [False, True], ids=["llama_full", "qwen3_sliding_mix"])
-def test_multi_turn_exact_and_reused(sliding):
-    model = llama(sliding)
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_swa_mix", "gemma3_mix"])
+def test_multi_turn_exact_and_reused(kind):
+    model = build(kind)
     with KvcmContinuousBatching() as kc:
         outs = run_turns(model, 3, 64, kc)
         stats = kc.stats()
@@ -156,7 +166,7 @@ def test_sliding_mix_shares_what_transformers_does_not():
     """transformers turns prefix sharing off with a sliding layer; through kvcm every chat
     after the first reuses the shared system prompt in the first turn already, and the
     whole conversation in the next."""
-    model = llama(sliding=True)
+    model = build("gemma3_mix")
     with KvcmContinuousBatching() as kc:
         outs = run_turns(model, 2, 64, kc)
         stats = kc.stats()
@@ -165,12 +175,11 @@ def test_sliding_mix_shares_what_transformers_does_not():
     check_exact(model, outs)
 
 
-@pytest.mark.parametrize("sliding,tier", [(False, "host"), (True, "disk")],
-                         ids=["llama_full-host", "qwen3_sliding_mix-disk"])
-def test_eviction_and_onboarding_are_exact(sliding, tier, tmp_path):
+@pytest.mark.parametrize("kind,tier", [("llama", "host"), ("qwen3_swa_mix", "disk")])
+def test_eviction_and_onboarding_are_exact(kind, tier, tmp_path):
     """A gpu tier too small for the workload (12 blocks): reusable pages go to the colder
     tier and come back (onboard) through kvcm's data plane; tokens stay exact."""
-    model = llama(sliding)
+    model = build(kind)
     tiers = {"host_blocks": 64} if tier == "host" else {"disk_blocks": 64, "disk_path": str(tmp_path)}
     with KvcmContinuousBatching(**tiers) as kc:
         outs = run_turns(model, 3, 12, kc)
@@ -182,7 +191,7 @@ def test_eviction_and_onboarding_are_exact(sliding, tier, tmp_path):
 
 
 def test_parallel_sampling_forks_share_the_prompt():
-    model = llama()
+    model = build("llama")
     prompts = conversations(2)
     with KvcmContinuousBatching() as kc:
         out = model.generate_batch(prompts, generation_config=gen_config(3), continuous_batching_config=cb_config(),
@@ -200,9 +209,9 @@ def test_two_processes_share_a_file_store(tmp_path):
     script = textwrap.dedent(f"""
         import json, sys
         sys.path[:0] = {sys.path!r}
-        from test_transformers_cb import llama, run_turns, check_exact
+        from test_transformers_cb import build, run_turns, check_exact
         from kvcm.integrations.transformers import KvcmContinuousBatching
-        model = llama()
+        model = build("llama")
         with KvcmContinuousBatching(shared_path={str(tmp_path / "store")!r}) as kc:
             outs = run_turns(model, 1, 64, kc)
             s = kc.stats()
@@ -224,7 +233,7 @@ def test_two_processes_share_a_file_store(tmp_path):
 def test_preemption_suspends_and_resumes_exactly():
     """A gpu tier of 6 blocks for 4 growing chats: transformers preempts a starved request;
     kvcm suspends it (its pages held, offloaded to host) and resumes it at re-admission."""
-    model = llama()
+    model = build("llama")
     with KvcmContinuousBatching(host_blocks=64) as kc:
         outs = run_turns(model, 2, 6, kc, n=4)
         stats = kc.stats()
