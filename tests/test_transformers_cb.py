@@ -204,15 +204,23 @@ def test_parallel_sampling_forks_share_the_prompt():
         assert o.generated_tokens == reference(model, prompts[i])[0], rid
 
 
-def test_two_processes_share_a_file_store(tmp_path):
-    """A second process reuses the prefixes the first one wrote to a shared file store."""
+@pytest.fixture(params=["file", "mooncake"])
+def store(request, tmp_path) -> str:
+    """A shared store location: a directory, or a Mooncake Store these tests start on 127.0.0.1."""
+    if request.param == "file":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("fresh_mooncake").url
+
+
+def test_two_processes_share_a_store(store):
+    """A second process reuses the prefixes the first one wrote to the shared store."""
     script = textwrap.dedent(f"""
         import json, sys
         sys.path[:0] = {sys.path!r}
         from test_transformers_cb import build, run_turns, check_exact
         from kvcm.integrations.transformers import KvcmContinuousBatching
         model = build("llama")
-        with KvcmContinuousBatching(shared_path={str(tmp_path / "store")!r}) as kc:
+        with KvcmContinuousBatching(shared_path={store!r}) as kc:
             outs = run_turns(model, 1, 64, kc)
             s = kc.stats()
         check_exact(model, outs)

@@ -356,7 +356,9 @@ class KvcmContinuousBatching:
 
     ``host_blocks`` / ``disk_blocks``: pages per life cycle of a host tier and a disk tier
     (``disk_path`` its directory); ``shared_path``: a shared tier on that store (a directory
-    or ``file:///dir`` or ``mooncake://...``) with ``shared_bytes`` of quota.  The gpu tier is
+    or ``file:///dir`` or ``mooncake://...``) with ``shared_bytes`` of quota (the tier's
+    ``quota_bytes``: a file store's byte cap, 0 unbounded; the Mooncake segment this process
+    mounts, 0 none: the default, since objects in a process's own segment die with it).  The gpu tier is
     transformers' cache tensor (size it with ``ContinuousBatchingConfig(num_blocks=...)``).
     ``backend``: kvcm backend (default ``KVCM_BACKEND``).  The manager and data plane are
     built with the first cache and kept for every later one in the context (the same
@@ -364,7 +366,7 @@ class KvcmContinuousBatching:
     """
 
     def __init__(self, *, host_blocks: int = 0, disk_blocks: int = 0, disk_path: str | None = None,
-                 shared_path: str | None = None, shared_bytes: int = 1 << 30, backend: str | None = None) -> None:
+                 shared_path: str | None = None, shared_bytes: int = 0, backend: str | None = None) -> None:
         for name, v in (("host_blocks", host_blocks), ("disk_blocks", disk_blocks), ("shared_bytes", shared_bytes)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
