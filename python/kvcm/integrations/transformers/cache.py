@@ -44,6 +44,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 import kvcm
 from kvcm import AttentionLayer, KVCacheManagerConfig, Tier
 from kvcm.api import KVCache, Status
+from kvcm.config import resolve_config
 from kvcm.dataplane import DataPlane
 
 PINNED_TRANSFORMERS = "5.19."  # the minor version whose internals this module was written against
@@ -459,8 +460,11 @@ class KvcmContinuousBatching:
             window = getattr(a, "sliding_window", None)
             layers += [AttentionLayer(i, per_token, window=window) for i in a.layer_indices]
         layers.sort(key=lambda layer: layer.layer_id)
-        probe = KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=[Tier("gpu", 1 << 40)])
-        lcs = kvcm.KVCacheManager(probe, backend=self.backend).life_cycles
+        # kvcm's life cycles of these layers (the rule lives in kvcm.config), from a probe
+        # config with one slot per lc: only the slot sizes are needed to size the tiers
+        one_each = sum(layer.bytes_per_token * B for layer in layers)
+        lcs = resolve_config(KVCacheManagerConfig(tokens_per_block=B, layers=layers,
+                                                  tiers=[Tier("gpu", one_each)])).life_cycles
         per_block = sum(lc.slot_bytes for lc in lcs)
         tiers = [Tier("gpu", n * per_block)]
         if self.host_blocks:
