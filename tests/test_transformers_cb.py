@@ -198,6 +198,10 @@ def test_parallel_sampling_forks_share_the_prompt():
                                    progress_bar=False)
         stats = kc.stats()
     assert stats["forks"] == 4  # two children per prompt
+    # the children share the prompt's pages: each computes only the last prompt token, after a
+    # copy-on-write of the shared partial page (22 tokens: 2 full pages of 8 and a partial one)
+    assert stats["prefill_tokens"] == sum(len(p) for p in prompts) + 4, stats
+    assert stats["copies"]["cow"] == 4, stats
     assert len(out) == 6
     for rid, o in out.items():
         i = int(rid.split("_")[1].split("__")[0])
