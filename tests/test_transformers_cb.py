@@ -252,3 +252,27 @@ def test_preemption_suspends_and_resumes_exactly():
     check_exact(model, outs, n=4)
     assert stats["suspended_requests"] >= 1 and stats["resumed_requests"] >= 1, stats
     assert stats["routes"].get("host->gpu", 0) > 0
+
+
+def test_persistent_manager_chat_reuses_each_turn():
+    """``init_continuous_batching()`` (one engine, one cache, requests added one by one, as
+    ``transformers serve`` does): each turn of a chat reuses the previous turn, exactly."""
+    model = build("gemma3_mix")
+    prompt = conversations(1)[0]
+    with KvcmContinuousBatching() as kc:
+        mgr = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
+        mgr.start()
+        try:
+            for turn in range(3):
+                rid = mgr.add_request(prompt, request_id=f"turn{turn}", max_new_tokens=MAX_NEW)
+                out = mgr.get_result(rid, timeout=120)
+                assert out is not None and out.error is None, out
+                assert out.generated_tokens == reference(model, prompt)[0], turn
+                prompt = prompt + out.generated_tokens + [300 + turn, 301]
+        finally:
+            mgr.stop(block=True)
+            model.destroy_cached_continuous_batching_manager()
+        stats = kc.stats()
+    # turns 2 and 3 match the previous conversation up to its last generated token (never computed):
+    # 22 + 4 tokens, then 29 + 4
+    assert stats["reused_tokens"] == 26 + 33, stats
