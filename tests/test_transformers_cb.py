@@ -139,6 +139,16 @@ def test_bad_tier_arguments_are_refused(kw):
         KvcmContinuousBatching(**kw)
 
 
+@pytest.mark.parametrize("kw,match", [({"cpu_offload_space": 0.01}, "cpu_offload_space"),
+                                      ({"use_async_batching": True}, "async batching")])
+def test_unsupported_engine_options_are_refused(kw, match):
+    model = build("llama")
+    cb = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64, **kw)
+    with KvcmContinuousBatching(), pytest.raises(ValueError, match=match):
+        model.generate_batch(conversations(1), generation_config=gen_config(), continuous_batching_config=cb,
+                             progress_bar=False)
+
+
 def test_geometry_change_in_one_context_is_refused():
     """Reusable pages live in the first cache's tensor: a second cache of another size cannot adopt it."""
     model = build("llama")

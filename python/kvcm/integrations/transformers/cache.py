@@ -161,6 +161,14 @@ class KvcmPagedAttentionCache(tf_cache.PagedAttentionCache):
     _kc: KvcmContinuousBatching
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cb = kwargs.get("continuous_batching_config", args[1] if len(args) > 1 else None)
+        if cb is not None and cb.cpu_offload_space:
+            # its swap-in path skips admission (no prefix match: no kv) and writes blocks kvcm did not give
+            raise ValueError("kvcm: transformers' own CPU swap pool (cpu_offload_space) cannot run with kvcm; "
+                             "give kvcm a host tier instead (KvcmContinuousBatching(host_blocks=...))")
+        if cb is not None and cb.use_async_batching:
+            raise ValueError("kvcm: async batching is not supported (commits would lag the scheduler by a batch); "
+                             "use ContinuousBatchingConfig(use_async_batching=False)")
         super().__init__(*args, **kwargs)
         self._kc.transformers_prefix_sharing = self.use_prefix_sharing  # transformers' own choice, for reports
         self._kv: dict[str, KVCache] = {}
