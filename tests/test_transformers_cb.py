@@ -132,6 +132,25 @@ def test_a_moved_internal_is_named_and_refused(monkeypatch):
         pass
 
 
+def test_a_missing_pinned_attribute_is_named(monkeypatch):
+    """The attributes the integration reads on the built cache and allocators are checked too:
+    an allocator without ``_copy_view`` (the byte view kvcm's gpu pools are cut from) is named."""
+    from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+
+    original = FullAttentionCacheAllocator.register_cache_tensor
+
+    def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool):
+        original(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool)
+        del self._copy_view  # as if upstream renamed it
+
+    monkeypatch.setattr(FullAttentionCacheAllocator, "register_cache_tensor", register_cache_tensor)
+    model = build("llama")
+    with KvcmContinuousBatching(), pytest.raises(RuntimeError, match="internals changed: no attribute "
+                                                                     "FullAttentionCacheAllocator._copy_view"):
+        model.generate_batch(conversations(1), generation_config=gen_config(), continuous_batching_config=cb_config(),
+                             progress_bar=False)
+
+
 @pytest.mark.parametrize("kw", [{"host_blocks": -1}, {"disk_blocks": 1.5}, {"shared_bytes": True},
                                 {"disk_blocks": 4}])
 def test_bad_tier_arguments_are_refused(kw):

@@ -423,6 +423,12 @@ class KvcmContinuousBatching:
     def _attach(self, cache: KvcmPagedAttentionCache) -> None:
         """Give the cache's data sectors to kvcm (module docstring); build the manager and
         plane with the first cache, re-use them (and the cache tensor) for later ones."""
+        missing = [f"PagedAttentionCache.{n}" for n in _PINNED_CACHE_ATTRS if not hasattr(cache, n)]
+        missing += [f"{type(a).__name__}.{n}" for a in getattr(cache, "cache_allocators", {}).values()
+                    for n in _PINNED_ALLOCATOR_ATTRS if not hasattr(a, n)]
+        if missing:
+            raise RuntimeError("kvcm.integrations.transformers: the pinned transformers internals changed: "
+                               f"no attribute {', '.join(missing)}")
         allocators = list(cache.cache_allocators.items())
         B = allocators[0][1].tokens_per_page
         # slots per lc: the largest n such that every group's n blocks fit in whole sectors
