@@ -1,2 +1,3 @@
-"""kvcm inside other engines.  Nothing of kvcm's core imports this package (an import-linter
-contract in pyproject.toml): an integration depends on kvcm, never the other way round."""
+"""kvcm inside other engines (each an optional extra: ``kvcm[vllm]``, ``kvcm[transformers]``).
+Nothing of kvcm's core imports this package (import-linter contracts in pyproject.toml): an
+integration depends on kvcm, never the other way round."""
