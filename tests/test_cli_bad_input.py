@@ -299,8 +299,9 @@ def test_all_extra_holds_every_other_extra():
 
     with open(os.path.join(os.path.dirname(PKG_ROOT), "pyproject.toml"), "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
-    # mooncake needs Debian's libraries; vllm is a whole engine with its own pins (README)
-    want = {d for name, deps in extras.items() if name not in ("all", "test", "mooncake", "vllm") for d in deps}
+    # mooncake needs Debian's libraries; vllm and transformers are engines with their own pins (README)
+    engines = ("vllm", "transformers")
+    want = {d for name, deps in extras.items() if name not in ("all", "test", "mooncake", *engines) for d in deps}
     assert want <= set(extras["all"]), sorted(want - set(extras["all"]))
 
 
