@@ -202,11 +202,7 @@ class PyKVCacheManager(KVCacheManager):
             raise ValueError(f"id {cache_id!r} is already used by an open cache")
         if self.is_shutdown:
             raise shut_down_error()
-        self.tick()
-        serial = self.next_request
-        self.next_request += 1
-        if cache_id is None:
-            cache_id = default_cache_id(serial, self.open_ids)
+        serial, cache_id = self.new_request(cache_id)
         cache = PyKVCache(self, serial, cache_id, tokens, packed, scope, prio, None if hits is None else set(hits))
         self.open_ids.add(cache_id)
         return cache
@@ -428,6 +424,14 @@ class PyKVCacheManager(KVCacheManager):
     def tick(self) -> int:
         self.clock += 1
         return self.clock
+
+    def new_request(self, cache_id: Any) -> tuple[int, Any]:
+        """A new request (created or forked): the clock ticks; its serial, and its id
+        (``cache_id``, or the default one from the serial)."""
+        self.tick()
+        serial = self.next_request
+        self.next_request += 1
+        return serial, default_cache_id(serial, self.open_ids) if cache_id is None else cache_id
 
     def match(self, root: int, tokens: list, keys: list[bytes]) -> tuple[int, int, list[int]]:
         cfg = self._config

@@ -27,7 +27,6 @@ from kvcm.checks import (
     check_count,
     check_tokens,
     closed_error,
-    default_cache_id,
     fork_history_error,
     fork_room_error,
     input_room_error,
@@ -533,11 +532,7 @@ class PyKVCache(KVCache):
             if need and not mgr.can_allocate(GPU, lc, need):
                 raise fork_room_error()
 
-        mgr.tick()
-        serial = mgr.next_request
-        mgr.next_request += 1
-        if cache_id is None:
-            cache_id = default_cache_id(serial, mgr.open_ids)
+        serial, cache_id = mgr.new_request(cache_id)
         child = PyKVCache.__new__(PyKVCache)
         child._init_fork(self, serial, cache_id)
         if mgr.ssm_lc is not None:  # its own live state, a copy of this one's
