@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import kvcm
@@ -21,13 +20,6 @@ from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, BlockStored, Decoder, Encoder, 
 from test_wire import hybrid, run
 
 WAIT_MS = 5000
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def wide(tokens_per_block: int = 16, pages: int = 4096) -> KVCacheManagerConfig:

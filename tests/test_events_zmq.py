@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import kvcm
@@ -19,13 +18,6 @@ from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, AllBlocksCleared, BlockStored, 
 from test_wire import B, hybrid, run
 
 TIMEOUT_MS = 3000
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def sub_socket(ctx: zmq.Context, pub: EventPublisher) -> zmq.Socket:
