@@ -14,7 +14,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "cpp" / "core"
 PY = ROOT / "python" / "kvcm"
-SPEC_SECTIONS = set(range(19))
+SPEC = ROOT / "docs" / "SPEC.md"
+
+
+def spec_sections(path: Path = SPEC) -> set[int]:
+    """The section numbers of docs/SPEC.md, from its ``## N. Title`` headings."""
+    return {int(m[1]) for m in re.finditer(r"^## (\d+)\. \S", path.read_text(), re.MULTILINE)}
+
+
+SPEC_SECTIONS = spec_sections()
 POINTER = re.compile(r"//\s*py:\s*(?P<file>[\w/]+\.py)\s+(?P<qual>[\w.]+)\s*[—-]+\s*SPEC sec\.\s*(?P<sec>\d+)")
 
 
