@@ -1,6 +1,11 @@
 """kvcm: a KV-cache block manager for LLM inference engines.
 
-``kvcm.backend`` names the active default backend (``KVCM_BACKEND``, default ``cpp``).
+Start with :class:`KVCacheManagerConfig` and :class:`KVCacheManager`; a request is a
+:class:`KVCache`.  The behaviour contract is ``docs/SPEC.md`` (the "SPEC sec. N" of every
+docstring); the choices where it is silent are ``DECISIONS.md``.
+
+``kvcm.backend`` names the active default backend (``KVCM_BACKEND``, default ``cpp``);
+``kvcm.BACKENDS`` lists the choices.
 """
 
 from __future__ import annotations
@@ -63,7 +68,12 @@ except BackendUnavailableError as _e:
 
 
 def block_keys(tokens, tokens_per_block: int, scope: ReuseScope | None = None, *, backend: str | None = None) -> list[bytes]:
-    """One SHA-256 key per full or partial block of ``tokens`` (sec. 3)."""
+    """The block keys of ``tokens`` (SPEC sec. 3): one 32-byte SHA-256 key per full or
+    partial block of ``tokens_per_block`` tokens, chained from the root key of ``scope``
+    (None: the default scope).  The same keys the manager uses and events carry, identical
+    on both backends and across processes, so an engine or a router computes them without
+    a manager.  ``backend`` picks the implementation (None: ``kvcm.backend``).  Raises
+    TypeError / ValueError for bad tokens, block size (1..4096) or scope."""
     return block_keys_impl(backend)(tokens, tokens_per_block, scope)
 
 

@@ -25,7 +25,10 @@ BUILD_HINT = (
 
 
 class BackendUnavailableError(ImportError):
-    pass
+    """The chosen backend cannot be used (SPEC sec. 12): ``KVCM_BACKEND`` or ``backend=``
+    names no backend (the message lists the choices), or ``cpp`` is chosen and the
+    compiled extension is not importable (the message says how to build it or to select
+    ``KVCM_BACKEND=python``)."""
 
 
 def _validate(name: str, source: str) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import array
 import enum
+import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,11 +25,19 @@ from typing import Any, ClassVar, Literal
 
 
 class KvcmError(Exception):
-    """Base of every kvcm-specific error."""
+    """Base of every kvcm-specific error (SPEC sec. 10).  Bad arguments raise the built-in
+    ``ValueError`` / ``TypeError`` instead (``ConfigError`` is both), and every error a
+    public call raises leaves the manager exactly as it was before the call."""
 
 
 class ConfigError(KvcmError, ValueError):
-    """Invalid configuration; ``field`` names the offending config field."""
+    """Invalid configuration (SPEC sec. 2): raised by ``KVCacheManager(config)`` for the
+    first problem the one shared validator finds.
+
+    Attributes:
+        field: the offending config field, dotted for a layer's or tier's part
+            (``"tokens_per_block"``, ``"layers.window"``, ``"tiers.quota_bytes"``); the
+            message starts with it."""
 
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
@@ -36,20 +45,25 @@ class ConfigError(KvcmError, ValueError):
 
 
 class ClosedError(KvcmError):
-    """A call on a closed KVCache (other than ``close()``, which is idempotent)."""
+    """A call on a closed KVCache (other than ``close()``, which is idempotent, and the
+    properties, which keep answering), or a batch that names a closed cache (SPEC sec. 7)."""
 
 
 class InvalidStateError(KvcmError):
-    """A call made in the wrong status (e.g. ``commit`` on a SUSPENDED cache)."""
+    """A call made in the wrong status (SPEC sec. 7, 10): e.g. ``commit`` on a SUSPENDED
+    cache, ``resume`` on an ACTIVE one, ``commit`` after ``stop_committing``, ``shutdown``
+    with caches open, or a state-changing call on a shut-down manager."""
 
 
 class OutOfPagesError(KvcmError):
-    """No slot could be found after eviction.  Public calls documented to return a bool
-    return False instead of raising it."""
+    """No slot could be found even after eviction (SPEC sec. 8).  Public calls documented
+    to return a bool (``resume``, ``resize``) return False instead of raising it;
+    ``fork`` and ``set_quota`` raise it, changing nothing."""
 
 
 class InvariantError(KvcmError):
-    """``check_invariants()`` found a broken internal rule (always a kvcm bug)."""
+    """``check_invariants()`` found a broken internal rule (SPEC sec. 11; always a kvcm
+    bug).  The message names the rule and the page, node or request that breaks it."""
 
 
 class CopyError(KvcmError):
@@ -59,7 +73,11 @@ class CopyError(KvcmError):
     cannot be trusted: the op(s) that failed and every op after them that was not executed.
     ``cause`` is the first underlying exception (an ``OSError`` for a disk I/O failure, a
     short read or a checksum mismatch).  Report ``ops`` to the manager with
-    :meth:`KVCacheManager.forget_copies`, then recompute what it rolled back."""
+    :meth:`KVCacheManager.forget_copies`, then recompute what it rolled back.
+
+    Attributes:
+        ops: the copy ops whose destination cannot be trusted, in list order.
+        cause: the first underlying exception, or None."""
 
     def __init__(self, message: str, ops: Sequence[CopyOp] = (), cause: BaseException | None = None) -> None:
         super().__init__(message)
@@ -69,7 +87,8 @@ class CopyError(KvcmError):
 
 class PendingCopyOpsWarning(RuntimeWarning):
     """Issued once per manager when undrained copy ops reach
-    ``KVCacheManagerConfig.pending_copy_ops_warning`` (the engine forgot ``drain_copy_ops()``)."""
+    ``KVCacheManagerConfig.pending_copy_ops_warning`` (the engine forgot ``drain_copy_ops()``;
+    SPEC sec. 15).  The call that crossed the threshold has taken effect."""
 
 
 def warn_pending_copy_ops(pending: int) -> None:
@@ -97,6 +116,18 @@ Token = int | bytes
 
 @dataclass(frozen=True)
 class AttentionLayer:
+    """An attention layer of the model (SPEC sec. 1, 2).  Layers with the same ``window``
+    and ``sink_tokens`` share one life cycle (their pages live and die together).
+
+    Attributes:
+        layer_id: the layer's id, an int in ``[0, 2**63)``, unique among the config's layers.
+        bytes_per_token: the bytes one token occupies in this layer's KV cache (K and V
+            together); a page of the life cycle holds ``B`` tokens of each of its layers.
+        window: None for full attention, else the sliding window in tokens (>= 1): blocks
+            that end before the window are stale and their pages are released (sec. 7).
+        sink_tokens: with a window, the leading tokens that always stay attended (their
+            blocks are never stale); 0 without a window."""
+
     layer_id: int
     bytes_per_token: int
     window: int | None = None
@@ -105,6 +136,14 @@ class AttentionLayer:
 
 @dataclass(frozen=True)
 class SsmLayer:
+    """A state-space (Mamba-style) layer (SPEC sec. 1, 2).  All ssm layers form one life
+    cycle; a request keeps one live state slot, and commits that end on a block boundary
+    leave a snapshot of it in the tree (sec. 7).
+
+    Attributes:
+        layer_id: the layer's id, an int in ``[0, 2**63)``, unique among the config's layers.
+        state_bytes: the bytes of this layer's recurrent state (one snapshot)."""
+
     layer_id: int
     state_bytes: int
 
@@ -114,6 +153,18 @@ Layer = AttentionLayer | SsmLayer
 
 @dataclass(frozen=True)
 class Tier:
+    """A memory tier (SPEC sec. 1, 2).  ``KVCacheManagerConfig.tiers`` lists them warm to
+    cold: exactly one ``gpu`` first, then at most one each of ``host``, ``disk``, ``shared``.
+
+    Attributes:
+        kind: ``"gpu"``, ``"host"``, ``"disk"`` or ``"shared"`` (tier numbers 0, 1, 2, 3 by
+            kind, whatever else is configured).
+        quota_bytes: the tier's bytes, an int in ``[0, 2**63)``, split among life cycles
+            by ``pool_ratio``; each life cycle needs at least one slot.  A shared tier's quota
+            is the data plane's (its store's cap), not the manager's.
+        path: a ``disk`` tier's directory (required), or a ``shared`` tier's store location
+            (a directory, ``file://...`` or ``mooncake://...``); None for gpu and host."""
+
     kind: str
     quota_bytes: int
     path: str | None = None
@@ -121,6 +172,46 @@ class Tier:
 
 @dataclass(frozen=True)
 class KVCacheManagerConfig:
+    """Everything a manager is built from (SPEC sec. 2): block size, model layers, memory
+    tiers and policies.  Frozen (``layers`` and ``tiers`` are stored as tuples); both
+    backends read it as is.  Checked when a manager is built: the first bad field raises
+    :class:`ConfigError` naming it.
+
+    Attributes:
+        tokens_per_block: ``B``, the tokens of one block, an int in 1..4096.  Required.
+            The unit of the radix tree, of page indices and of matching (SPEC sec. 1, 3).
+        layers: the model's layers, a list of :class:`AttentionLayer` and :class:`SsmLayer`
+            with unique ids.  Required.  Grouped into life cycles, numbered in order of
+            first appearance (SPEC sec. 1, 2).
+        tiers: the memory tiers, a list of :class:`Tier` warm to cold, one ``gpu`` first.
+            Required (SPEC sec. 2, 8).
+        pool_ratio: how each tier's ``quota_bytes`` is split among life cycles: a dict of a
+            positive weight per life cycle id, or None for the same slot count for every
+            life cycle.  Default None (SPEC sec. 2).
+        enable_partial_reuse: whether a match may end inside a block and a request's
+            partial tail enters the tree at ``stop_committing`` / ``close``.  Default True
+            (SPEC sec. 6, 7).
+        reuse_match_backoff: tokens taken off every match before its pruning, an int >= 0.
+            Default 0 (SPEC sec. 6).
+        max_util_for_resume: a number in (0, 1]: ``resume`` fails (returns False) when the
+            LOCKED share of a gpu pool would exceed it.  Default 1.0 (SPEC sec. 7).
+        default_priority: the priority, 0..100, of a request created without one; pages of
+            lower priority are evicted first.  Default 50 (SPEC sec. 4, 8).
+        max_events: how many events the buffer keeps (oldest dropped first and counted in
+            ``stats()["events_dropped"]``); 0 keeps none.  Default 10_000 (SPEC sec. 9).
+        pending_copy_ops_warning: issue :class:`PendingCopyOpsWarning` once when this many
+            copy ops are undrained; 0 never warns.  Default 1_000_000 (SPEC sec. 15).
+        shared_write: when pages are written to a shared tier: ``"commit"`` (write-through,
+            as a full block is committed) or ``"evict"`` (write-back, as eviction drops it
+            from the coldest local tier).  Default ``"commit"`` (SPEC sec. 16).
+        shared_namespace: the model / namespace string of the shared tier's layout
+            fingerprint, at most 256 bytes UTF-8; required (non-empty) with a shared tier,
+            so that same-shaped models never read each other's pages.  Default ``""``
+            (SPEC sec. 16).
+        shared_secret_file: a file holding the secret that authenticates shared-tier
+            objects, read by the data plane only (the config holds the path, never the
+            secret); ``""`` uses the environment's.  Default ``""`` (SPEC sec. 16)."""
+
     tokens_per_block: int
     layers: Sequence[Layer]
     tiers: Sequence[Tier]
@@ -130,16 +221,11 @@ class KVCacheManagerConfig:
     max_util_for_resume: float = 1.0
     default_priority: int = 50
     max_events: int = 10_000
-    # warn once (PendingCopyOpsWarning) when this many copy ops are pending; 0: never
     pending_copy_ops_warning: int = 1_000_000
-    # the shared tier (DECISIONS.md "The shared tier"): when a page is written to the store
-    # ("commit": write-through; "evict": when dropped from the coldest local tier), and the
-    # model/namespace string of the layout fingerprint that names its objects
+    # the shared tier's fields: DECISIONS.md "The shared tier" (the secret's default source
+    # is kvcm.shared_store.store_secret)
     shared_write: str = "commit"
     shared_namespace: str = ""
-    # a file holding the store secret that authenticates the shared tier's objects (read
-    # by the data plane only; the config holds the path, never the secret; "": the
-    # environment's, if any: kvcm.shared_store.store_secret)
     shared_secret_file: str = ""
 
     def __post_init__(self) -> None:
@@ -176,7 +262,14 @@ def as_int(v: Any) -> int | None:
 
 @dataclass(frozen=True)
 class ReuseScope:
-    """Requests only share blocks within one scope (sec. 3).  ``None`` and ``0`` differ."""
+    """The reuse scope of a request (SPEC sec. 3): requests share blocks only within one
+    scope, because its fields enter the root of every block key.  ``ReuseScope()`` is the
+    default scope; a field None and a field 0 are different scopes.
+
+    Attributes:
+        lora_id: the LoRA adapter the request runs with, or None; an int in ``[0, 2**64)``.
+        salt: any further separation (a tenant, a cache salt), or None; an int in
+            ``[0, 2**64)``."""
 
     lora_id: int | None = None
     salt: int | None = None
@@ -197,6 +290,10 @@ def scope_field(name: str, v: Any) -> int | None:
 
 
 class Status(enum.Enum):
+    """A request's status (SPEC sec. 7): ``SUSPENDED`` (its pages HELD, may be offloaded;
+    what ``create_kv_cache`` returns), ``ACTIVE`` (its pages LOCKED on gpu; after a
+    successful ``resume``) or ``CLOSED`` (after ``close``; only the properties answer)."""
+
     SUSPENDED = "SUSPENDED"
     ACTIVE = "ACTIVE"
     CLOSED = "CLOSED"
@@ -215,7 +312,19 @@ class CopyOp:
 
     An op that touches the shared tier (``SHARED``, 3) names its object there by ``key``
     (the block key; with ``lc`` and the layout fingerprint it names the stored object) and
-    has slot -1 on that side; every other op has ``key`` None."""
+    has slot -1 on that side; every other op has ``key`` None.  (SPEC sec. 8.)
+
+    Attributes:
+        lc: the life cycle id (which pool of each tier).
+        src_tier: the tier number the page is copied from.
+        src_slot: the slot in that tier's pool of ``lc`` (-1 on the shared tier).
+        dst_tier: the tier number the page is copied to.
+        dst_slot: the slot in that tier's pool of ``lc`` (-1 on the shared tier).
+        reason: ``"offload"`` (one tier colder), ``"onboard"`` (to gpu), ``"cow"``
+            (copy-on-write of a shared or matched page), ``"snapshot"`` (an ssm snapshot),
+            ``"store"`` (to the shared tier) or ``"relocate"`` (out of a slot a quota shrink
+            removes).
+        key: the 32-byte block key of an op on the shared tier, else None."""
 
     lc: int
     src_tier: int
@@ -226,6 +335,8 @@ class CopyOp:
     key: bytes | None = None
 
     def to_json(self) -> list:
+        """The op as a JSON row ``[lc, src_tier, src_slot, dst_tier, dst_slot, reason]``,
+        with the key's hex appended when it has one (op logs, snapshots)."""
         row: list = [self.lc, self.src_tier, self.src_slot, self.dst_tier, self.dst_slot, self.reason]
         if self.key is not None:
             row.append(self.key.hex())
@@ -240,7 +351,17 @@ class CopyRun:
     shared tier; ``keys`` is None when the run's tiers do not include it).  The ops of a run
     commute: no location (a slot of the run's pool on either side, a key on the shared
     tier) is written twice or both written and read, so one batched copy per run, runs in
-    order, does what the ops in order do (DECISIONS.md "Copy runs")."""
+    order, does what the ops in order do (DECISIONS.md "Copy runs").  ``len(run)`` is its
+    op count.
+
+    Attributes:
+        lc: the life cycle id of every op of the run.
+        src_tier: the tier number every op copies from.
+        dst_tier: the tier number every op copies to.
+        reason: the reason of every op (as :attr:`CopyOp.reason`).
+        src_slots: the source slot of each op, ``array('q')``.
+        dst_slots: the destination slot of each op, ``array('q')``.
+        keys: the block key of each op when a tier of the run is the shared tier, else None."""
 
     lc: int
     src_tier: int
@@ -251,6 +372,7 @@ class CopyRun:
     keys: list[bytes] | None = None
 
     def __len__(self) -> int:
+        """The number of ops in the run."""
         return len(self.src_slots)
 
     def ops(self) -> list[CopyOp]:
@@ -260,6 +382,8 @@ class CopyRun:
                 for s, d, k in zip(self.src_slots, self.dst_slots, keys)]
 
     def to_json(self) -> list:
+        """The run as a JSON row ``[lc, src_tier, dst_tier, reason, src_slots, dst_slots]``,
+        with the keys' hexes appended when it has keys (op logs)."""
         row: list = [self.lc, self.src_tier, self.dst_tier, self.reason, self.src_slots.tolist(),
                      self.dst_slots.tolist()]
         if self.keys is not None:
@@ -298,6 +422,18 @@ def copy_runs(ops: Sequence[CopyOp]) -> list[CopyRun]:
 
 @dataclass(frozen=True)
 class StoredBlock:
+    """One block of a :class:`StoredEvent` (SPEC sec. 9): the block gained its first page of
+    life cycle ``lc``.
+
+    Attributes:
+        key: the block key (SPEC sec. 3), 32 bytes.
+        num_tokens: the block's token count (``B``, or fewer for a partial block).
+        tokens: the block's tokens.
+        lc: the life cycle whose page the block gained.
+        tier: the tier number the page is on.
+        priority: the page's priority (0..100).
+        coverage: the tokens of the block the page covers (ssm: the snapshot's exact end)."""
+
     key: bytes
     num_tokens: int
     tokens: tuple[Token, ...]
@@ -309,10 +445,19 @@ class StoredBlock:
 
 @dataclass(frozen=True)
 class Event:
+    """Base of the KV events ``KVCacheManager.take_events()`` returns (SPEC sec. 9).
+
+    Attributes:
+        event_id: the event's number; ids only grow, one per event emitted (dropped ones
+            included), so a gap shows events lost to ``max_events``.
+        kind: ``"stored"``, ``"removed"``, ``"tier_changed"`` or ``"cleared"`` (a class
+            constant)."""
+
     event_id: int
     kind: ClassVar[str] = ""
 
     def to_json(self) -> dict:
+        """The event as a JSON object (``event_id``, ``kind`` and its fields; bytes as hex)."""
         raise NotImplementedError
 
 
@@ -322,6 +467,15 @@ def _tok_json(t: Token) -> int | str:
 
 @dataclass(frozen=True)
 class StoredEvent(Event):
+    """Blocks gained their first page of a life cycle (SPEC sec. 9): committed, re-attached,
+    or taken from the shared tier.
+
+    Attributes:
+        parent_key: the key of the block's parent (the scope's root key, sec. 3, for a
+            block at ordinal 0).
+        blocks: one :class:`StoredBlock` row per life cycle the block gained a page of.
+        partial: True for a partial block (announced only this way)."""
+
     parent_key: bytes | None = None
     blocks: tuple[StoredBlock, ...] = ()
     partial: bool = False
@@ -342,6 +496,13 @@ class StoredEvent(Event):
 
 @dataclass(frozen=True)
 class RemovedEvent(Event):
+    """Blocks lost their last page of life cycle ``lc``, or were detached from the tree
+    with one (SPEC sec. 5, 9).  Mirrors :class:`StoredEvent` per ``(key, lc)``.
+
+    Attributes:
+        keys: the block keys.
+        lc: the life cycle."""
+
     keys: tuple[bytes, ...] = ()
     lc: int = 0
     kind: ClassVar[str] = "removed"
@@ -352,6 +513,14 @@ class RemovedEvent(Event):
 
 @dataclass(frozen=True)
 class TierChangedEvent(Event):
+    """A page of an attached block moved between tiers (offload, onboard; SPEC sec. 8, 9).
+
+    Attributes:
+        key: the block key.
+        lc: the page's life cycle.
+        old_tier: the tier number it left.
+        new_tier: the tier number it is on now."""
+
     key: bytes = b""
     lc: int = 0
     old_tier: int = 0
@@ -371,6 +540,9 @@ class TierChangedEvent(Event):
 
 @dataclass(frozen=True)
 class ClearedEvent(Event):
+    """``clear_reusable()`` dropped every unused page (after the ``removed`` events of what
+    it dropped; SPEC sec. 8, 9)."""
+
     kind: ClassVar[str] = "cleared"
 
     def to_json(self) -> dict:
@@ -379,8 +551,12 @@ class ClearedEvent(Event):
 
 @dataclass(frozen=True)
 class ReuseProbe:
-    """Side-effect-free match result (sec. 6): ``num_tokens`` is ``m``;
-    ``num_tokens_before_ssm`` is the same fixed point without the ssm rule."""
+    """Side-effect-free match result of ``probe_reuse_detail`` (SPEC sec. 6).
+
+    Attributes:
+        num_tokens: ``m``, the reusable prefix length (what ``probe_reuse`` returns).
+        num_tokens_before_ssm: the same fixed point without the ssm rule: a diagnostic that
+            tells "the ssm snapshot was evicted" (it is larger) from "attention was evicted"."""
 
     num_tokens: int
     num_tokens_before_ssm: int
@@ -391,96 +567,245 @@ class ReuseProbe:
 # ---------------------------------------------------------------------------------------
 
 
+def _contract_docs(cls: type, interface: type) -> None:
+    """Make ``help()`` on a backend's class read the interface's contract.
+
+    An override without a docstring inherits the interface's (``inspect.getdoc``).  One
+    with a docstring of its own (how that backend does it) would hide the contract, so its
+    docstring becomes the contract followed by the backend's text as an implementation
+    note.  The class docstring likewise (pydoc does not inherit a class's docstring).
+    Runs once per subclass, at class creation (``__init_subclass__``)."""
+    own_class_doc = cls.__dict__.get("__doc__")
+    if not own_class_doc:
+        cls.__doc__ = inspect.getdoc(interface)
+    elif not inspect.cleandoc(own_class_doc).startswith(inspect.getdoc(interface) or ""):
+        cls.__doc__ = f"{inspect.getdoc(interface)}\n\nImplementation note ({cls.__qualname__}): {inspect.cleandoc(own_class_doc)}"
+    for name, member in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        contract = interface.__dict__.get(name)
+        contract_doc = inspect.getdoc(contract) if contract is not None else None
+        own = member.__doc__ if isinstance(member, property) or inspect.isfunction(member) else None
+        if not contract_doc or not own or inspect.cleandoc(own).startswith(contract_doc):
+            continue
+        note = f"{contract_doc}\n\nImplementation note ({cls.__qualname__}): {inspect.cleandoc(own)}"
+        member.__doc__ = note
+
+
 class KVCache(abc.ABC):
-    """One request's view of the cache (sec. 7).  Created SUSPENDED by
-    :meth:`KVCacheManager.create_kv_cache`."""
+    """One request's KV cache: its blocks, its pages and its place in the radix tree
+    (SPEC sec. 7).  Made by :meth:`KVCacheManager.create_kv_cache` (or :meth:`fork`),
+    never directly.
+
+    Status machine::
+
+        create_kv_cache -> SUSPENDED --resume()--> ACTIVE --suspend()--> SUSPENDED
+        any status --close()--> CLOSED     (fork() makes an ACTIVE cache; a forget_copies
+                                            roll-back makes a cache SUSPENDED)
+
+    A step of an engine (SPEC sec. 14)::
+
+        kv.resume()                         # SUSPENDED -> ACTIVE; False: no room now
+        kv.resize(kv.num_committed_tokens + n)
+        plane.apply(mgr.drain_copy_ops())   # before using the indices
+        idx = kv.page_indices(lc)           # where to write / read K/V
+        kv.commit(new_tokens)               # full blocks become reusable
+        kv.close()                          # when the request ends
+
+    Invariant: ``num_committed_tokens <= history_length <= capacity``.  A failed call
+    (an exception, or False) changes nothing.  Every call but :meth:`close` and the
+    properties raises :class:`ClosedError` on a closed cache."""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        _contract_docs(cls, KVCache)
 
     @property
     @abc.abstractmethod
-    def id(self) -> int | str: ...
+    def id(self) -> int | str:
+        """The cache's id: the one given to ``create_kv_cache`` / ``fork``, else its
+        creation serial (or the next integer no open cache holds).  Unique among open caches."""
 
     @property
     @abc.abstractmethod
-    def status(self) -> Status: ...
+    def status(self) -> Status:
+        """The current :class:`Status`: SUSPENDED, ACTIVE or CLOSED."""
 
     @property
     @abc.abstractmethod
-    def capacity(self) -> int: ...
+    def capacity(self) -> int:
+        """Tokens the request has room for: the pages of blocks ``[0, ceil(capacity / B))``
+        (set by :meth:`resize`; ``m`` after create)."""
 
     @property
     @abc.abstractmethod
-    def history_length(self) -> int: ...
+    def history_length(self) -> int:
+        """Tokens whose K/V the engine has (or is writing): decides which windowed blocks
+        are stale (SPEC sec. 7).  Raised by :meth:`resize` and :meth:`commit`; never lowered."""
 
     @property
     @abc.abstractmethod
-    def num_committed_tokens(self) -> int: ...
+    def num_committed_tokens(self) -> int:
+        """How many tokens are committed (matched at create, or given to :meth:`commit`)."""
 
     @property
     @abc.abstractmethod
-    def committed_tokens(self) -> list[Token]: ...
+    def committed_tokens(self) -> list[Token]:
+        """The committed tokens, a new list."""
 
     @property
     @abc.abstractmethod
-    def num_reused_tokens(self) -> int: ...
+    def num_reused_tokens(self) -> int:
+        """Tokens reused from the cache at create (the match length ``m``, SPEC sec. 6)."""
 
     @property
     @abc.abstractmethod
-    def priority(self) -> int: ...
+    def priority(self) -> int:
+        """The request's priority, 0..100 (``default_priority`` when none was given); its
+        pages are evicted after those of lower priority (SPEC sec. 4, 8)."""
 
     @abc.abstractmethod
     def resume(self) -> bool:
-        """SUSPENDED → ACTIVE: lock every page on gpu (onboarding, copy-on-write).
-        All or nothing; False when gpu slots run out or ``max_util_for_resume`` would be
-        exceeded, with no state changed."""
+        """SUSPENDED → ACTIVE: make every page the request uses LOCKED on gpu (SPEC sec. 7).
+
+        Locks the pages already on gpu, onboards the others (copy ops), allocates the live
+        ssm state and, on the first resume after a match that ends inside a block or at an
+        ssm snapshot, copies that page into a private one (``cow`` op).  Evicts other pages
+        as needed.  Drain the copy ops before using :meth:`page_indices`.
+
+        Returns:
+            True when resumed; False when the gpu pools cannot take the pages even after
+            eviction, or the LOCKED share of a gpu pool would exceed
+            ``max_util_for_resume``: nothing changed, the cache stays SUSPENDED.
+        Raises:
+            InvalidStateError: the cache is not SUSPENDED.
+            ClosedError: the cache is closed."""
 
     @abc.abstractmethod
     def suspend(self) -> None:
-        """ACTIVE → SUSPENDED: LOCKED pages become HELD (may be offloaded, never dropped)."""
+        """ACTIVE → SUSPENDED: its LOCKED pages become HELD (SPEC sec. 7); eviction may then
+        offload them to a colder tier but never drops them.  Use it to preempt a request.
+
+        Raises:
+            InvalidStateError: the cache is not ACTIVE.
+            ClosedError: the cache is closed."""
 
     @abc.abstractmethod
     def resize(self, capacity: int, history_length: int | None = None) -> bool:
-        """ACTIVE only.  Allocate/free pages for the new capacity; False (nothing changed)
-        when gpu pages run out."""
+        """Make room for ``capacity`` tokens (SPEC sec. 7); ACTIVE only.
+
+        Allocates gpu pages for new blocks that are not stale, frees the pages of blocks
+        past a smaller capacity, and releases committed pages of windowed blocks that
+        became stale at the new history (they stay in the tree).  Evicts as needed; drain
+        the copy ops before using :meth:`page_indices`.  The decode step is
+        ``resize(capacity + 1)``; :meth:`KVCacheManager.resize_batch` does it for a batch.
+
+        Args:
+            capacity: tokens to have room for, ``>= history_length``.
+            history_length: the new history (None: unchanged); ``num_committed_tokens <=
+                history_length <= capacity``, and it never decreases.
+        Returns:
+            True when resized; False when the gpu pool cannot hold the pages even after
+            eviction (nothing changed).
+        Raises:
+            ValueError / TypeError: a bad count (negative, not an int, above ``2**63``) or
+                broken invariant.
+            InvalidStateError: the cache is not ACTIVE.
+            ClosedError: the cache is closed."""
 
     @abc.abstractmethod
     def commit(self, tokens: Sequence[Token]) -> None:
-        """ACTIVE only.  Append tokens; every block that becomes full enters the tree."""
+        """Append ``tokens`` whose K/V the engine has written (SPEC sec. 7); ACTIVE only.
+
+        Raises ``history_length`` to at least the new committed count.  Every block that
+        becomes full enters the radix tree (``stored`` events) and is reusable by later
+        requests; where the tree has an equal block already, the cache may switch to its
+        gpu page (its page index for that block changes).  When the model has ssm layers
+        and the commit ends on a block boundary, the live state is snapshotted there (a
+        ``snapshot`` copy op): choose commit chunks by where snapshots should be.  ``[]``
+        is a no-op.  :meth:`KVCacheManager.commit_batch` commits one token per cache.
+
+        Args:
+            tokens: a list, tuple or 1-D integer array of tokens (ints in ``[0, 2**31)`` or
+                32-byte digests); read before any state is looked at.
+        Raises:
+            TypeError / ValueError: a bad token or sequence, or more tokens than the
+                capacity has room for.
+            InvalidStateError: not ACTIVE, or after :meth:`stop_committing`.
+            ClosedError: the cache is closed."""
 
     @abc.abstractmethod
     def commit_input(self, n: int | None = None) -> None:
-        """ACTIVE only.  :meth:`commit` of the next ``n`` tokens of the ``input_tokens``
-        given at create (``input_tokens[c : c + n]``, ``c`` = :attr:`num_committed_tokens`),
-        without handing them over again; ``None``: all the rest of them.  The checks of
-        :meth:`commit` (status, stopped, capacity), then ValueError when fewer than ``n``
-        input tokens follow position ``c``; ``n`` itself is checked first (an int >= 0)."""
+        """:meth:`commit` of the next ``n`` tokens of the ``input_tokens`` given at create
+        (``input_tokens[c : c + n]``, ``c`` = :attr:`num_committed_tokens`), without
+        handing them over again; ``None``: all the rest of them.  ACTIVE only.
+
+        Raises:
+            TypeError / ValueError: ``n`` not an int ``>= 0`` (checked first), more tokens
+                than the capacity has room for, or fewer than ``n`` input tokens left.
+            InvalidStateError / ClosedError: as :meth:`commit`."""
 
     @abc.abstractmethod
     def stop_committing(self) -> None:
-        """Insert the partial tail as a partial block; later commits raise."""
+        """End the request's commits (SPEC sec. 7): its partial tail (if any, and if
+        ``enable_partial_reuse``) enters the tree as a partial block, with an ssm snapshot
+        at its exact end.  Later :meth:`commit` calls raise.  SUSPENDED or ACTIVE; a second
+        call is a no-op.  :meth:`close` calls it.
+
+        Raises:
+            ClosedError: the cache is closed."""
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release everything.  Idempotent."""
+        """End the request (SPEC sec. 7): :meth:`stop_committing`, then release everything.
+        Private pages and the live ssm state are freed; committed pages stay in the tree
+        (DROPPABLE once no request uses them: reusable until evicted).  Idempotent; the
+        properties keep answering afterwards."""
 
     # --- forks (issue 22, SPEC sec. 18; DECISIONS.md "Forks (issue 22)")
     @abc.abstractmethod
     def fork(self, id: int | str | None = None) -> KVCache:
-        """ACTIVE only, with ``history_length == num_committed_tokens``.  A new ACTIVE cache
+        """Branch this cache (SPEC sec. 18): for parallel sampling and beam search.
+
+        ACTIVE only, with ``history_length == num_committed_tokens``.  A new ACTIVE cache
         (same scope and priority, id as at create) with this one's committed tokens that
         shares every page this one holds for them, the current partial block's included:
         the first of the two to ``resize`` beyond its committed tokens copies a shared
         partial page (a ``cow`` op) before it writes; an ssm fork gets its own live state
         at once (a ``cow`` op).  ``capacity == history_length == num_committed_tokens``.
-        OutOfPagesError (nothing changed) when the gpu cannot take the fork's own pages."""
+
+        Returns:
+            the new cache.
+        Raises:
+            TypeError / ValueError: ``id`` not an int or str, or held by an open cache.
+            InvalidStateError: not ACTIVE, or history past the committed tokens.
+            OutOfPagesError: the gpu cannot take the fork's own pages (nothing changed).
+            ClosedError: the cache is closed."""
 
     @abc.abstractmethod
     def page_indices(self, lc: int) -> list[int]:
-        """ACTIVE only.  gpu slot per block ordinal (-1 stale/absent); ssm: [live_slot]."""
+        """The gpu slot of each block of life cycle ``lc`` (SPEC sec. 7); ACTIVE only.
+
+        Returns:
+            for attention, one entry per block ordinal in ``[0, ceil(capacity / B))``:
+            the slot index in the gpu pool of ``lc``, -1 for a stale or absent block; for
+            ssm, ``[live_slot]``.  Valid after the pending copy ops are executed, until the
+            next call that changes this cache (or a ``set_quota``).
+        Raises:
+            ValueError / TypeError: ``lc`` is no life cycle id.
+            InvalidStateError: the cache is not ACTIVE.
+            ClosedError: the cache is closed."""
 
     @abc.abstractmethod
     def page_indices_into(self, lc: int, out: Any) -> int:
-        """Write :meth:`page_indices` into a caller's int32 buffer; returns the count.
-        Raises ValueError (writing nothing) when the buffer is too small or not int32."""
+        """:meth:`page_indices` written into ``out``, a caller's writable int32 buffer
+        (``array('i')``, numpy, a CPU torch tensor): no list is built.
+
+        Returns:
+            the number of entries written.
+        Raises:
+            ValueError: the buffer is too small or not int32 (nothing written); otherwise
+                as :meth:`page_indices`."""
 
 
 # What ``KVCacheManager(config, backend=...)`` calls to build a manager: registered by
@@ -497,9 +822,37 @@ def register_manager_factory(factory: ManagerFactory) -> None:
 
 
 class KVCacheManager(abc.ABC):
-    """The manager.  ``KVCacheManager(config, backend=None)`` builds the chosen backend's
-    implementation (``kvcm.backend`` when ``backend`` is None) through the factory
-    :mod:`kvcm.construct` registers; subclasses (the backends) are built directly."""
+    """The KV-cache block manager of one model instance (SPEC sec. 0).
+
+    ``KVCacheManager(config, backend=None)`` builds the chosen backend's implementation
+    (``"cpp"`` or ``"python"``; ``kvcm.backend`` when None, SPEC sec. 12) through the
+    factory :mod:`kvcm.construct` registers; subclasses (the backends) are built directly.
+    Both backends behave identically, down to page indices, copy ops and events.
+    Raises :class:`ConfigError` for a bad config.
+
+    The manager keeps the radix tree of committed blocks, the page pools of every
+    ``(tier, life cycle)`` and the requests.  Per request it answers what is cached
+    (:meth:`create_kv_cache`, :meth:`probe_reuse`), where each block lives
+    (:meth:`KVCache.page_indices`) and what to copy between tiers
+    (:meth:`drain_copy_ops`), which the engine's data plane executes before each step.
+    Reporting: :meth:`stats`, :meth:`take_events`, :meth:`snapshot`.
+
+    Typical use (SPEC sec. 14)::
+
+        mgr = kvcm.KVCacheManager(config)
+        kv = mgr.create_kv_cache(prompt)        # SUSPENDED, prefix matched
+        kv.resume(); kv.resize(len(prompt) + 1)
+        plane.apply(mgr.drain_copy_ops())
+        ...                                     # compute, kv.commit(...), decode
+        kv.close()
+
+    Threads: meant to be driven by one scheduler thread; calls from several threads are
+    serialised and never corrupt state (SPEC sec. 10).  A failed call changes nothing.
+    Each state-changing call ticks the manager's logical clock once (SPEC sec. 4)."""
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        _contract_docs(cls, KVCacheManager)
 
     backend_name: ClassVar[str] = ""
 
@@ -512,13 +865,16 @@ class KVCacheManager(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def config(self) -> KVCacheManagerConfig: ...
+    def config(self) -> KVCacheManagerConfig:
+        """The :class:`KVCacheManagerConfig` the manager was built from (``set_quota``
+        does not change it)."""
 
     @property
     @abc.abstractmethod
     def life_cycles(self) -> tuple[Any, ...]:
-        """One :class:`kvcm.config.LifeCycle` per life cycle id (typed ``Any`` here: the
-        interface imports nothing of kvcm, and the life-cycle rules live in kvcm.config)."""
+        """One :class:`kvcm.LifeCycle` per life cycle id, in id order: the ``lc`` of
+        :meth:`KVCache.page_indices`, copy ops and events (SPEC sec. 1).  (Typed ``Any``
+        here: the interface imports nothing of kvcm; the rules live in kvcm.config.)"""
 
     @abc.abstractmethod
     def create_kv_cache(
@@ -529,7 +885,27 @@ class KVCacheManager(abc.ABC):
         id: int | str | None = None,
         shared_hits: Any = None,
     ) -> KVCache:
-        """Match ``input_tokens`` once and return a SUSPENDED cache holding the reused pages.
+        """Start a request: match ``input_tokens`` once and return a SUSPENDED cache holding
+        the reused pages (SPEC sec. 6, 7).  Call :meth:`KVCache.resume` before using it.
+
+        The cache has ``num_committed_tokens == history_length == capacity == m``, the
+        matched prefix length (``num_reused_tokens``); the engine computes the rest.  Hit
+        statistics are recorded; the clock ticks.
+
+        Args:
+            input_tokens: the prompt (a list, tuple or 1-D integer array; ints in
+                ``[0, 2**31)`` or 32-byte digests), or None for no prompt.  Kept for
+                :meth:`KVCache.commit_input`.
+            scope: the :class:`ReuseScope` (None: the default scope).
+            priority: 0..100 (None: ``config.default_priority``).
+            id: an int or str not held by an open cache (None: the creation serial, or the
+                next integer no open cache holds).
+            shared_hits: see below.
+        Returns:
+            the new :class:`KVCache`, SUSPENDED.
+        Raises:
+            TypeError / ValueError: a bad argument (nothing changed).
+            InvalidStateError: the manager is shut down.
 
         ``shared_hits``: with a shared tier, the ``(key, lc)`` pairs of
         :meth:`shared_candidates` that the store holds (one batched existence query); the
@@ -547,11 +923,15 @@ class KVCacheManager(abc.ABC):
 
     @abc.abstractmethod
     def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
-        """Reusable prefix length; no side effect at all."""
+        """How many leading tokens of ``tokens`` a request created now would reuse: the
+        match length ``m`` of SPEC sec. 6, pages on any tier counting.  No side effect at
+        all (no tick, no recency change, no stats), so a router or scheduler may call it
+        freely.  Raises TypeError / ValueError for bad tokens or scope."""
 
     @abc.abstractmethod
     def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
-        """Like :meth:`probe_reuse`, with the diagnostic ``num_tokens_before_ssm``."""
+        """Like :meth:`probe_reuse`, as a :class:`ReuseProbe` that adds the diagnostic
+        ``num_tokens_before_ssm`` (the match without the ssm snapshot rule)."""
 
     @abc.abstractmethod
     def resize_batch(self, caches: Sequence[KVCache], capacities: Any, history_lengths: Any = None) -> list[bool]:
@@ -593,7 +973,15 @@ class KVCacheManager(abc.ABC):
            token within its capacity (ValueError)."""
 
     @abc.abstractmethod
-    def drain_copy_ops(self) -> list[CopyOp]: ...
+    def drain_copy_ops(self) -> list[CopyOp]:
+        """Take the pending copy ops (SPEC sec. 8): every page move since the last drain,
+        in order.  The engine executes them, in this order, before it uses the page indices
+        of the step (a slot freed by one op may be the destination of a later one).  The
+        list becomes "the last drain" that :meth:`forget_copies` accepts reports of.  Does
+        not tick the clock.
+
+        Returns:
+            the :class:`CopyOp` list (empty when nothing moved); the pending list is cleared."""
 
     def drain_copy_runs(self) -> list[CopyRun]:
         """:meth:`drain_copy_ops` in column form: the same drain (the pending ops are taken,
@@ -622,11 +1010,16 @@ class KVCacheManager(abc.ABC):
 
     @abc.abstractmethod
     def clear_reusable(self) -> None:
-        """Drop every DROPPABLE page and prune the tree."""
+        """Drop every DROPPABLE page (those no request uses) on every tier and prune the
+        tree (SPEC sec. 8): ``removed`` events, then one ``cleared``.  Pages of open
+        requests stay.  Raises InvalidStateError on a shut-down manager."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
-        """Requires every cache closed (InvalidStateError otherwise)."""
+        """Shut the manager down (SPEC sec. 8): every cache must be closed
+        (InvalidStateError otherwise, nothing changed).  Afterwards calls that would change
+        state raise InvalidStateError; reading and draining calls keep answering.  A second
+        call is a no-op."""
 
     @abc.abstractmethod
     def set_quota(self, tier: str | int, quota_bytes: int) -> None:
@@ -650,21 +1043,42 @@ class KVCacheManager(abc.ABC):
         no colder tier can take (OutOfPagesError naming the life cycle and the counts)."""
 
     @abc.abstractmethod
-    def stats(self) -> dict: ...
+    def stats(self) -> dict:
+        """Cumulative statistics as a JSON-serialisable dict (SPEC sec. 9).
+
+        Keys: ``requests``, ``query_tokens``, ``reused_tokens`` (hit rate, attention life
+        cycles only); ``lc`` (per life cycle: ``reused_blocks``, ``missed_blocks``,
+        ``reused_tokens``, ``allocated_blocks``, ``offloads`` / ``onboards`` / ``drops``
+        and their ``*_bytes``, ``cows``, ``snapshots_taken``, ``snapshots_skipped``,
+        ``lost_pages``, ``shared_stores``, ``shared_store_bytes``, ``shared_hit_blocks``,
+        ``relocations``); ``tiers`` (per configured local tier: ``tier``, ``kind``,
+        ``quota_bytes`` and per life cycle ``total``, ``free``, ``locked``, ``held``,
+        ``droppable`` slots); ``events_dropped``; ``pending_copy_ops``.  No side effect."""
 
     @abc.abstractmethod
-    def take_iteration_stats(self) -> dict: ...
+    def take_iteration_stats(self) -> dict:
+        """:meth:`stats` counted since the previous call of this method (the slot counts
+        and ``pending_copy_ops`` are current figures), then restart the count."""
 
     @abc.abstractmethod
-    def take_events(self) -> list[Event]: ...
+    def take_events(self) -> list[Event]:
+        """Take the buffered KV events, oldest first (SPEC sec. 9): :class:`StoredEvent`,
+        :class:`RemovedEvent`, :class:`TierChangedEvent`, :class:`ClearedEvent`.  The
+        buffer keeps at most ``config.max_events`` (older ones are dropped and counted in
+        ``stats()["events_dropped"]``; ``event_id`` gaps show them).  Clears the buffer."""
 
     @abc.abstractmethod
     def snapshot(self) -> dict:
-        """Canonical JSON-serialisable picture of all observable state (sec. 11)."""
+        """A canonical, JSON-serialisable picture of all observable state (SPEC sec. 11):
+        tree, pages, pools, requests, stats, pending and issued copy ops, buffered events,
+        the clock.  The same calls give the same snapshot on both backends (the parity
+        suite compares them).  No side effect."""
 
     @abc.abstractmethod
     def check_invariants(self) -> None:
-        """Raise InvariantError on any broken internal rule."""
+        """Check every internal rule (slot accounting, page states and tiers, tree links,
+        pruning, request invariants; SPEC sec. 11) and raise :class:`InvariantError` naming
+        the first broken one.  For tests and debugging; no side effect."""
 
 
 __all__ = [

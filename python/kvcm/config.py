@@ -67,20 +67,32 @@ def stale_range(window: int | None, sinks: int, history: int, tokens_per_block: 
 
 @dataclass(frozen=True)
 class LifeCycle:
-    """A class of layers whose pages live and die together (sec. 1)."""
+    """A class of layers whose pages live and die together (SPEC sec. 1), as derived from
+    a config: ``KVCacheManager.life_cycles`` lists them by id.
+
+    Attributes:
+        id: the life cycle id (0, 1, ... in order of first appearance in ``config.layers``):
+            the ``lc`` of page indices, copy ops, events and stats.
+        kind: ``"attn"`` or ``"ssm"``.
+        window: attention only: the sliding window in tokens, None for full attention.
+        sinks: attention only: the sink tokens (0 without a window).
+        slot_bytes: the bytes of one page of this life cycle (SPEC sec. 2).
+        layer_ids: the ids of its layers, in config order."""
 
     id: int
     kind: Literal["attn", "ssm"]
-    window: int | None  # attention only; None = full attention
-    sinks: int  # attention only
-    slot_bytes: int  # bytes of one page of this life cycle
+    window: int | None
+    sinks: int
+    slot_bytes: int
     layer_ids: tuple[int, ...]
 
     @property
     def is_full_attention(self) -> bool:
+        """Attention without a window: its blocks are never stale."""
         return self.kind == "attn" and self.window is None
 
     def num_sink_blocks(self, tokens_per_block: int) -> int:
+        """The blocks holding the sink tokens, ``ceil(sinks / B)``: never stale (sec. 7)."""
         return ceildiv(self.sinks, tokens_per_block)
 
     def stale_range(self, history: int, tokens_per_block: int) -> tuple[int, int]:
