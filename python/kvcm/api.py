@@ -472,7 +472,7 @@ class StoredEvent(Event):
 
     Attributes:
         parent_key: the key of the block's parent (the scope's root key, sec. 3, for a
-            block at ordinal 0).
+            block at ordinal 0); None for a block without a parent.
         blocks: one :class:`StoredBlock` row per life cycle the block gained a page of.
         partial: True for a partial block (announced only this way)."""
 
