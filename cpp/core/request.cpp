@@ -20,7 +20,7 @@ std::int64_t Manager::match_and_hold(Request& r, std::span<const Tok> tokens, st
   std::int64_t m = 0;
   std::vector<NodeId> path;
   if (!tokens.empty()) {
-    MatchResult mr = tree_.match(r.root, tokens, keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+    MatchResult mr = pool_.tree().match(r.root, tokens, keys, pool_.cfg().enable_partial_reuse, pool_.cfg().reuse_match_backoff);
     m = mr.m;
     path = std::move(mr.path);
     if (hits != nullptr) {  // the shared tier's extension, taken only when longer (DECISIONS.md)
@@ -33,30 +33,30 @@ std::int64_t Manager::match_and_hold(Request& r, std::span<const Tok> tokens, st
   }
   r.tokens.assign(tokens.begin(), tokens.begin() + m);
   // r.tokens holds its own digest references (the caller's tokens keep theirs; sec. 15)
-  if (r.has_digests) tree_.retain_all(r.tokens);
+  if (r.has_digests) pool_.tree().retain_all(r.tokens);
   r.capacity = m;
   r.history = m;
   r.blocks = path;
-  for (NodeId nid : path) tree_.ref(nid);
-  r.pages.assign(cfg_.lcs.size(), {});
-  for (std::int64_t lc : attn_lcs_) r.pages[static_cast<std::size_t>(lc)].assign(path.size(), -1);
-  for (std::int64_t lc : attn_lcs_) {
-    const auto [lo, hi] = stale_range(lc, m);
+  for (NodeId nid : path) pool_.tree().ref(nid);
+  r.pages.assign(pool_.cfg().lcs.size(), {});
+  for (std::int64_t lc : pool_.attn_lcs()) r.pages[static_cast<std::size_t>(lc)].assign(path.size(), -1);
+  for (std::int64_t lc : pool_.attn_lcs()) {
+    const auto [lo, hi] = pool_.stale_range(lc, m);
     for (std::size_t j = 0; j < path.size(); ++j) {
       const auto jj = static_cast<std::int64_t>(j);
       if (lo <= jj && jj < hi) continue;
-      Page* p = &page(tree_.page(path[j], lc));
-      use(p, false, r.priority);
+      Page* p = &pool_.page(pool_.tree().page(path[j], lc));
+      pool_.use(p, false, r.priority);
       r.pages[static_cast<std::size_t>(lc)][j] = p->handle;
     }
   }
   r.live = r.snap = -1;
-  if (ssm_lc_ >= 0 && m > 0) {
-    Page* s = &page(tree_.page(path.back(), ssm_lc_));
+  if (pool_.ssm_lc() >= 0 && m > 0) {
+    Page* s = &pool_.page(pool_.tree().page(path.back(), pool_.ssm_lc()));
     r.snap = s->handle;
-    use(s, false, r.priority);
+    pool_.use(s, false, r.priority);
   }
-  r.cow_block = m % B_ ? m / B_ : -1;
+  r.cow_block = m % pool_.B() ? m / pool_.B() : -1;
   return m;
 }
 
@@ -67,29 +67,29 @@ std::int64_t Manager::match_and_hold(Request& r, std::span<const Tok> tokens, st
 std::vector<NodeId> Manager::insert_shared_blocks(Request& r, std::span<const Tok> tokens,
                                                   std::span<const Digest> keys, std::int64_t m,
                                                   const SharedMatch& sm) {
-  const std::int64_t nb = ceildiv(m, B_);
+  const std::int64_t nb = ceildiv(m, pool_.B());
   const auto np = static_cast<std::int64_t>(sm.path.size());
   std::vector<NodeId> path(sm.path.begin(), sm.path.begin() + std::min(nb, np));
   NodeId parent = path.empty() ? r.root : path.back();
-  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  const auto nlc = static_cast<std::int64_t>(pool_.cfg().lcs.size());
   for (std::int64_t i = np; i < nb; ++i) {
     const std::vector<std::int64_t>& row = sm.rows[static_cast<std::size_t>(i - np)];
-    const NodeId nid = new_block(keys[static_cast<std::size_t>(i)],
-                                 tokens.subspan(static_cast<std::size_t>(i * B_), static_cast<std::size_t>(B_)), i);
+    const NodeId nid = pool_.new_block(keys[static_cast<std::size_t>(i)],
+                                 tokens.subspan(static_cast<std::size_t>(i * pool_.B()), static_cast<std::size_t>(pool_.B())), i);
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       bool held;
-      if (cfg_.lcs[static_cast<std::size_t>(lc)].ssm) {
+      if (pool_.cfg().lcs[static_cast<std::size_t>(lc)].ssm) {
         held = i == nb - 1;
       } else {
-        const auto [lo, hi] = stale_range(lc, m);
+        const auto [lo, hi] = pool_.stale_range(lc, m);
         held = !(lo <= i && i < hi);
       }
       if (!held) continue;
-      if (row[static_cast<std::size_t>(lc)] != B_) {
+      if (row[static_cast<std::size_t>(lc)] != pool_.B()) {
         throw InternalErr("kvcm bug: the fixed point kept a block without its page");
       }
-      Page* p = new_shared_page(lc, r.priority, i);
-      tree_.set_page(nid, lc, p->handle, B_);
+      Page* p = pool_.new_shared_page(lc, r.priority, i);
+      pool_.tree().set_page(nid, lc, p->handle, pool_.B());
       p->node = static_cast<std::int32_t>(nid);
     }
     attach(parent, nid);
@@ -104,11 +104,11 @@ std::vector<NodeId> Manager::insert_shared_blocks(Request& r, std::span<const To
 std::optional<std::int64_t> Manager::rollback_point(Request& r, const std::vector<std::int64_t>& lost) {
   auto is_lost = [&lost](std::int64_t h) { return h >= 0 && std::find(lost.begin(), lost.end(), h) != lost.end(); };
   std::optional<std::int64_t> point;
-  for (std::int64_t lc : attn_lcs_) {
+  for (std::int64_t lc : pool_.attn_lcs()) {
     const auto& v = r.pages[static_cast<std::size_t>(lc)];
     for (std::size_t i = 0; i < v.size(); ++i) {
       if (is_lost(v[i])) {
-        const std::int64_t at = static_cast<std::int64_t>(i) * B_;
+        const std::int64_t at = static_cast<std::int64_t>(i) * pool_.B();
         point = point ? std::min(*point, at) : at;
         break;
       }
@@ -127,11 +127,11 @@ std::optional<std::int64_t> Manager::rollback_point(Request& r, const std::vecto
 // py: request.py PyKVCache.release_all — SPEC sec. 7
 void Manager::release_all(Request& r) {
   const bool active = r.status == ReqStatus::active;
-  for (Page* p : used_pages(r)) unuse(p, active);
+  for (Page* p : used_pages(r)) pool_.unuse(p, active);
   r.live = r.snap = -1;
   for (auto& v : r.pages) v.clear();
   for (NodeId nid : r.blocks) {
-    if (nid != kNoNode) tree_.unref(nid);
+    if (nid != kNoNode) pool_.tree().unref(nid);
   }
   r.blocks.clear();
 }
@@ -146,9 +146,9 @@ void Manager::roll_back(Request& r, std::int64_t point) {
   const std::vector<Tok> old = std::move(r.tokens);
   const std::vector<Tok> tokens(old.begin(), old.begin() + point);
   const std::vector<Digest> keys =
-      chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(point / B_ * B_)));
+      pool_.chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(point / pool_.B() * pool_.B())));
   match_and_hold(r, tokens, keys);
-  if (r.has_digests) tree_.release_all(old);
+  if (r.has_digests) pool_.tree().release_all(old);
 }
 
 Request& Manager::req(std::int64_t serial) {
@@ -191,14 +191,7 @@ RequestInfo Manager::info(std::int64_t serial) const {
 }
 
 // py: request.py PyKVCache.committed_tokens — SPEC sec. 7
-std::vector<TokenOut> Manager::committed_tokens(std::int64_t serial) const { return decode_all(req(serial).tokens); }
-
-// py: config.py LifeCycle.stale_range — SPEC sec. 7
-std::pair<std::int64_t, std::int64_t> Manager::stale_range(std::int64_t lc, std::int64_t history) const {
-  const LcConfig& l = cfg_.lcs[static_cast<std::size_t>(lc)];
-  if (l.ssm || l.window < 0) return {0, 0};
-  return kvcm::stale_range(l.window, l.sinks, B_, history);
-}
+std::vector<TokenOut> Manager::committed_tokens(std::int64_t serial) const { return pool_.decode_all(req(serial).tokens); }
 
 std::int64_t Manager::page_at(const Request& r, std::int64_t lc, std::int64_t i) const {
   const auto& v = r.pages[static_cast<std::size_t>(lc)];
@@ -208,13 +201,13 @@ std::int64_t Manager::page_at(const Request& r, std::int64_t lc, std::int64_t i)
 // py: request.py PyKVCache.used_pages — SPEC sec. 7
 std::vector<Page*> Manager::used_pages(Request& r) {
   std::vector<Page*> out;
-  for (std::int64_t lc : attn_lcs_) {
+  for (std::int64_t lc : pool_.attn_lcs()) {
     for (std::int64_t s : r.pages[static_cast<std::size_t>(lc)]) {
-      if (s >= 0) out.push_back(&page(s));
+      if (s >= 0) out.push_back(&pool_.page(s));
     }
   }
-  if (r.snap >= 0) out.push_back(&page(r.snap));
-  if (r.live >= 0) out.push_back(&page(r.live));
+  if (r.snap >= 0) out.push_back(&pool_.page(r.snap));
+  if (r.live >= 0) out.push_back(&pool_.page(r.live));
   return out;
 }
 
@@ -222,25 +215,25 @@ std::vector<Page*> Manager::used_pages(Request& r) {
 std::vector<Page*> Manager::cow_sources(Request& r) {
   std::vector<Page*> out;
   if (r.cow_block >= 0) {
-    for (std::int64_t lc : attn_lcs_) {
+    for (std::int64_t lc : pool_.attn_lcs()) {
       const std::int64_t s = page_at(r, lc, r.cow_block);
-      if (s >= 0) out.push_back(&page(s));
+      if (s >= 0) out.push_back(&pool_.page(s));
     }
   }
-  if (r.snap >= 0) out.push_back(&page(r.snap));
+  if (r.snap >= 0) out.push_back(&pool_.page(r.snap));
   return out;
 }
 
 // py: request.py PyKVCache.ensure_room — SPEC sec. 8
 void Manager::ensure_room(std::int64_t tier, std::int64_t lc) {
-  if (!make_room(tier, lc)) throw InternalErr("kvcm bug: a feasibility check passed but eviction found no slot");
+  if (!pool_.make_room(tier, lc)) throw InternalErr("kvcm bug: a feasibility check passed but eviction found no slot");
 }
 
 // py: request.py PyKVCache.alloc_private — SPEC sec. 7
 Page* Manager::alloc_private(Request& r, std::int64_t lc, std::int64_t coverage, std::int64_t ordinal) {
   ensure_room(kGpu, lc);
-  Page* p = new_page(kGpu, lc, coverage, r.priority, ordinal);
-  use(p, r.status == ReqStatus::active, r.priority);
+  Page* p = pool_.new_page(kGpu, lc, coverage, r.priority, ordinal);
+  pool_.use(p, r.status == ReqStatus::active, r.priority);
   return p;
 }
 
@@ -250,11 +243,11 @@ bool Manager::resume(std::int64_t serial) {
   require(r, ReqStatus::suspended, "resume");
   const std::vector<Page*> used = used_pages(r);
   const std::vector<Page*> cows = cow_sources(r);
-  const std::size_t nlc = cfg_.lcs.size();
+  const std::size_t nlc = pool_.cfg().lcs.size();
   std::vector<std::int64_t> need(nlc, 0), locked_after(nlc), held_gpu(nlc);
   for (std::size_t lc = 0; lc < nlc; ++lc) {
-    locked_after[lc] = pools_[0][lc].locked;
-    held_gpu[lc] = pools_[0][lc].held;
+    locked_after[lc] = pool_.pool(0, lc).locked;
+    held_gpu[lc] = pool_.pool(0, lc).held;
   }
   for (Page* p : used) {
     const auto lc = static_cast<std::size_t>(p->lc);
@@ -265,38 +258,38 @@ bool Manager::resume(std::int64_t serial) {
     }
     if (p->locks == 0 && std::find(cows.begin(), cows.end(), p) == cows.end()) ++locked_after[lc];
   }
-  if (ssm_lc_ >= 0 && r.live < 0) {
-    ++need[static_cast<std::size_t>(ssm_lc_)];
-    ++locked_after[static_cast<std::size_t>(ssm_lc_)];
+  if (pool_.ssm_lc() >= 0 && r.live < 0) {
+    ++need[static_cast<std::size_t>(pool_.ssm_lc())];
+    ++locked_after[static_cast<std::size_t>(pool_.ssm_lc())];
   }
   for (Page* p : cows) {
-    if (p->lc != ssm_lc_) {
+    if (p->lc != pool_.ssm_lc()) {
       ++need[static_cast<std::size_t>(p->lc)];
       ++locked_after[static_cast<std::size_t>(p->lc)];
     }
   }
-  const double limit = cfg_.max_util_for_resume;
+  const double limit = pool_.cfg().max_util_for_resume;
   for (std::size_t lc = 0; lc < nlc; ++lc) {
-    const Pool& pool = pools_[0][lc];
+    const Pool& pool = pool_.pool(0, lc);
     if (static_cast<double>(locked_after[lc]) > limit * static_cast<double>(pool.total)) return false;
     const std::int64_t adjust[3] = {pool.nfree(), held_gpu[lc], pool.droppable};
-    if (!can_allocate(kGpu, static_cast<std::int64_t>(lc), need[lc], adjust)) return false;
+    if (!pool_.can_allocate(kGpu, static_cast<std::int64_t>(lc), need[lc], adjust)) return false;
   }
 
-  tick();
+  pool_.tick();
   r.status = ReqStatus::active;
   for (Page* p : used) {
-    if (p->tier == kGpu) set_active(p, true);
+    if (p->tier == kGpu) pool_.set_active(p, true);
   }
   for (Page* p : used) {
     if (p->tier != kGpu) {
       ensure_room(kGpu, p->lc);
-      move(p, kGpu, "onboard");
-      set_active(p, true);
+      pool_.move(p, kGpu, "onboard");
+      pool_.set_active(p, true);
     }
   }
-  if (ssm_lc_ >= 0 && r.live < 0) {
-    r.live = alloc_private(r, ssm_lc_, 0, static_cast<std::int64_t>(r.tokens.size()) / B_)->handle;
+  if (pool_.ssm_lc() >= 0 && r.live < 0) {
+    r.live = alloc_private(r, pool_.ssm_lc(), 0, static_cast<std::int64_t>(r.tokens.size()) / pool_.B())->handle;
   }
   if (r.cow_block >= 0 || r.snap >= 0) copy_on_write(r);
   return true;
@@ -306,26 +299,26 @@ bool Manager::resume(std::int64_t serial) {
 void Manager::copy_on_write(Request& r) {
   const std::int64_t j = r.cow_block;
   if (j >= 0) {
-    const std::int64_t covered = static_cast<std::int64_t>(r.tokens.size()) - j * B_;
-    for (std::int64_t lc : attn_lcs_) {
+    const std::int64_t covered = static_cast<std::int64_t>(r.tokens.size()) - j * pool_.B();
+    for (std::int64_t lc : pool_.attn_lcs()) {
       const std::int64_t s = page_at(r, lc, j);
       if (s < 0) continue;
       Page* dst = alloc_private(r, lc, covered, j);
-      Page* src = &page(s);
-      copy(lc, src, dst, "cow");
-      count(lc, kCows);
+      Page* src = &pool_.page(s);
+      pool_.copy(lc, src, dst, "cow");
+      pool_.count(lc, kCows);
       r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
-      unuse(src, true);
+      pool_.unuse(src, true);
     }
-    tree_.unref(r.blocks[static_cast<std::size_t>(j)]);
+    pool_.tree().unref(r.blocks[static_cast<std::size_t>(j)]);
     r.blocks[static_cast<std::size_t>(j)] = kNoNode;
     r.cow_block = -1;
   }
   if (r.snap >= 0) {
-    Page* snap = &page(r.snap);
-    copy(ssm_lc_, snap, &page(r.live), "cow");
-    count(ssm_lc_, kCows);
-    unuse(snap, true);
+    Page* snap = &pool_.page(r.snap);
+    pool_.copy(pool_.ssm_lc(), snap, &pool_.page(r.live), "cow");
+    pool_.count(pool_.ssm_lc(), kCows);
+    pool_.unuse(snap, true);
     r.snap = -1;
   }
 }
@@ -334,8 +327,8 @@ void Manager::copy_on_write(Request& r) {
 void Manager::suspend(std::int64_t serial) {
   Request& r = req(serial);
   require(r, ReqStatus::active, "suspend");
-  tick();
-  for (Page* p : used_pages(r)) set_active(p, false);
+  pool_.tick();
+  for (Page* p : used_pages(r)) pool_.set_active(p, false);
   r.status = ReqStatus::suspended;
 }
 
@@ -367,12 +360,12 @@ void Manager::check_resize(const Request& r, std::int64_t capacity, std::int64_t
 // resize: out of pages -> False.
 // py: request.py PyKVCache.could_hold — SPEC sec. 7
 bool Manager::could_hold(std::int64_t nb, std::int64_t history) const {
-  if (attn_lcs_.empty()) return true;
+  if (pool_.attn_lcs().empty()) return true;
   if (nb > kMaxRequestBlocks) return false;
-  for (std::int64_t lc : attn_lcs_) {
-    const auto [lo, hi] = stale_range(lc, history);
+  for (std::int64_t lc : pool_.attn_lcs()) {
+    const auto [lo, hi] = pool_.stale_range(lc, history);
     const std::int64_t stale = std::max<std::int64_t>(0, std::min(hi, nb) - std::min(lo, nb));
-    if (nb - stale > pools_[0][static_cast<std::size_t>(lc)].total) return false;
+    if (nb - stale > pool_.pool(0, static_cast<std::size_t>(lc)).total) return false;
   }
   return true;
 }
@@ -380,14 +373,14 @@ bool Manager::could_hold(std::int64_t nb, std::int64_t history) const {
 // DECISIONS "All-or-nothing".
 // py: request.py PyKVCache.resize_checked — SPEC sec. 7
 bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t history) {
-  const std::int64_t nb = ceildiv(capacity, B_);
+  const std::int64_t nb = ceildiv(capacity, pool_.B());
   // forks (DECISIONS.md "Forks"): room to write into a shared partial page copies it first
   const TailPages cows =
       capacity > static_cast<std::int64_t>(r.tokens.size()) ? shared_tail(r, history) : TailPages{};
   if (!could_hold(nb, history)) return false;
   // (lc, block) pairs; members so a decode step's resize does not allocate
-  std::vector<std::pair<std::int64_t, std::int64_t>>& releases = scratch_releases_;
-  std::vector<std::pair<std::int64_t, std::int64_t>>& allocs = scratch_allocs_;
+  std::vector<std::pair<std::int64_t, std::int64_t>>& releases = pool_.scratch().releases;
+  std::vector<std::pair<std::int64_t, std::int64_t>>& allocs = pool_.scratch().allocs;
   releases.clear();
   allocs.clear();
   // Only the ordinals whose page changes are visited, so a decode step costs the same on
@@ -395,9 +388,9 @@ bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t his
   // at the current history (check_invariants checks it), so pages are released where
   // blocks become stale ([old_hi, hi)) or fall beyond the capacity (>= nb), and allocated
   // past n outside the new stale range.  Ascending per lc, as a scan.
-  for (std::int64_t lc : attn_lcs_) {
-    const auto [lo, hi] = stale_range(lc, history);
-    const std::int64_t old_hi = stale_range(lc, r.history).second;
+  for (std::int64_t lc : pool_.attn_lcs()) {
+    const auto [lo, hi] = pool_.stale_range(lc, history);
+    const std::int64_t old_hi = pool_.stale_range(lc, r.history).second;
     const auto& pages = r.pages[static_cast<std::size_t>(lc)];
     const auto n = static_cast<std::int64_t>(pages.size());
     const auto visit_release = [&](std::int64_t from, std::int64_t to) {
@@ -411,18 +404,18 @@ bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t his
     for (std::int64_t i = n; i < std::min(lo, nb); ++i) allocs.emplace_back(lc, i);
     for (std::int64_t i = std::max(hi, n); i < nb; ++i) allocs.emplace_back(lc, i);
   }
-  for (std::int64_t lc : attn_lcs_) {
+  for (std::int64_t lc : pool_.attn_lcs()) {
     std::int64_t n = 0;
     for (const auto& a : allocs) n += a.first == lc;
     for (const auto& a : cows) n += a.first == lc;
     if (!n) continue;
-    const Pool& pool = pools_[0][static_cast<std::size_t>(lc)];
+    const Pool& pool = pool_.pool(0, static_cast<std::size_t>(lc));
     std::int64_t adjust[3] = {pool.nfree(), pool.held, pool.droppable};
     for (const auto& [rlc, i] : releases) {
       if (rlc != lc) continue;
-      const Page& p = page(page_at(r, rlc, i));
+      const Page& p = pool_.page(page_at(r, rlc, i));
       if (p.locks != 1) continue;
-      if (p.node == kNoNode || !tree_.is_attached(p.node)) {
+      if (p.node == kNoNode || !pool_.tree().is_attached(p.node)) {
         adjust[0] += p.holds == 0 ? 1 : 0;
         adjust[1] += p.holds ? 1 : 0;
       } else if (p.holds) {
@@ -431,18 +424,18 @@ bool Manager::resize_checked(Request& r, std::int64_t capacity, std::int64_t his
         adjust[2] += 1;
       }
     }
-    if (!can_allocate(kGpu, lc, n, adjust)) return false;
+    if (!pool_.can_allocate(kGpu, lc, n, adjust)) return false;
   }
 
-  tick();
+  pool_.tick();
   r.capacity = capacity;
   r.history = history;
   for (const auto& [lc, i] : releases) {
-    Page* p = &page(page_at(r, lc, i));
+    Page* p = &pool_.page(page_at(r, lc, i));
     r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = -1;
-    unuse(p, true);
+    pool_.unuse(p, true);
   }
-  for (std::int64_t lc : attn_lcs_) r.pages[static_cast<std::size_t>(lc)].resize(static_cast<std::size_t>(nb), -1);
+  for (std::int64_t lc : pool_.attn_lcs()) r.pages[static_cast<std::size_t>(lc)].resize(static_cast<std::size_t>(nb), -1);
   copy_tail(r, cows);
   for (const auto& [lc, i] : allocs) {
     const std::int64_t s = alloc_private(r, lc, 0, i)->handle;
@@ -481,7 +474,7 @@ void Manager::commit_input(std::int64_t serial, std::optional<std::int64_t> n_ar
   const auto from = r.input_tokens.begin() + nc;
   r.tokens.insert(r.tokens.end(), from, from + n);
   // r.tokens holds its own digest references (sec. 15), as after intern_into
-  if (r.has_digests) tree_.retain_all(std::span<const Tok>(r.tokens).subspan(static_cast<std::size_t>(nc)));
+  if (r.has_digests) pool_.tree().retain_all(std::span<const Tok>(r.tokens).subspan(static_cast<std::size_t>(nc)));
   commit_appended(r, nc);
 }
 
@@ -501,7 +494,7 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
   if (tokens_in.empty()) return;
   const auto ncommitted = static_cast<std::int64_t>(r.tokens.size());
   try {
-    intern_into(tokens_in, r.tokens);
+    pool_.intern_into(tokens_in, r.tokens);
     r.has_digests = r.has_digests || !tokens_in.digests.empty();
   } catch (...) {
     r.tokens.resize(static_cast<std::size_t>(ncommitted));  // nothing changed
@@ -512,28 +505,28 @@ void Manager::commit_checked(Request& r, TokenSeq tokens_in) {
 
 // commit's work once its tokens are appended to r.tokens (the first `old` were there before).
 void Manager::commit_appended(Request& r, std::int64_t old) {
-  tick();
+  pool_.tick();
   const std::int64_t old_history = r.history;
   const auto now = static_cast<std::int64_t>(r.tokens.size());
   r.history = std::max(r.history, now);
-  for (std::int64_t lc : attn_lcs_) {
-    for (std::int64_t i = old / B_; i < ceildiv(now, B_); ++i) {
+  for (std::int64_t lc : pool_.attn_lcs()) {
+    for (std::int64_t i = old / pool_.B(); i < ceildiv(now, pool_.B()); ++i) {
       const std::int64_t s = page_at(r, lc, i);
       if (s < 0) continue;
-      Page& p = page(s);
-      if (p.node == kNoNode) p.coverage = static_cast<std::int16_t>(std::min(B_, now - i * B_));
+      Page& p = pool_.page(s);
+      if (p.node == kNoNode) p.coverage = static_cast<std::int16_t>(std::min(pool_.B(), now - i * pool_.B()));
     }
   }
-  const std::int64_t last = now / B_ - 1;
-  for (std::int64_t i = old / B_; i <= last; ++i) {
+  const std::int64_t last = now / pool_.B() - 1;
+  for (std::int64_t i = old / pool_.B(); i <= last; ++i) {
     // the next block's child-table line (its key was hashed at create), loaded meanwhile
-    if (i < last && i + 1 < static_cast<std::int64_t>(r.keys.size())) tree_.prefetch_child(r.keys[static_cast<std::size_t>(i + 1)]);
-    const bool snapshot = ssm_lc_ >= 0 && i == last && now % B_ == 0;
+    if (i < last && i + 1 < static_cast<std::int64_t>(r.keys.size())) pool_.tree().prefetch_child(r.keys[static_cast<std::size_t>(i + 1)]);
+    const bool snapshot = pool_.ssm_lc() >= 0 && i == last && now % pool_.B() == 0;
     // r.tokens does not change during insert_block, so a view of it is safe
-    const std::span<const Tok> block(r.tokens.data() + i * B_, static_cast<std::size_t>(B_));
+    const std::span<const Tok> block(r.tokens.data() + i * pool_.B(), static_cast<std::size_t>(pool_.B()));
     insert_block(r, i, block, snapshot, /*defer_prune=*/i < last);
   }
-  release_stale(r, old_history, old / B_);
+  release_stale(r, old_history, old / pool_.B());
 }
 
 // DECISIONS "Tree and events" (stale pages
@@ -542,16 +535,16 @@ void Manager::commit_appended(Request& r, std::int64_t old) {
 // py: request.py PyKVCache.release_stale — SPEC sec. 7
 void Manager::release_stale(Request& r, std::int64_t old_history, std::int64_t first_block) {
   const bool active = r.status == ReqStatus::active;
-  for (std::int64_t lc : attn_lcs_) {
-    const auto [lo, hi] = stale_range(lc, r.history);
-    const std::int64_t start = std::max(lo, std::min(stale_range(lc, old_history).second, first_block));
+  for (std::int64_t lc : pool_.attn_lcs()) {
+    const auto [lo, hi] = pool_.stale_range(lc, r.history);
+    const std::int64_t start = std::max(lo, std::min(pool_.stale_range(lc, old_history).second, first_block));
     auto& pages = r.pages[static_cast<std::size_t>(lc)];
     const std::int64_t end = std::min(hi, static_cast<std::int64_t>(pages.size()));
     for (std::int64_t i = start; i < end; ++i) {
       const std::int64_t s = pages[static_cast<std::size_t>(i)];
       if (s >= 0) {
         pages[static_cast<std::size_t>(i)] = -1;
-        unuse(&page(s), active);
+        pool_.unuse(&pool_.page(s), active);
       }
     }
   }
@@ -561,7 +554,7 @@ void Manager::release_stale(Request& r, std::int64_t old_history, std::int64_t f
 void Manager::stop_committing(std::int64_t serial) {
   Request& r = req(serial);
   if (r.stopped) return;
-  tick();
+  pool_.tick();
   stop(r);
 }
 
@@ -590,10 +583,10 @@ ClosedTokens Manager::close(std::int64_t serial) {
   auto it = requests_.find(serial);
   if (it == requests_.end()) return out;
   Request& r = it->second;
-  tick();
+  pool_.tick();
   if (!r.stopped) stop(r);
   release_all(r);
-  tree_.unref(r.root);  // may release an unused scope root
+  pool_.tree().unref(r.root);  // may release an unused scope root
   r.status = ReqStatus::closed;
   out.closed_now = true;
   out.capacity = r.capacity;
@@ -608,10 +601,10 @@ ClosedTokens Manager::close(std::int64_t serial) {
       if (!(c & kDigestCode)) continue;
       bool seen = false;
       for (const auto& [code, d] : out.digests) seen = seen || code == c;
-      if (!seen) out.digests.emplace_back(c, tree_.digest(c));
+      if (!seen) out.digests.emplace_back(c, pool_.tree().digest(c));
     }
-    tree_.release_all(out.codes);
-    tree_.release_all(r.input_tokens);
+    pool_.tree().release_all(out.codes);
+    pool_.tree().release_all(r.input_tokens);
   }
   requests_.erase(it);
   return out;
@@ -631,21 +624,21 @@ std::int64_t Manager::fork(std::int64_t serial) {
   }
   // the partial block is copied at once when the parent may already be writing into it
   const TailPages copies = parent.capacity > c ? tail_pages(parent) : TailPages{};
-  for (std::int64_t lc = 0; lc < static_cast<std::int64_t>(cfg_.lcs.size()); ++lc) {
-    std::int64_t need = lc == ssm_lc_ ? 1 : 0;
+  for (std::int64_t lc = 0; lc < static_cast<std::int64_t>(pool_.cfg().lcs.size()); ++lc) {
+    std::int64_t need = lc == pool_.ssm_lc() ? 1 : 0;
     for (const auto& [clc, h] : copies) need += clc == lc;
-    if (need && !can_allocate(kGpu, lc, need, nullptr)) return -1;
+    if (need && !pool_.can_allocate(kGpu, lc, need, nullptr)) return -1;
   }
 
-  tick();
+  pool_.tick();
   const std::int64_t child_serial = next_request_++;
   Request& child = requests_[child_serial];  // (unordered_map: `parent` stays valid)
   child.serial = child_serial;
   init_fork(child, parent);
-  if (ssm_lc_ >= 0) {  // its own live state, a copy of the parent's
-    child.live = alloc_private(child, ssm_lc_, 0, c / B_)->handle;
-    copy(ssm_lc_, &page(parent.live), &page(child.live), "cow");
-    count(ssm_lc_, kCows);
+  if (pool_.ssm_lc() >= 0) {  // its own live state, a copy of the parent's
+    child.live = alloc_private(child, pool_.ssm_lc(), 0, c / pool_.B())->handle;
+    pool_.copy(pool_.ssm_lc(), &pool_.page(parent.live), &pool_.page(child.live), "cow");
+    pool_.count(pool_.ssm_lc(), kCows);
   }
   copy_tail(child, copies);
   return child_serial;
@@ -655,7 +648,7 @@ std::int64_t Manager::fork(std::int64_t serial) {
 void Manager::init_fork(Request& child, const Request& parent) {
   child.root_key = parent.root_key;
   child.root = parent.root;
-  tree_.ref(child.root);
+  pool_.tree().ref(child.root);
   child.lora = parent.lora;
   child.salt = parent.salt;
   child.priority = parent.priority;
@@ -666,23 +659,23 @@ void Manager::init_fork(Request& child, const Request& parent) {
   child.tokens = parent.tokens;
   child.has_digests = parent.has_digests;
   if (child.has_digests) {  // its own digest references (released at its close)
-    tree_.retain_all(child.input_tokens);
-    tree_.retain_all(child.tokens);
+    pool_.tree().retain_all(child.input_tokens);
+    pool_.tree().retain_all(child.tokens);
   }
   child.capacity = child.history = static_cast<std::int64_t>(child.tokens.size());
   child.reused = parent.reused;
-  const auto nb = static_cast<std::size_t>(ceildiv(child.capacity, B_));
+  const auto nb = static_cast<std::size_t>(ceildiv(child.capacity, pool_.B()));
   child.blocks.assign(parent.blocks.begin(), parent.blocks.begin() + std::min(nb, parent.blocks.size()));
   for (NodeId nid : child.blocks) {
-    if (nid != kNoNode) tree_.ref(nid);
+    if (nid != kNoNode) pool_.tree().ref(nid);
   }
-  child.pages.assign(cfg_.lcs.size(), {});
-  for (std::int64_t lc : attn_lcs_) {
+  child.pages.assign(pool_.cfg().lcs.size(), {});
+  for (std::int64_t lc : pool_.attn_lcs()) {
     const auto& from = parent.pages[static_cast<std::size_t>(lc)];
     auto& pages = child.pages[static_cast<std::size_t>(lc)];
     pages.assign(from.begin(), from.begin() + std::min(nb, from.size()));
     for (std::int64_t h : pages) {
-      if (h >= 0) use(&page(h), true, child.priority);
+      if (h >= 0) pool_.use(&pool_.page(h), true, child.priority);
     }
   }
   child.live = child.snap = -1;
@@ -693,9 +686,9 @@ void Manager::init_fork(Request& child, const Request& parent) {
 Manager::TailPages Manager::tail_pages(const Request& r) const {
   TailPages out;
   const auto n = static_cast<std::int64_t>(r.tokens.size());
-  if (n % B_ == 0) return out;
-  for (std::int64_t lc : attn_lcs_) {
-    const std::int64_t h = page_at(r, lc, n / B_);
+  if (n % pool_.B() == 0) return out;
+  for (std::int64_t lc : pool_.attn_lcs()) {
+    const std::int64_t h = page_at(r, lc, n / pool_.B());
     if (h >= 0) out.emplace_back(lc, h);
   }
   return out;
@@ -705,10 +698,10 @@ Manager::TailPages Manager::tail_pages(const Request& r) const {
 Manager::TailPages Manager::shared_tail(const Request& r, std::int64_t history) const {
   TailPages out;
   if (r.stopped) return out;  // it never writes again
-  const std::int64_t j = static_cast<std::int64_t>(r.tokens.size()) / B_;
+  const std::int64_t j = static_cast<std::int64_t>(r.tokens.size()) / pool_.B();
   for (const auto& [lc, h] : tail_pages(r)) {
-    const auto [lo, hi] = stale_range(lc, history);
-    const Page& p = page(h);
+    const auto [lo, hi] = pool_.stale_range(lc, history);
+    const Page& p = pool_.page(h);
     if (!(lo <= j && j < hi) && (p.node != kNoNode || p.locks + p.holds > 1)) out.emplace_back(lc, h);
   }
   return out;
@@ -717,18 +710,18 @@ Manager::TailPages Manager::shared_tail(const Request& r, std::int64_t history) 
 // py: request.py PyKVCache.copy_tail — SPEC sec. 18
 void Manager::copy_tail(Request& r, const TailPages& shared) {
   if (shared.empty()) return;
-  const std::int64_t j = static_cast<std::int64_t>(r.tokens.size()) / B_;
-  const std::int64_t covered = static_cast<std::int64_t>(r.tokens.size()) - j * B_;
+  const std::int64_t j = static_cast<std::int64_t>(r.tokens.size()) / pool_.B();
+  const std::int64_t covered = static_cast<std::int64_t>(r.tokens.size()) - j * pool_.B();
   for (const auto& [lc, h] : shared) {
     Page* dst = alloc_private(r, lc, covered, j);
-    Page* src = &page(h);
-    copy(lc, src, dst, "cow");
-    count(lc, kCows);
-    unuse(src, r.status == ReqStatus::active);
+    Page* src = &pool_.page(h);
+    pool_.copy(lc, src, dst, "cow");
+    pool_.count(lc, kCows);
+    pool_.unuse(src, r.status == ReqStatus::active);
     r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
   }
   if (j < static_cast<std::int64_t>(r.blocks.size()) && r.blocks[static_cast<std::size_t>(j)] != kNoNode) {
-    tree_.unref(r.blocks[static_cast<std::size_t>(j)]);
+    pool_.tree().unref(r.blocks[static_cast<std::size_t>(j)]);
     r.blocks[static_cast<std::size_t>(j)] = kNoNode;
   }
 }
@@ -738,41 +731,41 @@ std::vector<std::int32_t> Manager::page_indices(std::int64_t serial, std::int64_
   Request& r = req(serial);
   require(r, ReqStatus::active, "page_indices");
   std::vector<std::int32_t> out;
-  if (lc == ssm_lc_) {
-    out.push_back(static_cast<std::int32_t>(page(r.live).slot));
+  if (lc == pool_.ssm_lc()) {
+    out.push_back(static_cast<std::int32_t>(pool_.page(r.live).slot));
     return out;
   }
-  const std::int64_t nb = ceildiv(r.capacity, B_);
+  const std::int64_t nb = ceildiv(r.capacity, pool_.B());
   out.reserve(static_cast<std::size_t>(nb));
   for (std::int64_t i = 0; i < nb; ++i) {
     const std::int64_t s = page_at(r, lc, i);
-    out.push_back(s >= 0 ? static_cast<std::int32_t>(page(s).slot) : -1);
+    out.push_back(s >= 0 ? static_cast<std::int32_t>(pool_.page(s).slot) : -1);
   }
   return out;
 }
 
 // py: request.py PyKVCache.key_for — SPEC sec. 3
 Digest Manager::key_for(Request& r, std::int64_t i, std::span<const Tok> tokens) {
-  const Digest parent = i > 0 ? tree_.key(r.blocks[static_cast<std::size_t>(i - 1)]) : r.root_key;
-  if (static_cast<std::int64_t>(tokens.size()) == B_ && i < static_cast<std::int64_t>(r.keys.size()) &&
+  const Digest parent = i > 0 ? pool_.tree().key(r.blocks[static_cast<std::size_t>(i - 1)]) : r.root_key;
+  if (static_cast<std::int64_t>(tokens.size()) == pool_.B() && i < static_cast<std::int64_t>(r.keys.size()) &&
       (i == 0 || r.keys[static_cast<std::size_t>(i - 1)] == parent) &&
-      static_cast<std::int64_t>(r.input_tokens.size()) >= (i + 1) * B_ &&
-      std::equal(tokens.begin(), tokens.end(), r.input_tokens.begin() + i * B_)) {
+      static_cast<std::int64_t>(r.input_tokens.size()) >= (i + 1) * pool_.B() &&
+      std::equal(tokens.begin(), tokens.end(), r.input_tokens.begin() + i * pool_.B())) {
     return r.keys[static_cast<std::size_t>(i)];  // same parent key and tokens: the hash done at create
   }
-  return block_key_of(parent, tokens);
+  return pool_.block_key_of(parent, tokens);
 }
 
 // py: request.py PyKVCache.parent_for — SPEC sec. 5
 NodeId Manager::parent_for(Request& r, std::int64_t i) {
   if (i == 0) return r.root;
-  if (tree_.is_attached(r.blocks[static_cast<std::size_t>(i - 1)])) return r.blocks[static_cast<std::size_t>(i - 1)];
+  if (pool_.tree().is_attached(r.blocks[static_cast<std::size_t>(i - 1)])) return r.blocks[static_cast<std::size_t>(i - 1)];
   std::int64_t k = i - 1;
-  while (k >= 0 && !tree_.is_attached(r.blocks[static_cast<std::size_t>(k)])) --k;
+  while (k >= 0 && !pool_.tree().is_attached(r.blocks[static_cast<std::size_t>(k)])) --k;
   NodeId parent = k < 0 ? r.root : r.blocks[static_cast<std::size_t>(k)];
   for (std::int64_t j = k + 1; j < i; ++j) {
     const NodeId orphan = r.blocks[static_cast<std::size_t>(j)];
-    const NodeId existing = tree_.find_existing(parent, tree_.key(orphan), tree_.tokens(orphan));
+    const NodeId existing = pool_.tree().find_existing(parent, pool_.tree().key(orphan), pool_.tree().tokens(orphan));
     if (existing != kNoNode) {
       switch_block(r, j, orphan, existing);
     } else {
@@ -786,17 +779,17 @@ NodeId Manager::parent_for(Request& r, std::int64_t i) {
 // py: request.py PyKVCache.switch_block — SPEC sec. 5
 void Manager::switch_block(Request& r, std::int64_t j, NodeId orphan, NodeId existing) {
   std::vector<std::int64_t> gained;
-  for (std::int64_t lc : attn_lcs_) {
+  for (std::int64_t lc : pool_.attn_lcs()) {
     const std::int64_t s = page_at(r, lc, j);
     if (s < 0) continue;
-    Page* p = &page(s);
-    if (p->node != orphan || tree_.coverage(existing, lc) >= p->coverage) continue;
+    Page* p = &pool_.page(s);
+    if (p->node != orphan || pool_.tree().coverage(existing, lc) >= p->coverage) continue;
     install(existing, lc, p, gained);
   }
-  tree_.ref(existing);
+  pool_.tree().ref(existing);
   r.blocks[static_cast<std::size_t>(j)] = existing;
-  tree_.unref(orphan);
-  emit_stored(existing, gained);
+  pool_.tree().unref(orphan);
+  pool_.emit_stored(existing, gained);
 }
 
 // py: request.py PyKVCache.install — SPEC sec. 5
@@ -804,39 +797,39 @@ void Manager::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int
   if (p->node != kNoNode) {  // moving from an orphan block
     const NodeId old_node = p->node;
     p->node = kNoNode;
-    tree_.set_page(old_node, lc, kNoPage, 0);
+    pool_.tree().set_page(old_node, lc, kNoPage, 0);
   }
-  const PageHandle old = tree_.set_page(nid, lc, p->handle, p->coverage);
+  const PageHandle old = pool_.tree().set_page(nid, lc, p->handle, p->coverage);
   if (p->locks || p->holds) {
     p->node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
   } else {
-    restate(*p, [&] { p->node = static_cast<std::int32_t>(nid); });
+    pool_.restate(*p, [&] { p->node = static_cast<std::int32_t>(nid); });
   }
   if (old == kNoPage) {
     gained.push_back(lc);
     return;
   }
-  Page* q = &page(old);
-  restate(*q, [&] { q->node = kNoNode; });
-  emit_removed(tree_.key(nid), lc);  // a coverage upgrade: removed now, stored by the caller
+  Page* q = &pool_.page(old);
+  pool_.restate(*q, [&] { q->node = kNoNode; });
+  pool_.emit_removed(pool_.tree().key(nid), lc);  // a coverage upgrade: removed now, stored by the caller
   gained.push_back(lc);
-  if (q->locks == 0 && q->holds == 0) free_page(q);
+  if (q->locks == 0 && q->holds == 0) pool_.free_page(q);
 }
 
 // py: request.py PyKVCache.attach — SPEC sec. 5
 void Manager::attach(NodeId parent, NodeId nid) {
-  const std::vector<NodeId> siblings = tree_.attach(parent, nid);
-  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
-  std::vector<std::int64_t>& lcs = scratch_lcs_;
+  const std::vector<NodeId> siblings = pool_.tree().attach(parent, nid);
+  const auto nlc = static_cast<std::int64_t>(pool_.cfg().lcs.size());
+  std::vector<std::int64_t>& lcs = pool_.scratch().lcs;
   if (siblings.empty()) {  // the common case: nothing stepped aside
     lcs.clear();
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
-      const PageHandle h = tree_.page(nid, lc);
+      const PageHandle h = pool_.tree().page(nid, lc);
       if (h == kNoPage) continue;
-      page(h).node = static_cast<std::int32_t>(nid);
+      pool_.page(h).node = static_cast<std::int32_t>(nid);
       lcs.push_back(lc);
     }
-    emit_stored(nid, lcs);
+    pool_.emit_stored(nid, lcs);
     return;
   }
   std::vector<std::vector<std::int64_t>> had(siblings.size());
@@ -848,14 +841,14 @@ void Manager::attach(NodeId parent, NodeId nid) {
   };
   for (std::size_t k = 0; k < siblings.size(); ++k) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
-      const PageHandle h = tree_.page(siblings[k], lc);
-      if (h != kNoPage && page(h).node == siblings[k]) had[k].push_back(lc);
+      const PageHandle h = pool_.tree().page(siblings[k], lc);
+      if (h != kNoPage && pool_.page(h).node == siblings[k]) had[k].push_back(lc);
     }
   }
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
-    const PageHandle h = tree_.page(nid, lc);
+    const PageHandle h = pool_.tree().page(nid, lc);
     if (h == kNoPage) continue;
-    const std::int64_t k = sib_index(page(h).node);
+    const std::int64_t k = sib_index(pool_.page(h).node);
     if (k >= 0) {
       auto& v = had[static_cast<std::size_t>(k)];
       if (std::find(v.begin(), v.end(), lc) == v.end()) v.push_back(lc);
@@ -864,23 +857,23 @@ void Manager::attach(NodeId parent, NodeId nid) {
   for (std::size_t k = 0; k < siblings.size(); ++k) {
     std::vector<std::int64_t> lost = had[k];
     std::sort(lost.begin(), lost.end());
-    const Digest key = tree_.key(siblings[k]);
-    for (std::int64_t lc : lost) emit_removed(key, lc);
+    const Digest key = pool_.tree().key(siblings[k]);
+    for (std::int64_t lc : lost) pool_.emit_removed(key, lc);
   }
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
-    const PageHandle h = tree_.page(nid, lc);
-    if (h != kNoPage) page(h).node = static_cast<std::int32_t>(nid);
+    const PageHandle h = pool_.tree().page(nid, lc);
+    if (h != kNoPage) pool_.page(h).node = static_cast<std::int32_t>(nid);
     for (NodeId sid : siblings) {
-      const PageHandle hs = tree_.page(sid, lc);
-      if (hs != kNoPage) page(hs).node = static_cast<std::int32_t>(sid);
+      const PageHandle hs = pool_.tree().page(sid, lc);
+      if (hs != kNoPage) pool_.page(hs).node = static_cast<std::int32_t>(sid);
     }
   }
-  retire_nodes(siblings, false);
+  pool_.retire_nodes(siblings, false);
   lcs.clear();
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
-    if (tree_.page(nid, lc) != kNoPage) lcs.push_back(lc);
+    if (pool_.tree().page(nid, lc) != kNoPage) lcs.push_back(lc);
   }
-  emit_stored(nid, lcs);
+  pool_.emit_stored(nid, lcs);
 }
 
 // Also SPEC sec. 7.  defer_prune: more blocks of this commit
@@ -891,82 +884,82 @@ void Manager::insert_block(Request& r, std::int64_t i, std::span<const Tok> toke
   const auto ntok = static_cast<std::int64_t>(tokens.size());
   const Digest key = key_for(r, i, tokens);
   NodeId parent = parent_for(r, i);
-  NodeId existing = tree_.find_existing(parent, key, tokens);
+  NodeId existing = pool_.tree().find_existing(parent, key, tokens);
   Page* snap = nullptr;
-  const std::int64_t ssm = ssm_lc_;
+  const std::int64_t ssm = pool_.ssm_lc();
   // shared_write="commit": a full-coverage page of a full block that becomes a tree page
   // here is written to the shared tier (DECISIONS.md "The shared tier")
-  const bool do_store = store_on_commit_ && ntok == B_;
-  if (want_snapshot && (existing == kNoNode || tree_.coverage(existing, ssm) < ntok)) {
-    Page* live = page_ptr(r.live);
-    if (live == nullptr || live->tier != kGpu || !make_room(kGpu, ssm)) {
-      count(ssm, kSnapshotsSkipped);
+  const bool do_store = pool_.store_on_commit() && ntok == pool_.B();
+  if (want_snapshot && (existing == kNoNode || pool_.tree().coverage(existing, ssm) < ntok)) {
+    Page* live = pool_.page_ptr(r.live);
+    if (live == nullptr || live->tier != kGpu || !pool_.make_room(kGpu, ssm)) {
+      pool_.count(ssm, kSnapshotsSkipped);
     } else {
-      snap = new_page(kGpu, ssm, ntok, r.priority, i);
-      copy(ssm, &page(r.live), snap, "snapshot");
-      count(ssm, kSnapshotsTaken);
-      if (do_store) store(snap, key);
+      snap = pool_.new_page(kGpu, ssm, ntok, r.priority, i);
+      pool_.copy(ssm, &pool_.page(r.live), snap, "snapshot");
+      pool_.count(ssm, kSnapshotsTaken);
+      if (do_store) pool_.store(snap, key);
       // eviction may have pruned this request's chain or the existing block
       parent = parent_for(r, i);
-      existing = tree_.find_existing(parent, key, tokens);
+      existing = pool_.tree().find_existing(parent, key, tokens);
     }
   }
   const bool active = r.status == ReqStatus::active;
   if (existing == kNoNode) {
-    const NodeId nid = new_block(key, tokens, i);
-    for (std::int64_t lc : attn_lcs_) {
+    const NodeId nid = pool_.new_block(key, tokens, i);
+    for (std::int64_t lc : pool_.attn_lcs()) {
       const std::int64_t s = page_at(r, lc, i);
       if (s < 0) continue;
-      Page& p = page(s);
+      Page& p = pool_.page(s);
       p.coverage = static_cast<std::int16_t>(ntok);
-      tree_.set_page(nid, lc, p.handle, ntok);
+      pool_.tree().set_page(nid, lc, p.handle, ntok);
       p.node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
-      if (do_store) store(&p, key);
+      if (do_store) pool_.store(&p, key);
     }
     if (snap != nullptr) {
-      tree_.set_page(nid, ssm, snap->handle, ntok);
-      restate(*snap, [&] { snap->node = static_cast<std::int32_t>(nid); });
+      pool_.tree().set_page(nid, ssm, snap->handle, ntok);
+      pool_.restate(*snap, [&] { snap->node = static_cast<std::int32_t>(nid); });
     }
-    tree_.ref(nid);
+    pool_.tree().ref(nid);
     set_block(r, i, nid);
-    if (tree_.has_page(nid)) {
+    if (pool_.tree().has_page(nid)) {
       attach(parent, nid);
     } else if (!defer_prune) {
-      tree_.prune_upward(parent);  // a re-attached chain must not stay childless
+      pool_.tree().prune_upward(parent);  // a re-attached chain must not stay childless
     }
     return;
   }
   std::vector<std::int64_t> gained;
-  for (std::int64_t lc : attn_lcs_) {
+  for (std::int64_t lc : pool_.attn_lcs()) {
     const std::int64_t s = page_at(r, lc, i);
     if (s < 0) continue;
-    Page* p = &page(s);
+    Page* p = &pool_.page(s);
     p->coverage = static_cast<std::int16_t>(ntok);
-    const PageHandle qh = tree_.page(existing, lc);
-    if (qh == kNoPage || tree_.coverage(existing, lc) < ntok) {
+    const PageHandle qh = pool_.tree().page(existing, lc);
+    if (qh == kNoPage || pool_.tree().coverage(existing, lc) < ntok) {
       install(existing, lc, p, gained);
-      if (do_store) store(p, key);
+      if (do_store) pool_.store(p, key);
     } else {
-      Page* q = &page(qh);
+      Page* q = &pool_.page(qh);
       if (q->tier == kGpu) {  // switch to the tree's page; its index changes
-        use(q, active, r.priority);
+        pool_.use(q, active, r.priority);
         r.pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = q->handle;
-        unuse(p, active);
+        pool_.unuse(p, active);
       }
       // else: keep our page privately (freed at close)
     }
   }
   if (snap != nullptr) install(existing, ssm, snap, gained);
-  tree_.ref(existing);
+  pool_.tree().ref(existing);
   set_block(r, i, existing);
-  emit_stored(existing, gained);
+  pool_.emit_stored(existing, gained);
 }
 
 // py: request.py PyKVCache.set_block — SPEC sec. 7
 void Manager::set_block(Request& r, std::int64_t i, NodeId nid) {
   const auto ii = static_cast<std::size_t>(i);
   if (ii < r.blocks.size()) {
-    if (r.blocks[ii] != kNoNode) tree_.unref(r.blocks[ii]);
+    if (r.blocks[ii] != kNoNode) pool_.tree().unref(r.blocks[ii]);
     r.blocks[ii] = nid;
   } else {
     r.blocks.resize(ii, kNoNode);
@@ -978,11 +971,11 @@ void Manager::set_block(Request& r, std::int64_t i, NodeId nid) {
 void Manager::stop(Request& r) {
   r.stopped = true;
   const auto n = static_cast<std::int64_t>(r.tokens.size());
-  const std::int64_t tail = n % B_;
-  const std::int64_t i = n / B_;
-  if (!tail || !cfg_.enable_partial_reuse || r.cow_block == i) return;
-  const std::vector<Tok> block(r.tokens.begin() + i * B_, r.tokens.end());
-  insert_block(r, i, block, ssm_lc_ >= 0);
+  const std::int64_t tail = n % pool_.B();
+  const std::int64_t i = n / pool_.B();
+  if (!tail || !pool_.cfg().enable_partial_reuse || r.cow_block == i) return;
+  const std::vector<Tok> block(r.tokens.begin() + i * pool_.B(), r.tokens.end());
+  insert_block(r, i, block, pool_.ssm_lc() >= 0);
 }
 
 }  // namespace kvcm
