@@ -24,7 +24,7 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   pool_.intern_into(tokens_in, tokens);
   pool_.tick();
   const std::int64_t serial = next_request_++;
-  Request& r = requests_[serial];
+  Request& r = requests_.try_emplace(serial, pool_).first->second;
   r.serial = serial;
   r.lora = lora;
   r.salt = salt;
@@ -37,7 +37,9 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   const std::int64_t nfull = n / pool_.B();
   r.keys = pool_.chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(nfull * pool_.B())));
   r.has_digests = !tokens_in.digests.empty();
-  const std::int64_t m = match_and_hold(r, tokens, r.keys, hits);
+  SharedMatch shared;  // the shared tier's extension: only with hits (a pure function of the tree)
+  if (hits != nullptr && !tokens.empty()) shared = match_shared(r.root, r.keys, *hits);
+  const std::int64_t m = r.match_and_hold(tokens, r.keys, hits != nullptr && !tokens.empty() ? &shared : nullptr);
   r.input_tokens = std::move(tokens);
   r.reused = m;
   pool_.record_match(n, m);
@@ -56,12 +58,12 @@ std::vector<std::int64_t> Manager::forget_copies(std::span<const CopyOpC> ops) {
   // the requests that use a lost page, and where each rolls back to (before any change)
   std::vector<std::pair<std::int64_t, std::int64_t>> resets;  // (serial, point)
   for (std::int64_t serial : open_serials()) {
-    if (auto point = rollback_point(requests_.at(serial), lost_handles)) resets.emplace_back(serial, *point);
+    if (auto point = requests_.at(serial).rollback_point(lost_handles)) resets.emplace_back(serial, *point);
   }
   // unlink the lost committed pages (SPEC sec. 5 pruning, removed events)
   pool_.forget_pages(lost);
   for (const auto& [serial, point] : resets) {
-    roll_back(requests_.at(serial), point);
+    requests_.at(serial).roll_back(point);
     out.push_back(serial);
   }
   return out;
@@ -115,7 +117,7 @@ std::vector<std::pair<Digest, std::int64_t>> Manager::shared_candidates(TokenSeq
 }
 
 // py: manager.py PyKVCacheManager.match_shared — SPEC sec. 16
-Manager::SharedMatch Manager::match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const {
+SharedMatch Manager::match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const {
   SharedMatch sm;
   sm.path = pool_.tree().key_path(root, keys);
   const auto nlc = static_cast<std::int64_t>(pool_.cfg().lcs.size());
@@ -203,6 +205,90 @@ std::vector<std::int64_t> Manager::open_serials() const {
   for (const auto& [serial, r] : requests_) out.push_back(serial);
   std::sort(out.begin(), out.end());
   return out;
+}
+
+// ------------------------------------------------------------------ request calls (by serial)
+// Each looks the open request up and runs its Request operation (request.cpp).
+
+Request& Manager::req(std::int64_t serial) {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("call on a closed cache");
+  return it->second;
+}
+
+const Request& Manager::req(std::int64_t serial) const {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("call on a closed cache");
+  return it->second;
+}
+
+void Manager::require_status(std::int64_t serial, ReqStatus status, const char* what) const {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr(std::string(what) + "() on a closed cache");
+  it->second.require(status, what);
+}
+
+RequestInfo Manager::info(std::int64_t serial) const {
+  const Request& r = req(serial);
+  RequestInfo i;
+  i.status = r.status;
+  i.stopped = r.stopped;
+  i.capacity = r.capacity;
+  i.history = r.history;
+  i.num_committed = static_cast<std::int64_t>(r.tokens.size());
+  i.reused = r.reused;
+  i.priority = r.priority;
+  return i;
+}
+
+std::vector<TokenOut> Manager::committed_tokens(std::int64_t serial) const { return req(serial).committed_tokens(); }
+
+bool Manager::resume(std::int64_t serial) { return req(serial).resume(); }
+
+void Manager::suspend(std::int64_t serial) { req(serial).suspend(); }
+
+bool Manager::resize(std::int64_t serial, std::int64_t capacity, std::optional<std::int64_t> history) {
+  return req(serial).resize(capacity, history);
+}
+
+void Manager::commit(std::int64_t serial, TokenSeq tokens) {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("commit() on a closed cache");
+  it->second.commit(tokens);
+}
+
+void Manager::commit_input(std::int64_t serial, std::optional<std::int64_t> n) {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) throw ClosedErr("commit_input() on a closed cache");
+  it->second.commit_input(n);
+}
+
+void Manager::stop_committing(std::int64_t serial) { req(serial).stop_committing(); }
+
+// A closed request leaves the registry here (the Request does not remove itself).
+ClosedTokens Manager::close(std::int64_t serial) {
+  auto it = requests_.find(serial);
+  if (it == requests_.end()) return ClosedTokens{};
+  ClosedTokens out = it->second.close();
+  requests_.erase(it);
+  return out;
+}
+
+std::vector<std::int32_t> Manager::page_indices(std::int64_t serial, std::int64_t lc) {
+  return req(serial).page_indices(lc);
+}
+
+// Fork registration (DECISIONS.md "Forks (issue 22)"): the child gets the next serial and
+// joins the registry once Request::fork made it.
+// py: manager.py PyKVCacheManager.new_request — SPEC sec. 18
+std::int64_t Manager::fork(std::int64_t serial) {
+  Request& parent = req(serial);
+  Request child(pool_);
+  if (!parent.fork(child)) return -1;
+  child.serial = next_request_++;
+  const std::int64_t child_serial = child.serial;
+  requests_.emplace(child_serial, std::move(child));  // (unordered_map: `parent` stays valid)
+  return child_serial;
 }
 
 }  // namespace kvcm

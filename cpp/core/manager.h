@@ -118,58 +118,11 @@ class Manager {
   std::int64_t fork(std::int64_t serial);
 
  private:
-  // --- requests
+  // The open request of `serial` (ClosedErr "call on a closed cache" when there is none).
   Request& req(std::int64_t serial);
   const Request& req(std::int64_t serial) const;
-  static void require(const Request& r, ReqStatus s, const char* what);
-  // The single calls are check_x (raises, changes nothing) then x_checked (the work); the
-  // batched calls run every item's check before the first x_checked.
-  void check_resize(const Request& r, std::int64_t capacity, std::int64_t history) const;
-  bool resize_checked(Request& r, std::int64_t capacity, std::int64_t history);
-  void check_commit(const Request& r, std::int64_t ntokens, const char* what = "commit") const;
-  void commit_checked(Request& r, TokenSeq tokens);
-  void commit_appended(Request& r, std::int64_t old);
-  std::vector<Page*> used_pages(Request& r);
-  std::vector<Page*> cow_sources(Request& r);
-  void ensure_room(std::int64_t tier, std::int64_t lc);
-  Page* alloc_private(Request& r, std::int64_t lc, std::int64_t coverage, std::int64_t ordinal);
-  void copy_on_write(Request& r);
-  Digest key_for(Request& r, std::int64_t i, std::span<const Tok> tokens);
-  NodeId parent_for(Request& r, std::int64_t i);
-  void switch_block(Request& r, std::int64_t j, NodeId orphan, NodeId existing);
-  void install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained);
-  void attach(NodeId parent, NodeId nid);
-  void insert_block(Request& r, std::int64_t i, std::span<const Tok> tokens, bool want_snapshot,
-                    bool defer_prune = false);
-  void set_block(Request& r, std::int64_t i, NodeId nid);
-  // --- forks (request.cpp): (lc, page handle) pairs of a request's partial block
-  using TailPages = std::vector<std::pair<std::int64_t, std::int64_t>>;
-  void init_fork(Request& child, const Request& parent);
-  TailPages tail_pages(const Request& r) const;
-  TailPages shared_tail(const Request& r, std::int64_t history) const;
-  void copy_tail(Request& r, const TailPages& shared);
-  // Match `tokens` (full-block `keys`) and hold what it found, as a fresh SUSPENDED
-  // request (create, and the roll-back of forget_copies); returns the match length.
-  std::int64_t match_and_hold(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys,
-                              const SharedHits* hits = nullptr);
-  // The shared tier (DECISIONS.md): the match extended by the store's hits (m -1: no run),
-  // and the insertion of its blocks with shared pages.
-  struct SharedMatch {
-    std::int64_t m = -1;
-    std::vector<NodeId> path;                     // the tree path [0, P)
-    std::vector<std::vector<std::int64_t>> rows;  // coverage per lc of blocks P, P+1, ...
-  };
+  // The shared tier (DECISIONS.md): create's match extended by the store's hits (m -1: no run).
   SharedMatch match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const;
-  std::vector<NodeId> insert_shared_blocks(Request& r, std::span<const Tok> tokens, std::span<const Digest> keys,
-                                           std::int64_t m, const SharedMatch& sm);
-  std::optional<std::int64_t> rollback_point(Request& r, const std::vector<std::int64_t>& lost_handles);
-  void roll_back(Request& r, std::int64_t point);
-  void release_all(Request& r);
-  void stop(Request& r);
-  void release_stale(Request& r, std::int64_t old_history, std::int64_t first_block);
-  // O(1): false when the pools could never hold ceil(capacity / B) = nb blocks at `history`.
-  bool could_hold(std::int64_t nb, std::int64_t history) const;
-  std::int64_t page_at(const Request& r, std::int64_t lc, std::int64_t i) const;
 
   // --- observe.cpp: the requests' parts of snapshot_json and check_invariants
   std::vector<std::int64_t> open_serials() const;  // the open requests' serials, ascending
