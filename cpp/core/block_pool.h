@@ -98,19 +98,15 @@ class BlockPool {
   std::int64_t B() const noexcept { return B_; }  // tokens per block
   std::int64_t num_tiers() const noexcept { return num_tiers_; }  // local tiers (pools)
   std::size_t num_life_cycles() const noexcept { return cfg_.lcs.size(); }
-  const LcConfig& life_cycle(std::int64_t lc) const { return cfg_.lcs[static_cast<std::size_t>(lc)]; }
   const std::vector<std::int64_t>& attn_lcs() const noexcept { return attn_lcs_; }
   std::int64_t ssm_lc() const noexcept { return ssm_lc_; }  // -1: none
   bool store_on_commit() const noexcept { return store_on_commit_; }
-  // the SPEC tier number of config position ``t`` (see tier_id_)
-  std::int64_t tier_id(std::int64_t t) const { return tier_id_[static_cast<std::size_t>(t)]; }
   std::pair<std::int64_t, std::int64_t> stale_range(std::int64_t lc, std::int64_t history) const;
   void set_quota_bytes(std::int64_t tier, std::int64_t bytes) { cfg_.quota_bytes[static_cast<std::size_t>(tier)] = bytes; }
   void set_pending_copy_ops_warning(std::int64_t n) noexcept { cfg_.pending_copy_ops_warning = n; }
 
   // ---------------------------------------------------------------- the clock
   std::int64_t tick() { return ++clock_; }
-  std::int64_t clock() const noexcept { return clock_; }
 
   // ---------------------------------------------------------------- tree and tokens
   RadixTree& tree() noexcept { return tree_; }
@@ -150,7 +146,6 @@ class BlockPool {
     return page_chunks_[h / kPageChunk][h % kPageChunk].handle == handle;
   }
   std::int64_t page_serial(std::int64_t handle) const { return handle < 0 ? -1 : page(handle).serial; }
-  std::vector<std::int64_t> live_pages() const;  // handles, by serial
   Page* new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
                  std::int64_t ordinal);
   Page* new_shared_page(std::int64_t lc, std::int64_t priority, std::int64_t ordinal);
@@ -174,22 +169,16 @@ class BlockPool {
   bool can_allocate(std::int64_t tier, std::int64_t lc, std::int64_t n, const std::int64_t* adjust);
   std::int64_t capacity_of(std::int64_t tier, std::int64_t lc, const std::int64_t* adjust);
   bool make_room(std::int64_t tier, std::int64_t lc);
-  bool evict_one(std::int64_t tier, std::int64_t lc);
   void resize_pool(std::int64_t tier, std::int64_t lc, std::int64_t n);
   void move(Page* p, std::int64_t dst, const char* reason);
-  void drop(Page* p);
-  void unlink_committed(Page* p);
-  void unlink_from_node(Page* p);
   void retire_nodes(const std::vector<NodeId>& ids, bool announce);
-  void free_orphan_page(Page* p);
   void drop_all_droppable();
 
   // ---------------------------------------------------------------- copy ops
   void copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason);
-  // The shared tier's writes (DECISIONS.md): a store op for `p`, a full-coverage page of the
-  // full block `key`; and the write-back of a page eviction is about to drop.
+  // The shared tier's write (DECISIONS.md): a store op for `p`, a full-coverage page of the
+  // full block `key` (shared_write="commit").
   void store(const Page* p, const Digest& key);
-  void store_evicted(const Page* p);
   // The pending ops, handed out; they become the issued ops of this drain.
   std::vector<CopyOpC> drain_copy_ops();
   // forget_copies' first half: take the given ops (each an unreported op of the last drain)
@@ -247,6 +236,17 @@ class BlockPool {
 
  private:
   [[noreturn]] static void no_page(std::int64_t handle);
+  // the SPEC tier number of config position ``t`` (see tier_id_)
+  std::int64_t tier_id(std::int64_t t) const { return tier_id_[static_cast<std::size_t>(t)]; }
+  std::vector<std::int64_t> live_pages() const;  // handles, by serial
+  // One more free slot by evicting the pool's first victim (make_room, resize_pool).
+  bool evict_one(std::int64_t tier, std::int64_t lc);
+  void drop(Page* p);
+  void unlink_committed(Page* p);
+  void unlink_from_node(Page* p);
+  void free_orphan_page(Page* p);
+  // The write-back of a page eviction is about to drop (shared_write="evict").
+  void store_evicted(const Page* p);
   // Unchecked: for handles the pool's own links hold (the eviction list), always live.
   Page& slab(std::int64_t handle) noexcept {
     const auto h = static_cast<std::size_t>(handle);

@@ -279,8 +279,7 @@ std::vector<std::int32_t> Manager::page_indices(std::int64_t serial, std::int64_
 }
 
 // Fork registration (DECISIONS.md "Forks (issue 22)"): the child gets the next serial and
-// joins the registry once Request::fork made it.
-// py: manager.py PyKVCacheManager.new_request — SPEC sec. 18
+// joins the registry once Request::fork made it (the Request never touches the registry).
 std::int64_t Manager::fork(std::int64_t serial) {
   Request& parent = req(serial);
   Request child(pool_);

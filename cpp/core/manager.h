@@ -6,13 +6,21 @@
 //   lifecycle.h          life cycles, stale ranges, floordiv / ceildiv  (the config module)
 //   tree.{h,cpp}         radix tree, matching, prune_match              (tree.py)
 //   pools.{h,cpp}        pages, free slots, eviction index, victim      (pools.py)
-//   manager.{h,cpp}      page users, moves, events, stats, manager calls (manager.py)
-//   request.{h,cpp}      one request's life cycle                       (request.py)
+//   block_pool.{h,cpp}   class BlockPool: pages and their users, pools,  (block_pool.py)
+//                        moves, drops, tree, clock, copy ops, events,
+//                        stats (fifo.h: the event buffer's ring)
+//   request.{h,cpp}      class Request: one request's state and life    (request.py)
+//                        cycle, working the BlockPool it holds
+//   manager.{h,cpp}      class Manager: the facade — ids, the request   (manager.py)
+//                        registry, the lock, the manager-level calls
 //   batch.cpp            the batched decode step                        (batch.py)
 //   observe.cpp          snapshot and invariant checks                  (observe.py)
+// The seam (issue 21): a Request calls only BlockPool's public surface, never the Manager;
+// the Manager owns one BlockPool, hands it to each Request, and alone touches the registry.
 // Each function implementing a SPEC rule is preceded by one line
 //   // py: <file>.py <Class>.<name> — SPEC sec. <N>
-// naming its Python twin (same name, possibly with one leading underscore).
+// naming its Python twin (same name, possibly with one leading underscore), in the
+// same-named file and the matching class (tests/test_mirror.py).
 //
 // Plain C++20, no Python types.  One Manager is not thread-safe by itself; the bindings
 // serialise calls with mutex() (taken after releasing the GIL).

@@ -1,5 +1,6 @@
 // Pages, free slots, the eviction index and the victim choice (SPEC sec. 4 and 8).  Python
-// twin: kvcm/python_backend/pools.py (Page, Pool).
+// twin: kvcm/python_backend/pools.py (Page, Pool).  The index operations that walk the
+// page slab are BlockPool members (block_pool.h).
 #include "core/block_pool.h"
 
 #include <algorithm>

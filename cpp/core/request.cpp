@@ -1,6 +1,7 @@
 // One request's life cycle (SPEC sec. 7): resume, suspend, resize, commit, close, the
 // copy-on-write of its last block and the insertion of its blocks into the tree (sec. 5).
-// Python twin: kvcm/python_backend/request.py (PyKVCache).
+// Python twin: kvcm/python_backend/request.py (Request).  Every shared effect goes
+// through pool_ (block_pool.h).
 #include "core/request.h"
 
 #include <algorithm>
