@@ -30,7 +30,7 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   r.salt = salt;
   r.priority = priority;
   r.root_key = scope_root_key(lora, salt);
-  // the scope root lives at least as long as the request (request.py: PyKVCache.__init__, sec. 15)
+  // the scope root lives at least as long as the request (request.py: Request.__init__, sec. 15)
   r.root = pool_.tree().root(r.root_key);
   pool_.tree().ref(r.root);
   const auto n = static_cast<std::int64_t>(tokens.size());
