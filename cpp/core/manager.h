@@ -143,7 +143,7 @@ class Manager {
   // few places that list them sort by serial)
   std::unordered_map<std::int64_t, Request> requests_;
   bool is_shutdown_ = false;  // shutdown() ran: creates, set_quota and clear_reusable refuse
-  std::mutex mutex_;
+  std::mutex mutex_;  // serialises the bindings' calls (taken after releasing the GIL)
 
   // ==================================================================== batched decode step
   // resize_batch / commit_batch (defined in batch.cpp; semantics documented on
@@ -170,7 +170,7 @@ class Manager {
   template <typename Check>
   std::vector<Request*>& check_batch(std::span<const std::int64_t> serials, const char* what, const char* single,
                                      Check check);
-  std::vector<Request*> scratch_batch_;
+  std::vector<Request*> scratch_batch_;  // check_batch's result, reused (a decode step does not allocate)
 };
 
 }  // namespace kvcm

@@ -90,17 +90,18 @@ static_assert(std::is_trivially_destructible_v<Page>);  // reset in place, never
 // victim is the smaller of the two heads.  Invariants: the list is sorted by key; every
 // page from `run` to `tail` has the tail's last_used.
 struct EvictIndex {
-  std::pmr::set<EvictEntry> set;
+  std::pmr::set<EvictEntry> set;  // the pages that arrived out of order, by key
   std::int64_t head = -1, tail = -1, run = -1;  // page handles (-1: empty list)
-  std::size_t list_size = 0;
+  std::size_t list_size = 0;  // pages on the list
   explicit EvictIndex(std::pmr::memory_resource* mem) : set(mem) {}
   std::size_t size() const noexcept { return set.size() + list_size; }
 };
 
 struct Pool {
-  std::int64_t tier = 0, lc = 0, total = 0;
-  FreeSlots free_slots;
-  std::int64_t locked = 0, held = 0, droppable = 0;
+  std::int64_t tier = 0, lc = 0;  // config position of its tier, and its life cycle
+  std::int64_t total = 0;         // slots (set_quota changes it)
+  FreeSlots free_slots;           // the slots no page holds
+  std::int64_t locked = 0, held = 0, droppable = 0;  // pages counted under each state (idx_state)
   EvictIndex held_index, droppable_index;  // set nodes come from the block pool's pool resource
   Pool(std::int64_t tier_, std::int64_t lc_, std::int64_t total_, std::pmr::memory_resource* mem)
       : tier(tier_), lc(lc_), total(total_), free_slots(total_), held_index(mem), droppable_index(mem) {}
