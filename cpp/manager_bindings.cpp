@@ -886,7 +886,7 @@ void bind_request_calls(nb::class_<Manager>& cls) {
       .def(
           "commit",
           [](Manager& mgr, std::int64_t serial, nb::handle tokens) {
-            // Python twin: PyKVCache.commit (SPEC sec. 7, DECISIONS "Tokens"): the tokens
+            // Python twin: Request.commit (SPEC sec. 7, DECISIONS "Tokens"): the tokens
             // first (any Python code they run runs before any state is looked at), then
             // status, stopped and room, checked in the core under the lock
             const TokenBuf t = parse_tokens(tokens, "tokens");

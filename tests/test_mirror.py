@@ -3,7 +3,15 @@ opens with a pointer to its Python twin, ``// py: <file>.py <Class>.<name> — S
 This test holds the pointers to the code: the file exists in ``python_backend/`` (or the
 interface's config module), the class defines a function of that name (one leading
 underscore allowed for a private Python method), and the SPEC section exists.  A rename or
-move on one side that is not ported to the other fails here."""
+move on one side that is not ported to the other fails here.
+
+The seam (issue 21) is held too: the C++ function right after a pointer belongs to the
+class the pointer names (``_CLASSES``: BlockPool <-> BlockPool, Request <-> Request,
+Manager <-> PyKVCacheManager, RadixTree <-> RadixTree, pools.py's Pool <-> the C++ pool
+types), and the pointer sits in the same-named file (``block_pool.cpp|h`` <->
+``block_pool.py``, ...).  Pointers to a module-level Python function (batch.py, observe.py)
+are held to the file only; pointers to the interface's config module (the stale-range rule,
+whose C++ home is lifecycle.h) to neither."""
 
 from __future__ import annotations
 
@@ -24,6 +32,37 @@ def spec_sections(path: Path = SPEC) -> set[int]:
 
 SPEC_SECTIONS = spec_sections()
 POINTER = re.compile(r"//\s*py:\s*(?P<file>[\w/]+\.py)\s+(?P<qual>[\w.]+)\s*[—-]+\s*SPEC sec\.\s*(?P<sec>\d+)")
+
+
+# Python class named by a pointer -> the C++ classes its functions may live in.  pools.py's
+# Pool is split in C++ into the pool's own record (Pool), its free-slot bitmap (FreeSlots)
+# and the index operations that walk the page slab (BlockPool members in pools.cpp).
+_CLASSES = {
+    "BlockPool": {"BlockPool"},
+    "Request": {"Request"},
+    "PyKVCacheManager": {"Manager"},
+    "RadixTree": {"RadixTree"},
+    "Pool": {"Pool", "FreeSlots", "BlockPool"},
+    "Page": {"Page"},
+}
+# Python modules whose pointers are not held to a file or class (the interface's config
+# module: its C++ twin lifecycle.h has no functions of its own to point from).
+_ANYWHERE = {"config.py"}
+# The C++ definition a pointer stands before: `Class::name(` (a member defined out of line).
+_DEFINITION = re.compile(r"(?:^|[\s*&>])(?P<cls>\w+)::(?P<name>~?\w+)\(")
+
+
+def _cpp_owner(path: Path, line: int) -> tuple[str, str] | None:
+    """(class, function) of the definition after the pointer on ``line`` (1-based): the
+    first line after the pointer's comment block that names ``Class::function(``."""
+    lines = path.read_text().splitlines()
+    for text in lines[line:line + 8]:
+        if text.lstrip().startswith("//"):
+            continue
+        m = _DEFINITION.search(text)
+        if m:
+            return m["cls"], m["name"]
+    return None
 
 
 def _pointers() -> list[tuple[str, int, str, str, int]]:
@@ -74,6 +113,33 @@ def test_every_twin_pointer_names_an_existing_python_function():
             bad.append(f"{cfile}:{line}: {pyfile} {cls or '(module)'} has no {name} / _{name}")
         if sec not in SPEC_SECTIONS:
             bad.append(f"{cfile}:{line}: SPEC has no sec. {sec}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_twin_pointer_sits_in_the_class_and_file_of_its_twin():
+    """The seam (issue 21): a pointer naming ``block_pool.py BlockPool.x`` stands before a
+    ``BlockPool::`` member in block_pool.cpp (or .h), one naming ``request.py Request.x``
+    before a ``Request::`` member in request.cpp, and so on (see ``_CLASSES``)."""
+    bad = []
+    for cfile, line, pyfile, qual, _sec in _pointers():
+        if pyfile in _ANYWHERE:
+            continue
+        stem = Path(pyfile).stem
+        if Path(cfile).stem != stem:
+            bad.append(f"{cfile}:{line}: a pointer to {pyfile} sits in {cfile}, not {stem}.cpp / {stem}.h")
+        cls = qual.rpartition(".")[0]
+        if not cls:  # a module-level Python function (batch.py, observe.py): the file is the rule
+            continue
+        owner = _cpp_owner(CORE / cfile, line)
+        if owner is None:
+            bad.append(f"{cfile}:{line}: no Class::function( definition follows the pointer to {qual}")
+            continue
+        allowed = _CLASSES.get(cls)
+        if allowed is None:
+            bad.append(f"{cfile}:{line}: {pyfile} class {cls} has no C++ counterpart in _CLASSES")
+        elif owner[0] not in allowed:
+            bad.append(f"{cfile}:{line}: {owner[0]}::{owner[1]} points to {qual}: "
+                       f"a {cls} twin belongs to {' / '.join(sorted(allowed))}")
     assert not bad, "\n".join(bad)
 
 

@@ -111,13 +111,13 @@ void Manager::resize_batch(std::span<const std::int64_t> serials, std::span<cons
   // and the hash map keeps its elements in place).
   const std::vector<Request*>& reqs =
       check_batch(serials, "resize_batch", "resize", [&](std::size_t i, const Request& r) {
-        check_resize(r, capacities[i], histories.empty() ? r.history : histories[i]);
+        r.check_resize(capacities[i], histories.empty() ? r.history : histories[i]);
       });
   // Execution pass: nothing above changed state; from here on nothing can raise a
   // documented error (a False result is a per-item outcome, as for the single call).
   for (std::size_t i = 0; i < n; ++i) {
     Request& r = *reqs[i];
-    results[i] = resize_checked(r, capacities[i], histories.empty() ? r.history : histories[i]) ? 1 : 0;
+    results[i] = r.resize_checked(capacities[i], histories.empty() ? r.history : histories[i]) ? 1 : 0;
   }
 }
 
@@ -127,8 +127,8 @@ void Manager::commit_batch(std::span<const std::int64_t> serials, TokenSeq token
   if (tokens.size() != n) throw InternalErr("kvcm bug: commit_batch spans of different lengths");
   check_batch_serials(serials, "commit_batch");
   const std::vector<Request*>& reqs = check_batch(
-      serials, "commit_batch", "commit", [this](std::size_t, const Request& r) { check_commit(r, 1); });
-  for (std::size_t i = 0; i < n; ++i) commit_checked(*reqs[i], tokens.subseq(i, 1));
+      serials, "commit_batch", "commit", [](std::size_t, const Request& r) { r.check_commit(1); });
+  for (std::size_t i = 0; i < n; ++i) reqs[i]->commit_checked(tokens.subseq(i, 1));
 }
 
 }  // namespace kvcm

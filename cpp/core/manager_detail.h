@@ -1,6 +1,6 @@
 // Internal to the core's .cpp files (not part of the Manager interface): the stats
 // counters, state and status names, a tiny JSON writer and the key-chain feeder, shared by
-// manager.cpp, request.cpp, pools.cpp and observe.cpp.
+// block_pool.cpp, manager.cpp, request.cpp, pools.cpp and observe.cpp.
 #pragma once
 
 #include <cstdint>

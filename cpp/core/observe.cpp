@@ -1,8 +1,11 @@
 // Observability for parity (SPEC sec. 11): the snapshot and the invariant checks.  Python
-// twin: kvcm/python_backend/observe.py (snapshot, check_invariants).
+// twin: kvcm/python_backend/observe.py (snapshot, check_invariants).  The pool's sections
+// are BlockPool members, the requests' are the Manager's; Manager::snapshot_json and
+// Manager::check_invariants put them together in the snapshot's key order.
 #include "core/manager.h"
 
 #include <algorithm>
+#include <set>
 #include <unordered_set>
 
 #include "core/manager_detail.h"
@@ -13,12 +16,35 @@ using namespace detail;
 
 namespace {
 std::string S(std::int64_t v) { return std::to_string(v); }
+void check(bool cond, const std::string& message) {
+  if (!cond) throw InvariantErr(message);
+}
 }  // namespace
 
 // py: observe.py snapshot — SPEC sec. 11
 std::string Manager::snapshot_json() {
   std::string o;
   o.reserve(4096);
+  pool_.snapshot_head(o);
+  o += "],\"requests\":[";
+  snapshot_requests(o);
+  o += "],\"stats\":";
+  pool_.snapshot_tail(o);
+  o += ",\"next\":{";
+  pool_.snapshot_next(o);
+  o += ",\"request\":";
+  j_int(o, next_request_);
+  o += ",\"node\":";
+  // the tree's next id: one past the largest id ever made (ids are never reused)
+  j_int(o, pool_.tree().next_uid());
+  o += "},\"shutdown\":";
+  j_bool(o, is_shutdown_);
+  o += '}';
+  return o;
+}
+
+// "clock", "tree", "pages" and "pools" (up to the pools' closing bracket).
+void BlockPool::snapshot_head(std::string& o) const {
   o += "{\"clock\":";
   j_int(o, clock_);
   o += ",\"tree\":[";
@@ -27,9 +53,10 @@ std::string Manager::snapshot_json() {
   snapshot_pages(o);
   o += "],\"pools\":[";
   snapshot_pools(o);
-  o += "],\"requests\":[";
-  snapshot_requests(o);
-  o += "],\"stats\":";
+}
+
+// "stats" .. "events_dropped" (after the "stats" key).
+void BlockPool::snapshot_tail(std::string& o) const {
   stats_view(o, totals_);
   o += ",\"iteration_stats\":";
   stats_view(o, iteration_);
@@ -39,24 +66,19 @@ std::string Manager::snapshot_json() {
   snapshot_events(o);
   o += "],\"events_dropped\":";
   j_int(o, events_dropped_);
-  o += ",\"next\":{\"event\":";
+}
+
+// "event" and "page" of "next".
+void BlockPool::snapshot_next(std::string& o) const {
+  o += "\"event\":";
   j_int(o, next_event_);
   o += ",\"page\":";
   j_int(o, next_page_);
-  o += ",\"request\":";
-  j_int(o, next_request_);
-  o += ",\"node\":";
-  // the tree's next id: one past the largest id ever made (ids are never reused)
-  j_int(o, tree_.next_uid());
-  o += "},\"shutdown\":";
-  j_bool(o, is_shutdown_);
-  o += '}';
-  return o;
 }
 
 // The snapshot's "tree" list.
 // py: observe.py snapshot_tree — SPEC sec. 11
-void Manager::snapshot_tree(std::string& o) {
+void BlockPool::snapshot_tree(std::string& o) const {
   bool first = true;
   for (const NodeDump& d : tree_.dump()) {
     if (!first) o += ',';
@@ -104,7 +126,7 @@ void Manager::snapshot_tree(std::string& o) {
 
 // The snapshot's "pages" list.
 // py: observe.py snapshot_pages — SPEC sec. 11
-void Manager::snapshot_pages(std::string& o) {
+void BlockPool::snapshot_pages(std::string& o) const {
   bool first = true;
   for (std::int64_t h : live_pages()) {
     const Page& p = page(h);
@@ -140,7 +162,7 @@ void Manager::snapshot_pages(std::string& o) {
 
 // The snapshot's "pools" list.
 // py: observe.py snapshot_pools — SPEC sec. 11
-void Manager::snapshot_pools(std::string& o) {
+void BlockPool::snapshot_pools(std::string& o) const {
   for (std::size_t t = 0; t < pools_.size(); ++t) {
     if (t) o += ',';
     json_tier_head(o, t);
@@ -165,7 +187,7 @@ void Manager::snapshot_pools(std::string& o) {
 
 // The snapshot's "requests" list.
 // py: observe.py snapshot_requests — SPEC sec. 11
-void Manager::snapshot_requests(std::string& o) {
+void Manager::snapshot_requests(std::string& o) const {
   bool first = true;
   for (const std::int64_t serial : open_serials()) {
     const Request& r = requests_.at(serial);
@@ -196,7 +218,7 @@ void Manager::snapshot_requests(std::string& o) {
     o += ",\"committed_tokens\":[";
     for (std::size_t k = 0; k < r.tokens.size(); ++k) {
       if (k) o += ',';
-      j_tok_snap(o, decode(r.tokens[k]));
+      j_tok_snap(o, pool_.decode(r.tokens[k]));
     }
     o += "],\"reused_tokens\":";
     j_int(o, r.reused);
@@ -205,11 +227,11 @@ void Manager::snapshot_requests(std::string& o) {
     o += ",\"blocks\":[";
     for (std::size_t k = 0; k < r.blocks.size(); ++k) {
       if (k) o += ',';
-      j_id(o, node_uid(r.blocks[k]));
+      j_id(o, pool_.node_uid(r.blocks[k]));
     }
     o += "],\"pages\":{";
     bool f2 = true;
-    for (std::int64_t lc : attn_lcs_) {
+    for (std::int64_t lc : pool_.attn_lcs()) {
       if (!f2) o += ',';
       f2 = false;
       o += '"';
@@ -218,14 +240,14 @@ void Manager::snapshot_requests(std::string& o) {
       const auto& v = r.pages[static_cast<std::size_t>(lc)];
       for (std::size_t k = 0; k < v.size(); ++k) {
         if (k) o += ',';
-        j_id(o, page_serial(v[k]));
+        j_id(o, pool_.page_serial(v[k]));
       }
       o += ']';
     }
     o += "},\"live\":";
-    j_id(o, page_serial(r.live));
+    j_id(o, pool_.page_serial(r.live));
     o += ",\"snap\":";
-    j_id(o, page_serial(r.snap));
+    j_id(o, pool_.page_serial(r.snap));
     o += ",\"cow_block\":";
     j_int(o, r.cow_block);
     o += '}';
@@ -234,7 +256,7 @@ void Manager::snapshot_requests(std::string& o) {
 
 // The snapshot's "copy_ops" and "issued_copy_ops" list.
 // py: observe.py snapshot_copy_ops — SPEC sec. 11
-void Manager::snapshot_copy_ops(std::string& o) {
+void BlockPool::snapshot_copy_ops(std::string& o) const {
   for (std::size_t k = 0; k < copy_ops_.size(); ++k) {
     const CopyOpC& c = copy_ops_[k];
     if (k) o += ',';
@@ -278,7 +300,7 @@ void Manager::snapshot_copy_ops(std::string& o) {
 
 // The snapshot's "events" list.
 // py: observe.py snapshot_events — SPEC sec. 11
-void Manager::snapshot_events(std::string& o) {
+void BlockPool::snapshot_events(std::string& o) const {
   std::size_t tok_at = 0, blk_at = 0;  // where the next stored event's tokens / blocks start
   for (std::size_t k = 0; k < events_.size(); ++k) {
     const EventC& e = events_[k];
@@ -348,23 +370,34 @@ void Manager::snapshot_events(std::string& o) {
 
 // py: observe.py check_invariants — SPEC sec. 11
 void Manager::check_invariants() {
+  pool_.check_pools();
+  // page users, recomputed from the requests
+  BlockPool::InvariantUsers users;
+  for (const std::int64_t serial : open_serials()) check_request(serial, users);
+  pool_.check_pages_and_tree(users);
+}
+
+// The pool rules of check_invariants.
+void BlockPool::check_pools() const {
   const std::vector<std::int64_t> all = live_pages();
   for (std::size_t t = 0; t < pools_.size(); ++t) {
     for (std::size_t lc = 0; lc < cfg_.lcs.size(); ++lc) check_pool(t, lc, all);
   }
-  // page users, recomputed from the requests
-  InvariantUsers users;
-  for (const std::int64_t serial : open_serials()) check_request(serial, users);
+}
+
+// The page and tree rules of check_invariants, against the requests' page users.
+void BlockPool::check_pages_and_tree(InvariantUsers& users) const {
+  const std::vector<std::int64_t> all = live_pages();
   const std::vector<NodeDump> dump = tree_.dump();
   NodeIndex nodes;
-  for (const NodeDump& d : dump) nodes[d.id] = &d;
+  for (const NodeDump& n : dump) nodes[n.id] = &n;
   check_page_users(all, users, nodes);
   check_tree_links(dump, nodes, users);
 }
 
 // Pool rules: free and used slots partition the pool; the state counters match the pages.
 // py: observe.py check_pool — SPEC sec. 11
-void Manager::check_pool(std::size_t t, std::size_t lc, const std::vector<std::int64_t>& all) {
+void BlockPool::check_pool(std::size_t t, std::size_t lc, const std::vector<std::int64_t>& all) const {
   const Pool& pool = pools_[t][lc];
   const std::string where = "pool(" + S(static_cast<std::int64_t>(t)) + "," + S(static_cast<std::int64_t>(lc)) + ")";
   const std::vector<std::int64_t> fs = pool.free_slots.sorted();
@@ -402,7 +435,7 @@ void Manager::check_pool(std::size_t t, std::size_t lc, const std::vector<std::i
 
 // The eviction index holds exactly the HELD / DROPPABLE pages, its lists in key order.
 // py: observe.py check_pool — SPEC sec. 11
-void Manager::check_pool_index(const Pool& pool, const std::string& where, const std::vector<const Page*>& used) {
+void BlockPool::check_pool_index(const Pool& pool, const std::string& where, const std::vector<const Page*>& used) const {
   std::size_t nh = 0, nd = 0;
   for (const Page* p : used) {
     nh += p->state() == kHeld;
@@ -425,7 +458,7 @@ void Manager::check_pool_index(const Pool& pool, const std::string& where, const
 // One request's rules (sec. 7 invariant, page table, blocks, scope root); counts its page
 // users and block references into `users`.
 // py: observe.py check_request — SPEC sec. 11
-void Manager::check_request(std::int64_t serial, InvariantUsers& users) {
+void Manager::check_request(std::int64_t serial, BlockPool::InvariantUsers& users) const {
   const Request& r = requests_.at(serial);
   auto& locks = users.locks;
   auto& holds = users.holds;
@@ -437,7 +470,7 @@ void Manager::check_request(std::int64_t serial, InvariantUsers& users) {
   const bool active = r.status == ReqStatus::active;
   auto& target = active ? locks : holds;
   std::vector<std::int64_t> used;
-  for (std::int64_t lc : attn_lcs_) {
+  for (std::int64_t lc : pool_.attn_lcs()) {
     for (std::int64_t s : r.pages[static_cast<std::size_t>(lc)]) {
       if (s >= 0) used.push_back(s);
     }
@@ -447,19 +480,19 @@ void Manager::check_request(std::int64_t serial, InvariantUsers& users) {
   std::set<std::int64_t> uniq(used.begin(), used.end());
   check(uniq.size() == used.size(), rid + ": uses a page twice");
   for (std::int64_t s : used) {
-    check(page_alive(s), rid + ": uses a freed page");
+    check(pool_.page_alive(s), rid + ": uses a freed page");
     target[s] += 1;
     if (active) {
-      check(page(s).tier == kGpu,
-            rid + " is ACTIVE but page " + S(page_serial(s)) + " is on tier " + S(page(s).tier));
+      check(pool_.page(s).tier == kGpu,
+            rid + " is ACTIVE but page " + S(pool_.page_serial(s)) + " is on tier " + S(pool_.page(s).tier));
     }
   }
-  const std::int64_t nb = ceildiv(r.capacity, B_);
-  for (std::int64_t lc : attn_lcs_) {
+  const std::int64_t nb = ceildiv(r.capacity, pool_.B());
+  for (std::int64_t lc : pool_.attn_lcs()) {
     const auto& v = r.pages[static_cast<std::size_t>(lc)];
     check(static_cast<std::int64_t>(v.size()) <= std::max(nb, static_cast<std::int64_t>(r.blocks.size())),
           rid + ": pages beyond capacity");
-    const auto [lo, hi] = stale_range(lc, r.history);
+    const auto [lo, hi] = pool_.stale_range(lc, r.history);
     for (std::size_t i = 0; i < v.size(); ++i) {
       const auto ii = static_cast<std::int64_t>(i);
       check(v[i] < 0 || !(lo <= ii && ii < hi),
@@ -467,21 +500,21 @@ void Manager::check_request(std::int64_t serial, InvariantUsers& users) {
       check(v[i] >= 0 || (lo <= ii && ii < hi), rid + ": block " + S(ii) + " of lc " + S(lc) + " has no page");
     }
   }
-  if (active && ssm_lc_ >= 0) check(r.live >= 0, rid + ": ACTIVE without a live ssm state");
+  if (active && pool_.ssm_lc() >= 0) check(r.live >= 0, rid + ": ACTIVE without a live ssm state");
   for (NodeId nid : r.blocks) {
     if (nid != kNoNode) {
-      check(tree_.exists(nid), rid + ": references a deleted block");
-      refs[tree_.uid(nid)] += 1;
+      check(pool_.tree().exists(nid), rid + ": references a deleted block");
+      refs[pool_.tree().uid(nid)] += 1;
     }
   }
-  check(tree_.exists(r.root) && tree_.find_root(r.root_key) == r.root, rid + ": its scope root is gone");
-  refs[tree_.uid(r.root)] += 1;
+  check(pool_.tree().exists(r.root) && pool_.tree().find_root(r.root_key) == r.root, rid + ": its scope root is gone");
+  refs[pool_.tree().uid(r.root)] += 1;
 }
 
 // Page rules: each page's users match the requests', its state and tier agree, and a
 // tree page is held by its block.
 // py: observe.py check_page_users — SPEC sec. 11
-void Manager::check_page_users(const std::vector<std::int64_t>& all, InvariantUsers& users, NodeIndex& nodes) {
+void BlockPool::check_page_users(const std::vector<std::int64_t>& all, InvariantUsers& users, NodeIndex& nodes) const {
   auto& locks = users.locks;
   auto& holds = users.holds;
   for (std::int64_t s : all) {
@@ -514,7 +547,7 @@ void Manager::check_page_users(const std::vector<std::int64_t>& all, InvariantUs
 
 // Tree rules: references, page links, children, roots, attached flags and ordinals.
 // py: observe.py check_tree_links — SPEC sec. 11
-void Manager::check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& nodes, InvariantUsers& users) {
+void BlockPool::check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& nodes, InvariantUsers& users) const {
   const std::size_t nlc = cfg_.lcs.size();
   auto& refs = users.refs;
   for (const NodeDump& n : dump) {

@@ -1,6 +1,7 @@
 // Pages, free slots, the eviction index and the victim choice (SPEC sec. 4 and 8).  Python
-// twin: kvcm/python_backend/pools.py (Page, Pool).
-#include "core/manager.h"
+// twin: kvcm/python_backend/pools.py (Page, Pool).  The index operations that walk the
+// page slab are BlockPool members (block_pool.h).
+#include "core/block_pool.h"
 
 #include <algorithm>
 #include <bit>
@@ -93,7 +94,7 @@ void Pool::count(int state, std::int64_t delta) noexcept {
 }
 
 // py: pools.py Pool.unindex — SPEC sec. 8
-void Manager::unindex(Page& p) {
+void BlockPool::unindex(Page& p) {
   Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
   pool.count(p.idx_state, -1);
   if (p.idx_state == kHeld || p.idx_state == kDroppable) {
@@ -121,7 +122,7 @@ void Manager::unindex(Page& p) {
   p.idx_state = kNone;
 }
 
-void Manager::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
+void BlockPool::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
   const std::int64_t after = before >= 0 ? slab(before).prev : ix.tail;
   p.prev = static_cast<std::int32_t>(after);
   p.next = static_cast<std::int32_t>(before);
@@ -140,7 +141,7 @@ void Manager::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
 }
 
 // py: pools.py Pool.index — SPEC sec. 8
-void Manager::index(Page& p) {
+void BlockPool::index(Page& p) {
   Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
   p.idx_state = static_cast<std::uint8_t>(p.state());
   pool.count(p.idx_state, +1);
@@ -165,7 +166,7 @@ void Manager::index(Page& p) {
 }
 
 // py: pools.py Pool.peek — SPEC sec. 8
-Page* Manager::peek(Pool& pool, int state) {
+Page* BlockPool::peek(Pool& pool, int state) {
   const EvictIndex& ix = pool.index_of(state);
   Page* first = ix.head >= 0 ? &slab(ix.head) : nullptr;
   if (!ix.set.empty()) {
@@ -180,7 +181,7 @@ Page* Manager::peek(Pool& pool, int state) {
 // the DROPPABLE pages when it can move down a tier (offload); otherwise only a DROPPABLE
 // page may go (a drop), so a HELD one is skipped.  nullptr: nothing to evict.
 // py: pools.py Pool.victim — SPEC sec. 8
-Page* Manager::victim(Pool& pool, bool can_offload) {
+Page* BlockPool::victim(Pool& pool, bool can_offload) {
   Page* d = peek(pool, kDroppable);
   if (!can_offload) return d;  // a HELD page is never dropped: the oldest DROPPABLE one
   Page* h = peek(pool, kHeld);

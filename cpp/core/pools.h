@@ -1,7 +1,7 @@
 // Pages, the free slots of a pool, the eviction index and the victim choice (SPEC sec. 4
 // page states, sec. 8 eviction order).  Python twin: kvcm/python_backend/pools.py (Page,
-// Pool).  The index operations that walk the page slab are Manager members defined in
-// pools.cpp (Manager::index / unindex / list_insert / peek / victim).
+// Pool).  The index operations that walk the page slab are BlockPool members defined in
+// pools.cpp (BlockPool::index / unindex / list_insert / peek / victim).
 #pragma once
 
 #include <cstddef>
@@ -74,7 +74,7 @@ struct Page {
     return kNone;
   }
   // The key it is indexed under while idx_state is HELD / DROPPABLE: priority and
-  // last_used change only inside Manager::restate (unindex, change, index again) or before
+  // last_used change only inside BlockPool::restate (unindex, change, index again) or before
   // a new page is first indexed, so the live fields are the indexed key (no copy kept).
   EvictKey evict_key() const noexcept { return {priority, last_used, -std::int64_t{ordinal}, serial}; }
 };
@@ -90,18 +90,19 @@ static_assert(std::is_trivially_destructible_v<Page>);  // reset in place, never
 // victim is the smaller of the two heads.  Invariants: the list is sorted by key; every
 // page from `run` to `tail` has the tail's last_used.
 struct EvictIndex {
-  std::pmr::set<EvictEntry> set;
+  std::pmr::set<EvictEntry> set;  // the pages that arrived out of order, by key
   std::int64_t head = -1, tail = -1, run = -1;  // page handles (-1: empty list)
-  std::size_t list_size = 0;
+  std::size_t list_size = 0;  // pages on the list
   explicit EvictIndex(std::pmr::memory_resource* mem) : set(mem) {}
   std::size_t size() const noexcept { return set.size() + list_size; }
 };
 
 struct Pool {
-  std::int64_t tier = 0, lc = 0, total = 0;
-  FreeSlots free_slots;
-  std::int64_t locked = 0, held = 0, droppable = 0;
-  EvictIndex held_index, droppable_index;  // set nodes come from the manager's pool resource
+  std::int64_t tier = 0, lc = 0;  // config position of its tier, and its life cycle
+  std::int64_t total = 0;         // slots (set_quota changes it)
+  FreeSlots free_slots;           // the slots no page holds
+  std::int64_t locked = 0, held = 0, droppable = 0;  // pages counted under each state (idx_state)
+  EvictIndex held_index, droppable_index;  // set nodes come from the block pool's pool resource
   Pool(std::int64_t tier_, std::int64_t lc_, std::int64_t total_, std::pmr::memory_resource* mem)
       : tier(tier_), lc(lc_), total(total_), free_slots(total_), held_index(mem), droppable_index(mem) {}
   EvictIndex& index_of(int state) noexcept { return state == kHeld ? held_index : droppable_index; }

@@ -1,14 +1,18 @@
-// One request's life cycle (SPEC sec. 7): its status, its blocks and page table.  Python
-// twin: kvcm/python_backend/request.py (PyKVCache).  The operations are Manager members
-// defined in request.cpp (they touch the manager's pools, tree and events).
+// One request's life cycle (SPEC sec. 7): its status, its blocks and page table, and the
+// operations on them.  Python twin: kvcm/python_backend/request.py (Request).  A Request
+// works the shared state (pages, pools, tree, copy ops, events, stats) only through the
+// BlockPool it holds, never through the manager: the manager looks requests up by serial,
+// registers them and drops a closed one from its registry itself.
 #pragma once
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <utility>
 #include <vector>
 
 #include "core/block_keys.h"
+#include "core/block_pool.h"
 #include "core/tree.h"
 #include "core/types.h"
 
@@ -32,23 +36,104 @@ struct ClosedTokens {
   std::vector<TokenOut> decode() const;
 };
 
-struct Request {
-  std::int64_t serial = 0;
-  Digest root_key{};
-  NodeId root = kNoNode;
-  std::optional<std::uint64_t> lora, salt;
-  std::int64_t priority = 0;
+// The shared tier's extension of a create's match (DECISIONS.md "The shared tier"): computed
+// by Manager::match_shared from the store's hits, installed by Request::match_and_hold.
+struct SharedMatch {
+  std::int64_t m = -1;                          // the extended match length (-1: no run)
+  std::vector<NodeId> path;                     // the tree path [0, P)
+  std::vector<std::vector<std::int64_t>> rows;  // coverage per lc of blocks P, P+1, ...
+};
+
+class Request {
+ public:
+  explicit Request(BlockPool& pool) noexcept : pool_(pool) {}
+
+  // ---------------------------------------------------------------- state
+  std::int64_t serial = 0;     // creation number (the manager's registry key)
+  Digest root_key{};           // the key of its reuse scope's root (lora, salt)
+  NodeId root = kNoNode;       // that root's tree node (one reference held until close)
+  std::optional<std::uint64_t> lora, salt;  // the reuse scope
+  std::int64_t priority = 0;   // eviction priority given to the pages it uses (0..100)
   ReqStatus status = ReqStatus::suspended;
-  bool stopped = false;
-  std::vector<Tok> input_tokens;
-  std::vector<Digest> keys;
-  std::vector<Tok> tokens;
-  std::int64_t reused = 0, capacity = 0, history = 0;
-  std::vector<NodeId> blocks;
-  std::vector<std::vector<std::int64_t>> pages;  // [lc][ordinal] page serial or -1 (attention lcs)
-  std::int64_t live = -1, snap = -1;
-  std::int64_t cow_block = -1;
-  bool has_digests = false;  // its tokens hold digest references (released at close)
+  bool stopped = false;        // stop_committing ran: no more commits, tail inserted
+  std::vector<Tok> input_tokens;  // the prompt as given to create (pool codes)
+  std::vector<Digest> keys;       // the block keys of the prompt's full blocks (hashed at create)
+  std::vector<Tok> tokens;        // the committed tokens (pool codes)
+  std::int64_t reused = 0;        // tokens matched at create
+  std::int64_t capacity = 0;      // tokens it may hold (resize)
+  std::int64_t history = 0;       // history length (sliding windows' stale ranges)
+  std::vector<NodeId> blocks;     // [ordinal] the tree block it references, kNoNode where none
+  std::vector<std::vector<std::int64_t>> pages;  // [lc][ordinal] page handle or -1 (attention lcs)
+  std::int64_t live = -1;       // ssm: the live state's page handle (ACTIVE), -1: none
+  std::int64_t snap = -1;       // ssm: the matched snapshot's page (copied at resume), -1: none
+  std::int64_t cow_block = -1;  // the matched partial block to copy at resume, -1: none
+  bool has_digests = false;     // its tokens hold digest references (released at close)
+
+  // ---------------------------------------------------------------- operations
+  // InvalidStateErr unless the request is in `s` (what: the call's name, for the message).
+  void require(ReqStatus s, const char* what) const;
+  // Match `query` (full-block `query_keys`) and hold what it found, as a fresh SUSPENDED
+  // request (create, and roll_back); `shared`: the shared tier's extension (nullptr: none).
+  // Returns the match length.
+  std::int64_t match_and_hold(std::span<const Tok> query, std::span<const Digest> query_keys,
+                              const SharedMatch* shared = nullptr);
+  std::vector<TokenOut> committed_tokens() const;
+  bool resume();
+  void suspend();
+  bool resize(std::int64_t new_capacity, std::optional<std::int64_t> history_arg);
+  // The single calls are check_x (raises, changes nothing) then x_checked (the work); the
+  // batched calls run every item's check before the first x_checked.
+  void check_resize(std::int64_t new_capacity, std::int64_t new_history) const;
+  bool resize_checked(std::int64_t new_capacity, std::int64_t new_history);
+  void commit(TokenSeq tokens_in);
+  // commit of the next n input tokens (nullopt: all the rest; kvcm.api.KVCache.commit_input)
+  void commit_input(std::optional<std::int64_t> n_arg);
+  void check_commit(std::int64_t nnew, const char* what = "commit") const;
+  void commit_checked(TokenSeq tokens_in);
+  void stop_committing();
+  // Everything released; the request is CLOSED (the manager drops it from its registry).
+  ClosedTokens close();
+  std::vector<std::int32_t> page_indices(std::int64_t lc);
+  // Forks (DECISIONS.md "Forks (issue 22)"): `child`, a fresh Request of the same pool, made
+  // an ACTIVE copy sharing this one's committed pages; false (nothing changed) when the gpu
+  // cannot take the fork's own pages.
+  bool fork(Request& child);
+  // Failed copies (DECISIONS.md): where this request rolls back to when the pages
+  // `lost_handles` are lost (nullopt: it uses none), and the roll-back itself.
+  std::optional<std::int64_t> rollback_point(const std::vector<std::int64_t>& lost_handles) const;
+  void roll_back(std::int64_t point);
+
+ private:
+  using TailPages = std::vector<std::pair<std::int64_t, std::int64_t>>;  // (lc, page handle)
+  void commit_appended(std::int64_t old);
+  void release_stale(std::int64_t old_history, std::int64_t first_block);
+  void release_all();
+  void stop();
+  // O(1): false when the pools could never hold ceil(capacity / B) = nb blocks at `new_history`.
+  bool could_hold(std::int64_t nb, std::int64_t new_history) const;
+  std::int64_t page_at(std::int64_t lc, std::int64_t i) const;
+  std::vector<Page*> used_pages();
+  std::vector<Page*> cow_sources();
+  void ensure_room(std::int64_t tier, std::int64_t lc);
+  Page* alloc_private(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal);
+  void copy_on_write();
+  Digest key_for(std::int64_t i, std::span<const Tok> block);
+  NodeId parent_for(std::int64_t i);
+  void switch_block(std::int64_t j, NodeId orphan, NodeId existing);
+  void install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained);
+  void attach(NodeId parent, NodeId nid);
+  // defer_prune: more blocks of this commit follow (see request.cpp)
+  void insert_block(std::int64_t i, std::span<const Tok> block, bool want_snapshot, bool defer_prune = false);
+  void set_block(std::int64_t i, NodeId nid);
+  std::vector<NodeId> insert_shared_blocks(std::span<const Tok> query, std::span<const Digest> query_keys,
+                                           std::int64_t m, const SharedMatch& sm);
+  // forks: the partial block's pages, those of them shared, and their copy
+  void init_fork(const Request& parent);
+  TailPages tail_pages() const;
+  TailPages shared_tail(std::int64_t new_history) const;
+  void copy_tail(const TailPages& shared);
+
+  BlockPool& pool_;  // the shared state: the only thing a request reaches beyond itself
 };
 
 }  // namespace kvcm

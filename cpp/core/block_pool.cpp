@@ -1,0 +1,729 @@
+// The block pool (SPEC sec. 4, 5, 8, 9): tokens, pages and their users (use / unuse / moves /
+// drops), copy ops, events and stats.  Python twin: kvcm/python_backend/block_pool.py
+// (BlockPool).
+#include "core/block_pool.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <stdexcept>
+
+#include "core/manager_detail.h"
+
+namespace kvcm {
+
+using namespace detail;
+
+BlockPool::BlockPool(ManagerConfig cfg)
+    : cfg_(std::move(cfg)),
+      B_(cfg_.tokens_per_block),
+      num_tiers_(static_cast<std::int64_t>(cfg_.slots.size())),
+      tree_(cfg_.tokens_per_block, [this] {
+        std::vector<LifeCycleSpec> specs;
+        for (const LcConfig& lc : cfg_.lcs) specs.push_back(lc.spec());
+        return specs;
+      }()) {
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    if (cfg_.lcs[static_cast<std::size_t>(lc)].ssm) {
+      if (ssm_lc_ < 0) ssm_lc_ = lc;
+    } else {
+      attn_lcs_.push_back(lc);
+    }
+  }
+  for (const std::string& kind : cfg_.tier_kinds) {
+    tier_id_.push_back(kind == "gpu" ? 0 : kind == "host" ? 1 : 2);
+  }
+  shared_pos_ = num_tiers_;
+  if (cfg_.shared) tier_id_.push_back(3);
+  cfg_.shared_write_evict = cfg_.shared && cfg_.shared_write_evict;
+  store_on_commit_ = cfg_.shared && !cfg_.shared_write_evict;
+  cfg_.quota_bytes.resize(static_cast<std::size_t>(num_tiers_), 0);
+  pools_.resize(static_cast<std::size_t>(num_tiers_));
+  for (std::int64_t t = 0; t < num_tiers_; ++t) {
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      pools_[static_cast<std::size_t>(t)].emplace_back(
+          t, lc, cfg_.slots[static_cast<std::size_t>(t)][static_cast<std::size_t>(lc)], &evict_nodes_);
+    }
+  }
+  const std::size_t n = kHeader + static_cast<std::size_t>(nlc) * kNumCounters;
+  totals_.assign(n, 0);
+  iteration_.assign(n, 0);
+}
+
+void BlockPool::intern_into(TokenSeq tokens, std::vector<Tok>& out) {
+  if (tokens.digests.empty()) {  // all ints: their codes are final
+    out.insert(out.end(), tokens.codes.begin(), tokens.codes.end());
+    return;
+  }
+  const std::size_t before = out.size();
+  try {
+    out.reserve(before + tokens.size());
+    for (Tok c : tokens.codes) {
+      out.push_back((c & kDigestCode) ? tree_.intern(TokenArg{0, tokens.digests[c & ~kDigestCode].data()}) : c);
+    }
+  } catch (...) {  // nothing changed: give back what was interned
+    tree_.release_all(std::span<const Tok>(out).subspan(before));
+    out.resize(before);
+    throw;
+  }
+}
+
+TokenOut BlockPool::decode(Tok c) const { return tree_.decode(c); }
+
+std::vector<TokenOut> BlockPool::decode_all(std::span<const Tok> codes) const {
+  std::vector<TokenOut> out;
+  out.reserve(codes.size());
+  for (Tok c : codes) out.push_back(decode(c));
+  return out;
+}
+
+Digest BlockPool::block_key_of(const Digest& parent, std::span<const Tok> tokens) const {
+  Digest key{};
+  KeyChain chain(parent, static_cast<std::uint32_t>(B_), [&key](const Digest& k) { key = k; });
+  feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
+  return key;
+}
+
+std::vector<Digest> BlockPool::chain(const Digest& root, std::span<const Tok> tokens) const {
+  std::vector<Digest> keys;
+  keys.reserve(tokens.size() / static_cast<std::size_t>(B_) + 1);
+  KeyChain chain(root, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
+  feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
+  return keys;
+}
+
+NodeId BlockPool::new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal) {
+  return tree_.new_block(key, tokens, ordinal);
+}
+
+void BlockPool::no_page(std::int64_t handle) { throw InternalErr("kvcm bug: no page " + std::to_string(handle)); }
+
+// A free slot of the page slab (freed slots first, LIFO), its page reset but for the handle.
+std::int64_t BlockPool::take_page_handle() {
+  std::int64_t handle;
+  if (!free_pages_.empty()) {
+    handle = free_pages_.back();
+    free_pages_.pop_back();
+  } else {
+    if (page_slots_ >= std::numeric_limits<std::int32_t>::max()) throw std::length_error("too many pages");
+    if (page_slots_ % static_cast<std::int64_t>(kPageChunk) == 0) {
+      page_chunks_.push_back(std::make_unique<Page[]>(kPageChunk));
+    }
+    handle = page_slots_++;
+  }
+  // built in place, member by member (assigning a Page{} temporary round-trips the stack)
+  Page& p = *::new (static_cast<void*>(&slab(handle))) Page;
+  p.handle = static_cast<std::int32_t>(handle);
+  return handle;
+}
+
+// py: block_pool.py BlockPool.new_page — SPEC sec. 4
+Page* BlockPool::new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
+                                 std::int64_t ordinal) {
+  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  Page* p = make_page(tier, lc, pool.take_slot(), coverage, priority, ordinal);
+  count(lc, kAllocatedBlocks);
+  return p;
+}
+
+// DECISIONS.md "The shared tier".
+// py: block_pool.py BlockPool.new_shared_page — SPEC sec. 16
+Page* BlockPool::new_shared_page(std::int64_t lc, std::int64_t priority, std::int64_t ordinal) {
+  Page* p = make_page(shared_pos_, lc, -1, B_, priority, ordinal);
+  count(lc, kSharedHitBlocks);
+  return p;
+}
+
+// py: block_pool.py BlockPool.make_page — SPEC sec. 4
+Page* BlockPool::make_page(std::int64_t tier, std::int64_t lc, std::int64_t slot, std::int64_t coverage,
+                         std::int64_t priority, std::int64_t ordinal) {
+  Page& p = slab(take_page_handle());
+  p.serial = next_page_++;
+  p.lc = static_cast<std::uint8_t>(lc);
+  p.tier = static_cast<std::uint8_t>(tier);
+  p.slot = static_cast<std::int32_t>(slot);
+  p.coverage = static_cast<std::int16_t>(coverage);
+  p.priority = static_cast<std::int8_t>(priority);
+  p.last_used = clock_;
+  p.ordinal = static_cast<std::int32_t>(ordinal);
+  return &p;
+}
+
+// py: block_pool.py BlockPool.use — SPEC sec. 4
+void BlockPool::use(Page* p, bool active, std::int64_t priority) {
+  restate(*p, [&] {
+    if (active) {
+      ++p->locks;
+    } else {
+      ++p->holds;
+    }
+    p->last_used = clock_;
+    p->priority = static_cast<std::int8_t>(std::max<std::int64_t>(p->priority, priority));
+  });
+}
+
+// py: block_pool.py BlockPool.unuse — SPEC sec. 4
+void BlockPool::unuse(Page* p, bool active) {
+  restate(*p, [&] {
+    if (active) {
+      --p->locks;
+    } else {
+      --p->holds;
+    }
+    p->last_used = clock_;
+  });
+  if (p->locks == 0 && p->holds == 0) {
+    if (p->tier == shared_pos_ && p->node != kNoNode && tree_.is_attached(p->node)) {
+      // DECISIONS.md "The shared tier": a shared page lives only while a request uses it
+      unlink_committed(p);
+      free_page(p);
+    } else if (p->node == kNoNode) {
+      free_page(p);
+    } else if (!tree_.is_attached(p->node)) {
+      free_orphan_page(p);
+    }
+  }
+}
+
+// py: block_pool.py BlockPool.set_active — SPEC sec. 4
+void BlockPool::set_active(Page* p, bool active) {
+  restate(*p, [&] {
+    if (active) {
+      --p->holds;
+      ++p->locks;
+    } else {
+      --p->locks;
+      ++p->holds;
+    }
+  });
+}
+
+// py: block_pool.py BlockPool.free_page — SPEC sec. 4
+void BlockPool::free_page(Page* p) {
+  if (p->tier == shared_pos_) {  // no slot, no pool
+    free_pages_.push_back(p->handle);
+    p->handle = -1;
+    return;
+  }
+  unindex(*p);
+  pools_[static_cast<std::size_t>(p->tier)][static_cast<std::size_t>(p->lc)].give_slot(p->slot);
+  free_pages_.push_back(p->handle);
+  p->handle = -1;  // dead until the slot is reused
+}
+
+// py: block_pool.py BlockPool.can_allocate — SPEC sec. 8
+bool BlockPool::can_allocate(std::int64_t tier, std::int64_t lc, std::int64_t n, const std::int64_t* adjust) {
+  return capacity_of(tier, lc, adjust) >= n;
+}
+
+// py: block_pool.py BlockPool.capacity_of — SPEC sec. 8
+std::int64_t BlockPool::capacity_of(std::int64_t tier, std::int64_t lc, const std::int64_t* adjust) {
+  const Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  std::int64_t free = pool.nfree(), held = pool.held, droppable = pool.droppable;
+  if (adjust != nullptr && tier == kGpu) {
+    free = adjust[0];
+    held = adjust[1];
+    droppable = adjust[2];
+  }
+  if (tier == num_tiers_ - 1) return free + droppable;
+  return free + droppable + std::min(held, capacity_of(tier + 1, lc, nullptr));
+}
+
+// py: block_pool.py BlockPool.make_room — SPEC sec. 8
+bool BlockPool::make_room(std::int64_t tier, std::int64_t lc) {
+  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  if (pool.nfree()) return true;
+  return evict_one(tier, lc);
+}
+
+// One more free slot by evicting the pool's first victim (make_room of a full pool;
+// set_quota's shrink with free slots left).  false: nothing could go, nothing changed.
+// py: block_pool.py BlockPool.evict_one — SPEC sec. 8
+bool BlockPool::evict_one(std::int64_t tier, std::int64_t lc) {
+  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  const std::int64_t nfree = pool.nfree();
+  Page* v = victim(pool, /*can_offload=*/true);
+  if (v == nullptr) return false;
+  if (tier < num_tiers_ - 1 && make_room(tier + 1, lc)) {
+    if (pool.nfree() > nfree) return true;  // a drop down there removed a subtree and freed a slot here
+    move(v, tier + 1, "offload");
+    return true;
+  }
+  // No room below (a failed make_room changes nothing): drop instead.
+  v = victim(pool, /*can_offload=*/false);
+  if (v == nullptr) return false;
+  if (cfg_.shared_write_evict) store_evicted(v);
+  evicting_ = cfg_.shared_write_evict;
+  drop(v);
+  evicting_ = false;
+  return true;
+}
+
+// py: block_pool.py BlockPool.move — SPEC sec. 8
+void BlockPool::move(Page* p, std::int64_t dst, const char* reason) {
+  Pool& dst_pool = pools_[static_cast<std::size_t>(dst)][static_cast<std::size_t>(p->lc)];
+  const std::int64_t old_tier = p->tier, old_slot = p->slot;
+  const std::int64_t new_slot = dst_pool.take_slot();
+  CopyOpC op{p->lc, tier_id(old_tier), old_slot, tier_id(dst), new_slot, reason};
+  if (old_tier == shared_pos_) {  // a shared page: no slot, no pool; the op names its object
+    op.has_key = true;
+    op.key = tree_.key(p->node);
+  } else {
+    unindex(*p);
+    pools_[static_cast<std::size_t>(old_tier)][static_cast<std::size_t>(p->lc)].give_slot(old_slot);
+  }
+  p->tier = static_cast<std::uint8_t>(dst);
+  p->slot = static_cast<std::int32_t>(new_slot);
+  index(*p);
+  add_copy_op(op);
+  copy_pages_.emplace_back(p->handle, p->serial);
+  const std::int64_t nbytes = cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes;
+  const bool off = std::strcmp(reason, "offload") == 0;
+  count(p->lc, off ? kOffloads : kOnboards);
+  count(p->lc, off ? kOffloadBytes : kOnboardBytes, nbytes);
+  if (p->node != kNoNode && tree_.is_attached(p->node)) {
+    if (EventC* e = new_event(EventKind::tier_changed)) {
+      e->key = tree_.key(p->node);
+      e->lc = p->lc;
+      e->old_tier = tier_id(old_tier);
+      e->new_tier = tier_id(dst);
+    }
+  }
+}
+
+// py: block_pool.py BlockPool.drop — SPEC sec. 8
+void BlockPool::drop(Page* p) {
+  if (p->state() != kDroppable) throw InternalErr("kvcm bug: drop of a non-DROPPABLE page");
+  count(p->lc, kDrops);
+  count(p->lc, kDropBytes, cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes);
+  unlink_committed(p);
+  free_page(p);
+}
+
+// py: block_pool.py BlockPool.unlink_committed — SPEC sec. 5
+void BlockPool::unlink_committed(Page* p) {
+  const NodeId node = p->node;
+  const std::int64_t lc = p->lc;
+  const Digest key = tree_.key(node);
+  const std::int64_t ordinal = tree_.ordinal(node);
+  unlink_from_node(p);
+  emit_removed(key, lc);
+  const LcConfig& life = cfg_.lcs[static_cast<std::size_t>(lc)];
+  const bool full = !life.ssm && life.window < 0;
+  if (full || (!life.ssm && ordinal < sink_blocks(life.sinks, B_))) {
+    const NodeId parent = tree_.parent(node);
+    if (tree_.is_bare_leaf(node)) {
+      // the usual victim (a leaf holding no other page): what remove_subtree + retire_nodes
+      // do to it, without the lists — it leaves the tree and dies, nothing to announce
+      tree_.detach(node);
+      tree_.collect(node);
+    } else {
+      retire_nodes(tree_.remove_subtree(node), true);
+    }
+    if (parent != kNoNode) tree_.prune_upward(parent);
+  } else {
+    tree_.prune_upward(node);
+  }
+}
+
+// py: block_pool.py BlockPool.unlink_from_node — SPEC sec. 5
+void BlockPool::unlink_from_node(Page* p) {
+  const NodeId node = p->node;
+  restate(*p, [&] { p->node = kNoNode; });
+  tree_.clear_page(node, p->lc);  // may delete a dead orphan node
+}
+
+// py: block_pool.py BlockPool.retire_nodes — SPEC sec. 5
+void BlockPool::retire_nodes(const std::vector<NodeId>& ids, bool announce) {
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  for (NodeId nid : ids) {
+    if (!tree_.exists(nid)) continue;
+    const Digest key = tree_.key(nid);
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      if (!tree_.exists(nid)) break;  // deleted with its last page: nothing left
+      const PageHandle h = tree_.page(nid, lc);
+      if (h == kNoPage) continue;
+      if (announce) emit_removed(key, lc);
+      Page* pg = &page(h);
+      if (pg->locks == 0 && pg->holds == 0) {
+        if (evicting_) store_evicted(pg);  // freed with an evicted page: written back too
+        count(lc, kDrops);
+        count(lc, kDropBytes, cfg_.lcs[static_cast<std::size_t>(lc)].slot_bytes);
+        free_orphan_page(pg);
+      }
+    }
+    tree_.collect(nid);
+  }
+}
+
+// py: block_pool.py BlockPool.free_orphan_page — SPEC sec. 5
+void BlockPool::free_orphan_page(Page* p) {
+  unlink_from_node(p);
+  free_page(p);
+}
+
+// py: block_pool.py BlockPool.drop_all_droppable — SPEC sec. 8
+void BlockPool::drop_all_droppable() {
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (auto& tier_pools : pools_) {
+      for (Pool& pool : tier_pools) {
+        while (Page* p = peek(pool, kDroppable)) {
+          drop(p);
+          progress = true;
+        }
+      }
+    }
+  }
+}
+
+// `{"tier":N,"kind":"...","lc":[` — the head of one tier's entry in stats()["tiers"] and
+// snapshot()["pools"] (tier numbered by kind, SPEC sec. 1).
+void BlockPool::json_tier_head(std::string& o, std::size_t t) const {
+  o += "{\"tier\":";
+  j_int(o, tier_id_[t]);
+  o += ",\"kind\":";
+  j_str(o, cfg_.tier_kinds[t].c_str());
+  o += ",\"quota_bytes\":";
+  j_int(o, cfg_.quota_bytes[t]);
+  o += ",\"lc\":[";
+}
+
+// py: block_pool.py BlockPool.copy — SPEC sec. 8
+void BlockPool::copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason) {
+  add_copy_op(CopyOpC{lc, tier_id(src->tier), src->slot, tier_id(dst->tier), dst->slot, reason});
+  copy_pages_.emplace_back(dst->handle, dst->serial);
+}
+
+// DECISIONS.md "The shared tier": it fills no page here (forget_copies forgets nothing).
+// py: block_pool.py BlockPool.store — SPEC sec. 16
+void BlockPool::store(const Page* p, const Digest& key) {
+  CopyOpC op{p->lc, tier_id(p->tier), p->slot, 3, -1, "store"};
+  op.has_key = true;
+  op.key = key;
+  add_copy_op(op);
+  copy_pages_.emplace_back(-1, -1);
+  count(p->lc, kSharedStores);
+  count(p->lc, kSharedStoreBytes, cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes);
+}
+
+// py: block_pool.py BlockPool.store_evicted — SPEC sec. 16
+void BlockPool::store_evicted(const Page* p) {
+  if (p->coverage == B_ && static_cast<std::int64_t>(tree_.tokens(p->node).size()) == B_) store(p, tree_.key(p->node));
+}
+
+// The pending copy ops warning (sec. 15): warned once, at the call's end.
+// py: block_pool.py BlockPool.add_copy_op — SPEC sec. 8
+void BlockPool::add_copy_op(const CopyOpC& op) {
+  copy_ops_.push_back(op);
+  if (static_cast<std::int64_t>(copy_ops_.size()) == cfg_.pending_copy_ops_warning && !copy_ops_warned_) {
+    copy_ops_warned_ = copy_ops_warn_due_ = true;
+  }
+}
+
+// py: block_pool.py BlockPool.emit — SPEC sec. 9
+EventC* BlockPool::new_event(EventKind kind, std::span<const Tok> tokens, bool tokens_have_digest) {
+  const std::int64_t id = event_id();  // ids advance even for events nobody buffers
+  if (cfg_.max_events == 0) {
+    ++events_dropped_;
+    return nullptr;
+  }
+  if (static_cast<std::int64_t>(events_.size()) >= cfg_.max_events) {
+    const auto [sized, nblk] = event_sizes_.front();
+    const std::uint32_t ntok = sized & ~kEventHasDigest;
+    if (sized & kEventHasDigest) {  // the digests it referenced (rare: most events skip this)
+      for (std::size_t i = 0; i < ntok; ++i) tree_.release(event_tokens_[i]);
+    }
+    event_tokens_.pop_front(ntok);
+    event_blocks_.pop_front(nblk);
+    event_sizes_.pop_front();
+    events_.pop_front();
+    ++events_dropped_;
+  }
+  EventC& e = events_.emplace_back();
+  e.kind = kind;
+  e.id = id;
+  e.ntokens = static_cast<std::uint32_t>(tokens.size());
+  event_tokens_.append(tokens.data(), tokens.size());
+  std::uint32_t sized = e.ntokens;
+  if (tokens_have_digest) {
+    tree_.retain_all(tokens);  // the buffered event holds its digests (released when dropped or taken)
+    sized |= kEventHasDigest;
+  }
+  event_sizes_.emplace_back(sized, 0);
+  return &e;
+}
+
+// py: block_pool.py BlockPool.emit_removed — SPEC sec. 9
+void BlockPool::emit_removed(const Digest& key, std::int64_t lc) {
+  if (EventC* e = new_event(EventKind::removed)) {
+    e->key = key;
+    e->lc = lc;
+  }
+}
+
+// py: block_pool.py BlockPool.emit_stored — SPEC sec. 9
+void BlockPool::emit_stored(NodeId nid, std::span<const std::int64_t> lcs) {
+  if (lcs.empty()) return;
+  const std::span<const Tok> tokens = tree_.tokens(nid);
+  EventC* e = new_event(EventKind::stored, tokens, tree_.has_digest(nid));
+  if (e == nullptr) return;
+  const NodeId parent = tree_.parent(nid);
+  if (parent != kNoNode) {
+    e->has_parent = true;
+    e->parent_key = tree_.key(parent);
+  }
+  e->key = tree_.key(nid);
+  for (std::int64_t lc : lcs) {
+    const Page& p = page(tree_.page(nid, lc));
+    event_blocks_.emplace_back(
+        StoredBlockC{static_cast<std::int32_t>(lc), static_cast<std::int32_t>(tier_id(p.tier)), p.priority,
+                     static_cast<std::int32_t>(tree_.coverage(nid, lc))});
+    ++e->nblocks;
+    ++event_sizes_.back().second;
+  }
+  e->partial = static_cast<std::int64_t>(tokens.size()) < B_;
+}
+
+// py: block_pool.py BlockPool.count — SPEC sec. 9
+void BlockPool::count(std::int64_t lc, int counter, std::int64_t n) {
+  const std::size_t i = kHeader + static_cast<std::size_t>(lc) * kNumCounters + static_cast<std::size_t>(counter);
+  totals_[i] += n;
+  iteration_[i] += n;
+}
+
+// py: block_pool.py BlockPool.record_match — SPEC sec. 9
+void BlockPool::record_match(std::int64_t n_query, std::int64_t m) {
+  for (std::vector<std::int64_t>* c : {&totals_, &iteration_}) {
+    (*c)[0] += 1;
+    (*c)[1] += n_query;
+    (*c)[2] += m;
+    for (std::int64_t lc : attn_lcs_) {
+      const std::size_t base = kHeader + static_cast<std::size_t>(lc) * kNumCounters;
+      (*c)[base + kReusedTokens] += m;
+      (*c)[base + kReusedBlocks] += ceildiv(m, B_);
+      (*c)[base + kMissedBlocks] += ceildiv(n_query, B_) - ceildiv(m, B_);
+    }
+  }
+}
+
+// py: block_pool.py BlockPool.stats_view — SPEC sec. 9
+void BlockPool::stats_view(std::string& o, const std::vector<std::int64_t>& c) const {
+  o += "{\"requests\":";
+  j_int(o, c[0]);
+  o += ",\"query_tokens\":";
+  j_int(o, c[1]);
+  o += ",\"reused_tokens\":";
+  j_int(o, c[2]);
+  o += ",\"lc\":[";
+  const std::size_t nlc = cfg_.lcs.size();
+  for (std::size_t lc = 0; lc < nlc; ++lc) {
+    if (lc) o += ',';
+    o += '{';
+    for (int k = 0; k < kNumCounters; ++k) {
+      if (k) o += ',';
+      j_str(o, kCounterNames[k]);
+      o += ':';
+      j_int(o, c[kHeader + lc * kNumCounters + static_cast<std::size_t>(k)]);
+    }
+    o += '}';
+  }
+  o += "],\"tiers\":[";
+  for (std::size_t t = 0; t < pools_.size(); ++t) {
+    if (t) o += ',';
+    json_tier_head(o, t);
+    for (std::size_t lc = 0; lc < nlc; ++lc) {
+      const Pool& p = pools_[t][lc];
+      if (lc) o += ',';
+      o += "{\"total\":";
+      j_int(o, p.total);
+      o += ",\"free\":";
+      j_int(o, p.nfree());
+      o += ",\"locked\":";
+      j_int(o, p.locked);
+      o += ",\"held\":";
+      j_int(o, p.held);
+      o += ",\"droppable\":";
+      j_int(o, p.droppable);
+      o += '}';
+    }
+    o += "]}";
+  }
+  o += "],\"events_dropped\":";
+  j_int(o, events_dropped_);
+  o += ",\"pending_copy_ops\":";
+  j_int(o, static_cast<std::int64_t>(copy_ops_.size()));
+  o += '}';
+}
+
+// The body of Manager::drain_copy_ops.
+std::vector<CopyOpC> BlockPool::drain_copy_ops() {
+  std::vector<CopyOpC> out;
+  out.swap(copy_ops_);
+  copy_ops_.reserve(out.size());  // the next step's ops: one allocation, not a doubling chain
+  // field by field into place: an IssuedOp temporary went through the stack in pieces and
+  // was read back whole, a store-forwarding stall per op
+  issued_.resize(out.size());
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    IssuedOp& io = issued_[k];
+    io.op = out[k];
+    io.handle = copy_pages_[k].first;
+    io.serial = copy_pages_[k].second;
+  }
+  copy_pages_.clear();
+  return out;
+}
+
+// py: block_pool.py BlockPool.resize_pool — SPEC sec. 18
+void BlockPool::resize_pool(std::int64_t tier, std::int64_t lc, std::int64_t n) {
+  Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
+  if (n >= pool.total) {
+    pool.free_slots.resize(pool.total, n);
+    pool.total = n;
+    return;
+  }
+  while (pool.total - pool.nfree() > n) {  // evict what must go, in the usual order (sec. 8)
+    if (!evict_one(tier, lc)) throw InternalErr("kvcm bug: set_quota found no victim");
+  }
+  // the survivors of slots [n, total) move down, by slot, each to the lowest free slot
+  std::vector<Page*> movers;
+  for (std::int64_t h = 0; h < page_slots_; ++h) {
+    if (!page_alive(h)) continue;
+    Page& p = slab(h);
+    if (p.tier == tier && p.lc == lc && p.slot >= n) movers.push_back(&p);
+  }
+  std::sort(movers.begin(), movers.end(), [](const Page* a, const Page* b) { return a->slot < b->slot; });
+  for (Page* p : movers) relocate(p);
+  pool.free_slots.resize(pool.total, n);
+  pool.total = n;
+}
+
+// py: block_pool.py BlockPool.relocate — SPEC sec. 18
+void BlockPool::relocate(Page* p) {
+  Pool& pool = pools_[static_cast<std::size_t>(p->tier)][static_cast<std::size_t>(p->lc)];
+  const std::int64_t old = p->slot;
+  p->slot = static_cast<std::int32_t>(pool.take_slot());
+  pool.give_slot(old);
+  const std::int64_t t = tier_id(p->tier);
+  add_copy_op(CopyOpC{p->lc, t, old, t, p->slot, "relocate"});
+  copy_pages_.emplace_back(p->handle, p->serial);
+  count(p->lc, kRelocations);
+}
+
+// The body of Manager::take_events.
+TakenEvents BlockPool::take_events() {
+  TakenEvents out;
+  out.events.assign(events_.begin(), events_.end());
+  out.tokens.reserve(event_tokens_.size());
+  for (Tok c : event_tokens_) out.tokens.push_back(decode(c));
+  for (Tok c : event_tokens_) {
+    if (c & kDigestCode) tree_.release(c);
+  }
+  out.blocks.assign(event_blocks_.begin(), event_blocks_.end());
+  events_.clear();
+  event_tokens_.clear();
+  event_blocks_.clear();
+  event_sizes_.clear();
+  return out;
+}
+
+std::vector<std::int64_t> BlockPool::live_pages() const {
+  std::vector<std::int64_t> out;
+  out.reserve(static_cast<std::size_t>(page_slots_) - free_pages_.size());
+  for (std::int64_t h = 0; h < page_slots_; ++h) {
+    if (page_alive(h)) out.push_back(h);
+  }
+  std::sort(out.begin(), out.end(), [this](std::int64_t a, std::int64_t b) { return page(a).serial < page(b).serial; });
+  return out;
+}
+
+// py: config.py LifeCycle.stale_range — SPEC sec. 7
+std::pair<std::int64_t, std::int64_t> BlockPool::stale_range(std::int64_t lc, std::int64_t history) const {
+  const LcConfig& l = cfg_.lcs[static_cast<std::size_t>(lc)];
+  if (l.ssm || l.window < 0) return {0, 0};
+  return kvcm::stale_range(l.window, l.sinks, B_, history);
+}
+
+std::vector<std::pair<std::int64_t, std::int64_t>> BlockPool::take_issued(std::span<const CopyOpC> ops) {
+  auto same = [](const CopyOpC& a, const CopyOpC& b) {
+    return a.lc == b.lc && a.src_tier == b.src_tier && a.src_slot == b.src_slot && a.dst_tier == b.dst_tier &&
+           a.dst_slot == b.dst_slot && std::strcmp(a.reason, b.reason) == 0 && a.has_key == b.has_key &&
+           (!a.has_key || a.key == b.key);
+  };
+  std::vector<bool> taken(issued_.size(), false);
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    std::size_t k = 0;
+    while (k < issued_.size() && (taken[k] || !same(issued_[k].op, ops[i]))) ++k;
+    if (k == issued_.size()) {
+      const CopyOpC& o = ops[i];
+      throw ValueErr("forget_copies(): ops[" + std::to_string(i) + "] [" + std::to_string(o.lc) + ", " +
+                     std::to_string(o.src_tier) + ", " + std::to_string(o.src_slot) + ", " +
+                     std::to_string(o.dst_tier) + ", " + std::to_string(o.dst_slot) + ", '" + o.reason +
+                     "'] is not an unreported op of the last drain_copy_ops()");
+    }
+    taken[k] = true;
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> lost;  // (handle, serial) of each lost live page
+  if (ops.empty()) return lost;
+  std::vector<IssuedOp> keep;
+  for (std::size_t k = 0; k < issued_.size(); ++k) {
+    const IssuedOp& e = issued_[k];
+    if (!taken[k]) {
+      keep.push_back(e);
+      continue;
+    }
+    if (page_alive(e.handle) && page(e.handle).serial == e.serial &&
+        std::find_if(lost.begin(), lost.end(), [&e](const auto& l) { return l.first == e.handle; }) == lost.end()) {
+      lost.emplace_back(e.handle, e.serial);
+    }
+  }
+  issued_ = std::move(keep);
+  return lost;
+}
+
+void BlockPool::forget_pages(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost) {
+  for (const auto& [h, serial] : lost) {
+    if (!page_alive(h) || page(h).serial != serial) continue;  // freed with an earlier subtree
+    Page* p = &page(h);
+    count(p->lc, kLostPages);
+    if (p->node != kNoNode) {
+      if (tree_.is_attached(p->node)) {
+        unlink_committed(p);
+      } else {
+        unlink_from_node(p);
+      }
+      if (p->locks == 0 && p->holds == 0) free_page(p);
+    }
+  }
+}
+
+void BlockPool::stats_json(std::string& o, bool take_iteration) {
+  if (take_iteration) {
+    stats_view(o, iteration_);
+    std::fill(iteration_.begin(), iteration_.end(), 0);
+  } else {
+    stats_view(o, totals_);
+  }
+}
+
+std::vector<std::pair<std::string, std::int64_t>> BlockPool::internal_sizes(std::int64_t num_requests) const {
+  const auto n = [](std::size_t v) { return static_cast<std::int64_t>(v); };
+  return {{"tree_nodes", n(tree_.num_nodes())},
+                         {"tree_node_slots", n(tree_.node_slots())},
+                         {"roots", n(tree_.num_roots())},
+                         {"trie_node_slots", n(tree_.trie_node_slots())},
+                         {"digests", n(tree_.num_digests())},
+                         {"digest_slots", n(tree_.digest_slots())},
+                         {"pages", page_slots_ - n(free_pages_.size())},
+                         {"page_slots", page_slots_},
+                         {"requests", num_requests},
+                         {"copy_ops", n(copy_ops_.size())},
+                         {"events", n(events_.size())},
+                         {"event_tokens", n(event_tokens_.size())}};
+}
+
+}  // namespace kvcm
