@@ -4,7 +4,7 @@
 ``test_differential[python]`` python vs python: two independent instances must agree step
                               by step (catches dict-order / hash / clock nondeterminism).
 
-Every op comes from the :mod:`kvcm.ops` vocabulary — every public call, bad input included
+Every op comes from the :mod:`kvcm.oplog.ops` vocabulary — every public call, bad input included
 (out-of-range / wrong-type tokens, bad scopes and priorities, wrong status, shrinking
 capacity, commits beyond capacity, unknown life cycles, short buffers), batched decode steps
 (``resize_batch`` / ``commit_batch`` with lists, arrays, numpy and torch containers;
@@ -42,10 +42,10 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
-from kvcm import ops as O
 from kvcm.config import resolve_config
 from kvcm.keys import block_keys_py
 from kvcm.oplog import DOCUMENTED_ERRORS, Lockstep, config_to_json, format_log, minimize
+from kvcm.oplog import ops as O
 
 EXAMPLES = int(os.environ.get("KVCM_DIFF_EXAMPLES", "300")) * (10 if os.environ.get("KVCM_DIFF_LONG") == "1" else 1)
 STEPS = int(os.environ.get("KVCM_DIFF_STEPS", "50"))
@@ -133,7 +133,7 @@ def configs(draw) -> KVCacheManagerConfig:
 
 
 # ---------------------------------------------------------------------------------------
-# tokens, scopes and other arguments (JSON forms, see kvcm.ops)
+# tokens, scopes and other arguments (JSON forms, see kvcm.oplog.ops)
 # ---------------------------------------------------------------------------------------
 
 DIGESTS = [{"digest": (bytes([i]) * 32).hex()} for i in (0xA1, 0xB2)]
@@ -563,7 +563,7 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     def container(self, data, values: list) -> object:
         """``values`` (ints, or bad values) in the JSON form of a list, an ``array``, a numpy
-        array or a torch tensor (kvcm.ops), as engines pass sequence lengths and tokens."""
+        array or a torch tensor (kvcm.oplog.ops), as engines pass sequence lengths and tokens."""
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in values)
         kinds = ["list", "list", "list"]
         if ints and all(-(2**63) <= v < 2**63 for v in values):
@@ -581,7 +581,7 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     def mutate_batch(self, data, handles: list, values: list) -> tuple[object, list]:
         """Now and then, bad input: a repeated cache, a cache of no manager of this run, a
-        value that is no cache, a length mismatch (kvcm.ops JSON forms)."""
+        value that is no cache, a length mismatch (kvcm.oplog.ops JSON forms)."""
         items: list = list(handles)
         r = data.draw(st.integers(0, 13))
         if r == 0 and items:

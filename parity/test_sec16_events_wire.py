@@ -13,9 +13,9 @@ from __future__ import annotations
 import kvcm
 import zmq
 from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
-from kvcm.events import EventPublisher
-from kvcm.router import RouterIndex, RouterModel
-from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, BlockRemoved, BlockStored, Decoder, seq_bytes, seq_of
+from kvcm.fleet.publisher import EventPublisher
+from kvcm.fleet.router_index import RouterIndex, RouterModel
+from kvcm.fleet.wire import END_SEQ, SNAPSHOT_REQUEST, BlockRemoved, BlockStored, Decoder, seq_bytes, seq_of
 
 from parity.helpers import B, keys, ssm_cfg, toks
 

@@ -52,7 +52,7 @@ def listening(pid: int) -> set[tuple[str, int]]:
 
 def start(tmp_dir: str, segment_bytes: int = 256 << 20):
     need_mooncake()
-    from kvcm.mooncake_store import LocalMooncake
+    from kvcm.dataplane.mooncake_store import LocalMooncake
 
     return LocalMooncake(segment_bytes, log_dir=tmp_dir)
 

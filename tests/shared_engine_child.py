@@ -27,7 +27,7 @@ import time
 
 from kvcm import engine
 from kvcm.dataplane import DataPlane
-from kvcm.shared_store import HEADER, Staging
+from kvcm.dataplane.store import HEADER, Staging
 
 fired = {"n": 0}
 

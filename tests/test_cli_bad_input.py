@@ -88,7 +88,9 @@ def test_unknown_kvcm_backend_still_fails_a_plain_import():
 
 
 def test_backend_rust_is_a_usage_error_on_every_command(capsys):
-    from kvcm import engine, events_cli, route_cli
+    from kvcm import engine
+    from kvcm.cli import events as events_cli
+    from kvcm.cli import route as route_cli
 
     for main, argv in ((route_cli.main, ["--backend", "rust"]), (events_cli.main, ["--bench", "--backend", "rust"]),
                        (engine.main, ["--backend", "rust"]), (cli.main, ["bench", "keys", "--backend", "rust"]),
@@ -120,7 +122,7 @@ def trace_file(tmp_path, text: str) -> str:
 
 @BOTH
 def test_route_bad_trace_is_one_line(tmp_path, capsys, be):
-    from kvcm.route_cli import main
+    from kvcm.cli.route import main
 
     code, _, err = main_of(capsys, main, str(tmp_path / "missing.jsonl"), "--backend", be, "--plot", "")
     assert code == 2 and one_line(err).startswith("python -m kvcm route: cannot read trace: ") and "missing" in err
@@ -134,7 +136,7 @@ def test_route_bad_trace_is_one_line(tmp_path, capsys, be):
 
 @BOTH
 def test_route_limit_0_is_refused_not_a_table_of_zero_rows(tmp_path, capsys, be):
-    from kvcm.route_cli import main
+    from kvcm.cli.route import main
 
     plot = tmp_path / "last.png"
     plot.write_bytes(b"the last plot")
@@ -145,7 +147,7 @@ def test_route_limit_0_is_refused_not_a_table_of_zero_rows(tmp_path, capsys, be)
 
 @BOTH
 def test_route_gpu_blocks_negative_names_the_option_not_a_byte_quota(capsys, be):
-    from kvcm.route_cli import main
+    from kvcm.cli.route import main
 
     for argv, msg in ((["--gpu-blocks", "-1"], "argument --gpu-blocks: must be an int >= 1, got -1"),
                       (["--block-size", "0"], "argument --block-size: 0 out of range 1..4096"),
@@ -157,7 +159,7 @@ def test_route_gpu_blocks_negative_names_the_option_not_a_byte_quota(capsys, be)
 
 @BOTH
 def test_route_unwritable_plot_is_refused_before_the_run(tmp_path, capsys, be):
-    from kvcm.route_cli import main
+    from kvcm.cli.route import main
 
     for bad, why in ((tmp_path / "no" / "x.png", "no such directory"), (tmp_path, "is a directory")):
         code, out, err = main_of(capsys, main, "--limit", "2", "--backend", be, "--plot", str(bad))
@@ -168,7 +170,7 @@ def test_route_unwritable_plot_is_refused_before_the_run(tmp_path, capsys, be):
 
 @BOTH
 def test_route_shows_progress_and_writes_the_plot(tmp_path, capsys, be):
-    from kvcm.route_cli import main
+    from kvcm.cli.route import main
 
     plot = tmp_path / "r.png"
     code, _out, err = main_of(capsys, main, "--limit", "8", "--instances", "2", "--policy", "kv,round-robin",
@@ -184,7 +186,7 @@ def test_route_shows_progress_and_writes_the_plot(tmp_path, capsys, be):
 
 
 def test_events_bad_options_are_usage_errors(capsys):
-    from kvcm.events_cli import main
+    from kvcm.cli.events import main
 
     for argv, msg in (
         (["--demo", "--steps", "-3"], "argument --steps: must be an int >= 1, got -3"),
@@ -208,7 +210,7 @@ def _free_port() -> int:
 
 
 def test_events_connect_without_a_publisher_says_so_and_stops(capsys):
-    from kvcm.events_cli import main
+    from kvcm.cli.events import main
 
     ep = f"tcp://127.0.0.1:{_free_port()}"
     code, out, err = main_of(capsys, main, "--connect", ep, "--timeout", "0.3")
@@ -219,7 +221,7 @@ def test_events_connect_without_a_publisher_says_so_and_stops(capsys):
 
 
 def test_events_replay_endpoint_that_does_not_answer_is_one_line(capsys):
-    from kvcm.events_cli import main
+    from kvcm.cli.events import main
 
     ep, rep = (f"tcp://127.0.0.1:{_free_port()}" for _ in range(2))
     code, _, err = main_of(capsys, main, "--connect", ep, "--replay", rep, "--snapshot", "--timeout", "0.3")

@@ -114,7 +114,7 @@ def test_model_is_deterministic_and_sensitive_to_history(model):
 
 
 def test_demo_reports_identical_outputs(backend, capsys):
-    from kvcm import demo
+    from kvcm.tools import demo
 
     assert demo.main(["--backend", backend]) == 0
     out = capsys.readouterr().out
@@ -123,7 +123,7 @@ def test_demo_reports_identical_outputs(backend, capsys):
 
 
 def test_demo_reports_a_backend_without_the_life_cycle(monkeypatch, capsys):
-    from kvcm import demo
+    from kvcm.tools import demo
 
     def not_yet(*_args):
         raise NotImplementedError

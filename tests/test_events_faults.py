@@ -13,10 +13,10 @@ import kvcm
 import pytest
 import zmq
 from kvcm import AttentionLayer, KVCacheManagerConfig, Tier
-from kvcm.events import EventPublisher
-from kvcm.router import RouterIndex, RouterModel
-from kvcm.router_client import FleetSubscriber
-from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, BlockStored, Decoder, Encoder, seq_bytes, seq_of
+from kvcm.fleet.publisher import EventPublisher
+from kvcm.fleet.router_index import RouterIndex, RouterModel
+from kvcm.fleet.subscriber import FleetSubscriber
+from kvcm.fleet.wire import END_SEQ, SNAPSHOT_REQUEST, BlockStored, Decoder, Encoder, seq_bytes, seq_of
 from test_wire import hybrid, run
 
 WAIT_MS = 5000

@@ -11,10 +11,10 @@ import kvcm
 import msgspec
 import pytest
 import zmq
-from kvcm.events import EventPublisher
-from kvcm.router import RouterIndex, RouterModel
-from kvcm.router_client import FleetSubscriber
-from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, AllBlocksCleared, BlockStored, Decoder, seq_bytes, seq_of
+from kvcm.fleet.publisher import EventPublisher
+from kvcm.fleet.router_index import RouterIndex, RouterModel
+from kvcm.fleet.subscriber import FleetSubscriber
+from kvcm.fleet.wire import END_SEQ, SNAPSHOT_REQUEST, AllBlocksCleared, BlockStored, Decoder, seq_bytes, seq_of
 from test_wire import B, hybrid, run
 
 TIMEOUT_MS = 3000

@@ -1,12 +1,12 @@
-"""The fleet replay (kvcm.fleet, ``python -m kvcm replay --instances N --shared-tier ...``):
+"""The fleet replay (kvcm.tools.fleet_replay, ``python -m kvcm replay --instances N --shared-tier ...``):
 a tiny smoke run on each store; the full N = 2, 4, 8 table is a manual run (README)."""
 
 from __future__ import annotations
 
 import pytest
 from kvcm.cli import main
-from kvcm.fleet import run_fleet
-from kvcm.trace import load_trace, total_blocks
+from kvcm.tools.fleet_replay import run_fleet
+from kvcm.tools.trace import load_trace, total_blocks
 
 LIMIT = 60  # the shipped trace's first requests: some reuse across instances
 B = 512

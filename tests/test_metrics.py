@@ -59,7 +59,7 @@ def test_metrics_scraped_over_http_match_stats(backend):
     again.close()
     mgr.set_quota("gpu", 1 * SLOT)  # a relocate (or offload) as well
     _block(mgr, 400)
-    publisher = types.SimpleNamespace(dropped=3)  # kvcm.events.EventPublisher's counter
+    publisher = types.SimpleNamespace(dropped=3)  # kvcm.fleet.publisher.EventPublisher's counter
     with metrics.serve(mgr, 0, publisher=publisher, labels={"model_name": "tiny"}) as srv:
         assert srv.addr == "127.0.0.1" and srv.url.startswith("http://127.0.0.1:")
         scraped = _scrape(srv.url)
@@ -126,7 +126,7 @@ def test_register_on_a_registry_and_bad_arguments(backend):
 
 
 def test_demo_serves_and_prints_the_metrics(backend, capsys):
-    from kvcm.demo import main
+    from kvcm.tools.demo import main
 
     assert main(["--backend", backend, "--metrics-port", "0"]) == 0
     out = capsys.readouterr().out

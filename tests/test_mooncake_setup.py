@@ -163,7 +163,7 @@ def test_mooncake_setup_within_the_deadline_opens_a_live_store(mooncake):
 def test_mooncake_setup_knobs_are_for_the_setup_only(monkeypatch):
     """Mooncake's set-up knobs are set for the set-up only and restored after; a smaller RPC
     timeout the user set is kept."""
-    from kvcm.mooncake_store import _setup_knobs
+    from kvcm.dataplane.mooncake_store import _setup_knobs
 
     monkeypatch.delenv("MC_STORE_CLIENT_SETUP_RETRIES", raising=False)
     monkeypatch.setenv("MC_RPC_CONNECT_TIMEOUT_MS", "500")
@@ -179,7 +179,7 @@ def test_mooncake_setup_knobs_are_for_the_setup_only(monkeypatch):
 
 def test_mooncake_setup_timeout_is_checked():
     need_mooncake()
-    from kvcm.mooncake_store import MooncakeStore
+    from kvcm.dataplane.mooncake_store import MooncakeStore
 
     for bad in (-1, float("nan"), float("inf"), True, "2"):
         with pytest.raises(ValueError, match="setup_timeout_s"):
@@ -244,7 +244,7 @@ def test_the_store_secret_is_not_passed_to_mooncakes_processes(monkeypatch, tmp_
 
 QUIET_CHILD = textwrap.dedent("""
     import sys
-    from kvcm.mooncake_store import MooncakeStore
+    from kvcm.dataplane.mooncake_store import MooncakeStore
     print("kvcm's own line", file=sys.stderr, flush=True)
     MooncakeStore.from_url(sys.argv[1]).close()
 """)

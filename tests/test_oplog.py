@@ -1,4 +1,4 @@
-"""kvcm.ops (the op vocabulary) and kvcm.oplog (KVCM_OPLOG recording, replay, CLI)."""
+"""kvcm.oplog.ops (the op vocabulary) and kvcm.oplog (KVCM_OPLOG recording, replay, CLI)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import kvcm
 import pytest
 from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Status, Tier
 from kvcm import oplog as L
-from kvcm import ops as O
+from kvcm.oplog import ops as O
 from kvcm.oplog import playback
 
 B = 2

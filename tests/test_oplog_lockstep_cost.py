@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from kvcm import AttentionLayer, KVCacheManagerConfig, Tier
 from kvcm import oplog as L
-from kvcm import ops as O
+from kvcm.oplog import ops as O
 from kvcm.oplog import playback
 
 REQUESTS = 12

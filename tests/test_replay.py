@@ -5,7 +5,7 @@ trace's README (one request at a time, in order, prompt only, each committed and
 before the next, unbounded cache) and requires the exact published figures: 65.12% of
 prompt tokens reused with partial reuse on (any block size), 65.04% with whole 512-token
 blocks only.  The expected token counts are also computed independently from ``hash_ids``
-(``kvcm.trace.reference_figures``, no manager involved) and must match to the token.
+(``kvcm.tools.trace.reference_figures``, no manager involved) and must match to the token.
 
 Replays run on the ``backend`` fixture (the env-selected backend); on a backend stage
 without the request life cycle they fail with NotImplementedError (tracked as a gap).
@@ -18,8 +18,8 @@ import hashlib
 import json
 
 import pytest
-from kvcm.replay import replay, replay_config
-from kvcm.trace import (
+from kvcm.tools.replay import replay, replay_config
+from kvcm.tools.trace import (
     OUTPUT_BASE,
     expand_outputs,
     expand_prompt,

@@ -1,7 +1,7 @@
 """The router index is exact: after every step of a random multi-instance workload, over
 real sockets (127.0.0.1), with lost messages healed by replay and router restarts healed by
 snapshots, ``router.reuse(instance, prompt)`` equals what the instance's probe answers
-counted in whole blocks (see ``kvcm.router``): with ``enable_partial_reuse=False`` that is
+counted in whole blocks (see ``kvcm.fleet.router_index``): with ``enable_partial_reuse=False`` that is
 ``instance.probe_reuse(prompt)`` itself; with partial reuse on it is
 ``probe_reuse(prompt[:L * B]) // B * B``, ``L`` the prompt's leading full blocks attached in
 the instance's tree (read from its ``snapshot()``).  The probe of the whole prompt is not
@@ -26,9 +26,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
-from kvcm.events import EventPublisher
-from kvcm.router import RouterIndex, RouterModel
-from kvcm.router_client import FleetSubscriber
+from kvcm.fleet.publisher import EventPublisher
+from kvcm.fleet.router_index import RouterIndex, RouterModel
+from kvcm.fleet.subscriber import FleetSubscriber
 
 B = 4
 N = 2

@@ -22,10 +22,10 @@ import kvcm
 import msgspec
 import pytest
 import zmq
-from kvcm.events import EventPublisher
-from kvcm.router import InvalidBatchError, RouterIndex, RouterModel
-from kvcm.router_client import FleetSubscriber
-from kvcm.wire import BlockRemoved, BlockStored, Decoder, Encoder
+from kvcm.fleet.publisher import EventPublisher
+from kvcm.fleet.router_index import InvalidBatchError, RouterIndex, RouterModel
+from kvcm.fleet.subscriber import FleetSubscriber
+from kvcm.fleet.wire import BlockRemoved, BlockStored, Decoder, Encoder
 from test_router_exact import BASES, B, Op, config, prompt_of, step
 
 CFG = config("hybrid", gpu_pages=40, host_pages=8)  # partial reuse off: the router answers probe_reuse

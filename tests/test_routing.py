@@ -1,4 +1,4 @@
-"""KV-aware routing (kvcm.routing) and the ``route`` / ``events`` commands."""
+"""KV-aware routing (kvcm.tools.routing) and the ``route`` / ``events`` commands."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import kvcm
 import pytest
 from kvcm.cli import main
-from kvcm.events import EventPublisher
-from kvcm.events_cli import watch
-from kvcm.routing import POLICIES, route_trace
-from kvcm.trace import TraceRequest, load_trace
+from kvcm.cli.events import watch
+from kvcm.fleet.publisher import EventPublisher
+from kvcm.tools.routing import POLICIES, route_trace
+from kvcm.tools.trace import TraceRequest, load_trace
 from test_wire import hybrid, run
 
 
@@ -104,7 +104,7 @@ def test_events_command_watches_a_publisher(capsys: pytest.CaptureFixture) -> No
 
 
 def test_events_bench_measures_publish_cost_with_a_subscriber() -> None:
-    from kvcm.events_cli import bench
+    from kvcm.cli.events import bench
 
     r = bench(limit=15, backend=None, block_size=32)
     assert r["steps"] == 15 and r["events"] > 0

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from children import child_env
+from kvcm.dataplane.store import OBJECT_SUFFIX
 from kvcm.engine import TinyHybridModel, torch_threads
-from kvcm.shared_store import OBJECT_SUFFIX
 
 CHILD = Path(__file__).with_name("shared_engine_child.py")
 LOGIT_TOL = 1e-4  # float32 round-off of the paged vs the dense computation (test_engine_exactness)
@@ -290,7 +290,7 @@ def forge_all(url: str, model: TinyHybridModel, requests: list[dict]) -> int:
     Returns how many objects it replaced."""
     from kvcm import KVCacheManager
     from kvcm.dataplane import DataPlane
-    from kvcm.shared_store import FIELDS, HEADER, Staging
+    from kvcm.dataplane.store import FIELDS, HEADER, Staging
 
     config = model.manager_config(16, 64, shared=url, shared_namespace="kvcm-tiny-hybrid")
     mgr = KVCacheManager(config, backend="python")

@@ -18,7 +18,7 @@ import pytest
 import torch
 from kvcm.api import SHARED, AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig, SsmLayer, Tier, copy_runs
 from kvcm.dataplane import DataPlane
-from kvcm.shared_store import FileStore, SharedStore, Staging
+from kvcm.dataplane.store import FileStore, SharedStore, Staging
 from mooncake_env import need_mooncake
 
 B = 4
@@ -295,7 +295,7 @@ def test_store_down_lookup_is_empty_and_loads_fail(tmp_path, fresh_mooncake, ns)
 
 
 def test_large_batches_are_chunked(tmp_path, ns, monkeypatch):
-    import kvcm.dataplane as dp
+    import kvcm.dataplane.shared_io as dp
 
     monkeypatch.setattr(dp, "STAGING_MAX_BYTES", 3 * (dp.HEADER.size + 32))  # three objects a chunk
     spy = open_spy(str(tmp_path))
@@ -388,8 +388,8 @@ def test_a_slow_store_fails_like_a_store_that_is_down(store_url, ns):
 
 def test_the_deadline_is_documented_and_configurable(tmp_path, ns):
     from kvcm.dataplane import open_store
-    from kvcm.mooncake_store import parse_url
-    from kvcm.shared_store import DEFAULT_TIMEOUT_S
+    from kvcm.dataplane.mooncake_store import parse_url
+    from kvcm.dataplane.store import DEFAULT_TIMEOUT_S
 
     assert open_store(str(tmp_path)).timeout_s == DEFAULT_TIMEOUT_S == 10.0
     assert open_store(f"file://{tmp_path}?timeout_s=0.5").timeout_s == 0.5
@@ -525,7 +525,7 @@ def test_forged_objects_with_a_valid_crc_never_reach_a_pool(store_url, ns):
     each load fails (CopyError, the engine recomputes), no byte reaches a pool, each is
     counted (``auth_failures``) and removed like a corrupted object; the plane's own
     objects written again load."""
-    from kvcm.shared_store import FIELDS, HEADER, MAGIC, ObjectCodec
+    from kvcm.dataplane.store import FIELDS, HEADER, MAGIC, ObjectCodec
 
     spy = open_spy(store_url)
     with make_plane(store_url, ns, spy, secret=SECRET) as plane:

@@ -13,7 +13,7 @@ import pytest
 from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
 from kvcm.config import layout_fingerprint, resolve_config
 from kvcm.dataplane import open_store
-from kvcm.shared_store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
+from kvcm.dataplane.store import HEADER, FileStore, ObjectCodec, SharedStore, Staging
 from mooncake_env import need_mooncake
 
 FP = hashlib.sha256(b"layout").digest()
@@ -106,7 +106,7 @@ def test_open_store_locations(tmp_path):
 
 
 def test_mooncake_url_parsing():
-    from kvcm.mooncake_store import parse_url
+    from kvcm.dataplane.mooncake_store import parse_url
 
     p = parse_url("mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:8080/metadata")
     assert p["master"] == "10.0.0.1:50051" and p["metadata"] == "http://10.0.0.1:8080/metadata"
@@ -129,7 +129,7 @@ def store(request, tmp_path) -> SharedStore:
         s = FileStore(str(tmp_path / "store"))
     else:
         need_mooncake()
-        from kvcm.mooncake_store import MooncakeStore
+        from kvcm.dataplane.mooncake_store import MooncakeStore
 
         s = MooncakeStore.from_url(request.getfixturevalue("mooncake").url)
     yield s
@@ -407,7 +407,7 @@ def test_file_store_directory_gone_is_an_error(tmp_path):
 
 
 def _mooncake_client(url: str):
-    from kvcm.mooncake_store import MooncakeStore
+    from kvcm.dataplane.mooncake_store import MooncakeStore
 
     return MooncakeStore.from_url(url)
 
@@ -438,7 +438,7 @@ def test_local_mooncake_retries_a_port_taken_before_the_master_binds_it(tmp_path
     need_mooncake()
     import socket
 
-    import kvcm.mooncake_store as ms
+    import kvcm.dataplane.mooncake_store as ms
 
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
@@ -518,7 +518,7 @@ OTHER_SECRET = hashlib.sha256(b"another fleet's store secret").digest()
 def _forged(forgery: str) -> tuple[bytes, bytes]:
     """(a genuine object of key 1, lc 2 written with SECRET, one forged in its place) —
     each forgery intact (magic, fingerprint, key, lc, length and CRC all right)."""
-    from kvcm.shared_store import FIELDS, MAGIC
+    from kvcm.dataplane.store import FIELDS, MAGIC
 
     codec = ObjectCodec(FP, SECRET)
     payload, evil = bytes(range(64)), bytes(64)
@@ -544,7 +544,7 @@ def test_an_object_without_a_valid_mac_is_rejected_like_a_corrupted_one(forgery)
     """With a secret, an object verifies only if a holder of the secret wrote it under
     its own name: a forger who can write the store but lacks the secret gets a
     BadObjectError (EIO, ``what == "mac"``) however well-formed the object is."""
-    from kvcm.shared_store import BadObjectError
+    from kvcm.dataplane.store import BadObjectError
 
     codec = ObjectCodec(FP, SECRET)
     good, forged = _forged(forgery)
@@ -556,7 +556,7 @@ def test_an_object_without_a_valid_mac_is_rejected_like_a_corrupted_one(forgery)
 
 
 def test_a_reader_without_a_secret_rejects_an_object_with_a_mac():
-    from kvcm.shared_store import BadObjectError
+    from kvcm.dataplane.store import BadObjectError
 
     good, _ = _forged("no mac")
     with pytest.raises(BadObjectError) as e:
@@ -583,7 +583,7 @@ def test_store_secret_sources_and_precedence(tmp_path):
     secret; a file loses its trailing line end and warns when others may read it."""
     import warnings
 
-    from kvcm.shared_store import InsecureStoreWarning, store_secret
+    from kvcm.dataplane.store import InsecureStoreWarning, store_secret
 
     f = tmp_path / "secret"
     f.write_bytes(b"from the file, 32 bytes long....\n")
@@ -636,7 +636,7 @@ def test_file_store_creates_its_directory_0700_and_warns_when_others_may_write(t
     import stat
     import warnings
 
-    from kvcm.shared_store import InsecureStoreWarning
+    from kvcm.dataplane.store import InsecureStoreWarning
 
     old = os.umask(0o022)
     try:

@@ -1,9 +1,9 @@
 """The fleet soak (issue 18 "Done means"): requests through publishers + subscriber + router
-+ a file store (``kvcm.soak``): RSS, threads, fds, store bytes and router blocks stay flat
++ a file store (``kvcm.tools.soak``): RSS, threads, fds, store bytes and router blocks stay flat
 after the warm-up, and the router is exact against ``probe_reuse`` throughout.
 
 CI profile: 3000 requests over 2 instances (well under a minute per backend).  The long
-profile: ``KVCM_SOAK_REQUESTS=100000`` (or ``python -m kvcm.soak --requests 100000``).
+profile: ``KVCM_SOAK_REQUESTS=100000`` (or ``python -m kvcm.tools.soak --requests 100000``).
 Runs on the env-selected backend (each CI leg: python, cpp); real sockets on 127.0.0.1."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import dataclasses
 import os
 
 import pytest
-from kvcm.router import InstanceIndex
-from kvcm.soak import Sample, SoakMismatch, SoakProfile, SoakResult, flat_violations, run_soak
+from kvcm.fleet.router_index import InstanceIndex
+from kvcm.tools.soak import Sample, SoakMismatch, SoakProfile, SoakResult, flat_violations, run_soak
 
 REQUESTS = int(os.environ.get("KVCM_SOAK_REQUESTS", "3000"))
 

@@ -129,7 +129,7 @@ class EventSubscriber:
         self.thread.start()
 
     def _run(self) -> None:
-        from kvcm.wire import Decoder
+        from kvcm.fleet.wire import Decoder
 
         dec = Decoder()
         while not self.done.is_set():

@@ -1,4 +1,4 @@
-"""The wire mapping of kvcm events to vLLM's KVEventBatch (kvcm.wire, kvcm.wire_state); no sockets.
+"""The wire mapping of kvcm events to vLLM's KVEventBatch (kvcm.fleet.wire, kvcm.fleet.wire_state); no sockets.
 
 vLLM's structs are transcribed below exactly as ``vllm/distributed/kv_events.py`` declares
 them (v0.28 map layout: positional batch, tagged map events; and the pre-#42892 array
@@ -14,8 +14,8 @@ import kvcm
 import msgspec
 import pytest
 from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
-from kvcm.wire import AllBlocksCleared, BlockRemoved, BlockStored, Decoder, Encoder
-from kvcm.wire_state import DIGEST_PLACEHOLDER, WireState, scope_root_key
+from kvcm.fleet.wire import AllBlocksCleared, BlockRemoved, BlockStored, Decoder, Encoder
+from kvcm.fleet.wire_state import DIGEST_PLACEHOLDER, WireState, scope_root_key
 
 B = 4
 SLOT = 8 * B + 8 * B + 64  # one page of each life cycle of HYBRID

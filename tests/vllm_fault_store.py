@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from kvcm.shared_store import HEADER, FileStore, Staging
+from kvcm.dataplane.store import HEADER, FileStore, Staging
 
 HANG_S = 3.0
 

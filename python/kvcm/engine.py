@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, CopyError, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
-from kvcm.cli_common import backend_arg, int_in, oplog_unusable, torch_missing, writable_file
+from kvcm.cli.common import backend_arg, int_in, oplog_unusable, torch_missing, writable_file
 from kvcm.dataplane import DataPlane
 
 

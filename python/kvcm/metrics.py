@@ -72,7 +72,7 @@ class ManagerCollector(Collector):
     """The metrics of one manager (and optionally its event publisher), read from
     ``stats()`` at each scrape.  ``labels``: constant labels on every sample (e.g.
     ``{"model_name": ...}``, as vLLM labels its metrics).  ``publisher``: an object with a
-    ``dropped`` count (:class:`kvcm.events.EventPublisher`); without one the publisher
+    ``dropped`` count (:class:`kvcm.fleet.publisher.EventPublisher`); without one the publisher
     drops read 0."""
 
     def __init__(self, manager: Any, *, publisher: Any = None, labels: Mapping[str, str] | None = None) -> None:

@@ -88,7 +88,7 @@ def test_bad_arguments_raise_like_python(name, args, kw):
     ],
 )
 def test_every_manager_method_matches_python(name, args):
-    from kvcm.ops import normalize
+    from kvcm.oplog.ops import normalize
 
     out = []
     for backend in ("python", "cpp"):
@@ -141,7 +141,7 @@ def test_token_inputs_array_numpy_list_agree():
 
 
 def test_closed_cache_keeps_its_properties_like_python():
-    from kvcm.ops import cache_props
+    from kvcm.oplog.ops import cache_props
 
     digest = bytes(range(32))
     prompt = [7, digest, 9, 10, 11, digest]

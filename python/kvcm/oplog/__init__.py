@@ -18,7 +18,7 @@ file's logging with one :class:`OpLogWarning`, and ``RecordingManager.oplog_erro
 says why; the line cut short is cut off, so the file stays a replayable prefix.  The file
 is opened once per process and path: created ``0600`` (an existing one is tightened to
 ``0600``), never through a symlink, and only if it is a regular file of this user with one
-link; otherwise building the manager raises an ``OSError`` that names ``KVCM_OPLOG``.  Only state-visible public calls are recorded (the :mod:`kvcm.ops`
+link; otherwise building the manager raises an ``OSError`` that names ``KVCM_OPLOG``.  Only state-visible public calls are recorded (the :mod:`kvcm.oplog.ops`
 vocabulary); property reads, ``snapshot()`` and ``check_invariants()`` are not.
 
 Replay: :func:`replay` (``python -m kvcm oplog-replay PATH [--backend python,cpp]``, wired

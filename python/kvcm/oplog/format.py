@@ -10,9 +10,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm import ops as _ops
 from kvcm.api import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
 from kvcm.config import resolve_config
+from kvcm.oplog import ops as _ops
 
 ENV_VAR = "KVCM_OPLOG"
 FORMAT_VERSION = 1
@@ -158,7 +158,7 @@ def read_log(path_or_lines: str | Iterable[str]) -> list[LoggedManager]:
     """Parse a log (a path, or an iterable of JSON lines) into manager streams.  A
     malformed log raises :class:`LogFormatError` (a ValueError) naming the line and field:
     each record must be a JSON object; a header (``kvcm_oplog``) needs this format version
-    and a valid ``config``; an op record must be a well-formed op (:func:`kvcm.ops.validate_op`)
+    and a valid ``config``; an op record must be a well-formed op (:func:`kvcm.oplog.ops.validate_op`)
     with an object ``outcome``."""
     if isinstance(path_or_lines, str):
         source = path_or_lines

@@ -8,8 +8,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm import ops as _ops
 from kvcm.api import KVCacheManagerConfig
+from kvcm.oplog import ops as _ops
 from kvcm.oplog.format import _short
 
 

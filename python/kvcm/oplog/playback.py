@@ -16,7 +16,7 @@ from kvcm.api import KVCacheManager, KVCacheManagerConfig
 from kvcm.oplog.format import LogFormatError, LoggedManager, config_from_json, format_log, read_log
 from kvcm.oplog.lockstep import Divergence, Lockstep
 from kvcm.oplog.minimise import minimize
-from kvcm.progress import Progress
+from kvcm.tools.progress import Progress
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Recording (sec. 11): with ``KVCM_OPLOG=path`` set, ``kvcm.KVCacheManager(...)`` returns a
 :class:`RecordingManager` proxy that forwards every call and appends one JSON line per
-state-visible public call (the :mod:`kvcm.ops` vocabulary).  Recording never changes what
+state-visible public call (the :mod:`kvcm.oplog.ops` vocabulary).  Recording never changes what
 a call does (SPEC sec. 15); see :mod:`kvcm.oplog` for the file rules."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import warnings
 import weakref
 from typing import Any, ClassVar
 
-from kvcm import ops as _ops
 from kvcm._select import manager_class
 from kvcm.api import KVCache, KVCacheManager, KVCacheManagerConfig
+from kvcm.oplog import ops as _ops
 from kvcm.oplog.format import ENV_VAR, FORMAT_VERSION, config_to_json
 
 
@@ -366,7 +366,7 @@ class RecordingManager(KVCacheManager):
         )
 
     def _batch_caches(self, caches: Any) -> tuple[Any, Any]:
-        """A batch call's ``caches`` as recorded (handles; see kvcm.ops) and as forwarded
+        """A batch call's ``caches`` as recorded (handles; see kvcm.oplog.ops) and as forwarded
         (this proxy's caches unwrapped, anything else as is, so the inner manager rejects
         it exactly as it would without the proxy)."""
         if not isinstance(caches, (list, tuple)):

@@ -167,7 +167,7 @@ class KvcmConnector(KVConnectorBase_V1):
         self.stats_dirty = False
         self.publisher = None
         if s.events_endpoint is not None:
-            from kvcm.events import EventPublisher
+            from kvcm.fleet.publisher import EventPublisher
 
             # kvcm's tier 0 is host memory here: announced as CPU, disk as STORAGE, the store as SHARED
             self.publisher = EventPublisher(self.mgr, s.events_endpoint, replay_endpoint=s.events_replay_endpoint,

@@ -19,10 +19,10 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
                        shared tier"); the connector appends vLLM's KV layout to it
 ``shared_write``       ``"commit"`` (default) or ``"evict"``
 ``shared_timeout_s``   the deadline of one store call (default: the location's, 10 s)
-``shared_store_class`` ``"module:Class"``: a :class:`kvcm.shared_store.SharedStore` made as
+``shared_store_class`` ``"module:Class"``: a :class:`kvcm.dataplane.store.SharedStore` made as
                        ``Class(location, quota_bytes)`` instead of the one ``shared`` names
 ``events_endpoint``    a ZeroMQ endpoint: kvcm's events (host, disk, shared tiers) are published
-                       there by :class:`kvcm.events.EventPublisher` (``kvcm[events]``)
+                       there by :class:`kvcm.fleet.publisher.EventPublisher` (``kvcm[events]``)
 ``events_replay_endpoint``  its replay endpoint (optional)
 ``stats_file``         a JSON file the scheduler side rewrites with its counters when a request
                        finishes (tests, the benchmark)

@@ -1,4 +1,4 @@
-"""``python -m kvcm route``: compare routing policies on a trace (see ``kvcm.routing``).
+"""``python -m kvcm route``: compare routing policies on a trace (see ``kvcm.tools.routing``).
 
     route [TRACE] --instances N[,M...] [--policy kv,round-robin,random,least-loaded]
           [--limit 1000] [--block-size 32] [--gpu-blocks B] [--seed 0] [--backend cpp]
@@ -30,7 +30,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _policies(text: str) -> list[str]:
-    from kvcm.routing import POLICIES
+    from kvcm.tools.routing import POLICIES
 
     out = [x.strip() for x in text.split(",") if x.strip()]
     for x in out:
@@ -47,13 +47,13 @@ ROUTE_EXIT_CODES = (
 
 
 def main(argv: Sequence[str]) -> int:
-    from kvcm.cli_common import backend_arg, format_table, int_in, missing_extra, writable_file
-    from kvcm.progress import Progress
-    from kvcm.trace import load_trace
+    from kvcm.cli.common import backend_arg, format_table, int_in, missing_extra, writable_file
+    from kvcm.tools.progress import Progress
+    from kvcm.tools.trace import load_trace
 
     prog = "python -m kvcm route"
     try:  # the router decodes vLLM's wire format: msgspec (the events extra)
-        from kvcm.routing import POLICIES, plot, route_trace, table
+        from kvcm.tools.routing import POLICIES, plot, route_trace, table
     except ImportError as e:
         why = missing_extra(prog, e, "route")
         if why is None:

@@ -44,7 +44,7 @@ from typing import Any
 
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
 from kvcm.config import ceildiv
-from kvcm.trace import TraceRequest, expand_outputs, expand_prompt, load_trace, total_blocks
+from kvcm.tools.trace import TraceRequest, expand_outputs, expand_prompt, load_trace, total_blocks
 
 BYTES_PER_TOKEN_PER_LAYER = 1
 NUM_LAYERS = 2
@@ -203,7 +203,7 @@ def replay(
 
     bar = None
     if progress:
-        from kvcm.progress import Progress
+        from kvcm.tools.progress import Progress
 
         bar = Progress(len(trace), f"replay {backend}")
     ops: Counter[str] = Counter()

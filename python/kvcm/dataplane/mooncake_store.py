@@ -9,7 +9,7 @@ live in segments of long-running storage clients such as ``mooncake_client``, wh
 the engines).  Objects in a segment disappear with the client that mounted it.
 
 Batches: ``exists`` is one ``batch_is_exist``; ``put`` / ``get`` are one ``batch_put_from`` /
-``batch_get_into`` straight from / into the registered :class:`~kvcm.shared_store.Staging`
+``batch_get_into`` straight from / into the registered :class:`~kvcm.dataplane.store.Staging`
 buffer (zero-copy on the client side).  A put is published by the master only once its data
 is complete (put start / put end), so a failed write never shows an object.
 
@@ -35,7 +35,7 @@ Location: ``mooncake://<master host:port>?metadata=<url>[&protocol=tcp][&local_h
 ``http://<master host>:8080/metadata``; ``metadata=P2PHANDSHAKE`` needs no metadata server
 (the clients exchange it through their handshake ports; what :class:`LocalMooncake` uses).
 ``timeout_s`` is the data plane's deadline for one store call and for the set-up (default
-:data:`kvcm.shared_store.DEFAULT_TIMEOUT_S`; 0: none).
+:data:`kvcm.dataplane.store.DEFAULT_TIMEOUT_S`; 0: none).
 ``local_hostname`` is the address this client's segment and buffers are reached at by the
 other clients: it defaults to ``127.0.0.1``, right for one host only — **on several hosts
 set it to this host's IP** (``&local_hostname=10.0.0.2``), or other hosts' transfers to it
@@ -68,7 +68,7 @@ from collections.abc import Iterator, Sequence
 from typing import Self
 from urllib.parse import parse_qs, urlsplit
 
-from kvcm.shared_store import DEFAULT_TIMEOUT_S, SharedStore, Staging, parse_timeout
+from kvcm.dataplane.store import DEFAULT_TIMEOUT_S, SharedStore, Staging, parse_timeout
 
 # Mooncake's error codes (mooncake-store/include/types.h) that have a clear errno
 _ERRNO = {-704: errno.ENOENT, -900: errno.ECONNREFUSED, -600: errno.EMSGSIZE, -200: errno.ENOSPC}

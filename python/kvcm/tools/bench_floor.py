@@ -10,9 +10,9 @@ no events, no stats, no copy ops, no checks, no snapshot.  An evicted block's
 descendants stay in the dict until they are evicted themselves (they are unreachable, as
 in vLLM's hash-keyed cache).
 
-``replay_floor`` drives it exactly like :func:`kvcm.replay.replay` drives a manager
+``replay_floor`` drives it exactly like :func:`kvcm.tools.replay.replay` drives a manager
 (match, allocate the rest of the prompt, commit, optionally decode the outputs
-``output_step`` tokens at a time, close; one request in flight) and returns a :class:`kvcm.replay.ReplayResult`
+``output_step`` tokens at a time, close; one request in flight) and returns a :class:`kvcm.tools.replay.ReplayResult`
 with ``backend="floor"`` whose ``manager_s`` is the time inside the cache's methods.
 """
 
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 from kvcm.config import ceildiv
 from kvcm.keys import scope_root_key
-from kvcm.replay import ReplayResult, replay_input, request_input
-from kvcm.trace import TraceRequest, load_trace
+from kvcm.tools.replay import ReplayResult, replay_input, request_input
+from kvcm.tools.trace import TraceRequest, load_trace
 
 FLOOR = "floor"
 
@@ -235,8 +235,8 @@ def measure_replay(impl: str, limit: int, tokens_per_block: int, gpu: int | None
     import dataclasses
     import gc
 
-    from kvcm.cli_common import run_guarded
-    from kvcm.replay import replay
+    from kvcm.cli.common import run_guarded
+    from kvcm.tools.replay import replay
 
     trace = load_trace(limit=limit)
     base = _rss_bytes()
@@ -261,6 +261,6 @@ def measure_replay(impl: str, limit: int, tokens_per_block: int, gpu: int | None
 
 
 REPLAY_CHILD = (
-    "import json, sys; from kvcm.bench_floor import measure_replay; a = json.loads(sys.argv[1]); "
+    "import json, sys; from kvcm.tools.bench_floor import measure_replay; a = json.loads(sys.argv[1]); "
     "print(json.dumps(measure_replay(**a)))"
 )

@@ -20,7 +20,16 @@ from typing import Any
 
 import zmq
 
-from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, AllBlocksCleared, BlockRemoved, BlockStored, Decoder, seq_bytes, seq_of
+from kvcm.fleet.wire import (
+    END_SEQ,
+    SNAPSHOT_REQUEST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Decoder,
+    seq_bytes,
+    seq_of,
+)
 
 
 def _h(x: Any) -> str:
@@ -112,7 +121,7 @@ def demo(steps: int) -> int:
     """A small hybrid manager behind a publisher on 127.0.0.1, watched in this process."""
     import kvcm
     from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
-    from kvcm.events import EventPublisher
+    from kvcm.fleet.publisher import EventPublisher
 
     cfg = KVCacheManagerConfig(tokens_per_block=4, layers=[AttentionLayer(0, 8), AttentionLayer(1, 8, window=8),
                                                           SsmLayer(2, 64)],
@@ -144,9 +153,9 @@ def bench(limit: int, backend: str | None, block_size: int) -> dict[str, float]:
     """Publisher cost per engine step on the shipped trace (one prefill step per request),
     with a SUB socket attached and drained by a thread.  Timing is reporting only."""
     import kvcm
-    from kvcm.events import EventPublisher
-    from kvcm.replay import replay_config
-    from kvcm.trace import expand_prompt, load_trace, unique_blocks
+    from kvcm.fleet.publisher import EventPublisher
+    from kvcm.tools.replay import replay_config
+    from kvcm.tools.trace import expand_prompt, load_trace, unique_blocks
 
     trace = load_trace(limit=limit)
     cfg = replay_config(block_size, max(1, unique_blocks(trace, block_size) // 2), enable_partial_reuse=False)
@@ -233,7 +242,7 @@ def _endpoint(text: str) -> str:
 def main(argv: Sequence[str]) -> int:
     import sys
 
-    from kvcm.cli_common import backend_arg, finite_in, int_in
+    from kvcm.cli.common import backend_arg, finite_in, int_in
 
     prog = "python -m kvcm events"
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=EVENTS_EXIT_CODES)

@@ -12,7 +12,7 @@ carries a sequence number; the client tracks the next one it needs, ``expected``
 * ``seq > expected`` is a **gap** (lost messages, or a subscription that started late): the
   client asks the replay endpoint for everything from ``expected`` and applies it in order;
   if the publisher's buffer no longer holds ``expected``, it falls back to a snapshot;
-* a **snapshot** (``b"kvcm:snapshot"`` request, see ``kvcm.events``) replaces the instance's
+* a **snapshot** (``b"kvcm:snapshot"`` request, see ``kvcm.fleet.publisher``) replaces the instance's
   state and sets ``expected`` to the sequence number it is stamped with.  A router that
   starts (or restarts) takes one snapshot per instance before anything else.
 * **instance identity**: a kvcm publisher stamps every batch with ``kvcm_instance``, one
@@ -23,7 +23,7 @@ carries a sequence number; the client tracks the next one it needs, ``expected``
 
 A **malformed** message — a live message that is not ``(topic, 8-byte seq, payload)``, a
 payload that does not decode as a ``KVEventBatch``, or a batch the router rejects
-(``kvcm.router.InvalidBatchError``: another block size, a group or spec the model does not
+(``kvcm.fleet.router_index.InvalidBatchError``: another block size, a group or spec the model does not
 have, a block hash that is neither bytes nor int) — never raises out of ``poll`` / ``sync``:
 it is dropped whole (nothing of it applied), counted for its instance (``stats()``), and that
 instance alone is resynchronised by a snapshot; the other instances go on.  A snapshot that is
@@ -45,8 +45,8 @@ from typing import Any, Self
 import msgspec
 import zmq
 
-from kvcm.router import InvalidBatchError, RouterIndex
-from kvcm.wire import END_SEQ, SNAPSHOT_REQUEST, Decoder, instance_of, seq_bytes, seq_of
+from kvcm.fleet.router_index import InvalidBatchError, RouterIndex
+from kvcm.fleet.wire import END_SEQ, SNAPSHOT_REQUEST, Decoder, instance_of, seq_bytes, seq_of
 
 
 @dataclass

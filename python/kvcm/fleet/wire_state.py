@@ -5,7 +5,7 @@ holds — per block: its parent, tokens, scope and, per life cycle, the tier of 
 built from ``manager.snapshot()`` (the public picture of the tree, SPEC sec. 11) and then
 moved forward by the events of ``take_events()``.  It needs no manager internals.
 
-Mapping (kvcm event -> vLLM wire event, see ``kvcm.wire``):
+Mapping (kvcm event -> vLLM wire event, see ``kvcm.fleet.wire``):
 
 * ``stored`` of a full block -> ``BlockStored`` per life cycle: ``block_hashes=[key]``,
   ``parent_block_hash`` = the parent's key, or None when the parent is a scope root;
@@ -45,8 +45,8 @@ from typing import Any
 
 from kvcm.api import ClearedEvent, Event, RemovedEvent, ReuseScope, StoredEvent, TierChangedEvent, Token
 from kvcm.config import LifeCycle
+from kvcm.fleet.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, MEDIA, AllBlocksCleared, BlockRemoved, BlockStored
 from kvcm.keys import scope_root_key
-from kvcm.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, MEDIA, AllBlocksCleared, BlockRemoved, BlockStored
 
 DIGEST_PLACEHOLDER = -1
 

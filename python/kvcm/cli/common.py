@@ -1,5 +1,5 @@
-"""Helpers shared by the command-line tools (``kvcm.cli``, ``kvcm.bench``,
-``kvcm.route_cli``): result tables, timing and running one backend's part guarded.
+"""Helpers shared by the command-line tools (``kvcm.cli``, ``kvcm.tools.bench``,
+``kvcm.cli.route``): result tables, timing and running one backend's part guarded.
 
 Their own module so that the commands import it rather than each other (no import cycle
 between the CLI and the benchmarks it runs)."""

@@ -1,6 +1,6 @@
 """An in-process wire link: manager events -> vLLM wire bytes -> router index, no sockets.
 
-The routing simulation (``kvcm.routing``) runs thousands of steps; going through ZeroMQ
+The routing simulation (``kvcm.tools.routing``) runs thousands of steps; going through ZeroMQ
 would only add thread scheduling to its timing, never change its result.  ``LoopbackLink``
 uses exactly the publisher's translation (``WireState``) and encoding (``wire.Encoder``)
 and the router client's decoding (``wire.Decoder``), so what the router index sees is what
@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvcm.api import KVCacheManager, ReuseScope
-from kvcm.router import RouterIndex
-from kvcm.wire import Decoder, Encoder, Layout
-from kvcm.wire_state import WireState
+from kvcm.fleet.router_index import RouterIndex
+from kvcm.fleet.wire import Decoder, Encoder, Layout
+from kvcm.fleet.wire_state import WireState
 
 
 class LoopbackLink:

@@ -25,7 +25,7 @@ measured in the same process right after (for Mooncake: ``batch_put_from`` /
 ``batch_get_into`` on a registered buffer, no kvcm format).  Timing is for reporting only.
 
 ``mooncake`` alone starts a local Mooncake Store for the run
-(:class:`kvcm.mooncake_store.LocalMooncake`) and stops it after.
+(:class:`kvcm.dataplane.mooncake_store.LocalMooncake`) and stops it after.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, CopyError, KVCacheManager, KVCacheManagerConfig, Tier
-from kvcm.cli_common import fmt_int, format_table
+from kvcm.cli.common import fmt_int, format_table
 from kvcm.dataplane import DataPlane, open_store
-from kvcm.shared_store import HEADER, SharedStore, Staging
-from kvcm.trace import TraceRequest, expand_prompt
+from kvcm.dataplane.store import HEADER, SharedStore, Staging
+from kvcm.tools.trace import TraceRequest, expand_prompt
 
 NUM_LAYERS = 2
 
@@ -255,7 +255,7 @@ def resolve_shared(spec: str, scratch: str) -> tuple[str, Any]:
     ``mooncake`` (a local Mooncake Store for the run), ``mooncake://...``, ``file:DIR``,
     ``file://DIR`` or a directory."""
     if spec == "mooncake":
-        from kvcm.mooncake_store import LocalMooncake
+        from kvcm.dataplane.mooncake_store import LocalMooncake
 
         mc = LocalMooncake(1 << 30, log_dir=scratch)
         return mc.url, mc

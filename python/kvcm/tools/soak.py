@@ -1,14 +1,14 @@
 """The fleet soak (issue 18): many requests through publisher + subscriber + router + file store.
 
-``python -m kvcm.soak [--requests 100000] [--backend cpp] [--json out.json]``
+``python -m kvcm.tools.soak [--requests 100000] [--backend cpp] [--json out.json]``
 
 N instances (default 2), each a manager whose coldest tier is a **file store** shared by all
-of them (one directory, each instance's :class:`~kvcm.shared_store.FileStore` enforcing the
+of them (one directory, each instance's :class:`~kvcm.dataplane.store.FileStore` enforcing the
 byte quota on its own writes), a :class:`~kvcm.dataplane.DataPlane` executing its copy ops,
-and an :class:`~kvcm.events.EventPublisher` on 127.0.0.1 sockets (ephemeral ports).  One
-:class:`~kvcm.router_client.FleetSubscriber` feeds one :class:`~kvcm.router.RouterIndex`
+and an :class:`~kvcm.fleet.publisher.EventPublisher` on 127.0.0.1 sockets (ephemeral ports).  One
+:class:`~kvcm.fleet.subscriber.FleetSubscriber` feeds one :class:`~kvcm.fleet.router_index.RouterIndex`
 from all of them.  Requests run round-robin over the instances, one at a time, as an engine
-drives a manager (``kvcm.fleet``): a batched lookup in the store, create, resume + resize,
+drives a manager (``kvcm.tools.fleet_replay``): a batched lookup in the store, create, resume + resize,
 chunked prefill (commits ending on block boundaries, so the ssm life cycle snapshots),
 a few decode blocks, close, then ``publish(take_events())`` and a non-blocking ``poll``.
 
@@ -50,9 +50,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, CopyError, KVCacheManager, KVCacheManagerConfig, SsmLayer, Tier
-from kvcm.trace import TraceRequest, expand_outputs, load_trace
+from kvcm.tools.trace import TraceRequest, expand_outputs, load_trace
 
-OBJECT_HEADER = 88  # kvcm.shared_store.HEADER.size (kept here so the module imports no torch)
+OBJECT_HEADER = 88  # kvcm.dataplane.store.HEADER.size (kept here so the module imports no torch)
 
 
 @dataclass(frozen=True)
@@ -190,8 +190,8 @@ class _Instance:
         import torch
 
         from kvcm.dataplane import DataPlane
-        from kvcm.events import EventPublisher
-        from kvcm.shared_store import FileStore
+        from kvcm.dataplane.store import FileStore
+        from kvcm.fleet.publisher import EventPublisher
 
         self.name = name
         self.mgr = KVCacheManager(config, backend=backend)
@@ -250,8 +250,8 @@ def run_soak(profile: SoakProfile, *, backend: str | None = None, trace: Sequenc
     """Run ``profile``; raises :class:`SoakMismatch` on the first inexact router answer."""
     import zmq
 
-    from kvcm.router import RouterIndex, RouterModel
-    from kvcm.router_client import FleetSubscriber
+    from kvcm.fleet.router_index import RouterIndex, RouterModel
+    from kvcm.fleet.subscriber import FleetSubscriber
 
     if profile.requests < 1 or profile.instances < 1 or profile.checkpoints < 1 or profile.check_every < 1:
         raise ValueError(f"a soak needs requests, instances, checkpoints and check_every >= 1: {profile}")
@@ -380,7 +380,7 @@ def flat_violations(res: SoakResult, *, rss_slack: int = RSS_SLACK_BYTES) -> lis
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvcm.soak", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvcm.tools.soak", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--instances", type=int, default=SoakProfile.instances)
     ap.add_argument("--backend", default=None, help="python | cpp (default: KVCM_BACKEND)")

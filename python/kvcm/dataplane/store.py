@@ -1,5 +1,5 @@
 """The shared tier's stores: one small interface, a directory of files, and the object format
-(DECISIONS.md "The shared tier"; Mooncake Store lives in :mod:`kvcm.mooncake_store`).
+(DECISIONS.md "The shared tier"; Mooncake Store lives in :mod:`kvcm.dataplane.mooncake_store`).
 
 A store holds **objects**, each one page of one full block: named by the layout fingerprint,
 the block key and the life cycle (:meth:`ObjectCodec.name`), so managers with another model

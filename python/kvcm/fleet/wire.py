@@ -33,7 +33,7 @@ unknown map keys, and extra trailing array items in the array layout):
 * ``EventBatch.kvcm_instance`` — the identity of the publisher's life (bytes, a fourth
   batch item after ``data_parallel_rank``; vLLM's array-like ``EventBatch`` ignores extra
   trailing items).  A subscriber that sees it change knows the instance restarted and
-  resynchronises (``kvcm.router_client``).  Batches encoded without one (``Encoder``'s
+  resynchronises (``kvcm.fleet.subscriber``).  Batches encoded without one (``Encoder``'s
   ``instance=None``, e.g. the in-process link) keep vLLM's three items exactly.
 
 Block hashes are kvcm's 32-byte keys as ``bytes`` (vLLM's ``ExternalBlockHash`` is

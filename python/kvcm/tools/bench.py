@@ -64,7 +64,7 @@ from typing import Any
 
 from kvcm import block_keys
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, SsmLayer, Tier
-from kvcm.cli_common import exit_code, format_table, int_in, ratio, run_guarded
+from kvcm.cli.common import exit_code, format_table, int_in, ratio, run_guarded
 from kvcm.config import ceildiv
 
 BACKENDS = ("python", "cpp")
@@ -651,7 +651,7 @@ def measure_memory(backend: str, n: int, B: int, per_req: int = 64) -> dict[str,
 
 
 _MEMORY_CHILD = (
-    "import json, sys; from kvcm.bench import measure_memory; "
+    "import json, sys; from kvcm.tools.bench import measure_memory; "
     "print(json.dumps(measure_memory(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))"
 )
 

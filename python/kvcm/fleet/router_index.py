@@ -3,7 +3,7 @@
 ``RouterIndex`` holds, per instance, the blocks its wire stream announced and answers
 ``reuse(instance, tokens, scope)``: how many prompt tokens that instance would reuse.  It
 never talks to a manager; sockets, sequence numbers, gaps and snapshots are
-``kvcm.router_client``'s job, which feeds decoded batches to :meth:`RouterIndex.apply`.
+``kvcm.fleet.subscriber``'s job, which feeds decoded batches to :meth:`RouterIndex.apply`.
 
 What it answers (hybrid-aware, the fixed point of SPEC sec. 6 over whole blocks):
 
@@ -48,7 +48,7 @@ from typing import Any
 
 from kvcm.api import KVCacheManagerConfig, ReuseScope, Token
 from kvcm.config import LifeCycle, resolve_config, stale_range
-from kvcm.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, AllBlocksCleared, BlockRemoved, BlockStored
+from kvcm.fleet.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, AllBlocksCleared, BlockRemoved, BlockStored
 
 BlockKey = bytes | int  # vLLM's ExternalBlockHash; kvcm's own keys are 32-byte ``bytes``
 

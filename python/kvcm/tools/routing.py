@@ -1,6 +1,6 @@
 """KV-aware routing across instances: replay a trace through N managers behind the router.
 
-Each instance is a ``KVCacheManager`` (the replay model of ``kvcm.replay``: one
+Each instance is a ``KVCacheManager`` (the replay model of ``kvcm.tools.replay``: one
 full-attention layer group, ``enable_partial_reuse=False`` so the router index is exact)
 whose events reach one ``RouterIndex`` through a ``LoopbackLink`` (the publisher's
 translation and vLLM wire encoding, the router's decoding; no sockets, so the result does
@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvcm.api import KVCacheManager
-from kvcm.replay import replay_config
-from kvcm.router import RouterIndex, RouterModel
-from kvcm.router_link import LoopbackLink
-from kvcm.trace import TraceRequest, expand_prompt, unique_blocks
+from kvcm.fleet.loopback import LoopbackLink
+from kvcm.fleet.router_index import RouterIndex, RouterModel
+from kvcm.tools.replay import replay_config
+from kvcm.tools.trace import TraceRequest, expand_prompt, unique_blocks
 
 POLICIES: tuple[str, ...] = ("kv", "round-robin", "random", "least-loaded")
 

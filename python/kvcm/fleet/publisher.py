@@ -10,7 +10,7 @@ engine step::
     pub.close()
 
 ``publish`` only checks the event ids and puts the list on a bounded queue; translating
-(``kvcm.wire_state``), encoding (``kvcm.wire``), sending and serving the replay socket
+(``kvcm.fleet.wire_state``), encoding (``kvcm.fleet.wire``), sending and serving the replay socket
 happen on one background thread, which owns both sockets (it closes them when it ends).
 A full queue drops the step and counts it (``dropped``); the next ``publish`` then takes
 ``mgr.snapshot()`` and publishes a *reset* batch instead of its events: ``AllBlocksCleared``
@@ -55,7 +55,7 @@ Bounds (the live stream keeps flowing whatever the replay socket receives):
   to the others; it is counted once in ``live_dropped`` (the subscriber sees the gap and
   heals by replay or snapshot).
 
-Instance identity: every batch carries ``kvcm_instance`` (``kvcm.wire``), one value per
+Instance identity: every batch carries ``kvcm_instance`` (``kvcm.fleet.wire``), one value per
 publisher life: ``instance`` if given, else 8 random bytes.  A subscriber that sees it
 change resynchronises by snapshot: an engine restarted on the same endpoints starts a new
 life with a new identity.  The random default is the one thing on the wire that is not a
@@ -84,8 +84,8 @@ import msgspec
 import zmq
 
 from kvcm.api import Event, KVCacheManager, ReuseScope
-from kvcm.wire import REPLAY_END, SNAPSHOT_REQUEST, BlockRemoved, BlockStored, Encoder, Layout, seq_bytes, seq_of
-from kvcm.wire_state import WireState
+from kvcm.fleet.wire import REPLAY_END, SNAPSHOT_REQUEST, BlockRemoved, BlockStored, Encoder, Layout, seq_bytes, seq_of
+from kvcm.fleet.wire_state import WireState
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:*"
 _POLL_S = 0.002

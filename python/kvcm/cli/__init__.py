@@ -6,13 +6,13 @@ Subcommands::
     replay [TRACE] [--backend python,cpp] [--block-size 32] [--gpu-blocks N | --gpu-frac F]
            [--host-blocks N | --host-frac F] [--limit N] [--no-partial] [--outputs]
     replay [TRACE] --instances 2,4,8 --shared-tier file:DIR|mooncake|mooncake://HOST:PORT?metadata=URL
-           [--page-bytes 4096] [--gpu-blocks 1024] [--plot kvcm-fleet.png]   (the fleet replay, kvcm.fleet)
+           [--page-bytes 4096] [--gpu-blocks 1024] [--plot kvcm-fleet.png]   (the fleet replay, kvcm.tools.fleet_replay)
     bench [replay|keys|probe|decode|step|ssm|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
     bench vllm [--conversations N] [--turns N] [--gpu-blocks N] ...   (kvcm.integrations.vllm.bench)
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
-    events --connect ENDPOINT [--replay ENDPOINT] [--snapshot] | --demo | --bench   (kvcm.events_cli)
-    route [TRACE] --instances N[,M] [--policy kv,round-robin,random,least-loaded] [--plot PNG]  (kvcm.route_cli)
+    events --connect ENDPOINT [--replay ENDPOINT] [--snapshot] | --demo | --bench   (kvcm.cli.events)
+    route [TRACE] --instances N[,M] [--policy kv,round-robin,random,least-loaded] [--plot PNG]  (kvcm.cli.route)
 
 Exit status (every command): 0 success; 1 a failure the command reports -- a backend that
 raised an unexpected error (``replay``, ``bench``), a divergence (``oplog-replay``), outputs
@@ -40,13 +40,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # The shared table / run helpers, under the names this module has always used for them.
-from kvcm.cli_common import best_of as _best_of
-from kvcm.cli_common import exit_code as _exit_code
-from kvcm.cli_common import fmt_int as _fmt_int
-from kvcm.cli_common import format_table as _table
-from kvcm.cli_common import int_in as _int_in
-from kvcm.cli_common import ratio as _ratio
-from kvcm.cli_common import run_guarded as _run_guarded
+from kvcm.cli.common import best_of as _best_of
+from kvcm.cli.common import exit_code as _exit_code
+from kvcm.cli.common import fmt_int as _fmt_int
+from kvcm.cli.common import format_table as _table
+from kvcm.cli.common import int_in as _int_in
+from kvcm.cli.common import ratio as _ratio
+from kvcm.cli.common import run_guarded as _run_guarded
 from kvcm.config import ceildiv
 
 # The default replay: a prefix of the shipped trace the python backend replays in about
@@ -150,7 +150,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"numpy: {numpy.__version__}")
     except ImportError:
         print("numpy: not installed (optional)")
-    from kvcm.trace import load_trace, shipped_trace_path
+    from kvcm.tools.trace import load_trace, shipped_trace_path
 
     try:
         n = len(load_trace())
@@ -224,7 +224,7 @@ def run_replays(
     output_step: int = 1,
 ) -> dict[str, Any]:
     """``{backend: ReplayResult or reason string}``."""
-    from kvcm.replay import replay
+    from kvcm.tools.replay import replay
 
     results: dict[str, Any] = {}
     for b in backends:
@@ -249,7 +249,7 @@ def run_replays(
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from kvcm.trace import load_trace, reference_figures, total_blocks, unique_blocks
+    from kvcm.tools.trace import load_trace, reference_figures, total_blocks, unique_blocks
 
     try:
         full = load_trace(args.trace)
@@ -318,8 +318,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_fleet(args: argparse.Namespace, trace: Sequence[Any]) -> int:
-    """``replay --instances N[,M..] --shared-tier SPEC``: the fleet replay (kvcm.fleet)."""
-    from kvcm.fleet import main_fleet
+    """``replay --instances N[,M..] --shared-tier SPEC``: the fleet replay (kvcm.tools.fleet_replay)."""
+    from kvcm.tools.fleet_replay import main_fleet
 
     if args.instances is None or args.shared_tier is None:
         print("replay: a fleet replay needs both --instances and --shared-tier", file=sys.stderr)
@@ -364,7 +364,7 @@ def bench_keys(args: argparse.Namespace) -> None:
     rows.append(["speedup hashlib/python (Python floor)", _ratio(rates.get("hashlib"), py)])
     # Time relative to the floor: how many raw-loop durations one block_keys call takes.
     floor = rates.get("cpp_raw")
-    from kvcm.bench import target as bench_target
+    from kvcm.tools.bench import target as bench_target
 
     for label, _ in inputs:
         cpp_rate = rates.get(f"cpp{label}")
@@ -376,7 +376,7 @@ def bench_keys(args: argparse.Namespace) -> None:
 
 def _trace_tokens(count: int) -> list[int]:
     """The first ``count`` prompt tokens of the shipped trace."""
-    from kvcm.trace import expand_prompt, load_trace
+    from kvcm.tools.trace import expand_prompt, load_trace
 
     tokens: list[int] = []
     for req in load_trace():
@@ -411,7 +411,7 @@ def _time_block_keys(inputs: list[tuple[str, Any]], n: int, B: int, repeat: int,
         kvcm.block_keys(toks, B, backend=b)  # warm-up, untimed: first-call effects are not throughput
         return _best_of(lambda: kvcm.block_keys(toks, B, backend=b), repeat)
 
-    from kvcm.bench import NOT_SELECTED, SELECTED
+    from kvcm.tools.bench import NOT_SELECTED, SELECTED
 
     for label, toks in inputs:
         for b in ("python", "cpp"):
@@ -482,8 +482,8 @@ def _replay_in_child(impl: str, limit: int, B: int, gpu: int | None, host: int |
     import subprocess
 
     import kvcm
-    from kvcm.bench_floor import REPLAY_CHILD
-    from kvcm.replay import ReplayResult
+    from kvcm.tools.bench_floor import REPLAY_CHILD
+    from kvcm.tools.replay import ReplayResult
 
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
     env = dict(os.environ)
@@ -518,11 +518,11 @@ def _replay_hash_floor(B: int, repeat: int) -> float | None:
 
 
 def bench_replay(args: argparse.Namespace) -> int:
-    """Each backend and the floor (kvcm.bench_floor: a minimal pure-Python prefix cache, a
+    """Each backend and the floor (kvcm.tools.bench_floor: a minimal pure-Python prefix cache, a
     measuring stick) replay the same prefix, each run in its own child process; with the
     prompt only, and with the outputs decoded a block at a time."""
-    from kvcm.bench_floor import FLOOR
-    from kvcm.trace import load_trace, unique_blocks
+    from kvcm.tools.bench_floor import FLOOR
+    from kvcm.tools.trace import load_trace, unique_blocks
 
     B = args.block_size
     limit = args.limit if args.limit is not None else DEFAULT_BENCH_LIMIT
@@ -532,13 +532,13 @@ def bench_replay(args: argparse.Namespace) -> int:
     print(
         f"replay: {len(trace)} requests of the shipped trace, tokens_per_block={B}, {_fmt_int(uniq)} unique blocks, "
         f"each backend's fastest of {args.repeat} run(s) (a shared machine's noise only ever adds time), each run "
-        f"in its own child process; floor = a minimal pure-Python prefix cache (kvcm.bench_floor: chained SHA-256 "
+        f"in its own child process; floor = a minimal pure-Python prefix cache (kvcm.tools.bench_floor: chained SHA-256 "
         f"keys in a dict, an ordered LRU, refcounts; no tiers, partial blocks, events or stats), a measuring stick, "
         f"not a backend"
     )
     rc = 0
-    from kvcm.bench import NOT_SELECTED, SELECTED
-    from kvcm.bench import target as bench_target
+    from kvcm.tools.bench import NOT_SELECTED, SELECTED
+    from kvcm.tools.bench import target as bench_target
 
     impls = ("python", "cpp", FLOOR)
     pools = (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight))
@@ -586,7 +586,7 @@ def bench_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvcm import bench
+    from kvcm.tools import bench
 
     bench.SELECTED = tuple(args.backend)
     bench.QUICK = args.quick
@@ -648,9 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
 # (command, help) of the commands whose arguments their own module parses
 _PASS_THROUGH = (
     ("oplog-replay", "replay a KVCM_OPLOG file on backends: PATH [--backend python,cpp] (kvcm.oplog)"),
-    ("demo", "reference engine on a multi-turn workload: reuse, copies, exactness per backend (kvcm.demo)"),
-    ("events", "watch a KV-event stream (--connect ENDPOINT [--replay ENDPOINT]), --demo, --bench (kvcm.events_cli)"),
-    ("route", "compare routing policies over N instances behind the router index (kvcm.route_cli)"),
+    ("demo", "reference engine on a multi-turn workload: reuse, copies, exactness per backend (kvcm.tools.demo)"),
+    ("events", "watch a KV-event stream (--connect ENDPOINT [--replay ENDPOINT]), --demo, --bench (kvcm.cli.events)"),
+    ("route", "compare routing policies over N instances behind the router index (kvcm.cli.route)"),
 )
 
 
@@ -683,7 +683,7 @@ def _add_replay_parser(sub: Any) -> None:
     r.add_argument("--no-partial", action="store_true", help="enable_partial_reuse=False")
     r.add_argument("--outputs", action="store_true", help="also decode and commit the output tokens")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    f = r.add_argument_group("fleet replay (kvcm.fleet): N managers round-robin, local tiers only vs a shared tier")
+    f = r.add_argument_group("fleet replay (kvcm.tools.fleet_replay): N managers round-robin, local tiers only vs a shared tier")
     f.add_argument("--instances", type=_int_list, default=None, help="N, or a list: 2,4,8")
     f.add_argument("--shared-tier", default=None,
                    help="file:DIR, a directory, mooncake (a local Mooncake Store for the run) or "
@@ -708,7 +708,7 @@ def _add_bench_parser(sub: Any) -> None:
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--backend", type=_backends, default=["python", "cpp"],
                    help="comma-separated backends to measure (default python,cpp; the ratios need both)")
-    from kvcm.bench import add_arguments as add_micro_bench_arguments
+    from kvcm.tools.bench import add_arguments as add_micro_bench_arguments
 
     add_micro_bench_arguments(b)
 
@@ -720,7 +720,7 @@ _RECORDING = ("replay", "bench", "demo", "events", "route")
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in _RECORDING and not {"-h", "--help"} & set(argv):
-        from kvcm.cli_common import oplog_unusable
+        from kvcm.cli.common import oplog_unusable
 
         why = oplog_unusable(f"python -m kvcm {argv[0]}")
         if why is not None:
@@ -729,17 +729,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["oplog-replay"]:
         return cmd_oplog_replay(argv[1:])
     if argv[:1] == ["demo"]:
-        from kvcm.demo import main as demo_main
+        from kvcm.tools.demo import main as demo_main
 
         return demo_main(argv[1:])
     if argv[:1] in (["events"], ["route"]):
-        from kvcm.cli_common import missing_extra
+        from kvcm.cli.common import missing_extra
 
         try:  # their modules import the optional dependencies (pyzmq, msgspec) at the top
             if argv[0] == "events":
-                from kvcm.events_cli import main as command
+                from kvcm.cli.events import main as command
             else:
-                from kvcm.route_cli import main as command
+                from kvcm.cli.route import main as command
         except ImportError as e:
             why = missing_extra(f"python -m kvcm {argv[0]}", e)
             if why is None:
@@ -767,5 +767,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     return cmd_bench(args)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,341 @@
+"""The data plane's shared-tier I/O: opening the store, the batched existence query
+(``shared_lookup``), and ``store`` / shared ``onboard`` ops as batches through a staging
+buffer, each store call under a deadline on a worker thread; objects are named, framed
+and authenticated by an :class:`~kvcm.dataplane.store.ObjectCodec`.  See
+:mod:`kvcm.dataplane`, "The shared tier".
+
+:class:`SharedIO` is one of the three parts :class:`~kvcm.dataplane.DataPlane` is made of;
+the state it uses is set by ``DataPlane.__init__`` and declared below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kvcm.api import CopyOp, KVCacheManagerConfig
+from kvcm.config import layout_fingerprint
+from kvcm.dataplane.disk_pool import DiskPool, _torch
+from kvcm.dataplane.store import HEADER, BadObjectError, ObjectCodec, SharedStore, Staging, store_secret
+from kvcm.dataplane.store_factory import open_store
+
+STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in several calls
+
+
+class SharedIO:
+    """The shared-tier side of a :class:`~kvcm.dataplane.DataPlane`."""
+
+    # set by DataPlane.__init__
+    life_cycles: Sequence[Any]
+    pools: list[list[Any]]
+    shared: SharedStore | None
+    codec: ObjectCodec | None
+    shared_secret_source: str
+    shared_timeout_s: float
+    shared_stats: dict[str, int]
+    shared_seconds: dict[str, float]
+    _own_store: bool
+    _staging: Staging | None
+    _late: list[tuple[threading.Event, Staging | None]]
+    _count_n: Callable[[Any, int], None]  # CopyRuns._count_n
+
+    def _open_shared(self, config: KVCacheManagerConfig, rc: Any, store: SharedStore | None,
+                     timeout_s: float | None, secret: bytes | str | None) -> None:
+        tier = rc.shared_tier
+        if tier is None:
+            if store is not None:
+                raise ValueError("store= given but the config has no shared tier")
+            if secret is not None:
+                raise ValueError("shared_secret given but the config has no shared tier")
+            return
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                      or not math.isfinite(timeout_s) or timeout_s < 0):
+            raise ValueError(f"shared_timeout_s must be a number of seconds >= 0 (0: none), got {timeout_s!r}")
+        key, self.shared_secret_source = store_secret(secret, config.shared_secret_file)
+        self.codec = ObjectCodec(layout_fingerprint(rc, config.shared_namespace), key)
+        if store is None:
+            store = open_store(tier.path, tier.quota_bytes, timeout_s)  # set-up within the deadline
+            self._own_store = True
+        self.shared = store
+        self.shared_timeout_s = float(store.timeout_s if timeout_s is None else timeout_s)
+
+
+    # ------------------------------------------------------------------ the shared tier
+
+    def shared_lookup(self, candidates: Iterable[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        """The ``(key, lc)`` pairs of ``candidates`` (``mgr.shared_candidates``) whose objects
+        the store holds: one batched existence query.  A store that cannot answer counts as
+        empty (``shared_stats["lookup_errors"]``)."""
+        cands = list(candidates)
+        if self.shared is None or not cands:
+            return []
+        t0 = time.perf_counter()
+        self.shared_stats["lookups"] += 1
+        self.shared_stats["lookup_names"] += len(cands)
+        try:
+            present = self._call("exists", self.shared.exists, [self.codec.name(k, lc) for k, lc in cands])
+            if not isinstance(present, list) or len(present) != len(cands):  # a store that breaks its contract
+                raise OSError(errno.EIO, f"the shared store answered {len(present) if isinstance(present, list) else present!r} "
+                                         f"for {len(cands)} names")
+        except OSError:
+            self.shared_stats["lookup_errors"] += 1
+            return []
+        finally:
+            self.shared_seconds["lookup"] += time.perf_counter() - t0
+        hits = [c for c, p in zip(cands, present, strict=True) if p]
+        self.shared_stats["lookup_hits"] += len(hits)
+        return hits
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, staging: Staging | None = None) -> Any:
+        """``fn(*args)`` (a store's exists / put / get) under the deadline
+        ``shared_timeout_s``: run on a worker thread, and past the deadline stop waiting and
+        raise ``TimeoutError`` (an ``OSError``, ETIMEDOUT), as a store that is down fails.
+        The call may still complete later: ``staging`` (the buffer it reads or writes) is
+        then abandoned — never used again by this plane, so a late get cannot write into
+        anything that is read afterwards (pools are filled from it only after a call that
+        returned in time).  The late call is remembered (``_late``): its buffer is
+        unregistered and freed on this thread once it has returned (:meth:`_reap`), and
+        :meth:`close` does not close the store under a call still in flight.  0: no
+        deadline, the call runs on this thread."""
+        if not self.shared_timeout_s:
+            return fn(*args)
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                box["result"] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = e
+            done.set()
+
+        threading.Thread(target=work, name=f"kvcm-shared-{what}", daemon=True).start()
+        if not done.wait(self.shared_timeout_s):
+            self.shared_stats["timeouts"] += 1
+            self._late.append((done, staging))
+            if staging is not None and staging is self._staging:
+                self._staging = None  # abandoned: freed by _reap once the call returned
+            raise TimeoutError(errno.ETIMEDOUT, f"the shared store's {what} did not answer within "
+                                                f"{self.shared_timeout_s:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def _reap(self) -> None:
+        """Free the buffers of late calls that have returned since (on the caller's thread,
+        so that registering and unregistering never race with each other)."""
+        still: list[tuple[threading.Event, Staging | None]] = []
+        for done, st in self._late:
+            if not done.is_set():
+                still.append((done, st))
+            elif st is not None:
+                if self.shared is not None:
+                    with contextlib.suppress(OSError):
+                        self.shared.unregister(st)
+                st.close()
+        self._late = still
+
+    def _staging_for(self, nbytes: int) -> Staging:
+        """The registered staging buffer, grown to ``nbytes`` (at most STAGING_MAX_BYTES
+        unless one object needs more)."""
+        if self._late:
+            self._reap()
+        st = self._staging
+        if st is None or st.nbytes < nbytes:
+            if st is not None:
+                self.shared.unregister(st)
+                st.close()
+                self._staging = None
+            st = Staging(nbytes)
+            self.shared.register(st)
+            self._staging = st
+        return st
+
+    def _chunks(self, ops: list[CopyOp], pool_side: str) -> list[tuple[Staging, list[tuple[int, int, int, list[CopyOp]]]]]:
+        """Cut ``ops`` into batches that fit the staging buffer.  Within a batch the objects
+        are laid out grouped by (pool tier, lc) — ``pool_side`` names the op's pool side,
+        "src" or "dst" — so each group is one ``uint8[n, header + slot_bytes]`` region,
+        filled or read with one torch copy.  Returns [(buffer, [(tier, lc, offset, ops)])]."""
+        ops = sorted(ops, key=lambda op: (getattr(op, f"{pool_side}_tier"), op.lc))  # stable
+        sizes = [HEADER.size + self.life_cycles[op.lc].slot_bytes for op in ops]
+        cap = max(min(sum(sizes), STAGING_MAX_BYTES), max(sizes))
+        st = self._staging_for(cap)
+        out: list[tuple[Staging, list[tuple[int, int, int, list[CopyOp]]]]] = []
+        groups: list[tuple[int, int, int, list[CopyOp]]] = []
+        used = 0
+        for op, n in zip(ops, sizes, strict=True):
+            if groups and used + n > cap:
+                out.append((st, groups))
+                groups, used = [], 0
+            tier = getattr(op, f"{pool_side}_tier")
+            if not groups or groups[-1][:2] != (tier, op.lc):
+                groups.append((tier, op.lc, used, []))
+            groups[-1][3].append(op)
+            used += n
+        out.append((st, groups))
+        return out
+
+    def _chunks_or_fail(self, ops: list[CopyOp], side: str) -> tuple[list, list[CopyOp], BaseException | None]:
+        """``(chunks, failed, cause)`` for a shared batch: its staging chunks, or none and
+        every op failed when the staging buffer cannot be registered (the store is down)."""
+        try:
+            return self._chunks(ops, side), [], None
+        except OSError as e:
+            return [], list(ops), e
+
+    def _store_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
+        """Write the pages of ``store`` ops as objects, one batched put per chunk: each
+        (tier, lc) group gathered into its staging region in one copy, headers written."""
+        torch = _torch()
+        t0 = time.perf_counter()
+        H = HEADER.size
+        chunks, failed, cause = self._chunks_or_fail(ops, "src")
+        timed_out: OSError | None = None
+        for st, groups in chunks:
+            if timed_out is not None:  # the buffer is abandoned: fill nothing into it
+                failed += [op for _, _, _, group in groups for op in group]
+                continue
+            flat = torch.frombuffer(st.view, dtype=torch.uint8)
+            items: list[tuple[str, int, int]] = []
+            ready: list[CopyOp] = []
+            for tier, lc, base, group in groups:
+                sp, sb = self.pools[self._tier_pos[tier]][lc], self.life_cycles[lc].slot_bytes
+                try:
+                    if isinstance(sp, DiskPool):
+                        rows = sp.read_rows([op.src_slot for op in group])
+                    else:
+                        sel = torch.tensor([op.src_slot for op in group], dtype=torch.long, device=sp.device)
+                        rows = sp.index_select(0, sel).cpu()
+                except (OSError, RuntimeError, MemoryError) as e:
+                    failed += group
+                    cause = cause or e
+                    continue
+                n = len(group)
+                flat[base:base + n * (H + sb)].view(n, H + sb)[:, H:].copy_(rows)
+                for j, op in enumerate(group):
+                    o = base + j * (H + sb)
+                    st.view[o:o + H] = self.codec.header(op.key, lc, st.view[o + H:o + H + sb])
+                    items.append((self.codec.name(op.key, lc), o, H + sb))
+                    ready.append(op)
+            del flat
+            if not items:
+                continue
+            results, timed_out = self._results("put", items, st)
+            self.shared_stats["put_batches"] += 1
+            for op, err in zip(ready, results, strict=True):
+                if err is None:
+                    self._count(op)
+                    self.shared_stats["stores"] += 1
+                    self.shared_stats["store_bytes"] += self.life_cycles[op.lc].slot_bytes
+                else:
+                    failed.append(op)
+                    cause = cause or err
+        self.shared_stats["store_failures"] += len(failed)
+        self.shared_seconds["store"] += time.perf_counter() - t0
+        return failed, cause
+
+    def _load_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
+        """Read the objects of shared ``onboard`` ops into their slots, one batched get per
+        chunk; every object is verified before its page is written, and each (tier, lc)
+        group's verified pages are scattered into the pool with one ``index_copy_``."""
+        torch = _torch()
+        t0 = time.perf_counter()
+        H = HEADER.size
+        chunks, failed, cause = self._chunks_or_fail(ops, "dst")
+        timed_out: OSError | None = None
+        for st, groups in chunks:
+            items = [(self.codec.name(op.key, lc), base + j * (H + self.life_cycles[lc].slot_bytes),
+                      H + self.life_cycles[lc].slot_bytes)
+                     for _, lc, base, group in groups for j, op in enumerate(group)]
+            if timed_out is None:
+                results, timed_out = self._results("get", items, st)
+                self.shared_stats["get_batches"] += 1
+            if timed_out is not None:
+                # the store is slow: this chunk and the rest of the batch fail as if it were
+                # down, and the abandoned buffer is not read (a late get may still write it)
+                failed += [op for _, _, _, group in groups for op in group]
+                cause = cause or timed_out
+                continue
+            flat = torch.frombuffer(st.view, dtype=torch.uint8)
+            bad_names: list[str] = []
+            k = 0
+            for tier, lc, base, group in groups:
+                sb = self.life_cycles[lc].slot_bytes
+                good: list[int] = []
+                for j, op in enumerate(group):
+                    name, o, _ = items[k]
+                    res = results[k]
+                    k += 1
+                    try:
+                        if isinstance(res, BaseException):
+                            raise res
+                        self.codec.check(st.view[o:o + res], op.key, lc, sb)
+                    except OSError as e:
+                        failed.append(op)
+                        cause = cause or e
+                        if isinstance(e, BadObjectError):  # the object itself is bad, not the store
+                            bad_names.append(name)
+                            if e.what == "mac":  # intact, but not written with this plane's secret
+                                self.shared_stats["auth_failures"] += 1
+                        continue
+                    good.append(j)
+                if not good:
+                    continue
+                n = len(group)
+                region = flat[base:base + n * (H + sb)].view(n, H + sb)
+                data = region[:, H:] if len(good) == n else region[good, H:]
+                dst = [group[j].dst_slot for j in good]
+                dp = self.pools[self._tier_pos[tier]][lc]
+                try:
+                    if isinstance(dp, DiskPool):
+                        dp.write_rows(dst, data)
+                    else:
+                        dp.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dp.device), data.to(dp.device))
+                except (OSError, RuntimeError, MemoryError) as e:
+                    failed += [group[j] for j in good]
+                    cause = cause or e
+                    continue
+                self.kernel_calls += 1
+                for j in good:
+                    self._count(group[j])
+                    self.shared_stats["loads"] += 1
+                    self.shared_stats["load_bytes"] += sb
+            del flat
+            if bad_names:  # never found again: a later store may write it whole
+                self._remove_bad(bad_names)
+        self.shared_stats["load_failures"] += len(failed)
+        self.shared_seconds["load"] += time.perf_counter() - t0
+        return failed, cause
+
+    def _results(self, what: str, items: list[tuple[str, int, int]],
+                 staging: Staging) -> tuple[list[Any], TimeoutError | None]:
+        """One put / get under the deadline: a result per item (``None`` / bytes read, or an
+        ``OSError``), and the ``TimeoutError`` when the call ran past the deadline (its
+        ``staging`` is abandoned then).  A call that raised, timed out or answered with
+        another number of results fails every item."""
+        try:
+            results = self._call(what, getattr(self.shared, what), items, staging, staging=staging)
+        except TimeoutError as e:
+            return [e] * len(items), e
+        except OSError as e:
+            return [e] * len(items), None
+        if not isinstance(results, list) or len(results) != len(items):  # a store that breaks its contract
+            n = len(results) if isinstance(results, list) else results
+            err = OSError(errno.EIO, f"the shared store's {what} answered {n!r} for {len(items)} objects")
+            return [err] * len(items), None
+        return results, None
+
+    def _remove_bad(self, names: list[str]) -> None:
+        """Remove objects the codec rejected (short, long, foreign, corrupted): otherwise
+        every later lookup would find them and every load fail; a store that cannot remove
+        them now keeps them (they still never load)."""
+        try:
+            self.shared.remove(names)
+        except OSError:
+            return
+        self.shared_stats["removed_bad"] += len(names)
