@@ -115,6 +115,7 @@ def _frac(text: str) -> float:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    """``python -m kvcm info``: version, active backend, the cpp extension and its build; exit status 0."""
     import kvcm
     from kvcm._select import ENV_VAR
 
@@ -249,6 +250,8 @@ def run_replays(
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    """``python -m kvcm replay``: replay a trace on each chosen backend and print the side-by-side table
+    (or the fleet replay with ``--instances``); exit status as in the module docstring."""
     from kvcm.tools.trace import load_trace, reference_figures, total_blocks, unique_blocks
 
     try:
@@ -349,6 +352,7 @@ def cmd_fleet(args: argparse.Namespace, trace: Sequence[Any]) -> int:
 
 
 def bench_keys(args: argparse.Namespace) -> None:
+    """``bench keys``: block-key throughput of each implementation against the hashlib and raw C++ floors."""
     B = args.block_size
     tokens = _trace_tokens(args.key_tokens)
     n = len(tokens)
@@ -586,6 +590,8 @@ def bench_replay(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """``python -m kvcm bench [WHAT]``: run the selected benchmarks (``all``: each in turn); returns
+    the highest exit status among them."""
     from kvcm.tools import bench
 
     bench.SELECTED = tuple(args.backend)
@@ -627,6 +633,8 @@ def cmd_oplog_replay(argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m kvcm`` argument parser (``info``, ``replay``, ``bench``; the other commands
+    parse their own arguments)."""
     p = argparse.ArgumentParser(
         prog="python -m kvcm",
         description="kvcm: a KV-cache block manager",
@@ -718,6 +726,8 @@ _RECORDING = ("replay", "bench", "demo", "events", "route")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvcm ...``: parse ``argv`` (default ``sys.argv[1:]``), run the command, return its
+    exit status (0 success, 1 a reported failure, 2 bad usage or bad input)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in _RECORDING and not {"-h", "--help"} & set(argv):
         from kvcm.cli.common import oplog_unusable

@@ -19,6 +19,7 @@ ERROR_PREFIX = "error: "
 
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """``rows`` under ``header`` as aligned text columns (the first left-aligned, the rest right)."""
     cols = len(header)
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(cols)]
     lines = []
@@ -29,6 +30,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def fmt_int(n: int) -> str:
+    """``n`` with thousands separators."""
     return f"{n:,}"
 
 
@@ -56,6 +58,7 @@ def exit_code(results: dict[str, Any]) -> int:
 
 
 def best_of(fn: Callable[[], Any], repeat: int) -> float:
+    """The fastest of ``repeat`` timed calls of ``fn``, in seconds."""
     best = float("inf")
     for _ in range(repeat):
         t = time.perf_counter()
@@ -65,6 +68,7 @@ def best_of(fn: Callable[[], Any], repeat: int) -> float:
 
 
 def ratio(py: float | None, cpp: float | None) -> str:
+    """``py / cpp`` as ``"N.Nx"``, or ``"n/a"`` when either is missing or ``cpp`` is 0."""
     if py is None or cpp is None or cpp == 0:
         return "n/a"
     return f"{py / cpp:.1f}x"

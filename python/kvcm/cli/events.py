@@ -37,6 +37,7 @@ def _h(x: Any) -> str:
 
 
 def describe(event: Any) -> str:
+    """One wire event as one human-readable line."""
     if isinstance(event, BlockStored):
         spec = event.kv_cache_spec_kind or "?"
         if event.kv_cache_spec_sliding_window is not None:
@@ -52,6 +53,7 @@ def describe(event: Any) -> str:
 
 
 def print_batch(seq: int, payload: bytes, dec: Decoder, label: str = "") -> None:
+    """Decode one event batch (sequence number ``seq``) and print it, one line per event."""
     batch = dec.decode(payload)
     print(f"seq {seq} ts {batch.ts:g}{label}: {len(batch.events)} event(s)")
     for e in batch.events:
@@ -240,6 +242,7 @@ def _endpoint(text: str) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
+    """``python -m kvcm events ...``: returns the exit status (``EVENTS_EXIT_CODES``)."""
     import sys
 
     from kvcm.cli.common import backend_arg, finite_in, int_in

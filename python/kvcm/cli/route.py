@@ -47,6 +47,7 @@ ROUTE_EXIT_CODES = (
 
 
 def main(argv: Sequence[str]) -> int:
+    """``python -m kvcm route ...``: returns the exit status (``ROUTE_EXIT_CODES``)."""
     from kvcm.cli.common import backend_arg, format_table, int_in, missing_extra, writable_file
     from kvcm.tools.progress import Progress
     from kvcm.tools.trace import load_trace

@@ -81,6 +81,7 @@ class DiskPool:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """``(num_slots, slot_bytes)``, like a memory pool's tensor shape."""
         return (self.num_slots, self.slot_bytes)
 
     def __len__(self) -> int:
@@ -121,6 +122,7 @@ class DiskPool:
             self.write(s, rows[i].numpy().tobytes())
 
     def read_all(self):
+        """Every slot's verified data, ``uint8[num_slots, slot_bytes]`` (cpu)."""
         return self.read_rows(range(self.num_slots))
 
     def resize(self, n: int) -> None:
@@ -140,6 +142,7 @@ class DiskPool:
         self.num_slots = n
 
     def write_all(self, rows) -> None:
+        """Write ``rows`` (``uint8[num_slots, slot_bytes]``) into every slot."""
         self.write_rows(range(self.num_slots), rows)
 
 

@@ -268,6 +268,7 @@ class MooncakeStore(SharedStore):
         return codes
 
     def exists(self, names: Sequence[str]) -> list[bool]:
+        """One batched existence query (``batch_is_exist``); ``OSError`` when the store cannot answer."""
         if not names:
             return []
         codes = self._note(self._client().batch_is_exist(list(names)))
@@ -277,23 +278,28 @@ class MooncakeStore(SharedStore):
         return [c == 1 for c in codes]
 
     def register(self, staging: Staging) -> None:
+        """Register ``staging`` with the transfer engine, so puts and gets are zero-copy."""
         rc = self._client().register_buffer(staging.address, staging.nbytes)
         if rc != 0:
             raise _error(rc, "register_buffer")
         self._registered.add(staging.address)
 
     def unregister(self, staging: Staging) -> None:
+        """Undo :meth:`register` (before the buffer is freed)."""
         if self._store is not None and staging.address in self._registered:
             self._store.unregister_buffer(staging.address)
             self._registered.discard(staging.address)
 
     def put(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[OSError | None]:
+        """Write each ``(name, offset, size)`` region of ``staging`` as one object; per item None or
+        the ``OSError`` (an object that exists already counts as written: same name, same bytes)."""
         codes = self._batch("batch_put_from", items, staging)
         # an object that exists already holds the same bytes (its name is its content's key)
         return [c if isinstance(c, OSError) else None if c in (0, -703) else _error(c, f"put {n}")
                 for (n, _, _), c in zip(items, codes, strict=True)]
 
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
+        """Read each object into its region of ``staging``; per item the bytes read or the ``OSError``."""
         codes = self._batch("batch_get_into", items, staging)
         return [c if isinstance(c, OSError) or c >= 0 else _error(c, f"get {n}")
                 for (n, _, _), c in zip(items, codes, strict=True)]
@@ -313,10 +319,12 @@ class MooncakeStore(SharedStore):
                                                   [s for _, _, s in items]))
 
     def remove(self, names: Sequence[str]) -> None:
+        """Remove the objects ``names`` (forced)."""
         if names:
             self._client().batch_remove(list(names), force=True)
 
     def close(self) -> None:
+        """Unregister every buffer and close the client."""
         if self._store is not None:
             for addr in list(self._registered):
                 self._store.unregister_buffer(addr)
@@ -461,6 +469,7 @@ class LocalMooncake:
         self._end(self.client, sig_kill=True)
 
     def stop(self) -> None:
+        """Stop the client and master processes this launcher started and close their logs."""
         self._end(self.client)
         self._end(self.master)
         for log in self._logs:

@@ -98,6 +98,8 @@ class DataPlane(Pools, CopyRuns, SharedIO):
 
 
     def stats(self) -> dict:
+        """Copy ops and bytes by reason, ops by route, runs and kernel calls; with a shared tier also
+        the shared-tier counters (``shared``) and the store's own (``shared_store``)."""
         out = {"copies": dict(self.copies), "copy_bytes": dict(self.copy_bytes), "routes": dict(self.routes),
                "runs": self.runs, "kernel_calls": self.kernel_calls}
         if self.shared is not None:

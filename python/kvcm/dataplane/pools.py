@@ -104,6 +104,7 @@ class Pools:
         return self._view(layer_id, tier, "ssm")
 
     def lc_of(self, layer_id: int) -> int:
+        """The life cycle (index) that layer ``layer_id`` belongs to."""
         return self._layer_lc[layer_id]
 
     def _view(self, layer_id: int, tier: int | str, kind: str):

@@ -225,6 +225,7 @@ class ObjectCodec:
         return h.digest()
 
     def header(self, key: bytes, lc: int, payload: memoryview | bytes) -> bytes:
+        """The header of the object of ``(key, lc)`` holding ``payload``: fields, crc32 and MAC."""
         fields = FIELDS.pack(MAGIC, self.fingerprint, key, lc, len(payload), zlib.crc32(payload))
         return fields + (NO_MAC if self._mac_key is None else self._mac(fields, payload))
 
@@ -266,6 +267,7 @@ class Staging:
         self.view = memoryview(self._mm)
 
     def close(self) -> None:
+        """Release the buffer (idempotent)."""
         if self._mm.closed:
             return
         try:
@@ -288,15 +290,21 @@ class SharedStore:
     timeout_s = DEFAULT_TIMEOUT_S
 
     def exists(self, names: Sequence[str]) -> list[bool]:
+        """One batched existence query; ``OSError`` when the store cannot answer."""
         raise NotImplementedError
 
     def put(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[OSError | None]:
+        """Write each ``(name, offset, size)`` region of ``staging`` as one object, visible only once
+        written whole; per item None or the ``OSError``."""
         raise NotImplementedError
 
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
+        """Read each object into its ``(offset, size)`` region of ``staging``; per item the number of
+        bytes read or the ``OSError``."""
         raise NotImplementedError
 
     def remove(self, names: Sequence[str]) -> None:
+        """Remove the objects ``names``."""
         raise NotImplementedError
 
     def register(self, staging: Staging) -> None:
@@ -367,14 +375,18 @@ class FileStore(SharedStore):
         self._sweep_tmp()
 
     def path(self, name: str) -> str:
+        """The file that holds object ``name``."""
         return os.path.join(self.directory, name + OBJECT_SUFFIX)
 
     def exists(self, names: Sequence[str]) -> list[bool]:
+        """Whether each object's file exists; ``OSError`` when the directory is gone."""
         if not os.path.isdir(self.directory):
             raise OSError(errno.ENOENT, "the shared store's directory is gone", self.directory)
         return [os.path.isfile(self.path(n)) for n in names]
 
     def put(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[OSError | None]:
+        """Write each region as one file (a temporary file renamed into place: never a partial
+        object), within the quota; per item None or the ``OSError``."""
         results: list[OSError | None] = []
         written = 0
         renamed = False
@@ -416,6 +428,8 @@ class FileStore(SharedStore):
         return results
 
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
+        """Read each object's file into its region; per item the bytes read or the ``OSError`` (a
+        file of another length fails its item)."""
         results: list[int | OSError] = []
         for name, off, size in items:
             try:
@@ -433,6 +447,7 @@ class FileStore(SharedStore):
         return results
 
     def remove(self, names: Sequence[str]) -> None:
+        """Remove the objects' files (those absent are skipped), keeping the quota's count."""
         for n in names:
             path = self.path(n)
             size = self._size(path)
@@ -546,6 +561,7 @@ class FileStore(SharedStore):
         return len(objs), sum(o[2] for o in objs)
 
     def stats(self) -> dict[str, int]:
+        """The quota's counters: objects evicted, rescans, stale entries swept or skipped, quota errors."""
         return {"evicted": self.evicted, "rescans": self.rescans, "swept": self.swept, "skipped": self.skipped,
                 "quota_errors": self.quota_errors}
 

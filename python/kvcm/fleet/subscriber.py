@@ -317,6 +317,7 @@ class FleetSubscriber:
         return False
 
     def close(self) -> None:
+        """Close every instance's sockets (no linger)."""
         for feed in self._feeds.values():
             feed.sub.close(linger=0)
             feed.replay.close(linger=0)

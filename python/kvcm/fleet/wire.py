@@ -71,10 +71,12 @@ SNAPSHOT_REQUEST = b"kvcm:snapshot"
 
 
 def seq_bytes(seq: int) -> bytes:
+    """A batch sequence number as its 8-byte big-endian signed frame."""
     return seq.to_bytes(8, "big", signed=True)
 
 
 def seq_of(frame: bytes) -> int:
+    """The sequence number of an 8-byte big-endian signed frame."""
     return int.from_bytes(frame, "big", signed=True)
 
 
@@ -136,6 +138,7 @@ WireEvent = Any  # BlockStored | BlockRemoved | AllBlocksCleared of either layou
 
 
 def structs(layout: Layout) -> dict[str, type]:
+    """The msgspec struct classes of wire ``layout`` (``"map"`` or ``"array"``), by name."""
     if layout == "map":
         return _MAP
     if layout == "array":
@@ -159,6 +162,8 @@ class Encoder:
         self.instance = instance
 
     def encode(self, ts: float, events: list[Any]) -> bytes:
+        """One ``KVEventBatch`` of ``events`` at time ``ts`` (with this encoder's instance identity, if
+        any) as msgpack bytes."""
         if self.layout != "map":
             events = [self._s[type(e).__name__](**msgspec.structs.asdict(e)) for e in events]
         if self.instance is None:
@@ -191,6 +196,7 @@ class Decoder:
         self._array = msgspec.msgpack.Decoder(type=_ARRAY["KVEventBatchOfInstance"])
 
     def decode(self, payload: bytes) -> Any:
+        """One batch from msgpack bytes, in either layout, as map-layout structs."""
         try:
             return self._map.decode(payload)
         except msgspec.ValidationError:

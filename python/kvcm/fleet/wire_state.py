@@ -52,6 +52,7 @@ DIGEST_PLACEHOLDER = -1
 
 
 def medium_of(tier: int) -> str:
+    """The wire ``medium`` of manager tier number ``tier``."""
     return MEDIA[tier]
 
 
@@ -93,10 +94,12 @@ class WireState:
     # ------------------------------------------------------------------ scopes / state
 
     def register_scope(self, scope: ReuseScope) -> None:
+        """Remember ``scope`` so events of its blocks can name it (by its root key)."""
         self._roots[scope_root_key(scope)] = scope
 
     @property
     def num_pages(self) -> int:
+        """Pages of the blocks the wire currently knows stored."""
         return sum(len(b.pages) for b in self._blocks.values())
 
     def announced(self) -> dict[tuple[bytes, int], int]:

@@ -124,6 +124,7 @@ class OpError(ValueError):
 
 
 def encode_token(t: Any) -> Any:
+    """One token as JSON (a digest as ``{"digest": hex}``; other values as they are)."""
     if isinstance(t, (bytes, bytearray, memoryview)):
         return {"digest": bytes(t).hex()}
     if isinstance(t, bool) or t is None or isinstance(t, (str, float)):
@@ -158,12 +159,14 @@ def encode_tokens(tokens: Any) -> Any:
 
 
 def decode_token(t: Any) -> Any:
+    """The inverse of :func:`encode_token`."""
     if isinstance(t, dict) and set(t) == {"digest"}:
         return bytes.fromhex(t["digest"])
     return t
 
 
 def decode_tokens(tokens: Any) -> Any:
+    """A token list or a ``{"bytes": hex}`` tokens record back to its value."""
     if isinstance(tokens, list):
         return [decode_token(t) for t in tokens]
     if isinstance(tokens, dict) and set(tokens) == {"bytes"}:
@@ -172,6 +175,7 @@ def decode_tokens(tokens: Any) -> Any:
 
 
 def encode_scope(scope: Any) -> Any:
+    """A reuse scope as JSON (a ``ReuseScope`` as its fields; a bad value kept as given)."""
     if scope is None:
         return None
     if isinstance(scope, ReuseScope):
@@ -207,6 +211,7 @@ def encode_container(values: Any) -> Any:
 
 
 def decode_container(values: Any) -> Any:
+    """A recorded token container (a list, or an array / numpy / torch record) back to its value."""
     if isinstance(values, list):
         return [decode_token(t) for t in values]
     if isinstance(values, dict) and "values" in values:
@@ -261,6 +266,7 @@ def encode_copy_ops(ops: Any) -> Any:
 
 
 def decode_copy_ops(ops: Any) -> Any:
+    """Recorded copy ops (6-element lists) back to ``CopyOp`` s; other values as they are."""
     if not isinstance(ops, list):
         return ops
     out: list[Any] = []
@@ -285,6 +291,7 @@ def encode_shared_hits(hits: Any) -> Any:
 
 
 def decode_shared_hits(hits: Any) -> Any:
+    """Recorded shared hits (``[hex key, lc]``) back to ``(bytes, lc)`` pairs."""
     if not isinstance(hits, list):
         return hits
     return [(bytes.fromhex(h[0]), h[1]) if isinstance(h, list) and len(h) == 2 and isinstance(h[0], str)
@@ -292,6 +299,7 @@ def decode_shared_hits(hits: Any) -> Any:
 
 
 def encode_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of a call of ``op`` as JSON (tokens, scopes, copy ops, hits in their forms)."""
     out: dict[str, Any] = {}
     for k, v in args.items():
         if k == "ops" and op == "forget_copies":
@@ -389,6 +397,7 @@ def _json_copy(v: Any) -> Any:
 
 
 def error_outcome(exc: BaseException, with_message: bool = False) -> dict[str, Any]:
+    """The recorded outcome of a call that raised ``exc``: its type (and message, if asked)."""
     out: dict[str, Any] = {"error": type(exc).__name__}
     if with_message:
         out["message"] = str(exc)

@@ -154,6 +154,7 @@ def _us(v: float) -> str:
 
 
 def bench_probe(args: argparse.Namespace) -> int:
+    """``bench probe``: ``probe_reuse`` of a long prompt on each backend; returns the exit status."""
     B = args.block_size
     n_tokens = args.probe_tokens
     prompt = _tokens(random.Random(1), n_tokens)
@@ -321,6 +322,8 @@ _DECODE_ROWS: list[tuple[str, str, Callable[[Any], str], bool]] = [
 
 
 def bench_decode(args: argparse.Namespace) -> int:
+    """``bench decode``: decode steps of a batch of ACTIVE requests on each backend (module
+    docstring); returns the exit status."""
     B = args.block_size
     batch = args.decode_batch
     steps = 20 if args.quick else args.decode_steps
@@ -491,6 +494,7 @@ def bench_ssm(args: argparse.Namespace) -> int:
 
 
 def bench_evict(args: argparse.Namespace) -> int:
+    """``bench evict``: allocations that all evict, with both tiers full; returns the exit status."""
     B = args.block_size
     gpu, host = args.evict_gpu_blocks, args.evict_host_blocks
     per_req = 16
@@ -657,6 +661,8 @@ _MEMORY_CHILD = (
 
 
 def bench_memory(args: argparse.Namespace) -> int:
+    """``bench memory``: each backend's resident memory per cached block, measured in a child
+    process; returns the exit status."""
     import json
     import subprocess
 

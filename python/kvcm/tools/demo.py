@@ -121,6 +121,7 @@ def _guarded(backend: str, workload: str, device: str | None, metrics_port: int 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvcm demo``: returns the exit status (module docstring)."""
     from kvcm.engine import BUILTIN_WORKLOADS, ModelConfig, default_device
 
     p = argparse.ArgumentParser(

@@ -48,6 +48,8 @@ NUM_LAYERS = 2
 
 @dataclass
 class FleetResult:
+    """The outcome of one fleet replay: reuse, the data plane's and store's counters, seconds."""
+
     instances: int
     mode: str  # "local", or the shared tier's write policy: "commit" / "evict"
     backend: str
@@ -62,11 +64,14 @@ class FleetResult:
 
     @property
     def hit_rate(self) -> float:
+        """Reused prompt tokens / prompt tokens."""
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 def fleet_config(B: int, page_bytes: int, gpu_blocks: int, shared: str | None, namespace: str,
                  shared_write: str = "commit") -> KVCacheManagerConfig:
+    """The config of one fleet instance: two attention layers, a gpu tier of ``gpu_blocks``
+    pages of ``page_bytes``, and the shared tier at ``shared`` (None: local tiers only)."""
     per_token = page_bytes // (NUM_LAYERS * B)
     if per_token < 1 or per_token * NUM_LAYERS * B != page_bytes:
         raise ValueError(f"--page-bytes {page_bytes} is not a multiple of {NUM_LAYERS} layers x {B} tokens")
@@ -187,6 +192,7 @@ def _mbps(nbytes: int, seconds: float) -> float:
 
 
 def fleet_table(results: Sequence[FleetResult], raw: dict[str, float] | None, store_kind: str) -> str:
+    """The fleet replay's results as a text table."""
     rows = []
     for r in results:
         p, s = r.plane, r.seconds
@@ -211,6 +217,7 @@ def fleet_table(results: Sequence[FleetResult], raw: dict[str, float] | None, st
 
 
 def plot(results: Sequence[FleetResult], raw: dict[str, float] | None, path: str) -> None:
+    """Plot hit rate and throughput against N into ``path`` (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -304,6 +311,7 @@ def main_fleet(trace: Sequence[TraceRequest], instance_counts: Sequence[int], sh
 
 def format_header(trace: Sequence[TraceRequest], ns: Sequence[int], spec: str, B: int, page_bytes: int,
                   gpu_blocks: int) -> str:
+    """The one-line description printed above the fleet replay's table."""
     return (f"fleet replay: {len(trace)} requests round-robin over N = {', '.join(map(str, ns))} instances; "
             f"tokens_per_block={B}, page {page_bytes} B, gpu quota {fmt_int(gpu_blocks)} blocks per instance; "
             f"shared tier: {spec}")

@@ -26,6 +26,7 @@ class Progress:
         self._next_pct = 25
 
     def update(self, k: int = 1) -> None:
+        """Count ``k`` more done; redraw on a terminal at most every ``min_dt`` seconds."""
         self.n += k
         if self._tty:
             now = time.perf_counter()
@@ -51,6 +52,7 @@ class Progress:
         self.stream.flush()
 
     def close(self) -> None:
+        """Draw the final line and end it (on a terminal)."""
         if self._tty:
             self._draw(time.perf_counter())
             self.stream.write("\n")

@@ -76,6 +76,8 @@ def replay_config(
 
 @dataclass
 class ReplayResult:
+    """The outcome of one trace replay on one backend: reuse, evictions, copy ops, timing."""
+
     backend: str
     tokens_per_block: int
     gpu_quota_blocks: int
@@ -109,10 +111,12 @@ class ReplayResult:
 
     @property
     def evictions(self) -> int:
+        """Pages evicted: offloaded to a lower tier or dropped."""
         return self.offloads + self.drops
 
     @property
     def requests_per_s(self) -> float:
+        """Requests per second of manager time."""
         return self.requests / self.manager_s if self.manager_s > 0 else float("inf")
 
     @property
@@ -122,6 +126,7 @@ class ReplayResult:
         return 1e6 * self.manager_s / blocks if blocks else 0.0
 
     def summary(self) -> dict[str, Any]:
+        """The result as a plain dict (stats left out, derived rates added)."""
         d = {k: v for k, v in self.__dict__.items() if k != "stats"}
         d.update(
             hit_rate=self.hit_rate,

@@ -42,6 +42,8 @@ POLICIES: tuple[str, ...] = ("kv", "round-robin", "random", "least-loaded")
 
 @dataclass
 class RouteResult:
+    """The outcome of routing a trace with one policy over N instances."""
+
     policy: str
     instances: int
     requests: int = 0
@@ -56,6 +58,7 @@ class RouteResult:
 
     @property
     def hit_rate(self) -> float:
+        """Reused prompt tokens / prompt tokens, over all instances."""
         return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @staticmethod
@@ -171,6 +174,7 @@ def route_trace(
 
 
 def table(results: Sequence[RouteResult]) -> tuple[list[str], list[list[str]]]:
+    """The results as a table: header and rows."""
     header = ["policy", "N", "hit rate", "prefill tokens saved", "max/mean requests", "max/mean tokens",
               "router exact", "s"]
     rows = [[r.policy, str(r.instances), f"{r.hit_rate:.2%}", f"{r.reused_tokens:,}", f"{r.request_imbalance:.2f}",

@@ -81,6 +81,8 @@ class SoakProfile:
     namespace: str = "kvcm-soak"
 
     def config(self, store_dir: str) -> KVCacheManagerConfig:
+        """The config of one soak instance (attention, sliding window, ssm; gpu, host and a shared
+        tier in ``store_dir``)."""
         B = self.tokens_per_block
         layers = [AttentionLayer(0, self.bytes_per_token),
                   AttentionLayer(1, self.bytes_per_token, window=self.window_blocks * B, sink_tokens=B // 2),
@@ -95,6 +97,9 @@ class SoakProfile:
 
 @dataclass
 class Sample:
+    """One checkpoint of the soak: requests so far and what must stay flat (memory, threads,
+    fds, store bytes and objects, router blocks)."""
+
     requests: int
     rss_bytes: int
     threads: int
@@ -107,6 +112,8 @@ class Sample:
 
 @dataclass
 class SoakResult:
+    """The outcome of a soak: its samples, exactness checks, reuse and counters."""
+
     profile: dict
     backend: str
     samples: list[Sample] = field(default_factory=list)  # the first one: the end of the warm-up
@@ -122,6 +129,7 @@ class SoakResult:
     wall_s: float = 0.0  # reporting only
 
     def to_json(self) -> dict:
+        """The result as a JSON-ready dict."""
         return asdict(self)
 
 
@@ -380,6 +388,7 @@ def flat_violations(res: SoakResult, *, rss_slack: int = RSS_SLACK_BYTES) -> lis
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvcm.tools.soak``: exit status 0 when everything stayed flat, 1 otherwise."""
     ap = argparse.ArgumentParser(prog="python -m kvcm.tools.soak", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=100_000)
     ap.add_argument("--instances", type=int, default=SoakProfile.instances)

@@ -61,6 +61,7 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
     def num_prompt_blocks(self, tokens_per_block: int) -> int:
+        """Blocks of ``tokens_per_block`` the prompt spans (the last one partial)."""
         return -(-self.input_length // tokens_per_block)
 
 
@@ -209,6 +210,9 @@ def iter_prompts(trace: Sequence[TraceRequest]) -> Iterator[tuple[TraceRequest, 
 
 @dataclass(frozen=True)
 class ReferenceFigures:
+    """Reuse figures computed from the trace alone (no manager): the yardstick a replay must
+    match to the token."""
+
     prompt_tokens: int
     reused_tokens_partial: int  # longest prefix shared with any earlier prompt, in tokens
     reused_tokens_whole_blocks: int  # the same, counted in whole blocks of ``tokens_per_block``
@@ -218,14 +222,17 @@ class ReferenceFigures:
 
     @property
     def hit_rate_partial(self) -> float:
+        """Reused tokens (longest shared prefix) / prompt tokens."""
         return self.reused_tokens_partial / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def hit_rate_whole_blocks(self) -> float:
+        """Reused tokens in whole blocks / prompt tokens."""
         return self.reused_tokens_whole_blocks / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def reusable_block_rate(self) -> float:
+        """Hash blocks seen before / hash blocks."""
         return self.reusable_hash_blocks / self.hash_blocks if self.hash_blocks else 0.0
 
 
