@@ -477,11 +477,23 @@ def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | No
         rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
 
 
+# The child of a baseline run imports an older kvcm: the replay module moved to
+# kvcm.tools in issue 21, so it tries the new home first and falls back to the old one.
+BASELINE_CHILD = (
+    "import json, sys\n"
+    "try:\n    from kvcm.tools.bench_floor import measure_replay\n"
+    "except ImportError:\n    from kvcm.bench_floor import measure_replay\n"
+    "print(json.dumps(measure_replay(**json.loads(sys.argv[1]))))"
+)
+
+
 def _replay_in_child(impl: str, limit: int, B: int, gpu: int | None, host: int | None,
-                     outputs: bool) -> tuple[Any, dict]:
+                     outputs: bool, baseline: str | None = None) -> tuple[Any, dict]:
     """One replay of ``impl`` (a backend or the floor) in a fresh child process, so that its
     peak RSS is its own and no other run's garbage is collected on its clock:
-    ``(ReplayResult or the reason it did not run, {"peak_rss", "base_rss"})``."""
+    ``(ReplayResult or the reason it did not run, {"peak_rss", "base_rss"})``.  ``baseline``:
+    a directory holding another kvcm package (e.g. an older checkout's ``python/``) that the
+    child imports instead of this one."""
     import json
     import subprocess
 
@@ -489,12 +501,13 @@ def _replay_in_child(impl: str, limit: int, B: int, gpu: int | None, host: int |
     from kvcm.tools.bench_floor import REPLAY_CHILD
     from kvcm.tools.replay import ReplayResult
 
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
+    pkg_parent = baseline or os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
+    child = BASELINE_CHILD if baseline else REPLAY_CHILD
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_parent, env.get("PYTHONPATH")) if p)
     spec = {"impl": impl, "limit": limit, "tokens_per_block": B, "gpu": gpu, "host": host, "outputs": outputs,
             "output_step": B}
-    p = subprocess.run([sys.executable, "-c", REPLAY_CHILD, json.dumps(spec)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-c", child, json.dumps(spec)], capture_output=True, text=True,
                        env=env, check=False)
     if p.returncode != 0:
         sys.stderr.write(p.stderr)
@@ -544,7 +557,10 @@ def bench_replay(args: argparse.Namespace) -> int:
     from kvcm.tools.bench import NOT_SELECTED, SELECTED
     from kvcm.tools.bench import target as bench_target
 
-    impls = ("python", "cpp", FLOOR)
+    impls: tuple[str, ...] = ("python", "cpp", FLOOR)
+    if args.baseline:  # the python backend of another kvcm tree, side by side (issue 21's guard)
+        impls += (BASELINE,)
+        print(f"baseline = the python backend of the kvcm package under {args.baseline}, run in the same loop")
     pools = (("unbounded", None, None), (f"tight: gpu {tight} + host {tight} blocks", tight, tight))
     modes = (("prompt only", False), ("prompt + outputs decoded a block at a time", True))
     for (label, gpu, host), (mode, outputs) in itertools.product(pools, modes):
@@ -552,10 +568,13 @@ def bench_replay(args: argparse.Namespace) -> int:
         rss: dict[str, dict] = {}
         for _ in range(args.repeat):
             for b in impls:
-                if b != FLOOR and b not in SELECTED:
+                if b not in (FLOOR, BASELINE) and b not in SELECTED:
                     results[b] = NOT_SELECTED
                     continue
-                res, mem = _replay_in_child(b, limit, B, gpu, host, outputs)
+                if b == BASELINE:
+                    res, mem = _replay_in_child("python", limit, B, gpu, host, outputs, baseline=args.baseline)
+                else:
+                    res, mem = _replay_in_child(b, limit, B, gpu, host, outputs)
                 prev = results.get(b)
                 if prev is None or (not isinstance(prev, str) and (isinstance(res, str) or res.manager_s < prev.manager_s)):
                     results[b] = res  # a failure wins: it is reported
@@ -566,22 +585,28 @@ def bench_replay(args: argparse.Namespace) -> int:
         rows.append(["peak RSS growth over the start", *(_mib(rss[b]["peak_rss"] - rss[b]["base_rss"])
                                                           if b in rss else "" for b in impls)])
         py, cpp, fl = results.get("python"), results.get("cpp"), results.get(FLOOR)
+        pad = [""] * (len(impls) - 3)  # the baseline column, when there is one
 
         def ok(*rs: Any) -> bool:
-            return all(not isinstance(r, str) for r in rs)
+            return all(r is not None and not isinstance(r, str) for r in rs)
 
-        rows.append(["time ratio python/cpp", "", _ratio(py.manager_s, cpp.manager_s) if ok(py, cpp) else "n/a", ""])
+        rows.append(["time ratio python/cpp", "", _ratio(py.manager_s, cpp.manager_s) if ok(py, cpp) else "n/a", "",
+                     *pad])
         rows.append([f"time ratio python/floor{bench_target('<= 1.5x')}", "", "",
-                     f"{py.manager_s / fl.manager_s:.2f}x" if ok(py, fl) else "n/a"])
+                     f"{py.manager_s / fl.manager_s:.2f}x" if ok(py, fl) else "n/a", *pad])
         rows.append([f"peak RSS ratio python/floor{bench_target('<= 2x')}", "", "",
                      f"{rss['python']['peak_rss'] / rss[FLOOR]['peak_rss']:.2f}x" if "python" in rss and FLOOR in rss
-                     else "n/a"])
+                     else "n/a", *pad])
+        if args.baseline:
+            base = results.get(BASELINE)
+            rows.append([f"time ratio python/baseline{bench_target('<= 1.6x')}", "", "", "",
+                         f"{py.manager_s / base.manager_s:.2f}x" if ok(py, base) else "n/a"])
         floor = _replay_hash_floor(B, args.repeat)
         if floor is not None:
-            rows.append(["raw SHA-256 floor us/block (same run)", "", f"{floor:.3f}", ""])
+            rows.append(["raw SHA-256 floor us/block (same run)", "", f"{floor:.3f}", "", *pad])
             if not isinstance(cpp, str):
                 ratio = cpp.us_per_block / floor
-                rows.append([f"cpp us/block / floor{bench_target('<= 3x')}", "", f"{ratio:.2f}x", ""])
+                rows.append([f"cpp us/block / floor{bench_target('<= 3x')}", "", f"{ratio:.2f}x", "", *pad])
         print(f"\n[{label}; {mode}]")
         print(_table(["", *results.keys()], rows))
         sys.stdout.flush()
@@ -702,6 +727,17 @@ def _add_replay_parser(sub: Any) -> None:
     f.add_argument("--plot", default="kvcm-fleet.png", help="PNG to write (default kvcm-fleet.png; '' for none)")
 
 
+BASELINE = "baseline"
+
+
+def _baseline_dir(text: str) -> str:
+    """``--baseline DIR``: a directory holding a kvcm package (``DIR/kvcm/__init__.py``)."""
+    path = os.path.abspath(text)
+    if not os.path.isfile(os.path.join(path, "kvcm", "__init__.py")):
+        raise argparse.ArgumentTypeError(f"{text}: no kvcm package here (expected {text}/kvcm/__init__.py)")
+    return path
+
+
 def _add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="measure both backends and print python/cpp ratios")
     b.add_argument(
@@ -714,6 +750,9 @@ def _add_bench_parser(sub: Any) -> None:
     b.add_argument("--key-tokens", type=_int_in(1), default=1_000_000, help="tokens hashed by the keys bench")
     b.add_argument("--repeat", type=_int_in(1), default=3, help="keys and replay benches: best of N")
     b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--baseline", type=_baseline_dir, default=None, metavar="DIR",
+                   help="replay: also run the python backend of the kvcm package in DIR (e.g. an older checkout's "
+                        "python/ directory) in the same loop, and print python/baseline")
     b.add_argument("--backend", type=_backends, default=["python", "cpp"],
                    help="comma-separated backends to measure (default python,cpp; the ratios need both)")
     from kvcm.tools.bench import add_arguments as add_micro_bench_arguments
