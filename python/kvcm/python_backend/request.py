@@ -72,6 +72,9 @@ class Owner(Protocol):
 
 
 class Request(KVCache):
+    """One request's cache (``kvcm.api.KVCache``): its tokens, block references and page
+    tables; it changes pages, the tree, copy ops, events and stats through its ``pool``."""
+
     def __init__(self, pool: BlockPool, owner: Owner, serial: int, cache_id: int | str, tokens: list,
                  packed: bytes | None, scope: ReuseScope, priority: int,
                  hits: set[tuple[bytes, int]] | None = None) -> None:
