@@ -517,13 +517,17 @@ class BlockPool:
         """SPEC sec. 9 / 15: buffer an event of ``kind`` with the next event id and
         ``fields`` (its record ``(kind, id, *fields)``, see ``built_event``); the oldest is
         dropped (and counted) when full, and with ``max_events == 0`` the event itself."""
-        eid = self.next_event
-        self.next_event += 1
+        eid = self.event_id()
         if len(self.events) == self.max_events:  # full (0: always): one is dropped
             self.events_dropped += 1
             if not self.max_events:
                 return
         self.events.append((kind, eid, *fields))  # (the oldest leaves by the deque's maxlen)
+
+    def event_id(self) -> int:
+        """The next event id (ids count every event, the dropped ones too)."""
+        self.next_event += 1
+        return self.next_event - 1
 
     def emit_removed(self, key: bytes, lc: int) -> None:
         """SPEC sec. 9: ``removed`` for a block that lost its last page of ``lc`` or was detached."""
@@ -566,9 +570,12 @@ class BlockPool:
         self.iteration["lc"][lc][name] += n
 
     def count_bytes(self, lc: int, name: str, bytes_name: str, nbytes: int) -> None:
-        """``count(lc, name)`` and ``count(lc, bytes_name, nbytes)`` in one call."""
-        self.count(lc, name)
-        self.count(lc, bytes_name, nbytes)
+        """``count(lc, name)`` and ``count(lc, bytes_name, nbytes)`` in one call (per evicted page)."""
+        t, i = self.totals["lc"][lc], self.iteration["lc"][lc]
+        t[name] += 1
+        t[bytes_name] += nbytes
+        i[name] += 1
+        i[bytes_name] += nbytes
 
     def record_match(self, n_query: int, m: int) -> None:
         """Hit-rate stats count attention life cycles only (sec. 9)."""
