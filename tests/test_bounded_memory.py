@@ -209,7 +209,7 @@ def _ssm_commit(backend: str, n_blocks: int, count_attach: bool = False) -> tupl
     assert kv.resume() and kv.resize(n_blocks * B)
     calls = [0]
     if count_attach:
-        tree = mgr.tree
+        tree = mgr.pool.tree  # the python backend's tree lives in its BlockPool (issue 21)
         attach = tree.attach
 
         def counted(parent, node):

@@ -3,7 +3,8 @@
 Semantics and check order: ``kvcm.api.KVCacheManager.resize_batch`` / ``commit_batch`` and
 DECISIONS.md.  One call does what a loop of the single calls does, in batch order, but runs
 every item's check (the single call's ``check_*``) before the first item's work (its
-``*_checked`` body).  The manager's methods take its lock and call these.
+``*_checked`` body).  The manager's methods take its lock and call these with its pool: a
+batch item must be an open request of that pool.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 from kvcm.api import ClosedError, InvalidStateError, KVCache
 from kvcm.checks import check_batch_caches, check_counts, check_tokens
-from kvcm.python_backend.request import PyKVCache
+from kvcm.python_backend.block_pool import BlockPool
+from kvcm.python_backend.request import Request
 
 # what a batch item's check raises; the batch call re-raises it naming the item
 _ITEM_ERRORS = (ClosedError, InvalidStateError, ValueError, TypeError)
@@ -26,18 +28,18 @@ def _item_error(what: str, i: int, e: Exception) -> Exception:
     return type(e)(f"{what}(): caches[{i}]: {e}")
 
 
-def check_batch(mgr: Any, caches: Any, what: str) -> list[PyKVCache]:
+def check_batch(pool: BlockPool, caches: Any, what: str) -> list[Request]:
     """Check 1 of the batch calls: the caches, item by item in batch order (each an open
-    cache of ``mgr``, none twice)."""
+    cache of the manager whose pool is ``pool``, none twice)."""
     # ``type(c) is`` first: an ABC isinstance per item costs more than the rest of the check
-    return check_batch_caches(what, caches, lambda c: (type(c) is PyKVCache or isinstance(c, PyKVCache)) and c.mgr is mgr,
+    return check_batch_caches(what, caches, lambda c: (type(c) is Request or isinstance(c, Request)) and c.pool is pool,
                               lambda c: c.serial)
 
 
-def resize_batch(mgr: Any, caches: Sequence[KVCache], capacities: Any, history_lengths: Any) -> list[bool]:
+def resize_batch(pool: BlockPool, caches: Sequence[KVCache], capacities: Any, history_lengths: Any) -> list[bool]:
     """SPEC sec. 7 resize, for each cache in batch order, every check first."""
     what = "resize_batch"
-    reqs = check_batch(mgr, caches, what)
+    reqs = check_batch(pool, caches, what)
     n = len(reqs)
     caps = check_counts(capacities, "capacities", n, what)
     hists = [None] * n if history_lengths is None else check_counts(history_lengths, "history_lengths", n, what)
@@ -52,10 +54,10 @@ def resize_batch(mgr: Any, caches: Sequence[KVCache], capacities: Any, history_l
     return [r.resize_checked(c, h) for r, (c, h) in zip(reqs, args)]
 
 
-def commit_batch(mgr: Any, caches: Sequence[KVCache], tokens: Any) -> None:
+def commit_batch(pool: BlockPool, caches: Sequence[KVCache], tokens: Any) -> None:
     """SPEC sec. 7 commit of one token per cache, in batch order, every check first."""
     what = "commit_batch"
-    reqs = check_batch(mgr, caches, what)
+    reqs = check_batch(pool, caches, what)
     toks = check_tokens(tokens)
     if len(toks) != len(reqs):
         raise ValueError(f"{what}(): tokens has {len(toks)} items for {len(reqs)} caches")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcm.api import GPU, Status
+from kvcm.api import GPU, InvariantError, Status
+from kvcm.python_backend.block_pool import BlockPool
 from kvcm.python_backend.pools import DROPPABLE, HELD, LOCKED, NO_NODE, Page, Pool
-from kvcm.python_backend.request import PyKVCache
+from kvcm.python_backend.request import Request
 from kvcm.python_backend.tree import NO_PAGE, Node, RadixTree, child_of, children_of
 
 
@@ -22,24 +23,25 @@ def _tok(t: Any) -> Any:
 # ---------------------------------------------------------------------------------- snapshot
 
 
-def snapshot(mgr: Any) -> dict:
+def snapshot(pool: BlockPool, requests: dict[int, Request], next_request: int, shutdown: bool) -> dict:
     """SPEC sec. 11: everything observable, in a canonical order (node ids, page serials,
-    request serials)."""
+    request serials): the pool's state, the open ``requests`` by serial, the manager's
+    next request serial and whether it is shut down."""
     return {
-        "clock": mgr.clock,
-        "tree": _snapshot_tree(mgr.tree),
-        "pages": _snapshot_pages(mgr),
-        "pools": _snapshot_pools(mgr),
-        "requests": _snapshot_requests(mgr),
-        "stats": mgr.stats(),
-        "iteration_stats": mgr.stats_view(mgr.iteration),
-        "copy_ops": _snapshot_copy_ops(mgr),
-        "issued_copy_ops": [[*op.to_json(), serial] for op, serial in zip(mgr.issued, mgr.issued_pages)],
-        "events": _snapshot_events(mgr),
-        "events_dropped": mgr.events_dropped,
-        "next": {"event": mgr.next_event, "page": mgr.next_page, "request": mgr.next_request,
-                 "node": mgr.tree.next_id},
-        "shutdown": mgr.is_shutdown,
+        "clock": pool.clock,
+        "tree": _snapshot_tree(pool.tree),
+        "pages": _snapshot_pages(pool),
+        "pools": _snapshot_pools(pool),
+        "requests": _snapshot_requests(pool, requests),
+        "stats": pool.stats_view(pool.totals),
+        "iteration_stats": pool.stats_view(pool.iteration),
+        "copy_ops": _snapshot_copy_ops(pool),
+        "issued_copy_ops": [[*op.to_json(), serial] for op, serial in zip(pool.issued, pool.issued_pages)],
+        "events": _snapshot_events(pool),
+        "events_dropped": pool.events_dropped,
+        "next": {"event": pool.next_event, "page": pool.next_page, "request": next_request,
+                 "node": pool.tree.next_id},
+        "shutdown": shutdown,
     }
 
 
@@ -63,43 +65,43 @@ def _snapshot_tree(tree: RadixTree) -> list[dict]:
     return out
 
 
-def _snapshot_pages(mgr: Any) -> list[dict]:
+def _snapshot_pages(pool: BlockPool) -> list[dict]:
     """``pages``: every live page by serial."""
-    return [_page_entry(mgr, mgr.pages[serial]) for serial in sorted(mgr.pages)]
+    return [_page_entry(pool, pool.pages[serial]) for serial in sorted(pool.pages)]
 
 
-def _page_entry(mgr: Any, p: Page) -> dict:
+def _page_entry(pool: BlockPool, p: Page) -> dict:
     """One entry of ``pages``."""
     return {
-        "serial": p.serial, "lc": p.lc, "tier": mgr.tier_ids[p.tier], "slot": p.slot, "coverage": p.coverage,
+        "serial": p.serial, "lc": p.lc, "tier": pool.tier_ids[p.tier], "slot": p.slot, "coverage": p.coverage,
         "state": p.state, "priority": p.priority, "last_used": p.last_used, "ordinal": p.ordinal,
         "node": p.node if p.node != NO_NODE else None, "locks": p.locks, "holds": p.holds,
     }
 
 
-def _snapshot_pools(mgr: Any) -> list[dict]:
+def _snapshot_pools(pool: BlockPool) -> list[dict]:
     """``pools``: per tier, per life cycle, the free slots."""
-    return [{"tier": mgr.tier_ids[t], "kind": mgr._rc.tier_kinds[t], "quota_bytes": mgr.quotas[t],
+    return [{"tier": pool.tier_ids[t], "kind": pool.rc.tier_kinds[t], "quota_bytes": pool.quotas[t],
              "lc": [{"total": p.total, "free": p.nfree, "free_slots": sorted(p.free_slots)} for p in tier]}
-            for t, tier in enumerate(mgr.pools)]
+            for t, tier in enumerate(pool.pools)]
 
 
-def _snapshot_requests(mgr: Any) -> list[dict]:
+def _snapshot_requests(pool: BlockPool, requests: dict[int, Request]) -> list[dict]:
     """``requests``: the open requests by creation serial."""
-    return [_request_entry(mgr, serial, mgr.requests[serial]) for serial in sorted(mgr.requests)]
+    return [_request_entry(pool, serial, requests[serial]) for serial in sorted(requests)]
 
 
-def _snapshot_copy_ops(mgr: Any) -> list[list]:
+def _snapshot_copy_ops(pool: BlockPool) -> list[list]:
     """``copy_ops``: the pending (undrained) ops in issue order."""
-    return [op.to_json() for op in mgr.copy_ops]
+    return [op.to_json() for op in pool.copy_ops]
 
 
-def _snapshot_events(mgr: Any) -> list[dict]:
+def _snapshot_events(pool: BlockPool) -> list[dict]:
     """``events``: the buffered events, oldest first."""
-    return [e.to_json() for e in mgr.built_events()]
+    return [e.to_json() for e in pool.built_events()]
 
 
-def _request_entry(mgr: Any, serial: int, r: PyKVCache) -> dict:
+def _request_entry(pool: BlockPool, serial: int, r: Request) -> dict:
     """One entry of ``requests``."""
     return {
         "serial": serial,
@@ -113,7 +115,7 @@ def _request_entry(mgr: Any, serial: int, r: PyKVCache) -> dict:
         "reused_tokens": r.num_reused_tokens,
         "stopped": r.stopped,
         "blocks": [b if b != NO_NODE else None for b in r.blocks],
-        "pages": {str(lc): [p.serial if p is not None else None for p in r.pages[lc]] for lc in mgr.attn_lcs},
+        "pages": {str(lc): [p.serial if p is not None else None for p in r.pages[lc]] for lc in pool.attn_lcs},
         "live": r.live.serial if r.live is not None else None,
         "snap": r.snap.serial if r.snap is not None else None,
         "cow_block": r.cow_block,
@@ -123,66 +125,71 @@ def _request_entry(mgr: Any, serial: int, r: PyKVCache) -> dict:
 # ---------------------------------------------------------------------------------- invariants
 
 
-def check_invariants(mgr: Any) -> None:
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise InvariantError(message)
+
+
+def check_invariants(pool: BlockPool, requests: dict[int, Request]) -> None:
     """SPEC sec. 11: recompute every derived fact from scratch and compare (raises
     InvariantError), rule group by rule group."""
-    for t, tier in enumerate(mgr.pools):
-        for lc, pool in enumerate(tier):
-            _check_pool(mgr, t, lc, pool)
+    for t, tier in enumerate(pool.pools):
+        for lc, slots in enumerate(tier):
+            _check_pool(pool, t, lc, slots)
     locks: dict[int, int] = {}
     holds: dict[int, int] = {}
     refs: dict[int, int] = {}
-    for r in mgr.requests.values():
-        _check_request(mgr, r, locks, holds, refs)
-    for p in mgr.pages.values():
-        _check_page_users(mgr, p, locks, holds)
-    for nid, n in mgr.tree.nodes.items():
-        _check_tree_links(mgr, nid, n, refs)
+    for r in requests.values():
+        _check_request(pool, r, locks, holds, refs)
+    for p in pool.pages.values():
+        _check_page_users(pool, p, locks, holds)
+    for nid, n in pool.tree.nodes.items():
+        _check_tree_links(pool, nid, n, refs)
 
 
-def _check_pool(mgr: Any, t: int, lc: int, pool: Pool) -> None:
+def _check_pool(pool: BlockPool, t: int, lc: int, slot_pool: Pool) -> None:
     """Slot accounting (sec. 4): each slot used by at most one page, free + used == total,
     the state counters."""
-    check = mgr.check
-    free = set(pool.free_slots)
-    check(len(free) == len(pool.free_slots), f"pool({t},{lc}): duplicate free slot")
-    used = [p for p in mgr.pages.values() if p.tier == t and p.lc == lc]
+    check = _check
+    free = set(slot_pool.free_slots)
+    check(len(free) == len(slot_pool.free_slots), f"pool({t},{lc}): duplicate free slot")
+    used = [p for p in pool.pages.values() if p.tier == t and p.lc == lc]
     slots = [p.slot for p in used]
     check(len(set(slots)) == len(slots), f"pool({t},{lc}): two pages share a slot")
     check(not free & set(slots), f"pool({t},{lc}): a used slot is also free")
-    check(len(free) + len(used) == pool.total, f"pool({t},{lc}): {len(free)} free + {len(used)} used != {pool.total}")
-    check(all(0 <= s < pool.total for s in slots) and all(0 <= s < pool.total for s in free),
+    check(len(free) + len(used) == slot_pool.total, f"pool({t},{lc}): {len(free)} free + {len(used)} used != {slot_pool.total}")
+    check(all(0 <= s < slot_pool.total for s in slots) and all(0 <= s < slot_pool.total for s in free),
           f"pool({t},{lc}): slot out of range")
-    for state, have in ((LOCKED, pool.locked), (HELD, pool.held), (DROPPABLE, pool.droppable)):
+    for state, have in ((LOCKED, slot_pool.locked), (HELD, slot_pool.held), (DROPPABLE, slot_pool.droppable)):
         n = sum(1 for p in used if p.state == state)
         check(n == have, f"pool({t},{lc}): {have} {state} counted, {n} found")
 
 
-def _check_request(mgr: Any, r: PyKVCache, locks: dict[int, int], holds: dict[int, int],
+def _check_request(pool: BlockPool, r: Request, locks: dict[int, int], holds: dict[int, int],
                    refs: dict[int, int]) -> None:
     """Request invariants (sec. 7), counting the page users and block references it has
     into ``locks`` / ``holds`` / ``refs`` for the page and tree checks."""
-    check = mgr.check
-    tree = mgr.tree
-    B = mgr.B
+    check = _check
+    tree = pool.tree
+    B = pool.B
     check(r.num_committed_tokens <= r.history_length <= r.capacity,
           f"request {r.id}: committed {r.num_committed_tokens} <= history {r.history_length} <= capacity {r.capacity}")
     target = locks if r.status == Status.ACTIVE else holds
     used = r.used_pages()
     check(len({p.serial for p in used}) == len(used), f"request {r.id}: uses a page twice")
     for p in used:
-        check(p.serial in mgr.pages, f"request {r.id}: uses freed page {p.serial}")
+        check(p.serial in pool.pages, f"request {r.id}: uses freed page {p.serial}")
         target[p.serial] = target.get(p.serial, 0) + 1
         if r.status == Status.ACTIVE:
             check(p.tier == GPU, f"request {r.id} is ACTIVE but page {p.serial} is on tier {p.tier}")
     nb = -(-r.capacity // B)
-    for lc in mgr.attn_lcs:
+    for lc in pool.attn_lcs:
         check(len(r.pages[lc]) <= max(nb, len(r.blocks)), f"request {r.id}: pages beyond capacity")
-        lo, hi = mgr.lcs[lc].stale_range(r.history_length, B)
+        lo, hi = pool.lcs[lc].stale_range(r.history_length, B)
         for i, p in enumerate(r.pages[lc]):
             check(p is None or not lo <= i < hi, f"request {r.id}: stale block {i} of lc {lc} keeps a page")
             check(p is not None or lo <= i < hi, f"request {r.id}: block {i} of lc {lc} has no page")
-    if r.status == Status.ACTIVE and mgr.ssm_lc is not None:
+    if r.status == Status.ACTIVE and pool.ssm_lc is not None:
         check(r.live is not None, f"request {r.id}: ACTIVE without a live ssm state")
     for nid in r.blocks:
         if nid != NO_NODE:
@@ -192,18 +199,18 @@ def _check_request(mgr: Any, r: PyKVCache, locks: dict[int, int], holds: dict[in
     refs[r.root] = refs.get(r.root, 0) + 1
 
 
-def _check_page_users(mgr: Any, p: Page, locks: dict[int, int], holds: dict[int, int]) -> None:
+def _check_page_users(pool: BlockPool, p: Page, locks: dict[int, int], holds: dict[int, int]) -> None:
     """Pages (sec. 4): users as the requests count them, LOCKED only on gpu, a private page
     has a user, a committed one is held by its block."""
-    check = mgr.check
-    tree = mgr.tree
+    check = _check
+    tree = pool.tree
     check(p.locks == locks.get(p.serial, 0), f"page {p.serial}: {p.locks} locks, {locks.get(p.serial, 0)} users ACTIVE")
     check(p.holds == holds.get(p.serial, 0), f"page {p.serial}: {p.holds} holds, {holds.get(p.serial, 0)} users SUSPENDED")
     check(p.state != LOCKED or p.tier == GPU, f"page {p.serial}: LOCKED on tier {p.tier}")
-    if p.tier == mgr.shared_pos:  # DECISIONS.md "The shared tier": HELD, linked, full, no slot
+    if p.tier == pool.shared_pos:  # DECISIONS.md "The shared tier": HELD, linked, full, no slot
         check(p.slot == -1 and p.locks == 0 and p.holds > 0, f"page {p.serial}: a shared page must be HELD, "
               f"slot -1 ({p.locks} locks, {p.holds} holds, slot {p.slot})")
-        check(p.node != NO_NODE and p.coverage == mgr.B, f"page {p.serial}: a shared page outside a full block")
+        check(p.node != NO_NODE and p.coverage == pool.B, f"page {p.serial}: a shared page outside a full block")
     if p.node == NO_NODE:
         check(p.locks + p.holds > 0, f"page {p.serial}: private page without a user")
     else:
@@ -214,21 +221,21 @@ def _check_page_users(mgr: Any, p: Page, locks: dict[int, int], holds: dict[int,
             check(p.locks + p.holds > 0, f"page {p.serial}: orphan block {p.node} page without a user")
 
 
-def _check_tree_links(mgr: Any, nid: int, n: Node, refs: dict[int, int]) -> None:
+def _check_tree_links(pool: BlockPool, nid: int, n: Node, refs: dict[int, int]) -> None:
     """Tree links and pruning (sec. 5): references, pages linked back, children and their
     index, roots, and no prunable block left attached."""
-    check = mgr.check
-    tree = mgr.tree
+    check = _check
+    tree = pool.tree
     check(n.refs == refs.get(nid, 0), f"block {nid}: {n.refs} refs, {refs.get(nid, 0)} requests")
     for lc, h in enumerate(n.handles()):
         if h != NO_PAGE:
-            check(h in mgr.pages and mgr.pages[h].node == nid, f"block {nid}: page {h} of lc {lc} not linked back")
+            check(h in pool.pages and pool.pages[h].node == nid, f"block {nid}: page {h} of lc {lc} not linked back")
             check(n.coverage[lc] > 0, f"block {nid}: page with zero coverage")
         else:
             check(n.coverage[lc] == 0, f"block {nid}: coverage without a page")
     for c in children_of(n):
         check(child_of(n, c.key) is c and c.parent is n, f"block {nid}: child {c.id} link broken")
-        check(n.ntok == mgr.B or n.is_root, f"block {nid}: a partial block has children")
+        check(n.ntok == pool.B or n.is_root, f"block {nid}: a partial block has children")
     check(tree.index_leaves(nid) == sorted(c.id for c in children_of(n) if c.ntok),
           f"block {nid}: children index out of sync")
     if n.is_root:

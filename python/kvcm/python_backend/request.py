@@ -1,9 +1,13 @@
 """One request's cache: the life cycle of SPEC sec. 7 and orphan re-attachment (sec. 5).
 
-C++ twin: ``cpp/core/request.{h,cpp}`` (there the request functions are ``Manager`` members
-taking the ``Request``).  The single calls are ``check_x`` (raises, changes nothing) then
-``x_checked`` (the work), so ``batch.py`` can check a whole batch first.  The manager
-(``manager.py``) creates requests; this module does not import it (no import cycle).
+C++ twin: ``cpp/core/request.{h,cpp}`` (class ``Request``, holding its ``BlockPool&``).  A
+``Request`` holds one request's state (its tokens, block references and page tables) and
+changes everything else through the ``BlockPool`` surface (``block_pool.py``): it never
+touches the manager's registries.  The manager (``manager.py``) creates and registers
+requests; the two registry steps a request's own calls need (a fork's id and serial, the
+unregistering at close) go through its ``Owner``.  The single calls are ``check_x``
+(raises, changes nothing) then ``x_checked`` (the work), so ``batch.py`` can check a whole
+batch first.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import MutableSequence, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcm.api import (
     GPU,
@@ -35,9 +39,11 @@ from kvcm.checks import (
     stopped_error,
 )
 from kvcm.keys import block_key, chain_keys, chain_keys_packed, scope_root_key
+from kvcm.python_backend.block_pool import NO_NODE, NO_PAGE, BlockPool, Page
 from kvcm.python_backend.locking import serialized
-from kvcm.python_backend.pools import NO_NODE, Page
-from kvcm.python_backend.tree import NO_PAGE, compact_tokens, make_record
+
+if TYPE_CHECKING:
+    import threading
 
 
 def _int_array(packed: bytes) -> array:
@@ -48,11 +54,34 @@ def _int_array(packed: bytes) -> array:
     return out
 
 
-class PyKVCache(KVCache):
-    def __init__(self, mgr: Any, serial: int, cache_id: int | str, tokens: list, packed: bytes | None,
-                 scope: ReuseScope, priority: int, hits: set[tuple[bytes, int]] | None = None) -> None:
-        B = mgr.B
-        self.mgr = mgr  # the PyKVCacheManager that created it
+class Owner(Protocol):
+    """What a request asks of the manager that registered it: the lock its public calls
+    take (SPEC sec. 10) and the registries' part of ``fork`` and ``close`` (ids, serials and
+    the open requests are the manager's; pages, tree and clock are the pool's)."""
+
+    lock: threading.RLock
+
+    def fork_request(self, parent: Request, cache_id: int | str | None) -> Request:
+        """``parent.fork(cache_id)`` once the id is valid: the id's check, ``check_fork``,
+        a new serial, ``fork_checked``, and the child registered."""
+        ...
+
+    def forget_request(self, r: Request) -> None:
+        """``r`` closed: it leaves the registries."""
+        ...
+
+
+class Request(KVCache):
+    """One request's cache (``kvcm.api.KVCache``): its tokens, block references and page
+    tables; it changes pages, the tree, copy ops, events and stats through its ``pool``."""
+
+    def __init__(self, pool: BlockPool, owner: Owner, serial: int, cache_id: int | str, tokens: list,
+                 packed: bytes | None, scope: ReuseScope, priority: int,
+                 hits: set[tuple[bytes, int]] | None = None) -> None:
+        B = pool.B
+        self.pool = pool  # the pages, tree, clock, copy ops, events and stats it works on
+        self.owner = owner  # the manager that registered it (fork, close)
+        self.lock = owner.lock  # the manager lock (locking.serialized)
         self.serial = serial  # creation order in the manager
         self._id = cache_id
         self.scope = scope
@@ -62,8 +91,8 @@ class PyKVCache(KVCache):
         self.root_key = scope_root_key(scope)
         # the root of the scope lives at least as long as this request (sec. 15: released
         # with its last child and its last request)
-        self.root = mgr.tree.root(self.root_key)
-        mgr.tree.ref(self.root)
+        self.root = pool.tree.root(self.root_key)
+        pool.tree.ref(self.root)
         # the input as 4-byte little-endian ints (None: digests among them), packed once by
         # the token check: the keys hash it, commit slices its blocks' tokens from it
         self.input_packed = packed
@@ -81,8 +110,7 @@ class PyKVCache(KVCache):
         self.live: Page | None = None  # the live ssm state
         self.snap: Page | None = None  # matched ssm snapshot, held until the first resume copies it
         self._reused = self.match_and_hold(self.input_tokens, self.keys, hits)
-        mgr.requests[serial] = self
-        mgr.record_match(len(tokens), self._reused)
+        pool.record_match(len(tokens), self._reused)
 
     def match_and_hold(self, tokens: MutableSequence[Token], keys: list[bytes],
                        hits: set[tuple[bytes, int]] | None = None) -> int:
@@ -91,11 +119,11 @@ class PyKVCache(KVCache):
         (create, and the roll-back of ``forget_copies``); returns the match length.  With
         the store's ``hits`` the match may extend into the shared tier (DECISIONS.md "The
         shared tier"): taken only when longer, its blocks inserted with shared pages."""
-        mgr = self.mgr
-        B = mgr.B
-        m, _mbs, path = mgr.match(self.root, tokens, keys) if tokens else (0, 0, [])
+        pool = self.pool
+        B = pool.B
+        m, _mbs, path = pool.match(self.root, tokens, keys) if tokens else (0, 0, [])
         if hits is not None and tokens:
-            m_ext, tree_path, rows = mgr.match_shared(self.root, keys, hits)
+            m_ext, tree_path, rows = pool.match_shared(self.root, keys, hits)
             if m_ext > m:
                 m = m_ext
                 path = self._insert_shared_blocks(tokens, keys, m, tree_path, rows)
@@ -105,23 +133,23 @@ class PyKVCache(KVCache):
         # blocks[i]: tree node this request references for ordinal i (-1: none)
         self.blocks: list[int] = list(path)
         for nid in path:
-            mgr.tree.ref(nid)
+            pool.tree.ref(nid)
         # pages[lc][i]: page used for block i of attention lc (None: none/stale)
-        self.pages = {lc: [None] * len(path) for lc in mgr.attn_lcs}
-        for lc in mgr.attn_lcs:
-            lo, hi = mgr.lcs[lc].stale_range(m, B)
+        self.pages = {lc: [None] * len(path) for lc in pool.attn_lcs}
+        for lc in pool.attn_lcs:
+            lo, hi = pool.stale_range(lc, m)
             for j, nid in enumerate(path):
                 if lo <= j < hi:
                     continue
-                page = mgr.pages[mgr.tree.page(nid, lc)]
-                mgr.use(page, False, self._priority)
+                page = pool.pages[pool.tree.page(nid, lc)]
+                pool.use(page, False, self._priority)
                 self.pages[lc][j] = page
         self.live = None
         self.snap = None
-        if mgr.ssm_lc is not None and m > 0:
+        if pool.ssm_lc is not None and m > 0:
             nid = path[-1]
-            self.snap = mgr.pages[mgr.tree.page(nid, mgr.ssm_lc)]
-            mgr.use(self.snap, False, self._priority)
+            self.snap = pool.pages[pool.tree.page(nid, pool.ssm_lc)]
+            pool.use(self.snap, False, self._priority)
         # the block a partial match ends in: copied to private pages on first resume
         self.cow_block = m // B if m % B else -1
         return m
@@ -132,16 +160,16 @@ class PyKVCache(KVCache):
         the tree at once, with a shared page (tier 3, slot -1) for exactly the pages this
         request will hold: attention pages of blocks non-stale at ``m``, and the ssm
         snapshot of the block ``m`` ends in.  Returns the match path (tree path + new blocks)."""
-        mgr = self.mgr
-        tree = mgr.tree
-        B = mgr.B
+        pool = self.pool
+        tree = pool.tree
+        B = pool.B
         nb = -(-m // B)
         path = list(tree_path[:nb])
         parent = path[-1] if path else self.root
         for i in range(len(tree_path), nb):
             row = rows[i - len(tree_path)]
             nid = tree.new_block(keys[i], tokens[i * B:(i + 1) * B], i)
-            for lc, life in enumerate(mgr.lcs):
+            for lc, life in enumerate(pool.lcs):
                 if life.kind == "ssm":
                     held = i == nb - 1
                 else:
@@ -150,7 +178,7 @@ class PyKVCache(KVCache):
                 if not held:
                     continue
                 assert row[lc] == B, "kvcm bug: the fixed point kept a block without its page"
-                page = mgr.new_shared_page(lc, self._priority, i)
+                page = pool.new_shared_page(lc, self._priority, i)
                 tree.set_page(nid, lc, page.serial, B)
                 page.node = nid
             self._attach(parent, nid)
@@ -163,9 +191,9 @@ class PyKVCache(KVCache):
         the start of the first block whose page it uses is lost; its committed length when
         the live ssm state or the matched snapshot is lost (the re-match then finds an
         earlier snapshot).  None: it uses no lost page."""
-        B = self.mgr.B
+        B = self.pool.B
         point = None
-        for lc in self.mgr.attn_lcs:
+        for lc in self.pool.attn_lcs:
             for i, p in enumerate(self.pages[lc]):
                 if p is not None and p.serial in lost:
                     point = i * B if point is None else min(point, i * B)
@@ -178,12 +206,12 @@ class PyKVCache(KVCache):
     def roll_back(self, point: int) -> None:
         """SPEC sec. 15 ``forget_copies``: release everything, then match ``tokens[:point]`` again and
         hold it as a SUSPENDED request (DECISIONS.md "Failed copies")."""
-        mgr = self.mgr
+        pool = self.pool
         self._release_all()
         self._status = Status.SUSPENDED
         self.stopped = False
         tokens = self.tokens[:point]
-        keys = chain_keys(self.root_key, tokens[: len(tokens) // mgr.B * mgr.B], mgr.B)
+        keys = chain_keys(self.root_key, tokens[: len(tokens) // pool.B * pool.B], pool.B)
         self.match_and_hold(tokens, keys)
 
     # ------------------------------------------------------------------ properties
@@ -226,12 +254,12 @@ class PyKVCache(KVCache):
     def resume(self) -> bool:
         """SPEC sec. 7 resume: every used page LOCKED on gpu, all or nothing."""
         self._require(Status.SUSPENDED, "resume")
-        mgr = self.mgr
+        pool = self.pool
         used = self.used_pages()
         cow_sources = self.cow_sources()
-        need = dict.fromkeys(range(len(mgr.lcs)), 0)  # gpu slots to allocate per lc
-        locked_after = {lc: mgr.pools[GPU][lc].locked for lc in range(len(mgr.lcs))}
-        held_gpu = {lc: mgr.pools[GPU][lc].held for lc in range(len(mgr.lcs))}
+        need = dict.fromkeys(range(len(pool.lcs)), 0)  # gpu slots to allocate per lc
+        locked_after = {lc: pool.pools[GPU][lc].locked for lc in range(len(pool.lcs))}
+        held_gpu = {lc: pool.pools[GPU][lc].held for lc in range(len(pool.lcs))}
         for p in used:
             if p.tier != GPU:
                 need[p.lc] += 1
@@ -239,34 +267,33 @@ class PyKVCache(KVCache):
                 held_gpu[p.lc] -= 1  # about to be LOCKED: no longer a victim
             if p.locks == 0 and p not in cow_sources:
                 locked_after[p.lc] += 1
-        if mgr.ssm_lc is not None and self.live is None:
-            need[mgr.ssm_lc] += 1
-            locked_after[mgr.ssm_lc] += 1
+        if pool.ssm_lc is not None and self.live is None:
+            need[pool.ssm_lc] += 1
+            locked_after[pool.ssm_lc] += 1
         for p in cow_sources:
-            if p.lc != mgr.ssm_lc:
+            if p.lc != pool.ssm_lc:
                 need[p.lc] += 1  # the private copy
                 locked_after[p.lc] += 1
-        limit = mgr.config.max_util_for_resume
-        for lc in range(len(mgr.lcs)):
-            pool = mgr.pools[GPU][lc]
-            if locked_after[lc] > limit * pool.total:
+        limit = pool.config.max_util_for_resume
+        for lc in range(len(pool.lcs)):
+            gpu = pool.pools[GPU][lc]
+            if locked_after[lc] > limit * gpu.total:
                 return False
-            adjust = {"free": pool.nfree, "held": held_gpu[lc], "droppable": pool.droppable}
-            if not mgr.can_allocate(GPU, lc, need[lc], adjust):
+            if not pool.can_allocate(GPU, lc, need[lc], (gpu.nfree, held_gpu[lc], gpu.droppable)):
                 return False
 
-        mgr.tick()
+        pool.tick()
         self._status = Status.ACTIVE
         for p in used:
             if p.tier == GPU:
-                mgr.set_active(p, True)
+                pool.set_active(p, True)
         for p in used:
             if p.tier != GPU:
                 self._ensure_room(GPU, p.lc)
-                mgr.move(p, GPU, "onboard")
-                mgr.set_active(p, True)
-        if mgr.ssm_lc is not None and self.live is None:
-            self.live = self._alloc_private(mgr.ssm_lc, 0, len(self.tokens) // mgr.B)
+                pool.move(p, GPU, "onboard")
+                pool.set_active(p, True)
+        if pool.ssm_lc is not None and self.live is None:
+            self.live = self._alloc_private(pool.ssm_lc, 0, len(self.tokens) // pool.B)
         if self.cow_block >= 0 or self.snap is not None:
             self._copy_on_write()
         return True
@@ -275,9 +302,9 @@ class PyKVCache(KVCache):
     def suspend(self) -> None:
         """SPEC sec. 7 suspend: LOCKED -> HELD."""
         self._require(Status.ACTIVE, "suspend")
-        self.mgr.tick()
+        self.pool.tick()
         for p in self.used_pages():
-            self.mgr.set_active(p, False)
+            self.pool.set_active(p, False)
         self._status = Status.SUSPENDED
 
     @serialized
@@ -302,15 +329,15 @@ class PyKVCache(KVCache):
         """SPEC sec. 7 resize with arguments :meth:`check_resize` accepted (under the manager
         lock): allocate pages for new non-stale blocks, free those beyond the capacity,
         release those that became stale; all or nothing."""
-        mgr = self.mgr
-        B = mgr.B
+        pool = self.pool
+        B = pool.B
         nb = -(-capacity // B)
         # forks (DECISIONS.md "Forks"): room to write into a shared partial page copies it first
         cows = self._shared_tail(history) if capacity > len(self.tokens) else []
-        if not cows and mgr.full_attention_only and all(len(self.pages[lc]) == nb for lc in mgr.attn_lcs):
+        if not cows and pool.full_attention_only and all(len(self.pages[lc]) == nb for lc in pool.attn_lcs):
             # a decode step inside the last block: nothing is stale, nothing to allocate or
             # release, and the pages held already fit (what the general path finds, at once)
-            mgr.tick()
+            pool.tick()
             self._capacity = capacity
             self.history = history
             return True
@@ -323,8 +350,8 @@ class PyKVCache(KVCache):
         # not stale at the current history (observe.py checks it), so pages are released
         # where blocks become stale ([old_hi, hi)) or fall beyond the capacity (>= nb), and
         # allocated past ``n`` outside the new stale range.  Ascending per lc, as a scan.
-        for lc in mgr.attn_lcs:
-            life = mgr.lcs[lc]
+        for lc in pool.attn_lcs:
+            life = pool.lcs[lc]
             lo, hi = life.stale_range(history, B)
             old_hi = life.stale_range(self.history, B)[1]
             pages = self.pages[lc]
@@ -334,49 +361,41 @@ class PyKVCache(KVCache):
                     releases.append((lc, i))
             allocs.extend((lc, r) for r in (range(n, min(lo, nb)), range(max(hi, n), nb)) if r)
         # feasibility from counters, with the releases applied (DECISIONS.md)
-        for lc in mgr.attn_lcs:
+        for lc in pool.attn_lcs:
             n = sum(len(r) for a, r in allocs if a == lc) + sum(1 for a, _p in cows if a == lc)
             if not n:
                 continue
-            pool = mgr.pools[GPU][lc]
-            free, held, droppable = pool.nfree, pool.held, pool.droppable
+            gpu = pool.pools[GPU][lc]
+            free, held, droppable = gpu.nfree, gpu.held, gpu.droppable
             for rlc, i in releases:
                 p = self.pages[rlc][i]
                 if rlc != lc or p.locks != 1:
                     continue
-                if p.node == NO_NODE or not mgr.tree.is_attached(p.node):
+                if p.node == NO_NODE or not pool.tree.is_attached(p.node):
                     free += 1 if p.holds == 0 else 0
                     held += 1 if p.holds else 0
                 elif p.holds:
                     held += 1
                 else:
                     droppable += 1
-            if not mgr.can_allocate(GPU, lc, n, {"free": free, "held": held, "droppable": droppable}):
+            if not pool.can_allocate(GPU, lc, n, (free, held, droppable)):
                 return False
 
-        mgr.tick()
+        pool.tick()
         self._capacity = capacity
         self.history = history
         for lc, i in releases:
             page = self.pages[lc][i]
             self.pages[lc][i] = None
-            mgr.unuse(page, True)
-        for lc in mgr.attn_lcs:
+            pool.unuse(page, True)
+        for lc in pool.attn_lcs:
             pages = self.pages[lc]
             del pages[nb:]
             pages.extend([None] * (nb - len(pages)))
         self._copy_tail(cows)
-        for lc, ordinals in allocs:  # _alloc_private written out: a prompt allocates a page per block
-            pool = mgr.pools[GPU][lc]
-            free, pages, prio = pool.free_slots, self.pages[lc], self._priority
+        for lc, ordinals in allocs:
             for i in ordinals:
-                if not free:
-                    self._ensure_room(GPU, lc)
-                page = mgr.make_page(GPU, lc, pool.take_slot(), 0, prio, i)  # new_page, counted below
-                page.locks = 1  # use() of a fresh page by this ACTIVE request: it is LOCKED
-                pool.locked += 1
-                pages[i] = page
-            mgr.count(lc, "allocated_blocks", len(ordinals))
+                self.pages[lc][i] = self._alloc_private(lc, 0, i)
         return True
 
     def _could_hold(self, nb: int, history: int) -> bool:
@@ -385,14 +404,14 @@ class PyKVCache(KVCache):
         (windowed: sink + window blocks; ssm needs none per block), which cannot exceed the
         lc's gpu pool; and the page table is bounded by MAX_REQUEST_BLOCKS.  Exactly the
         cases the full feasibility check would refuse too, except the table bound."""
-        mgr = self.mgr
-        if not mgr.attn_lcs:
+        pool = self.pool
+        if not pool.attn_lcs:
             return True
         if nb > MAX_REQUEST_BLOCKS:
             return False
-        for lc in mgr.attn_lcs:
-            lo, hi = mgr.lcs[lc].stale_range(history, mgr.B)
-            if nb - max(0, min(hi, nb) - min(lo, nb)) > mgr.pools[GPU][lc].total:
+        for lc in pool.attn_lcs:
+            lo, hi = pool.stale_range(lc, history)
+            if nb - max(0, min(hi, nb) - min(lo, nb)) > pool.pools[GPU][lc].total:
                 return False
         return True
 
@@ -436,9 +455,9 @@ class PyKVCache(KVCache):
         a block boundary."""
         if not toks:
             return
-        mgr = self.mgr
-        B = mgr.B
-        mgr.tick()
+        pool = self.pool
+        B = pool.B
+        pool.tick()
         old = len(self.tokens)
         old_history = self.history
         try:
@@ -449,22 +468,16 @@ class PyKVCache(KVCache):
         new = len(self.tokens)
         self.history = max(self.history, new)
         full = new // B
-        for lc in mgr.attn_lcs:  # written tokens cover more of their private pages
+        for lc in pool.attn_lcs:  # written tokens cover more of their private pages
             pages = self.pages[lc]
             for i in range(old // B, min(-(-new // B), len(pages))):
                 p = pages[i]
                 if p is not None and p.node == NO_NODE:
                     p.coverage = B if i < full else new - i * B
         last = new // B - 1
-        i = old // B
-        while i <= last:
-            if mgr.ssm_lc is None:  # (no snapshot to take)
-                i += self._extend_chain(i, last + 1)
-                if i > last:
-                    break
-            snapshot = mgr.ssm_lc is not None and i == last and new % B == 0
+        for i in range(old // B, last + 1):
+            snapshot = pool.ssm_lc is not None and i == last and new % B == 0
             self._insert_block(i, self.tokens[i * B:(i + 1) * B], snapshot, defer_prune=i < last)
-            i += 1
         self._release_stale(old_history, old // B)
 
     def _release_stale(self, old_history: int, first_block: int) -> None:
@@ -472,19 +485,19 @@ class PyKVCache(KVCache):
         Ordinals stale at ``old_history`` hold no page already, except those this commit
         wrote (from ``first_block`` on): the scan starts there, so a decode step's cost does
         not grow with the request's length."""
-        mgr = self.mgr
-        if mgr.full_attention_only:  # no block is ever stale
+        pool = self.pool
+        if pool.full_attention_only:  # no block is ever stale
             return
         active = self._status == Status.ACTIVE
-        for lc in mgr.attn_lcs:
-            life = mgr.lcs[lc]
-            lo, hi = life.stale_range(self.history, mgr.B)
-            start = max(lo, min(life.stale_range(old_history, mgr.B)[1], first_block))
+        for lc in pool.attn_lcs:
+            life = pool.lcs[lc]
+            lo, hi = life.stale_range(self.history, pool.B)
+            start = max(lo, min(life.stale_range(old_history, pool.B)[1], first_block))
             pages = self.pages[lc]
             for i in range(start, min(hi, len(pages))):
                 if pages[i] is not None:
                     page, pages[i] = pages[i], None
-                    mgr.unuse(page, active)
+                    pool.unuse(page, active)
 
     @serialized
     def stop_committing(self) -> None:
@@ -492,7 +505,7 @@ class PyKVCache(KVCache):
         self._require_open("stop_committing")
         if self.stopped:
             return
-        self.mgr.tick()
+        self.pool.tick()
         self._stop()
 
     @serialized
@@ -500,55 +513,62 @@ class PyKVCache(KVCache):
         """SPEC sec. 7 close: stop_committing, then release everything; idempotent."""
         if self._status == Status.CLOSED:
             return
-        mgr = self.mgr
-        mgr.tick()
+        pool = self.pool
+        pool.tick()
         if not self.stopped:
             self._stop()
         self._release_all()
-        mgr.tree.unref(self.root)  # may release an unused scope root
+        pool.tree.unref(self.root)  # may release an unused scope root
         self._status = Status.CLOSED
-        del mgr.requests[self.serial]
-        mgr.open_ids.discard(self._id)
+        self.owner.forget_request(self)
 
     # ------------------------------------------------------------------ forks (issue 22)
 
     @serialized
-    def fork(self, id: int | str | None = None) -> PyKVCache:
+    def fork(self, id: int | str | None = None) -> Request:
         """SPEC sec. 18 fork (DECISIONS.md "Forks (issue 22)"): checks first (a failed call
-        changes nothing), then a new ACTIVE cache sharing this one's committed pages."""
+        changes nothing), then a new ACTIVE cache sharing this one's committed pages.  The
+        manager checks the id, gives the serial and registers the child (``Owner``)."""
         self._require_open("fork")
-        cache_id = check_cache_id(id)
-        mgr = self.mgr
-        if cache_id is not None and cache_id in mgr.open_ids:
-            raise ValueError(f"id {cache_id!r} is already used by an open cache")
+        return self.owner.fork_request(self, check_cache_id(id))
+
+    def check_fork(self) -> list[tuple[int, Page]]:
+        """Fork's checks past the id's, changing nothing: ACTIVE, history at the committed
+        tokens, room for the copies; returns the tail pages the fork copies at once."""
+        pool = self.pool
         self._require(Status.ACTIVE, "fork")
         if self.history != len(self.tokens):
             raise fork_history_error(self.history, len(self.tokens))
         # the partial block is copied at once when this cache may already be writing into
         # it (room beyond its committed tokens); else it is shared until a resize
         copies = self._tail_pages() if self._capacity > len(self.tokens) else []
-        for lc in range(len(mgr.lcs)):
-            need = sum(1 for clc, _p in copies if clc == lc) + (1 if lc == mgr.ssm_lc else 0)
-            if need and not mgr.can_allocate(GPU, lc, need):
+        for lc in range(len(pool.lcs)):
+            need = sum(1 for clc, _p in copies if clc == lc) + (1 if lc == pool.ssm_lc else 0)
+            if need and not pool.can_allocate(GPU, lc, need):
                 raise fork_room_error()
+        return copies
 
-        serial, cache_id = mgr.new_request(cache_id)
-        child = PyKVCache.__new__(PyKVCache)
+    def fork_checked(self, serial: int, cache_id: int | str, copies: list[tuple[int, Page]]) -> Request:
+        """Fork's work once :meth:`check_fork` returned ``copies`` (the manager gave
+        ``serial`` and ``cache_id``): the child, using this one's pages, with its own live
+        ssm state and its copies of the shared tail."""
+        pool = self.pool
+        child = Request.__new__(Request)
         child._init_fork(self, serial, cache_id)
-        if mgr.ssm_lc is not None:  # its own live state, a copy of this one's
-            child.live = child._alloc_private(mgr.ssm_lc, 0, len(child.tokens) // mgr.B)
-            mgr.copy(mgr.ssm_lc, self.live, child.live, "cow")
-            mgr.count(mgr.ssm_lc, "cows")
+        if pool.ssm_lc is not None:  # its own live state, a copy of this one's
+            child.live = child._alloc_private(pool.ssm_lc, 0, len(child.tokens) // pool.B)
+            pool.copy(pool.ssm_lc, self.live, child.live, "cow")
+            pool.count(pool.ssm_lc, "cows")
         child._copy_tail(copies)
-        mgr.requests[serial] = child
-        mgr.open_ids.add(cache_id)
         return child
 
-    def _init_fork(self, parent: PyKVCache, serial: int, cache_id: int | str) -> None:
+    def _init_fork(self, parent: Request, serial: int, cache_id: int | str) -> None:
         """The fork's fields (its ``__init__``): the parent's committed tokens, input and
         keys; ACTIVE, using every page and block the parent uses below ``ceil(c / B)``."""
-        mgr = parent.mgr
-        self.mgr = mgr
+        pool = parent.pool
+        self.pool = pool
+        self.owner = parent.owner
+        self.lock = parent.lock
         self.serial = serial
         self._id = cache_id
         self.scope = parent.scope
@@ -557,7 +577,7 @@ class PyKVCache(KVCache):
         self.stopped = False
         self.root_key = parent.root_key
         self.root = parent.root
-        mgr.tree.ref(self.root)
+        pool.tree.ref(self.root)
         # never changed after create: shared with the parent
         self.input_packed = parent.input_packed
         self.input_tokens = parent.input_tokens
@@ -565,17 +585,17 @@ class PyKVCache(KVCache):
         self.tokens = parent.tokens[:]
         self._capacity = self.history = len(self.tokens)
         self._reused = parent._reused
-        nb = -(-len(self.tokens) // mgr.B)
+        nb = -(-len(self.tokens) // pool.B)
         self.blocks = list(parent.blocks[:nb])
         for nid in self.blocks:
             if nid != NO_NODE:
-                mgr.tree.ref(nid)
+                pool.tree.ref(nid)
         self.pages = {}
-        for lc in mgr.attn_lcs:
+        for lc in pool.attn_lcs:
             pages = parent.pages[lc][:nb]
             for p in pages:
                 if p is not None:
-                    mgr.use(p, True, self._priority)
+                    pool.use(p, True, self._priority)
             self.pages[lc] = pages
         self.live = None
         self.snap = None
@@ -584,11 +604,11 @@ class PyKVCache(KVCache):
     def _tail_pages(self) -> list[tuple[int, Page]]:
         """(lc, page) of the partial block this cache writes into next (none when its
         committed tokens end on a block boundary)."""
-        B = self.mgr.B
+        B = self.pool.B
         j = len(self.tokens) // B
         if len(self.tokens) % B == 0:
             return []
-        return [(lc, self.pages[lc][j]) for lc in self.mgr.attn_lcs
+        return [(lc, self.pages[lc][j]) for lc in self.pool.attn_lcs
                 if j < len(self.pages[lc]) and self.pages[lc][j] is not None]
 
     def _shared_tail(self, history: int) -> list[tuple[int, Page]]:
@@ -599,9 +619,9 @@ class PyKVCache(KVCache):
         if self.stopped:
             return []  # it never writes again
         out = []
-        j = len(self.tokens) // self.mgr.B
+        j = len(self.tokens) // self.pool.B
         for lc, p in self._tail_pages():
-            lo, hi = self.mgr.lcs[lc].stale_range(history, self.mgr.B)
+            lo, hi = self.pool.stale_range(lc, history)
             if not lo <= j < hi and (p.node != NO_NODE or p.locks + p.holds > 1):
                 out.append((lc, p))
         return out
@@ -611,17 +631,17 @@ class PyKVCache(KVCache):
         ``cow`` op each); this cache stops using the originals and its tree block there."""
         if not shared:
             return
-        mgr = self.mgr
-        j = len(self.tokens) // mgr.B
-        covered = len(self.tokens) - j * mgr.B
+        pool = self.pool
+        j = len(self.tokens) // pool.B
+        covered = len(self.tokens) - j * pool.B
         for lc, src in shared:
             dst = self._alloc_private(lc, covered, j)
-            mgr.copy(lc, src, dst, "cow")
-            mgr.count(lc, "cows")
-            mgr.unuse(src, self._status == Status.ACTIVE)
+            pool.copy(lc, src, dst, "cow")
+            pool.count(lc, "cows")
+            pool.unuse(src, self._status == Status.ACTIVE)
             self.pages[lc][j] = dst
         if j < len(self.blocks) and self.blocks[j] != NO_NODE:
-            mgr.tree.unref(self.blocks[j])
+            pool.tree.unref(self.blocks[j])
             self.blocks[j] = NO_NODE
 
     @serialized
@@ -629,9 +649,9 @@ class PyKVCache(KVCache):
         """SPEC sec. 7: gpu slot per block ordinal, -1 for stale or absent; ssm: the live slot."""
         self._require(Status.ACTIVE, "page_indices")
         lc = self._check_lc(lc)
-        if lc == self.mgr.ssm_lc:
+        if lc == self.pool.ssm_lc:
             return [self.live.slot]
-        nb = -(-self._capacity // self.mgr.B)
+        nb = -(-self._capacity // self.pool.B)
         pages = self.pages[lc]
         return [pages[i].slot if i < len(pages) and pages[i] is not None else -1 for i in range(nb)]
 
@@ -663,27 +683,27 @@ class PyKVCache(KVCache):
         value = as_int(lc)
         if value is None:
             raise TypeError(f"lc must be an int, got {type(lc).__name__}")
-        if not 0 <= value < len(self.mgr.lcs):
-            raise ValueError(f"unknown life cycle {value}; this model has {len(self.mgr.lcs)}")
+        if not 0 <= value < len(self.pool.lcs):
+            raise ValueError(f"unknown life cycle {value}; this model has {len(self.pool.lcs)}")
         return value
 
     def _release_all(self) -> None:
         """Stop using every page and tree block (close, and the roll-back of forget_copies)."""
-        mgr = self.mgr
+        pool = self.pool
         active = self._status == Status.ACTIVE
         for p in self.used_pages():
-            mgr.unuse(p, active)
+            pool.unuse(p, active)
         self.live = self.snap = None
-        for lc in mgr.attn_lcs:
+        for lc in pool.attn_lcs:
             self.pages[lc] = []
         for nid in self.blocks:
             if nid != NO_NODE:
-                mgr.tree.unref(nid)
+                pool.tree.unref(nid)
         self.blocks = []
 
     def used_pages(self) -> list[Page]:
         """Every page this request uses, in the canonical order (lc, ordinal; snap; live)."""
-        out = [p for lc in self.mgr.attn_lcs for p in self.pages[lc] if p is not None]
+        out = [p for lc in self.pool.attn_lcs for p in self.pages[lc] if p is not None]
         if self.snap is not None:
             out.append(self.snap)
         if self.live is not None:
@@ -695,7 +715,7 @@ class PyKVCache(KVCache):
         inside, and the matched ssm snapshot."""
         out: list[Page] = []
         if self.cow_block >= 0:
-            for lc in self.mgr.attn_lcs:
+            for lc in self.pool.attn_lcs:
                 pages = self.pages[lc]
                 if self.cow_block < len(pages) and pages[self.cow_block] is not None:
                     out.append(pages[self.cow_block])
@@ -705,52 +725,46 @@ class PyKVCache(KVCache):
 
     def _ensure_room(self, tier: int, lc: int) -> None:
         """make_room where a feasibility check already promised the slot."""
-        if not self.mgr.make_room(tier, lc):
+        if not self.pool.make_room(tier, lc):
             raise AssertionError("kvcm bug: a feasibility check passed but eviction found no slot")
 
     def _alloc_private(self, lc: int, coverage: int, ordinal: int) -> Page:
         """A new gpu page private to this request, in its state (LOCKED or HELD)."""
-        mgr = self.mgr
-        if not mgr.pools[GPU][lc].free_slots:  # (make_room's own first test, without the call)
+        pool = self.pool
+        if not pool.pools[GPU][lc].free_slots:  # (make_room's own first test, without the call)
             self._ensure_room(GPU, lc)
-        page = mgr.new_page(GPU, lc, coverage, self._priority, ordinal)
-        # use(), for a page nobody used yet: no count to leave, nothing to raise or touch
-        pool = mgr.pools[GPU][lc]
-        if self._status == Status.ACTIVE:
-            page.locks = 1
-        else:
-            page.holds = 1
-        pool.index(page)
+        page = pool.new_page(GPU, lc, coverage, self._priority, ordinal)
+        pool.use(page, self._status == Status.ACTIVE, self._priority)
         return page
 
     def _copy_on_write(self) -> None:
         """SPEC sec. 7: first resume after a match ending inside a block or at a snapshot."""
-        mgr = self.mgr
+        pool = self.pool
         j = self.cow_block
         if j >= 0:
-            covered = len(self.tokens) - j * mgr.B
-            for lc in mgr.attn_lcs:
+            covered = len(self.tokens) - j * pool.B
+            for lc in pool.attn_lcs:
                 src = self.pages[lc][j] if j < len(self.pages[lc]) else None
                 if src is None:
                     continue
                 dst = self._alloc_private(lc, covered, j)
-                mgr.copy(lc, src, dst, "cow")
-                mgr.count(lc, "cows")
+                pool.copy(lc, src, dst, "cow")
+                pool.count(lc, "cows")
                 self.pages[lc][j] = dst
-                mgr.unuse(src, True)
-            mgr.tree.unref(self.blocks[j])
+                pool.unuse(src, True)
+            pool.tree.unref(self.blocks[j])
             self.blocks[j] = NO_NODE
             self.cow_block = -1
         if self.snap is not None:
-            mgr.copy(mgr.ssm_lc, self.snap, self.live, "cow")
-            mgr.count(mgr.ssm_lc, "cows")
-            mgr.unuse(self.snap, True)
+            pool.copy(pool.ssm_lc, self.snap, self.live, "cow")
+            pool.count(pool.ssm_lc, "cows")
+            pool.unuse(self.snap, True)
             self.snap = None
 
     def _key_for(self, i: int, tokens: list) -> bytes:
         """SPEC sec. 3: key of block ``i`` holding ``tokens`` (input keys are reused when they apply)."""
-        B = self.mgr.B
-        parent = self.mgr.tree.key(self.blocks[i - 1]) if i > 0 else self.root_key
+        B = self.pool.B
+        parent = self.pool.tree.key(self.blocks[i - 1]) if i > 0 else self.root_key
         if (len(tokens) == B and i < len(self.keys) and (i == 0 or self.keys[i - 1] == parent)
                 and self.input_tokens[i * B:(i + 1) * B] == tokens):
             return self.keys[i]  # same parent key and tokens: the hash done at create
@@ -761,7 +775,7 @@ class PyKVCache(KVCache):
         orphaned chain first (sec. 5: the bug this project exists to get right)."""
         if i == 0:
             return self.root
-        tree = self.mgr.tree
+        tree = self.pool.tree
         if tree.is_attached(self.blocks[i - 1]):
             return self.blocks[i - 1]
         k = i - 1
@@ -782,10 +796,10 @@ class PyKVCache(KVCache):
     def _switch_block(self, j: int, orphan: int, existing: int) -> None:
         """SPEC sec. 5 re-attachment: another request inserted an equivalent block meanwhile: use it, moving this
         request's pages into it where they cover more."""
-        mgr = self.mgr
-        tree = mgr.tree
+        pool = self.pool
+        tree = pool.tree
         gained = []
-        for lc in mgr.attn_lcs:
+        for lc in pool.attn_lcs:
             p = self.pages[lc][j] if j < len(self.pages[lc]) else None
             if p is None or p.node != orphan or tree.coverage(existing, lc) >= p.coverage:
                 continue
@@ -793,14 +807,14 @@ class PyKVCache(KVCache):
         tree.ref(existing)
         self.blocks[j] = existing
         tree.unref(orphan)
-        mgr.emit_stored(existing, gained)
+        pool.emit_stored(existing, gained)
 
     def _install(self, nid: int, lc: int, p: Page, gained: list[int]) -> None:
         """SPEC sec. 5: make ``p`` the page of block ``nid`` for ``lc`` (a slot keeps only the
         page with the largest coverage).  ``lc`` joins ``gained`` (the caller's ``stored``);
         a replaced page is first announced ``removed`` (DECISIONS.md "Tree and events")."""
-        mgr = self.mgr
-        tree = mgr.tree
+        pool = self.pool
+        tree = pool.tree
         if p.node != NO_NODE:  # moving from an orphan block
             old_node = p.node
             p.node = NO_NODE
@@ -809,120 +823,50 @@ class PyKVCache(KVCache):
         if p.locks or p.holds:
             p.node = nid  # a used page: its state does not depend on the node
         else:
-            mgr.restate(p, lambda: setattr(p, "node", nid))
+            pool.restate(p, lambda: setattr(p, "node", nid))
         if old == NO_PAGE:
             gained.append(lc)
             return
-        q = mgr.pages[old]
+        q = pool.pages[old]
 
         def unlink() -> None:
             q.node = NO_NODE
-        mgr.restate(q, unlink)
-        mgr.emit_removed(tree.key(nid), lc)  # a coverage upgrade: removed now, stored by the caller
+        pool.restate(q, unlink)
+        pool.emit_removed(tree.key(nid), lc)  # a coverage upgrade: removed now, stored by the caller
         gained.append(lc)
         if q.locks == 0 and q.holds == 0:
-            mgr.free_page(q)
+            pool.free_page(q)
 
     def _attach(self, parent: int, nid: int) -> None:
         """SPEC sec. 5 attach: link block ``nid`` under ``parent`` and announce it: ``removed`` for every lc the
         detached partial siblings had (adopted pages included), then ``stored``."""
-        mgr = self.mgr
-        tree = mgr.tree
+        pool = self.pool
+        tree = pool.tree
         siblings = tree.attach(parent, nid)
         node = tree.nodes[nid]
         if not siblings:  # the common case: nothing detached, nothing swapped, only ``stored``
-            mgr.emit_stored(nid, [lc for lc, h in enumerate(node.handles()) if h != NO_PAGE])
+            pool.emit_stored(nid, [lc for lc, h in enumerate(node.handles()) if h != NO_PAGE])
             return
         had: dict[int, set[int]] = {sid: set() for sid in siblings}
         for sid in siblings:  # page.node still names the owner from before the swap
             for lc, h in enumerate(tree.nodes[sid].handles()):
-                if h != NO_PAGE and mgr.pages[h].node == sid:
+                if h != NO_PAGE and pool.pages[h].node == sid:
                     had[sid].add(lc)
         for lc, h in enumerate(node.handles()):
-            if h != NO_PAGE and mgr.pages[h].node in had:
-                had[mgr.pages[h].node].add(lc)
+            if h != NO_PAGE and pool.pages[h].node in had:
+                had[pool.pages[h].node].add(lc)
         for sid in siblings:
             for lc in sorted(had[sid]):
-                mgr.emit_removed(tree.nodes[sid].key, lc)
-        for lc in range(len(mgr.lcs)):
+                pool.emit_removed(tree.nodes[sid].key, lc)
+        for lc in range(len(pool.lcs)):
             if node.page_of(lc) != NO_PAGE:
-                mgr.pages[node.page_of(lc)].node = nid
+                pool.pages[node.page_of(lc)].node = nid
             for sid in siblings:
                 h = tree.nodes[sid].page_of(lc)
                 if h != NO_PAGE:
-                    mgr.pages[h].node = sid
-        mgr.retire_nodes(siblings, announce=False)
-        mgr.emit_stored(nid, [lc for lc in range(len(mgr.lcs)) if node.page_of(lc) != NO_PAGE])
-
-    def _extend_chain(self, i: int, end: int) -> int:
-        """The common case of :meth:`_insert_block`, for the full blocks ``i, i+1, ... < end``
-        in one loop; returns how many it inserted (0: it does not apply to block ``i``).
-        It applies while block ``j``'s parent is this request's block ``j - 1``, attached
-        and childless, and ``j`` has a page: then no block can exist for it, nor a covering
-        or a prefix sibling, so the block is new, takes this request's pages and is
-        attached with a ``stored`` event: exactly what the general path does, without its
-        searches (a prompt's new blocks after the first are all this case)."""
-        if i == 0 or i >= end:
-            return 0
-        mgr = self.mgr
-        tree = mgr.tree
-        B = mgr.B
-        parent = tree.nodes[self.blocks[i - 1]]
-        if parent.children or not parent.attached:
-            return 0
-        tokens = self.tokens
-        # the keys: the input's where the tokens are the input's (the hash done at create)
-        keys = self.keys
-        if end <= len(keys) and parent.has_key(keys[i - 1]) and self.input_tokens[i * B:end * B] == tokens[i * B:end * B]:
-            run_keys = keys[i:end]
-            packed = self.input_packed
-            # once for the run, sliced per block (the input's packing when it is the input's)
-            packed = compact_tokens(tokens[i * B:end * B]) if packed is None else packed[4 * i * B:4 * end * B]
-        else:
-            run_keys = chain_keys(parent.key, tokens[i * B:end * B], B)
-            packed = compact_tokens(tokens[i * B:end * B])
-        tables = [(lc, self.pages[lc]) for lc in mgr.attn_lcs]
-        blocks = self.blocks
-        store = mgr.store_on_commit
-        step = 4 * B if type(packed) is bytes else B
-        one_lc = [tables[0][0]] if len(tables) == 1 else None  # the common model: gained is [lc] or []
-        single = len(mgr.lcs) == 1  # Node.pages is the bare handle
-        for j in range(i, end):
-            if one_lc is not None:
-                t = tables[0][1]
-                gained = one_lc if j < len(t) and t[j] is not None else []
-            else:
-                gained = [lc for lc, t in tables if j < len(t) and t[j] is not None]
-            if not gained:  # a pageless block: the general path (pruning) applies
-                return j - i
-            k = (j - i) * step
-            key = run_keys[j - i]
-            ps = [self.pages[lc][j] for lc in gained] if one_lc is None else [tables[0][1][j]]
-            if single:
-                handles: int | tuple = ps[0].serial
-                coverage: tuple = (B,)
-            else:  # (Node.put per gained lc)
-                hs, cs = [NO_PAGE] * len(mgr.lcs), [0] * len(mgr.lcs)
-                for lc, p in zip(gained, ps):
-                    hs[lc], cs[lc] = p.serial, B
-                handles, coverage = tuple(hs), tuple(cs)
-            # the ordinal as the page's int object: one object for both (j is a fresh one)
-            record = make_record(key, packed[k:k + step])
-            node = tree.extend(parent, record, ps[0].ordinal, handles, coverage)
-            nid = node.id
-            for p in ps:
-                p.coverage = B
-                p.node = nid  # a used page: its state does not depend on the node
-                if store:  # shared_write="commit", as in _insert_block
-                    mgr.store(p, key)
-            node.refs = 1  # tree.ref
-            if j == len(blocks):  # _set_block
-                blocks.append(nid)
-            else:
-                self._set_block(j, nid)
-            mgr.emit_stored_node(node, gained)
-            parent = node
-        return end - i
+                    pool.pages[h].node = sid
+        pool.retire_nodes(siblings, announce=False)
+        pool.emit_stored(nid, [lc for lc in range(len(pool.lcs)) if node.page_of(lc) != NO_PAGE])
 
     def _insert_block(self, i: int, tokens: list, want_snapshot: bool, defer_prune: bool = False) -> None:
         """Commit block ``i`` (full, or the partial tail) into the tree (sec. 5 and 7).
@@ -932,43 +876,43 @@ class PyKVCache(KVCache):
         re-attach the whole chain again (quadratic in the blocks of one pure-ssm commit):
         the chain stays attached until the commit's last block, whose insertion prunes (or
         keeps) it exactly as it would have been (DECISIONS.md)."""
-        mgr = self.mgr
-        tree = mgr.tree
+        pool = self.pool
+        tree = pool.tree
         ntok = len(tokens)
         key = self._key_for(i, tokens)
         parent = self._parent_for(i)
         existing = tree.find_existing(parent, key, tokens)
         snap: Page | None = None
-        ssm = mgr.ssm_lc
+        ssm = pool.ssm_lc
         # shared_write="commit": a full-coverage page of a full block that becomes a tree
         # page here is written to the shared tier (DECISIONS.md "The shared tier")
-        store = mgr.store_on_commit and ntok == mgr.B
+        store = pool.store_on_commit and ntok == pool.B
         if want_snapshot and (existing == NO_NODE or tree.coverage(existing, ssm) < ntok):
-            if self.live is None or self.live.tier != GPU or not mgr.make_room(GPU, ssm):
-                mgr.count(ssm, "snapshots_skipped")
+            if self.live is None or self.live.tier != GPU or not pool.make_room(GPU, ssm):
+                pool.count(ssm, "snapshots_skipped")
             else:
-                snap = mgr.new_page(GPU, ssm, ntok, self._priority, i)
-                mgr.copy(ssm, self.live, snap, "snapshot")
-                mgr.count(ssm, "snapshots_taken")
+                snap = pool.new_page(GPU, ssm, ntok, self._priority, i)
+                pool.copy(ssm, self.live, snap, "snapshot")
+                pool.count(ssm, "snapshots_taken")
                 if store:
-                    mgr.store(snap, key)
+                    pool.store(snap, key)
                 # eviction may have pruned this request's chain or the existing block
                 parent = self._parent_for(i)
                 existing = tree.find_existing(parent, key, tokens)
         active = self._status == Status.ACTIVE
         if existing == NO_NODE:
             nid = tree.new_block(key, tokens, i)
-            for lc in mgr.attn_lcs:
+            for lc in pool.attn_lcs:
                 p = self.pages[lc][i] if i < len(self.pages[lc]) else None
                 if p is not None:
                     p.coverage = ntok
                     tree.set_page(nid, lc, p.serial, ntok)
                     p.node = nid  # a used page: its state does not depend on the node
                     if store:
-                        mgr.store(p, key)
+                        pool.store(p, key)
             if snap is not None:
                 tree.set_page(nid, ssm, snap.serial, ntok)
-                mgr.restate(snap, lambda: setattr(snap, "node", nid))
+                pool.restate(snap, lambda: setattr(snap, "node", nid))
             tree.ref(nid)
             self._set_block(i, nid)
             if tree.nodes[nid].has_page():
@@ -977,7 +921,7 @@ class PyKVCache(KVCache):
                 tree.prune_upward(parent)  # a re-attached chain must not stay childless
             return
         gained: list[int] = []
-        for lc in mgr.attn_lcs:
+        for lc in pool.attn_lcs:
             p = self.pages[lc][i] if i < len(self.pages[lc]) else None
             if p is None:
                 continue
@@ -986,25 +930,27 @@ class PyKVCache(KVCache):
             if q_handle == NO_PAGE or tree.coverage(existing, lc) < ntok:
                 self._install(existing, lc, p, gained)
                 if store:
-                    mgr.store(p, key)
+                    pool.store(p, key)
             else:
-                q = mgr.pages[q_handle]
+                q = pool.pages[q_handle]
                 if q.tier == GPU:  # switch to the tree's page; its index changes
-                    mgr.use(q, active, self._priority)
+                    pool.use(q, active, self._priority)
                     self.pages[lc][i] = q
-                    mgr.unuse(p, active)
+                    pool.unuse(p, active)
                 # else: keep our page privately (freed at close)
         if snap is not None:
             self._install(existing, ssm, snap, gained)
         tree.ref(existing)
         self._set_block(i, existing)
-        mgr.emit_stored(existing, gained)
+        pool.emit_stored(existing, gained)
 
     def _set_block(self, i: int, nid: int) -> None:
         """This request now references block ``nid`` for ordinal ``i`` (instead of any other)."""
-        if i < len(self.blocks):
+        if i == len(self.blocks):  # the usual case: the next block
+            self.blocks.append(nid)
+        elif i < len(self.blocks):
             if self.blocks[i] != NO_NODE:
-                self.mgr.tree.unref(self.blocks[i])
+                self.pool.tree.unref(self.blocks[i])
             self.blocks[i] = nid
         else:
             self.blocks.extend([NO_NODE] * (i - len(self.blocks)))
@@ -1012,11 +958,14 @@ class PyKVCache(KVCache):
 
     def _stop(self) -> None:
         """SPEC sec. 7 stop_committing without the clock tick (close() reuses it)."""
-        mgr = self.mgr
-        B = mgr.B
+        pool = self.pool
+        B = pool.B
         self.stopped = True
         tail = len(self.tokens) % B
         i = len(self.tokens) // B
-        if not tail or not mgr.config.enable_partial_reuse or self.cow_block == i:
+        if not tail or not pool.config.enable_partial_reuse or self.cow_block == i:
             return
-        self._insert_block(i, self.tokens[i * B:], mgr.ssm_lc is not None)
+        self._insert_block(i, self.tokens[i * B:], pool.ssm_lc is not None)
+
+
+PyKVCache = Request  # the name before issue 21 (kvcm.python_backend.PyKVCache)
