@@ -95,6 +95,30 @@ std::vector<Digest> BlockPool::chain(const Digest& root, std::span<const Tok> to
   return keys;
 }
 
+// py: block_pool.py BlockPool.match_shared — SPEC sec. 16
+SharedMatch BlockPool::match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const {
+  SharedMatch sm;
+  sm.path = tree_.key_path(root, keys);
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  std::size_t last = 0;  // rows up to the last block with a hit
+  for (std::size_t i = sm.path.size(); i < keys.size(); ++i) {
+    std::vector<std::int64_t> row(static_cast<std::size_t>(nlc), 0);
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      if (std::binary_search(hits.begin(), hits.end(), std::pair<Digest, std::int64_t>(keys[i], lc))) {
+        row[static_cast<std::size_t>(lc)] = B_;
+        last = sm.rows.size() + 1;
+      }
+    }
+    sm.rows.push_back(std::move(row));
+  }
+  sm.rows.resize(last);
+  if (sm.rows.empty()) return sm;
+  const std::int64_t n = static_cast<std::int64_t>(sm.path.size() + sm.rows.size());
+  const std::int64_t m = std::max<std::int64_t>(0, n * B_ - cfg_.reuse_match_backoff);
+  sm.m = tree_.prune_extended(sm.path, sm.rows, m);
+  return sm;
+}
+
 NodeId BlockPool::new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal) {
   return tree_.new_block(key, tokens, ordinal);
 }

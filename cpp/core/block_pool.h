@@ -87,6 +87,17 @@ struct IssuedOp {
   std::int64_t handle, serial;  // the page's handle and serial (-1, -1: a shared-tier store)
 };
 
+// The shared tier's extension of a create's match (DECISIONS.md "The shared tier"): computed
+// by BlockPool::match_shared from the store's hits, installed by Request::match_and_hold.
+struct SharedMatch {
+  std::int64_t m = -1;                          // the extended match length (-1: no run)
+  std::vector<NodeId> path;                     // the tree path [0, P)
+  std::vector<std::vector<std::int64_t>> rows;  // coverage per lc of blocks P, P+1, ...
+};
+
+// The store's answer to shared_candidates: (block key, lc) pairs, sorted and unique.
+using SharedHits = std::vector<std::pair<Digest, std::int64_t>>;
+
 class BlockPool {
  public:
   explicit BlockPool(ManagerConfig cfg);
@@ -119,6 +130,8 @@ class BlockPool {
   Digest block_key_of(const Digest& parent, std::span<const Tok> tokens) const;
   std::vector<Digest> chain(const Digest& root, std::span<const Tok> tokens) const;
   NodeId new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal);
+  // The match extended by the store's hits (DECISIONS.md "The shared tier"; m -1: no run).
+  SharedMatch match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const;
   // The creation number snapshots show for a node handle (kNoNode stays kNoNode).
   std::int64_t node_uid(NodeId id) const { return id == kNoNode ? kNoNode : tree_.uid(id); }
 

@@ -38,7 +38,7 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   r.keys = pool_.chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(nfull * pool_.B())));
   r.has_digests = !tokens_in.digests.empty();
   SharedMatch shared;  // the shared tier's extension: only with hits (a pure function of the tree)
-  if (hits != nullptr && !tokens.empty()) shared = match_shared(r.root, r.keys, *hits);
+  if (hits != nullptr && !tokens.empty()) shared = pool_.match_shared(r.root, r.keys, *hits);
   const std::int64_t m = r.match_and_hold(tokens, r.keys, hits != nullptr && !tokens.empty() ? &shared : nullptr);
   r.input_tokens = std::move(tokens);
   r.reused = m;
@@ -114,30 +114,6 @@ std::vector<std::pair<Digest, std::int64_t>> Manager::shared_candidates(TokenSeq
     for (std::int64_t lc = 0; lc < nlc; ++lc) out.emplace_back(keys[i], lc);
   }
   return out;
-}
-
-// py: manager.py PyKVCacheManager.match_shared — SPEC sec. 16
-SharedMatch Manager::match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const {
-  SharedMatch sm;
-  sm.path = pool_.tree().key_path(root, keys);
-  const auto nlc = static_cast<std::int64_t>(pool_.cfg().lcs.size());
-  std::size_t last = 0;  // rows up to the last block with a hit
-  for (std::size_t i = sm.path.size(); i < keys.size(); ++i) {
-    std::vector<std::int64_t> row(static_cast<std::size_t>(nlc), 0);
-    for (std::int64_t lc = 0; lc < nlc; ++lc) {
-      if (std::binary_search(hits.begin(), hits.end(), std::pair<Digest, std::int64_t>(keys[i], lc))) {
-        row[static_cast<std::size_t>(lc)] = pool_.B();
-        last = sm.rows.size() + 1;
-      }
-    }
-    sm.rows.push_back(std::move(row));
-  }
-  sm.rows.resize(last);
-  if (sm.rows.empty()) return sm;
-  const std::int64_t n = static_cast<std::int64_t>(sm.path.size() + sm.rows.size());
-  const std::int64_t m = std::max<std::int64_t>(0, n * pool_.B() - pool_.cfg().reuse_match_backoff);
-  sm.m = pool_.tree().prune_extended(sm.path, sm.rows, m);
-  return sm;
 }
 
 // py: manager.py PyKVCacheManager.drain_copy_ops — SPEC sec. 8

@@ -65,8 +65,7 @@ class Manager {
 
   // ---------------------------------------------------------------- manager calls
   // Validated arguments only (the Python layer checks them first).
-  // The store's answer to shared_candidates: (block key, lc) pairs, sorted and unique.
-  using SharedHits = std::vector<std::pair<Digest, std::int64_t>>;
+  using SharedHits = kvcm::SharedHits;  // block_pool.h
   // hits: nullptr when create_kv_cache got no shared_hits (DECISIONS.md "The shared tier").
   std::int64_t create(TokenSeq tokens, std::optional<std::uint64_t> lora,
                       std::optional<std::uint64_t> salt, std::int64_t priority, const SharedHits* hits = nullptr);
@@ -129,9 +128,6 @@ class Manager {
   // The open request of `serial` (ClosedErr "call on a closed cache" when there is none).
   Request& req(std::int64_t serial);
   const Request& req(std::int64_t serial) const;
-  // The shared tier (DECISIONS.md): create's match extended by the store's hits (m -1: no run).
-  SharedMatch match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const;
-
   // --- observe.cpp: the requests' parts of snapshot_json and check_invariants
   std::vector<std::int64_t> open_serials() const;  // the open requests' serials, ascending
   void snapshot_requests(std::string& o) const;

@@ -36,14 +36,6 @@ struct ClosedTokens {
   std::vector<TokenOut> decode() const;
 };
 
-// The shared tier's extension of a create's match (DECISIONS.md "The shared tier"): computed
-// by Manager::match_shared from the store's hits, installed by Request::match_and_hold.
-struct SharedMatch {
-  std::int64_t m = -1;                          // the extended match length (-1: no run)
-  std::vector<NodeId> path;                     // the tree path [0, P)
-  std::vector<std::vector<std::int64_t>> rows;  // coverage per lc of blocks P, P+1, ...
-};
-
 class Request {
  public:
   explicit Request(BlockPool& pool) noexcept : pool_(pool) {}
