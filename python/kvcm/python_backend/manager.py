@@ -52,7 +52,7 @@ from kvcm.python_backend import batch, observe
 from kvcm.python_backend.locking import serialized
 from kvcm.python_backend.pools import DROPPABLE, NO_NODE, NoPool, Page, Pool
 from kvcm.python_backend.request import PyKVCache
-from kvcm.python_backend.tree import NO_PAGE, Node, RadixTree, record_key, record_tokens
+from kvcm.python_backend.tree import NO_PAGE, Node, RadixTree
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped",
@@ -63,14 +63,13 @@ def _removed_event(event_id: int, key: bytes, lc: int) -> RemovedEvent:
     return RemovedEvent(event_id, (key,), lc)
 
 
-def _stored_event(event_id: int, parent: bytes | tuple | None, record: bytes | tuple,
+def _stored_event(event_id: int, parent: bytes | None, key: bytes, tokens: Sequence,
                   rows: Sequence[tuple[int, int, int, int]], partial: bool) -> StoredEvent:
     """A ``stored`` event from what :meth:`PyKVCacheManager.emit_stored` recorded: the
-    ``Node.record`` (key and tokens) of the block and of its parent (None: no parent),
-    ``rows`` (lc, tier, priority, coverage) per lc."""
-    toks = record_tokens(record)
-    key = record_key(record)
-    return StoredEvent(event_id, None if parent is None else record_key(parent),
+    block's parent key (None: no parent), key and tokens (``Node.tokens``), ``rows`` (lc,
+    tier, priority, coverage) per lc."""
+    toks = tuple(tokens)
+    return StoredEvent(event_id, parent,
                        tuple(StoredBlock(key, len(toks), toks, lc, tier, prio, cov) for lc, tier, prio, cov in rows),
                        partial)
 
@@ -658,7 +657,7 @@ class PyKVCacheManager(KVCacheManager):
         (counted as drops); pages with users stay with the orphan."""
         for nid in node_ids:
             n = self.tree.nodes[nid]
-            for lc, h in enumerate(n.handles()):
+            for lc, h in enumerate(n.pages):
                 if h == NO_PAGE:
                     continue
                 if announce:
@@ -700,7 +699,7 @@ class PyKVCacheManager(KVCacheManager):
         """``shared_write="evict"``: eviction is about to drop ``page``; a full-coverage page
         of a full block is written first."""
         node = self.tree.nodes[page.node]
-        if page.coverage == self.B and node.ntok == self.B:
+        if page.coverage == self.B and len(node.tokens) == self.B:
             self.store(page, node.key)
 
     # --- copy ops, events
@@ -769,12 +768,11 @@ class PyKVCacheManager(KVCacheManager):
             self.events_dropped += 1
             if not self.max_events:  # nothing to gather
                 return
-        parent = n.parent.record if n.parent is not None else None
+        parent = n.parent.key if n.parent is not None else None
         pages, tid = self.pages, self.tier_ids
         if len(lcs) == 1:  # the common case without a generator (one frame less per block)
             lc = lcs[0]
-            h = n.pages
-            p = pages[h if type(h) is int else h[lc]]  # Node.page_of
+            p = pages[n.pages[lc]]
             tier, prio, cov = tid[p.tier], p.priority, n.coverage[lc]
             # few distinct rows exist (a full block's are all alike): one shared object
             # each (two tuples less per event for the collector to count), found by the
@@ -786,10 +784,10 @@ class PyKVCacheManager(KVCacheManager):
                     self._stored_rows.clear()
                 rows = self._stored_rows[k] = ((lc, tier, prio, cov),)
         else:
-            rows = tuple((lc, tid[pages[n.page_of(lc)].tier], pages[n.page_of(lc)].priority, n.coverage[lc])
+            rows = tuple((lc, tid[pages[n.pages[lc]].tier], pages[n.pages[lc]].priority, n.coverage[lc])
                          for lc in lcs)
-        # the records, not keys and tokens: shared with the nodes, nothing built per event
-        self.events.append((_STORED, eid, parent, n.record, rows, n.ntok < self.B))
+        # the node's key and tokens, shared with the node (never changed): nothing built per event
+        self.events.append((_STORED, eid, parent, n.key, n.tokens, rows, len(n.tokens) < self.B))
 
     # --- stats
 

@@ -37,7 +37,7 @@ from kvcm.checks import (
 from kvcm.keys import block_key, chain_keys, chain_keys_packed, scope_root_key
 from kvcm.python_backend.locking import serialized
 from kvcm.python_backend.pools import NO_NODE, Page
-from kvcm.python_backend.tree import NO_PAGE, compact_tokens, make_record
+from kvcm.python_backend.tree import NO_PAGE
 
 
 def _int_array(packed: bytes) -> array:
@@ -64,9 +64,6 @@ class PyKVCache(KVCache):
         # with its last child and its last request)
         self.root = mgr.tree.root(self.root_key)
         mgr.tree.ref(self.root)
-        # the input as 4-byte little-endian ints (None: digests among them), packed once by
-        # the token check: the keys hash it, commit slices its blocks' tokens from it
-        self.input_packed = packed
         # the input's (and, sliced from it, the committed) tokens: an array of ints when all
         # are ints, a list otherwise.  An array is no container the cyclic GC walks: a
         # long prompt's token lists would be walked by every collection during its request
@@ -559,7 +556,6 @@ class PyKVCache(KVCache):
         self.root = parent.root
         mgr.tree.ref(self.root)
         # never changed after create: shared with the parent
-        self.input_packed = parent.input_packed
         self.input_tokens = parent.input_tokens
         self.keys = parent.keys
         self.tokens = parent.tokens[:]
@@ -831,28 +827,28 @@ class PyKVCache(KVCache):
         siblings = tree.attach(parent, nid)
         node = tree.nodes[nid]
         if not siblings:  # the common case: nothing detached, nothing swapped, only ``stored``
-            mgr.emit_stored(nid, [lc for lc, h in enumerate(node.handles()) if h != NO_PAGE])
+            mgr.emit_stored(nid, [lc for lc, h in enumerate(node.pages) if h != NO_PAGE])
             return
         had: dict[int, set[int]] = {sid: set() for sid in siblings}
         for sid in siblings:  # page.node still names the owner from before the swap
-            for lc, h in enumerate(tree.nodes[sid].handles()):
+            for lc, h in enumerate(tree.nodes[sid].pages):
                 if h != NO_PAGE and mgr.pages[h].node == sid:
                     had[sid].add(lc)
-        for lc, h in enumerate(node.handles()):
+        for lc, h in enumerate(node.pages):
             if h != NO_PAGE and mgr.pages[h].node in had:
                 had[mgr.pages[h].node].add(lc)
         for sid in siblings:
             for lc in sorted(had[sid]):
                 mgr.emit_removed(tree.nodes[sid].key, lc)
         for lc in range(len(mgr.lcs)):
-            if node.page_of(lc) != NO_PAGE:
-                mgr.pages[node.page_of(lc)].node = nid
+            if node.pages[lc] != NO_PAGE:
+                mgr.pages[node.pages[lc]].node = nid
             for sid in siblings:
-                h = tree.nodes[sid].page_of(lc)
+                h = tree.nodes[sid].pages[lc]
                 if h != NO_PAGE:
                     mgr.pages[h].node = sid
         mgr.retire_nodes(siblings, announce=False)
-        mgr.emit_stored(nid, [lc for lc in range(len(mgr.lcs)) if node.page_of(lc) != NO_PAGE])
+        mgr.emit_stored(nid, [lc for lc in range(len(mgr.lcs)) if node.pages[lc] != NO_PAGE])
 
     def _extend_chain(self, i: int, end: int) -> int:
         """The common case of :meth:`_insert_block`, for the full blocks ``i, i+1, ... < end``
@@ -873,20 +869,14 @@ class PyKVCache(KVCache):
         tokens = self.tokens
         # the keys: the input's where the tokens are the input's (the hash done at create)
         keys = self.keys
-        if end <= len(keys) and parent.has_key(keys[i - 1]) and self.input_tokens[i * B:end * B] == tokens[i * B:end * B]:
+        if end <= len(keys) and parent.key == keys[i - 1] and self.input_tokens[i * B:end * B] == tokens[i * B:end * B]:
             run_keys = keys[i:end]
-            packed = self.input_packed
-            # once for the run, sliced per block (the input's packing when it is the input's)
-            packed = compact_tokens(tokens[i * B:end * B]) if packed is None else packed[4 * i * B:4 * end * B]
         else:
             run_keys = chain_keys(parent.key, tokens[i * B:end * B], B)
-            packed = compact_tokens(tokens[i * B:end * B])
         tables = [(lc, self.pages[lc]) for lc in mgr.attn_lcs]
         blocks = self.blocks
         store = mgr.store_on_commit
-        step = 4 * B if type(packed) is bytes else B
         one_lc = [tables[0][0]] if len(tables) == 1 else None  # the common model: gained is [lc] or []
-        single = len(mgr.lcs) == 1  # Node.pages is the bare handle
         for j in range(i, end):
             if one_lc is not None:
                 t = tables[0][1]
@@ -895,20 +885,12 @@ class PyKVCache(KVCache):
                 gained = [lc for lc, t in tables if j < len(t) and t[j] is not None]
             if not gained:  # a pageless block: the general path (pruning) applies
                 return j - i
-            k = (j - i) * step
             key = run_keys[j - i]
             ps = [self.pages[lc][j] for lc in gained] if one_lc is None else [tables[0][1][j]]
-            if single:
-                handles: int | tuple = ps[0].serial
-                coverage: tuple = (B,)
-            else:  # (Node.put per gained lc)
-                hs, cs = [NO_PAGE] * len(mgr.lcs), [0] * len(mgr.lcs)
-                for lc, p in zip(gained, ps):
-                    hs[lc], cs[lc] = p.serial, B
-                handles, coverage = tuple(hs), tuple(cs)
-            # the ordinal as the page's int object: one object for both (j is a fresh one)
-            record = make_record(key, packed[k:k + step])
-            node = tree.extend(parent, record, ps[0].ordinal, handles, coverage)
+            handles, coverage = [NO_PAGE] * len(mgr.lcs), [0] * len(mgr.lcs)  # (set_page per gained lc)
+            for lc, p in zip(gained, ps):
+                handles[lc], coverage[lc] = p.serial, B
+            node = tree.extend(parent, key, tokens[j * B:(j + 1) * B], j, handles, coverage)
             nid = node.id
             for p in ps:
                 p.coverage = B
