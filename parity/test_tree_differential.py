@@ -57,14 +57,14 @@ def _outcome(fn, *args):
 
 
 class TreeLockstep(RuleBasedStateMachine):
-    # index_threshold: the C++ tree scans up to that many children and indexes more in a
-    # trie (python always uses its trie); 0 and 2 drive the C++ trie through building,
-    # growing, shrinking and dropping it with the few keys drawn here.
+    # index_threshold: both trees scan up to that many children and index more in a trie;
+    # 0 and 2 drive the tries through building, growing, shrinking and dropping them with
+    # the few keys drawn here.
     @initialize(B=st.integers(1, 4), preset=st.sampled_from(PRESETS), index_threshold=st.sampled_from([0, 2, 16]))
     def setup(self, B, preset, index_threshold):
         self.B = B
         self.lcs = preset
-        self.py = PyTree(B, _life_cycles(preset))
+        self.py = PyTree(B, _life_cycles(preset), index_threshold)
         self.cc = CppTree(B, preset, index_threshold)
         self.next_page = 100
         root = self.both("root", SCOPE_KEYS[0])[1]

@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import KVCacheManagerConfig, ReuseScope, Token
-from kvcm.config import LifeCycle, resolve_config, stale_range
+from kvcm.config import LifeCycle, resolve_config
 from kvcm.fleet.wire import KIND_FULL, KIND_MAMBA, KIND_WINDOW, AllBlocksCleared, BlockRemoved, BlockStored
+from kvcm.matching import MatchRule, fixed_point
 
 BlockKey = bytes | int  # vLLM's ExternalBlockHash; kvcm's own keys are 32-byte ``bytes``
 
@@ -87,6 +88,11 @@ class GroupSpec:
             return GroupSpec(KIND_FULL)
         return GroupSpec(KIND_WINDOW, lc.window, lc.sinks)
 
+    @property
+    def rule(self) -> MatchRule:
+        """What SPEC sec. 6 step 3 needs of it (kvcm.matching)."""
+        return MatchRule(self.kind == KIND_MAMBA, self.window, self.sinks)
+
 
 @dataclass(frozen=True)
 class RouterModel:
@@ -99,6 +105,10 @@ class RouterModel:
     def from_config(config: KVCacheManagerConfig) -> RouterModel:
         rc = resolve_config(config)
         return RouterModel(config.tokens_per_block, tuple(GroupSpec.of(lc) for lc in rc.life_cycles))
+
+    @property
+    def rules(self) -> tuple[MatchRule, ...]:
+        return tuple(g.rule for g in self.groups)
 
 
 @dataclass
@@ -238,34 +248,10 @@ class InstanceIndex:
         empty = _Entry(None)
         entries = [e if e is not None else empty for e in path]
 
-        def cov(j: int, g: int) -> int:
-            e = entries[j]
-            return e.coverage.get(g, B) if g in e.pages else 0
-
-        m = len(path) * B
-        while True:  # SPEC sec. 6 step 3, as RadixTree.prune_match
-            m0 = m
-            for g, spec in enumerate(self.model.groups):
-                nb = -(-m // B)
-                if spec.kind == KIND_MAMBA:
-                    cut = 0
-                    for j in range(nb - 1, -1, -1):
-                        c = cov(j, g)
-                        if 0 < c and j * B + c <= m:
-                            cut = j * B + c
-                            break
-                    m = cut
-                    continue
-                lo, hi = stale_range(spec.window, spec.sinks, m, B)  # the engine's rule (sec. 7)
-                for j in range(nb):
-                    if lo <= j < hi:
-                        continue
-                    c = cov(j, g)
-                    if c < min(B, m - j * B):
-                        m = j * B + c
-                        break
-            if m == m0:
-                return m // B * B
+        groups = range(len(self.model.groups))
+        coverage = [[e.coverage.get(g, B) if g in e.pages else 0 for g in groups] for e in entries]
+        m = fixed_point(len(path) * B, B, self.model.rules, coverage, use_ssm=True)  # as RadixTree.prune_match
+        return m // B * B
 
 
 class RouterIndex:

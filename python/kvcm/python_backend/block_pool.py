@@ -32,7 +32,7 @@ from kvcm.api import (
 from kvcm.checks import quota_refused_error
 from kvcm.config import LifeCycle, resolve_config
 from kvcm.python_backend.pools import DROPPABLE, NO_NODE, Page, Pool
-from kvcm.python_backend.tree import NO_PAGE, RadixTree, record_key, record_tokens
+from kvcm.python_backend.tree import NO_PAGE, RadixTree
 
 _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_blocks", "offloads", "offload_bytes",
                 "onboards", "onboard_bytes", "drops", "drop_bytes", "cows", "snapshots_taken", "snapshots_skipped",
@@ -54,9 +54,9 @@ EventRecord = tuple
 def built_event(e: EventRecord) -> Event:
     """The :class:`kvcm.api.Event` of a buffered record (see ``BlockPool.emit``)."""
     kind = e[0]
-    if kind == _STORED:  # (kind, id, parent key, block record, rows (lc, tier, priority, coverage), partial)
-        _, eid, parent, record, rows, partial = e
-        key, toks = record_key(record), record_tokens(record)
+    if kind == _STORED:  # (kind, id, parent key, key, tokens, rows (lc, tier, priority, coverage), partial)
+        _, eid, parent, key, tokens, rows, partial = e
+        toks = tuple(tokens)
         return StoredEvent(eid, parent, tuple(StoredBlock(key, len(toks), toks, *row) for row in rows), partial)
     if kind == _REMOVED:  # (kind, id, key, lc)
         return RemovedEvent(e[1], (e[2],), e[3])
@@ -356,7 +356,7 @@ class BlockPool:
         (counted as drops); pages with users stay with the orphan."""
         for nid in node_ids:
             n = self.tree.nodes[nid]
-            for lc, h in enumerate(n.handles()):
+            for lc, h in enumerate(n.pages):
                 if h == NO_PAGE:
                     continue
                 if announce:
@@ -442,7 +442,7 @@ class BlockPool:
         """``shared_write="evict"``: eviction is about to drop ``page``; a full-coverage page
         of a full block is written first."""
         node = self.tree.nodes[page.node]
-        if page.coverage == self.B and node.ntok == self.B:
+        if page.coverage == self.B and len(node.tokens) == self.B:
             self.store(page, node.key)
 
     # --- copy ops
@@ -540,11 +540,11 @@ class BlockPool:
         n = self.tree.nodes[node_id]
         rows = []
         for lc in lcs:
-            p = self.pages[n.page_of(lc)]
+            p = self.pages[n.pages[lc]]
             rows.append((lc, self.tier_ids[p.tier], p.priority, n.coverage[lc]))
         parent = None if n.parent is None else n.parent.key
-        # the block's record (its key and tokens, immutable) is shared with the node, not copied
-        self.emit(_STORED, parent, n.record, tuple(rows), n.ntok < self.B)
+        # the block's key and tokens (never changed) are shared with the node, not copied
+        self.emit(_STORED, parent, n.key, n.tokens, tuple(rows), len(n.tokens) < self.B)
 
     def emit_cleared(self) -> None:
         """SPEC sec. 9: ``cleared`` (clear_reusable)."""

@@ -13,7 +13,7 @@ from kvcm.api import GPU, InvariantError, Status
 from kvcm.python_backend.block_pool import BlockPool
 from kvcm.python_backend.pools import DROPPABLE, HELD, LOCKED, NO_NODE, Page, Pool
 from kvcm.python_backend.request import Request
-from kvcm.python_backend.tree import NO_PAGE, Node, RadixTree, child_of, children_of
+from kvcm.python_backend.tree import NO_PAGE, Node, RadixTree
 
 
 def _tok(t: Any) -> Any:
@@ -58,9 +58,9 @@ def _snapshot_tree(tree: RadixTree) -> list[dict]:
             "root": n.is_root,
             "ordinal": n.ordinal,
             "tokens": [_tok(t) for t in n.tokens],
-            "children": sorted(c.id for c in children_of(n)),
+            "children": sorted(c.id for c in n.children.values()),
             "refs": n.refs,
-            "pages": [None if h == NO_PAGE else {"page": h, "coverage": n.coverage[lc]} for lc, h in enumerate(n.handles())],
+            "pages": [None if h == NO_PAGE else {"page": h, "coverage": n.coverage[lc]} for lc, h in enumerate(n.pages)],
         })
     return out
 
@@ -216,7 +216,7 @@ def _check_page_users(pool: BlockPool, p: Page, locks: dict[int, int], holds: di
     else:
         check(p.node in tree.nodes, f"page {p.serial}: block {p.node} does not exist")
         n = tree.nodes[p.node]
-        check(n.page_of(p.lc) == p.serial, f"page {p.serial}: block {p.node} does not hold it")
+        check(n.pages[p.lc] == p.serial, f"page {p.serial}: block {p.node} does not hold it")
         if not n.attached:
             check(p.locks + p.holds > 0, f"page {p.serial}: orphan block {p.node} page without a user")
 
@@ -227,22 +227,22 @@ def _check_tree_links(pool: BlockPool, nid: int, n: Node, refs: dict[int, int]) 
     check = _check
     tree = pool.tree
     check(n.refs == refs.get(nid, 0), f"block {nid}: {n.refs} refs, {refs.get(nid, 0)} requests")
-    for lc, h in enumerate(n.handles()):
+    for lc, h in enumerate(n.pages):
         if h != NO_PAGE:
             check(h in pool.pages and pool.pages[h].node == nid, f"block {nid}: page {h} of lc {lc} not linked back")
             check(n.coverage[lc] > 0, f"block {nid}: page with zero coverage")
         else:
             check(n.coverage[lc] == 0, f"block {nid}: coverage without a page")
-    for c in children_of(n):
-        check(child_of(n, c.key) is c and c.parent is n, f"block {nid}: child {c.id} link broken")
-        check(n.ntok == pool.B or n.is_root, f"block {nid}: a partial block has children")
-    check(tree.index_leaves(nid) == sorted(c.id for c in children_of(n) if c.ntok),
+    for k, c in n.children.items():
+        check(k == c.key and c.parent is n, f"block {nid}: child {c.id} link broken")
+        check(len(n.tokens) == pool.B or n.is_root, f"block {nid}: a partial block has children")
+    check(tree.index_leaves(nid) == sorted(c.id for c in n.children.values() if c.tokens),
           f"block {nid}: children index out of sync")
     if n.is_root:
         check(tree.roots.get(n.key) is n, f"root {nid}: not the root of its scope")
         check(bool(n.children) or n.refs > 0, f"root {nid}: unused (no child, no request) but not released")
         return
-    expect_attached = n.parent is not None and n.parent.attached and child_of(n.parent, n.key) is n
+    expect_attached = n.parent is not None and n.parent.attached and n.parent.children.get(n.key) is n
     check(n.attached == expect_attached, f"block {nid}: attached flag {n.attached} but links say {expect_attached}")
     if n.attached:
         check(bool(n.children) or n.has_page(), f"block {nid}: attached with neither a child nor a page (prunable)")

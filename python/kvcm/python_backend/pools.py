@@ -60,37 +60,13 @@ class Page:
         return None
 
     def evict_key(self) -> tuple[int, int, int, int]:
-        """SPEC sec. 8 eviction order: lower first."""
+        """SPEC sec. 8 eviction order, the one statement of it: lower goes first.  Lowest
+        priority, then least recently used, then the deepest block (its descendants are
+        useless without it), then the oldest page; serials are unique, so keys are too."""
         return (self.priority, self.last_used, -self.ordinal, self.serial)
 
 
-# A page's eviction key packed into one int: (priority, last_used, 2**32-1 - ordinal,
-# serial), 64 bits a field below the priority but 32 for the ordinal.  Int order is the
-# tuple order of sec. 8 (every field fits its width: clock and serials stay below 2**63; a
-# page's ordinal is at most MAX_REQUEST_BLOCKS = 2**24 but for a shared-tier hit's, bounded
-# by an input of 2**32 blocks no process holds) and the low field names the page: a heap
-# entry of _Index (below) is one int of 167 bits (48 bytes, untracked by the cyclic GC),
-# not a five-field tuple (~88 bytes).
-_W = 64
-_MASK = (1 << _W) - 1
-_OW = 32
-_OMASK = (1 << _OW) - 1
-
-
-def _entry(page: Page) -> int:
-    return (((page.priority << _W | page.last_used) << _OW | (_OMASK - page.ordinal)) << _W) | page.serial
-
-
-def _before(a: Page, b: Page) -> bool:
-    """``a`` sorts before ``b`` in sec. 8's order (``a.evict_key() < b.evict_key()``,
-    field by field: no tuple or packed int built)."""
-    if a.priority != b.priority:
-        return a.priority < b.priority
-    if a.last_used != b.last_used:
-        return a.last_used < b.last_used
-    if a.ordinal != b.ordinal:
-        return a.ordinal > b.ordinal
-    return a.serial < b.serial
+EvictEntry = tuple[tuple[int, int, int, int], int]  # a heap entry of _Index: (evict_key, serial)
 
 
 class _Index:
@@ -102,9 +78,9 @@ class _Index:
     (``Page.prev`` / ``Page.next``, as vLLM's free-block queue): appended at the tail, or
     inserted just before ``run``, in O(1) without an object per page.  Any other arrival
     (a page suspended with an old last_used, a lower priority than the tail's) goes into
-    ``heap``, a lazy min-heap of ``_entry`` ints: an entry is valid only while its page is
-    still in this pool, in this state, with that key (recomputed), so it turns stale by the
-    page's change itself and is dropped when it surfaces.  The next victim is the smaller
+    ``heap``, a lazy min-heap of ``(evict_key, serial)`` entries: an entry is valid only while
+    its page is still in this pool, in this state, with that key (recomputed), so it turns
+    stale by the page's change itself and is dropped when it surfaces.  The next victim is the smaller
     of the two heads.  Invariants: the list is sorted by key; every page from ``run`` to
     ``tail`` has the tail's last_used."""
 
@@ -114,7 +90,7 @@ class _Index:
         self.head: Page | None = None
         self.tail: Page | None = None
         self.run: Page | None = None
-        self.heap: list[int] = []
+        self.heap: list[EvictEntry] = []
 
     def insert(self, page: Page, before: Page | None) -> None:
         """Link ``page`` into the list just before ``before`` (None: at the tail)."""
@@ -195,47 +171,49 @@ class Pool:
 
     def unindex(self, page: Page) -> None:
         """Before a change of ``page``'s state, eviction key or place: it leaves its state's
-        count (SPEC sec. 4 states) and its index.  The state is derived inline (as
-        ``Page.state``): this runs on every page change."""
-        if page.locks:
+        count (SPEC sec. 4 states) and its index."""
+        state = page.state
+        if state == LOCKED:
             self.locked -= 1
-        elif page.holds:
+        elif state == HELD:
             self.held -= 1
             self.held_index.remove(page)
-        elif page.node != NO_NODE:
+        elif state == DROPPABLE:
             self.droppable -= 1
             self.droppable_index.remove(page)
 
     def index(self, page: Page) -> None:
         """After the change: ``page`` is counted under its new state and, when it is a victim
         candidate (HELD or DROPPABLE), indexed with its new eviction key (SPEC sec. 8)."""
-        if page.locks:
+        state = page.state
+        if state == LOCKED:
             self.locked += 1
             return
-        if page.holds:
+        if state == HELD:
             self.held += 1
             ix = self.held_index
-        elif page.node != NO_NODE:
+        elif state == DROPPABLE:
             self.droppable += 1
             ix = self.droppable_index
         else:
             return
         # (the two list cases exclude each other; the run's is tested first as the pages a
         # call releases together all but the first take it)
+        key = page.evict_key()
         r = ix.run
-        if r is not None and r.last_used == page.last_used and _before(page, r) and (
-                r.prev is None or _before(r.prev, page)):
+        if r is not None and r.last_used == page.last_used and key < r.evict_key() and (
+                r.prev is None or r.prev.evict_key() < key):
             ix.insert(page, r)  # just before the tail's run
             ix.run = page
             return
         tail = ix.tail
-        if tail is None or _before(tail, page):  # the newest: appended
+        if tail is None or tail.evict_key() < key:  # the newest: appended
             if tail is None or tail.last_used != page.last_used:
                 ix.run = page
             ix.insert(page, None)
             return
         heap = ix.heap
-        heapq.heappush(heap, _entry(page))
+        heapq.heappush(heap, (key, page.serial))
         if len(heap) > 64 and len(heap) > 4 * (self.held + self.droppable):
             self._compact(ix, HELD if ix is self.held_index else DROPPABLE)
 
@@ -245,10 +223,10 @@ class Pool:
         heap = ix.heap
         first = ix.head
         while heap:
-            e = heap[0]
-            page = self.pages.get(e & _MASK)
-            if page is not None and self._valid(page, e, state):
-                return page if first is None or e < _entry(first) else first
+            key, serial = heap[0]
+            page = self.pages.get(serial)
+            if page is not None and self._valid(page, key, state):
+                return page if first is None or key < first.evict_key() else first
             heapq.heappop(heap)
         return first
 
@@ -266,32 +244,17 @@ class Pool:
             return d
         if d is None:
             return h
-        return h if _before(h, d) else d
+        return h if h.evict_key() < d.evict_key() else d
 
-    def _valid(self, page: Page, entry: int, state: str) -> bool:
-        if page.tier != self.tier or page.slot < 0 or page.locks or _entry(page) != entry:
-            return False
-        return state == HELD if page.holds else state == DROPPABLE and page.node != NO_NODE  # Page.state
+    def _valid(self, page: Page, key: tuple[int, int, int, int], state: str) -> bool:
+        """A heap entry of ``page`` with ``key`` still stands for it in ``state``'s index."""
+        return (page.tier == self.tier and page.slot >= 0 and page.state == state
+                and page.evict_key() == key)
 
     def _compact(self, ix: _Index, state: str) -> None:
-        # a set: equal entries (a page pushed again with an unchanged key) kept once
+        """Drop the stale heap entries once they outnumber the pages by far (a set: equal
+        entries, a page pushed again with an unchanged key, kept once)."""
         pages = self.pages
-        heap = [e for e in set(ix.heap) if (e & _MASK) in pages and self._valid(pages[e & _MASK], e, state)]
+        heap = [e for e in set(ix.heap) if e[1] in pages and self._valid(pages[e[1]], e[0], state)]
         heapq.heapify(heap)
         ix.heap = heap
-
-
-class NoPool:
-    """Where a page that is in no pool (a shared-tier page) is indexed: nowhere.  It stands
-    in for a Pool where the manager indexes pages by tier position without a test."""
-
-    __slots__ = ()
-
-    def unindex(self, page: Page) -> None:
-        pass
-
-    def index(self, page: Page) -> None:
-        pass
-
-    def give_slot(self, slot: int) -> None:
-        pass

@@ -93,9 +93,6 @@ class Request(KVCache):
         # with its last child and its last request)
         self.root = pool.tree.root(self.root_key)
         pool.tree.ref(self.root)
-        # the input as 4-byte little-endian ints (None: digests among them), packed once by
-        # the token check: the keys hash it, commit slices its blocks' tokens from it
-        self.input_packed = packed
         # the input's (and, sliced from it, the committed) tokens: an array of ints when all
         # are ints, a list otherwise.  An array is no container the cyclic GC walks: a
         # long prompt's token lists would be walked by every collection during its request
@@ -579,7 +576,6 @@ class Request(KVCache):
         self.root = parent.root
         pool.tree.ref(self.root)
         # never changed after create: shared with the parent
-        self.input_packed = parent.input_packed
         self.input_tokens = parent.input_tokens
         self.keys = parent.keys
         self.tokens = parent.tokens[:]
@@ -845,28 +841,28 @@ class Request(KVCache):
         siblings = tree.attach(parent, nid)
         node = tree.nodes[nid]
         if not siblings:  # the common case: nothing detached, nothing swapped, only ``stored``
-            pool.emit_stored(nid, [lc for lc, h in enumerate(node.handles()) if h != NO_PAGE])
+            pool.emit_stored(nid, [lc for lc, h in enumerate(node.pages) if h != NO_PAGE])
             return
         had: dict[int, set[int]] = {sid: set() for sid in siblings}
         for sid in siblings:  # page.node still names the owner from before the swap
-            for lc, h in enumerate(tree.nodes[sid].handles()):
+            for lc, h in enumerate(tree.nodes[sid].pages):
                 if h != NO_PAGE and pool.pages[h].node == sid:
                     had[sid].add(lc)
-        for lc, h in enumerate(node.handles()):
+        for lc, h in enumerate(node.pages):
             if h != NO_PAGE and pool.pages[h].node in had:
                 had[pool.pages[h].node].add(lc)
         for sid in siblings:
             for lc in sorted(had[sid]):
                 pool.emit_removed(tree.nodes[sid].key, lc)
         for lc in range(len(pool.lcs)):
-            if node.page_of(lc) != NO_PAGE:
-                pool.pages[node.page_of(lc)].node = nid
+            if node.pages[lc] != NO_PAGE:
+                pool.pages[node.pages[lc]].node = nid
             for sid in siblings:
-                h = tree.nodes[sid].page_of(lc)
+                h = tree.nodes[sid].pages[lc]
                 if h != NO_PAGE:
                     pool.pages[h].node = sid
         pool.retire_nodes(siblings, announce=False)
-        pool.emit_stored(nid, [lc for lc in range(len(pool.lcs)) if node.page_of(lc) != NO_PAGE])
+        pool.emit_stored(nid, [lc for lc in range(len(pool.lcs)) if node.pages[lc] != NO_PAGE])
 
     def _insert_block(self, i: int, tokens: list, want_snapshot: bool, defer_prune: bool = False) -> None:
         """Commit block ``i`` (full, or the partial tail) into the tree (sec. 5 and 7).
