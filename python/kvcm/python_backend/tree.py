@@ -202,6 +202,9 @@ class RadixTree:
         p, n = self.nodes[parent], self.nodes[node]
         assert n.parent is None and not n.attached and not n.is_root, "attach: node is linked"
         assert n.key not in p.children, "attach: key already present (use find_existing)"
+        if not p.children:  # no sibling to detach or swap pages with: the link alone
+            self._link(p, n)
+            return []
         detached = sorted(self._index_prefixes(p, n), key=lambda x: x.key)
         for s in detached:
             self._unlink(s)
