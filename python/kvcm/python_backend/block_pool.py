@@ -13,7 +13,7 @@ observable.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvcm.api import (
     GPU,
@@ -170,38 +170,43 @@ class BlockPool:
         self.pages[page.serial] = page
         return page
 
-    def restate(self, page: Page, change: Callable[[], None]) -> None:
-        """Apply ``change`` to ``page`` with its pool's counters and eviction index kept in step:
-        unindexed under its old state and key, changed, indexed under the new ones."""
-        if page.tier == self.shared_pos:  # a shared page is in no pool
-            change()
-            return
-        pool = self.pools[page.tier][page.lc]
-        pool.unindex(page)
-        change()
-        pool.index(page)
+    def restate(self, page: Page, *, locks: int | None = None, holds: int | None = None, node: int | None = None,
+                last_used: int | None = None, priority: int | None = None) -> None:
+        """Set the fields ``page``'s state and eviction key derive from (its users, its block,
+        its LRU time, its priority; None: unchanged) with its pool's counters and eviction
+        index kept in step: unindexed under its old state and key, changed, indexed under
+        the new ones."""
+        pool = None if page.tier == self.shared_pos else self.pools[page.tier][page.lc]  # shared: in no pool
+        if pool is not None:
+            pool.unindex(page)
+        if locks is not None:
+            page.locks = locks
+        if holds is not None:
+            page.holds = holds
+        if node is not None:
+            page.node = node
+        if last_used is not None:
+            page.last_used = last_used
+        if priority is not None:
+            page.priority = priority
+        if pool is not None:
+            pool.index(page)
 
     def use(self, page: Page, active: bool, priority: int) -> None:
         """SPEC sec. 4: a request starts using ``page`` (LRU touch, priority raised to the request's)."""
-        def change() -> None:
-            if active:
-                page.locks += 1
-            else:
-                page.holds += 1
-            page.last_used = self.clock
-            page.priority = max(page.priority, priority)
-        self.restate(page, change)
+        priority = max(page.priority, priority)
+        if active:
+            self.restate(page, locks=page.locks + 1, last_used=self.clock, priority=priority)
+        else:
+            self.restate(page, holds=page.holds + 1, last_used=self.clock, priority=priority)
 
     def unuse(self, page: Page, active: bool) -> None:
         """SPEC sec. 4: a request stops using ``page``: a private or orphaned page with no user left is
         freed; a tree page becomes DROPPABLE."""
-        def change() -> None:
-            if active:
-                page.locks -= 1
-            else:
-                page.holds -= 1
-            page.last_used = self.clock
-        self.restate(page, change)
+        if active:
+            self.restate(page, locks=page.locks - 1, last_used=self.clock)
+        else:
+            self.restate(page, holds=page.holds - 1, last_used=self.clock)
         if page.locks or page.holds:
             return
         if page.node == NO_NODE:  # a private page nobody uses
@@ -215,14 +220,10 @@ class BlockPool:
 
     def set_active(self, page: Page, active: bool) -> None:
         """SPEC sec. 7 suspend/resume: LOCKED <-> HELD without touching LRU."""
-        def change() -> None:
-            if active:
-                page.holds -= 1
-                page.locks += 1
-            else:
-                page.locks -= 1
-                page.holds += 1
-        self.restate(page, change)
+        if active:
+            self.restate(page, locks=page.locks + 1, holds=page.holds - 1)
+        else:
+            self.restate(page, locks=page.locks - 1, holds=page.holds + 1)
 
     def free_page(self, page: Page) -> None:
         """Its slot back to the pool (SPEC sec. 4: the lowest free slot is handed out next)."""
@@ -345,10 +346,7 @@ class BlockPool:
     def unlink_from_node(self, page: Page) -> None:
         """``page`` leaves its block's slot (no event, no pruning: the callers do those)."""
         node = page.node
-
-        def change() -> None:
-            page.node = NO_NODE
-        self.restate(page, change)
+        self.restate(page, node=NO_NODE)
         self.tree.clear_page(node, page.lc)  # may delete a dead orphan node
 
     def retire_nodes(self, node_ids: list[int], announce: bool = True) -> None:

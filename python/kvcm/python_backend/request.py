@@ -819,15 +819,12 @@ class Request(KVCache):
         if p.locks or p.holds:
             p.node = nid  # a used page: its state does not depend on the node
         else:
-            pool.restate(p, lambda: setattr(p, "node", nid))
+            pool.restate(p, node=nid)
         if old == NO_PAGE:
             gained.append(lc)
             return
         q = pool.pages[old]
-
-        def unlink() -> None:
-            q.node = NO_NODE
-        pool.restate(q, unlink)
+        pool.restate(q, node=NO_NODE)
         pool.emit_removed(tree.key(nid), lc)  # a coverage upgrade: removed now, stored by the caller
         gained.append(lc)
         if q.locks == 0 and q.holds == 0:
@@ -908,7 +905,7 @@ class Request(KVCache):
                         pool.store(p, key)
             if snap is not None:
                 tree.set_page(nid, ssm, snap.serial, ntok)
-                pool.restate(snap, lambda: setattr(snap, "node", nid))
+                pool.restate(snap, node=nid)
             tree.ref(nid)
             self._set_block(i, nid)
             if tree.nodes[nid].has_page():
