@@ -192,7 +192,7 @@ class RadixTree:
         hit = p.children.get(key)
         if hit is not None:
             return hit.id
-        return self._covering(p, token_seq(tokens))
+        return self._covering(p, tokens)
 
     def attach(self, parent: int, node: int) -> list[int]:
         """SPEC sec. 5 attach: link ``node`` under ``parent``.  Shorter partial siblings whose tokens prefix the
@@ -263,13 +263,13 @@ class RadixTree:
     def set_page(self, node: int, lc: int, page: int, coverage: int) -> int:
         """Install ``page`` for ``lc``; returns the page it replaced (or -1)."""
         n = self.nodes[node]
+        pages, covered = list(n.pages), list(n.coverage)
         try:
-            old = n.pages[lc]
+            old = pages[lc]
         except IndexError:
             raise _lc_error() from None
-        lc %= self.num_lcs  # (a negative lc counts from the end, as the read above)
-        n.pages = (*n.pages[:lc], page, *n.pages[lc + 1:])
-        n.coverage = (*n.coverage[:lc], coverage, *n.coverage[lc + 1:])
+        pages[lc], covered[lc] = page, coverage  # (a negative lc counts from the end, as the read)
+        n.pages, n.coverage = tuple(pages), tuple(covered)
         return old
 
     def clear_page(self, node: int, lc: int) -> int:
@@ -454,10 +454,11 @@ class RadixTree:
             n.index = None
             del self.nodes[n.id]
 
-    def _covering(self, p: Node, tokens: Tokens) -> int:
+    def _covering(self, p: Node, tokens: Sequence) -> int:
         """SPEC sec. 5 find_existing: the covering sibling of a partial block's ``tokens``."""
         if not tokens or len(tokens) >= self.B:  # only a partial block has one
             return NO_NODE
+        tokens = token_seq(tokens)
         if p.index is None:  # few children: the longest that starts with ``tokens``
             best = None
             for c in p.children.values():
