@@ -892,7 +892,6 @@ class Request(KVCache):
                 # eviction may have pruned this request's chain or the existing block
                 parent = self._parent_for(i)
                 existing = tree.find_existing(parent, key, tokens)
-        active = self._status == Status.ACTIVE
         if existing == NO_NODE:
             nid = tree.new_block(key, tokens, i)
             for lc in pool.attn_lcs:
@@ -914,6 +913,7 @@ class Request(KVCache):
                 tree.prune_upward(parent)  # a re-attached chain must not stay childless
             return
         gained: list[int] = []
+        active = self._status == Status.ACTIVE
         for lc in pool.attn_lcs:
             p = self.pages[lc][i] if i < len(self.pages[lc]) else None
             if p is None:

@@ -192,7 +192,9 @@ class RadixTree:
         hit = p.children.get(key)
         if hit is not None:
             return hit.id
-        return self._covering(p, tokens)
+        if not 0 < len(tokens) < self.B:  # only a partial block has a covering sibling
+            return NO_NODE
+        return self._covering(p, token_seq(tokens))
 
     def attach(self, parent: int, node: int) -> list[int]:
         """SPEC sec. 5 attach: link ``node`` under ``parent``.  Shorter partial siblings whose tokens prefix the
@@ -454,11 +456,8 @@ class RadixTree:
             n.index = None
             del self.nodes[n.id]
 
-    def _covering(self, p: Node, tokens: Sequence) -> int:
+    def _covering(self, p: Node, tokens: Tokens) -> int:
         """SPEC sec. 5 find_existing: the covering sibling of a partial block's ``tokens``."""
-        if not tokens or len(tokens) >= self.B:  # only a partial block has one
-            return NO_NODE
-        tokens = token_seq(tokens)
         if p.index is None:  # few children: the longest that starts with ``tokens``
             best = None
             for c in p.children.values():
