@@ -147,6 +147,25 @@ def test_replay_bench_quick():
     assert len(re.findall(r"^peak RSS \(child process\)(\s+[\d,]+ MiB){3}$", p.stdout, re.MULTILINE)) == 4, p.stdout
 
 
+def test_replay_bench_runs_a_baseline_tree_side_by_side(tmp_path):
+    """``--baseline DIR``: the python backend of the kvcm package under DIR (here this very
+    tree) replays in the same loop, in its own column, with the python/baseline ratio; a DIR
+    without a kvcm package is bad usage (exit 2, nothing run)."""
+    p = run_bench("replay", "--backend", "python", "--baseline", PKG_ROOT)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^\s+python\s+cpp\s+floor\s+baseline$", p.stdout, re.MULTILINE), p.stdout
+    ratios = re.findall(r"^time ratio python/baseline\s+(\d+\.\d\d)x$", p.stdout, re.MULTILINE)
+    assert len(ratios) == 4, p.stdout
+    # the baseline replays the same requests: the same hit rate, reuse and evictions as python
+    for row in ("hit rate", "reused tokens", "evictions (offload/drop)"):
+        cells = re.search(rf"^{re.escape(row)}\s+(.*)$", p.stdout, re.MULTILINE).group(1).split("  ")
+        cells = [c.strip() for c in cells if c.strip()]
+        assert cells[0] == cells[-1], (row, cells)
+    bad = run_bench("replay", "--baseline", str(tmp_path))
+    assert bad.returncode == 2 and "no kvcm package here" in bad.stderr, bad.stderr
+    assert "[unbounded" not in bad.stdout
+
+
 def test_floor_replays_like_the_backends():
     """The floor is a fair stick: on an unbounded replay it reuses exactly the whole blocks
     the backends reuse (the backends reuse partial blocks on top), it decodes the same
