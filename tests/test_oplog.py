@@ -446,6 +446,29 @@ def test_replay_reproduces_shared_tier_calls(tmp_path, monkeypatch):
         assert report.ok, report
 
 
+def bad_hits_workload(m) -> None:
+    """Bad shared hits that hold bytes: a key of the wrong length in a list pair and in a
+    tuple pair (ValueError), a pair whose lc is no int (TypeError)."""
+    for hits, err in (([[b"", 0]], ValueError), ([(b"\x01" * 31, 0)], ValueError), ([(b"\x00" * 32, "0")], TypeError)):
+        with pytest.raises(err):
+            m.create_kv_cache([1], shared_hits=hits)
+
+
+def test_bad_shared_hits_with_bytes_replay_as_recorded(tmp_path, monkeypatch):
+    """A long differential run's log did not replay: ``[b"", 0]`` was written as the raw
+    value ``["", 0]`` (its bytes turned into a str), so the replay raised TypeError where
+    the call had raised ValueError.  Such a pair is recorded with its bytes."""
+    cfg = config(tiers=[Tier("gpu", 40 * 6), Tier("shared", 0, str(tmp_path))], shared_namespace="oplog")
+    path = record(tmp_path, monkeypatch, run=bad_hits_workload, cfg=cfg)
+    ops = [json.loads(x) for x in read_lines(path)][1:]
+    creates = [r for r in ops if r["op"] == "create_kv_cache"]
+    assert [r["outcome"] for r in creates] == [{"error": "ValueError"}, {"error": "ValueError"}, {"error": "TypeError"}]
+    assert creates[0]["args"]["shared_hits"] == [{"pair": ["", 0], "type": "list"}]
+    for backends in (["python"], ["python", "cpp"]):
+        report = L.replay(path, backends)
+        assert report.ok, report
+
+
 def test_replay_reports_the_first_outcome_divergence(tmp_path, monkeypatch):
     path = record(tmp_path, monkeypatch)
     lines = read_lines(path)

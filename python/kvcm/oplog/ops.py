@@ -31,8 +31,9 @@ becomes a ``CopyOp``; a seventh item is the key's hex) or ``{"value": x}`` (the 
 ``x``, bad input); a non-list is passed as is.
 
 ``create_kv_cache``'s ``shared_hits`` is a JSON list whose items are ``[key hex, lc]`` (each
-becomes a ``(bytes, lc)`` pair) or ``{"value": x}`` (the raw value ``x``, bad input); a
-non-list is passed as is.
+becomes a ``(bytes, lc)`` pair), ``{"pair": [key hex, x], "type": "tuple" | "list"}`` (a
+pair of bytes and anything else, bad input kept with its bytes) or ``{"value": x}`` (the raw
+value ``x``, bad input); a non-list is passed as is.
 
 Scope: ``null`` (default scope), ``{"lora_id": x, "salt": y}`` (either may be missing or
 null), or any other JSON value passed through unchanged (a bad scope).
@@ -282,20 +283,40 @@ def decode_copy_ops(ops: Any) -> Any:
     return out
 
 
+def _encode_hit(h: Any) -> Any:
+    if type(h) is tuple and len(h) == 2 and type(h[0]) is bytes and type(h[1]) is int:
+        return [h[0].hex(), h[1]]
+    if type(h) in (tuple, list) and len(h) == 2 and type(h[0]) is bytes:
+        # bad input that holds a key: {"value": ...} would turn the bytes into a str (the
+        # replay would then raise TypeError where the call raised ValueError)
+        return {"pair": [h[0].hex(), normalize(h[1])], "type": type(h).__name__}
+    return {"value": normalize(h)}
+
+
 def encode_shared_hits(hits: Any) -> Any:
     """JSON form of ``create_kv_cache``'s ``shared_hits`` (module docstring)."""
     if not isinstance(hits, (list, tuple)):
         return normalize(hits)
-    return [[bytes(h[0]).hex(), h[1]] if (type(h) is tuple and len(h) == 2 and type(h[0]) is bytes
-                                          and type(h[1]) is int) else {"value": normalize(h)} for h in hits]
+    return [_encode_hit(h) for h in hits]
+
+
+def _decode_hit(h: Any) -> Any:
+    if isinstance(h, list) and len(h) == 2 and isinstance(h[0], str):
+        return (bytes.fromhex(h[0]), h[1])
+    if isinstance(h, dict) and set(h) == {"value"}:
+        return h["value"]
+    if isinstance(h, dict) and set(h) == {"pair", "type"} and isinstance(h["pair"], list) and len(h["pair"]) == 2:
+        pair = (bytes.fromhex(h["pair"][0]), h["pair"][1])
+        return list(pair) if h["type"] == "list" else pair
+    return h
 
 
 def decode_shared_hits(hits: Any) -> Any:
-    """Recorded shared hits (``[hex key, lc]``) back to ``(bytes, lc)`` pairs."""
+    """Recorded shared hits (``[hex key, lc]``) back to ``(bytes, lc)`` pairs; raw bad input
+    as it was given."""
     if not isinstance(hits, list):
         return hits
-    return [(bytes.fromhex(h[0]), h[1]) if isinstance(h, list) and len(h) == 2 and isinstance(h[0], str)
-            else h["value"] if isinstance(h, dict) and set(h) == {"value"} else h for h in hits]
+    return [_decode_hit(h) for h in hits]
 
 
 def encode_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
