@@ -22,6 +22,7 @@ from parity.helpers import (
     ssm_cfg,
     stored,
     toks,
+    tree_nodes,
     unchanged,
     win_cfg,
 )
@@ -161,6 +162,33 @@ def test_closing_the_fork_keeps_the_parents_pages(make_manager):
     assert kv.resize(7) is True  # the fork's close put the partial page into the tree: copied
     assert ops(mgr) == [op(0, GPU, 1, GPU, 2, "cow")]
     mgr.check_invariants()
+
+
+def test_last_fork_closing_moves_its_shared_partial_page_out_of_a_detached_block(make_manager):
+    # The fault: a fork's partial page that another user's close put into the tree, in a
+    # block detached since (a longer sibling covered it, then was dropped), was installed
+    # by the fork's own close in a new block while the detached one still held it
+    # (check_invariants: "page not linked back").  The page moves into the new block.
+    mgr = make_manager(attn_cfg(gpu=8))
+    kv = active(mgr, P[:6])  # block 0 (slot 0), partial block 1 (slot 1)
+    f1, f2 = kv.fork(), kv.fork()  # both use slot 1 too
+    assert kv.resize(7) is True  # the parent writes first: its own copy (slot 2)
+    assert ops(mgr) == [op(0, GPU, 1, GPU, 2, "cow")]
+    kv.commit([7])
+    f2.close()  # block P[4:6] enters the tree with slot 1, still used by f1
+    kv.close()  # block P[4:7] covers it: P[4:6] is detached, slot 1 stays with it for f1
+    mgr.clear_reusable()  # P[4:7] goes
+    mgr.take_events()
+    assert [n["tokens"] for n in tree_nodes(mgr) if n["attached"]] == [P[:4]]
+    f1.close()
+    mgr.check_invariants()
+    # the partial block is back in the tree with slot 1, held by that block alone
+    blocks = [(n["tokens"], n["pages"][0]["page"]) for n in tree_nodes(mgr)]
+    slot1 = next(p["serial"] for p in snap(mgr)["pages"] if p["slot"] == 1)
+    assert blocks == [(P[:4], 0), (P[4:6], slot1)]
+    assert stored(mgr.take_events()) == [(keys(P[:6])[1], 0)]
+    assert counts(mgr) == (8, 6, 0, 0, 2)
+    assert mgr.probe_reuse(P[:6]) == 6
 
 
 def test_fork_of_a_stopped_cache_can_commit(make_manager):

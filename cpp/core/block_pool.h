@@ -179,6 +179,8 @@ class BlockPool {
     index(p);
   }
   void free_page(Page* p);
+  // `p` leaves its block's slot (no event, no pruning); may delete a dead orphan block
+  void unlink_from_node(Page* p);
   bool can_allocate(std::int64_t tier, std::int64_t lc, std::int64_t n, const std::int64_t* adjust);
   std::int64_t capacity_of(std::int64_t tier, std::int64_t lc, const std::int64_t* adjust);
   bool make_room(std::int64_t tier, std::int64_t lc);
@@ -256,7 +258,6 @@ class BlockPool {
   bool evict_one(std::int64_t tier, std::int64_t lc);
   void drop(Page* p);
   void unlink_committed(Page* p);
-  void unlink_from_node(Page* p);
   void free_orphan_page(Page* p);
   // The write-back of a page eviction is about to drop (shared_write="evict").
   void store_evicted(const Page* p);

@@ -859,6 +859,10 @@ void Request::insert_block(std::int64_t i, std::span<const Tok> block, bool want
       const std::int64_t s = page_at(lc, i);
       if (s < 0) continue;
       Page& p = pool_.page(s);
+      // forks: a shared partial page another user's stop_committing put into a block that
+      // was detached since (so not found): it moves here (DECISIONS.md "Forks", the tail
+      // block of a stop)
+      if (p.node != kNoNode) pool_.unlink_from_node(&p);
       p.coverage = static_cast<std::int16_t>(ntok);
       pool_.tree().set_page(nid, lc, p.handle, ntok);
       p.node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node

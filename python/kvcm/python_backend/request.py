@@ -897,6 +897,11 @@ class Request(KVCache):
             for lc in pool.attn_lcs:
                 p = self.pages[lc][i] if i < len(self.pages[lc]) else None
                 if p is not None:
+                    if p.node != NO_NODE:
+                        # forks: a shared partial page another user's stop_committing put
+                        # into a block that was detached since (so not found): it moves here
+                        # (DECISIONS.md "Forks", the tail block of a stop)
+                        pool.unlink_from_node(p)
                     p.coverage = ntok
                     tree.set_page(nid, lc, p.serial, ntok)
                     p.node = nid  # a used page: its state does not depend on the node
