@@ -191,6 +191,29 @@ def test_last_fork_closing_moves_its_shared_partial_page_out_of_a_detached_block
     assert mgr.probe_reuse(P[:6]) == 6
 
 
+def test_fork_of_a_stopped_cache_closing_moves_the_page_out_of_its_detached_tail_block(make_manager):
+    # The same fault where the closing fork references the detached block (it forked a
+    # stopped cache, whose tail block it shares): the page moves, the block dies with the
+    # fork's reference.
+    mgr = make_manager(attn_cfg(gpu=8))
+    kv = active(mgr, P[:6])
+    kv.stop_committing()  # block P[4:6] in the tree with slot 1
+    f, f2 = kv.fork(), kv.fork()
+    assert f2.resize(7) is True  # a tree page: copied (slot 2)
+    f2.commit([7])
+    f2.close()  # block P[4:7] covers P[4:6]: detached, still used by kv and f
+    mgr.clear_reusable()  # P[4:7] goes
+    kv.close()
+    mgr.take_events()
+    f.close()
+    mgr.check_invariants()
+    slot1 = next(p["serial"] for p in snap(mgr)["pages"] if p["slot"] == 1)
+    assert [(n["tokens"], n["pages"][0]["page"]) for n in tree_nodes(mgr)] == [(P[:4], 0), (P[4:6], slot1)]
+    assert stored(mgr.take_events()) == [(keys(P[:6])[1], 0)]
+    assert counts(mgr) == (8, 6, 0, 0, 2)
+    assert mgr.probe_reuse(P[:6]) == 6
+
+
 def test_fork_of_a_stopped_cache_can_commit(make_manager):
     mgr = make_manager(attn_cfg(gpu=6))
     kv = active(mgr, P[:6])
