@@ -30,6 +30,8 @@ def kv_cache_config(*groups: tuple[type, int]) -> SimpleNamespace:
 
 def test_defaults_host_tier_only() -> None:
     s = ConnectorSettings.parse(None)
+    assert s.load_mode == "auto" and s.max_inflight_bytes == 256 << 20 and s.copy_fault_hook is None
+    assert ConnectorSettings.parse({"host_bytes": 1 << 20}).max_inflight_bytes == 1 << 19
     assert s.host_bytes == DEFAULT_HOST_BYTES and s.disk_path is None and s.shared is None
     cfg = s.manager_config(KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu"))
     assert [t.kind for t in cfg.tiers] == ["gpu"] and cfg.tokens_per_block == 32
@@ -44,7 +46,8 @@ def test_tiers_and_namespace_carry_the_layout(tmp_path) -> None:
                                  "shared": str(tmp_path / "s"), "shared_namespace": "m@1"})
     cfg = s.manager_config(layout)
     assert [t.kind for t in cfg.tiers] == ["gpu", "disk", "shared"]
-    assert cfg.shared_namespace == "m@1|vllm:cpu:FullAttentionSpec:2x64:float32:B32|tp0/1"
+    assert cfg.shared_namespace == "m@1|vllm:cpu:FullAttentionSpec:2x64:float32:B32|tp1"
+    assert s.manager_config(layout, rank=1, world=2).shared_namespace.endswith("|tp2")  # ranks: their planes' names
     assert s.manager_config(layout, rank=1, world=2).tiers[1].path == str(tmp_path / "d" / "rank1")
     mgr = kvcm.KVCacheManager(cfg)
     assert any(lc == 0 for _, lc in mgr.shared_candidates(list(range(100)))) and SHARED == 3
@@ -65,6 +68,10 @@ def test_tiers_and_namespace_carry_the_layout(tmp_path) -> None:
     ({"backend": "rust"}, ValueError, "backend"),
     ({"shared_store_class": "nocolon"}, ValueError, "module:Class"),
     ({"stats_file": ""}, ValueError, "stats_file"),
+    ({"load_mode": "lazy"}, ValueError, "load_mode"),
+    ({"max_inflight_bytes": 0}, ValueError, "max_inflight_bytes"),
+    ({"max_inflight_bytes": -5}, ValueError, "max_inflight_bytes"),
+    ({"copy_fault_hook": "nocolon"}, ValueError, "module:function"),
 ])
 def test_bad_extra_config_is_a_clear_error(extra: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):

@@ -8,7 +8,13 @@ Modes: ``""`` none; ``delete``: each object is removed just before it is read (d
 between the lookup and the load); ``corrupt``: one payload byte of each object is flipped
 just before it is read; ``down``: every call fails as a store that cannot be reached;
 ``hang``: every call sleeps ``HANG_S`` first (past the connector's deadline); ``full``:
-writes fail with ENOSPC (a full disk under the store).
+writes fail with ENOSPC (a full disk under the store); ``die``: the store goes down inside
+the first get (a load in flight): that get fails and so does every call after it (the mode
+becomes ``down``, for every process reading the file).
+
+:func:`truncate_disk_hook` is a ``copy_fault_hook``: with the mode ``truncate-disk:DIR`` it
+truncates kvcm's disk pool files in ``DIR`` just before the first copy op that reads the disk
+tier runs (a disk load in flight), once (the mode is cleared).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import time
 from collections.abc import Sequence
 
+from kvcm.api import DISK, CopyOp
 from kvcm.dataplane.store import HEADER, FileStore, Staging
 
 HANG_S = 3.0
@@ -55,6 +62,9 @@ class FaultyFileStore(FileStore):
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
         self._before("get")
         m = self.mode()
+        if m == "die":
+            _set_mode("down")
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "test store died during a get")
         for name, _, _ in items:
             path = self.path(name)
             if m == "delete" and os.path.exists(path):
@@ -66,3 +76,27 @@ class FaultyFileStore(FileStore):
                     f.seek(HEADER.size)
                     f.write(bytes([b[0] ^ 0xFF]))
         return super().get(items, staging)
+
+
+def _set_mode(mode: str) -> None:
+    path = os.environ.get("KVCM_TEST_FAULT_FILE")
+    if path:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(mode)
+        os.replace(tmp, path)
+
+
+def truncate_disk_hook(op: CopyOp) -> None:
+    """``copy_fault_hook`` (module doc): truncate the disk pool files as a disk read begins."""
+    if op.src_tier != DISK:
+        return
+    m = FaultyFileStore.mode()
+    if not m.startswith("truncate-disk:"):
+        return
+    _set_mode("")
+    path = m.removeprefix("truncate-disk:")
+    for root, _, files in os.walk(path):
+        for name in files:
+            if name.startswith("kvcm-pool-"):
+                os.truncate(os.path.join(root, name), 0)

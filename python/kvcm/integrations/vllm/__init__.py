@@ -9,21 +9,27 @@ Turn it on with configuration only::
         "kv_connector_extra_config": {"host_bytes": 8 << 30, "disk_path": "/nvme/kvcm", "disk_bytes": 64 << 30}})
 
 The keys of ``kv_connector_extra_config`` are :mod:`kvcm.integrations.vllm.settings`'s.
+Modules: ``connector`` (vLLM's facade), ``scheduler`` (:class:`KvcmScheduler`: the manager and
+the mirrors), ``worker`` (:class:`KvcmWorker`: the data plane), ``transfer`` (the transfer
+engine), ``metadata`` (what the two sides tell each other), ``stats`` (vLLM's stats and
+Prometheus metrics), ``settings``.
 """
 
 from typing import Any
 
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
 
-__all__ = ["ConnectorSettings", "KvLayout", "KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata"]
-_CONNECTOR = ("KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata")
+__all__ = ["ConnectorSettings", "KvLayout", "KvcmConnector", "KvcmConnectorMetadata", "KvcmScheduler", "KvcmWorker",
+           "KvcmWorkerMetadata"]
+_LAZY = {"KvcmConnector": "connector", "KvcmConnectorMetadata": "metadata", "KvcmWorkerMetadata": "metadata",
+         "KvcmScheduler": "scheduler", "KvcmWorker": "worker"}
 
 
 def __getattr__(name: str) -> Any:
-    # the connector imports vLLM: only when asked for (vLLM's loader does getattr(module, name)),
-    # so the settings and the workload helpers import without it
-    if name in _CONNECTOR:
-        from kvcm.integrations.vllm import connector
+    # the connector imports vLLM, the scheduler and worker torch: only when asked for (vLLM's
+    # loader does getattr(module, name)), so the settings and the workload helpers import light
+    if name in _LAZY:
+        import importlib
 
-        return getattr(connector, name)
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,6 +26,18 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
 ``events_replay_endpoint``  its replay endpoint (optional)
 ``stats_file``         a JSON file the scheduler side rewrites with its counters when a request
                        finishes (tests, the benchmark)
+``load_mode``          ``"auto"`` (default), ``"sync"`` or ``"async"``: how blocks reach vLLM's cache.
+                       ``auto``: blocks already in kvcm's host tier load synchronously (before
+                       the step's forward: a memory copy), blocks that must first come from disk or
+                       the shared store load asynchronously (the request waits in vLLM's
+                       WAITING_FOR_REMOTE_KVS, off the forward's critical path); DECISIONS.md
+                       "vLLM connector" has the measurement
+``max_inflight_bytes`` the bound on bytes the connector has queued and not yet done (saves, loads,
+                       kvcm's own copies); saves past it wait for a later step (default
+                       ``min(256 MiB, host_bytes // 2)``)
+``copy_fault_hook``    ``"module:function"`` called by each worker with every kvcm copy op just before
+                       it runs (an exception fails the op as an I/O error would): tests inject
+                       faults at an exact point of a load with it
 =====================  ===========================================================================
 """
 
@@ -40,7 +52,9 @@ from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
 
 KEYS = ("backend", "host_bytes", "disk_path", "disk_bytes", "shared", "shared_bytes", "shared_namespace",
         "shared_write", "shared_timeout_s", "shared_store_class", "events_endpoint", "events_replay_endpoint",
-        "stats_file")
+        "stats_file", "load_mode", "max_inflight_bytes", "copy_fault_hook")
+LOAD_MODES = ("auto", "sync", "async")
+DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 DEFAULT_HOST_BYTES = 1 << 30
 
 
@@ -91,6 +105,9 @@ class ConnectorSettings:
     events_endpoint: str | None
     events_replay_endpoint: str | None
     stats_file: str | None
+    load_mode: str = "auto"
+    max_inflight_bytes: int = 0  # parse() resolves the default
+    copy_fault_hook: str | None = None
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -136,9 +153,18 @@ class ConnectorSettings:
         store_class = text("shared_store_class")
         if store_class is not None and ":" not in store_class:
             raise ValueError(f"kv_connector_extra_config['shared_store_class'] must be 'module:Class', got {store_class!r}")
+        load_mode = extra.get("load_mode", "auto")
+        if load_mode not in LOAD_MODES:
+            raise ValueError(f"kv_connector_extra_config['load_mode'] must be one of {LOAD_MODES}, got {load_mode!r}")
+        inflight = size("max_inflight_bytes", min(DEFAULT_MAX_INFLIGHT_BYTES, host // 2))
+        if inflight == 0:
+            raise ValueError("kv_connector_extra_config['max_inflight_bytes'] must be > 0")
+        hook = text("copy_fault_hook")
+        if hook is not None and ":" not in hook:
+            raise ValueError(f"kv_connector_extra_config['copy_fault_hook'] must be 'module:function', got {hook!r}")
         return cls(backend, host, disk_path, disk_bytes, shared, size("shared_bytes", 0), namespace, write,
                    None if timeout is None else float(timeout), store_class, text("events_endpoint"),
-                   text("events_replay_endpoint"), text("stats_file"))
+                   text("events_replay_endpoint"), text("stats_file"), load_mode, inflight, hook)
 
     def manager_config(self, layout: KvLayout, rank: int = 0, world: int = 1) -> KVCacheManagerConfig:
         """kvcm's config: tier 0 (kvcm's ``gpu``) is host memory, then disk, then shared."""
@@ -152,12 +178,22 @@ class ConnectorSettings:
         namespace = ""
         if self.shared is not None:
             tiers.append(Tier("shared", self.shared_bytes, self.shared))
-            # the bytes of a page are vLLM's layout of this rank's shard: instances share objects
-            # only when all of it matches
-            namespace = f"{self.shared_namespace}|{layout.describe}|tp{rank}/{world}"
+            # the bytes of a page are vLLM's layout of one rank's shard: instances share objects
+            # only when all of it matches.  The manager's namespace is the same on the scheduler
+            # and on every worker; each worker names its own objects with its rank
+            # (kvcm.integrations.vllm.worker.shard_config), and a block is a shared hit only when
+            # every rank's object is there
+            namespace = f"{self.shared_namespace}|{layout.describe}|tp{world}"
         return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers,
                                     enable_partial_reuse=False,  # vLLM loads whole blocks only
                                     shared_write=self.shared_write, shared_namespace=namespace)
+
+    def fault_hook(self) -> Any:
+        """The callable ``copy_fault_hook`` names (None without one)."""
+        if self.copy_fault_hook is None:
+            return None
+        module, _, name = self.copy_fault_hook.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def make_store(self) -> Any:
         """The shared store ``shared_store_class`` names (None: the data plane opens ``shared``)."""

@@ -1,0 +1,730 @@
+"""``KvcmScheduler``: the scheduler side of the connector (vLLM's scheduler process).
+
+It owns kvcm's manager and mirrors each vLLM request that runs into a kvcm request (a
+:class:`Mirror`), whose pages live in kvcm's tier 0 (host memory), then disk, then the
+shared store (DECISIONS.md "vLLM connector").  It imports nothing of vLLM: the requests
+and scheduler outputs it reads are duck-typed (``request_id``, ``all_token_ids``,
+``num_computed_tokens``; ``num_scheduled_tokens``, ``preempted_req_ids``,
+``total_num_scheduled_tokens``, ``kv_connector_block_state`` or the new / cached request
+data), so tests drive it without an engine.
+
+Per step (vLLM's order; under async scheduling vLLM builds step N+1 before it hands over
+the workers' output of step N, and nothing here depends on that output being in):
+
+* ``get_num_new_matched_tokens`` (a waiting request, maybe several times): a probe without
+  side effects — the store's existence query (cached per request and prompt length), then
+  ``probe_reuse_detail(prompt[:-1], shared_hits=...)``.  The answer is the whole blocks kvcm
+  holds past vLLM's local hit; asynchronous when one of them must first come from disk or
+  the store (``load_mode``).
+* ``update_state_after_alloc``: the kvcm request is created (with the cached hits) and
+  resumed, and the load is planned (kvcm tier-0 slots -> the vLLM blocks just allocated).
+* ``build_connector_meta``: saves are planned for the blocks full after the step (bounded by
+  ``max_inflight_bytes``), preemptions and finished requests holding blocks are passed on,
+  then ONE ``drain_copy_runs()`` (drains are settled explicitly, oldest first).
+* ``update_connector_output``: the workers' reports, once every rank made its report: drains
+  are settled (``settle_copies``: roll-backs), loads counted as delivered or failed, confirmed
+  saves committed (a block enters kvcm's tree only after its bytes are written).
+* ``request_finished``: True while saves of the request are in flight (vLLM keeps its blocks
+  until every worker reports it in ``finished_sending``).
+
+A mirror's kvcm request closes only when none of its transfers is in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import kvcm
+from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig, Tier
+from kvcm.dataplane import DataPlane
+from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
+from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+
+LC = 0  # one life cycle: full attention (KvLayout allows nothing else)
+TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
+MEDIA = ("CPU", "CPU", "STORAGE", "SHARED")  # event medium by kvcm tier number (tier 0: host memory)
+
+
+def shard_config(config: KVCacheManagerConfig, rank: int) -> KVCacheManagerConfig:
+    """The config of rank ``rank``'s data plane: its shared objects are named with its rank
+    (the manager's namespace ``...|tp<world>`` + ``/r<rank>``), so the ranks' shards of one
+    block are distinct objects and a block is a shared hit only when all of them exist."""
+    if not config.shared_namespace:
+        return config
+    return replace(config, shared_namespace=f"{config.shared_namespace}/r{rank}")
+
+
+def probe_detail(mgr: Any, tokens: list[int], hits: Any) -> tuple[int, list[int]]:
+    """``(reusable tokens, coldest tier of each block's pages)`` for ``tokens`` with the
+    store's ``hits``, without side effects (``probe_reuse_detail``)."""
+    p = mgr.probe_reuse_detail(tokens, shared_hits=hits)
+    return p.num_tokens, list(p.block_tiers)
+
+
+@dataclass
+class Probe:
+    """What ``get_num_new_matched_tokens`` found for a waiting request (no side effect on
+    kvcm; ``update_state_after_alloc`` acts on it)."""
+
+    ntokens: int
+    n_local: int
+    answer: int
+    is_async: bool
+    hits: Any
+    tiers: list[int]  # the coldest tier of each block's pages (0: kvcm's tier 0, host memory)
+
+
+@dataclass
+class Mirror:
+    """The scheduler's mirror of one vLLM request: a kvcm request and what is in flight."""
+
+    rid: str
+    request: Any  # vLLM's Request (its all_token_ids grow as it decodes)
+    kv: Any  # the kvcm cache; None once closed (or never opened)
+    serial: int
+    committed: int = 0  # blocks [0, committed) are committed in kvcm (matched or saved and confirmed)
+    planned: int = 0  # blocks [0, planned): committed, or a save of them is in flight
+    confirmed: set[int] = field(default_factory=set)  # blocks >= committed whose save is confirmed
+    epoch: int = 0  # bumped when in-flight saves stop counting (a roll-back, a failed load)
+    loads: set[int] = field(default_factory=set)  # load ids in flight
+    saves: dict[int, int] = field(default_factory=dict)  # save id in flight -> its epoch
+    drain_dep: int = 0  # the drain its creation onboarded into (settled before it closes)
+    block_ids: list[int] = field(default_factory=list)  # vLLM's blocks of the request (last seen)
+    stopped: bool = False  # no more saves (tier 0 full, a failed save, roll-back not resumable)
+    retiring: bool = False  # finished or preempted: closes once nothing is in flight
+    held: bool = False  # request_finished answered True
+
+
+@dataclass
+class LoadInfo:
+    mirror: Mirror
+    n: int
+    sync: bool
+    slots: list[int]
+    blocks: list[int]
+    tiers: list[int] = field(default_factory=list)  # where each block came from (counted when delivered)
+    ranks: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class SaveInfo:
+    mirror: Mirror
+    first: int  # blocks [first, end) of the request
+    end: int
+    epoch: int
+    ranks: dict[int, bool] = field(default_factory=dict)
+
+
+COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "mirror_stops", "unmirrored",
+            "loads_sync", "loads_async", "load_blocks_planned", "loaded_blocks", "hit_blocks_host",
+            "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
+            "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
+            "holds", "steps")
+
+
+class KvcmScheduler:
+    """The scheduler side (module doc).  ``world``: vLLM's tensor-parallel size (every rank
+    reports every drain, load and save before the scheduler acts on it)."""
+
+    def __init__(self, settings: ConnectorSettings, layout: KvLayout, world: int = 1, *,
+                 kv_events: bool = False) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.world = world
+        self.B = layout.block_size
+        self.page_bytes = sum(layout.block_bytes)  # a kvcm page: one block of every layer
+        base = settings.manager_config(layout, 0, world)
+        self.config = replace(base, copy_settlement="explicit")
+        self.mgr = kvcm.KVCacheManager(self.config, backend=settings.backend)
+        self.lookup_planes: list[DataPlane] = []
+        if settings.shared is not None:
+            # lookups only: one plane per rank (one tier-0 slot; the store, the deadline and
+            # the fault rules of the data plane), named as that rank's worker names objects
+            slot = self.page_bytes
+            for rank in range(world):
+                cfg = KVCacheManagerConfig(self.B, self.config.layers, [Tier("gpu", slot), self.config.tiers[-1]],
+                                           enable_partial_reuse=False, shared_write=settings.shared_write,
+                                           shared_namespace=self.config.shared_namespace)
+                self.lookup_planes.append(DataPlane(shard_config(cfg, rank), store=settings.make_store(),
+                                                    shared_timeout_s=settings.shared_timeout_s))
+        self.mirrors: dict[str, Mirror] = {}  # by request id: the live mirror of a request
+        self.retiring: dict[int, Mirror] = {}  # by serial: finished or preempted, transfers in flight
+        self.by_cache: dict[Any, Mirror] = {}  # kvcm cache id -> mirror
+        self.probes: dict[str, Probe] = {}
+        self.sources: dict[str, Counter[int]] = {}  # request -> tokens to load by planned tier (this step)
+        self.hit_cache: dict[str, tuple[int, Any]] = {}  # request -> (prompt length, the store's hits)
+        self.pending_loads: list[LoadPlan] = []  # planned since the last step's metadata
+        self.pending_holds: list[str] = []
+        self.created: list[Mirror] = []  # created since the last drain
+        self.loads: dict[int, LoadInfo] = {}
+        self.saves: dict[int, SaveInfo] = {}
+        self.drain_seq = 0  # the last non-empty drain
+        self.settled = 0  # drains [1, settled] are settled
+        self.drain_reports: dict[int, dict[int, list[CopyOp]]] = {}
+        self.drain_bytes: dict[int, int] = {}
+        self.kv_open = 0  # kvcm requests the mirrors hold open
+        self.inflight_bytes = 0  # saves + loads + drains planned, not reported done by every rank
+        self.max_inflight = settings.max_inflight_bytes
+        self.next_id = 0
+        self.serial = 0
+        self.step = 0
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))  # since start (stats_file)
+        self.interval: Counter[str] = Counter()  # since the last get_stats (vLLM's stats)
+        self.worker_counters: Counter[str] = Counter()
+        self.worker_gauges: dict[int, dict[str, int]] = {}
+        self.seconds = {"match": 0.0, "alloc": 0.0, "meta": 0.0, "output": 0.0}  # reporting only
+        self.stats_dirty = False
+        self.publisher = None
+        if settings.events_endpoint is not None:
+            from kvcm.fleet.publisher import EventPublisher
+
+            self.publisher = EventPublisher(self.mgr, settings.events_endpoint,
+                                            replay_endpoint=settings.events_replay_endpoint, media=MEDIA)
+        self.wire = None
+        self.vllm_events: list[Any] = []
+        if kv_events:
+            from kvcm.fleet.wire_state import WireState
+
+            self.wire = WireState(self.mgr.life_cycles, self.B, media=MEDIA)
+            self.wire.load_snapshot(self.mgr.snapshot())
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] += n
+        self.interval[key] += n
+
+    # ------------------------------------------------------------------ admission
+
+    def get_num_new_matched_tokens(self, request: Any, n_local: int) -> tuple[int, bool]:
+        t0 = time.perf_counter()
+        try:
+            return self._probe(request, n_local)
+        finally:
+            self.seconds["match"] += time.perf_counter() - t0
+
+    def _probe(self, request: Any, n_local: int) -> tuple[int, bool]:
+        rid = request.request_id
+        tokens = request.all_token_ids
+        self.counters["probes"] += 1
+        if len(tokens) <= self.B:  # the last token's logits are computed: no full block to reuse
+            self.probes.pop(rid, None)
+            return 0, False
+        prefix = list(tokens[:-1])
+        hits = self._hits(rid, prefix)
+        m, tiers = probe_detail(self.mgr, prefix, hits)
+        hit = m // self.B
+        answer = max(0, hit * self.B - n_local)
+        mode = self.settings.load_mode
+        is_async = answer > 0 and (mode == "async" or (mode == "auto" and any(
+            t != GPU for t in tiers[n_local // self.B:hit])))
+        self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit])
+        return answer, is_async
+
+    def _hits(self, rid: str, prefix: list[int]) -> Any:
+        """The store's hits for ``prefix``: one batched query per rank, asked once per
+        request and prompt length (vLLM may probe a waiting request every step)."""
+        if not self.lookup_planes:
+            return None
+        cached = self.hit_cache.get(rid)
+        if cached is not None and cached[0] == len(prefix):
+            return cached[1]
+        candidates = self.mgr.shared_candidates(prefix)
+        hits = None
+        if candidates:
+            self._count("lookups")
+            self.counters["lookup_tokens"] += len(prefix)
+            found = None
+            for plane in self.lookup_planes:  # a block is a hit only when every rank's shard is there
+                got = set(plane.shared_lookup(candidates))
+                found = got if found is None else found & got
+                if not found:
+                    break
+            hits = [c for c in candidates if c in found]
+        self.hit_cache[rid] = (len(prefix), hits)
+        return hits
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], n_external: int) -> None:
+        """vLLM allocated the request's blocks (``block_ids``: its blocks of the one KV cache
+        group); ``n_external`` tokens from kvcm are to be loaded into them."""
+        t0 = time.perf_counter()
+        try:
+            self._alloc(request, block_ids, n_external)
+        finally:
+            self.seconds["alloc"] += time.perf_counter() - t0
+
+    def _alloc(self, request: Any, block_ids: list[int], n_external: int) -> None:
+        rid = request.request_id
+        probe = self.probes.pop(rid, None)
+        old = self.mirrors.get(rid)
+        if old is not None:
+            if probe is None:  # the second call of an asynchronous load (n_external 0): nothing new
+                return
+            # admitted afresh (its asynchronous load failed from the first block: vLLM freed
+            # its blocks and asked again): the old mirror retires, a new one starts
+            del self.mirrors[rid]
+            self._retire(old)
+        self.hit_cache.pop(rid, None)
+        if probe is None or probe.ntokens != len(request.all_token_ids):
+            self.counters["unmirrored"] += 1  # admitted without a probe (nothing to load): not mirrored
+            return
+        prefix = list(request.all_token_ids[:-1])
+        kv = self.mgr.create_kv_cache(prefix, shared_hits=probe.hits)
+        if not kv.resume():  # tier 0 is full of locked pages: not mirrored
+            kv.close()
+            kv = None
+            self._count("mirror_stops")
+        else:
+            self.kv_open += 1
+        if kv is None and n_external <= 0:
+            return
+        matched = kv.num_committed_tokens // self.B if kv is not None else 0
+        self.serial += 1
+        m = Mirror(rid, request, kv, self.serial, committed=matched, planned=matched, block_ids=list(block_ids))
+        self.counters["mirrors"] += 1
+        self.counters["matched_blocks"] += matched
+        if kv is None:
+            m.stopped = True
+        else:
+            self.by_cache[kv.id] = m
+        self.mirrors[rid] = m
+        self.created.append(m)
+        if n_external > 0:
+            a = probe.n_local // self.B
+            b = a + n_external // self.B
+            slots = kv.page_indices(LC) if kv is not None else []
+            load = LoadPlan(self._id(), rid, [slots[i] if i < matched else -1 for i in range(a, b)],
+                            list(block_ids[a:b]), sync=not probe.is_async)
+            m.loads.add(load.load_id)
+            self.loads[load.load_id] = LoadInfo(m, b - a, load.sync, load.slots, load.blocks)
+            self.pending_loads.append(load)
+            self.inflight_bytes += (b - a) * self.page_bytes
+            self.sources[rid] = Counter(probe.tiers[i] if i < len(probe.tiers) else GPU for i in range(a, b))
+            self._count("loads_sync" if load.sync else "loads_async")
+            self._count("load_blocks_planned", b - a)
+
+    def planned_sources(self, rid: str, n_external: int) -> dict[int, int]:
+        """The tokens of the load just planned for ``rid`` by the tier kvcm had them in
+        when it was admitted (vLLM's ``get_external_cache_hit_sources``, right after
+        ``update_state_after_alloc``)."""
+        blocks = self.sources.pop(rid, Counter())
+        if sum(blocks.values()) * self.B != n_external:
+            return {}
+        return {t: n * self.B for t, n in blocks.items()}
+
+    def request_finished(self, request: Any) -> bool:
+        """vLLM finished the request (done, aborted, or while it waited for its load).  True:
+        saves reading its blocks are in flight; vLLM keeps the blocks until every worker
+        reports the request in ``finished_sending``."""
+        rid = request.request_id
+        self.probes.pop(rid, None)
+        self.hit_cache.pop(rid, None)
+        self.stats_dirty = True
+        m = self.mirrors.pop(rid, None)
+        if m is None:
+            return False
+        hold = bool(m.saves)
+        if hold:
+            m.held = True
+            self.pending_holds.append(rid)
+            self._count("holds")
+        self._retire(m)
+        return hold
+
+    # ------------------------------------------------------------------ one step
+
+    def build_connector_meta(self, so: Any) -> KvcmConnectorMetadata:
+        t0 = time.perf_counter()
+        try:
+            return self._build(so)
+        finally:
+            self.seconds["meta"] += time.perf_counter() - t0
+
+    def _build(self, so: Any) -> KvcmConnectorMetadata:
+        self.step += 1
+        self._count("steps")
+        meta = KvcmConnectorMetadata(self.step, forward=bool(getattr(so, "total_num_scheduled_tokens", 1)))
+        for rid in sorted(getattr(so, "preempted_req_ids", None) or ()):
+            m = self.mirrors.pop(rid, None)
+            self._count("preemptions")
+            meta.preempted.append(rid)
+            if m is not None:  # vLLM freed its blocks: its saves in flight finish first (handle_preemptions)
+                self._retire(m)
+        meta.loads, self.pending_loads = self.pending_loads, []
+        self.sources.clear()  # asked for (if at all) right after each allocation
+        meta.finished_holds, self.pending_holds = self.pending_holds, []
+        blocks = _BlockIds(so)
+        for rid, n in so.num_scheduled_tokens.items():
+            m = self.mirrors.get(rid)
+            if m is None:
+                continue
+            blocks.refresh(m)
+            if m.stopped or m.kv is None:
+                continue
+            full = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids)) // self.B
+            self._plan_saves(m, min(full, len(m.block_ids)), meta)
+        runs = self.mgr.drain_copy_runs()
+        if any(len(r) for r in runs):
+            self.drain_seq += 1
+            meta.drain_seq = self.drain_seq
+            meta.runs = runs
+            nbytes = sum(len(r) for r in runs) * self.page_bytes
+            self.drain_bytes[self.drain_seq] = nbytes
+            self.inflight_bytes += nbytes
+            self._count("drains")
+            for m in self.created:
+                m.drain_dep = self.drain_seq
+        self.created = []
+        self._tiers_of_loads(meta.loads, runs)
+        self._events()
+        return meta
+
+    def _plan_saves(self, m: Mirror, full: int, meta: KvcmConnectorMetadata) -> None:
+        """Saves of the blocks ``[planned, full)`` (full once this step ran), within the
+        in-flight bound: blocks past it are planned in a later step."""
+        n = full - m.planned
+        if n <= 0:
+            return
+        room = max(0, self.max_inflight - self.inflight_bytes) // self.page_bytes
+        if self.inflight_bytes == 0:
+            room = max(room, 1)  # progress whatever the bound
+        if room < n:
+            self._count("saves_deferred", n - room)
+            n = room
+        if n <= 0:
+            return
+        end = m.planned + n
+        if m.kv.capacity < end * self.B and not m.kv.resize(end * self.B):
+            self._stop(m)  # tier 0 cannot hold it: what is committed stays
+            return
+        slots = m.kv.page_indices(LC)[m.planned:end]
+        save = SavePlan(self._id(), m.rid, list(m.block_ids[m.planned:end]), list(slots))
+        meta.saves.append(save)
+        m.saves[save.save_id] = m.epoch
+        self.saves[save.save_id] = SaveInfo(m, m.planned, end, m.epoch)
+        self._count("save_blocks_planned", n)
+        self.inflight_bytes += n * self.page_bytes
+        m.planned = end
+
+    def _tiers_of_loads(self, loads: list[LoadPlan], runs: list[CopyRun]) -> None:
+        """Where each block of the step's loads comes from: an onboard into its slot in this
+        step's drain came from disk or the store; any other slot was in host memory."""
+        if not loads:
+            return
+        src: dict[int, int] = {}
+        for r in runs:
+            if r.reason == "onboard" and r.dst_tier == GPU and r.lc == LC:
+                for d in r.dst_slots:
+                    src[d] = r.src_tier
+        for x in loads:
+            self.loads[x.load_id].tiers = [src.get(s, GPU) for s in x.slots]
+
+    # ------------------------------------------------------------------ the workers' reports
+
+    def update_connector_output(self, wm: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            if isinstance(wm, KvcmWorkerMetadata):
+                self._reports(wm)
+        finally:
+            self.seconds["output"] += time.perf_counter() - t0
+
+    def _reports(self, wm: KvcmWorkerMetadata) -> None:
+        loads, saves = set(), set()
+        for rank, rep in wm.ranks.items():
+            for seq, failed in rep.drains:
+                self.drain_reports.setdefault(seq, {})[rank] = list(failed)
+            for lid, failed in rep.loads.items():
+                if lid in self.loads:
+                    self.loads[lid].ranks[rank] = list(failed)
+                    loads.add(lid)
+            for sid, ok in rep.saves.items():
+                if sid in self.saves:
+                    self.saves[sid].ranks[rank] = ok
+                    saves.add(sid)
+            self.worker_counters.update(rep.counters)
+            if rep.gauges:
+                self.worker_gauges[rank] = dict(rep.gauges)
+        touched: set[int] = set()
+        self._settle(touched)
+        for lid in sorted(loads):  # before the saves: a failed load taints the saves that read its blocks
+            info = self.loads[lid]
+            if len(info.ranks) == self.world:
+                self._load_done(lid, info, touched)
+        for sid in sorted(saves):
+            info = self.saves[sid]
+            if len(info.ranks) == self.world:
+                self._save_done(sid, info, touched)
+        for serial in sorted(touched):
+            m = self.retiring.get(serial)
+            if m is not None:
+                self._maybe_close(m)
+        self.stats_dirty = True
+
+    def _settle(self, touched: set[int]) -> None:
+        """Settle every drain all ranks reported, oldest first (``settle_copies``)."""
+        while True:
+            seq = self.settled + 1
+            reps = self.drain_reports.get(seq)
+            if reps is None or len(reps) < self.world:
+                return
+            del self.drain_reports[seq]
+            failed = _union(reps.values())
+            rolled = self.mgr.settle_copies(failed)
+            self.settled = seq
+            self.inflight_bytes -= self.drain_bytes.pop(seq, 0)
+            self._count("failed_ops", len(failed))
+            for cid in rolled:
+                m = self.by_cache.get(cid)
+                if m is not None:
+                    self._rolled_back(m)
+                    touched.add(m.serial)
+            for m in list(self.retiring.values()):
+                if m.drain_dep == seq:
+                    touched.add(m.serial)
+
+    def _rolled_back(self, m: Mirror) -> None:
+        """kvcm forgot a page the request used (a failed copy): its kvcm request is
+        SUSPENDED at its re-match.  Saves in flight stop counting; blocks past the re-match
+        are saved again from vLLM (which recomputes those whose load failed) as it runs on."""
+        self._count("rollbacks")
+        m.epoch += 1
+        m.confirmed.clear()
+        m.committed = m.planned = m.kv.num_committed_tokens // self.B
+        if m.stopped or m.retiring or not m.kv.resume():
+            self._stop(m)
+        else:
+            self.created.append(m)  # resume may onboard pages: the next drain fills them
+
+    def _load_done(self, lid: int, info: LoadInfo, touched: set[int]) -> None:
+        del self.loads[lid]
+        m = info.mirror
+        m.loads.discard(lid)
+        touched.add(m.serial)
+        self.inflight_bytes -= info.n * self.page_bytes
+        failed = sorted(set().union(*info.ranks.values()))
+        for i in range(info.n):
+            if i not in failed:
+                self._count("hit_blocks_" + TIER_NAMES.get(info.tiers[i] if info.tiers else GPU, "host"))
+        self._count("loaded_blocks", info.n - len(failed))
+        self._count("load_error_blocks", len(failed))
+        if failed:
+            self._taint({info.blocks[i] for i in failed})
+
+    def _taint(self, bad_blocks: set[int]) -> None:
+        """vLLM blocks whose load failed held garbage while the forwards of their step ran:
+        every block computed after them by a request that has them in its block table is
+        suspect until vLLM recomputed it.  Saves of such blocks in flight stop counting, and
+        the mirror plans them again from its committed blocks (vLLM rewinds the request to
+        the failed block and recomputes from there)."""
+        for m in list(self.mirrors.values()) + list(self.retiring.values()):
+            j = next((i for i, b in enumerate(m.block_ids) if b in bad_blocks), None)
+            if j is None or m.planned <= max(j, m.committed):
+                continue
+            self._count("taints")
+            m.epoch += 1
+            m.confirmed = {k for k in m.confirmed if k < j}
+            m.planned = max(m.committed, min(m.planned, j))
+
+    def _save_done(self, sid: int, info: SaveInfo, touched: set[int]) -> None:
+        del self.saves[sid]
+        m = info.mirror
+        m.saves.pop(sid, None)
+        touched.add(m.serial)
+        n = info.end - info.first
+        self.inflight_bytes -= n * self.page_bytes
+        if info.epoch != m.epoch:  # rolled back or tainted since: planned again
+            return
+        if all(info.ranks.values()):
+            self._count("saved_blocks", n)
+            m.confirmed.update(range(info.first, info.end))
+            self._commit(m)
+        else:  # a save that fails is dropped: nothing at or past it is committed
+            self._count("save_failed_blocks", n)
+            self._stop(m)
+
+    def _commit(self, m: Mirror) -> None:
+        """Commit the confirmed blocks that follow the committed ones, as far as their tokens
+        are known (under async scheduling a step's last token may not be yet)."""
+        if m.kv is None or m.kv.status.name != "ACTIVE":
+            return
+        end = m.committed
+        while end in m.confirmed:
+            end += 1
+        end = min(end, len(m.request.all_token_ids) // self.B)
+        if end <= m.committed:
+            return
+        tokens = m.request.all_token_ids[m.committed * self.B:end * self.B]
+        m.kv.commit(list(tokens))
+        m.confirmed -= set(range(m.committed, end))
+        m.committed = end
+
+    # ------------------------------------------------------------------ mirror lifetime
+
+    def _stop(self, m: Mirror) -> None:
+        """No more saves for this request (what is committed stays)."""
+        if not m.stopped:
+            self._count("mirror_stops")
+        m.stopped = True
+
+    def _retire(self, m: Mirror) -> None:
+        m.retiring = True
+        self._commit(m)
+        self.retiring[m.serial] = m
+        self._maybe_close(m)
+
+    def _maybe_close(self, m: Mirror) -> None:
+        """Close the kvcm request of a retiring mirror once none of its transfers is in
+        flight (loads, saves, the drain that onboarded its pages)."""
+        if m.loads or m.saves or m.drain_dep > self.settled:
+            return
+        self._commit(m)
+        if m.kv is not None:
+            self.by_cache.pop(m.kv.id, None)
+            m.kv.close()
+            m.kv = None
+            self.kv_open -= 1
+        self.retiring.pop(m.serial, None)
+        self.stats_dirty = True
+
+    # ------------------------------------------------------------------ observing
+
+    def busy(self) -> bool:
+        """Work is in flight that vLLM's steps must drive to completion (vLLM's
+        ``has_pending_push_work``: an idle engine keeps stepping until it is done)."""
+        return bool(self.settled < self.drain_seq or self.loads or self.saves or self.retiring
+                    or self.pending_holds or self.pending_loads)
+
+    def pending(self) -> dict[str, int]:
+        """What is open or in flight (tests assert it drains to nothing)."""
+        return {"mirrors": len(self.mirrors), "retiring": len(self.retiring), "loads": len(self.loads),
+                "saves": len(self.saves), "unsettled_drains": self.drain_seq - self.settled,
+                "holds": len(self.pending_holds), "probes": len(self.probes), "hit_cache": len(self.hit_cache),
+                "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes}
+
+    def take_stats(self) -> dict[str, int] | None:
+        """The counters since the last call (vLLM's ``get_kv_connector_stats``), with the
+        scheduler's bytes in flight; None when nothing happened."""
+        if not any(self.interval.values()):
+            return None
+        out = {k: v for k, v in self.interval.items() if v}
+        out["sched_bytes_in_flight"] = self.inflight_bytes
+        self.interval = Counter()
+        return out
+
+    def _events(self) -> None:
+        """The manager's events of the step: to kvcm's publisher and, translated, to vLLM's."""
+        if self.publisher is None and self.wire is None:
+            return
+        events = self.mgr.take_events()
+        if self.publisher is not None:
+            self.publisher.publish(events)
+        if self.wire is not None and events:
+            self.vllm_events += self.wire.translate(events)
+
+    def take_events(self) -> list[Any]:
+        out, self.vllm_events = self.vllm_events, []
+        return out
+
+    def reset(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvcm drops every reusable
+        page it holds locally (the shared store is the fleet's and is left alone)."""
+        self.mgr.clear_reusable()
+        return True
+
+    def write_stats(self) -> None:
+        path = self.settings.stats_file
+        if path is None:
+            return
+        self.stats_dirty = False
+        data = {"counters": dict(self.counters), "worker": dict(self.worker_counters),
+                "worker_gauges": {str(k): v for k, v in self.worker_gauges.items()}, "seconds": self.seconds,
+                "pending": self.pending(), "manager": self.mgr.stats(), "process": _process(),
+                "lookup": _lookup_stats(self.lookup_planes)}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, default=str)
+        os.replace(tmp, path)
+
+    def shutdown(self) -> None:
+        self.write_stats()
+        if self.publisher is not None:
+            self.publisher.close()
+        for plane in self.lookup_planes:
+            plane.close()
+        self.mgr.shutdown()
+
+
+class _BlockIds:
+    """The vLLM blocks of the step's scheduled requests, from the SchedulerOutput (vLLM
+    0.32's ``kv_connector_block_state``; else the new and cached request data: a new or
+    resumed request's whole block table, a running one's new blocks), never from the
+    scheduler's private KV cache manager."""
+
+    def __init__(self, so: Any) -> None:
+        self.state = getattr(so, "kv_connector_block_state", None)
+        self.new: dict[str, list[int]] = {}
+        self.cached: dict[str, tuple[list[int], bool]] = {}
+        if self.state is None:
+            for r in so.scheduled_new_reqs:
+                self.new[r.req_id] = list(r.block_ids[0])
+            c = so.scheduled_cached_reqs
+            resumed = getattr(c, "resumed_req_ids", set())
+            for rid, ids in zip(c.req_ids, c.new_block_ids, strict=True):
+                if ids is not None:
+                    self.cached[rid] = (list(ids[0]), rid in resumed)
+
+    def refresh(self, m: Mirror) -> None:
+        if self.state is not None:
+            ids = self.state.get_block_ids(m.rid)
+            if ids is not None:
+                m.block_ids = list(ids[0])
+        elif m.rid in self.new:
+            m.block_ids = self.new[m.rid]
+        elif m.rid in self.cached:
+            ids, whole = self.cached[m.rid]
+            m.block_ids = ids if whole else m.block_ids + ids
+
+
+def _union(reports: Any) -> list[CopyOp]:
+    """The failed ops of one drain over every rank: an op failed when it failed on any rank
+    (each op value as many times as the rank that lists it most)."""
+    most: Counter[CopyOp] = Counter()
+    order: list[CopyOp] = []
+    for ops in reports:
+        c = Counter(ops)
+        for op, n in c.items():
+            if op not in most:
+                order.append(op)
+            most[op] = max(most[op], n)
+    return [op for op in order for _ in range(most[op])]
+
+
+def _lookup_stats(planes: list[DataPlane]) -> dict[str, int] | None:
+    if not planes:
+        return None
+    out: Counter[str] = Counter()
+    for p in planes:
+        out.update(p.shared_stats)
+    return dict(out)
+
+
+def _process() -> dict[str, int]:
+    """This process's resident memory, threads and open file descriptors (Linux; the
+    long-run test asserts they stay flat)."""
+    out = {}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        out["threads"] = len(os.listdir("/proc/self/task"))
+        out["fds"] = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        pass
+    return out

@@ -1,0 +1,555 @@
+"""The transfer engine: moves bytes between vLLM's paged KV tensors and kvcm's tier 0 (host
+memory), and runs the data plane's copy runs (offload to disk, onboard from disk or the
+shared store, store to the store), off the forward's critical path.
+
+One worker thread executes jobs in the order they were submitted (FIFO): a step's copy runs,
+then its asynchronous loads, then (after the forward) its saves.  FIFO order is what makes
+the tier-0 slots safe to reuse: a slot the manager frees and hands to another page is only
+ever written by a job queued after every job that read it.  Two things leave the FIFO:
+
+* **synchronous loads** (the step's forward reads their blocks) run on the caller's thread
+  as soon as the jobs that write the tier-0 slots they read are done (a per-slot *write
+  ticket*: the sequence number of the last queued job writing the slot), not after
+  unrelated queued work;
+* nothing else: saves are never waited for, except by :meth:`TransferEngine.wait_saves`
+  (vLLM preempted their request: its blocks are about to be reused).
+
+**Slot poisoning**: a tier-0 or disk slot whose last write failed (a failed copy op, an op
+of a drain that stopped before it, a failed save) is *poisoned* until a later write to it
+succeeds.  Any op or load that reads a poisoned slot fails too (a store op never publishes
+the bytes of a poisoned slot: it fails, and nothing is written), and so the failure
+propagates to everything that depended on the lost bytes.
+
+Copies between vLLM's tensors and host rows are made by a *copier*: :class:`CpuCopier`
+(vLLM's CPU backend: index_select / index_copy_ on the worker thread; torch releases the
+GIL, so the forward runs meanwhile) or :class:`CudaCopier` (pinned host staging, a side
+stream that waits on an event recorded on the compute stream after the forward, CUDA events
+for completion, one gather or scatter per layer part per job; the compute stream is never
+synchronized by the host — a synchronous load makes it *wait on an event*).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcm.api import GPU, SHARED, CopyError, CopyOp, CopyRun
+from kvcm.integrations.vllm.metadata import LoadPlan, SavePlan
+
+logger = logging.getLogger(__name__)
+
+LC = 0  # one life cycle: full attention
+SYNC_WAIT_S = 60.0  # a synchronous load gives up (its blocks fail: vLLM recomputes) past this
+STOP_WAIT_S = 30.0  # close(): how long the running job may take to end
+
+
+# ---------------------------------------------------------------------------------------
+# How a kvcm page maps onto vLLM's per-layer tensors
+
+
+@dataclass(frozen=True)
+class Part:
+    """One piece of a page: ``tensor[b]`` (block ``b`` of one layer, or of its K or V half)
+    is ``nbytes`` bytes at ``offset`` in the page of block ``b``."""
+
+    tensor: torch.Tensor  # block dimension first
+    offset: int
+    nbytes: int
+
+
+def page_parts(kv_caches: Sequence[torch.Tensor], block_bytes: Sequence[int], num_blocks: int,
+               names: Sequence[str]) -> list[Part]:
+    """The parts of a page, layer by layer in the order given.  A layer's tensor holds the
+    block in dimension 0 (vLLM's CPU backend: ``[num_blocks, ...]``), or K and V first and
+    the block in dimension 1 (``[2, num_blocks, ...]``, e.g. FlashAttention): then the page
+    holds the block's K bytes, then its V bytes.  The bytes of a block of each layer must be
+    what vLLM's KV cache spec says (``block_bytes``)."""
+    parts: list[Part] = []
+    off = 0
+    for name, t, nbytes in zip(names, kv_caches, block_bytes, strict=True):
+        if t.dim() >= 1 and t.shape[0] == num_blocks:
+            views = [t]
+        elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            views = [t[0], t[1]]
+        else:
+            raise ValueError(f"KvcmConnector: layer {name}: KV cache tensor of shape {tuple(t.shape)} has no "
+                             f"dimension of {num_blocks} blocks first (or after a K/V dimension of 2)")
+        got = sum(v[0].numel() * v.element_size() for v in views)
+        if got != nbytes:
+            raise ValueError(f"KvcmConnector: layer {name}: a block is {got} bytes, the KV cache spec says {nbytes}")
+        for v in views:
+            if not v[0].is_contiguous():
+                raise ValueError(f"KvcmConnector: layer {name}: a block's bytes are not contiguous "
+                                 f"(shape {tuple(t.shape)}, strides {t.stride()})")
+            n = v[0].numel() * v.element_size()
+            parts.append(Part(v, off, n))
+            off += n
+    return parts
+
+
+class CpuCopier:
+    """vLLM's KV tensors in host memory: gathers and scatters on the calling thread."""
+
+    def __init__(self, parts: Sequence[Part]) -> None:
+        self.parts = list(parts)
+
+    def forward_marker(self) -> Any:
+        """What a save job waits on before it reads vLLM's blocks (CPU: the forward is done
+        when ``wait_for_save`` runs)."""
+        return None
+
+    def save(self, blocks: Sequence[int], slots: Sequence[int], pool: torch.Tensor, after: Any) -> None:
+        """vLLM blocks -> tier-0 rows, one gather per part."""
+        bidx = torch.tensor(blocks, dtype=torch.long)
+        sidx = torch.tensor(slots, dtype=torch.long)
+        n = len(blocks)
+        for p in self.parts:
+            rows = p.tensor.index_select(0, bidx).reshape(n, -1).view(torch.uint8)
+            pool[:, p.offset:p.offset + p.nbytes].index_copy_(0, sidx, rows)
+
+    def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool) -> None:
+        """tier-0 rows -> vLLM blocks, one scatter per part (CPU: done on return)."""
+        bidx = torch.tensor(blocks, dtype=torch.long)
+        sidx = torch.tensor(slots, dtype=torch.long)
+        n = len(blocks)
+        for p in self.parts:
+            rows = pool[:, p.offset:p.offset + p.nbytes].index_select(0, sidx)
+            p.tensor.index_copy_(0, bidx, rows.view(p.tensor.dtype).view(n, *p.tensor.shape[1:]))
+
+    def close(self) -> None:
+        return
+
+
+class CudaCopier:
+    """vLLM's KV tensors on a CUDA device (DECISIONS.md "vLLM connector", "How bytes move"):
+
+    * a save: the side stream waits on the event recorded on the compute stream after the
+      forward (:meth:`forward_marker`), gathers the blocks per part into a device buffer and
+      copies it to pinned host staging (non-blocking); the worker thread waits on the copy's
+      event (the compute stream never does) and copies the staging rows into tier 0;
+    * a load: the tier-0 rows are gathered into pinned staging on the host, copied to the
+      device and scattered per part on the side stream, after an event recorded on the
+      compute stream when the load started (vLLM's block zeroing comes first).  An
+      asynchronous load's worker thread waits on its event before the request is reported
+      loaded; a synchronous one makes the compute stream wait on the event (no host sync)
+      and keeps its buffers until the event has completed.
+    """
+
+    def __init__(self, parts: Sequence[Part], device: torch.device) -> None:
+        self.parts = list(parts)
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._held: deque[tuple[Any, list[torch.Tensor]]] = deque()  # sync loads' buffers until their event
+        self._lock = threading.Lock()
+
+    def _marker(self) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def forward_marker(self) -> Any:
+        return self._marker()
+
+    def _index(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+
+    def save(self, blocks: Sequence[int], slots: Sequence[int], pool: torch.Tensor, after: Any) -> None:
+        n, page = len(blocks), pool.shape[1]
+        host = torch.empty((n, page), dtype=torch.uint8, pin_memory=True)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            bidx = self._index(blocks)
+            dev = torch.empty((n, page), dtype=torch.uint8, device=self.device)
+            for p in self.parts:
+                dev[:, p.offset:p.offset + p.nbytes] = p.tensor.index_select(0, bidx).reshape(n, -1).view(torch.uint8)
+            host.copy_(dev, non_blocking=True)
+            done.record(self.stream)
+        done.synchronize()  # this (transfer) thread waits; the compute stream does not
+        pool.index_copy_(0, torch.tensor(slots, dtype=torch.long), host)
+
+    def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool) -> None:
+        n = len(blocks)
+        start = self._marker()
+        host = torch.empty((n, pool.shape[1]), dtype=torch.uint8, pin_memory=True)
+        torch.index_select(pool, 0, torch.tensor(slots, dtype=torch.long), out=host)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(start)
+            bidx = self._index(blocks)
+            dev = host.to(self.device, non_blocking=True)
+            for p in self.parts:
+                rows = dev[:, p.offset:p.offset + p.nbytes]
+                p.tensor.index_copy_(0, bidx, rows.view(p.tensor.dtype).view(n, *p.tensor.shape[1:]))
+            done.record(self.stream)
+        if sync:
+            torch.cuda.current_stream(self.device).wait_event(done)  # the forward reads them: a GPU-side wait
+            with self._lock:
+                self._held.append((done, [host, dev, bidx]))
+                while self._held and self._held[0][0].query():
+                    self._held.popleft()
+        else:
+            done.synchronize()
+
+    def close(self) -> None:
+        with self._lock:
+            for ev, _ in self._held:
+                ev.synchronize()
+            self._held.clear()
+
+
+# ---------------------------------------------------------------------------------------
+# The engine
+
+
+@dataclass
+class _Job:
+    seq: int
+    kind: str  # "runs" | "loads" | "saves"
+    nbytes: int
+    drain_seq: int = 0
+    runs: list[CopyRun] = field(default_factory=list)
+    loads: list[LoadPlan] = field(default_factory=list)
+    saves: list[SavePlan] = field(default_factory=list)
+    marker: Any = None
+
+
+@dataclass
+class Completed:
+    """What finished since the last :meth:`TransferEngine.take` (in completion order)."""
+
+    drains: list[tuple[int, list[CopyOp]]] = field(default_factory=list)
+    saves: dict[int, bool] = field(default_factory=dict)
+    loads: dict[int, list[int]] = field(default_factory=dict)  # load_id -> failed positions
+    failed_blocks: dict[int, list[int]] = field(default_factory=dict)  # load_id -> failed vLLM blocks
+    load_reqs: dict[int, str] = field(default_factory=dict)  # load_id -> request (async loads)
+    counters: Counter = field(default_factory=Counter)
+    saves_done: set[str] = field(default_factory=set)  # asked-about requests with no save left queued
+
+
+class TransferEngine:
+    """One worker thread executing a FIFO of jobs against one data plane (module doc)."""
+
+    def __init__(self, plane: Any, copier: Any, page_bytes: int,
+                 fault_hook: Callable[[CopyOp], None] | None = None, name: str = "kvcm-transfer") -> None:
+        self.plane = plane
+        self.copier = copier
+        self.page_bytes = page_bytes
+        self.pool = plane.pool(GPU, LC)
+        self.slot_bytes = [lc.slot_bytes for lc in plane.life_cycles]
+        self.fault_hook = fault_hook
+        self._cv = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._seq = 0  # the last job submitted
+        self._done = 0  # every job <= _done has completed (FIFO)
+        self._ticket: dict[int, int] = {}  # tier-0 slot -> the last queued job writing it
+        self._poison: set[tuple[int, int, int]] = set()  # (tier, lc, slot) whose last write failed
+        self._pending_saves: Counter[str] = Counter()  # request -> save plans queued, not done
+        self._save_req: dict[int, str] = {}  # queued save_id -> request
+        self._started: set[int] = set()  # save ids the thread has begun
+        self._cancelled: set[int] = set()  # save ids cancelled before they began
+        self._inflight_bytes = 0
+        self._out = Completed()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ submitting
+
+    def _submit(self, job: _Job, writes: Sequence[int] = ()) -> None:
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("kvcm transfer engine is closed")
+            self._seq += 1
+            job.seq = self._seq
+            for s in writes:
+                self._ticket[s] = job.seq
+            for sp in job.saves:
+                self._pending_saves[sp.req_id] += 1
+                self._save_req[sp.save_id] = sp.req_id
+            self._inflight_bytes += job.nbytes
+            self._queue.append(job)
+            self._cv.notify_all()
+
+    def submit_runs(self, drain_seq: int, runs: list[CopyRun]) -> None:
+        """The data plane's copy runs of one drain (executed as one ``apply_runs``)."""
+        nops = sum(len(r) for r in runs)
+        if not nops:
+            return
+        writes = [s for r in runs if r.dst_tier == GPU and r.lc == LC for s in r.dst_slots]
+        nbytes = sum(len(r) * self.slot_bytes[r.lc] for r in runs)
+        self._submit(_Job(0, "runs", nbytes, drain_seq=drain_seq, runs=runs), writes)
+
+    def submit_loads(self, loads: list[LoadPlan]) -> None:
+        """Asynchronous loads (reported by :meth:`take` once done)."""
+        if loads:
+            self._submit(_Job(0, "loads", sum(len(x.blocks) for x in loads) * self.page_bytes, loads=loads))
+
+    def submit_saves(self, saves: list[SavePlan], marker: Any) -> None:
+        """Saves, after the step's forward (``marker``: :meth:`CpuCopier.forward_marker`)."""
+        if saves:
+            writes = [s for sp in saves for s in sp.slots]
+            self._submit(_Job(0, "saves", sum(len(x.blocks) for x in saves) * self.page_bytes, saves=saves,
+                              marker=marker), writes)
+
+    def sync_loads(self, loads: list[LoadPlan]) -> dict[int, list[int]]:
+        """Execute synchronous loads now, on this thread, once the queued jobs that write
+        their slots are done; returns ``load_id -> failed positions`` (a slot of -1, a
+        poisoned slot, or a copy that raised: vLLM recomputes those blocks)."""
+        out: dict[int, list[int]] = {}
+        if not loads:
+            return out
+        t0 = time.perf_counter()
+        with self._cv:
+            need = max((self._ticket.get(s, 0) for x in loads for s in x.slots if s >= 0), default=0)
+            deadline = time.monotonic() + SYNC_WAIT_S
+            while self._done < need and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            ready = self._done >= need
+            poison = set(self._poison)
+        waited = time.perf_counter() - t0
+        for x in loads:
+            bad = [i for i, s in enumerate(x.slots) if s < 0 or not ready or (GPU, LC, s) in poison]
+            out[x.load_id] = self._copy_in(x, bad, sync=True)
+        with self._cv:
+            c = self._out.counters
+            c["sync_wait_us"] += int(1e6 * waited)
+            c["sync_load_us"] += int(1e6 * (time.perf_counter() - t0 - waited))
+        return out
+
+    # ------------------------------------------------------------------ observing
+
+    def take(self, asked: set[str] = frozenset()) -> Completed:  # type: ignore[assignment]
+        """What completed since the last call; ``saves_done``: the requests of ``asked``
+        with no save queued any more (one consistent snapshot)."""
+        with self._cv:
+            out, self._out = self._out, Completed()
+            out.saves_done = {r for r in asked if self._pending_saves.get(r, 0) == 0}
+            return out
+
+    def wait_any(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for a job to complete while any is queued (an engine step
+        without a forward: poll less)."""
+        with self._cv:
+            if self._done < self._seq:
+                self._cv.wait(timeout)
+
+    def pending_saves(self, req_id: str) -> int:
+        with self._cv:
+            return self._pending_saves.get(req_id, 0)
+
+    def wait_saves(self, req_ids: Sequence[str], timeout: float) -> int:
+        """Wait until the saves queued for ``req_ids`` are done (vLLM reuses their blocks
+        next).  Past ``timeout``, the saves not yet begun are cancelled (they fail: kvcm
+        does not commit them) and only the one running is waited for.  Returns how many
+        save plans were cancelled."""
+        want = set(req_ids)
+        with self._cv:
+            deadline = time.monotonic() + timeout
+            while any(self._pending_saves.get(r, 0) for r in want) and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            cancel = {sid for sid, r in self._save_req.items() if r in want and sid not in self._started}
+            self._cancelled |= cancel
+            # the one begun is a memory copy: waited for (vLLM must not overwrite what it reads)
+            while any(sid in self._started for sid, r in self._save_req.items() if r in want) \
+                    and self._thread.is_alive():
+                self._cv.wait(1.0)
+            return len(cancel)
+
+    def gauges(self) -> dict[str, int]:
+        with self._cv:
+            return {"bytes_in_flight": self._inflight_bytes, "jobs_queued": self._seq - self._done,
+                    "saves_queued": sum(self._pending_saves.values()), "poisoned_slots": len(self._poison)}
+
+    # ------------------------------------------------------------------ the thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue[0]
+                if self._stop:  # close(): what has not begun fails
+                    self._queue.popleft()
+                    self._fail_job(job)  # (the condition's lock is re-entrant)
+                    self._done = job.seq
+                    self._inflight_bytes -= job.nbytes
+                    self._cv.notify_all()
+                    continue
+                self._started.update(sp.save_id for sp in job.saves)
+            try:
+                self._execute(job)
+            except BaseException:  # a bug must not leave the queue hung: the job fails
+                logger.exception("kvcm transfer engine: job %s failed", job.kind)
+                self._fail_job(job)
+                with self._cv:
+                    self._out.counters["engine_errors"] += 1
+            with self._cv:
+                self._queue.popleft()
+                self._done = job.seq
+                self._inflight_bytes -= job.nbytes
+                self._cv.notify_all()
+
+    def _execute(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        if job.kind == "runs":
+            self._exec_runs(job)
+        elif job.kind == "loads":
+            for x in job.loads:
+                with self._cv:
+                    bad = [i for i, s in enumerate(x.slots) if s < 0 or (GPU, LC, s) in self._poison]
+                failed = self._copy_in(x, bad, sync=False)
+                with self._cv:
+                    self._out.loads[x.load_id] = failed
+                    self._out.failed_blocks[x.load_id] = [x.blocks[i] for i in failed]
+                    self._out.load_reqs[x.load_id] = x.req_id
+        else:
+            self._exec_saves(job)
+        with self._cv:
+            self._out.counters[f"{job.kind}_us"] += int(1e6 * (time.perf_counter() - t0))
+
+    def _fault(self, op: CopyOp) -> None:
+        """The data plane's per-op hook: an op reading a poisoned slot fails (and the test
+        hook, when configured, may fail any op)."""
+        if self.fault_hook is not None:
+            self.fault_hook(op)
+        if (op.src_tier, op.lc, op.src_slot) in self._poison:
+            raise OSError(errno.EIO, f"kvcm: tier {op.src_tier} slot {op.src_slot}: its last write failed")
+
+    def _exec_runs(self, job: _Job) -> None:
+        plane = self.plane
+        before = dict(plane.shared_stats)
+        with self._cv:
+            checking = bool(self._poison) or self.fault_hook is not None
+        plane.fault = self._fault if checking else None
+        failed: list[CopyOp] = []
+        try:
+            plane.apply_runs(job.runs)
+        except CopyError as e:
+            failed = list(e.ops)
+            logger.warning("kvcm: %d copy ops of drain %d did not complete (%s); their pages are dropped and "
+                           "vLLM recomputes what needed them", len(failed), job.drain_seq, e.cause)
+        except ValueError:  # a run the plane refused (a bug): none of it ran
+            logger.exception("kvcm: drain %d refused by the data plane", job.drain_seq)
+            failed = [op for r in job.runs for op in r.ops()]
+        finally:
+            plane.fault = None
+        with self._cv:
+            bad = {(op.dst_tier, op.lc, op.dst_slot) for op in failed if op.dst_tier != SHARED}
+            if self._poison:
+                for r in job.runs:
+                    if r.dst_tier != SHARED:
+                        for d in r.dst_slots:
+                            key = (r.dst_tier, r.lc, d)
+                            if key not in bad:
+                                self._poison.discard(key)
+            self._poison |= bad
+            self._out.drains.append((job.drain_seq, failed))
+            c = self._out.counters
+            c["run_ops"] += sum(len(r) for r in job.runs)
+            c["failed_ops"] += len(failed)
+            c["run_bytes"] += job.nbytes
+            for k in ("load_failures", "timeouts", "lookup_errors", "removed_bad", "stores", "loads"):
+                c["shared_" + k] += plane.shared_stats[k] - before[k]
+
+    def _copy_in(self, x: LoadPlan, bad: list[int], sync: bool) -> list[int]:
+        """Copy the blocks of ``x`` not in ``bad`` into vLLM's cache; returns the failed positions."""
+        ok = [i for i in range(len(x.slots)) if i not in set(bad)]
+        failed = list(bad)
+        if ok:
+            try:
+                self.copier.load([x.slots[i] for i in ok], [x.blocks[i] for i in ok], self.pool, sync)
+            except Exception:  # e.g. out of memory: the blocks are recomputed
+                logger.exception("kvcm: load of %d blocks for %s failed", len(ok), x.req_id)
+                failed = list(range(len(x.slots)))
+        with self._cv:
+            c = self._out.counters
+            c["loaded_bytes"] += (len(x.slots) - len(failed)) * self.page_bytes
+            c["load_failed_blocks"] += len(failed)
+        return sorted(failed)
+
+    def _exec_saves(self, job: _Job) -> None:
+        with self._cv:
+            todo = [sp for sp in job.saves if sp.save_id not in self._cancelled]
+            skipped = [sp for sp in job.saves if sp.save_id in self._cancelled]
+        ok = True
+        if todo:
+            try:
+                self.copier.save([b for sp in todo for b in sp.blocks], [s for sp in todo for s in sp.slots],
+                                 self.pool, job.marker)
+            except Exception:  # the blocks are not committed; vLLM is not affected
+                logger.exception("kvcm: saving %d blocks failed", sum(len(sp.blocks) for sp in todo))
+                ok = False
+        with self._cv:
+            for sp in todo:
+                self._end_save(sp, ok)
+            for sp in skipped:
+                self._end_save(sp, False)
+            c = self._out.counters
+            c["saved_bytes"] += sum(len(sp.blocks) for sp in todo) * self.page_bytes if ok else 0
+            c["save_cancelled"] += len(skipped)
+
+    def _end_save(self, sp: SavePlan, ok: bool) -> None:  # under self._cv
+        for s in sp.slots:
+            if ok:
+                self._poison.discard((GPU, LC, s))
+            else:
+                self._poison.add((GPU, LC, s))
+        self._out.saves[sp.save_id] = ok
+        self._pending_saves[sp.req_id] -= 1
+        if not self._pending_saves[sp.req_id]:
+            del self._pending_saves[sp.req_id]
+        self._save_req.pop(sp.save_id, None)
+        self._started.discard(sp.save_id)
+        self._cancelled.discard(sp.save_id)
+
+    def _fail_job(self, job: _Job) -> None:
+        """A job that raised (a bug) or was cancelled at close: every part of it failed."""
+        with self._cv:
+            if job.kind == "runs":
+                ops = [op for r in job.runs for op in r.ops()]
+                self._poison |= {(op.dst_tier, op.lc, op.dst_slot) for op in ops if op.dst_tier != SHARED}
+                self._out.drains.append((job.drain_seq, ops))
+            elif job.kind == "loads":
+                for x in job.loads:
+                    self._out.loads[x.load_id] = list(range(len(x.slots)))
+                    self._out.failed_blocks[x.load_id] = list(x.blocks)
+                    self._out.load_reqs[x.load_id] = x.req_id
+            else:
+                for sp in job.saves:
+                    if sp.save_id in self._save_req:
+                        self._end_save(sp, False)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Stop: the job running ends (its store calls have deadlines), the queued ones fail
+        (reported by a last :meth:`take`), the thread is joined."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(STOP_WAIT_S)
+        if self._thread.is_alive():
+            logger.warning("kvcm transfer engine: a job still runs after %.0f s; the thread is left to end", STOP_WAIT_S)
+        self.copier.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

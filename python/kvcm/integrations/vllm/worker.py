@@ -1,0 +1,155 @@
+"""``KvcmWorker``: the worker side of the connector (one per vLLM worker: one per
+tensor-parallel rank).  It owns the rank's data plane (kvcm's tier 0 in host memory, its
+disk tier, its store client) and the transfer engine (:mod:`kvcm.integrations.vllm.transfer`),
+executes what the scheduler planned, and reports back what finished.  It imports nothing of
+vLLM (tests drive it without an engine).
+
+vLLM's order per step (``kv_connector_model_runner_mixin``): ``handle_preemptions`` before
+anything; ``start_load_kv`` before the forward when the step has synchronous loads, else
+right after it; the forward; ``wait_for_save``; ``get_transfer_results``;
+``get_block_ids_with_load_errors``; ``build_connector_worker_meta``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from kvcm.dataplane import DataPlane
+from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, RankReport
+from kvcm.integrations.vllm.scheduler import shard_config
+from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.transfer import CpuCopier, CudaCopier, TransferEngine, page_parts
+
+logger = logging.getLogger(__name__)
+
+PREEMPT_WAIT_S = 5.0  # handle_preemptions: saves not begun by then are cancelled (kvcm skips them)
+IDLE_WAIT_S = 0.005  # a step without a forward waits this long for a transfer to end (less spinning)
+
+
+class KvcmWorker:
+    """One rank's worker side (module doc)."""
+
+    def __init__(self, settings: ConnectorSettings, layout: KvLayout, rank: int = 0, world: int = 1,
+                 num_blocks: int = 0) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.rank = rank
+        self.world = world
+        self.num_blocks = num_blocks
+        self.config = shard_config(settings.manager_config(layout, rank, world), rank)
+        self.page_bytes = sum(layout.block_bytes)
+        self.plane: DataPlane | None = None
+        self.engine: TransferEngine | None = None
+        self.meta: KvcmConnectorMetadata | None = None
+        self.holds: set[str] = set()  # finished requests whose blocks vLLM keeps until we report them
+        self.errors: set[int] = set()  # vLLM blocks to report as not loaded
+        self.report = RankReport()
+        self.stats: Counter[str] = Counter()  # since the last get_stats (vLLM's stats)
+        self.last_gauges: dict[str, int] = {}
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.layout.layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"KvcmConnector: no KV cache tensor for layers {missing}")
+        tensors = [kv_caches[n] for n in self.layout.layer_names]
+        parts = page_parts(tensors, self.layout.block_bytes, self.num_blocks or tensors[0].shape[0],
+                           self.layout.layer_names)
+        s = self.settings
+        self.plane = DataPlane(self.config, device="cpu", store=s.make_store(), shared_timeout_s=s.shared_timeout_s)
+        device = tensors[0].device
+        copier = CudaCopier(parts, device) if device.type == "cuda" else CpuCopier(parts)
+        self.engine = TransferEngine(self.plane, copier, self.page_bytes, fault_hook=s.fault_hook(),
+                                     name=f"kvcm-transfer-r{self.rank}")
+
+    # ------------------------------------------------------------------ the step
+
+    def handle_preemptions(self, meta: KvcmConnectorMetadata) -> None:
+        """vLLM preempted requests this step and reuses their blocks now: the saves that
+        read them finish first (or, past PREEMPT_WAIT_S, those not begun are cancelled)."""
+        if meta.preempted and self.engine is not None:
+            t0 = time.perf_counter()
+            cancelled = self.engine.wait_saves(meta.preempted, PREEMPT_WAIT_S)
+            self.report.counters["preempt_wait_us"] += int(1e6 * (time.perf_counter() - t0))
+            self.report.counters["saves_cancelled"] += cancelled
+
+    def start_load_kv(self, meta: KvcmConnectorMetadata) -> None:
+        """The step's copy runs, then its loads: asynchronous ones queued, synchronous ones
+        done now (vLLM calls this before the forward when the step has any)."""
+        self.meta = meta
+        self.holds.update(meta.finished_holds)
+        eng = self.engine
+        if eng is None:
+            raise RuntimeError("KvcmConnector: start_load_kv before register_kv_caches")
+        if meta.drain_seq:
+            eng.submit_runs(meta.drain_seq, meta.runs)
+        eng.submit_loads([x for x in meta.loads if not x.sync])
+        sync = [x for x in meta.loads if x.sync]
+        if sync:
+            done = eng.sync_loads(sync)
+            for x in sync:
+                failed = done[x.load_id]
+                self.report.loads[x.load_id] = failed
+                self.errors.update(x.blocks[i] for i in failed)
+
+    def wait_for_save(self, meta: KvcmConnectorMetadata) -> None:
+        """Queue the step's saves (after the forward); nothing waits for them."""
+        if meta.saves and self.engine is not None:
+            self.engine.submit_saves(meta.saves, self.engine.copier.forward_marker())
+
+    def get_transfer_results(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call: held
+        requests with no save left, asynchronous loads done (failed blocks included: their
+        vLLM block ids go out in this pass's ``get_block_ids_with_load_errors``)."""
+        eng = self.engine
+        if eng is None:
+            return set(), set(), set()
+        if self.meta is not None and not self.meta.forward:
+            eng.wait_any(IDLE_WAIT_S)
+        done = eng.take(asked=self.holds)
+        sending = done.saves_done
+        self.holds -= sending
+        recving = set(done.load_reqs.values())
+        for blocks in done.failed_blocks.values():
+            self.errors.update(blocks)
+        rep = self.report
+        rep.drains += done.drains
+        rep.saves.update(done.saves)
+        rep.loads.update(done.loads)
+        rep.counters.update(done.counters)
+        return sending, recving, set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self.errors = self.errors, set()
+        self.report.counters["load_error_blocks"] += len(out)
+        return out
+
+    def build_worker_meta(self) -> KvcmWorkerMetadata | None:
+        rep, self.report = self.report, RankReport()
+        self.stats.update(rep.counters)
+        gauges = self.engine.gauges() if self.engine is not None else {}
+        if rep.empty() and gauges == self.last_gauges:
+            return None
+        rep.gauges = self.last_gauges = gauges
+        rep.counters = Counter({k: v for k, v in rep.counters.items() if v})
+        return KvcmWorkerMetadata({self.rank: rep})
+
+    def take_stats(self) -> dict[str, int] | None:
+        """This rank's counters since the last call (bytes moved, failures) and its bytes in
+        flight now; None when nothing happened."""
+        if not any(self.stats.values()):
+            return None
+        out = {k: v for k, v in self.stats.items() if v}
+        if self.engine is not None:
+            out["bytes_in_flight"] = self.engine.gauges()["bytes_in_flight"]
+        self.stats = Counter()
+        return out
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self.plane is not None:
+            self.plane.close()
