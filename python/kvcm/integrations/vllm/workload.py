@@ -101,6 +101,8 @@ def main(argv: list[str]) -> int:
                           "kv_cache_memory_bytes": spec.get("kv_cache_memory_bytes", 64 << 20)}
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = spec["connector"]
+    if spec.get("tensor_parallel_size", 1) > 1:
+        kw["tensor_parallel_size"] = spec["tensor_parallel_size"]
     t = time.perf_counter()
     llm = LLM(**kw)
     result: dict[str, Any] = {"start_seconds": time.perf_counter() - t, "phases": []}
