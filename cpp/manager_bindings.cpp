@@ -78,10 +78,10 @@ PyObject* reason_str(const char* reason) {
 // locked section never touches Python, so a thread holding the mutex never waits for the GIL).
 // After the call (GIL held again): the one-time pending-copy-ops warning (SPEC sec. 15),
 // issued through kvcm.api.warn_pending_copy_ops so both backends say the same.
-void warn_if_due(std::int64_t pending) {
+void warn_if_due(std::int64_t pending, bool explicit_settlement) {
   if (pending == 0) return;
   static PyObject* warn = api_attr("warn_pending_copy_ops");  // kept alive for the process
-  h(warn)(pending);
+  h(warn)(pending, explicit_settlement);
 }
 
 template <typename F>
@@ -94,7 +94,7 @@ auto locked(Manager& m, F&& f) {
       f();
       warn = m.take_copy_ops_warning();
     }
-    warn_if_due(warn);
+    warn_if_due(warn, m.explicit_settlement());
   } else {
     auto result = [&] {
       nb::gil_scoped_release release;
@@ -103,7 +103,7 @@ auto locked(Manager& m, F&& f) {
       warn = m.take_copy_ops_warning();
       return r;
     }();
-    warn_if_due(warn);
+    warn_if_due(warn, m.explicit_settlement());
     return result;
   }
 }
@@ -485,10 +485,30 @@ std::optional<std::uint64_t> opt_u64(nb::handle o) {
   return nb::cast<std::uint64_t>(o);
 }
 
+// A copy op as cpp_backend hands it over: (lc, src_tier, src_slot, dst_tier, dst_slot, reason,
+// key or b"").
+using CopyOpItem = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::string,
+                              nb::bytes>;
+
+// The core's view of `items`; the reasons point into `items`, which must outlive the result.
+std::vector<kvcm::CopyOpC> copy_ops_of(const std::vector<CopyOpItem>& items) {
+  std::vector<kvcm::CopyOpC> ops;
+  ops.reserve(items.size());
+  for (const auto& [lc, st, ss, dt, ds, reason, key] : items) {
+    kvcm::CopyOpC op{lc, st, ss, dt, ds, reason.c_str()};
+    if (key.size() == sizeof(kvcm::Digest)) {  // b"": no key (the caller passes only these two)
+      op.has_key = true;
+      std::memcpy(op.key.data(), key.c_str(), op.key.size());
+    }
+    ops.push_back(op);
+  }
+  return ops;
+}
+
 kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
                                 std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff,
                                 double max_util, std::int64_t max_events, bool shared, bool shared_write_evict,
-                                std::vector<std::int64_t> quota_bytes) {
+                                std::vector<std::int64_t> quota_bytes, bool explicit_settlement) {
   kvcm::ManagerConfig c;
   c.tokens_per_block = B;
   for (nb::handle item : lcs) {
@@ -509,6 +529,7 @@ kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::v
   c.shared = shared;
   c.shared_write_evict = shared_write_evict;
   c.quota_bytes = std::move(quota_bytes);
+  c.explicit_settlement = explicit_settlement;
   return c;
 }
 
@@ -705,14 +726,15 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
           [](Manager* self, std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
              std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff, double max_util,
              std::int64_t max_events, bool shared_tier, bool shared_write_evict,
-             std::vector<std::int64_t> quota_bytes) {
+             std::vector<std::int64_t> quota_bytes, bool explicit_settlement) {
             new (self) Manager(make_config(B, lcs, std::move(slots), std::move(tier_kinds), partial, backoff,
                                            max_util, max_events, shared_tier, shared_write_evict,
-                                           std::move(quota_bytes)));
+                                           std::move(quota_bytes), explicit_settlement));
           },
           "tokens_per_block"_a, "life_cycles"_a, "slots"_a, "tier_kinds"_a, "enable_partial_reuse"_a,
           "reuse_match_backoff"_a, "max_util_for_resume"_a, "max_events"_a, "shared_tier"_a = false,
-          "shared_write_evict"_a = false, "quota_bytes"_a = std::vector<std::int64_t>{})
+          "shared_write_evict"_a = false, "quota_bytes"_a = std::vector<std::int64_t>{},
+          "explicit_settlement"_a = false)
       .def(
           "create",
           [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority,
@@ -764,21 +786,19 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
            })
       .def(
           "forget_copies",
-          [](Manager& mgr, const std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                                                        std::int64_t, std::string, nb::bytes>>& items) {
-            std::vector<kvcm::CopyOpC> ops;  // reasons point into `items`, alive for the call
-            ops.reserve(items.size());
-            for (const auto& [lc, st, ss, dt, ds, reason, key] : items) {
-              kvcm::CopyOpC op{lc, st, ss, dt, ds, reason.c_str()};
-              if (key.size() == sizeof(kvcm::Digest)) {  // b"": no key (the caller passes only these two)
-                op.has_key = true;
-                std::memcpy(op.key.data(), key.c_str(), op.key.size());
-              }
-              ops.push_back(op);
-            }
+          [](Manager& mgr, const std::vector<CopyOpItem>& items) {
+            const std::vector<kvcm::CopyOpC> ops = copy_ops_of(items);  // (reasons point into `items`)
             return locked(mgr, [&] { return mgr.forget_copies(ops); });
           },
           "ops"_a)
+      .def(
+          "settle_copies",
+          [](Manager& mgr, const std::vector<CopyOpItem>& items) {
+            const std::vector<kvcm::CopyOpC> ops = copy_ops_of(items);  // (reasons point into `items`)
+            return locked(mgr, [&] { return mgr.settle_copies(ops); });
+          },
+          "failed"_a)
+      .def("unsettled_drains", [](Manager& mgr) { return quick(mgr, [&] { return mgr.unsettled_drains(); }); })
       .def("clear_reusable", [](Manager& mgr) { locked(mgr, [&] { mgr.clear_reusable(); }); })
       // quotas at run time: arguments checked by kvcm.config.resolve_quota; a refusal
       // comes back as {lc, slots, need, locked, held} (cpp_backend raises OutOfPagesError)

@@ -13,8 +13,10 @@ and beam steps (fork, copy-on-write resizes, prunes, either drain) — over hybr
 (full attention + window/sinks + ssm), pure-ssm and attention-only models, 1–3 tiers
 (disk under a temp dir) and a shared tier under both write policies (driven with a model
 store: the store ops drained so far, minus random deletions and failed writes; hits from
-``shared_candidates``; failed shared onboards reported through ``forget_copies``), partial
-reuse on/off, several scopes and tight quotas.  After every
+``shared_candidates``; failed shared onboards reported through ``forget_copies``), both copy
+settlements (``"explicit"``: drains stay unsettled until ``settle_copies`` settles the oldest,
+with a random failed subset of it, bad input, or nothing failed), partial reuse on/off,
+several scopes and tight quotas.  After every
 step: the outcomes (result or error type), every cache's properties, ``snapshot()``
 (exact equality) and ``check_invariants()`` on both sides.  An error type outside the
 documented ones (ValueError, TypeError, KvcmError family) is a crash even if both sides
@@ -129,6 +131,7 @@ def configs(draw) -> KVCacheManagerConfig:
         max_events=draw(st.sampled_from([10_000, 10_000, 3, 0])),
         shared_write=shared_write or "commit",
         shared_namespace="differential" if shared_write is not None else "",
+        copy_settlement=draw(st.sampled_from(["drain", "explicit"])),
     )
 
 
@@ -149,7 +152,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # ops an example may switch off (swarm testing): e.g. never close, so pressure builds;
 # never drain, so copy ops pile up.  create is never switched off.
 SWITCHABLE_OPS = ("close", "stop_committing", "suspend", "drain_copy_ops", "drain_copy_runs", "clear_reusable",
-                  "shutdown", "probe", "decode_step", "set_quota")
+                  "shutdown", "probe", "decode_step", "set_quota", "settle_copies")
 
 
 @st.composite
@@ -169,6 +172,9 @@ _MINIMIZED: dict[str, str] = {}  # failing run -> its minimised log (the final r
 # the shared tier's write policies the examples of this process ran with (test_differential
 # checks that both were driven)
 SHARED_POLICIES_SEEN: set[str] = set()
+# explicit settlement: how many settle_copies calls with failed ops succeeded (test_differential
+# checks that roll-backs through settle_copies were driven)
+EXPLICIT_FAILURES_SETTLED = [0]
 
 
 class DifferentialMachine(RuleBasedStateMachine):
@@ -187,6 +193,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.bases: list[list] = []
         self.disabled: set[str] = set()
         self.last_drain: list[list] = []  # the last drain's ops not reported yet (JSON form)
+        # copy_settlement="explicit": the unsettled drains' ops, oldest first (JSON form)
+        self.explicit = False
+        self.unsettled: list[list[list]] = []
         # the model shared store: (key hex, lc) of every store op drained and not reported
         # failed, minus random deletions (objects evicted by the store or other instances)
         self.store: set[tuple[str, int]] = set()
@@ -215,6 +224,7 @@ class DifferentialMachine(RuleBasedStateMachine):
             managers = self.build(config)
             assert managers is not None
         self.ls = Lockstep(managers, self.names, allowed_errors=DOCUMENTED_ERRORS)
+        self.explicit = config.copy_settlement == "explicit"
         rc = resolve_config(config)
         self.nlc = len(rc.life_cycles)
         self.has_shared = rc.has_shared
@@ -265,6 +275,8 @@ class DifferentialMachine(RuleBasedStateMachine):
                        for k, (ss, ds) in enumerate(zip(run[4], run[5]))]
         if op["op"] in ("drain_copy_ops", "drain_copy_runs") and isinstance(drained, list):
             self.last_drain = list(drained)
+            if self.explicit and drained:
+                self.unsettled.append(list(drained))
             # the data plane executed them: the store ops' objects now exist
             self.store |= {(o[6], o[0]) for o in self.last_drain if o[5] == "store"}
         return out
@@ -509,7 +521,10 @@ class DifferentialMachine(RuleBasedStateMachine):
         self.run({"op": "commit", "cache": h, "args": {"tokens": tokens}})
         if data.draw(st.integers(0, 2)) == 0:
             self.run({"op": "drain_copy_ops"})
-            if self.last_drain and data.draw(st.integers(0, 3)) == 0:  # the data plane failed
+            if self.explicit:
+                if self.unsettled and data.draw(st.booleans()):  # how an earlier drain's copies ended
+                    self.op_settle_copies(data)
+            elif self.last_drain and data.draw(st.integers(0, 3)) == 0:  # the data plane failed
                 self.op_forget_copies(data)
 
     def preempt(self, data, h: int) -> None:
@@ -656,6 +671,8 @@ class DifferentialMachine(RuleBasedStateMachine):
             self.run({"op": "commit_batch", "args": {"caches": grown, "tokens": self.container(data, toks)}})
         if data.draw(st.integers(0, 2)) > 0:
             self.run({"op": "drain_copy_ops"})
+            if self.explicit and self.unsettled and data.draw(st.booleans()):  # an earlier step's copies ended
+                self.op_settle_copies(data)
 
     # ---- forks (issue 22) -------------------------------------------------------------
     def fork(self, h: int, args: dict) -> dict:
@@ -736,6 +753,44 @@ class DifferentialMachine(RuleBasedStateMachine):
                 if o[5] == "store":  # a failed write never makes a block look stored
                     self.store.discard((o[6], o[0]))
 
+    def op_settle_copies(self, data) -> None:
+        """An engine whose copies run asynchronously learns how the oldest drain in flight
+        ended (copy_settlement="explicit"): nothing failed, the ops from some position on
+        (a CopyError's), a random subset, failed shared loads, or bad input (an op of a
+        newer drain only, an op listed more often than issued, garbage).  With no
+        unsettled drain, or in the drain mode, the call is refused (compared too)."""
+        if not self.explicit and data.draw(st.integers(0, 3)) > 0:
+            self.op_forget_copies(data)  # the drain mode's report (settle_copies is refused there)
+            return
+        oldest = list(self.unsettled[0]) if self.unsettled else []
+        kind = data.draw(st.sampled_from(["none", "none", "suffix", "subset", "shared", "bad"]))
+        failed: list = []
+        if kind == "suffix" and oldest:
+            failed = oldest[data.draw(st.integers(0, len(oldest) - 1)):]
+        elif kind == "subset" and oldest:
+            failed = [o for o in oldest if data.draw(st.booleans())]
+        elif kind == "shared":  # loads from the store that failed (object gone, store down)
+            failed = [o for o in oldest if o[1] == 3 and data.draw(st.integers(0, 2)) > 0]
+        elif kind == "bad":
+            newer = [o for d in self.unsettled[1:] for o in d if o not in oldest]
+            choices: list = [[0, 0, 99, 1, 0, "offload"], [0, 0, 0, 0, 1, "teleport"], {"value": 3}, "twice"]
+            if newer:
+                choices.append(data.draw(st.sampled_from(newer)))
+            bad = data.draw(st.sampled_from(choices))
+            if bad == "twice":
+                failed = oldest[:1] * (oldest.count(oldest[0]) + 1) if oldest else [{"value": None}]
+            else:
+                failed = [*oldest[:1], bad]
+        args = {"failed": failed} if failed or data.draw(st.booleans()) else {}
+        out = self.run({"op": "settle_copies", "args": args})
+        if "result" in out:
+            self.unsettled.pop(0)
+            if failed:
+                EXPLICIT_FAILURES_SETTLED[0] += 1
+            for o in failed:
+                if o[5] == "store":  # a failed write never makes a block look stored
+                    self.store.discard((o[6], o[0]))
+
     def op_set_quota(self, data) -> None:
         """Quotas at run time (DECISIONS.md): a configured tier by kind or number, resized
         to 0..12 slot units (grow, shrink below what is held, refusals), or bad input."""
@@ -782,6 +837,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         ("drain_copy_ops", 30),
         ("drain_copy_runs", 10),
         ("forget_copies", 12),
+        ("settle_copies", 20),
         ("take_events", 15),
         ("stats", 10),
         ("take_iteration_stats", 10),
@@ -817,3 +873,5 @@ def test_differential(backend: str) -> None:
     run_state_machine_as_test(machine_for(PAIRS[backend]), settings=DIFF_SETTINGS)
     if EXAMPLES >= 100:  # the shared tier was driven under both write policies
         assert SHARED_POLICIES_SEEN >= {"commit", "evict"}, SHARED_POLICIES_SEEN
+        # explicit settlement: failures were settled (pages forgotten, requests rolled back)
+        assert EXPLICIT_FAILURES_SETTLED[0] > 0

@@ -144,8 +144,9 @@ def test_every_twin_pointer_sits_in_the_class_and_file_of_its_twin():
 
 
 def test_the_rules_this_project_exists_for_are_mirrored():
-    """Orphan re-attachment (sec. 5), match pruning (sec. 6) and the victim choice (sec. 8)
-    each have exactly one pointed-to home."""
+    """Orphan re-attachment (sec. 5), match pruning (sec. 6), the victim choice (sec. 8)
+    and the failure reports with their one roll-back (sec. 15) each have a pointed-to home."""
     quals = {qual.rpartition(".")[2] for *_, qual, _sec in _pointers()}
-    for name in ("parent_for", "prune_match", "victim", "attach", "find_existing", "forget_copies"):
+    for name in ("parent_for", "prune_match", "victim", "attach", "find_existing", "forget_copies", "settle_copies",
+                 "settle_oldest", "roll_back_lost"):
         assert name in quals, f"no C++ function points to a Python twin named {name}"

@@ -66,6 +66,8 @@ def workload(m) -> None:
     m.drain_copy_ops()
     assert m.drain_copy_runs() == []  # the same drain in column form: nothing left
     assert m.forget_copies([]) == []  # nothing failed
+    with pytest.raises(ValueError):
+        m.settle_copies()  # copy_settlement="drain": forget_copies reports failures
     m.take_events()
     m.stats()
     m.take_iteration_stats()
@@ -147,7 +149,8 @@ def test_every_public_call_has_an_op():
     manager_methods = {"create_kv_cache", "probe_reuse", "probe_reuse_detail", "drain_copy_ops", "drain_copy_runs",
                        "clear_reusable", "set_quota",
                        "shutdown", "stats", "take_iteration_stats", "take_events",
-                       "resize_batch", "commit_batch", "forget_copies", "shared_candidates"}  # fmt: skip
+                       "resize_batch", "commit_batch", "forget_copies", "settle_copies",
+                       "shared_candidates"}  # fmt: skip
     cache_methods = {
         "resume",
         "suspend",
@@ -163,7 +166,7 @@ def test_every_public_call_has_an_op():
     assert set(O.MANAGER_OPS) == manager_methods
     assert set(O.CACHE_OPS) == cache_methods
     abstract = set(kvcm.KVCacheManager.__abstractmethods__) | set(kvcm.KVCache.__abstractmethods__)
-    observe_only = {"config", "life_cycles", "snapshot", "check_invariants"} | set(O.CACHE_PROPS)
+    observe_only = {"config", "life_cycles", "unsettled_drains", "snapshot", "check_invariants"} | set(O.CACHE_PROPS)
     # calls with a default on the interface (kvcm.api: drain_copy_runs groups drain_copy_ops)
     concrete = {"drain_copy_runs"}
     assert all(callable(getattr(kvcm.KVCacheManager, n, None)) for n in concrete)
@@ -288,9 +291,11 @@ def test_recording_proxy_logs_every_public_call(tmp_path, monkeypatch):
     commit = next(r for r in ops if r["op"] == "commit")
     assert commit["args"]["tokens"][3] == {"digest": D.hex()}  # the tuple was recorded
     failed = [r for r in ops if "error" in r["outcome"]]
-    assert [(r["op"], r["outcome"]["error"]) for r in failed] == [("commit", "ValueError"), ("resize_batch", "ValueError")]
+    assert [(r["op"], r["outcome"]["error"]) for r in failed] == [("commit", "ValueError"), ("resize_batch", "ValueError"),
+                                                                  ("settle_copies", "ValueError")]
     assert "out of range" in failed[0]["message"]
     assert "appears twice" in failed[1]["message"] and failed[1]["args"]["caches"] == [0, 0]
+    assert "copy_settlement='explicit'" in failed[2]["message"] and failed[2]["args"] == {"failed": []}
     rb = next(r for r in ops if r["op"] == "resize_batch")
     assert rb["args"] == {"caches": [0], "capacities": {"array": "q", "values": [9]}, "history_lengths": None}
     assert rb["outcome"] == {"result": [True]}
@@ -583,6 +588,61 @@ def test_forget_copies_is_recorded_and_replayed(tmp_path, monkeypatch):
     assert forgets[1]["args"]["ops"] == [ops[1].to_json()] and forgets[1]["outcome"] == {"result": ["r100"]}
     report = L.replay(str(path), ["python", "cpp"])
     assert report.ok, str(report)
+
+
+def test_settle_copies_is_recorded_and_replayed(tmp_path, monkeypatch):
+    """Explicit settlement (DECISIONS.md "Asynchronous copies: settle_copies") in the op
+    log: ``settle_copies``' ``failed`` as JSON lists, bad input and refusals too, the
+    config's ``copy_settlement`` in the header; replayed on both backends with the same
+    outcomes and snapshots."""
+    path = tmp_path / "log.jsonl"
+    monkeypatch.setenv(L.ENV_VAR, str(path))
+    cfg = KVCacheManagerConfig(tokens_per_block=4, layers=[AttentionLayer(0, 1)],
+                               tiers=[Tier("gpu", 8), Tier("host", 16)], copy_settlement="explicit")
+    m = L.maybe_wrap(L.build_manager(cfg, "python"))
+    drains = []
+    for base in (100, 200, 300):
+        kv = m.create_kv_cache(id=f"r{base}")
+        assert kv.resume() and kv.resize(8)
+        kv.commit(list(range(base, base + 8)))
+        kv.suspend()
+        drains.append(m.drain_copy_ops())
+    assert [len(d) for d in drains] == [0, 2, 2] and m.unsettled_drains == 2
+    with pytest.raises(TypeError):
+        m.settle_copies([drains[1][0], "x"])
+    with pytest.raises(ValueError):
+        m.settle_copies(drains[2][:1] + [drains[2][0]])  # the newer drain's ops: not the oldest's
+    with pytest.raises(ValueError):
+        m.forget_copies(drains[1])
+    assert m.settle_copies(drains[1][1:]) == ["r100"]
+    assert m.settle_copies() == []
+    with pytest.raises(ValueError):
+        m.settle_copies()  # nothing left to settle
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    assert recs[0]["config"]["copy_settlement"] == "explicit"
+    settles = [r for r in recs[1:] if r["op"] == "settle_copies"]
+    assert settles[0]["args"]["failed"] == [drains[1][0].to_json(), {"value": "x"}]
+    assert [r["outcome"] for r in settles] == [{"error": "TypeError"}, {"error": "ValueError"}, {"result": ["r100"]},
+                                               {"result": []}, {"error": "ValueError"}]
+    assert settles[2]["args"]["failed"] == [drains[1][1].to_json()]
+    report = L.replay(str(path), ["python", "cpp"])
+    assert report.ok and report.steps == len(recs) - 1, str(report)
+
+
+def test_a_log_without_copy_settlement_replays_as_drain(tmp_path, monkeypatch):
+    """A log recorded before ``copy_settlement`` existed (its header has no such key)
+    replays unchanged: the field's default is today's behaviour."""
+    path = tmp_path / "log.jsonl"
+    monkeypatch.setenv(L.ENV_VAR, str(path))
+    m = L.maybe_wrap(L.build_manager(config(), "python"))
+    workload(m)
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])
+    assert header["config"].pop("copy_settlement") == "drain"
+    old = tmp_path / "old.jsonl"
+    old.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    report = L.replay(str(old), ["python", "cpp"])
+    assert report.ok and report.steps == len(lines) - 1, str(report)
 
 
 def test_fork_is_recorded_and_replayed(tmp_path, monkeypatch):

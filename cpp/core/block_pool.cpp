@@ -444,7 +444,9 @@ void BlockPool::store_evicted(const Page* p) {
 // py: block_pool.py BlockPool.add_copy_op — SPEC sec. 8
 void BlockPool::add_copy_op(const CopyOpC& op) {
   copy_ops_.push_back(op);
-  if (static_cast<std::int64_t>(copy_ops_.size()) == cfg_.pending_copy_ops_warning && !copy_ops_warned_) {
+  // (the figure, with the unsettled ops, grows only here, one op at a time: == catches the crossing)
+  if (static_cast<std::int64_t>(copy_ops_.size()) + unsettled_ops_ == cfg_.pending_copy_ops_warning &&
+      !copy_ops_warned_) {
     copy_ops_warned_ = copy_ops_warn_due_ = true;
   }
 }
@@ -585,15 +587,21 @@ void BlockPool::stats_view(std::string& o, const std::vector<std::int64_t>& c) c
 }
 
 // The body of Manager::drain_copy_ops.
+// py: block_pool.py BlockPool.take_copy_ops — SPEC sec. 8
 std::vector<CopyOpC> BlockPool::drain_copy_ops() {
   std::vector<CopyOpC> out;
   out.swap(copy_ops_);
   copy_ops_.reserve(out.size());  // the next step's ops: one allocation, not a doubling chain
+  // explicit settlement: a drain with ops becomes the newest unsettled one (an empty one
+  // records nothing); else it is the last drain (forget_copies)
+  if (cfg_.explicit_settlement && out.empty()) return out;
+  std::vector<IssuedOp>& issued = cfg_.explicit_settlement ? unsettled_.emplace_back() : issued_;
+  if (cfg_.explicit_settlement) unsettled_ops_ += static_cast<std::int64_t>(out.size());
   // field by field into place: an IssuedOp temporary went through the stack in pieces and
   // was read back whole, a store-forwarding stall per op
-  issued_.resize(out.size());
+  issued.resize(out.size());
   for (std::size_t k = 0; k < out.size(); ++k) {
-    IssuedOp& io = issued_[k];
+    IssuedOp& io = issued[k];
     io.op = out[k];
     io.handle = copy_pages_[k].first;
     io.serial = copy_pages_[k].second;
@@ -672,40 +680,95 @@ std::pair<std::int64_t, std::int64_t> BlockPool::stale_range(std::int64_t lc, st
   return kvcm::stale_range(l.window, l.sinks, B_, history);
 }
 
-std::vector<std::pair<std::int64_t, std::int64_t>> BlockPool::take_issued(std::span<const CopyOpC> ops) {
+namespace {
+// An op as kvcm.api.CopyOp.to_json() shows in a Python message: [0, 1, 2, 3, 4, 'offload'(, 'hex')].
+std::string op_text(const CopyOpC& o) {
+  std::string t = "[";  // (appended piece by piece: GCC 12 warns on "[" + std::to_string(...))
+  for (std::int64_t v : {o.lc, o.src_tier, o.src_slot, o.dst_tier, o.dst_slot}) {
+    t += std::to_string(v);
+    t += ", ";
+  }
+  t += '\'';
+  t += o.reason;
+  t += '\'';
+  if (o.has_key) {
+    t += ", ";
+    j_hex(t, o.key);  // "..." -> '...'
+    t.back() = '\'';
+    t[t.size() - 2 * o.key.size() - 2] = '\'';
+  }
+  t += ']';
+  return t;
+}
+}  // namespace
+
+// py: block_pool.py BlockPool.match_issued — SPEC sec. 15
+std::vector<bool> BlockPool::match_issued(std::span<const IssuedOp> drain, std::span<const CopyOpC> ops, bool settle) {
   auto same = [](const CopyOpC& a, const CopyOpC& b) {
     return a.lc == b.lc && a.src_tier == b.src_tier && a.src_slot == b.src_slot && a.dst_tier == b.dst_tier &&
            a.dst_slot == b.dst_slot && std::strcmp(a.reason, b.reason) == 0 && a.has_key == b.has_key &&
            (!a.has_key || a.key == b.key);
   };
-  std::vector<bool> taken(issued_.size(), false);
+  std::vector<bool> taken(drain.size(), false);
   for (std::size_t i = 0; i < ops.size(); ++i) {
     std::size_t k = 0;
-    while (k < issued_.size() && (taken[k] || !same(issued_[k].op, ops[i]))) ++k;
-    if (k == issued_.size()) {
-      const CopyOpC& o = ops[i];
-      throw ValueErr("forget_copies(): ops[" + std::to_string(i) + "] [" + std::to_string(o.lc) + ", " +
-                     std::to_string(o.src_tier) + ", " + std::to_string(o.src_slot) + ", " +
-                     std::to_string(o.dst_tier) + ", " + std::to_string(o.dst_slot) + ", '" + o.reason +
-                     "'] is not an unreported op of the last drain_copy_ops()");
+    while (k < drain.size() && (taken[k] || !same(drain[k].op, ops[i]))) ++k;
+    if (k == drain.size()) {
+      std::string at = "[";
+      at += std::to_string(i);
+      at += "] ";
+      at += op_text(ops[i]);
+      // the texts of kvcm.checks.not_in_oldest_drain_error / not_issued_error
+      throw ValueErr(settle ? "settle_copies(): failed" + at +
+                                  " is not an op of the oldest unsettled drain (or is listed more times than that "
+                                  "drain returned it)"
+                            : "forget_copies(): ops" + at + " is not an unreported op of the last drain_copy_ops()");
     }
     taken[k] = true;
   }
+  return taken;
+}
+
+// py: block_pool.py BlockPool.live_fills — SPEC sec. 15
+std::vector<std::pair<std::int64_t, std::int64_t>> BlockPool::live_fills(std::span<const IssuedOp> drain,
+                                                                         const std::vector<bool>& taken) const {
   std::vector<std::pair<std::int64_t, std::int64_t>> lost;  // (handle, serial) of each lost live page
-  if (ops.empty()) return lost;
-  std::vector<IssuedOp> keep;
-  for (std::size_t k = 0; k < issued_.size(); ++k) {
-    const IssuedOp& e = issued_[k];
-    if (!taken[k]) {
-      keep.push_back(e);
-      continue;
-    }
-    if (page_alive(e.handle) && page(e.handle).serial == e.serial &&
+  for (std::size_t k = 0; k < drain.size(); ++k) {
+    const IssuedOp& e = drain[k];
+    if (taken[k] && page_alive(e.handle) && page(e.handle).serial == e.serial &&
         std::find_if(lost.begin(), lost.end(), [&e](const auto& l) { return l.first == e.handle; }) == lost.end()) {
       lost.emplace_back(e.handle, e.serial);
     }
   }
+  return lost;
+}
+
+// py: block_pool.py BlockPool.take_issued — SPEC sec. 15
+std::vector<std::pair<std::int64_t, std::int64_t>> BlockPool::take_issued(std::span<const CopyOpC> ops) {
+  const std::vector<bool> taken = match_issued(issued_, ops, false);
+  std::vector<std::pair<std::int64_t, std::int64_t>> lost;
+  if (ops.empty()) return lost;
+  lost = live_fills(issued_, taken);
+  std::vector<IssuedOp> keep;
+  for (std::size_t k = 0; k < issued_.size(); ++k) {
+    if (!taken[k]) keep.push_back(issued_[k]);
+  }
   issued_ = std::move(keep);
+  return lost;
+}
+
+// DECISIONS.md "Asynchronous copies: settle_copies".
+// py: block_pool.py BlockPool.settle_oldest — SPEC sec. 15
+std::vector<std::pair<std::int64_t, std::int64_t>> BlockPool::settle_oldest(std::span<const CopyOpC> failed) {
+  // the text of kvcm.checks.NOTHING_TO_SETTLE
+  if (unsettled_.empty()) {
+    throw ValueErr("settle_copies(): no unsettled drain (each drain_copy_ops() / drain_copy_runs() that returned "
+                   "ops is settled once)");
+  }
+  const std::vector<IssuedOp>& drain = unsettled_.front();
+  std::vector<std::pair<std::int64_t, std::int64_t>> lost = live_fills(drain, match_issued(drain, failed, true));
+  unsettled_ops_ -= static_cast<std::int64_t>(drain.size());
+  unsettled_.pop_front();
   return lost;
 }
 

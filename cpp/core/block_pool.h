@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <memory_resource>
 #include <span>
@@ -44,6 +45,9 @@ struct ManagerConfig {
   // and its write policy (false: "commit", write-through; true: "evict", write-back).
   bool shared = false;
   bool shared_write_evict = false;
+  // copy_settlement="explicit" (DECISIONS.md "Asynchronous copies: settle_copies"): each
+  // non-empty drain stays unsettled until settle_copies; false: "drain" (forget_copies).
+  bool explicit_settlement = false;
 };
 
 // ------------------------------------------------------------------ events
@@ -80,8 +84,8 @@ struct TakenEvents {
   std::vector<StoredBlockC> blocks;
 };
 
-// An op of the last drain_copy_ops not reported yet, with the page it was meant to fill
-// (forget_copies).
+// An op of the last drain_copy_ops not reported yet (forget_copies), or of an unsettled
+// drain (settle_copies), with the page it was meant to fill.
 struct IssuedOp {
   CopyOpC op;
   std::int64_t handle, serial;  // the page's handle and serial (-1, -1: a shared-tier store)
@@ -201,6 +205,12 @@ class BlockPool {
   // as (handle, serial) in issue order.  ValueErr (nothing changed) naming the first op
   // that is not one.
   std::vector<std::pair<std::int64_t, std::int64_t>> take_issued(std::span<const CopyOpC> ops);
+  // settle_copies' first half (explicit settlement): settle the oldest unsettled drain,
+  // whose ops in `failed` did not complete; returns the live pages they were meant to fill,
+  // as (handle, serial) in issue order.  ValueErr (nothing changed) when there is no
+  // unsettled drain, or naming the first op that is not one of that drain.
+  std::vector<std::pair<std::int64_t, std::int64_t>> settle_oldest(std::span<const CopyOpC> failed);
+  std::int64_t unsettled_drains() const noexcept { return static_cast<std::int64_t>(unsettled_.size()); }
   // ... and its second: unlink the lost pages still alive (SPEC sec. 5 pruning, removed
   // events) and free the unused ones.
   void forget_pages(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost);
@@ -237,6 +247,7 @@ class BlockPool {
   };
   void check_pools() const;
   void check_pages_and_tree(InvariantUsers& users) const;
+  void check_issued() const;  // the issued (unreported / unsettled) copy ops
   // Sizes of the internal tables (tests of SPEC sec. 15), as (name, count) pairs, the
   // manager's request count among them.
   std::vector<std::pair<std::string, std::int64_t>> internal_sizes(std::int64_t num_requests) const;
@@ -285,6 +296,13 @@ class BlockPool {
   Page* victim(Pool& pool, bool can_offload);
   void relocate(Page* p);
   void add_copy_op(const CopyOpC& op);
+  // One drain's ops that `ops` name, matched by value in order (one per listed op): a flag
+  // per op of `drain`.  ValueErr (settle: settle_copies' message, else forget_copies')
+  // naming the first op with no unmatched equal left.
+  static std::vector<bool> match_issued(std::span<const IssuedOp> drain, std::span<const CopyOpC> ops, bool settle);
+  // The live pages the flagged ops of `drain` were meant to fill, once each, in issue order.
+  std::vector<std::pair<std::int64_t, std::int64_t>> live_fills(std::span<const IssuedOp> drain,
+                                                                const std::vector<bool>& taken) const;
   std::int64_t event_id() { return next_event_++; }
   void stats_view(std::string& out, const std::vector<std::int64_t>& counters) const;
   // `{"tier":N,"kind":"...","quota_bytes":Q,"lc":[` (stats()["tiers"], snapshot()["pools"])
@@ -335,6 +353,10 @@ class BlockPool {
   // (handle, serial) of the page each pending op fills ((-1, -1): a store)
   std::vector<std::pair<std::int64_t, std::int64_t>> copy_pages_;
   std::vector<IssuedOp> issued_;  // the ops of the last drain not reported yet (forget_copies)
+  // explicit settlement: the drains not settled yet, oldest first (issued_ stays empty), and
+  // their ops in all (the pending-ops warning counts them)
+  std::deque<std::vector<IssuedOp>> unsettled_;
+  std::int64_t unsettled_ops_ = 0;
   bool copy_ops_warned_ = false;    // the pending-ops warning was raised (once per manager)
   bool copy_ops_warn_due_ = false;  // ... during this call: take_copy_ops_warning reports it
 

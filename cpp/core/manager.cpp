@@ -49,9 +49,32 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
 // DECISIONS.md "Failed copies".
 // py: manager.py PyKVCacheManager.forget_copies — SPEC sec. 15
 std::vector<std::int64_t> Manager::forget_copies(std::span<const CopyOpC> ops) {
+  // the text of kvcm.checks.FORGET_IN_EXPLICIT
+  if (explicit_settlement()) {
+    throw ValueErr("forget_copies() is not used with copy_settlement='explicit': report the failed ops of each "
+                   "drain with settle_copies(failed), oldest drain first");
+  }
   const std::vector<std::pair<std::int64_t, std::int64_t>> lost = pool_.take_issued(ops);
+  if (ops.empty()) return {};
+  return roll_back_lost(lost);
+}
+
+// DECISIONS.md "Asynchronous copies: settle_copies".
+// py: manager.py PyKVCacheManager.settle_copies — SPEC sec. 15
+std::vector<std::int64_t> Manager::settle_copies(std::span<const CopyOpC> failed) {
+  // the text of kvcm.checks.SETTLE_IN_DRAIN
+  if (!explicit_settlement()) {
+    throw ValueErr("settle_copies() needs KVCacheManagerConfig(copy_settlement='explicit'); with "
+                   "copy_settlement='drain' report the failed ops of the last drain with forget_copies(ops)");
+  }
+  const std::vector<std::pair<std::int64_t, std::int64_t>> lost = pool_.settle_oldest(failed);
+  if (failed.empty()) return {};
+  return roll_back_lost(lost);
+}
+
+// py: manager.py PyKVCacheManager.roll_back_lost — SPEC sec. 15
+std::vector<std::int64_t> Manager::roll_back_lost(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost) {
   std::vector<std::int64_t> out;
-  if (ops.empty()) return out;
   pool_.tick();
   std::vector<std::int64_t> lost_handles;
   for (const auto& [h, serial] : lost) lost_handles.push_back(h);

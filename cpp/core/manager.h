@@ -80,6 +80,14 @@ class Manager {
   // creation order.  ValueErr (nothing changed) naming the first op that is not an
   // unreported op of the last drain.  Types are checked by the Python layer.
   std::vector<std::int64_t> forget_copies(std::span<const CopyOpC> ops);
+  // Explicit settlement (DECISIONS.md "Asynchronous copies: settle_copies"): settle the oldest
+  // unsettled drain, whose ops in `failed` did not complete: their pages are forgotten and
+  // the requests that used them rolled back as by forget_copies; returns their serials in
+  // creation order.  ValueErr (nothing changed): not explicit, no unsettled drain, an op
+  // not of that drain.  Types are checked by the Python layer.
+  std::vector<std::int64_t> settle_copies(std::span<const CopyOpC> failed);
+  std::int64_t unsettled_drains() const noexcept { return pool_.unsettled_drains(); }
+  bool explicit_settlement() const noexcept { return pool_.cfg().explicit_settlement; }
   // Sec. 15: the pending copy ops reached the warning figure during the last call (only once
   // per manager): returns the figure and clears the flag, else 0.  The bindings then issue
   // kvcm.api.warn_pending_copy_ops (manager.py: PyKVCacheManager.add_copy_op).
@@ -125,6 +133,9 @@ class Manager {
   std::int64_t fork(std::int64_t serial);
 
  private:
+  // A failure report's second half (forget_copies, settle_copies): tick, forget the `lost`
+  // pages ((handle, serial)) and roll back every open request that used one; their serials.
+  std::vector<std::int64_t> roll_back_lost(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost);
   // The open request of `serial` (ClosedErr "call on a closed cache" when there is none).
   Request& req(std::int64_t serial);
   const Request& req(std::int64_t serial) const;

@@ -5,6 +5,7 @@
 #include "core/manager.h"
 
 #include <algorithm>
+#include <cstring>
 #include <set>
 #include <unordered_set>
 
@@ -279,21 +280,35 @@ void BlockPool::snapshot_copy_ops(std::string& o) const {
     o += ']';
   }
   o += "],\"issued_copy_ops\":[";
-  for (std::size_t k = 0; k < issued_.size(); ++k) {
-    const CopyOpC& c = issued_[k].op;
-    if (k) o += ',';
+  // one drain's entries [*op.to_json(), page serial]: the last drain's unreported ops, or
+  // (explicit settlement) each unsettled drain as a list, oldest first
+  auto drain = [&o](const std::vector<IssuedOp>& issued) {
+    for (std::size_t k = 0; k < issued.size(); ++k) {
+      const CopyOpC& c = issued[k].op;
+      if (k) o += ',';
+      o += '[';
+      for (std::int64_t v : {c.lc, c.src_tier, c.src_slot, c.dst_tier, c.dst_slot}) {
+        j_int(o, v);
+        o += ',';
+      }
+      j_str(o, c.reason);
+      o += ',';
+      if (c.has_key) {
+        j_hex(o, c.key);
+        o += ',';
+      }
+      j_int(o, issued[k].serial);
+      o += ']';
+    }
+  };
+  if (!cfg_.explicit_settlement) {
+    drain(issued_);
+    return;
+  }
+  for (std::size_t d = 0; d < unsettled_.size(); ++d) {
+    if (d) o += ',';
     o += '[';
-    for (std::int64_t v : {c.lc, c.src_tier, c.src_slot, c.dst_tier, c.dst_slot}) {
-      j_int(o, v);
-      o += ',';
-    }
-    j_str(o, c.reason);
-    o += ',';
-    if (c.has_key) {
-      j_hex(o, c.key);
-      o += ',';
-    }
-    j_int(o, issued_[k].serial);
+    drain(unsettled_[d]);
     o += ']';
   }
 }
@@ -393,6 +408,32 @@ void BlockPool::check_pages_and_tree(InvariantUsers& users) const {
   for (const NodeDump& n : dump) nodes[n.id] = &n;
   check_page_users(all, users, nodes);
   check_tree_links(dump, nodes, users);
+  check_issued();
+}
+
+// Issued copy ops (sec. 15): each names the page it fills (a serial already made; -1
+// exactly for a store, which fills none); explicit settlement keeps no empty drain,
+// counts the unsettled ops right and reports nothing through the last drain.
+// py: observe.py check_issued — SPEC sec. 11
+void BlockPool::check_issued() const {
+  const bool expl = cfg_.explicit_settlement;
+  std::int64_t n = 0;
+  auto drain = [&](std::size_t d, const std::vector<IssuedOp>& issued) {
+    check(!issued.empty() || !expl, "unsettled drain " + S(static_cast<std::int64_t>(d)) + " is empty");
+    for (const IssuedOp& e : issued) {
+      const bool store = std::strcmp(e.op.reason, "store") == 0;
+      check((e.serial == -1) == store && e.serial >= -1 && e.serial < next_page_,
+            "issued drain " + S(static_cast<std::int64_t>(d)) + ": a " + e.op.reason + " op fills page " + S(e.serial));
+    }
+    n += static_cast<std::int64_t>(issued.size());
+  };
+  if (!expl) {
+    drain(0, issued_);
+    return;
+  }
+  for (std::size_t d = 0; d < unsettled_.size(); ++d) drain(d, unsettled_[d]);
+  check(n == unsettled_ops_, S(unsettled_ops_) + " unsettled copy ops counted, " + S(n) + " found");
+  check(issued_.empty(), "explicit settlement with a last drain to report");
 }
 
 // Pool rules: free and used slots partition the pool; the state counters match the pages.

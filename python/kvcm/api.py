@@ -88,15 +88,24 @@ class CopyError(KvcmError):
 class PendingCopyOpsWarning(RuntimeWarning):
     """Issued once per manager when undrained copy ops reach
     ``KVCacheManagerConfig.pending_copy_ops_warning`` (the engine forgot ``drain_copy_ops()``;
-    SPEC sec. 15).  The call that crossed the threshold has taken effect."""
+    SPEC sec. 15); with ``copy_settlement="explicit"`` the ops of the unsettled drains count
+    too (the engine forgot ``settle_copies()``).  The call that crossed the threshold has
+    taken effect."""
 
 
-def warn_pending_copy_ops(pending: int) -> None:
-    """The one-time warning of both backends (issued after the call that crossed the threshold)."""
-    warnings.warn(
-        f"kvcm: {pending} copy ops are pending: call drain_copy_ops() and execute them every step "
-        f"(stats()['pending_copy_ops'] shows the figure; KVCacheManagerConfig.pending_copy_ops_warning "
-        f"sets this threshold)", PendingCopyOpsWarning, stacklevel=3)
+def warn_pending_copy_ops(pending: int, explicit: bool = False) -> None:
+    """The one-time warning of both backends (issued after the call that crossed the
+    threshold; ``explicit``: the manager settles copies explicitly, so unsettled ops count)."""
+    if explicit:
+        text = (f"kvcm: {pending} copy ops are pending or unsettled: call drain_copy_ops() and execute them "
+                f"every step, and settle_copies() once per drain, oldest first (stats()['pending_copy_ops'] "
+                f"and KVCacheManager.unsettled_drains show the figures; "
+                f"KVCacheManagerConfig.pending_copy_ops_warning sets this threshold)")
+    else:
+        text = (f"kvcm: {pending} copy ops are pending: call drain_copy_ops() and execute them every step "
+                f"(stats()['pending_copy_ops'] shows the figure; KVCacheManagerConfig.pending_copy_ops_warning "
+                f"sets this threshold)")
+    warnings.warn(text, PendingCopyOpsWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------
@@ -108,6 +117,7 @@ TierKind = Literal["gpu", "host", "disk", "shared"]
 TIER_KINDS: tuple[str, ...] = ("gpu", "host", "disk", "shared")
 GPU, HOST, DISK = 0, 1, 2
 SHARED_WRITE_POLICIES: tuple[str, ...] = ("commit", "evict")  # KVCacheManagerConfig.shared_write
+COPY_SETTLEMENTS: tuple[str, ...] = ("drain", "explicit")  # KVCacheManagerConfig.copy_settlement
 
 MAX_TOKEN = 2**31
 DIGEST_TOKEN_BYTES = 32
@@ -210,7 +220,13 @@ class KVCacheManagerConfig:
             (SPEC sec. 16).
         shared_secret_file: a file holding the secret that authenticates shared-tier
             objects, read by the data plane only (the config holds the path, never the
-            secret); ``""`` uses the environment's.  Default ``""`` (SPEC sec. 16)."""
+            secret); ``""`` uses the environment's.  Default ``""`` (SPEC sec. 16).
+        copy_settlement: how the outcome of drained copy ops comes back: ``"drain"`` (the
+            ops of the last drain may be reported failed with
+            :meth:`KVCacheManager.forget_copies`; the next drain settles them) or
+            ``"explicit"`` (each drain that returned ops stays unsettled until
+            :meth:`KVCacheManager.settle_copies` settles it, oldest first: for engines
+            whose copies complete several drains later).  Default ``"drain"`` (SPEC sec. 15)."""
 
     tokens_per_block: int
     layers: Sequence[Layer]
@@ -227,6 +243,9 @@ class KVCacheManagerConfig:
     shared_write: str = "commit"
     shared_namespace: str = ""
     shared_secret_file: str = ""
+    # DECISIONS.md "Asynchronous copies: settle_copies" (last: positional construction
+    # of the fields above is unchanged)
+    copy_settlement: str = "drain"
 
     def __post_init__(self) -> None:
         # Freeze the sequences so the config is hashable-in-spirit and cannot change later.
@@ -977,8 +996,9 @@ class KVCacheManager(abc.ABC):
         """Take the pending copy ops (SPEC sec. 8): every page move since the last drain,
         in order.  The engine executes them, in this order, before it uses the page indices
         of the step (a slot freed by one op may be the destination of a later one).  The
-        list becomes "the last drain" that :meth:`forget_copies` accepts reports of.  Does
-        not tick the clock.
+        list becomes "the last drain" that :meth:`forget_copies` accepts reports of; with
+        ``copy_settlement="explicit"`` a non-empty list becomes the newest unsettled drain
+        instead (:meth:`settle_copies`).  Does not tick the clock.
 
         Returns:
             the :class:`CopyOp` list (empty when nothing moved); the pending list is cleared."""
@@ -1006,7 +1026,40 @@ class KVCacheManager(abc.ABC):
 
         Bad input raises and changes nothing: ``ops`` not a list/tuple of CopyOp
         (TypeError); an op that the last drain did not return, or one already reported
-        (ValueError)."""
+        (ValueError); a manager with ``copy_settlement="explicit"``, which reports failures
+        with :meth:`settle_copies` instead (ValueError)."""
+
+    @abc.abstractmethod
+    def settle_copies(self, failed: Sequence[CopyOp] = ()) -> list[int | str]:
+        """Settle the **oldest** unsettled drain (``copy_settlement="explicit"``; SPEC sec.
+        15, DECISIONS.md "Asynchronous copies: settle_copies"): its ops in ``failed`` did
+        not complete, all its other ops did.  For engines that execute the copies of a
+        drain asynchronously and learn how they ended several drains later: every
+        :meth:`drain_copy_ops` / :meth:`drain_copy_runs` that returns at least one op
+        adds one unsettled drain, and the engine settles them one call each, in drain order.
+
+        Each op of ``failed`` is matched by value within that drain only (an op value the
+        drain returned k times may be listed up to k times), so an equal op of a newer
+        drain is never confused with it.  The pages the failed ops were meant to fill are
+        forgotten and the open caches that use one are rolled back exactly as
+        :meth:`forget_copies` does; the drain is then settled (gone from
+        ``snapshot()["issued_copy_ops"]``).  Returns the ids of the rolled-back caches in
+        creation order.  Ticks the clock once when ``failed`` is not empty.
+
+        Bad input raises and changes nothing: ``failed`` not a list/tuple of CopyOp
+        (TypeError, as for :meth:`forget_copies`); a manager with
+        ``copy_settlement="drain"`` (ValueError); no unsettled drain (ValueError); an op
+        that the oldest unsettled drain did not return, or listed more times than it did
+        (ValueError naming the op).  Answers on a shut-down manager too (ops drained
+        before or after the shutdown may still fail)."""
+
+    @property
+    @abc.abstractmethod
+    def unsettled_drains(self) -> int:
+        """How many drains wait for :meth:`settle_copies` (``copy_settlement="explicit"``;
+        always 0 with ``"drain"``).  The manager keeps every unsettled drain's ops (SPEC
+        sec. 15: a visible bound; ``snapshot()["issued_copy_ops"]`` lists them).  No side
+        effect."""
 
     @abc.abstractmethod
     def clear_reusable(self) -> None:
@@ -1082,6 +1135,7 @@ class KVCacheManager(abc.ABC):
 
 
 __all__ = [
+    "COPY_SETTLEMENTS",
     "SHARED",
     "SHARED_WRITE_POLICIES",
     "AttentionLayer",

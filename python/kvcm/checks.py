@@ -96,6 +96,29 @@ def still_open_error(n_open: int) -> InvalidStateError:
     return InvalidStateError(f"shutdown needs every cache closed; {n_open} still open")
 
 
+# Copy settlement (DECISIONS.md "Asynchronous copies: settle_copies"); the C++ core raises
+# the same texts (cpp/core/manager.cpp, block_pool.cpp).
+FORGET_IN_EXPLICIT = ("forget_copies() is not used with copy_settlement='explicit': report the failed ops of "
+                      "each drain with settle_copies(failed), oldest drain first")
+SETTLE_IN_DRAIN = ("settle_copies() needs KVCacheManagerConfig(copy_settlement='explicit'); with "
+                   "copy_settlement='drain' report the failed ops of the last drain with forget_copies(ops)")
+NOTHING_TO_SETTLE = ("settle_copies(): no unsettled drain (each drain_copy_ops() / drain_copy_runs() that "
+                     "returned ops is settled once)")
+
+
+def not_issued_error(i: int, op: CopyOp) -> ValueError:
+    """forget_copies: ``ops[i]`` is no unreported op of the last drain."""
+    return ValueError(f"forget_copies(): ops[{i}] {op.to_json()} is not an unreported op of the last "
+                      "drain_copy_ops()")
+
+
+def not_in_oldest_drain_error(i: int, op: CopyOp) -> ValueError:
+    """settle_copies: ``failed[i]`` is no op of the oldest unsettled drain (or one listed
+    more times than that drain returned it)."""
+    return ValueError(f"settle_copies(): failed[{i}] {op.to_json()} is not an op of the oldest unsettled drain "
+                      "(or is listed more times than that drain returned it)")
+
+
 # ---------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------
@@ -278,23 +301,25 @@ def check_counts(values: Any, name: str, n: int, what: str) -> list[int]:
     return out
 
 
-def check_copy_ops(ops: Any, what: str = "forget_copies") -> list[CopyOp]:
-    """The type checks of :meth:`KVCacheManager.forget_copies` (shared by both backends):
-    ``ops`` is a list or tuple (TypeError), each item a ``CopyOp`` (TypeError) whose slots
-    and tiers are ints (not bool) and whose reason is a str (TypeError).  Whether each op
-    was issued is the backend's check (ValueError)."""
+def check_copy_ops(ops: Any, what: str = "forget_copies", arg: str = "ops") -> list[CopyOp]:
+    """The type checks of :meth:`KVCacheManager.forget_copies` and ``settle_copies``
+    (shared by both backends; ``arg``: the argument's name in messages): ``ops`` is a list
+    or tuple (TypeError), each item a ``CopyOp`` (TypeError) whose slots and tiers are ints
+    (not bool) and whose reason is a str (TypeError).  Whether each op was issued is the
+    backend's check (ValueError)."""
     if type(ops) not in (list, tuple):
-        raise TypeError(f"{what}(): ops must be a list or tuple of CopyOp, got {type(ops).__name__}")
+        raise TypeError(f"{what}(): {arg} must be a list or tuple of CopyOp, got {type(ops).__name__}")
     for i, op in enumerate(ops):
         if not isinstance(op, CopyOp):
-            raise TypeError(f"{what}(): ops[{i}] must be a CopyOp, got {type(op).__name__}")
+            raise TypeError(f"{what}(): {arg}[{i}] must be a CopyOp, got {type(op).__name__}")
         for name in ("lc", "src_tier", "src_slot", "dst_tier", "dst_slot"):
             if not _is_int(getattr(op, name)):
-                raise TypeError(f"{what}(): ops[{i}].{name} must be an int, got {type(getattr(op, name)).__name__}")
+                raise TypeError(f"{what}(): {arg}[{i}].{name} must be an int, "
+                                f"got {type(getattr(op, name)).__name__}")
         if type(op.reason) is not str:
-            raise TypeError(f"{what}(): ops[{i}].reason must be a str, got {type(op.reason).__name__}")
+            raise TypeError(f"{what}(): {arg}[{i}].reason must be a str, got {type(op.reason).__name__}")
         if op.key is not None and type(op.key) is not bytes:
-            raise TypeError(f"{what}(): ops[{i}].key must be None or bytes, got {type(op.key).__name__}")
+            raise TypeError(f"{what}(): {arg}[{i}].key must be None or bytes, got {type(op.key).__name__}")
     return list(ops)
 
 
@@ -351,8 +376,11 @@ def int32_view(out: Any) -> memoryview:
 
 __all__ = [
     "DEFAULT_SCOPE",
+    "FORGET_IN_EXPLICIT",
     "MAX_COUNT",
     "MAX_REQUEST_BLOCKS",
+    "NOTHING_TO_SETTLE",
+    "SETTLE_IN_DRAIN",
     "as_int",
     "check_batch_caches",
     "check_cache_id",
@@ -368,6 +396,8 @@ __all__ = [
     "fork_history_error",
     "fork_room_error",
     "int32_view",
+    "not_in_oldest_drain_error",
+    "not_issued_error",
     "quota_refused_error",
     "shut_down_error",
     "status_error",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvcm.api import (
+    COPY_SETTLEMENTS,
     SHARED_WRITE_POLICIES,
     TIER_KINDS,
     AttentionLayer,
@@ -139,6 +140,11 @@ class ResolvedConfig:
     def shared_write_evict(self) -> bool:
         """The shared tier's write policy is "evict" (write-back) rather than "commit"."""
         return self.config.shared_write == "evict"
+
+    @property
+    def explicit_settlement(self) -> bool:
+        """Copies are settled with ``settle_copies`` (``copy_settlement="explicit"``)."""
+        return self.config.copy_settlement == "explicit"
 
     @property
     def ssm_lc(self) -> int | None:
@@ -429,6 +435,9 @@ def _check_scalars(config: KVCacheManagerConfig, has_shared: bool) -> None:
         raise ConfigError("shared_secret_file", f"must be a str (a path), got {type(sf).__name__}")
     if "\0" in sf:
         raise ConfigError("shared_secret_file", "must not contain NUL")
+    cs = config.copy_settlement
+    if type(cs) is not str or cs not in COPY_SETTLEMENTS:
+        raise ConfigError("copy_settlement", f"must be 'drain' or 'explicit', got {cs!r}")
 
 
 __all__ = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcm import _kvcm_cpp
@@ -32,7 +32,10 @@ from kvcm.api import (
     as_int,
 )
 from kvcm.checks import (
+    FORGET_IN_EXPLICIT,
     MAX_COUNT,
+    NOTHING_TO_SETTLE,
+    SETTLE_IN_DRAIN,
     check_batch_caches,
     check_cache_id,
     check_copy_ops,
@@ -45,6 +48,8 @@ from kvcm.checks import (
     default_cache_id,
     fork_room_error,
     int32_view,
+    not_in_oldest_drain_error,
+    not_issued_error,
     quota_refused_error,
     status_error,
 )
@@ -71,6 +76,20 @@ def block_keys_cpp(tokens: Any, tokens_per_block: int, scope: ReuseScope | None 
 _STATUS = (Status.SUSPENDED, Status.ACTIVE, Status.CLOSED)
 
 
+def _core_ops(ops: list[CopyOp], refuse: Callable[[int, CopyOp], ValueError]) -> list[tuple]:
+    """Type-checked copy ops as the core takes them; an op the core cannot hold (a value
+    outside int64, an unknown reason, a key that is no block key) was never issued:
+    ``refuse(i, op)`` is raised."""
+    items = []
+    for i, op in enumerate(ops):
+        values = (op.lc, op.src_tier, op.src_slot, op.dst_tier, op.dst_slot)
+        if (op.reason not in COPY_REASONS or not all(-MAX_COUNT <= v < MAX_COUNT for v in values)
+                or (op.key is not None and len(op.key) != 32)):
+            raise refuse(i, op)  # (the core compares int64s and C strings)
+        items.append((*values, op.reason, b"" if op.key is None else op.key))
+    return items
+
+
 class CppKVCacheManager(KVCacheManager):
     backend_name = "cpp"
 
@@ -85,7 +104,7 @@ class CppKVCacheManager(KVCacheManager):
             config.tokens_per_block, lcs, [list(s) for s in rc.slots], list(rc.tier_kinds),
             config.enable_partial_reuse, config.reuse_match_backoff, float(config.max_util_for_resume),
             config.max_events, shared_tier=rc.has_shared, shared_write_evict=rc.shared_write_evict,
-            quota_bytes=list(rc.quotas))
+            quota_bytes=list(rc.quotas), explicit_settlement=rc.explicit_settlement)
         self._core.set_pending_copy_ops_warning(config.pending_copy_ops_warning)
         self._open: dict[int, CppKVCache] = {}  # serial -> open cache
         self._ids: set[int | str] = set()  # ids of the open caches
@@ -149,17 +168,24 @@ class CppKVCacheManager(KVCacheManager):
 
     def forget_copies(self, ops: Sequence[CopyOp]) -> list[int | str]:
         ops = check_copy_ops(ops)
-        items = []
-        for i, op in enumerate(ops):
-            values = (op.lc, op.src_tier, op.src_slot, op.dst_tier, op.dst_slot)
-            if (op.reason not in COPY_REASONS or not all(-MAX_COUNT <= v < MAX_COUNT for v in values)
-                    or (op.key is not None and len(op.key) != 32)):
-                # never issued (the core compares int64s and C strings)
-                raise ValueError(f"forget_copies(): ops[{i}] {op.to_json()} is not an unreported op of the "
-                                 "last drain_copy_ops()")
-            items.append((*values, op.reason, b"" if op.key is None else op.key))
-        serials = self._core.forget_copies(items)
+        if self._rc.explicit_settlement:  # (the core refuses it too; first, as the python backend)
+            raise ValueError(FORGET_IN_EXPLICIT)
+        serials = self._core.forget_copies(_core_ops(ops, not_issued_error))
         return [self._open[s]._id for s in serials]
+
+    def settle_copies(self, failed: Sequence[CopyOp] = ()) -> list[int | str]:
+        failed = check_copy_ops(failed, "settle_copies", "failed")
+        # the core's checks, in the python backend's order, come before an op it cannot hold
+        if not self._rc.explicit_settlement:
+            raise ValueError(SETTLE_IN_DRAIN)
+        if not self._core.unsettled_drains():
+            raise ValueError(NOTHING_TO_SETTLE)
+        serials = self._core.settle_copies(_core_ops(failed, not_in_oldest_drain_error))
+        return [self._open[s]._id for s in serials]
+
+    @property
+    def unsettled_drains(self) -> int:
+        return self._core.unsettled_drains()
 
     def clear_reusable(self) -> None:
         self._core.clear_reusable()

@@ -26,9 +26,9 @@ JSON list is a list, ``{"array": "q", "values": [...]}`` an ``array.array``,
 ``{"numpy": "int32", "values": [...]}`` a numpy array, ``{"torch": "int64", "values":
 [...]}`` a torch tensor (engines keep sequence lengths in arrays).
 
-``forget_copies``' ``ops`` is a JSON list whose items are ``CopyOp.to_json()`` lists (each
-becomes a ``CopyOp``; a seventh item is the key's hex) or ``{"value": x}`` (the raw value
-``x``, bad input); a non-list is passed as is.
+``forget_copies``' ``ops`` and ``settle_copies``' ``failed`` are JSON lists whose items are
+``CopyOp.to_json()`` lists (each becomes a ``CopyOp``; a seventh item is the key's hex) or
+``{"value": x}`` (the raw value ``x``, bad input); a non-list is passed as is.
 
 ``create_kv_cache``'s ``shared_hits`` is a JSON list whose items are ``[key hex, lc]`` (each
 becomes a ``(bytes, lc)`` pair), ``{"pair": [key hex, x], "type": "tuple" | "list"}`` (a
@@ -77,6 +77,8 @@ MANAGER_OPS: dict[str, tuple[str, ...]] = {
     "commit_batch": ("caches", "tokens"),
     # failed copies (``ops``: see the module docstring)
     "forget_copies": ("ops",),
+    # explicit settlement (DECISIONS.md "Asynchronous copies: settle_copies"; ``failed`` as ``ops``)
+    "settle_copies": ("failed",),
 }
 BATCH_OPS: frozenset[str] = frozenset({"resize_batch", "commit_batch"})
 CACHE_OPS: dict[str, tuple[str, ...]] = {
@@ -259,8 +261,12 @@ def _decode_caches(items: Any, caches: Sequence[KVCache]) -> Any:
     return out
 
 
+# the arguments that are copy-op lists: (op name, argument name)
+_COPY_OP_ARGS = {("forget_copies", "ops"), ("settle_copies", "failed")}
+
+
 def encode_copy_ops(ops: Any) -> Any:
-    """JSON form of ``forget_copies``' ``ops`` (module docstring)."""
+    """JSON form of ``forget_copies``' ``ops`` / ``settle_copies``' ``failed`` (module docstring)."""
     if not isinstance(ops, (list, tuple)):
         return normalize(ops)
     return [op.to_json() if isinstance(op, CopyOp) else {"value": normalize(op)} for op in ops]
@@ -323,7 +329,7 @@ def encode_args(op: str, args: dict[str, Any]) -> dict[str, Any]:
     """The arguments of a call of ``op`` as JSON (tokens, scopes, copy ops, hits in their forms)."""
     out: dict[str, Any] = {}
     for k, v in args.items():
-        if k == "ops" and op == "forget_copies":
+        if (op, k) in _COPY_OP_ARGS:
             out[k] = encode_copy_ops(v)
         elif k == "shared_hits":
             out[k] = encode_shared_hits(v)
@@ -508,7 +514,7 @@ def _call(manager: Any, caches: list, op: dict[str, Any]) -> Any:
     for k, v in raw.items():
         if k in _CONTAINER_ARGS or (k == "tokens" and name == "commit_batch"):
             args[k] = decode_container(v)
-        elif k == "ops" and name == "forget_copies":
+        elif (name, k) in _COPY_OP_ARGS:
             args[k] = decode_copy_ops(v)
         elif k == "shared_hits":
             args[k] = decode_shared_hits(v)

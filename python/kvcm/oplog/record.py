@@ -300,6 +300,10 @@ class RecordingManager(KVCacheManager):
     def life_cycles(self):
         return self._inner.life_cycles
 
+    @property
+    def unsettled_drains(self) -> int:
+        return self._inner.unsettled_drains
+
     def snapshot(self) -> dict:
         return self._inner.snapshot()
 
@@ -390,6 +394,9 @@ class RecordingManager(KVCacheManager):
 
     def forget_copies(self, ops):
         return self._record("forget_copies", None, {"ops": ops}, lambda: self._inner.forget_copies(ops))
+
+    def settle_copies(self, failed=()):
+        return self._record("settle_copies", None, {"failed": failed}, lambda: self._inner.settle_copies(failed))
 
     def clear_reusable(self) -> None:
         return self._record("clear_reusable", None, {}, self._inner.clear_reusable)

@@ -13,7 +13,7 @@ observable.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvcm.api import (
     GPU,
@@ -29,7 +29,7 @@ from kvcm.api import (
     Token,
     warn_pending_copy_ops,
 )
-from kvcm.checks import quota_refused_error
+from kvcm.checks import NOTHING_TO_SETTLE, not_in_oldest_drain_error, not_issued_error, quota_refused_error
 from kvcm.config import LifeCycle, resolve_config
 from kvcm.python_backend.pools import DROPPABLE, NO_NODE, Page, Pool
 from kvcm.python_backend.tree import NO_PAGE, RadixTree
@@ -106,8 +106,15 @@ class BlockPool:
         # the ops of the last drain not reported yet, with the page each fills (forget_copies)
         self.issued: list[CopyOp] = []
         self.issued_pages: list[int] = []
-        # sec. 15: undrained copy ops are a visible bound: stats()["pending_copy_ops"] and one
-        # PendingCopyOpsWarning when they reach the configured figure (DECISIONS.md)
+        # copy_settlement="explicit" (DECISIONS.md "Asynchronous copies: settle_copies"): the
+        # drains not settled yet, oldest first, each (its ops, the page each fills); `issued`
+        # stays empty.  unsettled_ops: their ops in all (the warning below counts them)
+        self.explicit = rc.explicit_settlement
+        self.unsettled: deque[tuple[list[CopyOp], list[int]]] = deque()
+        self.unsettled_ops = 0
+        # sec. 15: undrained (and, explicit, unsettled) copy ops are a visible bound:
+        # stats()["pending_copy_ops"], unsettled_drains, and one PendingCopyOpsWarning when
+        # they reach the configured figure (DECISIONS.md)
         self.copy_ops_warn_at = config.pending_copy_ops_warning
         self.copy_ops_warned = False
         self.copy_ops_warn_due = False
@@ -454,7 +461,8 @@ class BlockPool:
         and sec. 15's one warning when the pending ones reach the figure."""
         self.copy_ops.append(op)
         self.copy_pages.append(fills)
-        if len(self.copy_ops) == self.copy_ops_warn_at and not self.copy_ops_warned:
+        # (the figure grows only here, one op at a time: == catches the crossing)
+        if len(self.copy_ops) + self.unsettled_ops == self.copy_ops_warn_at and not self.copy_ops_warned:
             self.copy_ops_warned = self.copy_ops_warn_due = True  # warned once, at the call's end
 
     def warn_copy_ops(self) -> None:
@@ -462,36 +470,68 @@ class BlockPool:
         whose op reached the figure (the warning never changes the call's work)."""
         if self.copy_ops_warn_due:
             self.copy_ops_warn_due = False
-            warn_pending_copy_ops(self.copy_ops_warn_at)
+            warn_pending_copy_ops(self.copy_ops_warn_at, self.explicit)
 
     def take_copy_ops(self) -> list[CopyOp]:
-        """drain_copy_ops: the pending ops; they become the last drain (forget_copies)."""
+        """drain_copy_ops: the pending ops; they become the last drain (forget_copies), or,
+        with explicit settlement and at least one op, the newest unsettled drain."""
         ops, self.copy_ops = self.copy_ops, []
         pages, self.copy_pages = self.copy_pages, []
-        self.issued, self.issued_pages = list(ops), pages  # (a copy: the caller owns ``ops``)
+        # (copies: the caller owns ``ops``)
+        if not self.explicit:
+            self.issued, self.issued_pages = list(ops), pages
+        elif ops:
+            self.unsettled.append((list(ops), pages))
+            self.unsettled_ops += len(ops)
         return ops
+
+    def match_issued(self, issued: list[CopyOp], ops: Sequence[CopyOp],
+                     refuse: Callable[[int, CopyOp], ValueError]) -> set[int]:
+        """SPEC sec. 15: the ops of one drain (``issued``) that ``ops`` name, matched by value
+        in order, one issued op per listed op: their indices.  An op with no unmatched equal
+        left raises ``refuse(i, op)`` (nothing changed)."""
+        pending: dict[CopyOp, list[int]] = {}  # op -> its indices in issued, in order
+        for k, iop in enumerate(issued):
+            pending.setdefault(iop, []).append(k)
+        taken: set[int] = set()
+        for i, op in enumerate(ops):
+            ks = pending.get(op)
+            if not ks:
+                raise refuse(i, op)
+            taken.add(ks.pop(0))
+        return taken
+
+    def live_fills(self, issued_pages: list[int], taken: set[int]) -> list[Page]:
+        """The live pages the ``taken`` ops of a drain were to fill, once each, in drain order
+        (a page that died meanwhile is skipped)."""
+        lost: list[Page] = []
+        for k in sorted(taken):
+            page = self.pages.get(issued_pages[k])
+            if page is not None and page not in lost:
+                lost.append(page)
+        return lost
 
     def take_issued(self, ops: Sequence[CopyOp]) -> list[Page]:
         """SPEC sec. 15 forget_copies, the pool's part: ``ops`` (each an unreported op of the
         last drain, else ValueError and nothing changed) are reported; returns the live
         pages they were to fill, once each, in drain order."""
-        pending: dict[CopyOp, list[int]] = {}  # op -> its indices in self.issued, in order
-        for k, iop in enumerate(self.issued):
-            pending.setdefault(iop, []).append(k)
-        taken: set[int] = set()  # indices into self.issued, one per reported op
-        for i, op in enumerate(ops):
-            ks = pending.get(op)
-            if not ks:
-                raise ValueError(f"forget_copies(): ops[{i}] {op.to_json()} is not an unreported op of the "
-                                 "last drain_copy_ops()")
-            taken.add(ks.pop(0))
-        lost: list[Page] = []
-        for k in sorted(taken):
-            page = self.pages.get(self.issued_pages[k])
-            if page is not None and page not in lost:
-                lost.append(page)
+        taken = self.match_issued(self.issued, ops, not_issued_error)
+        lost = self.live_fills(self.issued_pages, taken)
         self.issued = [e for k, e in enumerate(self.issued) if k not in taken]
         self.issued_pages = [e for k, e in enumerate(self.issued_pages) if k not in taken]
+        return lost
+
+    def settle_oldest(self, failed: Sequence[CopyOp]) -> list[Page]:
+        """SPEC sec. 15 settle_copies, the pool's part: the oldest unsettled drain is settled
+        with ``failed`` (each an op of that drain, else ValueError and nothing changed; no
+        drain: ValueError); returns the live pages the failed ops were to fill, once each,
+        in drain order."""
+        if not self.unsettled:
+            raise ValueError(NOTHING_TO_SETTLE)
+        ops, pages = self.unsettled[0]
+        lost = self.live_fills(pages, self.match_issued(ops, failed, not_in_oldest_drain_error))
+        self.unsettled.popleft()
+        self.unsettled_ops -= len(ops)
         return lost
 
     def forget_pages(self, lost: list[Page]) -> None:

@@ -26,6 +26,8 @@ from kvcm.api import (
     Token,
 )
 from kvcm.checks import (
+    FORGET_IN_EXPLICIT,
+    SETTLE_IN_DRAIN,
     check_cache_id,
     check_copy_ops,
     check_priority,
@@ -42,6 +44,7 @@ from kvcm.keys import chain_keys, scope_root_key
 from kvcm.python_backend import batch, observe
 from kvcm.python_backend.block_pool import NO_NODE, BlockPool
 from kvcm.python_backend.locking import serialized
+from kvcm.python_backend.pools import Page
 from kvcm.python_backend.request import Request
 
 
@@ -143,9 +146,31 @@ class PyKVCacheManager(KVCacheManager):
         """SPEC sec. 15 failed copies (contract: kvcm.api.KVCacheManager.forget_copies)."""
         ops = check_copy_ops(ops)
         pool = self.pool
+        if pool.explicit:
+            raise ValueError(FORGET_IN_EXPLICIT)
         lost = pool.take_issued(ops)  # (checks every op first: ValueError, nothing changed)
-        if not ops:
-            return []
+        return self.roll_back_lost(lost) if ops else []
+
+    @serialized
+    def settle_copies(self, failed: Sequence[CopyOp] = ()) -> list[int | str]:
+        """SPEC sec. 15, DECISIONS.md "Asynchronous copies: settle_copies" (contract:
+        kvcm.api.KVCacheManager.settle_copies): the oldest unsettled drain is settled."""
+        failed = check_copy_ops(failed, "settle_copies", "failed")
+        pool = self.pool
+        if not pool.explicit:
+            raise ValueError(SETTLE_IN_DRAIN)
+        lost = pool.settle_oldest(failed)  # (checks a drain and every op first: ValueError, nothing changed)
+        return self.roll_back_lost(lost) if failed else []
+
+    @property
+    def unsettled_drains(self) -> int:
+        return len(self.pool.unsettled)
+
+    def roll_back_lost(self, lost: list[Page]) -> list[int | str]:
+        """SPEC sec. 15, the manager's part of a failure report (forget_copies,
+        settle_copies): the clock ticks, the ``lost`` pages are forgotten and every open
+        request that uses one is rolled back; returns their ids in creation order."""
+        pool = self.pool
         pool.tick()
         lost_serials = {p.serial for p in lost}
         # the caches that use a lost page, and where each rolls back to (before any change)

@@ -36,7 +36,7 @@ def snapshot(pool: BlockPool, requests: dict[int, Request], next_request: int, s
         "stats": pool.stats_view(pool.totals),
         "iteration_stats": pool.stats_view(pool.iteration),
         "copy_ops": _snapshot_copy_ops(pool),
-        "issued_copy_ops": [[*op.to_json(), serial] for op, serial in zip(pool.issued, pool.issued_pages)],
+        "issued_copy_ops": _snapshot_issued(pool),
         "events": _snapshot_events(pool),
         "events_dropped": pool.events_dropped,
         "next": {"event": pool.next_event, "page": pool.next_page, "request": next_request,
@@ -96,6 +96,15 @@ def _snapshot_copy_ops(pool: BlockPool) -> list[list]:
     return [op.to_json() for op in pool.copy_ops]
 
 
+def _snapshot_issued(pool: BlockPool) -> list[list]:
+    """``issued_copy_ops``: the last drain's unreported ops, each ``[*op.to_json(), page
+    serial]``; with explicit settlement the unsettled drains, oldest first, each a list
+    of such entries (DECISIONS.md "Asynchronous copies: settle_copies")."""
+    if pool.explicit:
+        return [[[*op.to_json(), serial] for op, serial in zip(ops, pages)] for ops, pages in pool.unsettled]
+    return [[*op.to_json(), serial] for op, serial in zip(pool.issued, pool.issued_pages)]
+
+
 def _snapshot_events(pool: BlockPool) -> list[dict]:
     """``events``: the buffered events, oldest first."""
     return [e.to_json() for e in pool.built_events()]
@@ -145,6 +154,7 @@ def check_invariants(pool: BlockPool, requests: dict[int, Request]) -> None:
         _check_page_users(pool, p, locks, holds)
     for nid, n in pool.tree.nodes.items():
         _check_tree_links(pool, nid, n, refs)
+    _check_issued(pool)
 
 
 def _check_pool(pool: BlockPool, t: int, lc: int, slot_pool: Pool) -> None:
@@ -250,3 +260,21 @@ def _check_tree_links(pool: BlockPool, nid: int, n: Node, refs: dict[int, int]) 
     else:
         check(n.parent is None, f"block {nid}: detached but has a parent")
         check(n.refs > 0 or n.has_page(), f"block {nid}: dead orphan not deleted")
+
+
+def _check_issued(pool: BlockPool) -> None:
+    """Issued copy ops (sec. 15): each names the page it fills (a serial already made;
+    -1 exactly for a store, which fills none); explicit settlement keeps no empty drain,
+    counts the unsettled ops right and reports nothing through the last drain."""
+    check = _check
+    drains = list(pool.unsettled) if pool.explicit else [(pool.issued, pool.issued_pages)]
+    for d, (ops, pages) in enumerate(drains):
+        check(len(ops) == len(pages), f"issued drain {d}: {len(ops)} ops, {len(pages)} pages")
+        check(bool(ops) or not pool.explicit, f"unsettled drain {d} is empty")
+        for op, serial in zip(ops, pages):
+            check((serial == -1) == (op.reason == "store") and -1 <= serial < pool.next_page,
+                  f"issued drain {d}: op {op.to_json()} fills page {serial}")
+    if pool.explicit:
+        n = sum(len(ops) for ops, _ in pool.unsettled)
+        check(n == pool.unsettled_ops, f"{pool.unsettled_ops} unsettled copy ops counted, {n} found")
+        check(not pool.issued and not pool.issued_pages, "explicit settlement with a last drain to report")
