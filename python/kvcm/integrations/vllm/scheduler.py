@@ -44,6 +44,7 @@ from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig, Tier
 from kvcm.dataplane import DataPlane
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.stats import process_stats
 
 LC = 0  # one life cycle: full attention (KvLayout allows nothing else)
 TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
@@ -124,7 +125,7 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "loads_sync", "loads_async", "load_blocks_planned", "loaded_blocks", "hit_blocks_host",
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
-            "holds", "steps")
+            "holds", "finished_loading", "steps")
 
 
 class KvcmScheduler:
@@ -330,6 +331,8 @@ class KvcmScheduler:
         m = self.mirrors.pop(rid, None)
         if m is None:
             return False
+        if m.loads:
+            self._count("finished_loading")  # aborted in WAITING_FOR_REMOTE_KVS: closes once the load is in
         hold = bool(m.saves)
         if hold:
             m.held = True
@@ -646,7 +649,7 @@ class KvcmScheduler:
         self.stats_dirty = False
         data = {"counters": dict(self.counters), "worker": dict(self.worker_counters),
                 "worker_gauges": {str(k): v for k, v in self.worker_gauges.items()}, "seconds": self.seconds,
-                "pending": self.pending(), "manager": self.mgr.stats(), "process": _process(),
+                "pending": self.pending(), "manager": self.mgr.stats(), "process": process_stats(),
                 "lookup": _lookup_stats(self.lookup_planes)}
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
@@ -714,17 +717,3 @@ def _lookup_stats(planes: list[DataPlane]) -> dict[str, int] | None:
     for p in planes:
         out.update(p.shared_stats)
     return dict(out)
-
-
-def _process() -> dict[str, int]:
-    """This process's resident memory, threads and open file descriptors (Linux; the
-    long-run test asserts they stay flat)."""
-    out = {}
-    try:
-        with open("/proc/self/statm") as f:
-            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        out["threads"] = len(os.listdir("/proc/self/task"))
-        out["fds"] = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        pass
-    return out

@@ -17,6 +17,7 @@ Without vLLM installed the module still imports (its classes derive from local s
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,20 @@ except ImportError:  # engine-free use
         data: dict[str, Any] = field(default_factory=dict)
 
     KVConnectorPromMetrics = None  # type: ignore[assignment,misc]
+
+def process_stats() -> dict[str, int]:
+    """This process's resident memory, threads and open file descriptors (Linux; the
+    long-run test asserts they stay flat in the scheduler's and the workers' processes)."""
+    out = {}
+    try:
+        with open("/proc/self/statm") as f:
+            out["rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        out["threads"] = len(os.listdir("/proc/self/task"))
+        out["fds"] = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        pass
+    return out
+
 
 GAUGES = frozenset({"bytes_in_flight", "sched_bytes_in_flight"})
 TIERS = ("host", "disk", "shared")

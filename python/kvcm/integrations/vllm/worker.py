@@ -22,6 +22,7 @@ from kvcm.dataplane import DataPlane
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, RankReport
 from kvcm.integrations.vllm.scheduler import shard_config
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.stats import process_stats
 from kvcm.integrations.vllm.transfer import CpuCopier, CudaCopier, TransferEngine, page_parts
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,8 @@ class KvcmWorker:
         gauges = self.engine.gauges() if self.engine is not None else {}
         if rep.empty() and gauges == self.last_gauges:
             return None
-        rep.gauges = self.last_gauges = gauges
+        self.last_gauges = gauges
+        rep.gauges = {**gauges, **process_stats()}
         rep.counters = Counter({k: v for k, v in rep.counters.items() if v})
         return KvcmWorkerMetadata({self.rank: rep})
 

@@ -5,7 +5,11 @@ from a transformers config, prompts are token ids (``skip_tokenizer_init``).
 Run as ``python -m kvcm.integrations.vllm.workload SPEC.json OUT.json``: one engine (one
 process, vLLM spawns its engine core), several phases, each a workload, optionally after a
 ``reset_prefix_cache`` (vLLM's cache and kvcm's local tiers) or with a fault mode written to
-a control file (the tests' fault store reads it).
+a control file (the tests' fault store reads it).  A phase with ``abort`` drives the engine
+step by step and aborts some requests shortly after adding them (their loads or saves in
+flight).  With the connector's ``stats_file``, each phase ends once the connector reports
+nothing in flight (its saves finish after the outputs are returned), so the phase's stats
+are final.
 """
 
 from __future__ import annotations
@@ -86,6 +90,69 @@ def run_turns(llm: Any, spec: dict, sampling: Any) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
+def run_aborts(llm: Any, spec: dict, sampling: Any, abort: dict) -> dict:
+    """One turn of ``spec``'s chats through the engine directly: every request added, then
+    after ``abort["after_steps"]`` engine steps the requests ``abort["ids"]`` (indexes) are
+    aborted.  The other requests' outputs are returned in order (the aborted ones as None)."""
+    from vllm.inputs import TokensPrompt
+
+    vocab = spec.get("vocab", MODEL_DEFAULTS["vocab_size"])
+    rng = random.Random(spec.get("seed", 0) + 1)
+    chats = conversations(spec["conversations"], spec["system_len"], spec.get("seed", 0), vocab)
+    for c in chats:
+        c += [rng.randrange(1, vocab) for _ in range(spec["user_len"])]
+    engine = llm.llm_engine
+    ids = [f"abort-{i}" for i in range(len(chats))]
+    for rid, c in zip(ids, chats, strict=True):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=list(c)), sampling)
+    out: dict[str, list[int]] = {}
+    steps = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for r in engine.step():
+            if r.finished and r.request_id in ids:
+                out[r.request_id] = list(r.outputs[0].token_ids)
+        steps += 1
+        if steps == abort.get("after_steps", 1):
+            engine.abort_request([ids[i] for i in abort["ids"]])
+    aborted = {ids[i] for i in abort["ids"]}
+    return {"outputs": [None if rid in aborted else out.get(rid) for rid in ids], "ttft": [], "cached_tokens": 0,
+            "prompt_tokens": 0, "seconds": time.perf_counter() - t0}
+
+
+def _wait_idle(path: str | None, timeout_s: float = 60.0) -> None:
+    """Until the connector's stats file shows nothing open or in flight (or ``timeout_s``)."""
+    if path is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        data = _read(path)
+        pending = (data or {}).get("pending")
+        if pending is not None and not any(pending.values()):
+            return
+        time.sleep(0.05)
+
+
+def _reset(llm: Any, timeout_s: float = 60.0) -> None:
+    """``reset_prefix_cache`` succeeds once no request holds blocks (a finished request's
+    blocks are held while its saves are in flight): retried until then."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache(reset_connector=True):
+        if time.monotonic() > deadline:
+            raise RuntimeError("reset_prefix_cache kept failing: blocks still held")
+        time.sleep(0.05)
+
+
+def _prometheus() -> list[str]:
+    """The ``kvcm_`` lines of this process's Prometheus registry (vLLM's metrics)."""
+    try:
+        import prometheus_client
+    except ImportError:
+        return []
+    text = prometheus_client.generate_latest().decode()
+    return [line for line in text.splitlines() if line.startswith("kvcm_")]
+
+
 def main(argv: list[str]) -> int:
     spec_path, out_path = argv
     with open(spec_path) as f:
@@ -103,6 +170,10 @@ def main(argv: list[str]) -> int:
         kw["kv_transfer_config"] = spec["connector"]
     if spec.get("tensor_parallel_size", 1) > 1:
         kw["tensor_parallel_size"] = spec["tensor_parallel_size"]
+    if spec.get("kv_events") is not None:  # vLLM's own KV-event publisher (kvcm's tier events ride on it)
+        from vllm.config import KVEventsConfig
+
+        kw["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
     t = time.perf_counter()
     llm = LLM(**kw)
     result: dict[str, Any] = {"start_seconds": time.perf_counter() - t, "phases": []}
@@ -110,7 +181,7 @@ def main(argv: list[str]) -> int:
     stats_file = (spec.get("connector") or {}).get("kv_connector_extra_config", {}).get("stats_file")
     for phase in spec["phases"]:
         if phase.get("reset"):
-            llm.reset_prefix_cache(reset_connector=True)
+            _reset(llm)
         if spec.get("fault_file"):
             with open(spec["fault_file"], "w") as f:
                 f.write(phase.get("fault", ""))
@@ -119,12 +190,19 @@ def main(argv: list[str]) -> int:
                 if name.startswith("kvcm-pool-"):
                     os.truncate(os.path.join(path, name), 0)
         before = _read(stats_file)
-        r = run_turns(llm, {**spec["workload"], **phase.get("workload", {})}, sampling)
+        work = {**spec["workload"], **phase.get("workload", {})}
+        sp = sampling if "max_tokens" not in phase else SamplingParams(temperature=0.0, max_tokens=phase["max_tokens"],
+                                                                      ignore_eos=True)
+        r = run_aborts(llm, work, sp, phase["abort"]) if phase.get("abort") else run_turns(llm, work, sp)
+        _wait_idle(stats_file)
         r["name"] = phase["name"]
         r["stats_before"], r["stats"] = before, _read(stats_file)
         result["phases"].append(r)
         with open(out_path, "w") as f:  # after every phase: a crash later keeps what ran
             json.dump(result, f)
+    result["prometheus"] = _prometheus()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
     return 0
 
 
