@@ -53,9 +53,10 @@ PAGE = BLOCK * BLOCK_BYTES  # a kvcm page: one block of both layers
 WORKLOAD = {"conversations": 6, "turns": 3, "system_len": 100, "user_len": 60, "seed": 7}
 CHILD_TIMEOUT_S = 900
 
-# prompts of just under 3 blocks decoding 16 tokens, 5 at a time: vLLM's 16 blocks run out
+# distinct prompts of just under 3 blocks decoding 16 tokens, 5 at a time: vLLM's 16 blocks
+# run out as they grow into their fourth
 PREEMPT = {"name": "preempt", "reset": True, "max_tokens": 16,
-           "workload": {"conversations": 8, "turns": 1, "system_len": 90, "user_len": 5, "seed": 11}}
+           "workload": {"conversations": 8, "turns": 1, "system_len": 4, "user_len": 91, "seed": 11}}
 # hundreds of requests (60 chats x 4 turns): memory, threads and descriptors stay flat
 LONG = {"name": "long", "reset": True, "workload": {"conversations": 60, "turns": 4, "system_len": 64,
                                                     "user_len": 40, "seed": 13}}
@@ -145,7 +146,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
         over = None
         sub = None
         if name == "b":  # b announces kvcm's tiers on vLLM's own KV-event stream, a on kvcm's publisher
-            sub = EventSubscriber()
+            sub = EventSubscriber(bind=True)
             over = {"kv_events": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": sub.endpoint,
                                   "topic": "kv"}}
         else:
@@ -159,18 +160,23 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 class EventSubscriber:
-    """A ZeroMQ SUB on 127.0.0.1 collecting the media of the BlockStored events it receives."""
+    """A ZeroMQ SUB on 127.0.0.1 collecting the media of the BlockStored events it receives.
+    ``bind``: the subscriber binds and the publisher connects (vLLM's publisher connects to a
+    ``tcp://host:port`` endpoint; kvcm's binds it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bind: bool = False) -> None:
         import zmq
 
-        with socket.socket() as s:  # an ephemeral port for the engine's publisher to bind
+        with socket.socket() as s:  # an ephemeral port
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.sock = zmq.Context.instance().socket(zmq.SUB)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(self.endpoint)
+        if bind:
+            self.sock.bind(self.endpoint)
+        else:
+            self.sock.connect(self.endpoint)
         self.media: dict[str, int] = {}
         self.batches = 0
         self.done = threading.Event()
