@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check (optional to run, required to exist): the data-plane and engine exactness tests
-# with the gpu tier (and the model) on CUDA, host pools pinned, on both backends.
+# with the gpu tier (and the model) on CUDA, host pools pinned, on both backends; the vLLM
+# connector's CUDA transfer path (pinned staging, a side stream, events) with the engine-free
+# protocol run on GPU tensors (tests/test_vllm_transfer_gpu.py).
 #
 #   ci/gpu-check.sh            # exits 0 with a message when no CUDA GPU is usable
 #
@@ -26,7 +28,7 @@ rc=0
 for backend in ${KVCM_GPU_BACKENDS:-python cpp}; do
   echo "== gpu-check: KVCM_BACKEND=$backend, KVCM_ENGINE_DEVICE=cuda"
   KVCM_BACKEND=$backend "$PY" -m pytest tests/test_engine_exactness.py tests/test_dataplane.py tests/test_engine_faults.py \
-    tests/test_shared_engine.py \
+    tests/test_shared_engine.py tests/test_vllm_transfer_gpu.py \
     -p no:cacheprovider --tb=short -ra "${EXTRA[@]}" || rc=1
 done
 echo "== gpu-check: demo on cuda"

@@ -432,3 +432,54 @@ def test_readme_llm_example_runs_as_written(tmp_path) -> None:
     model = make_model(str(tmp_path / "model"))
     out = run_example("vllm-llm", tmp_path, argv=(model,), timeout=CHILD_TIMEOUT_S)
     assert "== vllm-llm" in out
+
+
+def test_vllm_internals_the_connector_relies_on() -> None:
+    """The behaviours of vLLM 0.32 the connector is built on (DECISIONS.md "vLLM connector",
+    "What the connector relies on"), checked in vLLM's source: a vLLM upgrade that changes
+    one fails here, by name, before any engine test."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.sched.output import KVConnectorBlockState, SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker import gpu_model_runner, kv_connector_model_runner_mixin
+
+    def src(fn) -> str:
+        return inspect.getsource(fn)
+
+    def in_order(text: str, *needles: str) -> bool:
+        at = -1
+        for n in needles:
+            at = text.find(n, at + 1)
+            if at < 0:
+                return False
+        return True
+
+    fields = SchedulerOutput.__dataclass_fields__
+    assert {"kv_connector_block_state", "preempted_req_ids", "finished_req_ids", "has_sync_kv_loads",
+            "total_num_scheduled_tokens", "num_scheduled_tokens"} <= set(fields)
+    assert hasattr(KVConnectorBlockState, "get_block_ids")
+    sched = src(Scheduler.schedule)
+    assert in_order(sched, "get_num_new_matched_tokens(", "update_state_after_alloc(", "WAITING_FOR_REMOTE_KVS",
+                    "kv_connector_block_state = KVConnectorBlockState(", "build_kv_connector_meta",
+                    "kv_connector_block_state = None")
+    assert "delay_cache_blocks=load_kv_async" in sched and "has_sync_kv_loads = True" in sched
+    assert in_order(src(Scheduler._update_from_kv_xfer_finished), "update_connector_output(", "finished_recving",
+                    "finished_sending", "_free_blocks")
+    assert "WAITING_FOR_REMOTE_KVS" in src(Scheduler._handle_invalid_blocks)
+    assert "failed_recving_kv_req_ids" in src(Scheduler._update_waiting_for_remote_kv)
+    assert "finished_recving_kv_req_ids" in src(Scheduler.finish_requests)
+    assert in_order(src(Scheduler._free_request), "_connector_finished(", "if not delay_free_blocks")
+    assert "has_pending_push_work" in src(Scheduler.has_requests)
+    mixin = src(kv_connector_model_runner_mixin.KVConnectorModelRunnerMixin._get_kv_connector_output)
+    assert in_order(mixin, "start_after_forward = not scheduler_output.has_sync_kv_loads", "yield output",
+                    "wait_for_save()", "get_transfer_results(", "get_block_ids_with_load_errors()",
+                    "get_kv_connector_stats()", "build_connector_worker_meta()")
+    assert in_order(src(gpu_model_runner.GPUModelRunner.execute_model), "handle_preemptions(",
+                    "kv_connector_no_forward")
+    agg = src(KVOutputAggregator.aggregate)
+    assert "_expected_finished_count" in src(KVOutputAggregator) and ".aggregate(" in agg
+    assert "invalid_block_ids |= kv_output.invalid_block_ids" in agg
+    assert isinstance(KVConnectorBase_V1.requires_kv_delivery, property)

@@ -131,14 +131,16 @@ class Sim:
 
     def __init__(self, sched: Any, workers: list[Any], *, num_blocks: int, block_size: int, layers: int = 2,
                  heads: int = 4, max_num_seqs: int = 4, budget: int = 512, async_scheduling: bool = False,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, device: str = "cpu") -> None:
         self.sched, self.workers = sched, workers
         self.B, self.layers, self.heads = block_size, layers, heads
         self.num_blocks = num_blocks
         self.max_num_seqs, self.budget = max_num_seqs, budget
         self.async_scheduling = async_scheduling
         self.prefix_cache = prefix_cache
-        self.kv = [[torch.zeros((num_blocks, block_size, heads)) for _ in range(layers)] for _ in workers]
+        self.device = torch.device(device)
+        self.kv = [[torch.zeros((num_blocks, block_size, heads), device=self.device) for _ in range(layers)]
+                   for _ in workers]
         for w, kvs in zip(workers, self.kv, strict=True):
             w.register_kv_caches({name: t for name, t in zip(w.layout.layer_names, kvs, strict=True)})
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU: first out first
@@ -403,21 +405,21 @@ class Sim:
 
     def _forward(self, rank: int, r: Req, start: int, n: int) -> int | None:
         """Write the KV of positions [start, start+n), then check the KV of [0, start)."""
-        kvs = self.kv[rank]
+        kvs, dev = self.kv[rank], self.device
         pos = torch.arange(start, start + n)
         hashes = torch.tensor([r.hash_at(p) for p in range(start, start + n)])
-        blocks = torch.tensor([r.blocks[p // self.B] for p in pos.tolist()])
-        offs = pos % self.B
+        blocks = torch.tensor([r.blocks[p // self.B] for p in pos.tolist()]).to(dev)
+        offs = (pos % self.B).to(dev)
         for layer, t in enumerate(kvs):
-            t[blocks, offs] = values(hashes, layer, rank, self.heads)
+            t[blocks, offs] = values(hashes, layer, rank, self.heads).to(dev)
         if start == 0:
             return None
         pos = torch.arange(0, start)
         hashes = torch.tensor(r.hashes[:start])
-        blocks = torch.tensor([r.blocks[p // self.B] for p in pos.tolist()])
-        offs = pos % self.B
+        blocks = torch.tensor([r.blocks[p // self.B] for p in pos.tolist()]).to(dev)
+        offs = (pos % self.B).to(dev)
         for layer, t in enumerate(kvs):
-            ok = (t[blocks, offs] == values(hashes, layer, rank, self.heads)).all(dim=1)
+            ok = (t[blocks, offs] == values(hashes, layer, rank, self.heads).to(dev)).all(dim=1).cpu()
             if not bool(ok.all()):
                 return int((~ok).nonzero()[0])
         return None
