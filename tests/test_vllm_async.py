@@ -318,6 +318,7 @@ def test_preemption_while_saves_in_flight(tmp_path, backend, sims, monkeypatch) 
     sim.run()
     chats.finish_turn(sim, ids)
     assert sim.counters["preemptions"] >= 2 and sim.sched.counters["preemptions"] >= 2
+    assert sim.sched.worker_counters["saves_cancelled"] > 0 and sim.sched.counters["save_failed_blocks"] > 0
     assert not sim.violations
     assert_drained(sim)
 
@@ -457,6 +458,7 @@ def test_stats_count_delivered_blocks_on_both_sides(tmp_path, backend, sims) -> 
     assert hits == c["loaded_blocks"] > 0
     assert total["loaded_bytes"] == c["loaded_blocks"] * SIM_PAGE
     assert total["saved_bytes"] == c["saved_blocks"] * SIM_PAGE
+    assert total.get("load_error_blocks", 0) == c["load_error_blocks"]  # counted once, by the scheduler
 
 
 def test_events_name_kvcm_tiers(tmp_path, backend, sims) -> None:

@@ -657,7 +657,14 @@ class KvcmScheduler:
         os.replace(tmp, path)
 
     def shutdown(self) -> None:
+        """The engine stops: kvcm's requests still open close (what they committed stays)."""
         self.write_stats()
+        for m in list(self.mirrors.values()) + list(self.retiring.values()):
+            if m.kv is not None:
+                m.kv.close()
+                m.kv = None
+        self.mirrors.clear()
+        self.retiring.clear()
         if self.publisher is not None:
             self.publisher.close()
         for plane in self.lookup_planes:

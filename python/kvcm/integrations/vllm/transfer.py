@@ -504,7 +504,7 @@ class TransferEngine:
                 self._end_save(sp, False)
             c = self._out.counters
             c["saved_bytes"] += sum(len(sp.blocks) for sp in todo) * self.page_bytes if ok else 0
-            c["save_cancelled"] += len(skipped)
+            c["saves_cancelled"] += len(skipped)
 
     def _end_save(self, sp: SavePlan, ok: bool) -> None:  # under self._cv
         for s in sp.slots:

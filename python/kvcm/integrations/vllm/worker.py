@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 PREEMPT_WAIT_S = 5.0  # handle_preemptions: saves not begun by then are cancelled (kvcm skips them)
 IDLE_WAIT_S = 0.005  # a step without a forward waits this long for a transfer to end (less spinning)
+# what a worker adds to vLLM's stats (blocks, hits and load errors are the scheduler's: counted
+# once for every rank)
+STATS_KEYS = ("loaded_bytes", "saved_bytes", "run_bytes", "saves_cancelled", "engine_errors")
 
 
 class KvcmWorker:
@@ -73,9 +76,8 @@ class KvcmWorker:
         read them finish first (or, past PREEMPT_WAIT_S, those not begun are cancelled)."""
         if meta.preempted and self.engine is not None:
             t0 = time.perf_counter()
-            cancelled = self.engine.wait_saves(meta.preempted, PREEMPT_WAIT_S)
+            self.engine.wait_saves(meta.preempted, PREEMPT_WAIT_S)
             self.report.counters["preempt_wait_us"] += int(1e6 * (time.perf_counter() - t0))
-            self.report.counters["saves_cancelled"] += cancelled
 
     def start_load_kv(self, meta: KvcmConnectorMetadata) -> None:
         """The step's copy runs, then its loads: asynchronous ones queued, synchronous ones
@@ -121,6 +123,7 @@ class KvcmWorker:
         rep.saves.update(done.saves)
         rep.loads.update(done.loads)
         rep.counters.update(done.counters)
+        self.stats.update({k: done.counters[k] for k in STATS_KEYS if done.counters.get(k)})
         return sending, recving, set()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -130,7 +133,6 @@ class KvcmWorker:
 
     def build_worker_meta(self) -> KvcmWorkerMetadata | None:
         rep, self.report = self.report, RankReport()
-        self.stats.update(rep.counters)
         gauges = self.engine.gauges() if self.engine is not None else {}
         if rep.empty() and gauges == self.last_gauges:
             return None
