@@ -553,31 +553,43 @@ def test_worker_meta_aggregates_ranks() -> None:
 
 def test_long_run_is_flat(tmp_path, backend, sims) -> None:
     """Hundreds of requests with preemptions, host and disk hits and an abort now and then:
-    threads, file descriptors and every internal table come back to where they were."""
+    threads and file descriptors come back to what they were, every internal table drains,
+    and Python memory does not grow from the first half of the run to the second."""
+    import tracemalloc
+
     sim = rig(extra(tmp_path, backend), num_blocks=16, max_num_seqs=4)
     sims.append(sim)
     chats = Chats(n=6, system=20, user=20, reply=4)
     chats.run(sim, 2)
     threads, fds = set(threading.enumerate()), set(os.listdir("/proc/self/fd"))
     eng = sim.workers[0].engine
-    tickets = len(eng._ticket)
-    for turn in range(40):
-        ids = chats.add_turn(sim)
-        if turn % 7 == 3:
-            for _ in range(3):
-                sim.step()
-            sim.abort(ids[1])
-        sim.run()
-        for rid in ids:
-            sim.finished.setdefault(rid, [])
-        chats.finish_turn(sim, ids)
-        if turn % 6 == 5:  # conversations restart: the working set stays bounded
-            chats.chats = [c[:20] for c in chats.chats]
+
+    def turns(n: int, first: int) -> None:
+        for turn in range(first, first + n):
+            ids = chats.add_turn(sim)
+            if turn % 7 == 3:
+                for _ in range(3):
+                    sim.step()
+                sim.abort(ids[1])
+            sim.run()
+            chats.finish_turn(sim, ids)
+            if turn % 6 == 5:  # conversations restart: the working set stays bounded
+                chats.chats = [c[:20] for c in chats.chats]
+
+    turns(24, 0)
+    tracemalloc.start()
+    try:
+        half = tracemalloc.take_snapshot()
+        turns(24, 24)
+        grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(half, "filename"))
+    finally:
+        tracemalloc.stop()
     assert sim.counters["preemptions"] > 0 and sim.sched.counters["hit_blocks_disk"] > 0
-    assert sim.sched.counters["mirrors"] > 200
+    assert sim.sched.counters["mirrors"] > 250 and sim.counters["aborts"] >= 6
+    assert grown < 256 << 10, f"Python memory grew {grown} bytes over the second 150 requests"
     assert set(threading.enumerate()) <= threads, "no thread is left behind"
     assert set(os.listdir("/proc/self/fd")) <= fds, "no descriptor is left open"
-    assert len(eng._ticket) <= max(tickets, eng.pool.shape[0])
+    assert len(eng._ticket) <= eng.pool.shape[0]
     assert not sim.sched.loads and not sim.sched.saves and not sim.sched.drain_reports and not sim.sched.drain_bytes
     assert_drained(sim)
 

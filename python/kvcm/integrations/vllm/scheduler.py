@@ -140,7 +140,10 @@ class KvcmScheduler:
         self.B = layout.block_size
         self.page_bytes = sum(layout.block_bytes)  # a kvcm page: one block of every layer
         base = settings.manager_config(layout, 0, world)
-        self.config = replace(base, copy_settlement="explicit")
+        consumed = settings.events_endpoint is not None or kv_events
+        # explicit settlement: copies are reported done (or failed) drains later; events are
+        # kept only when something takes them (else the buffer would fill to no use)
+        self.config = replace(base, copy_settlement="explicit", **({} if consumed else {"max_events": 0}))
         self.mgr = kvcm.KVCacheManager(self.config, backend=settings.backend)
         self.lookup_planes: list[DataPlane] = []
         if settings.shared is not None:
