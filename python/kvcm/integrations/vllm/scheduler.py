@@ -110,6 +110,7 @@ class LoadInfo:
     blocks: list[int]
     tiers: list[int] = field(default_factory=list)  # where each block came from (counted when delivered)
     ranks: dict[int, list[int]] = field(default_factory=dict)
+    t0: float = 0.0  # when it was planned (reporting only: how long asynchronous loads keep a request waiting)
 
 
 @dataclass
@@ -182,6 +183,9 @@ class KvcmScheduler:
         self.worker_counters: Counter[str] = Counter()
         self.worker_gauges: dict[int, dict[str, int]] = {}
         self.seconds = {"match": 0.0, "alloc": 0.0, "meta": 0.0, "output": 0.0}  # reporting only
+        # reporting only: how long asynchronous loads kept their requests waiting (planned ->
+        # reported done by every rank), summed
+        self.waits = {"async_load_s": 0.0}
         self.stats_dirty = False
         self.publisher = None
         if settings.events_endpoint is not None:
@@ -307,7 +311,7 @@ class KvcmScheduler:
             load = LoadPlan(self._id(), rid, [slots[i] if i < matched else -1 for i in range(a, b)],
                             list(block_ids[a:b]), sync=not probe.is_async)
             m.loads.add(load.load_id)
-            self.loads[load.load_id] = LoadInfo(m, b - a, load.sync, load.slots, load.blocks)
+            self.loads[load.load_id] = LoadInfo(m, b - a, load.sync, load.slots, load.blocks, t0=time.perf_counter())
             self.pending_loads.append(load)
             self.inflight_bytes += (b - a) * self.page_bytes
             self.sources[rid] = Counter(probe.tiers[i] if i < len(probe.tiers) else GPU for i in range(a, b))
@@ -511,6 +515,8 @@ class KvcmScheduler:
 
     def _load_done(self, lid: int, info: LoadInfo, touched: set[int]) -> None:
         del self.loads[lid]
+        if not info.sync:
+            self.waits["async_load_s"] += time.perf_counter() - info.t0
         m = info.mirror
         m.loads.discard(lid)
         touched.add(m.serial)
@@ -652,6 +658,7 @@ class KvcmScheduler:
         self.stats_dirty = False
         data = {"counters": dict(self.counters), "worker": dict(self.worker_counters),
                 "worker_gauges": {str(k): v for k, v in self.worker_gauges.items()}, "seconds": self.seconds,
+                "waits": self.waits,
                 "pending": self.pending(), "manager": self.mgr.stats(), "process": process_stats(),
                 "lookup": _lookup_stats(self.lookup_planes)}
         tmp = f"{path}.tmp"
