@@ -116,6 +116,29 @@ def test_the_checker_catches_a_wrong_load(tmp_path, backend, sims) -> None:
     assert sim.violations
 
 
+def test_reuse_scopes_and_skipped_requests(tmp_path, backend, sims) -> None:
+    """The connector's ``scope(request)`` puts a request in a kvcm reuse scope (e.g. vLLM's
+    cache salt): the same tokens in another scope are no hit; ``skip(request)`` keeps kvcm
+    out of a request entirely (its KV depends on more than its tokens)."""
+    from kvcm.api import ReuseScope
+
+    sim = rig(extra(tmp_path, backend, disk=False), num_blocks=40, prefix_cache=False,
+              scope=lambda r: ReuseScope(salt=1) if r.request_id.startswith("s") else None,
+              skip=lambda r: r.request_id.startswith("x"))
+    sims.append(sim)
+    prompt = list(range(1, 100))
+    for rid in ("a0", "s0", "x0"):
+        sim.add(rid, prompt, 4)
+        sim.run()
+    c = sim.sched.counters
+    assert c["skipped_requests"] == 1 and c["mirrors"] == 2 and c["loaded_blocks"] == 0
+    for rid in ("a1", "s1", "x1"):
+        sim.add(rid, prompt, 4)
+        sim.run()
+    assert c["loaded_blocks"] == 2 * 6 and c["skipped_requests"] == 2 and not sim.violations
+    assert_drained(sim)
+
+
 # ---------------------------------------------------------------------------------------
 # asynchronous saves
 

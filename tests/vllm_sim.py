@@ -522,14 +522,15 @@ def sim_layout() -> Any:
 SIM_PAGE = SIM_BLOCK * SIM_HEADS * 4 * SIM_LAYERS
 
 
-def rig(extra: dict, *, world: int = 1, num_blocks: int = 24, kv_events: bool = False, **sim_kw: Any) -> Sim:
+def rig(extra: dict, *, world: int = 1, num_blocks: int = 24, kv_events: bool = False, scope: Any = None,
+        skip: Any = None, **sim_kw: Any) -> Sim:
     from kvcm.integrations.vllm.scheduler import KvcmScheduler
     from kvcm.integrations.vllm.settings import ConnectorSettings
     from kvcm.integrations.vllm.worker import KvcmWorker
 
     settings = ConnectorSettings.parse(extra)
     layout = sim_layout()
-    sched = KvcmScheduler(settings, layout, world, kv_events=kv_events)
+    sched = KvcmScheduler(settings, layout, world, kv_events=kv_events, scope=scope, skip=skip)
     workers = [KvcmWorker(settings, layout, r, world, num_blocks=num_blocks) for r in range(world)]
     return Sim(sched, workers, num_blocks=num_blocks, block_size=SIM_BLOCK, heads=SIM_HEADS, layers=SIM_LAYERS,
                **sim_kw)

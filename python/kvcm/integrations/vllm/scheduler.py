@@ -36,6 +36,7 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,10 +61,10 @@ def shard_config(config: KVCacheManagerConfig, rank: int) -> KVCacheManagerConfi
     return replace(config, shared_namespace=f"{config.shared_namespace}/r{rank}")
 
 
-def probe_detail(mgr: Any, tokens: list[int], hits: Any) -> tuple[int, list[int]]:
+def probe_detail(mgr: Any, tokens: list[int], scope: Any, hits: Any) -> tuple[int, list[int]]:
     """``(reusable tokens, coldest tier of each block's pages)`` for ``tokens`` with the
     store's ``hits``, without side effects (``probe_reuse_detail``)."""
-    p = mgr.probe_reuse_detail(tokens, shared_hits=hits)
+    p = mgr.probe_reuse_detail(tokens, scope=scope, shared_hits=hits)
     return p.num_tokens, list(p.block_tiers)
 
 
@@ -78,6 +79,7 @@ class Probe:
     is_async: bool
     hits: Any
     tiers: list[int]  # the coldest tier of each block's pages (0: kvcm's tier 0, host memory)
+    scope: Any = None  # the request's kvcm ReuseScope (None: the default scope)
 
 
 @dataclass
@@ -126,21 +128,28 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "loads_sync", "loads_async", "load_blocks_planned", "loaded_blocks", "hit_blocks_host",
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
-            "holds", "finished_loading", "steps")
+            "holds", "finished_loading", "skipped_requests", "steps")
 
 
 class KvcmScheduler:
     """The scheduler side (module doc).  ``world``: vLLM's tensor-parallel size (every rank
-    reports every drain, load and save before the scheduler acts on it)."""
+    reports every drain, load and save before the scheduler acts on it).  ``config``: the
+    manager's config (default ``settings.manager_config(layout, 0, world)``; the scheduler
+    sets explicit settlement on it).  ``scope(request)``: the request's kvcm ``ReuseScope``
+    (default: None, kvcm's default scope).  ``skip(request)``: True for a request kvcm must
+    not serve or save (its KV depends on more than its tokens); default: none."""
 
     def __init__(self, settings: ConnectorSettings, layout: KvLayout, world: int = 1, *,
-                 kv_events: bool = False) -> None:
+                 kv_events: bool = False, config: KVCacheManagerConfig | None = None,
+                 scope: Callable[[Any], Any] | None = None, skip: Callable[[Any], bool] | None = None) -> None:
         self.settings = settings
         self.layout = layout
         self.world = world
         self.B = layout.block_size
         self.page_bytes = sum(layout.block_bytes)  # a kvcm page: one block of every layer
-        base = settings.manager_config(layout, 0, world)
+        self.scope = scope or (lambda request: None)
+        self.skip = skip or (lambda request: False)
+        base = config if config is not None else settings.manager_config(layout, 0, world)
         consumed = settings.events_endpoint is not None or kv_events
         # explicit settlement: copies are reported done (or failed) drains later; events are
         # kept only when something takes them (else the buffer would fill to no use)
@@ -225,18 +234,23 @@ class KvcmScheduler:
         if len(tokens) <= self.B:  # the last token's logits are computed: no full block to reuse
             self.probes.pop(rid, None)
             return 0, False
+        if self.skip(request):
+            self.probes.pop(rid, None)
+            self.counters["skipped_requests"] += 1
+            return 0, False
         prefix = list(tokens[:-1])
-        hits = self._hits(rid, prefix)
-        m, tiers = probe_detail(self.mgr, prefix, hits)
+        scope = self.scope(request)
+        hits = self._hits(rid, prefix, scope)
+        m, tiers = probe_detail(self.mgr, prefix, scope, hits)
         hit = m // self.B
         answer = max(0, hit * self.B - n_local)
         mode = self.settings.load_mode
         is_async = answer > 0 and (mode == "async" or (mode == "auto" and any(
             t != GPU for t in tiers[n_local // self.B:hit])))
-        self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit])
+        self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit], scope)
         return answer, is_async
 
-    def _hits(self, rid: str, prefix: list[int]) -> Any:
+    def _hits(self, rid: str, prefix: list[int], scope: Any = None) -> Any:
         """The store's hits for ``prefix``: one batched query per rank, asked once per
         request and prompt length (vLLM may probe a waiting request every step)."""
         if not self.lookup_planes:
@@ -244,7 +258,7 @@ class KvcmScheduler:
         cached = self.hit_cache.get(rid)
         if cached is not None and cached[0] == len(prefix):
             return cached[1]
-        candidates = self.mgr.shared_candidates(prefix)
+        candidates = self.mgr.shared_candidates(prefix, scope)
         hits = None
         if candidates:
             self._count("lookups")
@@ -284,7 +298,7 @@ class KvcmScheduler:
             self.counters["unmirrored"] += 1  # admitted without a probe (nothing to load): not mirrored
             return
         prefix = list(request.all_token_ids[:-1])
-        kv = self.mgr.create_kv_cache(prefix, shared_hits=probe.hits)
+        kv = self.mgr.create_kv_cache(prefix, scope=probe.scope, shared_hits=probe.hits)
         if not kv.resume():  # tier 0 is full of locked pages: not mirrored
             kv.close()
             kv = None

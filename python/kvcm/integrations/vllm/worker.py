@@ -18,6 +18,7 @@ from collections import Counter
 
 import torch
 
+from kvcm.api import KVCacheManagerConfig
 from kvcm.dataplane import DataPlane
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, RankReport
 from kvcm.integrations.vllm.scheduler import shard_config
@@ -38,13 +39,16 @@ class KvcmWorker:
     """One rank's worker side (module doc)."""
 
     def __init__(self, settings: ConnectorSettings, layout: KvLayout, rank: int = 0, world: int = 1,
-                 num_blocks: int = 0) -> None:
+                 num_blocks: int = 0, config: KVCacheManagerConfig | None = None) -> None:
         self.settings = settings
         self.layout = layout
         self.rank = rank
         self.world = world
         self.num_blocks = num_blocks
-        self.config = shard_config(settings.manager_config(layout, rank, world), rank)
+        # the manager's config as the scheduler has it (default settings.manager_config(layout,
+        # rank, world)), its objects named with this rank
+        base = config if config is not None else settings.manager_config(layout, rank, world)
+        self.config = shard_config(base, rank)
         self.page_bytes = sum(layout.block_bytes)
         self.plane: DataPlane | None = None
         self.engine: TransferEngine | None = None
