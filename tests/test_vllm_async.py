@@ -136,6 +136,11 @@ def test_reuse_scopes_and_skipped_requests(tmp_path, backend, sims) -> None:
         sim.add(rid, prompt, 4)
         sim.run()
     assert c["loaded_blocks"] == 2 * 6 and c["skipped_requests"] == 2 and not sim.violations
+    sim.add("short", [7] * 10, 40)  # a prompt shorter than a block is still mirrored: its decode is saved
+    sim.run()
+    sim.add("short2", [7] * 10 + sim.finished["short"][:30], 4)
+    sim.run()
+    assert c["loaded_blocks"] == 2 * 6 + 2 and not sim.violations
     assert_drained(sim)
 
 

@@ -231,15 +231,16 @@ class KvcmScheduler:
         rid = request.request_id
         tokens = request.all_token_ids
         self.counters["probes"] += 1
-        if len(tokens) <= self.B:  # the last token's logits are computed: no full block to reuse
-            self.probes.pop(rid, None)
-            return 0, False
         if self.skip(request):
             self.probes.pop(rid, None)
             self.counters["skipped_requests"] += 1
             return 0, False
-        prefix = list(tokens[:-1])
         scope = self.scope(request)
+        if len(tokens) <= self.B:  # the last token's logits are computed: no full block to reuse
+            # (still mirrored: the blocks it fills as it decodes are saved)
+            self.probes[rid] = Probe(len(tokens), n_local, 0, False, None, [], scope)
+            return 0, False
+        prefix = list(tokens[:-1])
         hits = self._hits(rid, prefix, scope)
         m, tiers = probe_detail(self.mgr, prefix, scope, hits)
         hit = m // self.B
