@@ -115,10 +115,6 @@ class KvcmConnector(KVConnectorBase_V1):
         sending, recving, failed = self.worker.get_transfer_results(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        r = self.get_transfer_results(finished_req_ids)
-        return r.finished_sending, r.finished_recving
-
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
         return self.worker.get_block_ids_with_load_errors()
