@@ -111,7 +111,7 @@ def test_the_checker_catches_a_wrong_load(tmp_path, backend, sims) -> None:
     sims.append(sim)
     cp = sim.workers[0].engine.copier
     orig = cp.load
-    cp.load = lambda slots, blocks, pool, sync: orig(list(reversed(slots)), blocks, pool, sync)
+    cp.load = lambda slots, blocks, pool, sync, after=None: orig(list(reversed(slots)), blocks, pool, sync, after)
     Chats().run(sim, 2)
     assert sim.violations
 

@@ -115,7 +115,8 @@ class CpuCopier:
             rows = p.tensor.index_select(0, bidx).reshape(n, -1).view(torch.uint8)
             pool[:, p.offset:p.offset + p.nbytes].index_copy_(0, sidx, rows)
 
-    def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool) -> None:
+    def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool,
+             after: Any = None) -> None:
         """tier-0 rows -> vLLM blocks, one scatter per part (CPU: done on return)."""
         bidx = torch.tensor(blocks, dtype=torch.long)
         sidx = torch.tensor(slots, dtype=torch.long)
@@ -177,9 +178,13 @@ class CudaCopier:
         done.synchronize()  # this (transfer) thread waits; the compute stream does not
         pool.index_copy_(0, torch.tensor(slots, dtype=torch.long), host)
 
-    def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool) -> None:
+    def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool,
+             after: Any = None) -> None:
+        """``after``: an event recorded on the compute stream when the load was queued (an
+        asynchronous load runs on the transfer thread, whose current stream is not vLLM's);
+        None: recorded now, on this thread's current stream (a synchronous load: vLLM's)."""
         n = len(blocks)
-        start = self._marker()
+        start = after if after is not None else self._marker()
         host = torch.empty((n, pool.shape[1]), dtype=torch.uint8, pin_memory=True)
         torch.index_select(pool, 0, torch.tensor(slots, dtype=torch.long), out=host)
         done = torch.cuda.Event()
@@ -234,6 +239,7 @@ class Completed:
     load_reqs: dict[int, str] = field(default_factory=dict)  # load_id -> request (async loads)
     counters: Counter = field(default_factory=Counter)
     saves_done: set[str] = field(default_factory=set)  # asked-about requests with no save left queued
+    ended: list[tuple[SavePlan, bool]] = field(default_factory=list)  # a job's saves (published by _finish)
 
 
 class TransferEngine:
@@ -289,10 +295,12 @@ class TransferEngine:
         nbytes = sum(len(r) * self.slot_bytes[r.lc] for r in runs)
         self._submit(_Job(0, "runs", nbytes, drain_seq=drain_seq, runs=runs), writes)
 
-    def submit_loads(self, loads: list[LoadPlan]) -> None:
-        """Asynchronous loads (reported by :meth:`take` once done)."""
+    def submit_loads(self, loads: list[LoadPlan], marker: Any = None) -> None:
+        """Asynchronous loads (reported by :meth:`take` once done), after ``marker``
+        (:meth:`CpuCopier.forward_marker` when they were queued)."""
         if loads:
-            self._submit(_Job(0, "loads", sum(len(x.blocks) for x in loads) * self.page_bytes, loads=loads))
+            self._submit(_Job(0, "loads", sum(len(x.blocks) for x in loads) * self.page_bytes, loads=loads,
+                              marker=marker))
 
     def submit_saves(self, saves: list[SavePlan], marker: Any) -> None:
         """Saves, after the step's forward (``marker``: :meth:`CpuCopier.forward_marker`)."""
@@ -320,13 +328,14 @@ class TransferEngine:
             ready = self._done >= need
             poison = set(self._poison)
         waited = time.perf_counter() - t0
+        counters: Counter[str] = Counter()
         for x in loads:
             bad = [i for i, s in enumerate(x.slots) if s < 0 or not ready or (GPU, LC, s) in poison]
-            out[x.load_id] = self._copy_in(x, bad, sync=True)
+            out[x.load_id] = self._copy_in(x, bad, True, counters)
+        counters["sync_wait_us"] += int(1e6 * waited)
+        counters["sync_load_us"] += int(1e6 * (time.perf_counter() - t0 - waited))
         with self._cv:
-            c = self._out.counters
-            c["sync_wait_us"] += int(1e6 * waited)
-            c["sync_load_us"] += int(1e6 * (time.perf_counter() - t0 - waited))
+            self._out.counters.update(counters)
         return out
 
     # ------------------------------------------------------------------ observing
@@ -386,44 +395,54 @@ class TransferEngine:
                 if not self._queue:
                     return
                 job = self._queue[0]
-                if self._stop:  # close(): what has not begun fails
-                    self._queue.popleft()
-                    self._fail_job(job)  # (the condition's lock is re-entrant)
-                    self._done = job.seq
-                    self._inflight_bytes -= job.nbytes
-                    self._cv.notify_all()
-                    continue
-                self._started.update(sp.save_id for sp in job.saves)
-            try:
-                self._execute(job)
-            except BaseException:  # a bug must not leave the queue hung: the job fails
-                logger.exception("kvcm transfer engine: job %s failed", job.kind)
-                self._fail_job(job)
-                with self._cv:
-                    self._out.counters["engine_errors"] += 1
-            with self._cv:
-                self._queue.popleft()
-                self._done = job.seq
-                self._inflight_bytes -= job.nbytes
-                self._cv.notify_all()
+                cancelled = self._stop  # close(): what has not begun fails
+                if not cancelled:
+                    self._started.update(sp.save_id for sp in job.saves)
+            if cancelled:
+                out = self._failed(job)
+            else:
+                try:
+                    out = self._execute(job)
+                except BaseException:  # a bug must not leave the queue hung: the job fails
+                    logger.exception("kvcm transfer engine: job %s failed", job.kind)
+                    out = self._failed(job)
+                    out.counters["engine_errors"] += 1
+            self._finish(job, out)
 
-    def _execute(self, job: _Job) -> None:
+    def _finish(self, job: _Job, out: Completed) -> None:
+        """Publish a job's outcome and mark it done, in one step: whoever sees its results
+        also sees it done (its bytes no longer in flight, its slots' writes complete)."""
+        with self._cv:
+            for sp, ok in out.ended:
+                self._end_save(sp, ok)
+            o = self._out
+            o.drains += out.drains
+            o.loads.update(out.loads)
+            o.failed_blocks.update(out.failed_blocks)
+            o.load_reqs.update(out.load_reqs)
+            o.counters.update(out.counters)
+            self._queue.popleft()
+            self._done = job.seq
+            self._inflight_bytes -= job.nbytes
+            self._cv.notify_all()
+
+    def _execute(self, job: _Job) -> Completed:
         t0 = time.perf_counter()
+        out = Completed()
         if job.kind == "runs":
-            self._exec_runs(job)
+            self._exec_runs(job, out)
         elif job.kind == "loads":
             for x in job.loads:
                 with self._cv:
                     bad = [i for i, s in enumerate(x.slots) if s < 0 or (GPU, LC, s) in self._poison]
-                failed = self._copy_in(x, bad, sync=False)
-                with self._cv:
-                    self._out.loads[x.load_id] = failed
-                    self._out.failed_blocks[x.load_id] = [x.blocks[i] for i in failed]
-                    self._out.load_reqs[x.load_id] = x.req_id
+                failed = self._copy_in(x, bad, False, out.counters, after=job.marker)
+                out.loads[x.load_id] = failed
+                out.failed_blocks[x.load_id] = [x.blocks[i] for i in failed]
+                out.load_reqs[x.load_id] = x.req_id
         else:
-            self._exec_saves(job)
-        with self._cv:
-            self._out.counters[f"{job.kind}_us"] += int(1e6 * (time.perf_counter() - t0))
+            self._exec_saves(job, out)
+        out.counters[f"{job.kind}_us"] += int(1e6 * (time.perf_counter() - t0))
+        return out
 
     def _fault(self, op: CopyOp) -> None:
         """The data plane's per-op hook: an op reading a poisoned slot fails (and the test
@@ -433,7 +452,7 @@ class TransferEngine:
         if (op.src_tier, op.lc, op.src_slot) in self._poison:
             raise OSError(errno.EIO, f"kvcm: tier {op.src_tier} slot {op.src_slot}: its last write failed")
 
-    def _exec_runs(self, job: _Job) -> None:
+    def _exec_runs(self, job: _Job, out: Completed) -> None:
         plane = self.plane
         before = dict(plane.shared_stats)
         with self._cv:
@@ -461,31 +480,30 @@ class TransferEngine:
                             if key not in bad:
                                 self._poison.discard(key)
             self._poison |= bad
-            self._out.drains.append((job.drain_seq, failed))
-            c = self._out.counters
-            c["run_ops"] += sum(len(r) for r in job.runs)
-            c["failed_ops"] += len(failed)
-            c["run_bytes"] += job.nbytes
-            for k in ("load_failures", "timeouts", "lookup_errors", "removed_bad", "stores", "loads"):
-                c["shared_" + k] += plane.shared_stats[k] - before[k]
+        out.drains.append((job.drain_seq, failed))
+        c = out.counters
+        c["run_ops"] += sum(len(r) for r in job.runs)
+        c["failed_ops"] += len(failed)
+        c["run_bytes"] += job.nbytes
+        for k in ("load_failures", "timeouts", "lookup_errors", "removed_bad", "stores", "loads"):
+            c["shared_" + k] += plane.shared_stats[k] - before[k]
 
-    def _copy_in(self, x: LoadPlan, bad: list[int], sync: bool) -> list[int]:
+    def _copy_in(self, x: LoadPlan, bad: list[int], sync: bool, counters: Counter, after: Any = None) -> list[int]:
         """Copy the blocks of ``x`` not in ``bad`` into vLLM's cache; returns the failed positions."""
-        ok = [i for i in range(len(x.slots)) if i not in set(bad)]
+        skip = set(bad)
+        ok = [i for i in range(len(x.slots)) if i not in skip]
         failed = list(bad)
         if ok:
             try:
-                self.copier.load([x.slots[i] for i in ok], [x.blocks[i] for i in ok], self.pool, sync)
+                self.copier.load([x.slots[i] for i in ok], [x.blocks[i] for i in ok], self.pool, sync, after)
             except Exception:  # e.g. out of memory: the blocks are recomputed
                 logger.exception("kvcm: load of %d blocks for %s failed", len(ok), x.req_id)
                 failed = list(range(len(x.slots)))
-        with self._cv:
-            c = self._out.counters
-            c["loaded_bytes"] += (len(x.slots) - len(failed)) * self.page_bytes
-            c["load_failed_blocks"] += len(failed)
+        counters["loaded_bytes"] += (len(x.slots) - len(failed)) * self.page_bytes
+        counters["load_failed_blocks"] += len(failed)
         return sorted(failed)
 
-    def _exec_saves(self, job: _Job) -> None:
+    def _exec_saves(self, job: _Job, out: Completed) -> None:
         with self._cv:
             todo = [sp for sp in job.saves if sp.save_id not in self._cancelled]
             skipped = [sp for sp in job.saves if sp.save_id in self._cancelled]
@@ -497,14 +515,9 @@ class TransferEngine:
             except Exception:  # the blocks are not committed; vLLM is not affected
                 logger.exception("kvcm: saving %d blocks failed", sum(len(sp.blocks) for sp in todo))
                 ok = False
-        with self._cv:
-            for sp in todo:
-                self._end_save(sp, ok)
-            for sp in skipped:
-                self._end_save(sp, False)
-            c = self._out.counters
-            c["saved_bytes"] += sum(len(sp.blocks) for sp in todo) * self.page_bytes if ok else 0
-            c["saves_cancelled"] += len(skipped)
+        out.ended += [(sp, ok) for sp in todo] + [(sp, False) for sp in skipped]
+        out.counters["saved_bytes"] += sum(len(sp.blocks) for sp in todo) * self.page_bytes if ok else 0
+        out.counters["saves_cancelled"] += len(skipped)
 
     def _end_save(self, sp: SavePlan, ok: bool) -> None:  # under self._cv
         for s in sp.slots:
@@ -520,22 +533,23 @@ class TransferEngine:
         self._started.discard(sp.save_id)
         self._cancelled.discard(sp.save_id)
 
-    def _fail_job(self, job: _Job) -> None:
-        """A job that raised (a bug) or was cancelled at close: every part of it failed."""
-        with self._cv:
-            if job.kind == "runs":
-                ops = [op for r in job.runs for op in r.ops()]
+    def _failed(self, job: _Job) -> Completed:
+        """The outcome of a job that raised (a bug) or was cancelled at close: every part of
+        it failed (what its runs should have written is poisoned)."""
+        out = Completed()
+        if job.kind == "runs":
+            ops = [op for r in job.runs for op in r.ops()]
+            with self._cv:
                 self._poison |= {(op.dst_tier, op.lc, op.dst_slot) for op in ops if op.dst_tier != SHARED}
-                self._out.drains.append((job.drain_seq, ops))
-            elif job.kind == "loads":
-                for x in job.loads:
-                    self._out.loads[x.load_id] = list(range(len(x.slots)))
-                    self._out.failed_blocks[x.load_id] = list(x.blocks)
-                    self._out.load_reqs[x.load_id] = x.req_id
-            else:
-                for sp in job.saves:
-                    if sp.save_id in self._save_req:
-                        self._end_save(sp, False)
+            out.drains.append((job.drain_seq, ops))
+        elif job.kind == "loads":
+            for x in job.loads:
+                out.loads[x.load_id] = list(range(len(x.slots)))
+                out.failed_blocks[x.load_id] = list(x.blocks)
+                out.load_reqs[x.load_id] = x.req_id
+        else:
+            out.ended += [(sp, False) for sp in job.saves]
+        return out
 
     # ------------------------------------------------------------------ shutdown
 

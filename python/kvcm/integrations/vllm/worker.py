@@ -93,7 +93,9 @@ class KvcmWorker:
             raise RuntimeError("KvcmConnector: start_load_kv before register_kv_caches")
         if meta.drain_seq:
             eng.submit_runs(meta.drain_seq, meta.runs)
-        eng.submit_loads([x for x in meta.loads if not x.sync])
+        async_loads = [x for x in meta.loads if not x.sync]
+        if async_loads:
+            eng.submit_loads(async_loads, eng.copier.forward_marker())
         sync = [x for x in meta.loads if x.sync]
         if sync:
             done = eng.sync_loads(sync)
