@@ -505,6 +505,24 @@ std::vector<kvcm::CopyOpC> copy_ops_of(const std::vector<CopyOpItem>& items) {
   return ops;
 }
 
+// The store's hits as given to create / probe (checked by kvcm.checks.check_shared_hits:
+// 32-byte keys, valid lcs), sorted and unique for the core's binary search.
+using HitPairs = std::vector<std::pair<nb::bytes, std::int64_t>>;
+std::optional<kvcm::SharedHits> shared_hits(const std::optional<HitPairs>& hits_in) {
+  std::optional<kvcm::SharedHits> hits;
+  if (!hits_in) return hits;
+  hits.emplace();
+  for (const auto& [key, lc] : *hits_in) {
+    if (key.size() != sizeof(kvcm::Digest)) throw nb::value_error("shared_hits: a key is not 32 bytes");
+    kvcm::Digest d;
+    std::memcpy(d.data(), key.c_str(), d.size());
+    hits->emplace_back(d, lc);
+  }
+  std::sort(hits->begin(), hits->end());
+  hits->erase(std::unique(hits->begin(), hits->end()), hits->end());
+  return hits;
+}
+
 kvcm::ManagerConfig make_config(std::int64_t B, nb::list lcs, std::vector<std::vector<std::int64_t>> slots,
                                 std::vector<std::string> tier_kinds, bool partial, std::int64_t backoff,
                                 double max_util, std::int64_t max_events, bool shared, bool shared_write_evict,
@@ -738,21 +756,9 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
       .def(
           "create",
           [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::int64_t priority,
-             std::optional<std::vector<std::pair<nb::bytes, std::int64_t>>> hits_in) {
+             std::optional<HitPairs> hits_in) {
             auto l = opt_u64(lora), s = opt_u64(salt);
-            // the store's hits (checked by kvcm.checks.check_shared_hits: 32-byte keys, valid lcs)
-            std::optional<Manager::SharedHits> hits;
-            if (hits_in) {
-              hits.emplace();
-              for (const auto& [key, lc] : *hits_in) {
-                if (key.size() != sizeof(kvcm::Digest)) throw nb::value_error("shared_hits: a key is not 32 bytes");
-                kvcm::Digest d;
-                std::memcpy(d.data(), key.c_str(), d.size());
-                hits->emplace_back(d, lc);
-              }
-              std::sort(hits->begin(), hits->end());
-              hits->erase(std::unique(hits->begin(), hits->end()), hits->end());
-            }
+            const std::optional<Manager::SharedHits> hits = shared_hits(hits_in);
             return locked(mgr, [&] { return mgr.create(t.seq(), l, s, priority, hits ? &*hits : nullptr); });
           },
           "tokens"_a, "lora_id"_a.none(), "salt"_a.none(), "priority"_a, "shared_hits"_a.none() = nb::none())
@@ -769,11 +775,17 @@ void bind_manager_calls(nb::class_<Manager>& cls) {
           "tokens"_a, "lora_id"_a.none(), "salt"_a.none())
       .def(
           "probe",
-          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt) {
+          [](Manager& mgr, const TokenBuf& t, nb::handle lora, nb::handle salt, std::optional<HitPairs> hits_in,
+             bool block_tiers) {
             auto l = opt_u64(lora), s = opt_u64(salt);
-            return locked(mgr, [&] { return mgr.probe(t.seq(), l, s); });
+            const std::optional<Manager::SharedHits> hits = shared_hits(hits_in);
+            Manager::ProbeResult r =
+                locked(mgr, [&] { return mgr.probe(t.seq(), l, s, hits ? &*hits : nullptr, block_tiers); });
+            // kvcm.api.ReuseProbe's fields: (m, m_before_ssm, block tiers; empty without block_tiers)
+            return std::make_tuple(r.m, r.m_before_ssm, std::move(r.block_tiers));
           },
-          "tokens"_a, "lora_id"_a.none(), "salt"_a.none())
+          "tokens"_a, "lora_id"_a.none(), "salt"_a.none(), "shared_hits"_a.none() = nb::none(),
+          "block_tiers"_a = true)
       .def("drain_copy_ops",
            [](Manager& mgr) {
              std::vector<kvcm::CopyOpC> ops = quick(mgr, [&] { return mgr.drain_copy_ops(); });

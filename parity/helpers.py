@@ -239,6 +239,73 @@ def unchanged(mgr, call: Callable[[], Any], exc) -> BaseException:
     return err
 
 
+def held_block_tiers(s: dict, bpb: int = B) -> tuple[int, ...]:
+    """Per full committed block of the newest open request of snapshot ``s``, the coldest
+    tier of the pages it holds for that block (its attention pages, its matched ssm
+    snapshot), -1 when none: what ``ReuseProbe.block_tiers`` promised for it before it was
+    created (read before it resumes)."""
+    r = s["requests"][-1]
+    tier = {p["serial"]: p["tier"] for p in s["pages"]}
+    n = len(r["committed_tokens"]) // bpb
+    out = [-1] * n
+    for serials in r["pages"].values():
+        for j, serial in enumerate(serials[:n]):
+            if serial is not None:
+                out[j] = max(out[j], tier[serial])
+    j = len(r["blocks"]) - 1  # the snapshot is the page of the block the match ends in
+    if r["snap"] is not None and j < n:
+        out[j] = max(out[j], tier[r["snap"]])
+    return tuple(out)
+
+
+def _request_entry(s: dict, cache) -> dict:
+    (r,) = [r for r in s["requests"] if r["id"] == cache.id]
+    return r
+
+
+def held_off_gpu(mgr, cache) -> list[tuple[int, int, int]]:
+    """``(lc, tier, slot)`` of every page ``cache`` holds that is not on gpu, sorted: what
+    its ``resume`` onboards."""
+    s = snap(mgr)
+    r = _request_entry(s, cache)
+    pages = {p["serial"]: p for p in s["pages"]}
+    serials = [x for v in r["pages"].values() for x in v if x is not None] + [r["snap"]]
+    return sorted((pages[x]["lc"], pages[x]["tier"], pages[x]["slot"]) for x in serials
+                  if x is not None and pages[x]["tier"] != GPU)
+
+
+def probe_then_create(mgr, tokens, scope=None, shared_hits=None):
+    """SPEC sec. 6 probe contract, end to end: ``probe_reuse_detail`` (and ``probe_reuse``)
+    change nothing at all (snapshot byte-identical), then ``create_kv_cache`` with the same
+    arguments matches exactly ``num_tokens`` and holds pages on exactly ``block_tiers``,
+    and its ``resume`` onboards exactly the pages it holds off gpu.  Returns the probe and
+    the cache (ACTIVE)."""
+    hits = None if shared_hits is None else list(shared_hits)
+    before = json.dumps(snap(mgr), sort_keys=True)
+    probe = mgr.probe_reuse_detail(tokens, scope, shared_hits=hits)
+    assert mgr.probe_reuse(tokens, scope, hits) == probe.num_tokens
+    assert mgr.probe_reuse_detail(tokens, scope, shared_hits=hits) == probe  # asked again: the same
+    assert json.dumps(snap(mgr), sort_keys=True) == before, "a probe changed the state"
+    assert len(probe.block_tiers) == probe.num_tokens // B
+    kv = mgr.create_kv_cache(tokens, scope, shared_hits=hits)
+    assert kv.num_committed_tokens == probe.num_tokens
+    assert held_block_tiers(snap(mgr)) == probe.block_tiers
+    off_gpu = held_off_gpu(mgr, kv)
+    mgr.drain_copy_ops()
+    assert kv.resume() is True
+    ops = mgr.drain_copy_ops()
+    onboards = sorted((o.lc, o.src_tier, o.src_slot) for o in ops if o.reason == "onboard")
+    if any(o.reason == "offload" for o in ops):
+        # making room on gpu may push a HELD page of this very request one tier colder
+        # before it is onboarded (sec. 8): the same pages, from where they went
+        assert [x[0] for x in onboards] == [x[0] for x in off_gpu]
+        assert all(o[1] >= h[1] for o, h in zip(onboards, off_gpu))
+    else:
+        assert onboards == off_gpu
+    mgr.check_invariants()
+    return probe, kv
+
+
 def announced(mgr) -> set[tuple[bytes, int]]:
     """``(key, lc)`` of every page of an attached block, from ``snapshot()``: exactly the
     pairs a consumer of ``stored``/``removed`` events must currently believe exist."""

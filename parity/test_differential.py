@@ -49,6 +49,8 @@ from kvcm.keys import block_keys_py
 from kvcm.oplog import DOCUMENTED_ERRORS, Lockstep, config_to_json, format_log, minimize
 from kvcm.oplog import ops as O
 
+from parity.helpers import held_block_tiers
+
 EXAMPLES = int(os.environ.get("KVCM_DIFF_EXAMPLES", "300")) * (10 if os.environ.get("KVCM_DIFF_LONG") == "1" else 1)
 STEPS = int(os.environ.get("KVCM_DIFF_STEPS", "50"))
 
@@ -152,7 +154,7 @@ HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # ops an example may switch off (swarm testing): e.g. never close, so pressure builds;
 # never drain, so copy ops pile up.  create is never switched off.
 SWITCHABLE_OPS = ("close", "stop_committing", "suspend", "drain_copy_ops", "drain_copy_runs", "clear_reusable",
-                  "shutdown", "probe", "decode_step", "set_quota", "settle_copies")
+                  "shutdown", "probe", "probe_create", "decode_step", "set_quota", "settle_copies")
 
 
 @st.composite
@@ -338,12 +340,12 @@ class DifferentialMachine(RuleBasedStateMachine):
         return data.draw(st.sampled_from(SCOPES))
 
     # ---- rules ---------------------------------------------------------------------
-    def request_tokens(self, data, args: dict) -> list:
-        """Tokens of a new request (or probe); may set ``args["scope"]``.  A third of the
-        time it is the next turn of an earlier conversation: that request's committed
-        tokens (in its scope) plus a new part, which is what makes reuse frequent."""
+    def request_tokens(self, data, args: dict, turn_odds: int = 3) -> list:
+        """Tokens of a new request (or probe); may set ``args["scope"]``.  One time in
+        ``turn_odds`` it is the next turn of an earlier conversation: that request's
+        committed tokens (in its scope) plus a new part, which is what makes reuse frequent."""
         earlier = [h for h in range(len(self.caches[0])) if self.props(h).get("num_committed_tokens")]
-        if earlier and data.draw(st.integers(0, 2)) == 0:
+        if earlier and data.draw(st.integers(0, turn_odds - 1)) == 0:
             prev = data.draw(st.sampled_from(earlier))
             tokens = O.encode_tokens(self.caches[0][prev].committed_tokens)
             cut = data.draw(st.sampled_from([len(tokens), len(tokens), len(tokens) - 1, len(tokens) // 2]))
@@ -370,7 +372,7 @@ class DifferentialMachine(RuleBasedStateMachine):
             args["id"] = data.draw(st.sampled_from(existing + [0, "req", 1.5, True, None]))
         elif r <= 2:
             args["id"] = data.draw(st.sampled_from([100, "a", "b"]))
-        hits = self.shared_hits(data, args)
+        hits = self.shared_hits(data, args["input_tokens"], args.get("scope"))
         if hits is not None:
             args["shared_hits"] = hits
         out = self.run({"op": "create_kv_cache", "args": args})
@@ -396,8 +398,9 @@ class DifferentialMachine(RuleBasedStateMachine):
                 mask = data.draw(st.integers(0, everyone))
             self.store |= {(ks[i].hex(), lc) for i in range(n) for lc in range(self.nlc) if mask >> lc & 1}
 
-    def shared_hits(self, data, args: dict) -> list | None:
-        """What an engine with a shared tier passes to create_kv_cache: the candidates (one
+    def shared_hits(self, data, tokens, scope) -> list | None:
+        """What an engine with a shared tier passes to create_kv_cache or a probe for
+        ``tokens`` in ``scope`` (JSON forms; scope None: not passed): the candidates (one
         call, recorded as an op) that the model store holds.  Before the lookup the store
         may lose objects; now and then a hit that is no candidate, or bad input.  Without
         a shared tier: rarely, hits anyway (a ValueError)."""
@@ -408,9 +411,9 @@ class DifferentialMachine(RuleBasedStateMachine):
         if self.store and data.draw(st.integers(0, 4)) == 0:  # objects deleted since they were written
             gone = data.draw(st.lists(st.sampled_from(sorted(self.store)), max_size=3))
             self.store -= set(gone)
-        cand = {"op": "shared_candidates", "args": {"tokens": args["input_tokens"]}}
-        if "scope" in args:
-            cand["args"]["scope"] = args["scope"]
+        cand = {"op": "shared_candidates", "args": {"tokens": tokens}}
+        if scope is not None:
+            cand["args"]["scope"] = scope
         out = self.run(cand)
         if not isinstance(out.get("result"), list):
             return None
@@ -815,8 +818,53 @@ class DifferentialMachine(RuleBasedStateMachine):
     def op_probe(self, data) -> None:
         args: dict = {}
         args["tokens"] = self.maybe_bad_tokens(data, self.request_tokens(data, args))
-        self.run({"op": data.draw(st.sampled_from(["probe_reuse", "probe_reuse_detail", "shared_candidates"])),
-                  "args": args})
+        name = data.draw(st.sampled_from(["probe_reuse", "probe_reuse_detail", "shared_candidates"]))
+        if name != "shared_candidates":  # a probe with the store's answer, as an engine asks it
+            hits = self.shared_hits(data, args["tokens"], args.get("scope"))
+            if hits is not None:
+                args["shared_hits"] = hits
+        self.run({"op": name, "args": args})
+
+    def op_probe_create(self, data) -> None:
+        """What a scheduler does with a waiting request (vLLM's connector): probe it, with
+        the store's hits when there is a shared tier, then create it with the same tokens,
+        scope and hits.  Beyond the lockstep's checks (both sides agree): the probe
+        changed nothing (snapshot), the request matched exactly the probe's
+        ``num_tokens``, the pages it holds are on exactly the probe's ``block_tiers``
+        before it resumes, and a probe that raised means a create that raises the same."""
+        probe: dict = {}
+        tokens = self.maybe_bad_tokens(data, self.request_tokens(data, probe, turn_odds=2))
+        probe["tokens"] = tokens
+        hits = self.shared_hits(data, tokens, probe.get("scope"))
+        if hits is not None:
+            probe["shared_hits"] = hits
+        mgr = self.ls.managers[0]
+        before = O.normalize(mgr.snapshot())
+        got = self.run({"op": "probe_reuse_detail", "args": probe})
+        self.check(O.normalize(mgr.snapshot()) == before, "probe_reuse_detail changed the state")
+        create = {"input_tokens": tokens, **{k: v for k, v in probe.items() if k != "tokens"}}
+        made = self.run({"op": "create_kv_cache", "args": create})
+        if "error" in got:
+            self.check(made.get("error") == got["error"], f"the probe raised {got['error']}, create gave {made}")
+            return
+        if "error" in made:  # only the shut-down manager refuses what its probe answered
+            self.check(made["error"] == "InvalidStateError", f"the probe answered, create raised {made['error']}")
+            return
+        base = next((b for b in self.bases if b[: len(tokens)] == tokens), tokens)
+        self.plans.append(tokens + base[len(tokens):])
+        self.scopes.append(probe.get("scope"))
+        m, _mbs, tiers = got["result"]
+        kv = self.caches[0][made["result"]]
+        self.check(kv.num_committed_tokens == m, f"probe said {m}, create matched {kv.num_committed_tokens}")
+        held = held_block_tiers(mgr.snapshot(), self.B)
+        self.check(tuple(tiers) == held, f"probe said tiers {tiers}, the request holds pages on {held}")
+
+    def check(self, ok: bool, what: str) -> None:
+        """An oracle of the differential beyond the lockstep's: fails with the op log so far."""
+        if not ok:
+            assert self.config is not None and self.ls is not None
+            raise AssertionError(f"{what}\n--- op log ({len(self.ls.records)} ops) ---\n"
+                                 f"{format_log(self.config, self.ls.records)}")
 
     def op_plain(self, name: str):
         return lambda data: self.run({"op": name})
@@ -834,6 +882,7 @@ class DifferentialMachine(RuleBasedStateMachine):
         ("stop_committing", 15),
         ("page_indices", 25),
         ("probe", 25),
+        ("probe_create", 30),
         ("drain_copy_ops", 30),
         ("drain_copy_runs", 10),
         ("forget_copies", 12),

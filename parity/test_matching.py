@@ -6,13 +6,16 @@ from __future__ import annotations
 from kvcm import ReuseProbe, ReuseScope
 
 from parity.helpers import (
+    DISK,
     GPU,
+    HOST,
     attn_cfg,
     fill,
     hybrid_cfg,
     keys,
     op,
     ops,
+    probe_then_create,
     snap,
     ssm_cfg,
     toks,
@@ -104,7 +107,7 @@ def test_ssm_match_ends_exactly_at_a_snapshot(make_manager):
     assert mgr.probe_reuse(P[:8]) == 4
     assert mgr.probe_reuse(P[:5]) == 4
     assert mgr.probe_reuse(P[:3]) == 0
-    assert mgr.probe_reuse_detail(P[:11]) == ReuseProbe(4, 11)
+    assert mgr.probe_reuse_detail(P[:11]) == ReuseProbe(4, 11, (GPU,))  # the snapshot at 4
     kv = mgr.create_kv_cache(P[:11])
     assert kv.num_committed_tokens == 4
     mgr.check_invariants()
@@ -150,7 +153,7 @@ def test_probe_detail_separates_ssm_from_attention(make_manager):
     assert mgr.probe_reuse_detail(P[:6]) == ReuseProbe(0, 4)
     assert mgr.probe_reuse_detail(P[:8]) == ReuseProbe(0, 4)
     a.commit(P[6:8])  # ends at 8: snapshot of block 1
-    assert mgr.probe_reuse_detail(P[:8]) == ReuseProbe(8, 8)
+    assert mgr.probe_reuse_detail(P[:8]) == ReuseProbe(8, 8, (GPU, GPU))
     assert mgr.probe_reuse_detail(P[:7]) == ReuseProbe(0, 7)
     assert mgr.probe_reuse(P[:8]) == 8
     mgr.check_invariants()
@@ -207,7 +210,110 @@ def test_windowed_match_cut_repeats_until_fixed_point(make_manager):
     mgr.clear_reusable()  # blocks 1, 2 lose their pages (no subtree removal: not sinks)
     assert mgr.probe_reuse(P[:16]) == 16  # sink block 0 and block 3 have pages
     # history 12: block 2 needed -> 8; history 8: block 1 needed -> 4; sink block 0 ok
-    assert mgr.probe_reuse_detail(P[:12]) == ReuseProbe(4, 4)
+    assert mgr.probe_reuse_detail(P[:12]) == ReuseProbe(4, 4, (GPU,))  # the sink block
     assert mgr.probe_reuse(P[:13]) == 4
     assert mgr.probe_reuse(P[:15]) == 15  # history 15: stale [1, 3) again
     mgr.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------
+# The probe as an engine's scheduler uses it (vLLM's connector): where each block lives
+# ---------------------------------------------------------------------------------------
+
+R = toks(16, base=300)
+
+
+def test_probe_tiers_follow_offloads_to_host_and_disk(make_manager):
+    mgr = make_manager(attn_cfg(gpu=2, host=1, disk=2))
+    fill(mgr, P[:8])
+    assert mgr.probe_reuse_detail(P[:8]) == ReuseProbe(8, 8, (GPU, GPU))
+    fill(mgr, Q[:8])  # P's block 1 to host, then on to disk to make room for P's block 0
+    assert mgr.probe_reuse_detail(P[:8]) == ReuseProbe(8, 8, (HOST, DISK))
+    assert mgr.probe_reuse_detail(P[:6]) == ReuseProbe(6, 6, (HOST,))  # full blocks only
+    assert mgr.probe_reuse_detail(Q[:8] + R[:4]) == ReuseProbe(8, 8, (GPU, GPU))
+    assert mgr.probe_reuse_detail(R[:8]) == ReuseProbe(0, 0, ())
+    probe, kv = probe_then_create(mgr, P[:8])
+    assert probe.block_tiers == (HOST, DISK)
+    assert kv.page_indices(0) == [0, 1]
+
+
+def test_probe_tiers_of_a_match_partly_on_host(make_manager):
+    mgr = make_manager(attn_cfg(gpu=2, host=2))
+    fill(mgr, P[:8])
+    fill(mgr, Q[:4])  # P's block 1 offloaded to host
+    probe, _kv = probe_then_create(mgr, P[:8] + R[:2])
+    assert probe == ReuseProbe(8, 8, (GPU, HOST))
+
+
+def test_probe_tiers_skip_stale_windowed_blocks(make_manager):
+    mgr = make_manager(win_cfg(gpu=4, window=4, sinks=4, host=4))  # nsink = 1
+    a = mgr.create_kv_cache()
+    assert a.resume() and a.resize(16)
+    a.commit(P[:16])  # stale at 16: [1, 3), released (in the tree, DROPPABLE)
+    a.close()
+    assert mgr.probe_reuse_detail(P[:16]) == ReuseProbe(16, 16, (GPU, -1, -1, GPU))
+    fill(mgr, Q[:8])  # the stale pages of blocks 1 and 2 (used longest ago) go to host
+    assert {p["ordinal"] for p in snap(mgr)["pages"] if p["tier"] == HOST} == {1, 2}
+    # their pages are not held at 16: the match needs nothing from host
+    assert mgr.probe_reuse_detail(P[:16]) == ReuseProbe(16, 16, (GPU, -1, -1, GPU))
+    # at 12 block 2 is in the window: held, from host
+    assert mgr.probe_reuse_detail(P[:12]) == ReuseProbe(12, 12, (GPU, -1, HOST))
+    _probe, kv = probe_then_create(mgr, P[:16])  # resume onboards nothing
+    kv.close()
+    probe, _kv = probe_then_create(mgr, P[:12])  # resume onboards block 2 from host
+    assert probe.block_tiers == (GPU, -1, HOST)
+
+
+def test_probe_tiers_of_pure_ssm_count_only_the_snapshot_at_the_match_end(make_manager):
+    mgr = make_manager(ssm_cfg(gpu=3, host=2))
+    fill(mgr, P[:12], chunks=[4, 8])  # snapshots at 4 (block 0) and 12 (block 2)
+    assert mgr.probe_reuse_detail(P[:12]) == ReuseProbe(12, 12, (-1, -1, GPU))
+    assert mgr.probe_reuse_detail(P[:11]) == ReuseProbe(4, 11, (GPU,))
+    fill(mgr, Q[:4])  # its snapshot needs a slot: the older snapshot (block 0) goes to host
+    assert mgr.probe_reuse_detail(P[:8]) == ReuseProbe(4, 8, (HOST,))
+    probe, _kv = probe_then_create(mgr, P[:12])
+    assert probe == ReuseProbe(12, 12, (-1, -1, GPU))
+    probe, _kv = probe_then_create(mgr, P[:5])
+    assert probe == ReuseProbe(4, 5, (HOST,))
+
+
+def test_probe_tiers_when_the_fixed_point_shortens_a_hybrid_match(make_manager):
+    cfg = hybrid_cfg(attn_gpu=4, ssm_gpu=4, window=4)
+    mgr = make_manager(cfg)
+    a = mgr.create_kv_cache()
+    assert a.resume() and a.resize(16)
+    a.commit(P[:4])  # snapshot at 4
+    a.commit(P[4:8])  # snapshot at 8
+    a.commit(P[8:13])  # no snapshot
+    assert a.resize(16, history_length=13)  # stale [0, 2): released
+    a.close()  # the tail (1 token) enters the tree with a snapshot at 13
+    # at 13 blocks 0 and 1 are stale: no page held for them; the tail's snapshot is no full block
+    assert mgr.probe_reuse_detail(P[:13]) == ReuseProbe(13, 13, (-1, -1, GPU))
+    # at 12: the last snapshot at or below is 8, where the window needs block 1 (0 is stale)
+    assert mgr.probe_reuse_detail(P[:12]) == ReuseProbe(8, 12, (-1, GPU))
+    b = mgr.create_kv_cache()
+    assert b.resume() and b.resize(8)  # the stale pages of blocks 0, 1 are dropped for it
+    b.close()
+    # 12 -> 8 (ssm) -> 4 (block 1's window page is gone) -> 0 (block 0's too)
+    assert mgr.probe_reuse_detail(P[:12]) == ReuseProbe(0, 12, ())
+    probe, _kv = probe_then_create(mgr, P[:13])
+    assert probe == ReuseProbe(13, 13, (-1, -1, GPU))
+
+
+def test_probe_tiers_with_partial_reuse_on_and_off(make_manager):
+    for partial in (True, False):
+        mgr = make_manager(attn_cfg(gpu=3, host=2, enable_partial_reuse=partial))
+        kv = mgr.create_kv_cache()
+        assert kv.resume() and kv.resize(6)
+        kv.commit(P[:6])
+        kv.close()  # block 0 full; with partial reuse, block 1 partial (2 tokens) in the tree
+        fill(mgr, Q[:8])  # the partial page (the deeper block) goes to host
+        assert [p["ordinal"] for p in snap(mgr)["pages"] if p["tier"] == HOST] == ([1] if partial else [])
+        probe, kv = probe_then_create(mgr, P[:8])
+        if partial:
+            # the match ends inside block 1: only full blocks are reported, and resume
+            # loads the partial page from host (then copies it on write)
+            assert probe == ReuseProbe(6, 6, (GPU,))
+            assert kv.page_indices(0)[0] == 0
+        else:
+            assert probe == ReuseProbe(4, 4, (GPU,))

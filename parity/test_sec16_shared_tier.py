@@ -12,7 +12,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kvcm import AttentionLayer, ConfigError, CopyOp, KVCacheManagerConfig, ReuseScope, SsmLayer, Status, Tier
+from kvcm import (
+    AttentionLayer,
+    ConfigError,
+    CopyOp,
+    KVCacheManagerConfig,
+    ReuseProbe,
+    ReuseScope,
+    SsmLayer,
+    Status,
+    Tier,
+)
 
 from parity.helpers import (
     B,
@@ -23,6 +33,7 @@ from parity.helpers import (
     keys,
     lc_stats,
     of_kind,
+    probe_then_create,
     removed,
     snap,
     ssm_cfg,
@@ -381,6 +392,146 @@ def test_backoff_applies_to_the_extended_match(make_manager):
                                   CopyOp(0, 0, 2, 0, 3, "cow")]
     assert kv.page_indices(0) == [0, 1, 3]
     r.check_invariants()
+
+
+# ---------------------------------------------------------------------------------------
+# Probing with the store's hits (SPEC sec. 6): what create would take, where it lives
+# ---------------------------------------------------------------------------------------
+
+
+def test_probe_with_hits_answers_what_create_takes_and_creates_nothing(make_manager):
+    cfg = shared(attn_cfg(gpu=6))
+    store, _ = written_by(make_manager, cfg, P[:12])
+    r = make_manager(cfg)  # a fresh instance: no scope root, no block
+    before = snap(r)
+    hits = [c for c in r.shared_candidates(P[:13]) if c in store]
+    assert r.probe_reuse_detail(P[:13]) == ReuseProbe(0, 0, ())  # without the store's answer
+    assert r.probe_reuse_detail(P[:13], shared_hits=hits) == ReuseProbe(12, 12, (SHARED,) * 3)
+    assert r.probe_reuse(P[:13], shared_hits=hits) == 12
+    for _ in range(3):  # vLLM asks every step while the request waits: nothing moves
+        assert r.probe_reuse_detail(P[:13], shared_hits=iter(hits)).num_tokens == 12
+    assert snap(r) == before  # no tick, no root, no node, no page, no event, no stats
+    probe, kv = probe_then_create(r, P[:13], shared_hits=hits)
+    assert probe.block_tiers == (SHARED,) * 3
+    assert kv.page_indices(0) == [0, 1, 2]
+    # now in the tree, on gpu: the same probe needs the store no more
+    assert r.probe_reuse_detail(P[:13]) == ReuseProbe(12, 12, (0, 0, 0))
+
+
+def test_probe_tiers_of_a_match_local_on_gpu_and_host_then_in_the_store(make_manager):
+    cfg = shared(attn_cfg(gpu=4, host=2))
+    store, _ = written_by(make_manager, shared(attn_cfg(gpu=6)), P[:16])
+    mgr = make_manager(cfg)
+    fill(mgr, P[:8])
+    fill(mgr, Q[:12])  # P's block 1 goes to host
+    mgr.drain_copy_ops()
+    hits = [c for c in mgr.shared_candidates(P[:16]) if c in store]
+    k = keys(P[:16])
+    assert hits == [(k[2], 0), (k[3], 0)]  # blocks 0, 1 are on the tree path: never looked up
+    assert mgr.probe_reuse_detail(P[:16]) == ReuseProbe(8, 8, (0, 1))
+    probe, _kv = probe_then_create(mgr, P[:16], shared_hits=hits)
+    assert probe == ReuseProbe(16, 16, (0, 1, SHARED, SHARED))
+
+
+def test_probe_with_hits_that_do_not_connect_to_the_tree_path(make_manager):
+    cfg = shared(attn_cfg(gpu=6))
+    k = keys(P[:16])
+    gap = {(k[2], 0), (k[3], 0)}  # the store lacks block 1
+    mgr = make_manager(cfg)
+    fill(mgr, P[:4])  # block 0 local
+    hits = [c for c in mgr.shared_candidates(P[:16]) if c in gap]
+    assert hits == [(k[2], 0), (k[3], 0)]
+    # full attention stops at block 1: no longer than the local match, which is taken
+    probe, _kv = probe_then_create(mgr, P[:16], shared_hits=hits)
+    assert probe == ReuseProbe(4, 4, (0,))
+    assert page_entries(mgr, SHARED) == []
+    # a fresh instance: the store's run does not start at block 0
+    fresh = make_manager(cfg)
+    hits = [c for c in fresh.shared_candidates(P[:16]) if c in gap]
+    probe, _kv = probe_then_create(fresh, P[:16], shared_hits=hits)
+    assert probe == ReuseProbe(0, 0, ())
+
+
+def _window_ssm(**kw) -> KVCacheManagerConfig:
+    """Windowed attention with a sink block (lc 0: window 4, 4 sink tokens) and ssm (lc 1)."""
+    return shared(KVCacheManagerConfig(tokens_per_block=B, layers=[AttentionLayer(0, 4, window=4, sink_tokens=4),
+                                                                   SsmLayer(1, 16)],
+                                       tiers=[Tier("gpu", 16 * 16)], **kw))
+
+
+def test_probe_tiers_of_a_windowed_hybrid_extension(make_manager):
+    cfg = _window_ssm()
+    store, _ = written_by(make_manager, cfg, P[:16], chunks=[8, 8])  # snapshots at 8 and 16
+    k = keys(P[:16])
+    assert store == {(k[i], 0) for i in range(4)} | {(k[1], 1), (k[3], 1)}
+    mgr = make_manager(cfg)
+    # at 16 blocks 1, 2 are stale (no page held), the sink block and block 3 are; the
+    # snapshot at block 3 too
+    hits = [c for c in mgr.shared_candidates(P[:16]) if c in store]
+    assert mgr.probe_reuse_detail(P[:16], shared_hits=hits) == ReuseProbe(16, 16, (SHARED, -1, -1, SHARED))
+    # without the snapshot at 16 the match ends at the one at 8 (the fixed point shortens it)
+    fewer = [c for c in hits if c != (k[3], 1)]
+    assert mgr.probe_reuse_detail(P[:16], shared_hits=fewer) == ReuseProbe(8, 16, (SHARED, SHARED))
+    # without the sink block's page nothing is reusable: the ordinary (empty) match is taken
+    assert mgr.probe_reuse_detail(P[:16], shared_hits=[c for c in hits if c != (k[0], 0)]) == ReuseProbe(0, 0, ())
+    probe_then_create(mgr, P[:16], shared_hits=fewer)
+    mgr2 = make_manager(cfg)
+    fill(mgr2, P[:4])  # block 0 local (with its snapshot)
+    hits2 = [c for c in mgr2.shared_candidates(P[:16]) if c in store]
+    probe, _kv = probe_then_create(mgr2, P[:16], shared_hits=hits2)
+    assert probe == ReuseProbe(16, 16, (0, -1, -1, SHARED))
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_probe_with_hits_beyond_a_partial_local_match(make_manager, partial):
+    cfg = shared(attn_cfg(gpu=8, enable_partial_reuse=partial))
+    mgr = make_manager(cfg)
+    kv = mgr.create_kv_cache()
+    kv.resume()
+    kv.resize(10)
+    kv.commit(P[:10])
+    kv.close()  # local: blocks 0, 1 (and, with partial reuse, a partial block of 2 tokens)
+    k = keys(P[:12])
+    assert mgr.probe_reuse_detail(P[:12]) == ReuseProbe(10 if partial else 8, 10 if partial else 8, (0, 0))
+    probe, _kv = probe_then_create(mgr, P[:12], shared_hits=[(k[2], 0)])
+    assert probe == ReuseProbe(12, 12, (0, 0, SHARED))
+
+
+def test_probe_sees_shared_pages_another_request_holds(make_manager):
+    cfg = shared(attn_cfg(gpu=6))
+    store, _ = written_by(make_manager, cfg, P[:12])
+    r, _kv1 = reader(make_manager, cfg, P[:12], store)  # shared pages in the tree, held by kv1
+    assert r.probe_reuse_detail(P[:12]) == ReuseProbe(12, 12, (SHARED,) * 3)
+    probe, _kv2 = probe_then_create(r, P[:12])  # no hits needed: the blocks are on the tree path
+    assert probe.block_tiers == (SHARED,) * 3
+
+
+@pytest.mark.parametrize("hits, exc", [
+    (5, TypeError),
+    ("ab", TypeError),
+    ([b"x" * 32], TypeError),
+    ([(b"x" * 32,)], ValueError),
+    ([(b"x" * 31, 0)], ValueError),
+    ([("x" * 32, 0)], TypeError),
+    ([(b"x" * 32, 1)], ValueError),
+    ([(b"x" * 32, True)], TypeError),
+])
+def test_bad_shared_hits_on_a_probe_fail_as_on_create_and_change_nothing(make_manager, hits, exc):
+    mgr = make_manager(shared(attn_cfg(gpu=6)))
+    fill(mgr, P[:4])
+    on_create = unchanged(mgr, lambda: mgr.create_kv_cache(P[:12], shared_hits=hits), exc)
+    for probe in (mgr.probe_reuse_detail, mgr.probe_reuse):
+        on_probe = unchanged(mgr, lambda probe=probe: probe(P[:12], shared_hits=hits), exc)
+        assert str(on_probe) == str(on_create)
+
+
+def test_a_probe_with_hits_but_no_shared_tier_is_refused(make_manager):
+    mgr = make_manager(attn_cfg())
+    fill(mgr, P[:4])
+    for hits in ([], [(keys(P)[0], 0)]):
+        err = unchanged(mgr, lambda hits=hits: mgr.probe_reuse_detail(P[:8], shared_hits=hits), ValueError)
+        assert "no shared tier" in str(err)
+    assert mgr.probe_reuse_detail(P[:8], shared_hits=None) == ReuseProbe(4, 4, (0,))
 
 
 # ---------------------------------------------------------------------------------------

@@ -121,7 +121,8 @@ def test_tokens_and_scopes_json():
 
 def test_normalize():
     assert O.normalize(kvcm.CopyOp(0, 0, 1, 1, 2, "offload")) == [0, 0, 1, 1, 2, "offload"]
-    assert O.normalize(kvcm.ReuseProbe(4, 6)) == [4, 6]
+    assert O.normalize(kvcm.ReuseProbe(4, 6)) == [4, 6, []]
+    assert O.normalize(kvcm.ReuseProbe(4, 6, (0, 3))) == [4, 6, [0, 3]]
     assert O.normalize(Status.ACTIVE) == "ACTIVE"
     assert O.normalize({1: (b"\x01", None)}) == {"1": ["01", None]}
     ev = kvcm.RemovedEvent(event_id=3, keys=(b"\xaa",), lc=1)
@@ -190,7 +191,7 @@ def test_apply_on_the_python_backend():
     bad = O.apply(m, caches, {"op": "page_indices_into", "cache": 0, "args": {"lc": 0, "size": 1}}, with_message=True)
     assert bad["error"] == "ValueError" and bad["message"]
     probe = O.apply(m, caches, {"op": "probe_reuse_detail", "args": {"tokens": [1, 2], "scope": {"salt": 1}}})
-    assert isinstance(probe["result"], list) and len(probe["result"]) == 2
+    assert isinstance(probe["result"], list) and len(probe["result"]) == 3  # [m, m_before_ssm, block tiers]
     assert O.apply(m, caches, {"op": "create_kv_cache", "args": {"scope": {"salt": -1}}}) == {"error": "ValueError"}
     assert O.apply(m, caches, {"op": "close", "cache": 0}) == {"result": None}
     assert O.apply(m, caches, {"op": "suspend", "cache": 0}) == {"error": "ClosedError"}
@@ -387,6 +388,11 @@ def shared_workload(m) -> None:
     m.clear_reusable()  # the local copies are gone; the store still has them
     hits = {c for c in m.shared_candidates(list(range(2 * B + 1))) if c in store}
     assert len(hits) == 5  # blocks 0, 1 of both attention life cycles, the snapshot at block 1
+    # the probes with the store's answer (a set and a generator: recorded as lists)
+    assert m.probe_reuse_detail(list(range(2 * B + 1)), shared_hits=hits) == kvcm.ReuseProbe(2 * B, 2 * B, (3, 3))
+    assert m.probe_reuse(list(range(2 * B + 1)), None, (h for h in sorted(hits))) == 2 * B
+    with pytest.raises(ValueError):
+        m.probe_reuse_detail([1], shared_hits=[(b"\x00" * 32, 9)])
     r = m.create_kv_cache(list(range(2 * B + 1)), shared_hits=hits)
     assert r.num_reused_tokens == 2 * B and r.resume()
     onboards = [o for o in m.drain_copy_ops() if o.src_tier == 3]
@@ -446,9 +452,46 @@ def test_replay_reproduces_shared_tier_calls(tmp_path, monkeypatch):
     assert any(r["op"] == "shared_candidates" for r in ops)
     forget = next(r for r in ops if r["op"] == "forget_copies")
     assert len(forget["args"]["ops"][0]) == 7  # the key travels with the op
+    probes = [r for r in ops if r["op"] in ("probe_reuse", "probe_reuse_detail")]
+    assert [sorted(map(tuple, r["args"]["shared_hits"])) for r in probes[:2]] == [sorted(map(tuple, hits))] * 2
+    assert [r["outcome"] for r in probes] == [{"result": [2 * B, 2 * B, [3, 3]]}, {"result": 2 * B},
+                                              {"error": "ValueError"}]
     for backends in (["python"], ["python", "cpp"]):
         report = L.replay(path, backends)
         assert report.ok, report
+
+
+def test_a_log_recorded_before_block_tiers_replays_byte_identically(tmp_path, monkeypatch):
+    """A log of a kvcm from before ``ReuseProbe.block_tiers`` and probes' ``shared_hits``:
+    its probes have no ``shared_hits`` key and their results are ``[m, m_before_ssm]``.  It
+    replays without a divergence, and each op's outcome is recorded again exactly as
+    written (kvcm.oplog.ops.recorded_form)."""
+    path = record(tmp_path, monkeypatch)
+    old = []
+    for line in read_lines(path):
+        rec = json.loads(line)
+        if rec.get("op") in ("probe_reuse", "probe_reuse_detail"):
+            assert "shared_hits" not in rec["args"]  # a probe without hits records what it always did
+        if rec.get("op") == "probe_reuse_detail":
+            m, mbs, tiers = rec["outcome"]["result"]
+            assert tiers == [-1] * (m // B)  # the scope of the probe holds nothing
+            rec["outcome"]["result"] = [m, mbs]  # what the kvcm before block_tiers wrote
+        old.append(O.dumps(rec))
+    Path(path).write_text("\n".join(old) + "\n")
+    for backends in (["python"], ["python", "cpp"]):
+        report = L.replay(path, backends)
+        assert report.ok, report
+    (stream,) = L.read_log(path)
+    ls = L.Lockstep([L.build_manager(config(), b) for b in ("python", "cpp")], ["python", "cpp"])
+    for rec, line in zip(stream.ops, old[1:]):
+        op = {k: v for k, v in rec.items() if k in ("op", "args", "cache")}
+        assert ls.step(op, rec["outcome"]) is None
+        written = {k: v for k, v in json.loads(line).items() if k != "message"}
+        assert O.dumps({"m": rec["m"], "step": rec["step"], **ls.records[-1]}) == O.dumps(written)
+    # a tier that differs from a new log's record is a divergence, as any result
+    rec = next(r for r in stream.ops if r["op"] == "probe_reuse_detail")
+    fresh = L.Lockstep([L.build_manager(config(), "python")], ["python"])
+    assert fresh.step({"op": "probe_reuse_detail", "args": rec["args"]}, {"result": [0, 0, [0]]}) is not None
 
 
 def bad_hits_workload(m) -> None:
@@ -697,8 +740,8 @@ def test_differential_harness_catches_a_divergence_and_prints_a_replayable_log(t
         def __getattr__(self, name):
             return getattr(self._m, name)
 
-        def probe_reuse(self, tokens, scope=None):
-            n = self._m.probe_reuse(tokens, scope)
+        def probe_reuse(self, tokens, scope=None, shared_hits=None):
+            n = self._m.probe_reuse(tokens, scope, shared_hits)
             return n + 1 if n >= 2 else n
 
     class Planted(D.machine_for(("python", "python"))):

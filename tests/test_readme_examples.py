@@ -100,3 +100,4 @@ def test_readme_example_runs_as_written(name, tmp_path):
         assert "\n96\n" in out, out  # the system prompt is reusable: chunked commits snapshot the ssm state
     if name == "shared-tier":
         assert "first reuses 0 tokens" in out and "second reuses 320 tokens" in out, out
+        assert "first would load []" in out and "second would load [3]" in out, out

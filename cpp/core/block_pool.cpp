@@ -98,7 +98,7 @@ std::vector<Digest> BlockPool::chain(const Digest& root, std::span<const Tok> to
 // py: block_pool.py BlockPool.match_shared — SPEC sec. 16
 SharedMatch BlockPool::match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const {
   SharedMatch sm;
-  sm.path = tree_.key_path(root, keys);
+  if (root != kNoNode) sm.path = tree_.key_path(root, keys);
   const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
   std::size_t last = 0;  // rows up to the last block with a hit
   for (std::size_t i = sm.path.size(); i < keys.size(); ++i) {
@@ -116,7 +116,62 @@ SharedMatch BlockPool::match_shared(NodeId root, std::span<const Digest> keys, c
   const std::int64_t n = static_cast<std::int64_t>(sm.path.size() + sm.rows.size());
   const std::int64_t m = std::max<std::int64_t>(0, n * B_ - cfg_.reuse_match_backoff);
   sm.m = tree_.prune_extended(sm.path, sm.rows, m);
+  sm.m_before_ssm = tree_.prune_extended(sm.path, sm.rows, m, false);
   return sm;
+}
+
+// DECISIONS.md "The shared tier": the extension is taken only when longer.
+// py: block_pool.py BlockPool.match_with_hits — SPEC sec. 6
+RequestMatch BlockPool::match_with_hits(NodeId root, std::span<const Tok> query, std::span<const Digest> keys,
+                                        const SharedHits* hits) const {
+  RequestMatch out;
+  if (query.empty()) return out;
+  if (root != kNoNode) {
+    MatchResult mr = tree_.match(root, query, keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+    out.m = mr.m;
+    out.m_before_ssm = mr.m_before_ssm;
+    out.path = std::move(mr.path);
+  }
+  if (hits != nullptr) {
+    SharedMatch sm = match_shared(root, keys, *hits);
+    if (sm.m > out.m) {
+      out.m = sm.m;
+      out.m_before_ssm = sm.m_before_ssm;
+      out.path = std::move(sm.path);
+      out.rows = std::move(sm.rows);
+      out.extended = true;
+    }
+  }
+  return out;
+}
+
+// What a request created with the match holds per block (Request::match_and_hold): the
+// attention pages of blocks not stale at m, the ssm snapshot of the block m ends in.
+// py: block_pool.py BlockPool.block_tiers — SPEC sec. 6
+std::vector<std::int64_t> BlockPool::block_tiers(const std::vector<NodeId>& path, std::int64_t m) const {
+  const std::int64_t last = ceildiv(m, B_) - 1;  // the block whose snapshot a request holds
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  std::vector<std::pair<std::int64_t, std::int64_t>> stale;  // per lc, its stale range at m
+  stale.reserve(static_cast<std::size_t>(nlc));
+  for (std::int64_t lc = 0; lc < nlc; ++lc) stale.push_back(stale_range(lc, m));
+  const std::int64_t nfull = m / B_;
+  std::vector<std::int64_t> out;
+  out.reserve(static_cast<std::size_t>(nfull));
+  for (std::int64_t j = 0; j < nfull; ++j) {
+    std::int64_t tier = -1;
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      const auto [lo, hi] = stale[static_cast<std::size_t>(lc)];
+      if (cfg_.lcs[static_cast<std::size_t>(lc)].ssm ? j != last : (lo <= j && j < hi)) continue;
+      if (j >= static_cast<std::int64_t>(path.size())) {  // the shared tier's extension: a shared page
+        tier = std::max(tier, tier_id(shared_pos_));
+        continue;
+      }
+      const Page& p = page(tree_.page(path[static_cast<std::size_t>(j)], lc));
+      tier = std::max(tier, tier_id(p.tier));
+    }
+    out.push_back(tier);
+  }
+  return out;
 }
 
 NodeId BlockPool::new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal) {

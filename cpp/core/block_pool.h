@@ -95,8 +95,22 @@ struct IssuedOp {
 // by BlockPool::match_shared from the store's hits, installed by Request::match_and_hold.
 struct SharedMatch {
   std::int64_t m = -1;                          // the extended match length (-1: no run)
+  std::int64_t m_before_ssm = -1;               // the same fixed point without the ssm rule
   std::vector<NodeId> path;                     // the tree path [0, P)
   std::vector<std::vector<std::int64_t>> rows;  // coverage per lc of blocks P, P+1, ...
+};
+
+// The match a request created now takes (SPEC sec. 6, DECISIONS.md "The shared tier"):
+// computed by BlockPool::match_with_hits, held by Request::match_and_hold, reported by
+// Manager::probe.  Python twin: RequestMatch in block_pool.py.
+struct RequestMatch {
+  std::int64_t m = 0;
+  std::int64_t m_before_ssm = 0;
+  // the tree blocks of the match: the ceil(m / B) blocks of the ordinary match, or,
+  // extended, the whole tree path [0, P) (the blocks past it are the extension's)
+  std::vector<NodeId> path;
+  std::vector<std::vector<std::int64_t>> rows;  // extended: coverage per lc of blocks P, P+1, ...
+  bool extended = false;
 };
 
 // The store's answer to shared_candidates: (block key, lc) pairs, sorted and unique.
@@ -134,8 +148,17 @@ class BlockPool {
   Digest block_key_of(const Digest& parent, std::span<const Tok> tokens) const;
   std::vector<Digest> chain(const Digest& root, std::span<const Tok> tokens) const;
   NodeId new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal);
-  // The match extended by the store's hits (DECISIONS.md "The shared tier"; m -1: no run).
+  // The match extended by the store's hits (DECISIONS.md "The shared tier"; m -1: no run;
+  // root kNoNode: a scope with no root, no tree path).
   SharedMatch match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const;
+  // The match a request created now takes: the ordinary one (none under root kNoNode), or
+  // the extension by `hits` (nullptr: none) when longer.  Pure.
+  RequestMatch match_with_hits(NodeId root, std::span<const Tok> query, std::span<const Digest> keys,
+                               const SharedHits* hits) const;
+  // ReuseProbe.block_tiers (SPEC sec. 6): per full block of a match of length m over the
+  // tree blocks `path` (past its end: the shared extension's), the coldest tier number of
+  // the pages a request created with it holds for the block, -1 when none.  O(m / B).
+  std::vector<std::int64_t> block_tiers(const std::vector<NodeId>& path, std::int64_t m) const;
   // The creation number snapshots show for a node handle (kNoNode stays kNoNode).
   std::int64_t node_uid(NodeId id) const { return id == kNoNode ? kNoNode : tree_.uid(id); }
 

@@ -37,9 +37,7 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   const std::int64_t nfull = n / pool_.B();
   r.keys = pool_.chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(nfull * pool_.B())));
   r.has_digests = !tokens_in.digests.empty();
-  SharedMatch shared;  // the shared tier's extension: only with hits (a pure function of the tree)
-  if (hits != nullptr && !tokens.empty()) shared = pool_.match_shared(r.root, r.keys, *hits);
-  const std::int64_t m = r.match_and_hold(tokens, r.keys, hits != nullptr && !tokens.empty() ? &shared : nullptr);
+  const std::int64_t m = r.match_and_hold(tokens, r.keys, hits);
   r.input_tokens = std::move(tokens);
   r.reused = m;
   pool_.record_match(n, m);
@@ -92,12 +90,14 @@ std::vector<std::int64_t> Manager::roll_back_lost(const std::vector<std::pair<st
   return out;
 }
 
+// The match create would take now (BlockPool::match_with_hits) and the tiers of what the
+// request would hold (BlockPool::block_tiers); no side effect at all.
 // py: manager.py PyKVCacheManager.probe_reuse_detail — SPEC sec. 6
-std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::optional<std::uint64_t> lora,
-                                                     std::optional<std::uint64_t> salt) {
+Manager::ProbeResult Manager::probe(TokenSeq tokens_in, std::optional<std::uint64_t> lora,
+                                    std::optional<std::uint64_t> salt, const SharedHits* hits, bool with_tiers) {
   const Digest root_key = scope_root_key(lora, salt);
   const NodeId root = pool_.tree().find_root(root_key);  // a probe creates nothing (sec. 6, 15)
-  if (root == kNoNode || tokens_in.empty()) return {0, 0};
+  if (tokens_in.empty() || (root == kNoNode && hits == nullptr)) return {};
   // Look the digests up without interning them: a probe has no side effect.
   std::vector<Tok> codes(tokens_in.codes.begin(), tokens_in.codes.end());
   if (!tokens_in.digests.empty()) {
@@ -111,9 +111,9 @@ std::pair<std::int64_t, std::int64_t> Manager::probe(TokenSeq tokens_in, std::op
   KeyChain chain(root_key, static_cast<std::uint32_t>(pool_.B()), [&keys](const Digest& k) { keys.push_back(k); });
   feed(chain, tokens_in.codes.first(nfull),
        [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
-  const MatchResult mr =
-      pool_.tree().match(root, std::span<const Tok>(codes), keys, pool_.cfg().enable_partial_reuse, pool_.cfg().reuse_match_backoff);
-  return {mr.m, mr.m_before_ssm};
+  const RequestMatch match = pool_.match_with_hits(root, std::span<const Tok>(codes), keys, hits);
+  return ProbeResult{match.m, match.m_before_ssm,
+                     with_tiers ? pool_.block_tiers(match.path, match.m) : std::vector<std::int64_t>{}};
 }
 
 // DECISIONS.md "The shared tier".

@@ -72,8 +72,15 @@ class Manager {
   // The (key, lc) pairs to look up in the shared tier; no side effect.
   std::vector<std::pair<Digest, std::int64_t>> shared_candidates(TokenSeq tokens, std::optional<std::uint64_t> lora,
                                                                  std::optional<std::uint64_t> salt);
-  std::pair<std::int64_t, std::int64_t> probe(TokenSeq tokens, std::optional<std::uint64_t> lora,
-                                              std::optional<std::uint64_t> salt);
+  // probe_reuse_detail (SPEC sec. 6): what create(tokens, lora, salt, hits) would match
+  // now, and (with_tiers; probe_reuse leaves them out) the tiers of what it would hold; no
+  // side effect.
+  struct ProbeResult {
+    std::int64_t m = 0, m_before_ssm = 0;
+    std::vector<std::int64_t> block_tiers;  // per full block of the match: coldest tier, -1 none
+  };
+  ProbeResult probe(TokenSeq tokens, std::optional<std::uint64_t> lora, std::optional<std::uint64_t> salt,
+                    const SharedHits* hits = nullptr, bool with_tiers = true);
   std::vector<CopyOpC> drain_copy_ops();
   // Failed copies (SPEC sec. 15): forget the pages the given ops of the last drain were
   // meant to fill and roll back the requests that used them; returns their serials in

@@ -17,18 +17,11 @@ using namespace detail;
 // create's match and holds (SPEC sec. 6, 7).
 // py: request.py Request.match_and_hold — SPEC sec. 7
 std::int64_t Request::match_and_hold(std::span<const Tok> query, std::span<const Digest> query_keys,
-                                     const SharedMatch* shared) {
-  std::int64_t m = 0;
-  std::vector<NodeId> path;
-  if (!query.empty()) {
-    MatchResult mr = pool_.tree().match(root, query, query_keys, pool_.cfg().enable_partial_reuse, pool_.cfg().reuse_match_backoff);
-    m = mr.m;
-    path = std::move(mr.path);
-    if (shared != nullptr && shared->m > m) {  // the shared tier's extension, taken only when longer (DECISIONS.md)
-      m = shared->m;
-      path = insert_shared_blocks(query, query_keys, m, *shared);
-    }
-  }
+                                     const SharedHits* hits) {
+  // the match probes report; the shared tier's extension is taken only when longer (DECISIONS.md)
+  RequestMatch match = pool_.match_with_hits(root, query, query_keys, hits);
+  const std::int64_t m = match.m;
+  std::vector<NodeId> path = match.extended ? insert_shared_blocks(query, query_keys, m, match) : std::move(match.path);
   tokens.assign(query.begin(), query.begin() + m);
   // tokens holds its own digest references (the caller's keep theirs; sec. 15)
   if (has_digests) pool_.tree().retain_all(tokens);
@@ -64,7 +57,7 @@ std::int64_t Request::match_and_hold(std::span<const Tok> query, std::span<const
 // py: request.py Request.insert_shared_blocks — SPEC sec. 16
 std::vector<NodeId> Request::insert_shared_blocks(std::span<const Tok> query,
                                                   std::span<const Digest> query_keys, std::int64_t m,
-                                                  const SharedMatch& sm) {
+                                                  const RequestMatch& sm) {
   const std::int64_t nb = ceildiv(m, pool_.B());
   const auto np = static_cast<std::int64_t>(sm.path.size());
   std::vector<NodeId> path(sm.path.begin(), sm.path.begin() + std::min(nb, np));

@@ -65,10 +65,10 @@ class Request {
   // InvalidStateErr unless the request is in `s` (what: the call's name, for the message).
   void require(ReqStatus s, const char* what) const;
   // Match `query` (full-block `query_keys`) and hold what it found, as a fresh SUSPENDED
-  // request (create, and roll_back); `shared`: the shared tier's extension (nullptr: none).
-  // Returns the match length.
+  // request (create, and roll_back); `hits`: the store's answer, sorted and unique (nullptr:
+  // none), which may extend the match into the shared tier.  Returns the match length.
   std::int64_t match_and_hold(std::span<const Tok> query, std::span<const Digest> query_keys,
-                              const SharedMatch* shared = nullptr);
+                              const SharedHits* hits = nullptr);
   std::vector<TokenOut> committed_tokens() const;
   bool resume();
   void suspend();
@@ -118,7 +118,7 @@ class Request {
   void insert_block(std::int64_t i, std::span<const Tok> block, bool want_snapshot, bool defer_prune = false);
   void set_block(std::int64_t i, NodeId nid);
   std::vector<NodeId> insert_shared_blocks(std::span<const Tok> query, std::span<const Digest> query_keys,
-                                           std::int64_t m, const SharedMatch& sm);
+                                           std::int64_t m, const RequestMatch& match);
   // forks: the partial block's pages, those of them shared, and their copy
   void init_fork(const Request& parent);
   TailPages tail_pages() const;

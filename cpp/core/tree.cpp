@@ -596,7 +596,8 @@ std::vector<NodeId> RadixTree::key_path(NodeId root, std::span<const Digest> key
 
 // py: tree.py RadixTree.prune_extended — SPEC sec. 6
 std::int64_t RadixTree::prune_extended(const std::vector<NodeId>& path,
-                                       const std::vector<std::vector<std::int64_t>>& rows, std::int64_t m) const {
+                                       const std::vector<std::vector<std::int64_t>>& rows, std::int64_t m,
+                                       bool use_ssm) const {
   std::vector<Ref> refs;
   refs.reserve(path.size());
   for (NodeId id : path) refs.push_back(ref_of(id));
@@ -605,7 +606,7 @@ std::int64_t RadixTree::prune_extended(const std::vector<NodeId>& path,
         const auto jj = static_cast<std::size_t>(j);
         return jj < refs.size() ? coverage_.row(refs[jj])[lc] : at_index(rows, j - static_cast<std::int64_t>(refs.size()))[lc];
       },
-      m, true);
+      m, use_ssm);
 }
 
 // ---------------------------------------------------------------- the children index

@@ -214,10 +214,11 @@ class RadixTree {
   // The blocks under `root` whose keys are keys[0], keys[1], ... (the full-block walk of the
   // match, no partial step; the shared tier's tree path).
   std::vector<NodeId> key_path(NodeId root, std::span<const Digest> keys) const;
-  // The fixed point of the match (ssm rule included) over the blocks `path` followed by
-  // blocks not in the tree whose coverage per lc is rows[k] (the shared tier's extension).
+  // The fixed point of the match over the blocks `path` followed by blocks not in the tree
+  // whose coverage per lc is rows[k] (the shared tier's extension); use_ssm false gives
+  // m_before_ssm (SPEC sec. 6 step 4).
   std::int64_t prune_extended(const std::vector<NodeId>& path, const std::vector<std::vector<std::int64_t>>& rows,
-                              std::int64_t m) const;
+                              std::int64_t m, bool use_ssm = true) const;
 
   // ------------------------------------------------------------ tokens
   // The code of `t`; for a digest, one new reference the caller owns (release it).

@@ -570,15 +570,28 @@ class ClearedEvent(Event):
 
 @dataclass(frozen=True)
 class ReuseProbe:
-    """Side-effect-free match result of ``probe_reuse_detail`` (SPEC sec. 6).
+    """Side-effect-free match result of ``probe_reuse_detail`` (SPEC sec. 6): what a
+    request created now (``create_kv_cache`` with the same tokens, scope and shared hits)
+    would match, and where the pages it would hold live.
 
     Attributes:
-        num_tokens: ``m``, the reusable prefix length (what ``probe_reuse`` returns).
-        num_tokens_before_ssm: the same fixed point without the ssm rule: a diagnostic that
-            tells "the ssm snapshot was evicted" (it is larger) from "attention was evicted"."""
+        num_tokens: ``m``, the reusable prefix length (what ``probe_reuse`` returns): the
+            ``num_committed_tokens`` of a request created now.
+        num_tokens_before_ssm: the same fixed point without the ssm rule, over the same
+            blocks (the tree path, extended by the shared tier's blocks when those made
+            ``m``): a diagnostic that tells "the ssm snapshot was evicted" (it is larger)
+            from "attention was evicted".
+        block_tiers: one entry per full block of the match (``num_tokens //
+            tokens_per_block``, in block order): the coldest tier number (gpu 0, host 1,
+            disk 2, shared 3; SPEC sec. 1) among the pages a request created now would hold
+            for that block, every life cycle (a stale windowed block's page is not held;
+            the ssm snapshot only at the match end), or -1 when it would hold none.  All
+            entries 0 or -1: ``resume`` onboards nothing for them; a block matched through
+            a shared hit is 3.  Default ``()``."""
 
     num_tokens: int
     num_tokens_before_ssm: int
+    block_tiers: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------
@@ -941,16 +954,25 @@ class KVCacheManager(abc.ABC):
         shared tier (DECISIONS.md "The shared tier")."""
 
     @abc.abstractmethod
-    def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
+    def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None, shared_hits: Any = None) -> int:
         """How many leading tokens of ``tokens`` a request created now would reuse: the
-        match length ``m`` of SPEC sec. 6, pages on any tier counting.  No side effect at
-        all (no tick, no recency change, no stats), so a router or scheduler may call it
-        freely.  Raises TypeError / ValueError for bad tokens or scope."""
+        match length ``m`` of SPEC sec. 6, pages on any tier counting; with ``shared_hits``
+        exactly the ``num_committed_tokens`` of ``create_kv_cache(tokens, scope,
+        shared_hits=shared_hits)`` (the match extended by the shared tier's blocks).  No
+        side effect at all (no tick, no recency change, no stats, no events, no tree
+        block or scope root made), so a router or scheduler may call it freely and as
+        often as it likes.  Raises TypeError / ValueError for bad tokens, scope or shared
+        hits (the hits checked as :meth:`create_kv_cache` checks them, same messages)."""
 
     @abc.abstractmethod
-    def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
+    def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None,
+                           shared_hits: Any = None) -> ReuseProbe:
         """Like :meth:`probe_reuse`, as a :class:`ReuseProbe` that adds the diagnostic
-        ``num_tokens_before_ssm`` (the match without the ssm snapshot rule)."""
+        ``num_tokens_before_ssm`` (the match without the ssm snapshot rule) and
+        ``block_tiers``: per full block of the match, the coldest tier among the pages a
+        request created now would hold for it (-1: none), so an engine knows before it
+        creates the request whether ``resume`` would onboard anything (a block not on tier
+        0) or not.  The cost grows with the match, not with the tree."""
 
     @abc.abstractmethod
     def resize_batch(self, caches: Sequence[KVCache], capacities: Any, history_lengths: Any = None) -> list[bool]:

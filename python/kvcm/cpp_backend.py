@@ -146,14 +146,20 @@ class CppKVCacheManager(KVCacheManager):
             self._ids.add(cache_id)
         return cache
 
-    def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
-        return self.probe_reuse_detail(tokens, scope).num_tokens
+    def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None, shared_hits: Any = None) -> int:
+        return self._probe(tokens, scope, shared_hits, False)[0]
 
-    def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
+    def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None,
+                           shared_hits: Any = None) -> ReuseProbe:
+        m, mbs, tiers = self._probe(tokens, scope, shared_hits, True)
+        return ReuseProbe(m, mbs, tuple(tiers))
+
+    def _probe(self, tokens: Any, scope: Any, shared_hits: Any, block_tiers: bool) -> tuple[int, int, list[int]]:
+        """The probes' checks and core call (``probe_reuse`` leaves the tiers out)."""
         toks = _parse_tokens(tokens, "tokens")
         scope = check_scope(scope)
-        m, mbs = self._core.probe(toks, scope.lora_id, scope.salt)
-        return ReuseProbe(m, mbs)
+        hits = check_shared_hits(shared_hits, len(self._rc.life_cycles), self._rc.has_shared)
+        return self._core.probe(toks, scope.lora_id, scope.salt, hits, block_tiers)
 
     def shared_candidates(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[tuple[bytes, int]]:
         toks = _parse_tokens(tokens, "tokens")

@@ -114,7 +114,7 @@ class Lockstep:
         outs = []
         for name, mgr, cs in zip(self.names, self.managers, self.caches):
             try:
-                out = _ops.apply(mgr, cs, op, with_message=True)
+                out = _ops.recorded_form(op, _ops.apply(mgr, cs, op, with_message=True), recorded)
             except _ops.OpError as e:
                 return Divergence(self.m, i, op, "op", f"malformed op: {e}", outcomes)
             outs.append(out)

@@ -30,7 +30,9 @@ JSON list is a list, ``{"array": "q", "values": [...]}`` an ``array.array``,
 ``CopyOp.to_json()`` lists (each becomes a ``CopyOp``; a seventh item is the key's hex) or
 ``{"value": x}`` (the raw value ``x``, bad input); a non-list is passed as is.
 
-``create_kv_cache``'s ``shared_hits`` is a JSON list whose items are ``[key hex, lc]`` (each
+``shared_hits`` (of ``create_kv_cache``, ``probe_reuse`` and ``probe_reuse_detail``; a
+probe recorded without it has no such key, as before the probes took it) is a JSON list
+whose items are ``[key hex, lc]`` (each
 becomes a ``(bytes, lc)`` pair), ``{"pair": [key hex, x], "type": "tuple" | "list"}`` (a
 pair of bytes and anything else, bad input kept with its bytes) or ``{"value": x}`` (the raw
 value ``x``, bad input); a non-list is passed as is.
@@ -41,8 +43,10 @@ null), or any other JSON value passed through unchanged (a bad scope).
 :func:`apply` runs one op and returns an *outcome*: ``{"result": <json>}`` or
 ``{"error": "<ExceptionTypeName>"}``.  Results are normalised so both backends' outcomes
 can be compared with ``==`` and written as JSON: a KVCache becomes its handle, a CopyOp
-and an Event their ``to_json()``, a ReuseProbe ``[num_tokens, num_tokens_before_ssm]``,
-a Status its name, bytes their hex, dict keys strings.
+and an Event their ``to_json()``, a ReuseProbe ``[num_tokens, num_tokens_before_ssm,
+[block tiers...]]`` (a log recorded before ``block_tiers`` holds ``[num_tokens,
+num_tokens_before_ssm]``: :func:`recorded_form` replays it in that form), a Status its
+name, bytes their hex, dict keys strings.
 """
 
 from __future__ import annotations
@@ -60,9 +64,9 @@ from kvcm.api import CopyOp, CopyRun, Event, KVCache, ReuseProbe, ReuseScope, St
 # op name -> allowed argument names (manager ops, then cache ops, which need a handle)
 MANAGER_OPS: dict[str, tuple[str, ...]] = {
     "create_kv_cache": ("input_tokens", "scope", "priority", "id", "shared_hits"),
-    "probe_reuse": ("tokens", "scope"),
+    "probe_reuse": ("tokens", "scope", "shared_hits"),
     "shared_candidates": ("tokens", "scope"),
-    "probe_reuse_detail": ("tokens", "scope"),
+    "probe_reuse_detail": ("tokens", "scope", "shared_hits"),
     "drain_copy_ops": (),
     "drain_copy_runs": (),
     "clear_reusable": (),
@@ -373,7 +377,7 @@ def normalize(value: Any, caches: Sequence[KVCache] = ()) -> Any:
     if isinstance(value, (CopyOp, CopyRun, Event)):
         return normalize(value.to_json())
     if isinstance(value, ReuseProbe):
-        return [value.num_tokens, value.num_tokens_before_ssm]
+        return [value.num_tokens, value.num_tokens_before_ssm, list(value.block_tiers)]
     if isinstance(value, KVCache):
         for i, c in enumerate(caches):
             if c is value:
@@ -429,6 +433,19 @@ def error_outcome(exc: BaseException, with_message: bool = False) -> dict[str, A
     if with_message:
         out["message"] = str(exc)
     return out
+
+
+def recorded_form(op: dict[str, Any], outcome: dict[str, Any], recorded: dict[str, Any] | None) -> dict[str, Any]:
+    """``outcome`` of ``op`` in the form ``recorded`` has: a ``probe_reuse_detail`` result
+    recorded by a kvcm from before ``ReuseProbe.block_tiers`` (``[m, m_before_ssm]``) is
+    compared, and recorded again, without the tiers, so such a log replays as it was
+    written, byte for byte.  Anything else is returned as it is."""
+    if op.get("op") != "probe_reuse_detail" or recorded is None:
+        return outcome
+    old, new = recorded.get("result"), outcome.get("result")
+    if isinstance(old, list) and len(old) == 2 and isinstance(new, list) and len(new) == 3:
+        return {**outcome, "result": new[:2]}
+    return outcome
 
 
 def same_outcome(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -594,6 +611,7 @@ __all__ = [
     "error_outcome",
     "normalize",
     "op",
+    "recorded_form",
     "same_outcome",
     "validate_op",
 ]

@@ -340,19 +340,21 @@ class RecordingManager(KVCacheManager):
             lambda: self._inner.shared_candidates(tokens, scope),
         )
 
-    def probe_reuse(self, tokens, scope=None) -> int:
+    def probe_reuse(self, tokens, scope=None, shared_hits=None) -> int:
         tokens = _materialize(tokens)
+        args, shared_hits = _probe_args(tokens, scope, shared_hits)
         return self._record(
-            "probe_reuse", None, {"tokens": tokens, "scope": scope}, lambda: self._inner.probe_reuse(tokens, scope)
+            "probe_reuse", None, args, lambda: self._inner.probe_reuse(tokens, scope, shared_hits=shared_hits)
         )
 
-    def probe_reuse_detail(self, tokens, scope=None):
+    def probe_reuse_detail(self, tokens, scope=None, shared_hits=None):
         tokens = _materialize(tokens)
+        args, shared_hits = _probe_args(tokens, scope, shared_hits)
         return self._record(
             "probe_reuse_detail",
             None,
-            {"tokens": tokens, "scope": scope},
-            lambda: self._inner.probe_reuse_detail(tokens, scope),
+            args,
+            lambda: self._inner.probe_reuse_detail(tokens, scope, shared_hits=shared_hits),
         )
 
     def resize_batch(self, caches, capacities, history_lengths=None) -> list[bool]:
@@ -426,6 +428,17 @@ def _materialize(tokens: Any) -> Any:
     (DECISIONS "Tokens"), so materialising them here would make a call that fails without
     the op log succeed with it.  The encoder records them by repr without consuming them."""
     return tokens
+
+
+def _probe_args(tokens: Any, scope: Any, shared_hits: Any) -> tuple[dict[str, Any], Any]:
+    """A probe's recorded arguments and the hits it is called with: ``shared_hits`` is
+    recorded only when given, so a probe without it records what it did before the probes
+    took it (old and new logs alike replay byte for byte)."""
+    args = {"tokens": tokens, "scope": scope}
+    if shared_hits is not None:
+        shared_hits = _hits_list(shared_hits)
+        args["shared_hits"] = shared_hits
+    return args, shared_hits
 
 
 def _hits_list(hits: Any) -> Any:

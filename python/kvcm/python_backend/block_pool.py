@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from kvcm.api import (
     GPU,
@@ -43,6 +44,18 @@ _MOVE_COUNTERS = {"offload": ("offloads", "offload_bytes"), "onboard": ("onboard
 
 # what can_allocate may override of the gpu pool's counters: (free, held, droppable)
 Adjust = tuple[int, int, int]
+
+
+class RequestMatch(NamedTuple):
+    """The match a request created now takes (``BlockPool.match_with_hits``; C++:
+    ``RequestMatch`` in block_pool.h)."""
+
+    m: int  # SPEC sec. 6: the match length
+    m_before_ssm: int  # the same fixed point without the ssm rule, over the same blocks
+    # the tree blocks of the match: the ``ceil(m / B)`` blocks of the ordinary match, or,
+    # extended, the whole tree path ``[0, P)`` (the blocks past it are the extension's)
+    path: list[int]
+    rows: list[list[int]] | None  # extended: the coverage per lc of blocks P, P + 1, ...; else None
 
 # An event is buffered as a plain tuple of its fields at emission, ``(kind, event_id,
 # ...)``: ints, bytes and tuples of them, which the cyclic GC stops tracking (a buffer of
@@ -136,23 +149,66 @@ class BlockPool:
         cfg = self.config
         return self.tree.match(root, tokens, keys, cfg.enable_partial_reuse, cfg.reuse_match_backoff)
 
-    def match_shared(self, root: int, keys: list[bytes], hits: set[tuple[bytes, int]]) -> tuple[int, list[int],
-                                                                                              list[list[int]]]:
+    def match_shared(self, root: int, keys: list[bytes], hits: set[tuple[bytes, int]]) -> tuple[
+            int, int, list[int], list[list[int]]]:
         """DECISIONS.md "The shared tier": the match extended by the store's hits.  The tree
-        path ``[0, P)`` (full blocks by key), then the blocks ``P .. L`` (``L`` the last full
-        block with a hit; coverage B per hit lc, else 0), backoff, then the fixed point of
-        SPEC sec. 6 step 3 with no partial step.  Returns ``(m, tree_path, rows)``:
-        ``rows[k]`` the coverage per lc of block ``P + k``; ``m`` is -1 without a hit."""
+        path ``[0, P)`` (full blocks by key; none under a scope with no root, ``root``
+        NO_NODE), then the blocks ``P .. L`` (``L`` the last full block with a hit;
+        coverage B per hit lc, else 0), backoff, then the fixed point of SPEC sec. 6 step 3
+        with no partial step.  Returns ``(m, m_before_ssm, tree_path, rows)``: ``rows[k]``
+        the coverage per lc of block ``P + k``; ``m`` is -1 without a hit."""
         B = self.B
-        path = self.tree.key_path(root, keys)
+        path = self.tree.key_path(root, keys) if root != NO_NODE else []
         rows = [[B if (keys[i], lc) in hits else 0 for lc in range(len(self.lcs))]
                 for i in range(len(path), len(keys))]
         while rows and not any(rows[-1]):
             rows.pop()
         if not rows:
-            return -1, path, rows
+            return -1, -1, path, rows
         m = max(0, (len(path) + len(rows)) * B - self.config.reuse_match_backoff)
-        return self.tree.prune_extended(path, rows, m), path, rows
+        tree = self.tree
+        return tree.prune_extended(path, rows, m), tree.prune_extended(path, rows, m, use_ssm=False), path, rows
+
+    def match_with_hits(self, root: int, tokens: Sequence[Token], keys: list[bytes],
+                        hits: set[tuple[bytes, int]] | None) -> RequestMatch:
+        """SPEC sec. 6 and DECISIONS.md "The shared tier": the match a request created now
+        takes (``create_kv_cache``; ``probe_reuse_detail`` reports it).  The ordinary match
+        (none under a scope with no root, ``root`` NO_NODE), or, with the store's ``hits``,
+        the match extended by them when that is longer.  Pure: it changes nothing."""
+        if not tokens:
+            return RequestMatch(0, 0, [], None)
+        m, mbs, path = self.match(root, tokens, keys) if root != NO_NODE else (0, 0, [])
+        if hits is not None:
+            m_ext, mbs_ext, tree_path, rows = self.match_shared(root, keys, hits)
+            if m_ext > m:
+                return RequestMatch(m_ext, mbs_ext, tree_path, rows)
+        return RequestMatch(m, mbs, path, None)
+
+    def block_tiers(self, path: list[int], m: int) -> tuple[int, ...]:
+        """SPEC sec. 6 ``ReuseProbe.block_tiers``: per full block ``j < m // B`` of a match of
+        length ``m`` over the tree blocks ``path`` (past its end: blocks of the shared
+        tier's extension), the coldest tier number among the pages a request created with
+        this match holds for block ``j`` (``Request.match_and_hold``: attention pages of
+        blocks not stale at ``m``; the ssm snapshot of the block ``m`` ends in), or -1 when
+        it holds none.  A block of the extension holds shared pages (tier 3).  O(m / B)
+        per life cycle; it changes nothing."""
+        B = self.B
+        last = -(-m // B) - 1  # the block whose snapshot a request holds
+        # per lc: (lc, is ssm, its stale range at m); computed once, not per block
+        held = [(life.id, life.kind == "ssm", life.stale_range(m, B)) for life in self.lcs]
+        pages, nodes, tier_ids = self.pages, self.tree.nodes, self.tier_ids
+        out = []
+        for j in range(m // B):
+            tier = -1
+            for lc, ssm, (lo, hi) in held:
+                if (j != last) if ssm else (lo <= j < hi):
+                    continue
+                if j >= len(path):  # the shared tier's extension: a shared page
+                    tier = max(tier, SHARED)
+                    continue
+                tier = max(tier, tier_ids[pages[nodes[path[j]].pages[lc]].tier])
+            out.append(tier)
+        return tuple(out)
 
     # --- pages and their users.  Every change of a page's state goes through restate so the
     # pool counters and eviction index never disagree with the derived state (sec. 4).

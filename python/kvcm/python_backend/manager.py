@@ -94,22 +94,32 @@ class PyKVCacheManager(KVCacheManager):
         self.register(cache)
         return cache
 
-    def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> int:
-        return self.probe_reuse_detail(tokens, scope).num_tokens
+    @serialized
+    def probe_reuse(self, tokens: Sequence[Token], scope: ReuseScope | None = None, shared_hits: Any = None) -> int:
+        return self._probe(tokens, scope, shared_hits, False).num_tokens
 
     @serialized
-    def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> ReuseProbe:
-        """SPEC sec. 6 probe_reuse: the match with no side effect (no tick, no LRU touch, no stats)."""
+    def probe_reuse_detail(self, tokens: Sequence[Token], scope: ReuseScope | None = None,
+                           shared_hits: Any = None) -> ReuseProbe:
+        """SPEC sec. 6 probe_reuse: the match ``create_kv_cache`` would take now
+        (``BlockPool.match_with_hits``, the shared tier's hits included) and the tiers of
+        what it would hold, with no side effect (no tick, no LRU touch, no stats, no node)."""
+        return self._probe(tokens, scope, shared_hits, True)
+
+    def _probe(self, tokens: Any, scope: Any, shared_hits: Any, with_tiers: bool) -> ReuseProbe:
+        """The probes' work; ``probe_reuse`` leaves the tiers out (``block_tiers`` ()): it
+        reports only the length."""
         toks = check_tokens(tokens)
         scope = check_scope(scope)
         pool = self.pool
+        hits = check_shared_hits(shared_hits, len(pool.lcs), pool.has_shared)
         root_key = scope_root_key(scope)  # nothing is kept for a scope (sec. 15)
         root = pool.tree.find_root(root_key)
-        if root == NO_NODE or not toks:
+        if not toks or (root == NO_NODE and hits is None):
             return ReuseProbe(0, 0)
         keys = chain_keys(root_key, toks[: len(toks) // pool.B * pool.B], pool.B)
-        m, mbs, _path = pool.match(root, toks, keys)
-        return ReuseProbe(m, mbs)
+        m, mbs, path, _rows = pool.match_with_hits(root, toks, keys, None if hits is None else set(hits))
+        return ReuseProbe(m, mbs, pool.block_tiers(path, m) if with_tiers else ())
 
     @serialized
     def shared_candidates(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[tuple[bytes, int]]:

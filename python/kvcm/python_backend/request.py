@@ -118,12 +118,9 @@ class Request(KVCache):
         shared tier"): taken only when longer, its blocks inserted with shared pages."""
         pool = self.pool
         B = pool.B
-        m, _mbs, path = pool.match(self.root, tokens, keys) if tokens else (0, 0, [])
-        if hits is not None and tokens:
-            m_ext, tree_path, rows = pool.match_shared(self.root, keys, hits)
-            if m_ext > m:
-                m = m_ext
-                path = self._insert_shared_blocks(tokens, keys, m, tree_path, rows)
+        m, _mbs, path, rows = pool.match_with_hits(self.root, tokens, keys, hits)  # (what probes report)
+        if rows is not None:
+            path = self._insert_shared_blocks(tokens, keys, m, path, rows)
         self.tokens: MutableSequence[Token] = tokens[:m]  # committed tokens (input_tokens' kind)
         self._capacity = m
         self.history = m

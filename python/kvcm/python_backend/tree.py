@@ -340,11 +340,11 @@ class RadixTree:
         of their coverages.  ``use_ssm`` False gives ``m_before_ssm`` (step 4)."""
         return fixed_point(m, self.B, self.rules, [n.coverage for n in path], use_ssm)
 
-    def prune_extended(self, path: list[int], rows: list[list[int]], m: int) -> int:
-        """SPEC sec. 6 step 3 (the ssm rule included) over the tree blocks ``path`` followed
-        by blocks not in the tree whose coverage per lc is ``rows[k]`` (the shared tier's
-        extension, DECISIONS.md)."""
-        return fixed_point(m, self.B, self.rules, [self.nodes[i].coverage for i in path] + list(rows), True)
+    def prune_extended(self, path: list[int], rows: list[list[int]], m: int, use_ssm: bool = True) -> int:
+        """SPEC sec. 6 step 3 over the tree blocks ``path`` followed by blocks not in the
+        tree whose coverage per lc is ``rows[k]`` (the shared tier's extension,
+        DECISIONS.md).  ``use_ssm`` False gives ``m_before_ssm`` (step 4)."""
+        return fixed_point(m, self.B, self.rules, [self.nodes[i].coverage for i in path] + list(rows), use_ssm)
 
     # ---------------------------------------------------------------- queries
 
