@@ -9,8 +9,8 @@ from pathlib import Path
 import kvcm
 import pytest
 from kvcm.cli import main
-from kvcm.tools.events import watch
 from kvcm.fleet.publisher import EventPublisher
+from kvcm.tools.events import watch
 from kvcm.tools.routing import POLICIES, route_trace
 from kvcm.tools.trace import TraceRequest, load_trace
 from test_wire import hybrid, run
