@@ -1,18 +1,8 @@
 """``python -m kvcm COMMAND ...``: the command line, one module per command.
 
-Commands::
-
-    info                                   backend, version, cpp extension and build details
-    replay [TRACE] [--backend python,cpp] [--block-size 32] [--gpu-blocks N | --gpu-frac F]
-           [--host-blocks N | --host-frac F] [--limit N] [--no-partial] [--outputs]
-    replay [TRACE] --instances 2,4,8 --shared-tier file:DIR|mooncake|mooncake://HOST:PORT?metadata=URL
-           [--page-bytes 4096] [--gpu-blocks 1024] [--plot kvcm-fleet.png]   (the fleet replay, kvcm.tools.fleet_replay)
-    bench [replay|keys|probe|decode|step|ssm|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
-    bench vllm [--conversations N] [--turns N] [--gpu-blocks N] ...   (kvcm.integrations.vllm.bench)
-    oplog-replay PATH [--backend python,cpp] [--minimize OUT] ...
-    demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
-    events --connect ENDPOINT [--replay ENDPOINT] [--snapshot] | --demo | --bench
-    route [TRACE] --instances N[,M] [--policy kv,round-robin,random,least-loaded] [--plot PNG]
+``python -m kvcm --help`` lists the commands (``info``, ``replay``, ``bench``,
+``oplog-replay``, ``demo``, ``events``, ``route``, ...); ``python -m kvcm COMMAND --help``
+gives each one's options, and each module's docstring says what it does.
 
 Exit status (every command): 0 success; 1 a failure the command reports -- a backend that
 raised an unexpected error (``replay``, ``bench``), a divergence (``oplog-replay``), outputs
