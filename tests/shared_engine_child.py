@@ -27,6 +27,7 @@ import time
 
 from kvcm import engine
 from kvcm.dataplane import DataPlane
+from kvcm.dataplane.shared_io import SharedIO
 from kvcm.dataplane.store import HEADER, Staging
 
 fired = {"n": 0}
@@ -76,23 +77,23 @@ def install(fault: str) -> None:
         return hits
 
     if fault == "fail-puts":
-        store_batch = DataPlane._store_batch
+        store_batch = SharedIO.store_batch
 
         def failing(self, ops):
-            put = self.shared.put
+            put = self.store.put
 
             def half(items, staging):  # the even items fail before anything is written
                 done = iter(put([it for i, it in enumerate(items) if i % 2], staging))
                 fired["n"] += (len(items) + 1) // 2
                 return [OSError(5, "injected put failure") if i % 2 == 0 else next(done) for i in range(len(items))]
 
-            self.shared.put = half
+            self.store.put = half
             try:
                 return store_batch(self, ops)
             finally:
-                del self.shared.put
+                del self.store.put
 
-        DataPlane._store_batch = failing
+        SharedIO.store_batch = failing
     else:
         DataPlane.shared_lookup = after_lookup
 

@@ -11,7 +11,8 @@ import errno
 import os
 
 import pytest
-from kvcm.dataplane import TRAILER, DataPlane
+from kvcm.dataplane import DataPlane
+from kvcm.dataplane.disk_pool import TRAILER
 from kvcm.engine import Engine, Request, TinyHybridModel, compare_with_reference, make_workload, torch_threads
 
 B = 16

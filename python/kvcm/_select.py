@@ -83,8 +83,12 @@ def cli_entry() -> str | None:
 
 
 def cpp_extension():
+    """The compiled core ``kvcm._kvcm_cpp`` (loaded by name, as in :mod:`kvcm.cpp_backend`), or
+    :class:`BackendUnavailableError` saying how to build it."""
+    import importlib
+
     try:
-        from kvcm import _kvcm_cpp
+        _kvcm_cpp = importlib.import_module("kvcm._kvcm_cpp")
     except ImportError as e:
         raise BackendUnavailableError(f"kvcm backend 'cpp': {BUILD_HINT} ({e})") from e
     return _kvcm_cpp

@@ -63,8 +63,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, CopyError, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
-from kvcm.cli.common import backend_arg, int_in, oplog_unusable, torch_missing, writable_file
 from kvcm.dataplane import DataPlane
+from kvcm.tools.cmdline import backend_arg, int_in, oplog_unusable, torch_missing, writable_file
 
 
 class QuotaTooSmallError(RuntimeError):

@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "one scrape (0: a free port; needs kvcm[metrics])")
     p.add_argument("--metrics-addr", default="127.0.0.1", help="the address the metrics server binds (default 127.0.0.1)")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    from kvcm.cli.common import torch_missing
+    from kvcm.tools.cmdline import torch_missing
 
     why = torch_missing("python -m kvcm demo")
     if why is not None:

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, CopyError, KVCacheManager, KVCacheManagerConfig, Tier
-from kvcm.cli.common import fmt_int, format_table
 from kvcm.dataplane import DataPlane, open_store
 from kvcm.dataplane.store import HEADER, SharedStore, Staging
+from kvcm.tools.cmdline import fmt_int, format_table
 from kvcm.tools.trace import TraceRequest, expand_prompt
 
 NUM_LAYERS = 2

@@ -348,7 +348,7 @@ def run_soak(profile: SoakProfile, *, backend: str | None = None, trace: Sequenc
 # The bounds a soak's samples after the warm-up must keep (flat_violations).  Each is stated
 # against what a leak of the kind it catches would add.
 RSS_SLACK_BYTES = 16 << 20  # allocator and cache noise; a leak of 1 KB/request over 10**5 requests is 100 MB
-THREAD_SLACK = 2  # a store call's worker thread may still be exiting when sampled (kvcm.dataplane._call)
+THREAD_SLACK = 2  # a store call's worker thread may still be exiting when sampled (SharedIO._call)
 FD_SLACK = 0  # every file the store opens is closed before its call returns
 STORE_BATCH_SLACK = 64 << 10  # per writer: one request's store batch past a rescan (~10-30 objects here)
 ROUTER_SLACK = 0.10
