@@ -119,7 +119,7 @@ def test_fleet_package_serves_the_fleet_replays_names_lazily():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("module", ["kvcm.soak", "kvcm.tools.soak", "kvcm.cli", "kvcm.engine"])
+@pytest.mark.parametrize("module", ["kvcm.soak", "kvcm.tools.soak", "kvcm.cli", "kvcm.tools.engine_instance"])
 def test_python_dash_m_of_former_and_new_paths_still_runs(module):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")]))
     args = ["info"] if module == "kvcm.cli" else ["--help"]

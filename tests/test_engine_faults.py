@@ -12,7 +12,8 @@ import os
 
 import pytest
 from kvcm.dataplane import TRAILER, DataPlane
-from kvcm.engine import Engine, Request, TinyHybridModel, compare_with_reference, make_workload, torch_threads
+from kvcm.engine import Engine, Request, TinyHybridModel, compare_with_reference, torch_threads
+from kvcm.tools.workloads import make_workload
 
 B = 16
 LOGIT_TOL = 1e-4

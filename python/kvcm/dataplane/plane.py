@@ -97,6 +97,31 @@ class DataPlane(Pools, CopyRuns, SharedIO):
         self.kernel_calls = 0  # gather+scatter pairs issued (one per (src tier, dst tier, lc) per run)
 
 
+    def adopt_memory(self, tier: int | str, lc: int, memory: Any) -> None:
+        """Make ``memory`` — a ``uint8[num_slots, slot_bytes]`` tensor the engine owns, e.g. a
+        view of its own paged cache — the pool of ``(tier, lc)`` of a ``gpu`` or ``host`` tier:
+        slot ``s`` of that pool is then ``memory[s]``, and kvcm's copy ops read and write the
+        engine's bytes in place (the pool kvcm made is dropped; nothing is copied).  The engine
+        keeps ``memory`` alive, and adopts its new memory again if it reallocates it; a
+        ``set_quota`` of that tier gives the pool kvcm's own memory again.  Bad input raises
+        ``ValueError`` / ``TypeError`` and changes nothing."""
+        torch = _torch()
+        pos = self._tier(tier)
+        kind = self.tier_kinds[pos]
+        if kind not in ("gpu", "host"):
+            raise ValueError(f"adopt_memory: the {kind} tier has no tensor pools (gpu and host tiers only)")
+        if isinstance(lc, bool) or not isinstance(lc, int) or not 0 <= lc < len(self.life_cycles):
+            raise ValueError(f"adopt_memory: unknown life cycle {lc!r}")
+        if not isinstance(memory, torch.Tensor):
+            raise TypeError(f"adopt_memory: memory must be a torch tensor, got {type(memory).__name__}")
+        want = (self.num_slots[pos][lc], self.life_cycles[lc].slot_bytes)
+        if memory.dtype != torch.uint8 or tuple(memory.shape) != want:
+            raise ValueError(f"adopt_memory: ({kind}, lc {lc}) needs a uint8 tensor of shape {want}, got "
+                             f"{memory.dtype} {tuple(memory.shape)}")
+        if memory.stride(1) != 1:
+            raise ValueError("adopt_memory: each slot must be contiguous (stride 1 along a slot's bytes)")
+        self.pools[pos][lc] = memory
+
     def stats(self) -> dict:
         """Copy ops and bytes by reason, ops by route, runs and kernel calls; with a shared tier also
         the shared-tier counters (``shared``) and the store's own (``shared_store``)."""
