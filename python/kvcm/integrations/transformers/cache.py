@@ -420,6 +420,10 @@ class KvcmPagedAttentionCache(tf_api.PagedAttentionCache):
         self._running.clear()
         self._kc.loop.sync()
 
+    def reset(self) -> None:
+        # the pool stays empty (every sector is kvcm's); reusable pages survive a reset
+        self.free_all_requests()
+
     def evict_cached_blocks(self) -> bool:
         return False  # kvcm evicts (offloads) on demand, inside resize / resume
 
