@@ -246,3 +246,31 @@ def test_adopt_memory_refuses_bad_input_and_changes_nothing(tmp_path, tier, lc, 
         assert [list(row) for row in plane.pools] == before
     finally:
         plane.close()
+
+
+def test_a_copy_that_keeps_failing_ends_the_admission_after_three_attempts(make_manager):
+    """A request whose match ends on an ssm snapshot gets its live state copied from it
+    (``cow``); when that copy keeps failing, each roll-back re-matches the same prefix, so the
+    loop gives up after ``RESUME_ATTEMPTS`` and the admission is refused (closed): the engine
+    tries again later."""
+    layers = [AttentionLayer(0, 8), SsmLayer(1, 16)]
+    mgr = make_manager(config_from_layout(B, layers, gpu_blocks=8))
+    plane = DataPlane(mgr.config, dtype=torch.uint8)
+    loop = EngineLoop(mgr, plane)
+    kv = loop.admit(PROMPT_A, capacity=len(PROMPT_A))
+    for i in range(0, 8, B):  # commits ending on block boundaries: snapshots
+        kv.commit(PROMPT_A[i:i + B])
+        loop.sync()
+    kv.close()
+    loop.sync()
+    plane.fault = fail("cow", times=10**6)
+    before = mgr.snapshot()["requests"]
+    assert loop.admit(PROMPT_A[:-1]) is None
+    assert loop.counters["rollbacks"] == EngineLoop.RESUME_ATTEMPTS and loop.counters["refused"] == 1
+    assert mgr.snapshot()["requests"] == before  # closed: nothing of it is left open
+    plane.fault = None
+    kv = loop.admit(PROMPT_A[:-1])  # the copy works again: admitted from the snapshot
+    assert kv is not None and kv.num_committed_tokens == 8
+    kv.close()
+    loop.sync()
+    mgr.check_invariants()

@@ -75,15 +75,15 @@ def config_from_layout(tokens_per_block: int, layers: Sequence[Layer], *, gpu_bl
 class EngineLoop:
     """Admission and copy settlement for one manager (module docstring).
 
-    ``manager``: the kvcm manager.  ``plane``: the data plane that executes its copies
-    (``None`` on a side that only drains and reports).  ``lookup_plane``: the plane that
+    ``manager``: the kvcm manager (``None`` on a side that only applies copies).  ``plane``:
+    the data plane that executes its copies (``None`` on a side that only drains and reports).  ``lookup_plane``: the plane that
     answers shared-store queries at admission (default ``plane``; ``None`` and no ``plane``:
     no lookups).  ``on_rollback``: called with the id of each cache the manager rolled back
     (after the report that rolled it back; the cache is SUSPENDED, its committed tokens cut to
     before the first lost block: resume it and recompute from ``num_committed_tokens``).
 
     Attributes:
-        manager: the manager.
+        manager: the manager, or None.
         plane: the plane that executes copies, or None.
         lookup_plane: the plane that answers shared lookups, or None.
         on_rollback: the roll-back callback, or None.
@@ -93,7 +93,11 @@ class EngineLoop:
         last_shared_hits: the pairs the store held for the last :meth:`create`.
         last_error: the ``CopyError`` of the last failed :meth:`apply`, or None."""
 
-    def __init__(self, manager: KVCacheManager, plane: DataPlane | None = None, *,
+    # resume(): how many roll-backs in a row before the admission gives up for now (a failure
+    # that repeats, e.g. a live ssm state whose copy keeps failing, re-matches the same prefix)
+    RESUME_ATTEMPTS = 3
+
+    def __init__(self, manager: KVCacheManager | None, plane: DataPlane | None = None, *,
                  lookup_plane: DataPlane | None = None,
                  on_rollback: Callable[[int | str], None] | None = None) -> None:
         self.manager = manager
@@ -124,14 +128,16 @@ class EngineLoop:
 
     def resume(self, kv: KVCache, capacity: int | None = None, *, sync: bool = True) -> bool:
         """``kv.resume()`` (and ``kv.resize(capacity)``), then, with ``sync``, :meth:`sync`;
-        again while that sync rolled ``kv`` back (each failure removes the lost pages from the
-        tree, so the match shrinks and this ends).  False: the gpu tier cannot hold it now
-        (nothing synced; ``kv`` is SUSPENDED, or ACTIVE when only the resize was refused)."""
-        while True:
+        again while that sync rolled ``kv`` back (the lost pages are gone from the tree, so it
+        resumes from the shorter match), at most :attr:`RESUME_ATTEMPTS` times.  False: the gpu
+        tier cannot hold it now (that refusal is not synced; ``kv`` is SUSPENDED, or ACTIVE
+        when only the resize was refused), or its copies failed every attempt (SUSPENDED)."""
+        for _ in range(self.RESUME_ATTEMPTS):
             if not kv.resume() or (capacity is not None and not kv.resize(capacity)):
                 return False
             if not sync or kv.id not in self.sync():
                 return True
+        return False
 
     def admit(self, tokens: Sequence[Any], scope: ReuseScope | None = None, *, id: int | str | None = None,
               capacity: int | None = None, sync: bool = True) -> KVCache | None:
