@@ -184,6 +184,38 @@ def test_geometry_change_in_one_context_is_refused():
                                  continuous_batching_config=cb_config(32), progress_bar=False)
 
 
+def test_kvcm_is_scoped_to_its_model():
+    """Was: a process-wide swap of transformers' cache class, which nested or concurrent
+    contexts restored wrongly.  Each context hooks its own model only: nested contexts on two
+    models each serve their model, a third model keeps transformers' own cache, nothing of
+    transformers changes, and leaving a context restores its model."""
+    from transformers.generation.continuous_batching import cache as tf_cache
+    from transformers.generation.continuous_batching import continuous_api as tf_api
+
+    a, b, plain = build("llama"), build("qwen3"), build("llama")
+    prompts = conversations(2)
+
+    def gen(model):
+        out = model.generate_batch(prompts, generation_config=gen_config(), continuous_batching_config=cb_config(),
+                                   progress_bar=False)
+        return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+    with KvcmContinuousBatching(a) as ka:
+        with KvcmContinuousBatching(b) as kb:
+            with pytest.raises(ValueError, match="already hooked"):
+                KvcmContinuousBatching(a).__enter__()
+            assert gen(b) == [reference(b, p)[0] for p in prompts]
+            assert kb.stats()["prompt_tokens"] == sum(len(p) for p in prompts)
+        assert "init_continuous_batching" not in vars(b) and kb.mgr is None  # the inner context is gone
+        assert gen(a) == [reference(a, p)[0] for p in prompts]
+        served = ka.stats()["prompt_tokens"]
+        assert served == sum(len(p) for p in prompts)
+        assert gen(plain) == gen(a)  # transformers' own cache for the third model ...
+        assert ka.stats()["prompt_tokens"] == 2 * served  # ... and kvcm for a again, not for it
+        assert tf_api.PagedAttentionCache is tf_cache.PagedAttentionCache
+    assert "init_continuous_batching" not in vars(a)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_swa_mix", "gemma3_mix"])
 def test_multi_turn_exact_and_reused(kind):
     model = build(kind)
