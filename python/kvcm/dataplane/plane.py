@@ -253,6 +253,16 @@ class DataPlane:
 
     # ------------------------------------------------------------------ the whole
 
+    def adopt_memory(self, tier: int | str, lc: int, memory: Any) -> None:
+        """Make ``memory`` — a ``uint8[num_slots, slot_bytes]`` tensor the engine owns, e.g. a
+        view of its own paged cache — the pool of ``(tier, lc)`` of a ``gpu`` or ``host`` tier:
+        slot ``s`` of that pool is then ``memory[s]``, and kvcm's copy ops read and write the
+        engine's bytes in place (the pool kvcm made is dropped; nothing is copied).  The engine
+        keeps ``memory`` alive, and adopts its new memory again if it reallocates it; a
+        ``set_quota`` of that tier gives the pool kvcm's own memory again.  Bad input raises
+        ``ValueError`` / ``TypeError`` and changes nothing."""
+        self.slot_pools.adopt(tier, lc, memory)
+
     def stats(self) -> dict:
         """Copy ops and bytes by reason, ops by route, runs and kernel calls; with a shared tier also
         the shared-tier counters (``shared``) and the store's own (``shared_store``)."""

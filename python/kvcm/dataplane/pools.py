@@ -172,6 +172,27 @@ class Pools:
         """The number of slots of ``(tier, lc)`` now."""
         return self.num_slots[self._tier(tier)][lc]
 
+    def adopt(self, tier: int | str, lc: int, memory: Any) -> None:
+        """``DataPlane.adopt_memory``: ``memory`` (a ``uint8[num_slots, slot_bytes]`` tensor
+        of the engine's) becomes the pool of ``(tier, lc)`` of a gpu or host tier.  Bad input
+        raises and changes nothing."""
+        torch = torch_module()
+        pos = self._tier(tier)
+        kind = self.tier_kinds[pos]
+        if kind not in ("gpu", "host"):
+            raise ValueError(f"adopt_memory: the {kind} tier has no tensor pools (gpu and host tiers only)")
+        if isinstance(lc, bool) or not isinstance(lc, int) or not 0 <= lc < len(self.life_cycles):
+            raise ValueError(f"adopt_memory: unknown life cycle {lc!r}")
+        if not isinstance(memory, torch.Tensor):
+            raise TypeError(f"adopt_memory: memory must be a torch tensor, got {type(memory).__name__}")
+        want = (self.num_slots[pos][lc], self.life_cycles[lc].slot_bytes)
+        if memory.dtype != torch.uint8 or tuple(memory.shape) != want:
+            raise ValueError(f"adopt_memory: ({kind}, lc {lc}) needs a uint8 tensor of shape {want}, got "
+                             f"{memory.dtype} {tuple(memory.shape)}")
+        if memory.stride(1) != 1:
+            raise ValueError("adopt_memory: each slot must be contiguous (stride 1 along a slot's bytes)")
+        self.grid[pos][lc] = memory
+
     # ------------------------------------------------------------------ sizes at run time
 
     def resize(self, pos: int, lc: int, n: int) -> None:
