@@ -429,8 +429,7 @@ def test_two_ranks_name_their_shards_and_agree(tmp_path, backend, sims, fault_fi
     gone = sorted(present[1])[:2]
     for key, lc in gone:  # rank 1's shard of two blocks disappears: rank 0's alone is no hit
         os.unlink(rank1.shared.path(rank1.codec.name(key, lc)))
-    assert set(sched._hits("probe", prefix)) == present[0] - set(gone)
-    sched.hit_cache.clear()
+    assert set(sched.loop.shared_hits(prefix)) == present[0] - set(gone)
     chats.run(second, 1)
     assert sched.counters["hit_blocks_shared"] > 0 and not second.violations
     assert_drained(second)

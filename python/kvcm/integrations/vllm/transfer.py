@@ -49,7 +49,8 @@ from typing import Any
 
 import torch
 
-from kvcm.api import GPU, SHARED, CopyError, CopyOp, CopyRun
+from kvcm.api import GPU, SHARED, CopyOp, CopyRun
+from kvcm.engine_loop import EngineLoop
 from kvcm.integrations.vllm.metadata import LoadPlan, SavePlan
 
 logger = logging.getLogger(__name__)
@@ -266,11 +267,16 @@ class _Outcome:
 
 
 class TransferEngine:
-    """One worker thread executing a FIFO of jobs against one data plane (module doc)."""
+    """One worker thread executing a FIFO of jobs against one data plane (module doc).
+    ``loop``: the engine loop's half that applies copy runs (``EngineLoop(None, plane)``);
+    its plane holds kvcm's tier 0."""
 
-    def __init__(self, plane: Any, copier: Any, page_bytes: int,
+    def __init__(self, loop: EngineLoop, copier: Any, page_bytes: int,
                  fault_hook: Callable[[CopyOp], None] | None = None, name: str = "kvcm-transfer") -> None:
-        self.plane = plane
+        if loop.plane is None:
+            raise ValueError("TransferEngine: the engine loop has no data plane")
+        self.loop = loop
+        plane = self.plane = loop.plane
         self.copier = copier
         self.page_bytes = page_bytes
         self.pool = plane.pool(GPU, LC)
@@ -489,11 +495,11 @@ class TransferEngine:
         plane.fault = self._fault if poisoned or self.fault_hook is not None else None
         failed: list[CopyOp] = []
         try:
-            plane.apply_runs(job.runs)
-        except CopyError as e:
-            failed = list(e.ops)
-            logger.warning("kvcm: %d copy ops of drain %d did not complete (%s); their pages are dropped and "
-                           "vLLM recomputes what needed them", len(failed), job.drain_seq, e.cause)
+            failed = self.loop.apply(job.runs)  # the ops of a CopyError, [] when all completed
+            if failed:
+                logger.warning("kvcm: %d copy ops of drain %d did not complete (%s); their pages are dropped and "
+                               "vLLM recomputes what needed them", len(failed), job.drain_seq,
+                               getattr(self.loop.last_error, "cause", None))
         except ValueError:  # a run the plane refused (a bug): none of it ran
             logger.exception("kvcm: drain %d refused by the data plane", job.drain_seq)
             failed = [op for r in job.runs for op in r.ops()]
