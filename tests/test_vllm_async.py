@@ -261,6 +261,7 @@ def test_disk_fault_while_async_load_in_flight(tmp_path, backend, sims, fault, a
     c = sim.sched.counters
     assert not sim.violations
     assert c["failed_ops"] > before["failed_ops"] and c["rollbacks"] > before["rollbacks"]
+    assert sim.sched.loop.counters["rollbacks"] == c["rollbacks"]  # settled through the engine loop
     assert c["load_error_blocks"] > 0 and c["load_error_blocks"] == sim.counters["invalid_blocks"]
     assert sim.sched.worker_counters["load_error_blocks"] == c["load_error_blocks"]
     assert_drained(sim)

@@ -666,7 +666,7 @@ class KvcmScheduler:
                 "worker_gauges": {str(k): v for k, v in self.worker_gauges.items()}, "seconds": self.seconds,
                 "waits": self.waits,
                 "pending": self.pending(), "manager": self.mgr.stats(), "process": process_stats(),
-                "lookup": _lookup_stats(self.lookup_planes)}
+                "lookup": _lookup_stats(self.lookup_planes), "loop": dict(self.loop.counters)}
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, default=str)
