@@ -13,7 +13,8 @@ Every engine that drives a manager does the same two things around its own sched
   then recomputes those requests from their new committed length.
 
 :class:`EngineLoop` is that protocol; the reference engine (``kvcm.engine``), the tools
-(``kvcm.tools.soak``, ``kvcm.tools.fleet_replay``) and the transformers integration use it.
+(``kvcm.tools.soak``, ``kvcm.tools.fleet_replay``), the transformers integration and, by
+halves, the vLLM connector use it.
 Its halves can be used apart, for an engine whose copies run elsewhere or later (vLLM's
 scheduler and workers): :meth:`EngineLoop.admit` with ``sync=False`` and
 :meth:`EngineLoop.drain` on the side that owns the manager, :meth:`EngineLoop.apply` on the

@@ -4,8 +4,8 @@ It owns kvcm's manager and mirrors each vLLM request that runs into a kvcm reque
 :class:`Mirror`), whose pages live in kvcm's tier 0 (host memory), then disk, then the
 shared store (DECISIONS.md "vLLM connector").  The engine side of kvcm's protocol goes
 through :class:`kvcm.engine_loop.EngineLoop` (the half that owns the manager: probe, admit
-without syncing, drain, report; the workers' loops apply).  It imports nothing of vLLM: the requests
-and scheduler outputs it reads are duck-typed (``request_id``, ``all_token_ids``,
+without syncing, drain, report; the workers' loops apply).  It imports nothing of vLLM:
+the requests and scheduler outputs it reads are duck-typed (``request_id``, ``all_token_ids``,
 ``num_computed_tokens``; ``num_scheduled_tokens``, ``preempted_req_ids``,
 ``total_num_scheduled_tokens``, ``kv_connector_block_state`` or the new / cached request
 data), so tests drive it without an engine.
@@ -15,17 +15,19 @@ the workers' output of step N, and nothing here depends on that output being in)
 
 * ``get_num_new_matched_tokens`` (a waiting request, maybe several times): a probe without
   side effects (``EngineLoop.probe``) — the store's existence query (cached per request and
-  prompt length), then ``probe_reuse_detail(prompt[:-1], shared_hits=...)``.  The answer is the whole blocks kvcm
-  holds past vLLM's local hit; asynchronous when one of them must first come from disk or
-  the store (``load_mode``).
+  prompt length), then ``probe_reuse_detail(prompt[:-1], shared_hits=...)``.  The answer is
+  the whole blocks kvcm holds past vLLM's local hit; asynchronous when one of them must
+  first come from disk or the store (``load_mode``).
 * ``update_state_after_alloc``: the kvcm request is admitted (``EngineLoop.admit`` with the
-  probe's hits, ``sync=False``: created, resumed, closed if refused), and the load is planned (kvcm tier-0 slots -> the vLLM blocks just allocated).
+  probe's hits, ``sync=False``: created, resumed, closed if refused), and the load is
+  planned (kvcm tier-0 slots -> the vLLM blocks just allocated).
 * ``build_connector_meta``: saves are planned for the blocks full after the step (bounded by
   ``max_inflight_bytes``), preemptions and finished requests holding blocks are passed on,
   then ONE drain (``EngineLoop.drain``; drains are settled explicitly, oldest first).
 * ``update_connector_output``: the workers' reports, once every rank made its report: drains
-  are settled (``EngineLoop.report``: ``settle_copies``, roll-backs), loads counted as delivered or failed, confirmed
-  saves committed (a block enters kvcm's tree only after its bytes are written).
+  are settled (``EngineLoop.report``: ``settle_copies``, roll-backs), loads counted as
+  delivered or failed, confirmed saves committed (a block enters kvcm's tree only after
+  its bytes are written).
 * ``request_finished``: True while saves of the request are in flight (vLLM keeps its blocks
   until every worker reports it in ``finished_sending``).
 
