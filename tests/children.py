@@ -4,7 +4,7 @@ installed wheel — never another one.
 
 Putting the source tree's ``python/`` on the child's path (what the tests did) breaks after
 a non-editable ``pip install .``: the parent runs the installed package, the child the
-source tree, which has no compiled extension (``cannot import name '_kvcm_cpp'``).  So the
+source tree, which has no compiled extension (``No module named 'kvcm._kvcm_cpp'``).  So the
 directory holding *this process's* ``kvcm`` goes first on the child's ``PYTHONPATH``, unless
 it is a site directory the child searches anyway (prepending site-packages would put it
 before the standard library); then the tests directory (the children's helpers), then the

@@ -1,5 +1,5 @@
 """One engine instance in its own process (``python tests/shared_engine_child.py ...``): the
-arguments of ``python -m kvcm.engine`` plus ``--fault``, which injects a fault into this
+arguments of ``python -m kvcm.tools.engine_instance`` plus ``--fault``, which injects a fault into this
 process's data plane (tests/test_shared_engine.py):
 
 * ``delete-after-lookup``: every object a lookup found is removed right after the lookup,
@@ -14,7 +14,7 @@ process's data plane (tests/test_shared_engine.py):
 ``--barrier DIR``: once imported, write ``DIR/ready-<pid>`` and wait for ``DIR/go`` before
 running (the test starts processes at the same time).
 
-Writes the outcome (``kvcm.engine.run_instance``) as JSON to ``--json``, with ``fault_hits``:
+Writes the outcome (``kvcm.tools.engine_instance.run_instance``) as JSON to ``--json``, with ``fault_hits``:
 how often the fault fired, and ``run_span``: the wall-clock [start, end] of the run."""
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import signal
 import sys
 import time
 
-from kvcm import engine
 from kvcm.dataplane import DataPlane
+from kvcm.dataplane.shared_io import SharedIO
 from kvcm.dataplane.store import HEADER, Staging
+from kvcm.tools import engine_instance
 
 fired = {"n": 0}
 
@@ -76,29 +77,29 @@ def install(fault: str) -> None:
         return hits
 
     if fault == "fail-puts":
-        store_batch = DataPlane._store_batch
+        store_batch = SharedIO.store_batch
 
         def failing(self, ops):
-            put = self.shared.put
+            put = self.store.put
 
             def half(items, staging):  # the even items fail before anything is written
                 done = iter(put([it for i, it in enumerate(items) if i % 2], staging))
                 fired["n"] += (len(items) + 1) // 2
                 return [OSError(5, "injected put failure") if i % 2 == 0 else next(done) for i in range(len(items))]
 
-            self.shared.put = half
+            self.store.put = half
             try:
                 return store_batch(self, ops)
             finally:
-                del self.shared.put
+                del self.store.put
 
-        DataPlane._store_batch = failing
+        SharedIO.store_batch = failing
     else:
         DataPlane.shared_lookup = after_lookup
 
 
 def main() -> int:
-    p = engine.instance_parser()
+    p = engine_instance.instance_parser()
     p.add_argument("--fault", default=None)
     p.add_argument("--barrier", default=None)
     args = p.parse_args()
@@ -113,7 +114,7 @@ def main() -> int:
                 raise TimeoutError("no go from the test")
             time.sleep(0.01)
     t0 = time.time()
-    res = engine.run_instance(args)
+    res = engine_instance.run_instance(args)
     res["run_span"] = [t0, time.time()]
     res["fault_hits"] = fired["n"]
     with open(args.json, "w") as f:

@@ -66,7 +66,7 @@ COMMANDS = [
     ["-m", "kvcm", "events", "--bench", "--limit", "1"],
     ["-m", "kvcm", "bench", "keys", "--quick"],
     ["-m", "kvcm", "demo"],
-    ["-m", "kvcm.engine", "--no-check"],
+    ["-m", "kvcm.tools.engine_instance", "--no-check"],
 ]
 
 
@@ -88,12 +88,12 @@ def test_unknown_kvcm_backend_still_fails_a_plain_import():
 
 
 def test_backend_rust_is_a_usage_error_on_every_command(capsys):
-    from kvcm import engine
     from kvcm.cli import events as events_cli
     from kvcm.cli import route as route_cli
+    from kvcm.tools import engine_instance
 
     for main, argv in ((route_cli.main, ["--backend", "rust"]), (events_cli.main, ["--bench", "--backend", "rust"]),
-                       (engine.main, ["--backend", "rust"]), (cli.main, ["bench", "keys", "--backend", "rust"]),
+                       (engine_instance.main, ["--backend", "rust"]), (cli.main, ["bench", "keys", "--backend", "rust"]),
                        (cli.main, ["replay", "--backend", "rust"])):
         last = usage_error(capsys, main, *argv)
         assert "argument --backend: unknown backend 'rust'; choices: cpp, python" in last, (argv, last)
@@ -229,12 +229,12 @@ def test_events_replay_endpoint_that_does_not_answer_is_one_line(capsys):
 
 
 # ---------------------------------------------------------------------------------------
-# item 2: python -m kvcm.engine
+# item 2: one engine instance (python -m kvcm.tools.engine_instance)
 # ---------------------------------------------------------------------------------------
 
 
 def test_engine_bad_options_are_usage_errors(tmp_path, capsys):
-    from kvcm.engine import main
+    from kvcm.tools.engine_instance import main
 
     for argv, msg in ((["--block", "0"], "argument --block: 0 out of range 1..4096"),
                       (["--gpu-slots", "-1"], "argument --gpu-slots: must be an int >= 1, got -1"),
@@ -243,16 +243,16 @@ def test_engine_bad_options_are_usage_errors(tmp_path, capsys):
         last = usage_error(capsys, main, *argv)
         assert msg in last and "quota_bytes: must be" not in last, last
     code, out, err = main_of(capsys, main, "--json", str(tmp_path / "no" / "x.json"))
-    assert code == 2 and out == "" and one_line(err).startswith("python -m kvcm.engine: --json ")
+    assert code == 2 and out == "" and one_line(err).startswith("python -m kvcm.tools.engine_instance: --json ")
 
 
 @BOTH
 def test_engine_bad_input_after_parsing_is_one_line(capsys, be):
-    from kvcm.engine import main
+    from kvcm.tools.engine_instance import main
 
     code, _, err = main_of(capsys, main, "--backend", be, "--gpu-slots", "2", "--no-check")
-    assert code == 2 and one_line(err) == "python -m kvcm.engine: the gpu quota cannot hold even one request " \
-                                          "(--gpu-slots 2)"
+    assert code == 2 and one_line(err) == "python -m kvcm.tools.engine_instance: the gpu quota cannot hold even one " \
+                                          "request (--gpu-slots 2)"
     code, _, err = main_of(capsys, main, "--backend", be, "--shared-tier", "mooncake://nohost", "--no-check")
     assert code == 2 and "not a Mooncake location" in one_line(err)
 
@@ -289,7 +289,7 @@ NO_TORCH = NO_EXTRAS.replace('("zmq", "msgspec", "matplotlib")', '("torch",)').r
 ).replace("main(sys.argv[1:])", "main(sys.argv[2:])")
 
 
-@pytest.mark.parametrize("argv", [["kvcm.cli", "demo", "--backend", "python"], ["kvcm.engine", "--no-check"]])
+@pytest.mark.parametrize("argv", [["kvcm.cli", "demo", "--backend", "python"], ["kvcm.tools.engine_instance", "--no-check"]])
 def test_missing_torch_names_the_pinned_install(argv):
     p = run_py(argv, code=NO_TORCH)
     assert p.returncode == 2, p.stderr
@@ -329,11 +329,11 @@ def test_kvcm_oplog_in_a_missing_directory_is_refused_not_created(tmp_path, monk
 
 @BOTH
 def test_kvcm_oplog_in_proc_is_one_line_not_an_error_table(monkeypatch, capsys, be):
-    from kvcm.engine import main as engine_main
+    from kvcm.tools.engine_instance import main as engine_main
 
     monkeypatch.setenv("KVCM_OPLOG", "/proc/x.jsonl")
     code, out, err = main_of(capsys, cli.main, "replay", "--limit", "1", "--backend", be, "--no-progress")
     assert code == 2 and out == ""
     assert one_line(err).startswith("python -m kvcm replay: KVCM_OPLOG='/proc/x.jsonl': cannot open")
     code, out, err = main_of(capsys, engine_main, "--backend", be)
-    assert code == 2 and one_line(err).startswith("python -m kvcm.engine: KVCM_OPLOG=")
+    assert code == 2 and one_line(err).startswith("python -m kvcm.tools.engine_instance: KVCM_OPLOG=")

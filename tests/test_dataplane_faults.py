@@ -19,7 +19,8 @@ import textwrap
 import pytest
 import torch
 from kvcm import AttentionLayer, CopyError, CopyOp, KVCacheManagerConfig, SsmLayer, Tier
-from kvcm.dataplane import POOL_PREFIX, DataPlane, remove_stale_pool_files
+from kvcm.dataplane import DataPlane, remove_stale_pool_files
+from kvcm.dataplane.disk_pool import POOL_PREFIX
 
 B = 4
 LAYERS = [AttentionLayer(0, 32), SsmLayer(1, 24)]  # slot bytes: 128 (attn), 24 (ssm)

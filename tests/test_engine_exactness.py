@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcm.engine import TinyHybridModel, builtin_workload, run_workload, torch_threads
+from kvcm.engine import TinyHybridModel, torch_threads
+from kvcm.tools.workloads import builtin_workload, run_workload
 
 B = 16  # tokens per block
 # Float32 round-off between the paged (chunked) and the dense computation; measured on

@@ -11,8 +11,10 @@ import errno
 import os
 
 import pytest
-from kvcm.dataplane import TRAILER, DataPlane
-from kvcm.engine import Engine, Request, TinyHybridModel, compare_with_reference, make_workload, torch_threads
+from kvcm.dataplane import DataPlane
+from kvcm.dataplane.disk_pool import TRAILER
+from kvcm.engine import Engine, Request, TinyHybridModel, compare_with_reference, torch_threads
+from kvcm.tools.workloads import make_workload
 
 B = 16
 LOGIT_TOL = 1e-4

@@ -572,15 +572,17 @@ def test_replay_compares_snapshots_across_backends(tmp_path, monkeypatch):
     assert sum(op in ("create_kv_cache", "drain_copy_ops", "probe_reuse", "probe_reuse_detail") for op in ops) == 2
 
 
-def test_main_replay_exit_codes(tmp_path, monkeypatch, capsys):
+def test_oplog_replay_command_exit_codes(tmp_path, monkeypatch, capsys):
+    from kvcm.cli.oplog_replay import main as oplog_replay
+
     path = record(tmp_path, monkeypatch)
-    assert L.main_replay([path, "--backend", "python"]) == 0
+    assert oplog_replay([path, "--backend", "python"]) == 0
     assert "no divergence" in capsys.readouterr().out
-    assert L.main_replay([path, "--backend", "rust"]) == 2
-    assert L.main_replay([str(tmp_path / "missing.jsonl"), "--backend", "python"]) == 2
+    assert oplog_replay([path, "--backend", "rust"]) == 2
+    assert oplog_replay([str(tmp_path / "missing.jsonl"), "--backend", "python"]) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"m": "x", "op": "stats"}\n')
-    assert L.main_replay([str(bad), "--backend", "python"]) == 2
+    assert oplog_replay([str(bad), "--backend", "python"]) == 2
     assert "before its config line" in capsys.readouterr().err
 
 

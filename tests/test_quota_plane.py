@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 from kvcm import AttentionLayer, KVCacheManagerConfig, OutOfPagesError, Tier
-from kvcm.dataplane import TRAILER, DataPlane, DiskPool
+from kvcm.dataplane import DataPlane, DiskPool
+from kvcm.dataplane.disk_pool import TRAILER
 
 B = 4
 SLOT = B * 8  # one attention layer of 8 bytes per token

@@ -9,8 +9,8 @@ from pathlib import Path
 import kvcm
 import pytest
 from kvcm.cli import main
-from kvcm.cli.events import watch
 from kvcm.fleet.publisher import EventPublisher
+from kvcm.tools.events import watch
 from kvcm.tools.routing import POLICIES, route_trace
 from kvcm.tools.trace import TraceRequest, load_trace
 from test_wire import hybrid, run
@@ -104,7 +104,7 @@ def test_events_command_watches_a_publisher(capsys: pytest.CaptureFixture) -> No
 
 
 def test_events_bench_measures_publish_cost_with_a_subscriber() -> None:
-    from kvcm.cli.events import bench
+    from kvcm.tools.events import bench
 
     r = bench(limit=15, backend=None, block_size=32)
     assert r["steps"] == 15 and r["events"] > 0

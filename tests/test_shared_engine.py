@@ -1,4 +1,4 @@
-"""Proof across processes (issue 11): separate engine processes (``kvcm.engine``, via
+"""Proof across processes (issue 11): separate engine processes (``kvcm.tools.engine_instance``, via
 tests/shared_engine_child.py) share one store — a directory of files or a real Mooncake
 Store — and a later process reuses an earlier one's prefill, with generated tokens and
 logits equal to a run with no cache at all; also under faults (objects deleted or truncated

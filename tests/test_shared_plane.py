@@ -377,9 +377,9 @@ def test_a_slow_store_fails_like_a_store_that_is_down(store_url, ns):
         for lc in (0, 1):
             assert torch.equal(plane.pool("gpu", lc)[4:6], sentinel[lc])  # no pool slot written late
         slow.delay = 0.0
-        assert len(plane._late) == 3  # the late calls, remembered until their buffers are freed
+        assert len(plane.shared_io.late) == 3  # the late calls, remembered until their buffers are freed
         assert plane.apply(load_ops(2)) == 4  # a new staging buffer, the right bytes
-        assert plane._late == []  # the late calls returned: their buffers are freed
+        assert plane.shared_io.late == []  # the late calls returned: their buffers are freed
         for lc in (0, 1):
             assert torch.equal(plane.pool("gpu", lc)[4:6], plane.pool("gpu", lc)[0:2])
         assert plane.shared_lookup(cands)[:4] == cands[:4]
@@ -434,7 +434,7 @@ def test_a_store_answering_the_wrong_number_of_results_fails_the_batch(tmp_path,
         fill(plane)
         plane.apply(store_ops(2))
         bad = Miscounting(FileStore(str(tmp_path)))
-        plane.shared = bad
+        plane.shared_io.store = bad
         cands = [(key(i), lc) for i in range(2) for lc in (0, 1)]
         assert plane.shared_lookup(cands) == [] and plane.shared_stats["lookup_errors"] == 1
         with pytest.raises(CopyError) as e:
@@ -443,7 +443,7 @@ def test_a_store_answering_the_wrong_number_of_results_fails_the_batch(tmp_path,
         with pytest.raises(CopyError) as e:
             plane.apply(store_ops(2))
         assert e.value.ops == store_ops(2)
-        plane.shared = store
+        plane.shared_io.store = store
 
 
 def wait_stopped(pid: int, timeout: float = 30.0) -> None:

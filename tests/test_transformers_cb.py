@@ -8,6 +8,7 @@ outside CI (with CI=true a missing transformers fails).
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -128,8 +129,10 @@ def test_a_moved_internal_is_named_and_refused(monkeypatch):
              "pinned ('self', 'request_id', 'prompt_ids')")
     assert problems == [moved], problems
     assert any("transformers 5.20.0 is not the pinned 5.19.x" in p for p in check_pinned_internals("5.20.0"))
-    with pytest.raises(RuntimeError, match="search_prefix_match"), KvcmContinuousBatching():
+    model = build("llama")
+    with pytest.raises(RuntimeError, match="search_prefix_match"), KvcmContinuousBatching(model):
         pass
+    assert "init_continuous_batching" not in vars(model)  # refused before the model was touched
 
 
 def test_a_missing_pinned_attribute_is_named(monkeypatch):
@@ -145,17 +148,19 @@ def test_a_missing_pinned_attribute_is_named(monkeypatch):
 
     monkeypatch.setattr(FullAttentionCacheAllocator, "register_cache_tensor", register_cache_tensor)
     model = build("llama")
-    with KvcmContinuousBatching(), pytest.raises(RuntimeError, match="internals changed: no attribute "
+    with KvcmContinuousBatching(model), pytest.raises(RuntimeError, match="internals changed: no attribute "
                                                                      "FullAttentionCacheAllocator._copy_view"):
         model.generate_batch(conversations(1), generation_config=gen_config(), continuous_batching_config=cb_config(),
                              progress_bar=False)
 
 
 @pytest.mark.parametrize("kw", [{"host_blocks": -1}, {"disk_blocks": 1.5}, {"shared_bytes": True},
-                                {"disk_blocks": 4}])
+                                {"disk_blocks": 4}, {"shared_path": ""}])
 def test_bad_tier_arguments_are_refused(kw):
     with pytest.raises(ValueError):
-        KvcmContinuousBatching(**kw)
+        KvcmContinuousBatching(build("llama"), **kw)
+    with pytest.raises(TypeError, match="needs a transformers model"):
+        KvcmContinuousBatching(object())
 
 
 @pytest.mark.parametrize("kw,match", [({"cpu_offload_space": 0.01}, "cpu_offload_space"),
@@ -163,7 +168,7 @@ def test_bad_tier_arguments_are_refused(kw):
 def test_unsupported_engine_options_are_refused(kw, match):
     model = build("llama")
     cb = ContinuousBatchingConfig(page_size=8, num_blocks=64, max_batch_tokens=64, **kw)
-    with KvcmContinuousBatching(), pytest.raises(ValueError, match=match):
+    with KvcmContinuousBatching(model), pytest.raises(ValueError, match=match):
         model.generate_batch(conversations(1), generation_config=gen_config(), continuous_batching_config=cb,
                              progress_bar=False)
 
@@ -171,7 +176,7 @@ def test_unsupported_engine_options_are_refused(kw, match):
 def test_geometry_change_in_one_context_is_refused():
     """Reusable pages live in the first cache's tensor: a second cache of another size cannot adopt it."""
     model = build("llama")
-    with KvcmContinuousBatching():
+    with KvcmContinuousBatching(model):
         model.generate_batch(conversations(1), generation_config=gen_config(), continuous_batching_config=cb_config(64),
                              progress_bar=False)
         with pytest.raises(ValueError, match="geometry"):
@@ -179,10 +184,42 @@ def test_geometry_change_in_one_context_is_refused():
                                  continuous_batching_config=cb_config(32), progress_bar=False)
 
 
+def test_kvcm_is_scoped_to_its_model():
+    """Was: a process-wide swap of transformers' cache class, which nested or concurrent
+    contexts restored wrongly.  Each context hooks its own model only: nested contexts on two
+    models each serve their model, a third model keeps transformers' own cache, nothing of
+    transformers changes, and leaving a context restores its model."""
+    from transformers.generation.continuous_batching import cache as tf_cache
+    from transformers.generation.continuous_batching import continuous_api as tf_api
+
+    a, b, plain = build("llama"), build("qwen3"), build("llama")
+    prompts = conversations(2)
+
+    def gen(model):
+        out = model.generate_batch(prompts, generation_config=gen_config(), continuous_batching_config=cb_config(),
+                                   progress_bar=False)
+        return [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+    with KvcmContinuousBatching(a) as ka:
+        with KvcmContinuousBatching(b) as kb:
+            with pytest.raises(ValueError, match="already hooked"):
+                KvcmContinuousBatching(a).__enter__()
+            assert gen(b) == [reference(b, p)[0] for p in prompts]
+            assert kb.stats()["prompt_tokens"] == sum(len(p) for p in prompts)
+        assert "init_continuous_batching" not in vars(b) and kb.mgr is None  # the inner context is gone
+        assert gen(a) == [reference(a, p)[0] for p in prompts]
+        served = ka.stats()["prompt_tokens"]
+        assert served == sum(len(p) for p in prompts)
+        assert gen(plain) == gen(a)  # transformers' own cache for the third model ...
+        assert ka.stats()["prompt_tokens"] == 2 * served  # ... and kvcm for a again, not for it
+        assert tf_api.PagedAttentionCache is tf_cache.PagedAttentionCache
+    assert "init_continuous_batching" not in vars(a)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_swa_mix", "gemma3_mix"])
 def test_multi_turn_exact_and_reused(kind):
     model = build(kind)
-    with KvcmContinuousBatching() as kc:
+    with KvcmContinuousBatching(model) as kc:
         outs = run_turns(model, 3, 64, kc)
         stats = kc.stats()
     check_exact(model, outs)
@@ -196,7 +233,7 @@ def test_sliding_mix_shares_what_transformers_does_not():
     after the first reuses the shared system prompt in the first turn already, and the
     whole conversation in the next."""
     model = build("gemma3_mix")
-    with KvcmContinuousBatching() as kc:
+    with KvcmContinuousBatching(model) as kc:
         outs = run_turns(model, 2, 64, kc)
         stats = kc.stats()
     assert kc.transformers_prefix_sharing is False  # what transformers itself decided for this model
@@ -210,7 +247,7 @@ def test_eviction_and_onboarding_are_exact(kind, tier, tmp_path):
     tier and come back (onboard) through kvcm's data plane; tokens stay exact."""
     model = build(kind)
     tiers = {"host_blocks": 64} if tier == "host" else {"disk_blocks": 64, "disk_path": str(tmp_path)}
-    with KvcmContinuousBatching(**tiers) as kc:
+    with KvcmContinuousBatching(model, **tiers) as kc:
         outs = run_turns(model, 3, 12, kc)
         stats = kc.stats()
     check_exact(model, outs)
@@ -222,7 +259,7 @@ def test_eviction_and_onboarding_are_exact(kind, tier, tmp_path):
 def test_parallel_sampling_forks_share_the_prompt():
     model = build("llama")
     prompts = conversations(2)
-    with KvcmContinuousBatching() as kc:
+    with KvcmContinuousBatching(model) as kc:
         out = model.generate_batch(prompts, generation_config=gen_config(3), continuous_batching_config=cb_config(),
                                    progress_bar=False)
         stats = kc.stats()
@@ -253,7 +290,7 @@ def test_two_processes_share_a_store(store):
         from test_transformers_cb import build, run_turns, check_exact
         from kvcm.integrations.transformers import KvcmContinuousBatching
         model = build("llama")
-        with KvcmContinuousBatching(shared_path={store!r}) as kc:
+        with KvcmContinuousBatching(model, shared_path={store!r}) as kc:
             outs = run_turns(model, 1, 64, kc)
             s = kc.stats()
         check_exact(model, outs)
@@ -275,7 +312,7 @@ def test_preemption_suspends_and_resumes_exactly():
     """A gpu tier of 6 blocks for 4 growing chats: transformers preempts a starved request;
     kvcm suspends it (its pages held, offloaded to host) and resumes it at re-admission."""
     model = build("llama")
-    with KvcmContinuousBatching(host_blocks=64) as kc:
+    with KvcmContinuousBatching(model, host_blocks=64) as kc:
         outs = run_turns(model, 2, 6, kc, n=4)
         stats = kc.stats()
     check_exact(model, outs, n=4)
@@ -288,7 +325,7 @@ def test_persistent_manager_chat_reuses_each_turn():
     ``transformers serve`` does): each turn of a chat reuses the previous turn, exactly."""
     model = build("gemma3_mix")
     prompt = conversations(1)[0]
-    with KvcmContinuousBatching() as kc:
+    with KvcmContinuousBatching(model) as kc:
         mgr = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
         mgr.start()
         try:
@@ -305,3 +342,143 @@ def test_persistent_manager_chat_reuses_each_turn():
     # turns 2 and 3 match the previous conversation up to its last generated token (never computed):
     # 22 + 4 tokens, then 29 + 4
     assert stats["reused_tokens"] == 26 + 33, stats
+
+
+# ---------------------------------------------------------------------------------------
+# Failed copies become recomputes (issue 30); the host + disk "drops" explained
+# ---------------------------------------------------------------------------------------
+
+
+class FailOps:
+    """A data-plane fault hook (``DataPlane.fault``): the ops ``pick`` selects fail as a disk
+    I/O error would (``pick(op, k)``: ``k`` counts the ops of that reason seen so far)."""
+
+    def __init__(self, pick) -> None:
+        self.pick = pick
+        self.seen: dict[str, int] = {}
+        self.failed: list = []
+
+    def __call__(self, op) -> None:
+        k = self.seen.get(op.reason, 0)
+        self.seen[op.reason] = k + 1
+        if self.pick(op, k):
+            self.failed.append(op)
+            raise OSError(errno.EIO, f"injected failure of {op.reason} op {k}")
+
+
+@pytest.fixture
+def faulty_plane(monkeypatch):
+    """Every data plane the integration builds gets the fault hook set here (``holder[0]``)."""
+    from kvcm.dataplane import DataPlane
+    from kvcm.integrations.transformers import cache as kvcm_tf
+
+    holder: list = [None]
+
+    class FaultyPlane(DataPlane):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.fault = holder[0]
+
+    monkeypatch.setattr(kvcm_tf, "DataPlane", FaultyPlane)
+    return holder
+
+
+def test_failed_onboards_and_offloads_are_recomputed_exactly(faulty_plane):
+    """Was: a CopyError propagated into transformers' step and failed the batch.  Every other
+    onboard (host -> gpu) and every third offload fails: the manager forgets those pages,
+    rolls back the requests that used them (being admitted: admitted again from the shorter
+    match; preempted: resumed from it at re-admission), and every generated token equals
+    transformers without kvcm and ``generate()``."""
+    model = build("llama")
+    faulty_plane[0] = inj = FailOps(lambda op, k: (op.reason == "onboard" and k % 2 == 0)
+                                    or (op.reason == "offload" and k % 3 == 1))
+    with KvcmContinuousBatching(model, host_blocks=64) as kc:
+        outs = run_turns(model, 3, 6, kc, n=4)
+        stats = kc.stats()
+    assert {op.reason for op in inj.failed} == {"onboard", "offload"}, inj.seen
+    assert stats["copy_failures"] >= 2 and stats["rollbacks"] >= 1, stats
+    check_exact(model, outs, n=4)
+    assert same_tokens(run_turns(model, 3, 6, n=4), outs)
+
+
+def test_a_failed_copy_on_write_at_a_fork_hands_the_child_back(faulty_plane):
+    """Parallel sampling: forking copies the parent's partial last page for each child
+    (``cow``); those copies fail for the first prompt's two children, which the manager rolls
+    back to the prompt's last full block.  The fork gives transformers no child of that
+    prompt, so it queues them as new requests; each is admitted again by resuming its kvcm
+    request (16 of 22 prompt tokens) and recomputes the rest: every sequence equals
+    ``generate()``."""
+    model = build("llama")
+    prompts = conversations(2)
+    faulty_plane[0] = inj = FailOps(lambda op, k: op.reason == "cow" and k < 2)
+    with KvcmContinuousBatching(model) as kc:
+        out = model.generate_batch(prompts, generation_config=gen_config(3), continuous_batching_config=cb_config(),
+                                   progress_bar=False)
+        stats = kc.stats()
+    assert len(inj.failed) == 2 and stats["copy_failures"] == 1 and stats["rollbacks"] == 2, (inj.seen, stats)
+    assert stats["resumed_requests"] == 2 and stats["forks"] == 4, stats
+    # two prompts, then the two children handed back recompute 22 - 16 tokens each
+    assert stats["prefill_tokens"] == sum(len(p) for p in prompts) + 2 + 2 * (22 - 16), stats
+    assert len(out) == 6
+    for rid, o in out.items():
+        assert o.error is None, (rid, o.error)
+        i = int(rid.split("_")[1].split("__")[0])
+        assert o.generated_tokens == reference(model, prompts[i])[0], rid
+
+
+def test_a_truncated_disk_pool_file_is_recomputed_exactly(tmp_path):
+    """The disk tier's pool files are cut to nothing before the fourth turn (from outside, as
+    a failing disk would leave them) while pages of the third sit on disk: their onboards are
+    short reads (EIO), the requests being admitted are matched again without them and
+    recompute; the sliding + full mix generates what transformers alone does."""
+    model = build("qwen3_swa_mix")
+    hist = conversations(3)
+    outs = []
+    with KvcmContinuousBatching(model, disk_blocks=64, disk_path=str(tmp_path)) as kc:
+        for turn in range(4):
+            if turn == 3:
+                files = sorted(tmp_path.glob("kvcm-pool-*.bin"))
+                assert files and kc.stats()["routes"].get("gpu->disk", 0) > 0
+                for f in files:
+                    os.truncate(f, 0)
+            out = model.generate_batch(hist, generation_config=gen_config(), continuous_batching_config=cb_config(12),
+                                       progress_bar=False)
+            res = [out[f"req_{i}"] for i in range(len(hist))]
+            assert all(r.error is None for r in res), [r.error for r in res]
+            outs.append({"prompts": [list(h) for h in hist], "tokens": [r.generated_tokens for r in res],
+                         "logprobs": [r.logprobs for r in res]})
+            hist = [h + r.generated_tokens + [200 + 3 * turn + i, 201, 202] for i, (h, r) in enumerate(zip(hist, res))]
+        stats = kc.stats()
+        error = kc.loop.last_error
+    assert stats["copy_failures"] >= 1 and stats["rollbacks"] >= 1, stats
+    assert isinstance(error.cause, OSError) and {op.reason for op in error.ops} == {"onboard"}, error
+    check_exact(model, outs)
+    assert same_tokens(run_turns(model, 4, 12), outs)
+
+
+def test_host_pages_that_vanish_with_a_disk_tier_are_replaced_partial_blocks(tmp_path):
+    """Seen: with host and disk tiers, pages left the host tier without a host -> disk move.
+    They are not eviction victims: each is a partial block (a finished request's tail) that
+    the next turn's commit of the full block replaces (SPEC sec. 5), removed wherever it is
+    and counted in ``drops``, on any tiers.  A host tier that must evict moves its victims
+    to disk."""
+    from kvcm.api import RemovedEvent, StoredEvent
+
+    model = build("llama")
+    seen = {}
+    for host in (4, 1):
+        with KvcmContinuousBatching(model, host_blocks=host, disk_blocks=64, disk_path=str(tmp_path / str(host))) as kc:
+            outs = run_turns(model, 3, 12, kc)
+            events = kc.mgr.take_events()
+            stats = kc.mgr.stats()
+            routes = dict(kc.plane.routes)
+        check_exact(model, outs)
+        partial = {(b.key, b.lc): e.partial for e in events if isinstance(e, StoredEvent) for b in e.blocks}
+        removed = [(k, e.lc) for e in events if isinstance(e, RemovedEvent) for k in e.keys]
+        assert stats["events_dropped"] == 0 and removed and all(partial[r] for r in removed), removed
+        assert sum(lc["drops"] for lc in stats["lc"]) == len(removed), stats["lc"]
+        seen[host] = (routes, len(removed))
+    (four, dropped4), (one, dropped1) = seen[4], seen[1]
+    assert four.get("gpu->host", 0) > 0 and "host->disk" not in four, four  # the host tier never had to evict
+    assert one.get("host->disk", 0) > 0, one  # with one host page per lc its victims go to disk
+    assert dropped4 == dropped1

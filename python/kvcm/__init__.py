@@ -57,7 +57,7 @@ try:
     if backend == "cpp":
         cpp_extension()  # fail the import loudly, naming KVCM_BACKEND=python and how to build
 except BackendUnavailableError as _e:
-    # ``python -m kvcm ...`` / ``python -m kvcm.engine``: the package is imported before the
+    # ``python -m kvcm ...`` / ``python -m kvcm.tools.soak``: the package is imported before the
     # command's main() runs, so the command line's rule (exit 2, one line, no traceback) is
     # kept here; any other importer gets the exception.
     _prog = cli_entry()

@@ -66,7 +66,7 @@ def _chosen(backend: str | None) -> str:
 
 
 def cli_entry() -> str | None:
-    """``"python -m kvcm"`` (or ``"python -m kvcm.engine"``, ...) while Python is still
+    """``"python -m kvcm"`` (or ``"python -m kvcm.tools.soak"``, ...) while Python is still
     locating a kvcm module given to ``-m`` -- i.e. ``import kvcm`` is running as the first
     step of a kvcm command, not inside a program that imports kvcm; otherwise None.  While
     ``-m`` locates its module ``sys.argv[0]`` is ``"-m"``; ``sys.orig_argv`` names it."""
@@ -83,8 +83,12 @@ def cli_entry() -> str | None:
 
 
 def cpp_extension():
+    """The compiled core ``kvcm._kvcm_cpp`` (loaded by name, as in :mod:`kvcm.cpp_backend`), or
+    :class:`BackendUnavailableError` saying how to build it."""
+    import importlib
+
     try:
-        from kvcm import _kvcm_cpp
+        _kvcm_cpp = importlib.import_module("kvcm._kvcm_cpp")
     except ImportError as e:
         raise BackendUnavailableError(f"kvcm backend 'cpp': {BUILD_HINT} ({e})") from e
     return _kvcm_cpp

@@ -239,7 +239,7 @@ class KVCacheManagerConfig:
     max_events: int = 10_000
     pending_copy_ops_warning: int = 1_000_000
     # the shared tier's fields: DECISIONS.md "The shared tier" (the secret's default source
-    # is kvcm.shared_store.store_secret)
+    # is kvcm.dataplane.store.store_secret)
     shared_write: str = "commit"
     shared_namespace: str = ""
     shared_secret_file: str = ""

@@ -32,39 +32,36 @@ resumed later (suspending frees gpu slots only through a colder tier: with a gpu
 a request that cannot grow raises RuntimeError).  Copy ops are applied right after every manager call that can emit them, so
 they always run before the step that uses the new page indices.
 
-Failed copies (SPEC sec. 15): when ``DataPlane.apply_runs`` (the manager's ``drain_copy_runs``) raises ``CopyError`` (a disk I/O
-error, a checksum mismatch, ...), :meth:`Engine.sync` reports its ops with
-``forget_copies``; each request the manager rolled back (now SUSPENDED, with fewer committed
-tokens) is taken out of the running batch and admitted again later, recomputing the K/V of
-its prompt and of the tokens it already generated from its new committed length (the
-tokens and logits it already produced were computed from verified bytes and are kept).
+The protocol around the model is :class:`kvcm.engine_loop.EngineLoop` (``Engine.loop``):
+admission asks the shared store first when there is one (``shared_candidates``, one batched
+:meth:`DataPlane.shared_lookup`, ``create_kv_cache(..., shared_hits=...)``; the pages come in
+as ``onboard`` ops from tier 3 on ``resume`` and are verified on load), and
+:meth:`Engine.sync` is the loop's sync: drain the copy runs, apply them, and report the ops
+of a ``CopyError`` (a disk I/O error, a checksum mismatch, a store load that failed; SPEC
+sec. 15) to the manager.  Each request the manager rolled back (now SUSPENDED, with fewer
+committed tokens) is taken out of the running batch and admitted again later, recomputing
+the K/V of its prompt and of the tokens it already generated from its new committed length
+(the tokens and logits it already produced were computed from verified bytes and are kept);
+a failed ``store`` op loses nothing.
 
-The shared tier (DECISIONS.md "The shared tier"): with a ``Tier("shared", ...)`` the engine
-asks the manager for ``shared_candidates`` of each new request, the data plane for the ones
-its store holds (one batched query: :meth:`DataPlane.shared_lookup`), and passes them as
-``create_kv_cache(..., shared_hits=...)``; the pages come in as ``onboard`` ops from tier 3
-on ``resume`` and are verified on load.  A load that fails is a ``CopyError`` like a disk
-fault (the request rolls back and recomputes); a failed ``store`` op loses nothing.  Run as
-``python -m kvcm.engine`` (see :func:`main`), several processes pointed at one store reuse
-each other's prefill.
+The workloads, their runner and the command line (one engine instance as a process; several
+pointed at one shared store reuse each other's prefill) are tools: :mod:`kvcm.tools.workloads`
+and ``python -m kvcm.tools.engine_instance``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import math
 import os
-import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.api import AttentionLayer, CopyError, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
-from kvcm.cli.common import backend_arg, int_in, oplog_unusable, torch_missing, writable_file
+from kvcm.api import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer
 from kvcm.dataplane import DataPlane
+from kvcm.engine_loop import EngineLoop, config_from_layout
 
 
 class QuotaTooSmallError(RuntimeError):
@@ -169,18 +166,11 @@ class TinyHybridModel:
                        disk_slots: int | None = None, disk_path: str | None = None, shared: str | None = None,
                        shared_quota_bytes: int = 0, **kw: Any) -> KVCacheManagerConfig:
         """A config whose tiers hold the given number of slots per life cycle; ``shared``: a
-        shared tier's store (a directory, ``file://``, ``mooncake://``), listed last."""
-        B = tokens_per_block
-        layers = self.layer_specs()
-        per_slot = sum(l.bytes_per_token * B if isinstance(l, AttentionLayer) else l.state_bytes for l in layers)
-        tiers = [Tier("gpu", gpu_slots * per_slot)]
-        if host_slots:
-            tiers.append(Tier("host", host_slots * per_slot))
-        if disk_slots:
-            tiers.append(Tier("disk", disk_slots * per_slot, path=disk_path))
-        if shared:
-            tiers.append(Tier("shared", shared_quota_bytes, path=shared))
-        return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers, **kw)
+        shared tier's store (a directory, ``file://``, ``mooncake://``), listed last
+        (:func:`kvcm.engine_loop.config_from_layout`)."""
+        return config_from_layout(tokens_per_block, self.layer_specs(), gpu_blocks=gpu_slots,
+                                  host_blocks=host_slots or 0, disk_blocks=disk_slots or 0, disk_path=disk_path,
+                                  shared=shared, shared_quota_bytes=shared_quota_bytes, **kw)
 
     # ------------------------------------------------------------------ building blocks
 
@@ -359,21 +349,22 @@ class Engine:
                          "copy_failures": 0, "rollbacks": 0, "recomputed_tokens": 0,
                          "shared_hits": 0}  # (key, lc) pairs found in the shared store
         self._by_id: dict[Any, Request] = {}  # open request by its cache id
+        self.loop = EngineLoop(manager, self.plane, on_rollback=self._rolled_back)
 
     def sync(self) -> None:
-        """Execute the manager's pending copy ops (before any page index is used).  Ops that
-        did not complete are reported to the manager; the requests it rolls back are
-        flagged (``rolled_back``) and recomputed by the scheduler."""
-        try:
-            self.plane.apply_runs(self.mgr.drain_copy_runs())
-        except CopyError as e:
-            self.counters["copy_failures"] += 1
-            for cache_id in self.mgr.forget_copies(e.ops):
-                self.counters["rollbacks"] += 1
-                r = self._by_id.get(cache_id)
-                if r is not None:  # (a cache of this manager that is not the engine's)
-                    r.rolled_back = True
-                    r.rollbacks += 1
+        """Execute the manager's pending copy ops (before any page index is used):
+        :meth:`EngineLoop.sync`.  Ops that did not complete are reported to the manager; the
+        requests it rolls back are flagged (``rolled_back``) and recomputed by the scheduler."""
+        failures = self.loop.counters["copy_failures"]
+        self.loop.sync()
+        self.counters["copy_failures"] += self.loop.counters["copy_failures"] - failures
+
+    def _rolled_back(self, cache_id: Any) -> None:
+        self.counters["rollbacks"] += 1
+        r = self._by_id.get(cache_id)
+        if r is not None:  # (a cache of this manager that is not the engine's)
+            r.rolled_back = True
+            r.rollbacks += 1
 
     def close(self) -> None:
         self.plane.close()
@@ -460,15 +451,12 @@ class Engine:
             return True
 
     def _create(self, r: Request) -> Any:
-        """``create_kv_cache``; with a shared tier, the blocks past the local match are
+        """:meth:`EngineLoop.create`: with a shared tier, the blocks past the local match are
         looked up in the store first (one batched query) and the present ones handed over."""
-        tokens = r.prompt[:-1]
-        if self.plane.shared is None:
-            return self.mgr.create_kv_cache(tokens, r.scope)
-        hits = self.plane.shared_lookup(self.mgr.shared_candidates(tokens, r.scope))
-        r.shared_hits = len(hits)
-        self.counters["shared_hits"] += len(hits)
-        return self.mgr.create_kv_cache(tokens, r.scope, shared_hits=hits)
+        kv = self.loop.create(r.prompt[:-1], r.scope)
+        r.shared_hits = self.loop.last_shared_hits
+        self.counters["shared_hits"] += r.shared_hits
+        return kv
 
     @staticmethod
     def _kv_target(r: Request) -> int:
@@ -587,10 +575,9 @@ def beam_search(model: TinyHybridModel, manager: Any, prompt: Sequence[int], wid
     engine = Engine(model, manager, plane)
     B = engine.B
     prompt = list(prompt)
-    kv = manager.create_kv_cache(prompt[:-1])
-    if not kv.resume() or not kv.resize(len(prompt) - 1):
+    kv = engine.loop.admit(prompt[:-1], capacity=len(prompt) - 1)
+    if kv is None:
         raise RuntimeError("the gpu quota cannot hold the prompt")
-    engine.sync()
     if kv.num_committed_tokens == 0 and engine.ssm_lc is not None:  # no snapshot: start from zeros
         slot = kv.page_indices(engine.ssm_lc)[0]
         for layer_id in engine.ssm_layers:
@@ -654,91 +641,8 @@ def beam_search(model: TinyHybridModel, manager: Any, prompt: Sequence[int], wid
 
 
 # ---------------------------------------------------------------------------------------
-# Workloads and the exactness check (shared by the tests and the demo)
+# The exactness check (the tests, the workloads of kvcm.tools.workloads, the demo)
 # ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Workload:
-    """``waves`` of turns: conversation ``i``'s turn ``t`` prompt is the system prompt,
-    then each earlier turn's user tokens and the model's answer, then its own user tokens.
-    All conversations' turn ``t`` run as one batch."""
-
-    name: str
-    system: tuple[int, ...]
-    conversations: tuple[tuple[tuple[int, ...], ...], ...]  # [conv][turn] user tokens
-    max_new_tokens: int
-
-
-def make_workload(name: str, *, seed: int = 0, vocab: int = 64, system_len: int = 37, conversations: int = 4,
-                  turns: int = 3, user_len: tuple[int, int] = (5, 30), max_new_tokens: int = 8) -> Workload:
-    rng = random.Random(f"{name}/{seed}")
-
-    def toks(n: int) -> tuple[int, ...]:
-        return tuple(rng.randrange(vocab) for _ in range(n))
-
-    convs = tuple(tuple(toks(rng.randint(*user_len)) for _ in range(turns)) for _ in range(conversations))
-    return Workload(name, toks(system_len), convs, max_new_tokens)
-
-
-BUILTIN_WORKLOADS = {
-    # many requests, one system prompt, one turn each
-    "shared-system-prompt": {"system_len": 53, "conversations": 8, "turns": 1, "user_len": (3, 40),
-                             "max_new_tokens": 6},
-    # each turn extends the previous: reuse ends inside a block (partial-block reuse, cow)
-    "multi-turn": {"system_len": 21, "conversations": 3, "turns": 4, "user_len": (4, 24), "max_new_tokens": 9},
-}
-
-
-def builtin_workload(name: str, vocab: int = 64) -> Workload:
-    return make_workload(name, vocab=vocab, **BUILTIN_WORKLOADS[name])
-
-
-@dataclass
-class Outcome:
-    requests: list[Request]
-    engine_counters: dict
-    copies: dict  # executed copy ops by reason (data plane)
-    stats: dict  # manager stats()
-    routes: dict  # executed copy ops by route ("gpu->host", ...)
-    shared: dict = field(default_factory=dict)  # the data plane's shared_stats (with a shared tier)
-    tokens_equal: bool = False
-    max_logit_diff: float = float("nan")
-
-
-def run_workload(model: TinyHybridModel, manager: Any, workload: Workload | Sequence[Workload], *,
-                 max_batch: int = 4, check: bool = True) -> Outcome:
-    """Run ``workload`` (or several, one after the other) wave by wave through a fresh
-    engine on ``manager``; with ``check``, compare every request with the no-cache reference."""
-    engine = Engine(model, manager, max_batch=max_batch)
-    try:
-        done: list[Request] = []
-        for w in [workload] if isinstance(workload, Workload) else workload:
-            done += _run_waves(engine, w)
-        manager.check_invariants()
-        out = Outcome(done, dict(engine.counters), dict(engine.plane.copies), manager.stats(),
-                      dict(engine.plane.routes), dict(engine.plane.shared_stats) if engine.plane.shared else {})
-    finally:
-        engine.close()
-    if check:
-        out.tokens_equal, out.max_logit_diff = compare_with_reference(model, done)
-    return out
-
-
-def _run_waves(engine: Engine, workload: Workload) -> list[Request]:
-    history = [list(workload.system) for _ in workload.conversations]
-    done: list[Request] = []
-    nturns = max(len(c) for c in workload.conversations)
-    for t in range(nturns):
-        wave = []
-        for i, conv in enumerate(workload.conversations):
-            if t < len(conv):
-                wave.append((i, Request(history[i] + list(conv[t]), workload.max_new_tokens)))
-        engine.generate([r for _, r in wave])
-        for i, r in wave:
-            history[i] = r.prompt + r.output
-        done.extend(r for _, r in wave)
-    return done
 
 
 def compare_with_reference(model: TinyHybridModel, requests: Sequence[Request]) -> tuple[bool, float]:
@@ -753,132 +657,16 @@ def compare_with_reference(model: TinyHybridModel, requests: Sequence[Request]) 
     return equal, worst
 
 
-# ---------------------------------------------------------------------------------------
-# One engine instance as a process: python -m kvcm.engine
-# ---------------------------------------------------------------------------------------
-
-
-def _workloads(text: str) -> list[str]:
-    names = [w.strip() for w in text.split(",") if w.strip()]
-    bad = [w for w in names if w not in BUILTIN_WORKLOADS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown workload {bad[0] if bad else text!r}; "
-                                         f"choices: {', '.join(sorted(BUILTIN_WORKLOADS))}")
-    return names
-
-
-def instance_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m kvcm.engine",
-        description="Run the reference engine on a built-in workload through kvcm (one engine instance); "
-                    "instances given the same --shared-tier reuse each other's prefill.")
-    p.add_argument("--workload", default=["shared-system-prompt"], type=_workloads,
-                   help=f"one or more (comma-separated, run in order) of {', '.join(sorted(BUILTIN_WORKLOADS))}")
-    p.add_argument("--backend", type=backend_arg, default=None, help="kvcm backend (default: KVCM_BACKEND)")
-    p.add_argument("--shared-tier", default=None,
-                   help="the shared store: a directory, file:///dir or mooncake://host:port?metadata=url")
-    p.add_argument("--shared-quota-bytes", type=int_in(0), default=0,
-                   help="file store: byte cap; Mooncake: bytes this client mounts (0: none)")
-    p.add_argument("--shared-write", default="commit", choices=("commit", "evict"))
-    p.add_argument("--namespace", default="kvcm-tiny-hybrid", help="the layout fingerprint's model/namespace")
-    p.add_argument("--block", type=int_in(1, 4096), default=16, help="tokens per block")
-    p.add_argument("--gpu-slots", type=int_in(1), default=1000, help="gpu slots per life cycle (default 1000)")
-    p.add_argument("--host-slots", type=int_in(0), default=0, help="host slots per life cycle (default 0: none)")
-    p.add_argument("--no-check", action="store_true", help="skip the comparison with the no-cache run")
-    p.add_argument("--json", default=None, help="write the outcome here (requests' tokens and logits included)")
-    return p
-
-
-def run_instance(args: argparse.Namespace) -> dict:
-    """One engine instance (see :func:`instance_parser`); returns the outcome as JSON-able."""
-    from kvcm import KVCacheManager
-
-    model = TinyHybridModel()
-    config = model.manager_config(args.block, args.gpu_slots, host_slots=args.host_slots or None,
-                                  shared=args.shared_tier, shared_quota_bytes=args.shared_quota_bytes,
-                                  shared_write=args.shared_write, shared_namespace=args.namespace)
-    kw = {"backend": args.backend} if args.backend else {}
-    mgr = KVCacheManager(config, **kw)
-    with torch_threads(1):
-        out = run_workload(model, mgr, [builtin_workload(w, model.cfg.vocab) for w in args.workload],
-                           check=not args.no_check)
-    mgr.shutdown()
-    return {
-        "backend": mgr.backend_name,
-        "tokens_equal": out.tokens_equal, "max_logit_diff": out.max_logit_diff,
-        "counters": out.engine_counters, "copies": out.copies, "routes": out.routes, "shared": out.shared,
-        "stats": out.stats,
-        "requests": [{"prompt": r.prompt, "output": r.output, "reused_tokens": r.reused_tokens,
-                      "shared_hits": r.shared_hits, "rollbacks": r.rollbacks,
-                      "logits": [row.tolist() for row in r.logits]} for r in out.requests],
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 the outputs equal the no-cache run (or ``--no-check``); 1 they
-    differ; 2 bad usage or bad input (an option out of range, an unusable shared tier or
-    ``--json`` path, a quota too small for a request): one line, never a traceback."""
-    import sys
-
-    from kvcm.api import ConfigError
-
-    prog = "python -m kvcm.engine"
-    args = instance_parser().parse_args(argv)
-    why = torch_missing(prog) or oplog_unusable(prog)
-    if why is not None:
-        print(why, file=sys.stderr)
-        return 2
-    if args.json:
-        why = writable_file(prog, "--json", args.json)
-        if why is not None:
-            print(why, file=sys.stderr)
-            return 2
-    try:
-        res = run_instance(args)
-    except (ConfigError, ValueError, OSError, ImportError) as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        return 2
-    except QuotaTooSmallError as e:
-        print(f"{prog}: {e} (--gpu-slots {args.gpu_slots})", file=sys.stderr)
-        return 2
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f)
-    c = res["counters"]
-    print(f"requests {c['requests']}  prompt tokens {c['prompt_tokens']}  reused {c['reused_tokens']}  "
-          f"prefilled {c['prefill_tokens']}  shared hits {c['shared_hits']}  "
-          f"onboarded from shared {res['routes'].get('shared->gpu', 0)}  stored {res['copies'].get('store', 0)}  "
-          f"rollbacks {c['rollbacks']}")
-    if not args.no_check:
-        print(f"exact vs no-cache run: tokens {'equal' if res['tokens_equal'] else 'DIFFER'}, "
-              f"max |logit diff| {res['max_logit_diff']:.2e}")
-        return 0 if res["tokens_equal"] else 1
-    return 0
-
-
 __all__ = [
-    "BUILTIN_WORKLOADS",
     "Beam",
     "Engine",
     "ModelConfig",
-    "Outcome",
     "QuotaTooSmallError",
     "Request",
     "TinyHybridModel",
-    "Workload",
     "beam_search",
-    "builtin_workload",
     "compare_with_reference",
     "default_device",
-    "instance_parser",
-    "main",
-    "make_workload",
     "reference_beam_search",
-    "run_instance",
-    "run_workload",
     "torch_threads",
 ]
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

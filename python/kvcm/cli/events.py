@@ -6,221 +6,19 @@
 
 The watcher prints one line per batch (``seq``, ``ts``, then each event) and, with
 ``--replay``, heals sequence gaps through the replay endpoint (``gap`` lines say so);
-``--snapshot`` first prints the publisher's snapshot (kvcm publishers only).
+``--snapshot`` first prints the publisher's snapshot (kvcm publishers only).  The work is
+:mod:`kvcm.tools.events` (the events extra: pyzmq, msgspec).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import threading
-import time
+import sys
 from collections.abc import Sequence
-from typing import Any
 
-import zmq
-
-from kvcm.fleet.wire import (
-    END_SEQ,
-    SNAPSHOT_REQUEST,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Decoder,
-    seq_bytes,
-    seq_of,
-)
-
-
-def _h(x: Any) -> str:
-    return x.hex()[:12] if isinstance(x, bytes) else str(x)
-
-
-def describe(event: Any) -> str:
-    """One wire event as one human-readable line."""
-    if isinstance(event, BlockStored):
-        spec = event.kv_cache_spec_kind or "?"
-        if event.kv_cache_spec_sliding_window is not None:
-            spec += f"({event.kv_cache_spec_sliding_window})"
-        return (f"  stored   group={event.group_idx} {spec:<18} {event.medium:<7} parent={_h(event.parent_block_hash)}"
-                f" blocks={[_h(h) for h in event.block_hashes]} tokens={len(event.token_ids)}"
-                + (f" lora={event.lora_id}" if event.lora_id is not None else ""))
-    if isinstance(event, BlockRemoved):
-        return f"  removed  group={event.group_idx} {event.medium:<7} blocks={[_h(h) for h in event.block_hashes]}"
-    if isinstance(event, AllBlocksCleared):
-        return "  cleared"
-    return f"  {event!r}"
-
-
-def print_batch(seq: int, payload: bytes, dec: Decoder, label: str = "") -> None:
-    """Decode one event batch (sequence number ``seq``) and print it, one line per event."""
-    batch = dec.decode(payload)
-    print(f"seq {seq} ts {batch.ts:g}{label}: {len(batch.events)} event(s)")
-    for e in batch.events:
-        print(describe(e))
-
-
-def _request(ctx: zmq.Context, endpoint: str, req: bytes, timeout: float) -> list[tuple[int, bytes]]:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(endpoint)
-    s.send_multipart([b"", req])
-    out = []
-    try:
-        while s.poll(int(timeout * 1000)):
-            frames = s.recv_multipart()
-            if frames[-2] == END_SEQ:
-                return out
-            out.append((seq_of(frames[-2]), frames[-1]))
-        raise TimeoutError(f"no answer from {endpoint}")
-    finally:
-        s.close(linger=0)
-
-
-def watch(connect: str, replay: str | None, topic: str, count: int | None, timeout: float,
-          snapshot: bool, ctx: zmq.Context | None = None, ready: threading.Event | None = None,
-          on_idle: Any = None) -> int:
-    """Print batches as they arrive; returns the number printed.  Stops after ``count``
-    batches or ``timeout`` seconds without one (``on_idle(printed)`` is called then)."""
-    ctx = ctx or zmq.Context.instance()
-    dec = Decoder()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    sub.connect(connect)
-    expected = -1
-    printed = 0
-    try:
-        if snapshot and replay:
-            [(expected, payload)] = _request(ctx, replay, SNAPSHOT_REQUEST, timeout)
-            print_batch(expected, payload, dec, " (snapshot)")
-        if ready is not None:
-            ready.set()
-        while count is None or printed < count:
-            if not sub.poll(int(timeout * 1000)):
-                if on_idle is not None:
-                    on_idle(printed)
-                break
-            _topic, sq, payload = sub.recv_multipart()
-            seq = seq_of(sq)
-            if seq < expected:
-                continue
-            if expected >= 0 and seq > expected and replay:
-                print(f"gap: expected {expected}, got {seq}; replaying")
-                for rs, rp in _request(ctx, replay, seq_bytes(expected), timeout):
-                    if expected <= rs < seq:
-                        print_batch(rs, rp, dec, " (replayed)")
-                        printed += 1
-            print_batch(seq, payload, dec)
-            printed += 1
-            expected = seq + 1
-    finally:
-        sub.close(linger=0)
-    return printed
-
-
-def demo(steps: int) -> int:
-    """A small hybrid manager behind a publisher on 127.0.0.1, watched in this process."""
-    import kvcm
-    from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
-    from kvcm.fleet.publisher import EventPublisher
-
-    cfg = KVCacheManagerConfig(tokens_per_block=4, layers=[AttentionLayer(0, 8), AttentionLayer(1, 8, window=8),
-                                                          SsmLayer(2, 64)],
-                               tiers=[Tier("gpu", 6 * 128), Tier("host", 6 * 128)], enable_partial_reuse=False)
-    mgr = kvcm.KVCacheManager(cfg)
-    with EventPublisher(mgr) as pub:
-        print(f"publishing on {pub.endpoint}, replay/snapshot on {pub.replay_endpoint}")
-        ready = threading.Event()
-        t = threading.Thread(target=watch, args=(pub.endpoint, pub.replay_endpoint, "kvcm", None, 1.0, True),
-                             kwargs={"ready": ready}, daemon=True)
-        t.start()
-        ready.wait(5)
-        time.sleep(0.2)  # let the subscription join
-        for i in range(steps):
-            p = [(7 * i + j) % 11 for j in range(8)] + [100 + i] * 4
-            kv = mgr.create_kv_cache(p)
-            if kv.resume() and kv.resize(len(p)):
-                for s in range(kv.num_committed_tokens, len(p), 4):
-                    kv.commit(p[s:s + 4])
-            kv.close()
-            pub.publish(mgr.take_events())
-            pub.flush()
-            time.sleep(0.05)
-        t.join(5)
-    return 0
-
-
-def bench(limit: int, backend: str | None, block_size: int) -> dict[str, float]:
-    """Publisher cost per engine step on the shipped trace (one prefill step per request),
-    with a SUB socket attached and drained by a thread.  Timing is reporting only."""
-    import kvcm
-    from kvcm.fleet.publisher import EventPublisher
-    from kvcm.tools.replay import replay_config
-    from kvcm.tools.trace import expand_prompt, load_trace, unique_blocks
-
-    trace = load_trace(limit=limit)
-    cfg = replay_config(block_size, max(1, unique_blocks(trace, block_size) // 2), enable_partial_reuse=False)
-    mgr = kvcm.KVCacheManager(cfg, backend=backend)
-    ctx = zmq.Context()
-    received = [0]
-    stop = threading.Event()
-    with EventPublisher(mgr, context=ctx) as pub:
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.SUBSCRIBE, b"kvcm")
-        sub.connect(pub.endpoint)
-
-        def drain() -> None:
-            while not stop.is_set():
-                if sub.poll(10):
-                    sub.recv_multipart()
-                    received[0] += 1
-
-        th = threading.Thread(target=drain, daemon=True)
-        th.start()
-        time.sleep(0.2)
-        calls: list[float] = []
-        events = 0
-        clock = time.perf_counter
-        t_all = clock()
-        for req in trace:
-            p = expand_prompt(req)
-            kv = mgr.create_kv_cache(p)
-            if kv.resume() and kv.resize(len(p)):
-                kv.commit(p[kv.num_committed_tokens:])
-            kv.close()
-            mgr.drain_copy_ops()
-            evs = mgr.take_events()
-            events += len(evs)
-            t0 = clock()
-            pub.publish(evs)
-            calls.append(clock() - t0)
-        pub.flush(30)
-        total = clock() - t_all
-        empty = []
-        for _ in range(1000):
-            t0 = clock()
-            pub.publish([])
-            empty.append(clock() - t0)
-        deadline = time.monotonic() + 5
-        while received[0] < pub.published and time.monotonic() < deadline:
-            time.sleep(0.01)
-        stop.set()
-        th.join(2)
-        sub.close(linger=0)
-        thread_s = pub.thread_s
-        published = pub.published
-    ctx.term()
-    steps = len(calls)
-    return {
-        "steps": steps, "events": events, "batches": published, "received": received[0],
-        "publish_us_mean": 1e6 * statistics.fmean(calls), "publish_us_median": 1e6 * statistics.median(calls),
-        "empty_step_us": 1e6 * statistics.median(empty),
-        "thread_us_per_step": 1e6 * thread_s / steps, "thread_us_per_event": 1e6 * thread_s / max(1, events),
-        "loop_s": total,
-    }
-
+HELP = "watch a KV-event stream (--connect ENDPOINT [--replay ENDPOINT]), --demo, --bench (kvcm.cli.events)"
+ORDER = 60
+RECORDS = True
 
 EVENTS_EXIT_CODES = (
     "exit status: 0 success; 1 no batch arrived within --timeout, or the replay endpoint did not answer; "
@@ -243,11 +41,19 @@ def _endpoint(text: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """``python -m kvcm events ...``: returns the exit status (``EVENTS_EXIT_CODES``)."""
-    import sys
-
-    from kvcm.cli.common import backend_arg, finite_in, int_in
+    from kvcm.tools.cmdline import backend_arg, finite_in, int_in, missing_extra
 
     prog = "python -m kvcm events"
+    try:  # the optional dependencies (pyzmq, msgspec): the events extra
+        import zmq
+
+        from kvcm.tools.events import bench, demo, watch
+    except ImportError as e:
+        why = missing_extra(prog, e)
+        if why is None:
+            raise
+        print(why, file=sys.stderr)
+        return 2
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=EVENTS_EXIT_CODES)
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--connect", metavar="ENDPOINT", type=_endpoint,
@@ -299,4 +105,4 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-__all__ = ["bench", "demo", "describe", "main", "watch"]
+__all__ = ["main"]

@@ -16,6 +16,10 @@ import sys
 from collections.abc import Sequence
 from typing import Self
 
+HELP = "compare routing policies over N instances behind the router index (kvcm.cli.route)"
+ORDER = 70
+RECORDS = True
+
 DEFAULT_ROUTE_LIMIT = 1000
 
 
@@ -48,7 +52,7 @@ ROUTE_EXIT_CODES = (
 
 def main(argv: Sequence[str]) -> int:
     """``python -m kvcm route ...``: returns the exit status (``ROUTE_EXIT_CODES``)."""
-    from kvcm.cli.common import backend_arg, format_table, int_in, missing_extra, writable_file
+    from kvcm.tools.cmdline import backend_arg, format_table, int_in, missing_extra, writable_file
     from kvcm.tools.progress import Progress
     from kvcm.tools.trace import load_trace
 

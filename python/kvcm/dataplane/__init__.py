@@ -106,7 +106,7 @@ fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
   (``shared_timeout_s``, from the store's ``timeout_s``: default
   :data:`~kvcm.dataplane.store.DEFAULT_TIMEOUT_S`); it runs on a worker thread and past the
   deadline fails as a store that is down (``timeouts``); its staging buffer is abandoned,
-  so a late get never writes into anything read afterwards (:meth:`DataPlane._call`).  A
+  so a late get never writes into anything read afterwards (``SharedIO._call``).  A
   store that answers with the wrong number of results fails the call the same way.
 * Authentication: with a store secret (``shared_secret=``, else the config's
   ``shared_secret_file``, else ``$KVCM_STORE_SECRET_FILE`` / ``$KVCM_STORE_SECRET``) objects
@@ -116,37 +116,33 @@ fingerprint (``layout_fingerprint(resolved, config.shared_namespace)``).
 * ``shared_stats``: lookups, objects and payload bytes stored / loaded, failures, batches,
   timeouts, and the seconds the data plane spent in store and load batches (gather, checksums, I/O).
 
-Modules (one job each; every name below is importable from ``kvcm.dataplane``)
-------------------------------------------------------------------------------
-* :mod:`kvcm.dataplane.plane`: :class:`DataPlane`, built from the three parts below;
-* :mod:`kvcm.dataplane.pools`: the pools per ``(tier, lc)``, views, run-time quotas;
+Modules (one job each)
+----------------------
+* :mod:`kvcm.dataplane.plane`: :class:`DataPlane`, the facade: it builds the parts below,
+  gives each its collaborators, and keeps the methods and attributes users call;
+* :mod:`kvcm.dataplane.copy_runs`: :class:`~kvcm.dataplane.copy_runs.CopyRuns`, the
+  copy-op executor (``apply`` / ``apply_runs``), given the pools, the shared-tier I/O and
+  the counters;
+* :mod:`kvcm.dataplane.shared_io`: :class:`~kvcm.dataplane.shared_io.SharedIO`,
+  ``shared_lookup`` and store / load batches under a deadline, given the pools and the
+  counters;
+* :mod:`kvcm.dataplane.pools`: :class:`~kvcm.dataplane.pools.Pools`, the pools per
+  ``(tier, lc)``, views, resizing;
+* :mod:`kvcm.dataplane.copy_stats`: :class:`~kvcm.dataplane.copy_stats.CopyStats`, the
+  counters of executed copies;
 * :mod:`kvcm.dataplane.disk_pool`: :class:`DiskPool`, the disk tier's files;
-* :mod:`kvcm.dataplane.copy_runs`: ``apply`` / ``apply_runs``, the copy-op executor;
-* :mod:`kvcm.dataplane.shared_io`: ``shared_lookup``, store / load batches under a deadline;
 * :mod:`kvcm.dataplane.store_factory`: :func:`open_store`;
 * :mod:`kvcm.dataplane.store`: the store interface, object codec, staging buffer, file store;
 * :mod:`kvcm.dataplane.mooncake_store`: the Mooncake Store client (optional dependency).
 
-The stores (``store``, ``mooncake_store``) and ``disk_pool`` know nothing of kvcm's
-managers (import contracts in pyproject.toml).
+The parts depend downwards only (``plane > copy_runs > shared_io > pools | copy_stats``)
+and call one another's public methods only; the stores (``store``, ``mooncake_store``) and
+``disk_pool`` know nothing of kvcm's managers (import contracts in pyproject.toml).
 """
 
-# the names the one-module data plane had at its top level, imported from here (its __all__ unchanged)
-# ruff: noqa: F401
-from kvcm.dataplane.copy_runs import COPY_REASONS
-from kvcm.dataplane.disk_pool import MAGIC, POOL_PREFIX, TRAILER, DiskPool, remove_stale_pool_files
+from kvcm.dataplane.copy_stats import COPY_REASONS
+from kvcm.dataplane.disk_pool import DiskPool, remove_stale_pool_files
 from kvcm.dataplane.plane import DataPlane
-from kvcm.dataplane.shared_io import STAGING_MAX_BYTES
-from kvcm.dataplane.store import (
-    HEADER,
-    BadObjectError,
-    FileStore,
-    ObjectCodec,
-    SharedStore,
-    Staging,
-    parse_timeout,
-    store_secret,
-)
 from kvcm.dataplane.store_factory import open_store
 
 __all__ = ["COPY_REASONS", "DataPlane", "DiskPool", "open_store", "remove_stale_pool_files"]

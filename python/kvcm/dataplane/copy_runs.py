@@ -1,44 +1,40 @@
 """The data plane's copy runs: validating and executing the manager's copy ops and copy
 runs (``apply`` / ``apply_runs``): a run of memory tiers is one gather and one scatter, a
-disk side goes op by op, a shared side is handed to :class:`~kvcm.dataplane.shared_io.SharedIO`
-as one batch; a failure stops everything after its run and raises ``CopyError``.  See
-:mod:`kvcm.dataplane`, "Copy ops and copy runs".
+disk side goes op by op, a shared side is handed to the shared-tier I/O
+(:class:`~kvcm.dataplane.shared_io.SharedIO`) as one batch; a failure stops everything
+after its run and raises ``CopyError``.  See :mod:`kvcm.dataplane`, "Copy ops and copy
+runs".
 
-:class:`CopyRuns` is one of the three parts :class:`~kvcm.dataplane.DataPlane` is made of;
-the state it uses is set by ``DataPlane.__init__`` and declared below.
+:class:`CopyRuns` is the part of :class:`~kvcm.dataplane.DataPlane` that executes; its
+collaborators are given to it: the pools it copies between, the shared-tier I/O it hands
+shared batches to, the counters it counts completed ops in.
 """
 
 from __future__ import annotations
 
 import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcm.api import SHARED, CopyError, CopyOp, CopyRun, copy_runs
-from kvcm.dataplane.disk_pool import DiskPool, _torch
-
-COPY_REASONS = ("offload", "onboard", "cow", "snapshot", "store", "relocate")
+from kvcm.dataplane.copy_stats import COPY_REASONS, CopyStats
+from kvcm.dataplane.disk_pool import DiskPool, torch_module
+from kvcm.dataplane.pools import Pools
+from kvcm.dataplane.shared_io import SharedIO
 
 
 class CopyRuns:
-    """The copy-op executor of a :class:`~kvcm.dataplane.DataPlane`."""
+    """The copy-op executor over ``pools``, handing shared-tier batches to ``shared`` and
+    counting completed ops in ``stats``.
 
-    # set by DataPlane.__init__
-    life_cycles: Sequence[Any]
-    tier_kinds: Sequence[str]
-    num_slots: list[list[int]]
-    pools: list[list[Any]]
-    shared: Any
-    fault: Callable[[CopyOp], None] | None
-    copies: dict[str, int]
-    copy_bytes: dict[str, int]
-    routes: dict[str, int]
-    runs: int
-    kernel_calls: int
-    _tier_pos: dict[int, int]
-    _tier_names: Callable[[], str]  # Pools._tier_names
-    _store_batch: Callable[[list[CopyOp]], tuple[list[CopyOp], BaseException | None]]  # SharedIO
-    _load_batch: Callable[[list[CopyOp]], tuple[list[CopyOp], BaseException | None]]  # SharedIO
+    ``fault`` is a test hook (fault injection): called with each op just before it is
+    executed; an exception it raises makes that op fail as an I/O error would."""
+
+    def __init__(self, pools: Pools, shared: SharedIO, stats: CopyStats) -> None:
+        self._pools = pools
+        self._shared = shared
+        self._stats = stats
+        self.fault: Callable[[CopyOp], None] | None = None
 
     # ------------------------------------------------------------------ copy ops
 
@@ -56,7 +52,7 @@ class CopyRuns:
             v = getattr(op, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{op}: {name} must be an int")  # noqa: TRY004 - every bad op is a ValueError
-        if not 0 <= op.lc < len(self.life_cycles):
+        if not 0 <= op.lc < len(self._pools.life_cycles):
             raise ValueError(f"{op}: unknown life cycle {op.lc}")
         shared_sides = [side for side in ("src", "dst") if getattr(op, f"{side}_tier") == SHARED]
         if shared_sides:
@@ -65,11 +61,11 @@ class CopyRuns:
             raise ValueError(f"{op}: only an op of the shared tier names a key")
         for side in ("src", "dst"):
             t, s = getattr(op, f"{side}_tier"), getattr(op, f"{side}_slot")
-            if t == SHARED and self.shared is not None:
+            if t == SHARED and self._shared.store is not None:
                 continue
-            if t not in self._tier_pos:
-                raise ValueError(f"{op}: unknown {side} tier {t}; tiers are {self._tier_names()}")
-            n = self.num_slots[self._tier_pos[t]][op.lc]
+            if not self._pools.has_tier(t):
+                raise ValueError(f"{op}: unknown {side} tier {t}; tiers are {self._pools.tier_names()}")
+            n = self._pools.slots(t, op.lc)
             if not 0 <= s < n:
                 raise ValueError(f"{op}: {side} slot {s} out of range [0, {n})")
         if op.reason not in COPY_REASONS:
@@ -87,9 +83,9 @@ class CopyRuns:
 
     def _check_shared_route(self, what: str, sides: list[str], reason: str) -> None:
         """The shared tier exists, is one side only, written by store and read by onboard."""
-        if self.shared is None:
+        if self._shared.store is None:
             raise ValueError(f"{what}: unknown {sides[0]} tier {SHARED} (the config has no shared tier); "
-                             f"tiers are {self._tier_names()}")
+                             f"tiers are {self._pools.tier_names()}")
         if sides != ["dst"] and sides != ["src"]:
             raise ValueError(f"{what}: a copy within the shared tier")
         if (reason, sides[0]) not in (("store", "dst"), ("onboard", "src")):
@@ -113,7 +109,7 @@ class CopyRuns:
         n = len(run.src_slots)
         if len(run.dst_slots) != n:
             raise ValueError(f"{what}: {n} source slots but {len(run.dst_slots)} destination slots")
-        if not 0 <= run.lc < len(self.life_cycles):
+        if not 0 <= run.lc < len(self._pools.life_cycles):
             raise ValueError(f"{what}: unknown life cycle {run.lc}")
         if run.reason not in COPY_REASONS:
             raise ValueError(f"{what}: unknown reason {run.reason!r}")
@@ -137,9 +133,9 @@ class CopyRuns:
                 if n and (min(col) != -1 or max(col) != -1):
                     raise ValueError(f"{what}: the shared side of an op has slot -1")
                 continue
-            if t not in self._tier_pos:
-                raise ValueError(f"{what}: unknown {side} tier {t}; tiers are {self._tier_names()}")
-            lim = self.num_slots[self._tier_pos[t]][run.lc]
+            if not self._pools.has_tier(t):
+                raise ValueError(f"{what}: unknown {side} tier {t}; tiers are {self._pools.tier_names()}")
+            lim = self._pools.slots(t, run.lc)
             if n and not (0 <= min(col) and max(col) < lim):
                 bad = next(s for s in col if not 0 <= s < lim)
                 raise ValueError(f"{what}: {side} slot {bad} out of range [0, {lim})")
@@ -246,22 +242,22 @@ class CopyRuns:
         commuting ops; returns (the positions of the ops that failed, in op order, the first
         failure).  Only completed ops are counted in the stats."""
         failed, cause = self._faulted(batch) if self.fault is not None else ([], None)
-        self.runs += len(batch)
+        self._stats.runs += len(batch)
         run = batch[0]
         if SHARED in (run.src_tier, run.dst_tier):
             skip = set(failed)
             todo = [(p, op) for p, op in enumerate(op for r in batch for op in r.ops()) if p not in skip]
             if todo:
                 pos = {id(op): p for p, op in todo}
-                method = self._store_batch if run.dst_tier == SHARED else self._load_batch
+                method = self._shared.store_batch if run.dst_tier == SHARED else self._shared.load_batch
                 bad, why = method([op for _, op in todo])
                 failed += [pos[id(op)] for op in bad]
                 cause = cause or why
             return sorted(failed), cause
         if len(run) == 0 or len(failed) == len(run):
             return failed, cause
-        torch = _torch()
-        sp, dp = self.pools[self._tier_pos[run.src_tier]][run.lc], self.pools[self._tier_pos[run.dst_tier]][run.lc]
+        torch = torch_module()
+        sp, dp = self._pools.pool(run.src_tier, run.lc), self._pools.pool(run.dst_tier, run.lc)
         skip = set(failed)
         keep = [p for p in range(len(run)) if p not in skip] if failed else None
         if isinstance(sp, DiskPool) or isinstance(dp, DiskPool):  # file I/O: op by op
@@ -281,8 +277,8 @@ class CopyRuns:
                     cause = cause or e
                     continue
                 done += 1
-            self._count_n(run, done)
-            self.kernel_calls += 1
+            self._stats.count(run, done)
+            self._stats.kernel_calls += 1
             return sorted(failed), cause
         src = torch.frombuffer(run.src_slots, dtype=torch.int64)  # the run's column, no copy
         dst = torch.frombuffer(run.dst_slots, dtype=torch.int64)
@@ -294,21 +290,6 @@ class CopyRuns:
             dp.index_copy_(0, dst.to(dp.device), rows.to(dp.device))
         except (RuntimeError, MemoryError, OSError) as e:  # e.g. out of (device) memory
             return sorted(failed + (keep if keep is not None else list(range(len(run))))), cause or e
-        self._count_n(run, len(src))
-        self.kernel_calls += 1
+        self._stats.count(run, len(src))
+        self._stats.kernel_calls += 1
         return failed, cause
-
-    def _count(self, op: CopyOp) -> None:
-        self._count_n(op, 1)
-
-    def _count_n(self, op: CopyOp | CopyRun, n: int) -> None:
-        """Count ``n`` completed ops of ``op``'s lc, tiers and reason."""
-        if not n:
-            return
-        self.copies[op.reason] += n
-        self.copy_bytes[op.reason] += n * self.life_cycles[op.lc].slot_bytes
-        route = f"{self._kind(op.src_tier)}->{self._kind(op.dst_tier)}"
-        self.routes[route] = self.routes.get(route, 0) + n
-
-    def _kind(self, tier: int) -> str:
-        return "shared" if tier == SHARED else self.tier_kinds[self._tier_pos[tier]]

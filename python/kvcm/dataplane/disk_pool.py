@@ -20,13 +20,14 @@ TRAILER = struct.Struct("<I4s")  # crc32 of the slot's data, magic
 MAGIC = b"KVCP"
 
 
-def _torch():
-    import torch  # lazily: kvcm itself never needs torch
+def torch_module():
+    """torch, imported on first use (``import kvcm`` never needs it)."""
+    import torch
 
     return torch
 
 
-def _close_files(files: list[tuple[str, int]]) -> None:
+def close_pool_files(files: list[tuple[str, int]]) -> None:
     """Remove each file, then close its descriptor (which drops its lock)."""
     for path, fd in files:
         with contextlib.suppress(OSError):
@@ -109,7 +110,7 @@ class DiskPool:
 
     def read_rows(self, slots: Sequence[int]):
         """``uint8[len(slots), slot_bytes]`` (cpu) of the verified data of ``slots``."""
-        torch = _torch()
+        torch = torch_module()
         out = torch.empty((len(slots), self.slot_bytes), dtype=torch.uint8)
         for i, s in enumerate(slots):
             out[i] = torch.frombuffer(bytearray(self.read(s)), dtype=torch.uint8)
@@ -146,7 +147,7 @@ class DiskPool:
         self.write_rows(range(self.num_slots), rows)
 
 
-def _create_disk_file(directory: str, lc: int, nbytes: int, tier: int) -> tuple[str, int]:
+def create_pool_file(directory: str, lc: int, nbytes: int, tier: int) -> tuple[str, int]:
     """A locked, fully reserved pool file (:mod:`kvcm.dataplane`, "Disk files"); OSError naming the
     tier and path when it cannot be made (nothing is left behind)."""
     fd, tmp = tempfile.mkstemp(prefix=".kvcm-new-", suffix=".bin", dir=directory)

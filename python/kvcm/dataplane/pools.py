@@ -1,41 +1,67 @@
 """The data plane's pools: one ``uint8[num_slots, slot_bytes]`` tensor (or a
 :class:`~kvcm.dataplane.disk_pool.DiskPool`) per ``(tier, life cycle)``, where each layer
-sits inside a slot, the typed per-layer views, and the pools following the manager's
-quota at run time.  See :mod:`kvcm.dataplane`, "Pools" and "Byte layout of one slot".
+sits inside a slot, the typed per-layer views, and their resizing (the manager's quota at
+run time).  See :mod:`kvcm.dataplane`, "Pools" and "Byte layout of one slot".
 
-:class:`Pools` is one of the three parts :class:`~kvcm.dataplane.DataPlane` is made of
-(with :class:`~kvcm.dataplane.copy_runs.CopyRuns` and
-:class:`~kvcm.dataplane.shared_io.SharedIO`); the state it uses is set by
-``DataPlane.__init__`` and declared below.
+:class:`Pools` is the part of :class:`~kvcm.dataplane.DataPlane` that the copy runs
+(:mod:`kvcm.dataplane.copy_runs`) and the shared-tier I/O (:mod:`kvcm.dataplane.shared_io`)
+read and write through; it knows neither of them.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcm.api import AttentionLayer, KVCacheManagerConfig
-from kvcm.config import resolve_quota
-from kvcm.dataplane.disk_pool import TRAILER, DiskPool, _create_disk_file, _torch, remove_stale_pool_files
+from kvcm.config import ResolvedConfig
+from kvcm.dataplane.disk_pool import (
+    TRAILER,
+    DiskPool,
+    close_pool_files,
+    create_pool_file,
+    remove_stale_pool_files,
+    torch_module,
+)
 
 
 class Pools:
-    """The pools of a :class:`~kvcm.dataplane.DataPlane`: their making, views and sizes."""
+    """The pools of one data plane: one per ``(tier, lc)`` of the resolved config ``rc``,
+    ``device`` the gpu tier's, ``dtype`` and ``shapes`` those of the typed views
+    (:class:`~kvcm.dataplane.DataPlane`).  A disk tier's files are removed by :meth:`close`
+    (or when the object is collected); a failed construction leaves none behind.
 
-    # set by DataPlane.__init__
-    B: int
-    life_cycles: Sequence[Any]
-    tier_kinds: Sequence[str]
-    num_slots: list[list[int]]
-    device: Any
-    dtype: Any
-    pools: list[list[Any]]
-    _files: list[tuple[str, int]]
-    _tier_pos: dict[int, int]
-    _rc: Any
-    apply: Callable[[Iterable[Any]], int]  # CopyRuns.apply
+    A tier given as an int is SPEC's number by kind (gpu 0, host 1, disk 2), as copy ops
+    carry it; :attr:`grid` and :attr:`num_slots` are indexed by config position."""
+
+    def __init__(self, config: KVCacheManagerConfig, rc: ResolvedConfig, *, device: Any = "cpu", dtype: Any = None,
+                 shapes: Mapping[int, Sequence[int]] | None = None) -> None:
+        torch = torch_module()
+        self.B = config.tokens_per_block
+        self.life_cycles = rc.life_cycles
+        self.tier_kinds = rc.tier_kinds
+        self._tier_pos = {tid: pos for pos, tid in enumerate(rc.tier_ids)}
+        self.num_slots = [list(row) for row in rc.slots]  # [config position][lc]; resize changes it
+        self.device = torch.device(device)
+        self.dtype = torch.float32 if dtype is None else dtype
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self._place_layers(config, dict(shapes or {}), itemsize)
+        self._files: list[tuple[str, int]] = []  # (path, locked fd) of each disk pool file
+        self._finalizer = weakref.finalize(self, close_pool_files, self._files)
+        self.grid: list[list[Any]] = []  # [config position][lc] uint8[num_slots, slot_bytes] or a DiskPool
+        try:
+            self._make_pools(torch, config, rc.tier_ids)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Drop the pools and remove the disk tier's files (idempotent)."""
+        self.grid = []
+        self._finalizer()
 
     def _place_layers(self, config: KVCacheManagerConfig, shapes: dict[int, Sequence[int]], itemsize: int) -> None:
         """Where each layer sits inside its life cycle's slot, and its typed view's shape
@@ -65,12 +91,12 @@ class Pools:
             raise ValueError(f"shapes given for unknown layers {sorted(shapes)}")
 
     def _make_pools(self, torch: Any, config: KVCacheManagerConfig, tier_ids: Sequence[int]) -> None:
-        """One pool per (tier, life cycle), appended to ``self.pools`` (disk files to
-        ``self._files``, which the caller's finalizer closes on failure)."""
+        """One pool per (tier, life cycle), appended to ``self.grid`` (disk files to
+        ``self._files``, which :meth:`close` removes on failure)."""
         pin = torch.cuda.is_available()
         for t, tier in enumerate(config.tiers):
             row = []
-            if tier.kind == "shared":  # no slots, no pool (listed last): objects in a store (_open_shared)
+            if tier.kind == "shared":  # no slots, no pool (listed last): objects in a store (shared_io)
                 continue
             if tier.kind == "disk":
                 os.makedirs(tier.path, exist_ok=True)
@@ -82,18 +108,17 @@ class Pools:
                 elif tier.kind == "host":
                     pool = torch.zeros((n, sb), dtype=torch.uint8, pin_memory=pin)
                 else:  # disk: a reserved, locked file read and written with pread/pwrite
-                    path, fd = _create_disk_file(tier.path, lc.id, n * (sb + TRAILER.size), tier_ids[t])
+                    path, fd = create_pool_file(tier.path, lc.id, n * (sb + TRAILER.size), tier_ids[t])
                     self._files.append((path, fd))
                     pool = DiskPool(fd, path, n, sb)
                 row.append(pool)
-            self.pools.append(row)
-
+            self.grid.append(row)
 
     # ------------------------------------------------------------------ views
 
     def pool(self, tier: int | str, lc: int):
         """The raw ``uint8[num_slots, slot_bytes]`` pool of ``(tier, lc)``."""
-        return self.pools[self._tier(tier)][lc]
+        return self.grid[self._tier(tier)][lc]
 
     def kv(self, layer_id: int, tier: int | str = "gpu"):
         """Typed view ``[num_slots, B, *token_shape]`` of attention layer ``layer_id``."""
@@ -114,7 +139,7 @@ class Pools:
         if self.life_cycles[lc].kind != kind:
             raise ValueError(f"layer {layer_id} is not an {kind} layer")
         off, nbytes, shape = self._layer_region[layer_id]
-        raw = self.pools[self._tier(tier)][lc]
+        raw = self.grid[self._tier(tier)][lc]
         if isinstance(raw, DiskPool):
             raise ValueError("the disk tier has no tensor views: it is read and written with explicit file I/O "  # noqa: TRY004
                              "(DiskPool.read_rows / write_rows)")
@@ -126,58 +151,63 @@ class Pools:
                 raise ValueError(f"no {tier!r} tier; tiers: {', '.join(self.tier_kinds)}")
             return self.tier_kinds.index(tier)
         if isinstance(tier, bool) or not isinstance(tier, int) or tier not in self._tier_pos:
-            raise ValueError(f"unknown tier {tier!r}; tiers are {self._tier_names()}")
+            raise ValueError(f"unknown tier {tier!r}; tiers are {self.tier_names()}")
         return self._tier_pos[tier]
 
-    def _tier_names(self) -> str:
+    # ------------------------------------------------------------------ tiers by SPEC's number
+
+    def has_tier(self, tier: int) -> bool:
+        """Whether the int ``tier`` is a pool tier of this config (SPEC's number)."""
+        return tier in self._tier_pos
+
+    def tier_names(self) -> str:
+        """The pool tiers as an error message lists them: ``"0 (gpu), 1 (host)"``."""
         return ", ".join(f"{t} ({self.tier_kinds[p]})" for t, p in self._tier_pos.items())
 
-    # ------------------------------------------------------------------ quotas at run time
+    def kind_of(self, tier: int) -> str:
+        """The kind (``"gpu"``, ``"host"``, ``"disk"``) of pool tier ``tier``."""
+        return self.tier_kinds[self._tier(tier)]
 
-    def set_quota(self, manager: Any, tier: int | str, quota_bytes: int) -> int:
-        """``manager.set_quota(tier, quota_bytes)`` with the pools following it
-        (DECISIONS.md "Quotas at run time"): pools that grow are grown first (a disk pool's
-        new records reserved), then the manager resizes its pools, then its pending copy
-        ops are drained and executed (:meth:`apply`: the offloads of the shrink and the
-        ``relocate`` ops that move live pages out of the vanishing slots), and only then do
-        shrinking pools lose their top slots, so no live page's bytes are lost.  Returns
-        the number of ops executed.  A refusal of the manager (or a disk that cannot
-        reserve the space) raises with the pools as they were.  A failed copy raises
-        :class:`~kvcm.api.CopyError` after the pools are resized (the manager's already
-        are): report its ops with ``manager.forget_copies``.  Views taken before
-        (:meth:`kv`, :meth:`state`, :meth:`pool`) are stale afterwards."""
-        pos, _q, per_lc = resolve_quota(self._rc, tier, quota_bytes)
-        old = list(self.num_slots[pos])
-        grown: list[int] = []
-        try:
-            for lc, n in enumerate(per_lc):
-                if n > old[lc]:
-                    self._resize_pool(pos, lc, n)
-                    grown.append(lc)
-            manager.set_quota(tier, quota_bytes)
-        except BaseException:
-            for lc in grown:  # the new slots were never used: nothing to keep
-                self._resize_pool(pos, lc, old[lc])
-            raise
-        try:
-            return self.apply(manager.drain_copy_ops())
-        finally:
-            for lc, n in enumerate(per_lc):
-                if n < old[lc]:
-                    self._resize_pool(pos, lc, n)
+    def slots(self, tier: int | str, lc: int) -> int:
+        """The number of slots of ``(tier, lc)`` now."""
+        return self.num_slots[self._tier(tier)][lc]
 
-    def _resize_pool(self, pos: int, lc: int, n: int) -> None:
+    def adopt(self, tier: int | str, lc: int, memory: Any) -> None:
+        """``DataPlane.adopt_memory``: ``memory`` (a ``uint8[num_slots, slot_bytes]`` tensor
+        of the engine's) becomes the pool of ``(tier, lc)`` of a gpu or host tier.  Bad input
+        raises and changes nothing."""
+        torch = torch_module()
+        pos = self._tier(tier)
+        kind = self.tier_kinds[pos]
+        if kind not in ("gpu", "host"):
+            raise ValueError(f"adopt_memory: the {kind} tier has no tensor pools (gpu and host tiers only)")
+        if isinstance(lc, bool) or not isinstance(lc, int) or not 0 <= lc < len(self.life_cycles):
+            raise ValueError(f"adopt_memory: unknown life cycle {lc!r}")
+        if not isinstance(memory, torch.Tensor):
+            raise TypeError(f"adopt_memory: memory must be a torch tensor, got {type(memory).__name__}")
+        want = (self.num_slots[pos][lc], self.life_cycles[lc].slot_bytes)
+        if memory.dtype != torch.uint8 or tuple(memory.shape) != want:
+            raise ValueError(f"adopt_memory: ({kind}, lc {lc}) needs a uint8 tensor of shape {want}, got "
+                             f"{memory.dtype} {tuple(memory.shape)}")
+        if memory.stride(1) != 1:
+            raise ValueError("adopt_memory: each slot must be contiguous (stride 1 along a slot's bytes)")
+        self.grid[pos][lc] = memory
+
+    # ------------------------------------------------------------------ sizes at run time
+
+    def resize(self, pos: int, lc: int, n: int) -> None:
         """Pool (config position ``pos``, ``lc``) to ``n`` slots, keeping slots
-        ``[0, min(old, n))`` byte for byte; new slots of a memory tier are zero."""
-        pool = self.pools[pos][lc]
+        ``[0, min(old, n))`` byte for byte; new slots of a memory tier are zero (a disk
+        pool's new records are reserved: OSError when they cannot be)."""
+        pool = self.grid[pos][lc]
         if isinstance(pool, DiskPool):
             pool.resize(n)
         else:
-            torch = _torch()
+            torch = torch_module()
             keep = min(n, pool.shape[0])
             kind = self.tier_kinds[pos]
             pin = kind == "host" and torch.cuda.is_available()
             new = torch.zeros((n, pool.shape[1]), dtype=torch.uint8, device=pool.device, pin_memory=pin)
             new[:keep].copy_(pool[:keep])
-            self.pools[pos][lc] = new
+            self.grid[pos][lc] = new
         self.num_slots[pos][lc] = n

@@ -4,8 +4,10 @@ buffer, each store call under a deadline on a worker thread; objects are named, 
 and authenticated by an :class:`~kvcm.dataplane.store.ObjectCodec`.  See
 :mod:`kvcm.dataplane`, "The shared tier".
 
-:class:`SharedIO` is one of the three parts :class:`~kvcm.dataplane.DataPlane` is made of;
-the state it uses is set by ``DataPlane.__init__`` and declared below.
+:class:`SharedIO` is the part of :class:`~kvcm.dataplane.DataPlane` that talks to the
+store; its collaborators are given to it: the pools it gathers pages from and scatters
+them into, the counters it counts completed ops in.  It knows nothing of the copy runs
+that hand it its batches.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import errno
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcm.api import CopyOp, KVCacheManagerConfig
-from kvcm.config import layout_fingerprint
-from kvcm.dataplane.disk_pool import DiskPool, _torch
+from kvcm.config import ResolvedConfig, layout_fingerprint
+from kvcm.dataplane.copy_stats import CopyStats
+from kvcm.dataplane.disk_pool import DiskPool, torch_module
+from kvcm.dataplane.pools import Pools
 from kvcm.dataplane.store import HEADER, BadObjectError, ObjectCodec, SharedStore, Staging, store_secret
 from kvcm.dataplane.store_factory import open_store
 
@@ -28,24 +32,37 @@ STAGING_MAX_BYTES = 64 << 20  # the largest staging buffer: bigger batches go in
 
 
 class SharedIO:
-    """The shared-tier side of a :class:`~kvcm.dataplane.DataPlane`."""
+    """The shared tier of one data plane (resolved config ``rc``): its store (``store``, else
+    the one the tier's path names; ``None`` without a shared tier or once closed), the
+    codec of its objects, the deadline of one store call (``timeout_s``: default the
+    store's) and the store secret (``secret``: default the config's or the environment's);
+    pages gathered from and scattered into ``pools``, completed ops counted in ``stats``.
+    The arguments are those of :class:`~kvcm.dataplane.DataPlane` (``store=``,
+    ``shared_timeout_s=``, ``shared_secret=``)."""
 
-    # set by DataPlane.__init__
-    life_cycles: Sequence[Any]
-    pools: list[list[Any]]
-    shared: SharedStore | None
-    codec: ObjectCodec | None
-    shared_secret_source: str
-    shared_timeout_s: float
-    shared_stats: dict[str, int]
-    shared_seconds: dict[str, float]
-    _own_store: bool
-    _staging: Staging | None
-    _late: list[tuple[threading.Event, Staging | None]]
-    _count_n: Callable[[Any, int], None]  # CopyRuns._count_n
+    def __init__(self, config: KVCacheManagerConfig, rc: ResolvedConfig, pools: Pools, stats: CopyStats, *,
+                 store: SharedStore | None = None, timeout_s: float | None = None,
+                 secret: bytes | str | None = None) -> None:
+        self._pools = pools
+        self._stats = stats
+        self.life_cycles = rc.life_cycles
+        self.store: SharedStore | None = None
+        self.codec: ObjectCodec | None = None
+        self.secret_source = ""  # where the store secret came from ("": none); never the secret
+        self.timeout_s = 0.0  # the deadline of one store call (0: none)
+        self._own_store = False
+        self._staging: Staging | None = None
+        # calls past their deadline, remembered until they returned and their buffers are freed (_call)
+        self.late: list[tuple[threading.Event, Staging | None]] = []
+        self.stats = dict.fromkeys(
+            ("lookups", "lookup_names", "lookup_hits", "lookup_errors", "stores", "store_bytes", "store_failures",
+             "loads", "load_bytes", "load_failures", "removed_bad", "auth_failures", "put_batches", "get_batches",
+             "timeouts"), 0)
+        self.seconds = {"lookup": 0.0, "store": 0.0, "load": 0.0}  # reporting only (throughput)
+        self._open(config, rc, store, timeout_s, secret)
 
-    def _open_shared(self, config: KVCacheManagerConfig, rc: Any, store: SharedStore | None,
-                     timeout_s: float | None, secret: bytes | str | None) -> None:
+    def _open(self, config: KVCacheManagerConfig, rc: ResolvedConfig, store: SharedStore | None,
+              timeout_s: float | None, secret: bytes | str | None) -> None:
         tier = rc.shared_tier
         if tier is None:
             if store is not None:
@@ -56,53 +73,71 @@ class SharedIO:
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
                                       or not math.isfinite(timeout_s) or timeout_s < 0):
             raise ValueError(f"shared_timeout_s must be a number of seconds >= 0 (0: none), got {timeout_s!r}")
-        key, self.shared_secret_source = store_secret(secret, config.shared_secret_file)
+        key, self.secret_source = store_secret(secret, config.shared_secret_file)
         self.codec = ObjectCodec(layout_fingerprint(rc, config.shared_namespace), key)
         if store is None:
             store = open_store(tier.path, tier.quota_bytes, timeout_s)  # set-up within the deadline
             self._own_store = True
-        self.shared = store
-        self.shared_timeout_s = float(store.timeout_s if timeout_s is None else timeout_s)
+        self.store = store
+        self.timeout_s = float(store.timeout_s if timeout_s is None else timeout_s)
 
+    def close(self) -> None:
+        """Release the staging buffer and the store (idempotent; a store given as ``store=``
+        stays open).  Calls that ran past their deadline get one more deadline to return;
+        a store with a call still in flight is left open (closing a client under a running
+        call is not safe), and so is that call's buffer."""
+        if self._staging is not None:
+            if self.store is not None:
+                self.store.unregister(self._staging)
+            self._staging.close()
+            self._staging = None
+        if self.late:
+            wait_until = time.monotonic() + self.timeout_s
+            for done, _ in self.late:
+                done.wait(max(0.0, wait_until - time.monotonic()))
+            self._reap()
+        if self.store is not None and self._own_store and not self.late:
+            self.store.close()
+        self.store = None
 
     # ------------------------------------------------------------------ the shared tier
 
-    def shared_lookup(self, candidates: Iterable[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+    def lookup(self, candidates: Iterable[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
         """The ``(key, lc)`` pairs of ``candidates`` (``mgr.shared_candidates``) whose objects
         the store holds: one batched existence query.  A store that cannot answer counts as
-        empty (``shared_stats["lookup_errors"]``)."""
+        empty (``stats["lookup_errors"]``)."""
         cands = list(candidates)
-        if self.shared is None or not cands:
+        if self.store is None or not cands:
             return []
         t0 = time.perf_counter()
-        self.shared_stats["lookups"] += 1
-        self.shared_stats["lookup_names"] += len(cands)
+        self.stats["lookups"] += 1
+        self.stats["lookup_names"] += len(cands)
         try:
-            present = self._call("exists", self.shared.exists, [self.codec.name(k, lc) for k, lc in cands])
+            present = self._call("exists", self.store.exists, [self.codec.name(k, lc) for k, lc in cands])
             if not isinstance(present, list) or len(present) != len(cands):  # a store that breaks its contract
                 raise OSError(errno.EIO, f"the shared store answered {len(present) if isinstance(present, list) else present!r} "
                                          f"for {len(cands)} names")
         except OSError:
-            self.shared_stats["lookup_errors"] += 1
+            self.stats["lookup_errors"] += 1
             return []
         finally:
-            self.shared_seconds["lookup"] += time.perf_counter() - t0
+            self.seconds["lookup"] += time.perf_counter() - t0
         hits = [c for c, p in zip(cands, present, strict=True) if p]
-        self.shared_stats["lookup_hits"] += len(hits)
+        self.stats["lookup_hits"] += len(hits)
         return hits
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, staging: Staging | None = None) -> Any:
         """``fn(*args)`` (a store's exists / put / get) under the deadline
-        ``shared_timeout_s``: run on a worker thread, and past the deadline stop waiting and
+        ``timeout_s``: run on a worker thread, and past the deadline stop waiting and
         raise ``TimeoutError`` (an ``OSError``, ETIMEDOUT), as a store that is down fails.
         The call may still complete later: ``staging`` (the buffer it reads or writes) is
         then abandoned — never used again by this plane, so a late get cannot write into
         anything that is read afterwards (pools are filled from it only after a call that
-        returned in time).  The late call is remembered (``_late``): its buffer is
+        returned in time).  The late call is remembered (``late``): its buffer is
         unregistered and freed on this thread once it has returned (:meth:`_reap`), and
         :meth:`close` does not close the store under a call still in flight.  0: no
         deadline, the call runs on this thread."""
-        if not self.shared_timeout_s:
+        if not self.timeout_s:
             return fn(*args)
         box: dict[str, Any] = {}
         done = threading.Event()
@@ -115,13 +150,13 @@ class SharedIO:
             done.set()
 
         threading.Thread(target=work, name=f"kvcm-shared-{what}", daemon=True).start()
-        if not done.wait(self.shared_timeout_s):
-            self.shared_stats["timeouts"] += 1
-            self._late.append((done, staging))
+        if not done.wait(self.timeout_s):
+            self.stats["timeouts"] += 1
+            self.late.append((done, staging))
             if staging is not None and staging is self._staging:
                 self._staging = None  # abandoned: freed by _reap once the call returned
             raise TimeoutError(errno.ETIMEDOUT, f"the shared store's {what} did not answer within "
-                                                f"{self.shared_timeout_s:g} s")
+                                                f"{self.timeout_s:g} s")
         if "error" in box:
             raise box["error"]
         return box["result"]
@@ -130,29 +165,29 @@ class SharedIO:
         """Free the buffers of late calls that have returned since (on the caller's thread,
         so that registering and unregistering never race with each other)."""
         still: list[tuple[threading.Event, Staging | None]] = []
-        for done, st in self._late:
+        for done, st in self.late:
             if not done.is_set():
                 still.append((done, st))
             elif st is not None:
-                if self.shared is not None:
+                if self.store is not None:
                     with contextlib.suppress(OSError):
-                        self.shared.unregister(st)
+                        self.store.unregister(st)
                 st.close()
-        self._late = still
+        self.late = still
 
     def _staging_for(self, nbytes: int) -> Staging:
         """The registered staging buffer, grown to ``nbytes`` (at most STAGING_MAX_BYTES
         unless one object needs more)."""
-        if self._late:
+        if self.late:
             self._reap()
         st = self._staging
         if st is None or st.nbytes < nbytes:
             if st is not None:
-                self.shared.unregister(st)
+                self.store.unregister(st)
                 st.close()
                 self._staging = None
             st = Staging(nbytes)
-            self.shared.register(st)
+            self.store.register(st)
             self._staging = st
         return st
 
@@ -188,10 +223,10 @@ class SharedIO:
         except OSError as e:
             return [], list(ops), e
 
-    def _store_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
+    def store_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
         """Write the pages of ``store`` ops as objects, one batched put per chunk: each
         (tier, lc) group gathered into its staging region in one copy, headers written."""
-        torch = _torch()
+        torch = torch_module()
         t0 = time.perf_counter()
         H = HEADER.size
         chunks, failed, cause = self._chunks_or_fail(ops, "src")
@@ -204,7 +239,7 @@ class SharedIO:
             items: list[tuple[str, int, int]] = []
             ready: list[CopyOp] = []
             for tier, lc, base, group in groups:
-                sp, sb = self.pools[self._tier_pos[tier]][lc], self.life_cycles[lc].slot_bytes
+                sp, sb = self._pools.pool(tier, lc), self.life_cycles[lc].slot_bytes
                 try:
                     if isinstance(sp, DiskPool):
                         rows = sp.read_rows([op.src_slot for op in group])
@@ -226,24 +261,24 @@ class SharedIO:
             if not items:
                 continue
             results, timed_out = self._results("put", items, st)
-            self.shared_stats["put_batches"] += 1
+            self.stats["put_batches"] += 1
             for op, err in zip(ready, results, strict=True):
                 if err is None:
-                    self._count(op)
-                    self.shared_stats["stores"] += 1
-                    self.shared_stats["store_bytes"] += self.life_cycles[op.lc].slot_bytes
+                    self._stats.count(op)
+                    self.stats["stores"] += 1
+                    self.stats["store_bytes"] += self.life_cycles[op.lc].slot_bytes
                 else:
                     failed.append(op)
                     cause = cause or err
-        self.shared_stats["store_failures"] += len(failed)
-        self.shared_seconds["store"] += time.perf_counter() - t0
+        self.stats["store_failures"] += len(failed)
+        self.seconds["store"] += time.perf_counter() - t0
         return failed, cause
 
-    def _load_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
+    def load_batch(self, ops: list[CopyOp]) -> tuple[list[CopyOp], BaseException | None]:
         """Read the objects of shared ``onboard`` ops into their slots, one batched get per
         chunk; every object is verified before its page is written, and each (tier, lc)
         group's verified pages are scattered into the pool with one ``index_copy_``."""
-        torch = _torch()
+        torch = torch_module()
         t0 = time.perf_counter()
         H = HEADER.size
         chunks, failed, cause = self._chunks_or_fail(ops, "dst")
@@ -254,7 +289,7 @@ class SharedIO:
                      for _, lc, base, group in groups for j, op in enumerate(group)]
             if timed_out is None:
                 results, timed_out = self._results("get", items, st)
-                self.shared_stats["get_batches"] += 1
+                self.stats["get_batches"] += 1
             if timed_out is not None:
                 # the store is slow: this chunk and the rest of the batch fail as if it were
                 # down, and the abandoned buffer is not read (a late get may still write it)
@@ -281,7 +316,7 @@ class SharedIO:
                         if isinstance(e, BadObjectError):  # the object itself is bad, not the store
                             bad_names.append(name)
                             if e.what == "mac":  # intact, but not written with this plane's secret
-                                self.shared_stats["auth_failures"] += 1
+                                self.stats["auth_failures"] += 1
                         continue
                     good.append(j)
                 if not good:
@@ -290,7 +325,7 @@ class SharedIO:
                 region = flat[base:base + n * (H + sb)].view(n, H + sb)
                 data = region[:, H:] if len(good) == n else region[good, H:]
                 dst = [group[j].dst_slot for j in good]
-                dp = self.pools[self._tier_pos[tier]][lc]
+                dp = self._pools.pool(tier, lc)
                 try:
                     if isinstance(dp, DiskPool):
                         dp.write_rows(dst, data)
@@ -300,16 +335,16 @@ class SharedIO:
                     failed += [group[j] for j in good]
                     cause = cause or e
                     continue
-                self.kernel_calls += 1
+                self._stats.kernel_calls += 1
                 for j in good:
-                    self._count(group[j])
-                    self.shared_stats["loads"] += 1
-                    self.shared_stats["load_bytes"] += sb
+                    self._stats.count(group[j])
+                    self.stats["loads"] += 1
+                    self.stats["load_bytes"] += sb
             del flat
             if bad_names:  # never found again: a later store may write it whole
                 self._remove_bad(bad_names)
-        self.shared_stats["load_failures"] += len(failed)
-        self.shared_seconds["load"] += time.perf_counter() - t0
+        self.stats["load_failures"] += len(failed)
+        self.seconds["load"] += time.perf_counter() - t0
         return failed, cause
 
     def _results(self, what: str, items: list[tuple[str, int, int]],
@@ -319,7 +354,7 @@ class SharedIO:
         ``staging`` is abandoned then).  A call that raised, timed out or answered with
         another number of results fails every item."""
         try:
-            results = self._call(what, getattr(self.shared, what), items, staging, staging=staging)
+            results = self._call(what, getattr(self.store, what), items, staging, staging=staging)
         except TimeoutError as e:
             return [e] * len(items), e
         except OSError as e:
@@ -335,7 +370,7 @@ class SharedIO:
         every later lookup would find them and every load fail; a store that cannot remove
         them now keeps them (they still never load)."""
         try:
-            self.shared.remove(names)
+            self.store.remove(names)
         except OSError:
             return
-        self.shared_stats["removed_bad"] += len(names)
+        self.stats["removed_bad"] += len(names)

@@ -14,34 +14,4 @@ One module per role:
   wired to a router index in process (no sockets).
 
 The routing replay that drives these (``python -m kvcm route``) is :mod:`kvcm.tools.routing`.
-
-Compatibility (to be removed in the next release): ``kvcm.fleet`` used to be the module of
-the fleet replay over a shared tier, now :mod:`kvcm.tools.fleet_replay`.  Its public names
-(``run_fleet``, ``main_fleet``, ...) are still reachable here through a lazy module
-``__getattr__`` that imports :mod:`kvcm.tools.fleet_replay` on first use, so that
-importing the fleet layer never imports the tools.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-# the public names of the former module kvcm/fleet.py (the fleet replay)
-_REPLAY_NAMES = frozenset({
-    "NUM_LAYERS", "FleetResult", "fleet_config", "fleet_table", "format_header", "main_fleet", "plot",
-    "raw_throughput", "resolve_shared", "run_fleet",
-})
-
-
-def __getattr__(name: str) -> Any:
-    """The fleet replay's former names, on demand (compatibility re-export, to be removed in
-    the next release); any other missing name is an AttributeError, importing nothing."""
-    if name in _REPLAY_NAMES:
-        from kvcm.tools import fleet_replay  # only when an old name is asked for
-
-        return getattr(fleet_replay, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | _REPLAY_NAMES)

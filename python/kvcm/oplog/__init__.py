@@ -21,8 +21,8 @@ is opened once per process and path: created ``0600`` (an existing one is tighte
 link; otherwise building the manager raises an ``OSError`` that names ``KVCM_OPLOG``.  Only state-visible public calls are recorded (the :mod:`kvcm.oplog.ops`
 vocabulary); property reads, ``snapshot()`` and ``check_invariants()`` are not.
 
-Replay: :func:`replay` (``python -m kvcm oplog-replay PATH [--backend python,cpp]``, wired
-through :func:`main_replay`) runs each manager's ops on fresh managers of the chosen
+Replay: :func:`replay` (``python -m kvcm oplog-replay PATH [--backend python,cpp]``, the
+command :mod:`kvcm.cli.oplog_replay`) runs each manager's ops on fresh managers of the chosen
 backends, checks every outcome against the recorded one, compares ``snapshot()`` across
 backends after every step and runs ``check_invariants()``; it stops at the first
 divergence.
@@ -33,7 +33,7 @@ The package, one module per concern (every name below is importable from ``kvcm.
 * :mod:`kvcm.oplog.record`: the recording proxy (:class:`RecordingManager`);
 * :mod:`kvcm.oplog.lockstep`: :class:`Lockstep`, :func:`run_ops`, :class:`Divergence`;
 * :mod:`kvcm.oplog.minimise`: :func:`minimize`;
-* :mod:`kvcm.oplog.playback`: :func:`replay`, :func:`main_replay`, :func:`build_manager`.
+* :mod:`kvcm.oplog.playback`: :func:`replay`, :func:`build_manager`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from kvcm.oplog.format import (
 )
 from kvcm.oplog.lockstep import DOCUMENTED_ERRORS, Divergence, Lockstep, first_difference, run_ops
 from kvcm.oplog.minimise import minimize
-from kvcm.oplog.playback import ReplayReport, build_manager, main_replay, replay
+from kvcm.oplog.playback import ReplayReport, build_manager, replay
 from kvcm.oplog.record import (
     OpLogWarning,
     RecordingCache,
@@ -81,7 +81,6 @@ __all__ = [
     "config_to_json",
     "first_difference",
     "format_log",
-    "main_replay",
     "maybe_wrap",
     "maybe_wrap_class",
     "minimize",

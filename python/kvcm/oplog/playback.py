@@ -1,22 +1,19 @@
-"""Replaying a log (``python -m kvcm oplog-replay``): each manager's ops on fresh
-managers of the chosen backends, checked against the recorded outcomes and across
-backends, stopping at the first divergence.  (Named *playback*: ``kvcm.oplog.replay`` is
-the function.)"""
+"""Replaying a log: each manager's ops on fresh managers of the chosen backends, checked
+against the recorded outcomes and across backends, stopping at the first divergence.
+(Named *playback*: ``kvcm.oplog.replay`` is the function; the command that runs it,
+``python -m kvcm oplog-replay``, is :mod:`kvcm.cli.oplog_replay`.)"""
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcm._select import BACKENDS, manager_class
+from kvcm._select import manager_class
 from kvcm.api import KVCacheManager, KVCacheManagerConfig
-from kvcm.oplog.format import LogFormatError, LoggedManager, config_from_json, format_log, read_log
+from kvcm.oplog.format import LoggedManager, config_from_json, format_log, read_log
 from kvcm.oplog.lockstep import Divergence, Lockstep
 from kvcm.oplog.minimise import minimize
-from kvcm.tools.progress import Progress
 
 
 @dataclass
@@ -142,12 +139,14 @@ def replay(
     *,
     check_invariants: bool = True,
     minimize_divergence: bool = False,
-    progress: bool = False,
+    progress: Callable[[int], Any] | None = None,
 ) -> ReplayReport:
     """Replay the log at ``path`` on each of ``backends``; stop at the first divergence.
     With ``minimize_divergence`` (and 2+ backends, or a crash/invariant divergence), also
-    compute a shortest log showing it (``report.minimized``).  ``progress``: a progress
-    bar on stderr (display only)."""
+    compute a shortest log showing it (``report.minimized``).  ``progress``: display only,
+    called with the number of ops to replay; it returns the display, whose ``update(1)`` is
+    called after each op and ``close()`` at the end (e.g. ``lambda n:
+    kvcm.tools.progress.Progress(n, "python,cpp")``)."""
     backends = tuple(backends)
     if not backends:
         raise ValueError("replay needs at least one backend")
@@ -157,7 +156,7 @@ def replay(
     def factory(cfg: KVCacheManagerConfig) -> list[Any]:
         return [build_manager(cfg, b) for b in backends]
 
-    bar = Progress(sum(len(s.ops) for s in streams), ",".join(backends)) if progress else None
+    bar = progress(sum(len(s.ops) for s in streams)) if progress is not None else None
     try:
         for stream in streams:
             steps_before = report.steps
@@ -199,51 +198,3 @@ def replay(
         if bar is not None:
             bar.close()
     return report
-
-
-def main_replay(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvcm oplog-replay PATH [--backend python,cpp] [--minimize OUT]``;
-    exit 0 = no divergence, 1 = divergence, 2 = bad usage / unreadable or malformed log
-    (one line on stderr naming the file, the line and the field)."""
-    p = argparse.ArgumentParser(
-        prog="python -m kvcm oplog-replay",
-        description="Replay a kvcm op log (KVCM_OPLOG).",
-        epilog="exit status: 0 no divergence, 1 a divergence (printed), 2 bad usage or an unreadable or malformed "
-        "log (one line naming the file, line and field)",
-    )
-    p.add_argument("path")
-    p.add_argument("--backend", default="python,cpp", help="comma-separated backends (default: python,cpp)")
-    p.add_argument("--no-invariants", action="store_true", help="skip check_invariants() after each step")
-    p.add_argument("--minimize", metavar="OUT", help="write a shortest log showing the divergence to OUT")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (shown only when stderr is a terminal, so that a log or a pipe gets the "
-                        "one-line error of a bad log and nothing else)")
-    a = p.parse_args(argv)
-    backends = tuple(b.strip() for b in a.backend.split(",") if b.strip())
-    bad = [b for b in backends if b not in BACKENDS]
-    if bad or not backends:
-        print(f"oplog-replay: unknown backend(s) {bad}; choices: {', '.join(BACKENDS)}", file=sys.stderr)
-        return 2
-    try:
-        report = replay(a.path, backends, check_invariants=not a.no_invariants, minimize_divergence=bool(a.minimize),
-                        progress=not a.no_progress and sys.stderr.isatty())
-    except LogFormatError as e:
-        print(f"oplog-replay: {e}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as e:
-        print(f"oplog-replay: {a.path}: {e}", file=sys.stderr)
-        return 2
-    d = report.divergence
-    if d is not None and d.kind == "op":  # an op the log cannot mean (e.g. a cache never created)
-        print(f"oplog-replay: {LogFormatError(a.path, d.line, d.detail)}", file=sys.stderr)
-        return 2
-    print(report)
-    if a.minimize and not report.ok:
-        if report.minimized is None:
-            print("oplog-replay: minimising needs 2+ backends (one backend only diverges from the recording)")
-        else:
-            with open(a.minimize, "w", encoding="utf-8") as f:
-                f.write(report.minimized)
-            n = len(report.minimized.splitlines()) - 1
-            print(f"minimised: {n} ops -> {a.minimize}")
-    return 0 if report.ok else 1

@@ -64,8 +64,8 @@ from typing import Any
 
 from kvcm import block_keys
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, SsmLayer, Tier
-from kvcm.cli.common import exit_code, format_table, int_in, ratio, run_guarded
 from kvcm.config import ceildiv
+from kvcm.tools.cmdline import exit_code, format_table, int_in, ratio, run_guarded
 
 BACKENDS = ("python", "cpp")
 

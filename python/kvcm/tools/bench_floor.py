@@ -235,7 +235,7 @@ def measure_replay(impl: str, limit: int, tokens_per_block: int, gpu: int | None
     import dataclasses
     import gc
 
-    from kvcm.cli.common import run_guarded
+    from kvcm.tools.cmdline import run_guarded
     from kvcm.tools.replay import replay
 
     trace = load_trace(limit=limit)

@@ -65,7 +65,8 @@ def run_backend(backend: str, workload_name: str, device: str | None, metrics_po
     ``metrics_port`` the manager's Prometheus metrics (kvcm.metrics) are served while it
     runs, and scraped once over HTTP at the end."""
     import kvcm
-    from kvcm.engine import TinyHybridModel, builtin_workload, run_workload
+    from kvcm.engine import TinyHybridModel
+    from kvcm.tools.workloads import builtin_workload, run_workload
 
     model = TinyHybridModel(device=device)
     workload = builtin_workload(workload_name, vocab=model.cfg.vocab)
@@ -122,7 +123,8 @@ def _guarded(backend: str, workload: str, device: str | None, metrics_port: int 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m kvcm demo``: returns the exit status (module docstring)."""
-    from kvcm.engine import BUILTIN_WORKLOADS, ModelConfig, default_device
+    from kvcm.engine import ModelConfig, default_device
+    from kvcm.tools.workloads import BUILTIN_WORKLOADS
 
     p = argparse.ArgumentParser(
         prog="python -m kvcm demo",
@@ -138,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "one scrape (0: a free port; needs kvcm[metrics])")
     p.add_argument("--metrics-addr", default="127.0.0.1", help="the address the metrics server binds (default 127.0.0.1)")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
-    from kvcm.cli.common import torch_missing
+    from kvcm.tools.cmdline import torch_missing
 
     why = torch_missing("python -m kvcm demo")
     if why is not None:
@@ -162,7 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = "--device" if args.device else "KVCM_ENGINE_DEVICE"
         p.error(f"{where} {args.device or default_device()!r}: {why}")
 
-    from kvcm.engine import builtin_workload, torch_threads
+    from kvcm.engine import torch_threads
+    from kvcm.tools.workloads import builtin_workload
 
     mc = ModelConfig()
     w = builtin_workload(args.workload, vocab=mc.vocab)

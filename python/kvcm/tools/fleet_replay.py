@@ -6,14 +6,14 @@ Requests go to the instances round-robin (the worst case for locality: consecuti
 one conversation land on different instances).  Each instance is a manager plus a
 :class:`~kvcm.dataplane.DataPlane` (its gpu pool in host memory) driven like an engine::
 
-    hits = plane.shared_lookup(mgr.shared_candidates(prompt))    # one batched query
-    kv = mgr.create_kv_cache(prompt, shared_hits=hits)
-    kv.resume(); kv.resize(len(prompt)); plane.apply(ops)        # shared pages onboarded
-    kv.commit(prompt[kv.num_committed_tokens:]); plane.apply(ops) # full blocks stored
-    kv.close(); plane.apply(ops)
+    loop = EngineLoop(mgr, plane)                                 # kvcm.engine_loop
+    kv = loop.admit(prompt, capacity=len(prompt))   # one batched lookup, create, resume,
+                                                    # resize, copies: shared pages onboarded
+    kv.commit(prompt[kv.num_committed_tokens:]); loop.sync()      # full blocks stored
+    kv.close(); loop.sync()
 
-A ``CopyError`` goes to ``forget_copies`` and the request is resumed again (it recomputes
-what was not loaded).  Each N runs twice: **local** (gpu tier only, the same quota) and
+A ``CopyError`` goes to the manager (the loop's sync) and the request is resumed again (it
+recomputes what was not loaded).  Each N runs twice: **local** (gpu tier only, the same quota) and
 **shared** (gpu + the shared tier).  The hit rate is reused prompt tokens / prompt tokens.
 Pages are ``--page-bytes`` (one full-attention life cycle of two layers) and hold no real
 K/V: the replay measures reuse and the data plane's movement of bytes, not a model.
@@ -37,10 +37,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.api import AttentionLayer, CopyError, KVCacheManager, KVCacheManagerConfig, Tier
-from kvcm.cli.common import fmt_int, format_table
+from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig
 from kvcm.dataplane import DataPlane, open_store
 from kvcm.dataplane.store import HEADER, SharedStore, Staging
+from kvcm.engine_loop import EngineLoop, config_from_layout
+from kvcm.tools.cmdline import fmt_int, format_table
 from kvcm.tools.trace import TraceRequest, expand_prompt
 
 NUM_LAYERS = 2
@@ -75,45 +76,24 @@ def fleet_config(B: int, page_bytes: int, gpu_blocks: int, shared: str | None, n
     per_token = page_bytes // (NUM_LAYERS * B)
     if per_token < 1 or per_token * NUM_LAYERS * B != page_bytes:
         raise ValueError(f"--page-bytes {page_bytes} is not a multiple of {NUM_LAYERS} layers x {B} tokens")
-    tiers = [Tier("gpu", gpu_blocks * page_bytes)]
-    if shared is not None:
-        tiers.append(Tier("shared", 0, path=shared))
-    return KVCacheManagerConfig(tokens_per_block=B, layers=[AttentionLayer(i, per_token) for i in range(NUM_LAYERS)],
-                                tiers=tiers, shared_namespace=namespace, shared_write=shared_write)
+    layers = [AttentionLayer(i, per_token) for i in range(NUM_LAYERS)]
+    return config_from_layout(B, layers, gpu_blocks=gpu_blocks, shared=shared, shared_namespace=namespace,
+                              shared_write=shared_write)
 
 
-def _apply(mgr: KVCacheManager, plane: DataPlane) -> int:
-    """Execute the pending ops; a CopyError goes to forget_copies.  Returns how many
-    requests the manager rolled back."""
-    try:
-        plane.apply(mgr.drain_copy_ops())
-    except CopyError as e:
-        return len(mgr.forget_copies(e.ops))
-    return 0
-
-
-def _request(mgr: KVCacheManager, plane: DataPlane, prompt: list[int], res: FleetResult, shared: bool) -> None:
-    hits = plane.shared_lookup(mgr.shared_candidates(prompt)) if shared else None
-    kv = mgr.create_kv_cache(prompt, shared_hits=hits) if shared else mgr.create_kv_cache(prompt)
+def _request(loop: EngineLoop, prompt: list[int], res: FleetResult) -> None:
     res.requests += 1
     res.prompt_tokens += len(prompt)
-    for _ in range(3):  # a failed load rolls the request back: resume again and recompute the rest
-        if not kv.resume() or not kv.resize(len(prompt)):
-            kv.close()
-            _apply(mgr, plane)
-            return
-        if not _apply(mgr, plane):
-            break
-        res.rollbacks += 1
-    else:
-        kv.close()
-        _apply(mgr, plane)
+    # lookup (with a shared tier), create, resume + resize, copies; a failed load rolls the
+    # request back and the loop resumes it again (it recomputes the rest); no room: skipped
+    kv = loop.admit(prompt, capacity=len(prompt))
+    if kv is None:
         return
     res.reused_tokens += kv.num_committed_tokens
     kv.commit(prompt[kv.num_committed_tokens:])
-    _apply(mgr, plane)
+    loop.sync()
     kv.close()
-    _apply(mgr, plane)
+    loop.sync()
 
 
 def run_fleet(trace: Sequence[TraceRequest], instances: int, *, shared: str | None, backend: str | None,
@@ -127,6 +107,7 @@ def run_fleet(trace: Sequence[TraceRequest], instances: int, *, shared: str | No
     import torch  # the data plane's; byte views, so any page size works
 
     planes = [DataPlane(config, store=store, dtype=torch.uint8) for _ in range(instances)]
+    loops = [EngineLoop(m, p) for m, p in zip(mgrs, planes)]
     res = FleetResult(instances, shared_write if shared else "local", mgrs[0].backend_name)
     # one torch thread: the copies are small, and OpenMP workers spinning on a busy machine
     # made the gathers into the staging buffer ~4x slower (kvcm.engine.torch_threads)
@@ -135,8 +116,9 @@ def run_fleet(trace: Sequence[TraceRequest], instances: int, *, shared: str | No
     t0 = time.perf_counter()
     try:
         for i, req in enumerate(trace):
-            _request(mgrs[i % instances], planes[i % instances], expand_prompt(req), res, shared is not None)
-        for m in mgrs:
+            _request(loops[i % instances], expand_prompt(req), res)
+        for m, loop in zip(mgrs, loops):
+            res.rollbacks += loop.counters["rollbacks"]
             m.check_invariants()
             st = m.stats()
             res.shared_hit_blocks += sum(lc.get("shared_hit_blocks", 0) for lc in st["lc"])

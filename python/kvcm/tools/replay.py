@@ -38,12 +38,13 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
 from kvcm.config import ceildiv
+from kvcm.tools.cmdline import fmt_int
 from kvcm.tools.trace import TraceRequest, expand_outputs, expand_prompt, load_trace, total_blocks
 
 BYTES_PER_TOKEN_PER_LAYER = 1
@@ -151,6 +152,36 @@ def eviction_counts(stats: dict) -> tuple[int, int, int]:
         sum(c.get("onboards", 0) for c in lcs),
         sum(c.get("drops", 0) for c in lcs),
     )
+
+
+def result_rows(results: dict[str, Any]) -> list[list[str]]:
+    """The rows of the side-by-side table of ``{column: ReplayResult or the reason it did not run}``
+    (``python -m kvcm replay``, ``bench replay``)."""
+    def row(label: str, f: Callable[[Any], str]) -> list[str]:
+        out = [label]
+        for r in results.values():
+            out.append(f(r) if not isinstance(r, str) else "")
+        return out
+
+    rows = [
+        row("hit rate", lambda r: f"{100 * r.hit_rate:.2f}%"),
+        row("reused tokens", lambda r: f"{fmt_int(r.reused_tokens)} / {fmt_int(r.prompt_tokens)}"),
+        row("reused blocks", lambda r: fmt_int(r.reused_blocks)),
+        row(
+            "evictions (offload/drop)",
+            lambda r: f"{fmt_int(r.evictions)} ({fmt_int(r.offloads)}/{fmt_int(r.drops)})",
+        ),
+        row("onboards", lambda r: fmt_int(r.onboards)),
+        row("failed / preempted", lambda r: f"{r.failed} / {r.preemptions}"),
+        row("requests/s", lambda r: f"{r.requests_per_s:,.1f}" if r.requests else "n/a"),
+        row("us/block", lambda r: f"{r.us_per_block:.2f}"),
+        row("manager s / wall s", lambda r: f"{r.manager_s:.2f} / {r.wall_s:.2f}"),
+    ]
+    # a backend that did not run: its reason in the first row, blanks below
+    for j, r in enumerate(results.values(), 1):
+        if isinstance(r, str):
+            rows[0][j] = r
+    return rows
 
 
 # ---------------------------------------------------------------------------------------

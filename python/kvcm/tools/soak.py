@@ -49,7 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvcm.api import AttentionLayer, CopyError, KVCacheManager, KVCacheManagerConfig, SsmLayer, Tier
+from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, SsmLayer
+from kvcm.engine_loop import EngineLoop, config_from_layout
 from kvcm.tools.trace import TraceRequest, expand_outputs, load_trace
 
 OBJECT_HEADER = 88  # kvcm.dataplane.store.HEADER.size (kept here so the module imports no torch)
@@ -87,12 +88,9 @@ class SoakProfile:
         layers = [AttentionLayer(0, self.bytes_per_token),
                   AttentionLayer(1, self.bytes_per_token, window=self.window_blocks * B, sink_tokens=B // 2),
                   SsmLayer(2, self.ssm_state_bytes)]
-        slot = 2 * self.bytes_per_token * B + self.ssm_state_bytes  # one page per life cycle
-        return KVCacheManagerConfig(
-            tokens_per_block=B, layers=layers,
-            tiers=[Tier("gpu", self.gpu_blocks * slot), Tier("host", self.host_blocks * slot),
-                   Tier("shared", self.store_quota_bytes, store_dir)],
-            shared_namespace=self.namespace, enable_partial_reuse=self.partial_reuse)
+        return config_from_layout(B, layers, gpu_blocks=self.gpu_blocks, host_blocks=self.host_blocks,
+                                  shared=store_dir, shared_quota_bytes=self.store_quota_bytes,
+                                  shared_namespace=self.namespace, enable_partial_reuse=self.partial_reuse)
 
 
 @dataclass
@@ -206,14 +204,7 @@ class _Instance:
         self.store = FileStore(store_dir, profile.store_quota_bytes, fsync=profile.fsync)
         self.plane = DataPlane(config, store=self.store, dtype=torch.uint8)
         self.pub = EventPublisher(self.mgr, buffer_steps=profile.buffer_steps, context=ctx)
-
-    def apply(self) -> int:
-        """Execute the pending copy ops; a CopyError goes to forget_copies (rolled back)."""
-        try:
-            self.plane.apply(self.mgr.drain_copy_ops())
-        except CopyError as e:
-            return len(self.mgr.forget_copies(e.ops))
-        return 0
+        self.loop = EngineLoop(self.mgr, self.plane)  # admission and copies (kvcm.engine_loop)
 
     def close(self) -> None:
         self.pub.close()
@@ -223,20 +214,12 @@ class _Instance:
 
 
 def _request(inst: _Instance, prompt: list[int], outputs: list[int], profile: SoakProfile, res: SoakResult) -> None:
-    mgr, plane, B = inst.mgr, inst.plane, profile.tokens_per_block
-    kv = mgr.create_kv_cache(prompt, shared_hits=plane.shared_lookup(mgr.shared_candidates(prompt)))
+    loop, B = inst.loop, profile.tokens_per_block
     res.prompt_tokens += len(prompt)
-    for _ in range(3):  # a failed load rolls the request back: resume again, recompute the rest
-        if not kv.resume() or not kv.resize(len(prompt) + len(outputs)):
-            kv.close()
-            inst.apply()
-            return
-        if not inst.apply():
-            break
-        res.rollbacks += 1
-    else:
-        kv.close()
-        inst.apply()
+    # lookup, create, resume + resize, copies; a failed load rolls the request back and the
+    # loop resumes it again (it recomputes the rest); no room: closed, skipped
+    kv = loop.admit(prompt, capacity=len(prompt) + len(outputs))
+    if kv is None:
         return
     res.reused_tokens += kv.num_committed_tokens
     chunk = profile.prefill_chunk_blocks * B
@@ -244,13 +227,13 @@ def _request(inst: _Instance, prompt: list[int], outputs: list[int], profile: So
     while n < len(prompt):  # chunked prefill: chunks end on block boundaries (ssm snapshots)
         end = min(len(prompt), (n // chunk + 1) * chunk)
         kv.commit(prompt[n:end])
-        inst.apply()
+        loop.sync()
         n = end
     for i in range(0, len(outputs), B):  # decode a block at a time
         kv.commit(outputs[i:i + B])
-        inst.apply()
+        loop.sync()
     kv.close()
-    inst.apply()
+    loop.sync()
 
 
 def run_soak(profile: SoakProfile, *, backend: str | None = None, trace: Sequence[TraceRequest] | None = None,
@@ -325,6 +308,7 @@ def run_soak(profile: SoakProfile, *, backend: str | None = None, trace: Sequenc
             sub.poll(0)
         for i in insts:
             i.mgr.check_invariants()
+            res.rollbacks += i.loop.counters["rollbacks"]
             res.shared_hit_blocks += sum(lc.get("shared_hit_blocks", 0) for lc in i.mgr.stats()["lc"])
         res.subscriber = sub.stats()
         res.publishers = [{"published": i.pub.published, "dropped": i.pub.dropped, "resets": i.pub.resets,
@@ -348,7 +332,7 @@ def run_soak(profile: SoakProfile, *, backend: str | None = None, trace: Sequenc
 # The bounds a soak's samples after the warm-up must keep (flat_violations).  Each is stated
 # against what a leak of the kind it catches would add.
 RSS_SLACK_BYTES = 16 << 20  # allocator and cache noise; a leak of 1 KB/request over 10**5 requests is 100 MB
-THREAD_SLACK = 2  # a store call's worker thread may still be exiting when sampled (kvcm.dataplane._call)
+THREAD_SLACK = 2  # a store call's worker thread may still be exiting when sampled (SharedIO._call)
 FD_SLACK = 0  # every file the store opens is closed before its call returns
 STORE_BATCH_SLACK = 64 << 10  # per writer: one request's store batch past a rescan (~10-30 objects here)
 ROUTER_SLACK = 0.10

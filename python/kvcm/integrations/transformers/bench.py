@@ -14,10 +14,9 @@ from typing import Any, Self
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching import cache as tf_cache
 from transformers.generation.continuous_batching import continuous_api as tf_api
 
-from kvcm.integrations.transformers import KvcmContinuousBatching
+from kvcm.integrations.transformers import KvcmContinuousBatching, ModelCacheHook
 
 
 def model(kind: str):
@@ -33,29 +32,31 @@ def model(kind: str):
 
 
 class _Counting:
-    """Counts the tokens transformers' own cache computes (no kvcm): its scheduler reports each
-    scheduled chunk through ``count_new_complete_blocks``; its own prefix sharing is what it skips."""
+    """Counts the tokens transformers' own cache computes (no kvcm) for one model: its
+    scheduler reports each scheduled chunk through ``count_new_complete_blocks``; its own
+    prefix sharing is what it skips.  The cache class is scoped to the model
+    (:class:`~kvcm.integrations.transformers.ModelCacheHook`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: Any) -> None:
         self.tokens = 0
         self.prefill = 0
         counter = self
 
-        class Cache(tf_cache.PagedAttentionCache):
+        class Cache(tf_api.PagedAttentionCache):
             def count_new_complete_blocks(self, state: Any, request_len: int) -> dict[str, int]:
                 counter.tokens += request_len
                 if not state.generated_tokens:
                     counter.prefill += request_len
                 return super().count_new_complete_blocks(state, request_len)
 
-        self.cls = Cache
+        self.hook = ModelCacheHook(model, Cache)
 
     def __enter__(self) -> Self:
-        tf_api.PagedAttentionCache = self.cls
+        self.hook.attach()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        tf_api.PagedAttentionCache = tf_cache.PagedAttentionCache
+        self.hook.detach()
 
 
 def workload(m, chats: int, turns: int, num_blocks: int, max_new: int) -> tuple[float, float, list]:
@@ -91,11 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for kind in ("llama", "qwen3-sliding-mix"):
         m = model(kind)
-        with _Counting() as c:
+        with _Counting(m) as c:
             wall, ttft, ref = workload(m, a.chats, a.turns, a.num_blocks, a.max_new)
         rows.append((kind, "transformers", c.prefill, "-", "-", "-", wall, ttft, "(reference)"))
         for label, tiers in (("host", {"host_blocks": a.host_blocks}), ("disk", {"disk_blocks": a.disk_blocks})):
-            with tempfile.TemporaryDirectory() as d, KvcmContinuousBatching(**tiers, disk_path=d) as kc:
+            with tempfile.TemporaryDirectory() as d, KvcmContinuousBatching(m, **tiers, disk_path=d) as kc:
                 kwall, kttft, outs = workload(m, a.chats, a.turns, a.num_blocks, a.max_new)
                 s = kc.stats()
                 B = kc.B

@@ -1,8 +1,9 @@
-"""Helpers shared by the command-line tools (``kvcm.cli``, ``kvcm.tools.bench``,
-``kvcm.cli.route``): result tables, timing and running one backend's part guarded.
+"""The command-line helpers every ``main()`` shares (the commands of :mod:`kvcm.cli`, the
+tools' own, the reference engine's): argparse types, result tables, timing, running one
+backend's part guarded, and the one-line refusals (a missing extra, torch or op-log path).
 
-Their own module so that the commands import it rather than each other (no import cycle
-between the CLI and the benchmarks it runs)."""
+A leaf of the tools (it imports nothing of the tools, the command line, the fleet, the
+engine or the data plane), so that every command imports it rather than each other."""
 
 from __future__ import annotations
 
@@ -99,6 +100,19 @@ def backend_arg(text: str) -> str:
         hint = " (names are lower case)" if text.lower() in BACKENDS else ""
         raise argparse.ArgumentTypeError(f"unknown backend {text!r}; choices: {', '.join(BACKENDS)}{hint}")
     return text
+
+
+def backend_list(text: str) -> list[str]:
+    """An argparse type: one or more kvcm backend names, comma-separated (``python,cpp``)."""
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("at least one backend")
+    from kvcm._select import BACKENDS
+
+    for b in names:
+        if b not in BACKENDS:
+            raise argparse.ArgumentTypeError(f"unknown backend {b!r}; choices: {', '.join(BACKENDS)}")
+    return names
 
 
 def finite_in(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Callable[[str], float]:

@@ -1,8 +1,0 @@
-"""Compatibility re-export, to be removed in the next release: ``kvcm.mooncake_store`` moved to
-:mod:`kvcm.dataplane.mooncake_store` (the Mooncake Store client)."""
-
-from kvcm.dataplane import mooncake_store as _moved
-from kvcm.dataplane.mooncake_store import *  # the public names, for readers and type checkers
-
-# every name of the moved module, private ones and __all__ included: old imports keep working
-globals().update({k: v for k, v in vars(_moved).items() if not k.startswith("__") or k == "__all__"})

@@ -1,8 +1,0 @@
-"""Compatibility re-export, to be removed in the next release: ``kvcm.route_cli`` moved to
-:mod:`kvcm.cli.route` (``python -m kvcm route``)."""
-
-from kvcm.cli import route as _moved
-from kvcm.cli.route import *  # the public names, for readers and type checkers
-
-# every name of the moved module, private ones and __all__ included: old imports keep working
-globals().update({k: v for k, v in vars(_moved).items() if not k.startswith("__") or k == "__all__"})
