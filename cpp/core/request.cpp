@@ -482,20 +482,44 @@ void Request::commit_appended(std::int64_t old) {
 
 // DECISIONS "Tree and events" (stale pages
 // released at the end of the commit).  Ordinals stale at old_history hold no page already,
-// except those this commit wrote (from first_block on).
+// except those this commit wrote ([first_block, written)): only those and the newly stale
+// ones ([old_hi, hi)) are visited, ascending, so a commit's cost does not grow with the
+// request's history.
 // py: request.py Request.release_stale — SPEC sec. 7
 void Request::release_stale(std::int64_t old_history, std::int64_t first_block) {
   const bool active = status == ReqStatus::active;
+  const std::int64_t B = pool_.B();
+  const std::int64_t written = (static_cast<std::int64_t>(tokens.size()) + B - 1) / B;
   for (std::int64_t lc : pool_.attn_lcs()) {
     const auto [lo, hi] = pool_.stale_range(lc, history);
-    const std::int64_t start = std::max(lo, std::min(pool_.stale_range(lc, old_history).second, first_block));
     auto& table = pages[static_cast<std::size_t>(lc)];
     const std::int64_t end = std::min(hi, static_cast<std::int64_t>(table.size()));
-    for (std::int64_t i = start; i < end; ++i) {
-      const std::int64_t s = table[static_cast<std::size_t>(i)];
-      if (s >= 0) {
-        table[static_cast<std::size_t>(i)] = -1;
-        pool_.unuse(&pool_.page(s), active);
+    const auto release = [&](std::int64_t from, std::int64_t to) {
+      for (std::int64_t i = from; i < to; ++i) {
+        const std::int64_t s = table[static_cast<std::size_t>(i)];
+        if (s >= 0) {
+          table[static_cast<std::size_t>(i)] = -1;
+          pool_.unuse(&pool_.page(s), active);
+        }
+      }
+    };
+    // the union of [a1, b1) and [a2, b2), ascending, each ordinal once
+    std::int64_t a1 = std::max(lo, first_block), b1 = std::min(written, end);
+    std::int64_t a2 = std::max(lo, pool_.stale_range(lc, old_history).second), b2 = end;
+    if (a1 >= b1) {
+      release(a2, b2);
+    } else if (a2 >= b2) {
+      release(a1, b1);
+    } else {
+      if (a1 > a2) {
+        std::swap(a1, a2);
+        std::swap(b1, b2);
+      }
+      if (a2 <= b1) {
+        release(a1, std::max(b1, b2));
+      } else {
+        release(a1, b1);
+        release(a2, b2);
       }
     }
   }

@@ -12,9 +12,10 @@ batch first.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from array import array
-from collections.abc import MutableSequence, Sequence
+from collections.abc import Iterable, MutableSequence, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvcm.api import (
@@ -418,18 +419,20 @@ class Request(KVCache):
     def _release_stale(self, old_history: int, first_block: int) -> None:
         """SPEC sec. 7: blocks that slid out of a window stop being used at once (they stay in the tree).
         Ordinals stale at ``old_history`` hold no page already, except those this commit
-        wrote (from ``first_block`` on): the scan starts there, so a decode step's cost does
-        not grow with the request's length."""
+        wrote (``[first_block, written)``): only those and the newly stale ones
+        (``[old_hi, hi)``) are visited, ascending, so a commit's cost does not grow with
+        the request's history (a long history behind a short commit: a window's decode)."""
         pool = self.pool
         layout = pool.layout
         if layout.full_attention_only:  # no block is ever stale
             return
         active = self._status == Status.ACTIVE
+        written = -(-len(self.tokens) // layout.B)
         for lc in layout.attn_lcs:
             lo, hi = layout.stale_range(lc, self.history)
-            start = max(lo, min(layout.stale_range(lc, old_history)[1], first_block))
             pages = self.pages[lc]
-            for i in range(start, min(hi, len(pages))):
+            end = min(hi, len(pages))
+            for i in _union(max(lo, first_block), min(written, end), max(lo, layout.stale_range(lc, old_history)[1]), end):
                 if pages[i] is not None:
                     page, pages[i] = pages[i], None
                     pool.unuse(page, active)
@@ -722,6 +725,19 @@ class Request(KVCache):
         if not tail or not layout.partial_reuse or self.cow_block == i:
             return
         self._insert_block(i, self.tokens[i * B:], layout.ssm_lc is not None)
+
+
+def _union(a1: int, b1: int, a2: int, b2: int) -> Iterable[int]:
+    """The integers of ``[a1, b1)`` and ``[a2, b2)``, ascending, each once."""
+    if a1 >= b1:
+        return range(a2, b2)
+    if a2 >= b2:
+        return range(a1, b1)
+    if a1 > a2:
+        a1, b1, a2, b2 = a2, b2, a1, b1
+    if a2 <= b1:
+        return range(a1, max(b1, b2))
+    return itertools.chain(range(a1, b1), range(a2, b2))
 
 
 PyKVCache = Request  # the name before issue 21 (kvcm.python_backend.PyKVCache)
