@@ -31,8 +31,7 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   r.priority = priority;
   r.root_key = scope_root_key(lora, salt);
   // the scope root lives at least as long as the request (request.py: Request.__init__, sec. 15)
-  r.root = pool_.tree().root(r.root_key);
-  pool_.tree().ref(r.root);
+  r.root = pool_.open_scope(r.root_key);
   const auto n = static_cast<std::int64_t>(tokens.size());
   const std::int64_t nfull = n / pool_.B();
   r.keys = pool_.chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(nfull * pool_.B())));
@@ -166,7 +165,7 @@ std::vector<std::int64_t> Manager::set_quota(std::int64_t tier, std::int64_t quo
     const auto lc = static_cast<std::size_t>(ilc);
     const Pool& pool = pool_.pool(tier, ilc);
     const std::int64_t movable =
-        tier < pool_.num_tiers() - 1 ? std::min(pool.held, pool_.capacity_of(tier + 1, ilc, nullptr)) : 0;
+        tier < pool_.num_tiers() - 1 ? std::min(pool.held, pool_.capacity_of(tier + 1, ilc)) : 0;
     const std::int64_t need = pool.total - pool.nfree() - pool.droppable - movable;
     if (slots[lc] < need) return {ilc, slots[lc], need, pool.locked, pool.held - movable};
   }

@@ -106,19 +106,12 @@ class Request {
   std::int64_t page_at(std::int64_t lc, std::int64_t i) const;
   std::vector<Page*> used_pages();
   std::vector<Page*> cow_sources();
-  void ensure_room(std::int64_t tier, std::int64_t lc);
   Page* alloc_private(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal);
   void copy_on_write();
-  Digest key_for(std::int64_t i, std::span<const Tok> block);
-  NodeId parent_for(std::int64_t i);
-  void switch_block(std::int64_t j, NodeId orphan, NodeId existing);
-  void install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained);
-  void attach(NodeId parent, NodeId nid);
-  // defer_prune: more blocks of this commit follow (see request.cpp)
+  KeyHint key_hint(std::int64_t i, std::span<const Tok> block) const;
+  // defer_prune: more blocks of this commit follow (BlockPool::insert_block)
   void insert_block(std::int64_t i, std::span<const Tok> block, bool want_snapshot, bool defer_prune = false);
   void set_block(std::int64_t i, NodeId nid);
-  std::vector<NodeId> insert_shared_blocks(std::span<const Tok> query, std::span<const Digest> query_keys,
-                                           std::int64_t m, const RequestMatch& match);
   // forks: the partial block's pages, those of them shared, and their copy
   void init_fork(const Request& parent);
   TailPages tail_pages() const;
