@@ -14,6 +14,25 @@ namespace kvcm {
 
 using namespace detail;
 
+// create: the scope root (it lives at least as long as the request, sec. 15), the input's
+// full-block keys (hashed once, reused by commit for the same tokens), the match held.
+// py: request.py Request.__init__ — SPEC sec. 7
+Request::Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input, std::optional<std::uint64_t> lora_id,
+                 std::optional<std::uint64_t> salt_id, std::int64_t prio, bool digests, const SharedHits* hits)
+    : pool_(pool) {
+  serial = serial_no;
+  lora = lora_id;
+  salt = salt_id;
+  priority = prio;
+  root_key = scope_root_key(lora, salt);
+  root = pool_.open_scope(root_key);
+  const auto nfull = static_cast<std::int64_t>(input.size()) / pool_.B();
+  keys = pool_.chain(root_key, std::span<const Tok>(input.data(), static_cast<std::size_t>(nfull * pool_.B())));
+  has_digests = digests;
+  input_tokens = std::move(input);
+  reused = match_and_hold(input_tokens, keys, hits);
+}
+
 // create's match and holds (SPEC sec. 6, 7): the pool holds the match (hold_match).
 // py: request.py Request.match_and_hold — SPEC sec. 7
 std::int64_t Request::match_and_hold(std::span<const Tok> query, std::span<const Digest> query_keys,
