@@ -316,3 +316,35 @@ def announced(mgr) -> set[tuple[bytes, int]]:
                 if p is not None:
                     out.add((bytes.fromhex(n["key"]), lc))
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# Work, counted (never timed)
+# ---------------------------------------------------------------------------------------
+
+
+def python_work(call: Callable[[], Any]) -> int:
+    """The lines of kvcm's Python code that ``call()`` executes (a trace hook counts them):
+    a deterministic measure of an operation's cost on the python backend, so a test can
+    hold that a cost does not grow with a size by comparing two sizes.  A loop's every
+    iteration counts, calls or not.  The cpp backend's work is not visible here: its
+    scenarios run the same operations with sizes no per-op O(n) implementation finishes."""
+    import sys
+
+    count = [0]
+
+    def local(_frame: Any, event: str, _arg: Any) -> Any:
+        if event == "line":
+            count[0] += 1
+        return local
+
+    def scope(frame: Any, _event: str, _arg: Any) -> Any:
+        return local if "/kvcm/" in frame.f_code.co_filename.replace("\\", "/") else None
+
+    previous = sys.gettrace()
+    sys.settrace(scope)
+    try:
+        call()
+    finally:
+        sys.settrace(previous)
+    return count[0]

@@ -22,6 +22,8 @@ import tracemalloc
 import kvcm
 from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
 
+from parity.helpers import python_work
+
 LONG = os.environ.get("KVCM_SOAK") == "1"
 B = 4
 
@@ -286,9 +288,10 @@ def test_pure_ssm_commit_calls_per_block_do_not_grow_with_the_commit() -> None:
 # ---------------------------------------------------------------- item 11: fan-out under one block
 
 
-def _fanout(backend: str, n: int) -> tuple[float, float]:
+def _fanout(backend: str, n: int) -> tuple[int, int]:
     """``n`` continuations of one system block that all start with token 9 (half as full
-    blocks, half as partial tails), then the best-of time of a probe that shares only that
+    blocks, half as partial tails), then the work (``python_work``: lines of kvcm's python
+    code executed; the cpp backend's is not visible, 0) of a probe that shares only that
     token with each of them, and of a request whose partial tail [9] is covered by all."""
     cfg = KVCacheManagerConfig(tokens_per_block=B, layers=[AttentionLayer(0, 1)], tiers=[Tier("gpu", (n + 16) * B)],
                                max_events=0)
@@ -300,29 +303,29 @@ def _fanout(backend: str, n: int) -> tuple[float, float]:
         kv.commit(system + [9, 1000 + i] + ([7, 7] if i % 2 else []))
         kv.close()
     query = system + [9, 5, 5, 5]
-    probe = []
-    for _ in range(7):
-        t0 = time.perf_counter()
+
+    def probe() -> None:
         assert mgr.probe_reuse(query) == 5
-        probe.append(time.perf_counter() - t0)
-    request = []
-    for _ in range(5):
-        t0 = time.perf_counter()
+
+    def request() -> None:
         kv = mgr.create_kv_cache(None)
         assert kv.resume() and kv.resize(5)
         kv.commit(system + [9])
         kv.close()  # the tail [9] finds its covering sibling among all n
-        request.append(time.perf_counter() - t0)
+
+    work = python_work(probe), python_work(request)
     mgr.check_invariants()
-    return min(probe), min(request)
+    return work
 
 
 def test_many_continuations_sharing_their_first_token_scan_every_sibling(backend: str) -> None:
     """Partial matching and the covering-sibling search cost the same with 128 or
-    thousands of siblings sharing the first token (before: linear in the fan-out)."""
+    thousands of siblings sharing the first token (before: linear in the fan-out).
+    Counted on the python backend (32x the siblings, the same work up to 2x); the cpp
+    backend runs the same scenario for its outcomes (its search mirrors python's)."""
     large = 16384 if backend == "cpp" else 4096
     p_small, r_small = _fanout(backend, 128)
     p_large, r_large = _fanout(backend, large)
-    floor = 20e-6  # below this the timer, not the work, decides
-    assert p_large < 4 * max(p_small, floor), f"probe: {p_small * 1e6:.1f}us at 128, {p_large * 1e6:.1f}us at {large}"
-    assert r_large < 4 * max(r_small, floor), f"request: {r_small * 1e6:.1f}us at 128, {r_large * 1e6:.1f}us at {large}"
+    if backend == "python":
+        assert p_large <= 2 * p_small, f"probe: {p_small} lines at 128 siblings, {p_large} at {large}"
+        assert r_large <= 2 * r_small, f"request: {r_small} lines at 128 siblings, {r_large} at {large}"

@@ -111,13 +111,13 @@ void Manager::resize_batch(std::span<const std::int64_t> serials, std::span<cons
   // and the hash map keeps its elements in place).
   const std::vector<Request*>& reqs =
       check_batch(serials, "resize_batch", "resize", [&](std::size_t i, const Request& r) {
-        r.check_resize(capacities[i], histories.empty() ? r.history : histories[i]);
+        r.check_resize(capacities[i], histories.empty() ? r.state().history : histories[i]);
       });
   // Execution pass: nothing above changed state; from here on nothing can raise a
   // documented error (a False result is a per-item outcome, as for the single call).
   for (std::size_t i = 0; i < n; ++i) {
     Request& r = *reqs[i];
-    results[i] = r.resize_checked(capacities[i], histories.empty() ? r.history : histories[i]) ? 1 : 0;
+    results[i] = r.resize_checked(capacities[i], histories.empty() ? r.state().history : histories[i]) ? 1 : 0;
   }
 }
 

@@ -269,6 +269,10 @@ void BlockPool::unuse(Page* p, bool active) {
 
 // py: block_pool.py BlockPool.set_active — SPEC sec. 4
 void BlockPool::set_active(Page* p, bool active) {
+  if (active && p->tier != kGpu) {  // resumed on a colder tier: onboarded first (resume's check promised the room)
+    ensure_room(kGpu, p->lc);
+    move(p, kGpu, "onboard");
+  }
   restate(*p, [&] {
     if (active) {
       --p->holds;
@@ -293,22 +297,34 @@ void BlockPool::free_page(Page* p) {
   p->handle = -1;  // dead until the slot is reused
 }
 
-// py: block_pool.py BlockPool.can_allocate — SPEC sec. 8
-bool BlockPool::can_allocate(std::int64_t tier, std::int64_t lc, std::int64_t n, const std::int64_t* adjust) {
-  return capacity_of(tier, lc, adjust) >= n;
+// What eviction could free, HELD pages only where a colder tier takes them (Budget::fits).
+// py: block_pool.py BlockPool.budget — SPEC sec. 8
+Budget BlockPool::budget(std::int64_t lc, std::span<const std::int64_t> releasing) const {
+  const Pool& pool = pools_[static_cast<std::size_t>(kGpu)][static_cast<std::size_t>(lc)];
+  Budget b{pool.total, pool.nfree(), pool.locked, pool.held, pool.droppable, 0};
+  for (std::int64_t h : releasing) {
+    const Page& p = page(h);
+    if (p.lc != lc || p.locks != 1) continue;
+    if (p.node == kNoNode || !tree_.is_attached(p.node)) {  // freed, or kept by a SUSPENDED user
+      b.free += p.holds == 0 ? 1 : 0;
+      b.held += p.holds ? 1 : 0;
+    } else if (p.holds) {
+      b.held += 1;
+    } else {
+      b.droppable += 1;
+    }
+  }
+  b.colder = num_tiers_ > 1 ? capacity_of(kGpu + 1, lc) : 0;
+  return b;
 }
 
+// The pages pool (tier, lc) could take after eviction (Budget::fits' rule).
 // py: block_pool.py BlockPool.capacity_of — SPEC sec. 8
-std::int64_t BlockPool::capacity_of(std::int64_t tier, std::int64_t lc, const std::int64_t* adjust) {
+std::int64_t BlockPool::capacity_of(std::int64_t tier, std::int64_t lc) const {
   const Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
-  std::int64_t free = pool.nfree(), held = pool.held, droppable = pool.droppable;
-  if (adjust != nullptr && tier == kGpu) {
-    free = adjust[0];
-    held = adjust[1];
-    droppable = adjust[2];
-  }
+  const std::int64_t free = pool.nfree(), held = pool.held, droppable = pool.droppable;
   if (tier == num_tiers_ - 1) return free + droppable;
-  return free + droppable + std::min(held, capacity_of(tier + 1, lc, nullptr));
+  return free + droppable + std::min(held, capacity_of(tier + 1, lc));
 }
 
 // py: block_pool.py BlockPool.make_room — SPEC sec. 8
@@ -476,6 +492,7 @@ void BlockPool::json_tier_head(std::string& o, std::size_t t) const {
 void BlockPool::copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason) {
   add_copy_op(CopyOpC{lc, tier_id(src->tier), src->slot, tier_id(dst->tier), dst->slot, reason});
   copy_pages_.emplace_back(dst->handle, dst->serial);
+  count(lc, std::strcmp(reason, "snapshot") == 0 ? kSnapshotsTaken : kCows);
 }
 
 // DECISIONS.md "The shared tier": it fills no page here (forget_copies forgets nothing).
@@ -866,6 +883,355 @@ std::vector<std::pair<std::string, std::int64_t>> BlockPool::internal_sizes(std:
                          {"copy_ops", n(copy_ops_.size())},
                          {"events", n(events_.size())},
                          {"event_tokens", n(event_tokens_.size())}};
+}
+
+// ------------------------------------------------------------------ a request's references
+
+namespace {
+// The page handle `chain` uses for block i of lc, -1 when none.
+std::int64_t chain_page(const Chain& chain, std::int64_t lc, std::int64_t i) {
+  const auto& v = chain.pages[static_cast<std::size_t>(lc)];
+  return i < static_cast<std::int64_t>(v.size()) ? v[static_cast<std::size_t>(i)] : -1;
+}
+
+// The block `chain` references for ordinal j, read through the insertion's switches so far.
+NodeId chain_block(const Chain& chain, const Inserted& done, std::int64_t j) {
+  const auto it = done.switched.find(j);
+  return it == done.switched.end() ? chain.blocks[static_cast<std::size_t>(j)] : it->second;
+}
+}  // namespace
+
+// py: block_pool.py BlockPool.open_scope — SPEC sec. 15
+NodeId BlockPool::open_scope(const Digest& root_key) {
+  const NodeId root = tree_.root(root_key);
+  tree_.ref(root);
+  return root;
+}
+
+// create's match and holds (SPEC sec. 6, 7; DECISIONS.md "The shared tier": the extension
+// is taken only when longer, its blocks inserted with shared pages).
+// py: block_pool.py BlockPool.hold_match — SPEC sec. 7
+HeldMatch BlockPool::hold_match(NodeId root, std::span<const Tok> query, std::span<const Digest> keys,
+                                const SharedHits* hits, std::int64_t priority) {
+  RequestMatch match = match_with_hits(root, query, keys, hits);
+  HeldMatch out;
+  const std::int64_t m = out.m = match.m;
+  out.blocks = match.extended ? insert_shared_blocks(root, query, keys, m, match, priority) : std::move(match.path);
+  const std::vector<NodeId>& path = out.blocks;
+  for (NodeId nid : path) tree_.ref(nid);
+  out.pages.assign(cfg_.lcs.size(), {});
+  for (std::int64_t lc : attn_lcs_) out.pages[static_cast<std::size_t>(lc)].assign(path.size(), -1);
+  for (std::int64_t lc : attn_lcs_) {
+    const auto [lo, hi] = stale_range(lc, m);
+    for (std::size_t j = 0; j < path.size(); ++j) {
+      const auto jj = static_cast<std::int64_t>(j);
+      if (lo <= jj && jj < hi) continue;
+      Page* p = &page(tree_.page(path[j], lc));
+      use(p, false, priority);
+      out.pages[static_cast<std::size_t>(lc)][j] = p->handle;
+    }
+  }
+  if (ssm_lc_ >= 0 && m > 0) {
+    Page* s = &page(tree_.page(path.back(), ssm_lc_));
+    out.snap = s->handle;
+    use(s, false, priority);
+  }
+  return out;
+}
+
+// DECISIONS.md "The shared tier": the extension's blocks below ceil(m / B) enter the tree at
+// once, with a shared page for exactly the pages the request will hold (attention pages of
+// blocks non-stale at m, the ssm snapshot of the block m ends in).
+// py: block_pool.py BlockPool.insert_shared_blocks — SPEC sec. 16
+std::vector<NodeId> BlockPool::insert_shared_blocks(NodeId root, std::span<const Tok> query,
+                                                    std::span<const Digest> keys, std::int64_t m,
+                                                    const RequestMatch& sm, std::int64_t priority) {
+  const std::int64_t nb = ceildiv(m, B_);
+  const auto np = static_cast<std::int64_t>(sm.path.size());
+  std::vector<NodeId> path(sm.path.begin(), sm.path.begin() + std::min(nb, np));
+  NodeId parent = path.empty() ? root : path.back();
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  for (std::int64_t i = np; i < nb; ++i) {
+    const std::vector<std::int64_t>& row = sm.rows[static_cast<std::size_t>(i - np)];
+    const NodeId nid = new_block(keys[static_cast<std::size_t>(i)],
+                                 query.subspan(static_cast<std::size_t>(i * B_), static_cast<std::size_t>(B_)), i);
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      bool held;
+      if (cfg_.lcs[static_cast<std::size_t>(lc)].ssm) {
+        held = i == nb - 1;
+      } else {
+        const auto [lo, hi] = stale_range(lc, m);
+        held = !(lo <= i && i < hi);
+      }
+      if (!held) continue;
+      if (row[static_cast<std::size_t>(lc)] != B_) {
+        throw InternalErr("kvcm bug: the fixed point kept a block without its page");
+      }
+      Page* p = new_shared_page(lc, priority, i);
+      tree_.set_page(nid, lc, p->handle, B_);
+      p->node = static_cast<std::int32_t>(nid);  // (a shared page is in no pool: the field alone)
+    }
+    attach(parent, nid);
+    path.push_back(nid);
+    parent = nid;
+  }
+  return path;
+}
+
+// py: block_pool.py BlockPool.hold — SPEC sec. 18
+void BlockPool::hold(const std::vector<NodeId>& blocks, const std::vector<std::vector<std::int64_t>>& pages,
+                     std::int64_t priority) {
+  for (NodeId nid : blocks) {
+    if (nid != kNoNode) tree_.ref(nid);
+  }
+  for (std::int64_t lc : attn_lcs_) {
+    for (std::int64_t h : pages[static_cast<std::size_t>(lc)]) {
+      if (h >= 0) use(&page(h), true, priority);
+    }
+  }
+}
+
+// py: block_pool.py BlockPool.alloc — SPEC sec. 7
+Page* BlockPool::alloc(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal, std::int64_t priority,
+                       bool active) {
+  ensure_room(kGpu, lc);
+  Page* p = new_page(kGpu, lc, coverage, priority, ordinal);
+  use(p, active, priority);
+  return p;
+}
+
+// py: block_pool.py BlockPool.ensure_room — SPEC sec. 8
+void BlockPool::ensure_room(std::int64_t tier, std::int64_t lc) {
+  if (!make_room(tier, lc)) throw InternalErr("kvcm bug: a feasibility check passed but eviction found no slot");
+}
+
+// ------------------------------------------------------------------ tree insertion (sec. 5)
+
+// Also SPEC sec. 7: a new block adopting the request's pages, or the existing equivalent
+// one, which takes the request's pages where they cover more (and the request the tree's
+// gpu page where the tree's covers as much); with want_snapshot the live ssm state is
+// copied into a snapshot page first when the block has none covering as much.
+// defer_prune: more blocks of this commit follow, so a pageless new block leaves its parent
+// chain attached (no quadratic re-attach; DECISIONS.md).
+// py: block_pool.py BlockPool.insert_block — SPEC sec. 5
+Inserted BlockPool::insert_block(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint,
+                                 bool want_snapshot, bool defer_prune) {
+  Inserted done;
+  const auto ntok = static_cast<std::int64_t>(block.size());
+  const Digest key = key_for(chain, i, block, hint);
+  NodeId parent = parent_for(chain, i, done);
+  NodeId existing = tree_.find_existing(parent, key, block);
+  Page* snap_page = nullptr;
+  const std::int64_t ssm = ssm_lc_;
+  // shared_write="commit": a full-coverage page of a full block that becomes a tree page
+  // here is written to the shared tier (DECISIONS.md "The shared tier")
+  const bool do_store = store_on_commit_ && ntok == B_;
+  if (want_snapshot && (existing == kNoNode || tree_.coverage(existing, ssm) < ntok)) {
+    Page* live_page = page_ptr(chain.live);
+    if (live_page == nullptr || live_page->tier != kGpu || !make_room(kGpu, ssm)) {
+      count(ssm, kSnapshotsSkipped);
+    } else {
+      snap_page = new_page(kGpu, ssm, ntok, chain.priority, i);
+      copy(ssm, &page(chain.live), snap_page, "snapshot");
+      if (do_store) store(snap_page, key);
+      // eviction may have pruned this request's chain or the existing block
+      parent = parent_for(chain, i, done);
+      existing = tree_.find_existing(parent, key, block);
+    }
+  }
+  const NodeId old = i < static_cast<std::int64_t>(chain.blocks.size()) ? chain.blocks[static_cast<std::size_t>(i)]
+                                                                         : kNoNode;
+  if (existing == kNoNode) {
+    const NodeId nid = new_block(key, block, i);
+    for (std::int64_t lc : attn_lcs_) {
+      const std::int64_t s = chain_page(chain, lc, i);
+      if (s < 0) continue;
+      Page& p = page(s);
+      // forks: a shared partial page another user's stop_committing put into a block that
+      // was detached since (so not found): it moves here (DECISIONS.md "Forks", the tail
+      // block of a stop)
+      if (p.node != kNoNode) unlink_from_node(&p);
+      p.coverage = static_cast<std::int16_t>(ntok);
+      tree_.set_page(nid, lc, p.handle, ntok);
+      p.node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
+      if (do_store) store(&p, key);
+    }
+    if (snap_page != nullptr) {
+      tree_.set_page(nid, ssm, snap_page->handle, ntok);
+      restate(*snap_page, [&] { snap_page->node = static_cast<std::int32_t>(nid); });
+    }
+    move_reference(old, nid);
+    done.node = nid;
+    if (tree_.has_page(nid)) {
+      attach(parent, nid);
+    } else if (!defer_prune) {
+      tree_.prune_upward(parent);  // a re-attached chain must not stay childless
+    }
+    return done;
+  }
+  std::vector<std::int64_t> gained;
+  for (std::int64_t lc : attn_lcs_) {
+    const std::int64_t s = chain_page(chain, lc, i);
+    if (s < 0) continue;
+    Page* p = &page(s);
+    p->coverage = static_cast<std::int16_t>(ntok);
+    const PageHandle qh = tree_.page(existing, lc);
+    if (qh == kNoPage || tree_.coverage(existing, lc) < ntok) {
+      install(existing, lc, p, gained);
+      if (do_store) store(p, key);
+    } else {
+      Page* q = &page(qh);
+      if (q->tier == kGpu) {  // the request switches to the tree's page; its index changes
+        use(q, chain.active, chain.priority);
+        done.replaced.emplace_back(lc, q->handle);
+        unuse(p, chain.active);
+      }
+      // else: the request keeps its page privately (freed at close)
+    }
+  }
+  if (snap_page != nullptr) install(existing, ssm, snap_page, gained);
+  move_reference(old, existing);
+  done.node = existing;
+  emit_stored(existing, gained);
+  return done;
+}
+
+// A request's ordinal now references `nid` instead of `old` (kNoNode: none): `nid` is
+// referenced first, so a block referenced by both never dies in between.
+// py: block_pool.py BlockPool.move_reference — SPEC sec. 5
+void BlockPool::move_reference(NodeId old, NodeId nid) {
+  tree_.ref(nid);
+  if (old != kNoNode) tree_.unref(old);
+}
+
+// py: block_pool.py BlockPool.key_for — SPEC sec. 3
+Digest BlockPool::key_for(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint) const {
+  const Digest parent = tree_.key(i > 0 ? chain.blocks[static_cast<std::size_t>(i - 1)] : chain.root);
+  if (hint.key != nullptr && (i == 0 || *hint.prev == parent)) return *hint.key;  // the hash done at create
+  return block_key_of(parent, block);
+}
+
+// py: block_pool.py BlockPool.parent_for — SPEC sec. 5
+NodeId BlockPool::parent_for(const Chain& chain, std::int64_t i, Inserted& done) {
+  if (i == 0) return chain.root;
+  const NodeId prev = chain_block(chain, done, i - 1);
+  if (tree_.is_attached(prev)) return prev;
+  std::int64_t k = i - 1;
+  while (k >= 0 && !tree_.is_attached(chain_block(chain, done, k))) --k;
+  NodeId parent = k < 0 ? chain.root : chain_block(chain, done, k);
+  for (std::int64_t j = k + 1; j < i; ++j) {
+    const NodeId orphan = chain_block(chain, done, j);
+    const NodeId existing = tree_.find_existing(parent, tree_.key(orphan), tree_.tokens(orphan));
+    if (existing != kNoNode) {
+      switch_block(chain, j, orphan, existing, done);
+    } else {
+      attach(parent, orphan);
+    }
+    parent = chain_block(chain, done, j);
+  }
+  return parent;
+}
+
+// py: block_pool.py BlockPool.switch_block — SPEC sec. 5
+void BlockPool::switch_block(const Chain& chain, std::int64_t j, NodeId orphan, NodeId existing, Inserted& done) {
+  std::vector<std::int64_t> gained;
+  for (std::int64_t lc : attn_lcs_) {
+    const std::int64_t s = chain_page(chain, lc, j);
+    if (s < 0) continue;
+    Page* p = &page(s);
+    if (p->node != orphan || tree_.coverage(existing, lc) >= p->coverage) continue;
+    install(existing, lc, p, gained);
+  }
+  tree_.ref(existing);
+  done.switched[j] = existing;
+  tree_.unref(orphan);
+  emit_stored(existing, gained);
+}
+
+// py: block_pool.py BlockPool.install — SPEC sec. 5
+void BlockPool::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained) {
+  if (p->node != kNoNode) {  // moving from an orphan block
+    const NodeId old_node = p->node;
+    p->node = kNoNode;
+    tree_.set_page(old_node, lc, kNoPage, 0);
+  }
+  const PageHandle old = tree_.set_page(nid, lc, p->handle, p->coverage);
+  if (p->locks || p->holds) {
+    p->node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
+  } else {
+    restate(*p, [&] { p->node = static_cast<std::int32_t>(nid); });
+  }
+  if (old == kNoPage) {
+    gained.push_back(lc);
+    return;
+  }
+  Page* q = &page(old);
+  restate(*q, [&] { q->node = kNoNode; });
+  emit_removed(tree_.key(nid), lc);  // a coverage upgrade: removed now, stored by the caller
+  gained.push_back(lc);
+  if (q->locks == 0 && q->holds == 0) free_page(q);
+}
+
+// SPEC sec. 5 attach: link block nid under parent and announce it: removed for every lc the
+// detached partial siblings had (adopted pages included), then stored.
+// py: block_pool.py BlockPool.attach — SPEC sec. 5
+void BlockPool::attach(NodeId parent, NodeId nid) {
+  const std::vector<NodeId> siblings = tree_.attach(parent, nid);
+  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  std::vector<std::int64_t>& lcs = scratch_.lcs;
+  if (siblings.empty()) {  // the common case: nothing stepped aside
+    lcs.clear();
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      const PageHandle h = tree_.page(nid, lc);
+      if (h == kNoPage) continue;
+      page(h).node = static_cast<std::int32_t>(nid);
+      lcs.push_back(lc);
+    }
+    emit_stored(nid, lcs);
+    return;
+  }
+  std::vector<std::vector<std::int64_t>> had(siblings.size());
+  auto sib_index = [&](NodeId id) -> std::int64_t {
+    for (std::size_t k = 0; k < siblings.size(); ++k) {
+      if (siblings[k] == id) return static_cast<std::int64_t>(k);
+    }
+    return -1;
+  };
+  for (std::size_t k = 0; k < siblings.size(); ++k) {
+    for (std::int64_t lc = 0; lc < nlc; ++lc) {
+      const PageHandle h = tree_.page(siblings[k], lc);
+      if (h != kNoPage && page(h).node == siblings[k]) had[k].push_back(lc);
+    }
+  }
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    const PageHandle h = tree_.page(nid, lc);
+    if (h == kNoPage) continue;
+    const std::int64_t k = sib_index(page(h).node);
+    if (k >= 0) {
+      auto& v = had[static_cast<std::size_t>(k)];
+      if (std::find(v.begin(), v.end(), lc) == v.end()) v.push_back(lc);
+    }
+  }
+  for (std::size_t k = 0; k < siblings.size(); ++k) {
+    std::vector<std::int64_t> lost = had[k];
+    std::sort(lost.begin(), lost.end());
+    const Digest key = tree_.key(siblings[k]);
+    for (std::int64_t lc : lost) emit_removed(key, lc);
+  }
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    const PageHandle h = tree_.page(nid, lc);
+    if (h != kNoPage) page(h).node = static_cast<std::int32_t>(nid);
+    for (NodeId sid : siblings) {
+      const PageHandle hs = tree_.page(sid, lc);
+      if (hs != kNoPage) page(hs).node = static_cast<std::int32_t>(sid);
+    }
+  }
+  retire_nodes(siblings, false);
+  lcs.clear();
+  for (std::int64_t lc = 0; lc < nlc; ++lc) {
+    if (tree_.page(nid, lc) != kNoPage) lcs.push_back(lc);
+  }
+  emit_stored(nid, lcs);
 }
 
 }  // namespace kvcm

@@ -9,6 +9,7 @@
 // and the invariant checks' views of the pool are BlockPool members defined in observe.cpp.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -116,6 +117,53 @@ struct RequestMatch {
 // The store's answer to shared_candidates: (block key, lc) pairs, sorted and unique.
 using SharedHits = std::vector<std::pair<Digest, std::int64_t>>;
 
+// The gpu pool of one life cycle as a request's feasibility checks read it (SPEC sec. 8,
+// DECISIONS.md "All-or-nothing resume / resize"; BlockPool::budget).  Python twin: Budget.
+struct Budget {
+  std::int64_t total = 0, free = 0, locked = 0, held = 0, droppable = 0;
+  std::int64_t colder = 0;  // what the colder tiers could take of its HELD pages (0: no colder tier)
+  // whether n new pages fit after eviction: free slots, DROPPABLE pages, and HELD pages a
+  // colder tier can take
+  bool fits(std::int64_t n) const noexcept { return free + droppable + std::min(held, colder) >= n; }
+};
+
+// What a request holds after BlockPool::hold_match (Python twin: HeldMatch): the match
+// length, the blocks it references (ordinal order), its page handles per lc (attention
+// lcs; -1: stale) and the ssm snapshot at the match end (-1: none).
+struct HeldMatch {
+  std::int64_t m = 0;
+  std::vector<NodeId> blocks;
+  std::vector<std::vector<std::int64_t>> pages;
+  std::int64_t snap = -1;
+};
+
+// What BlockPool::insert_block reads of the request whose block it inserts; it changes
+// none of it (the request applies the result, Inserted).  Python twin: Chain.
+struct Chain {
+  NodeId root;                                          // its scope's root
+  const std::vector<NodeId>& blocks;                    // the tree block per ordinal (kNoNode: none)
+  const std::vector<std::vector<std::int64_t>>& pages;  // its page handles per lc (-1: none)
+  std::int64_t live;                                    // its live ssm state (-1: none)
+  std::int64_t priority;
+  bool active;  // ACTIVE (its pages LOCKED), else SUSPENDED (HELD)
+};
+
+// The key of a block hashed at create, with the key it was chained from (prev nullptr:
+// the scope's root); BlockPool::insert_block takes it when the parent still has that key.
+struct KeyHint {
+  const Digest* prev = nullptr;
+  const Digest* key = nullptr;  // nullptr: no hint
+};
+
+// BlockPool::insert_block's result (Python twin: Inserted): the block the request now
+// references for the inserted ordinal, the ordinals of its orphaned chain re-attachment
+// moved to an equivalent block, and its pages the insertion replaced by the tree's.
+struct Inserted {
+  NodeId node = kNoNode;
+  std::unordered_map<std::int64_t, NodeId> switched;  // ordinal -> block
+  std::vector<std::pair<std::int64_t, std::int64_t>> replaced;  // (lc, page handle)
+};
+
 class BlockPool {
  public:
   explicit BlockPool(ManagerConfig cfg);
@@ -138,8 +186,11 @@ class BlockPool {
   std::int64_t tick() { return ++clock_; }
 
   // ---------------------------------------------------------------- tree and tokens
-  RadixTree& tree() noexcept { return tree_; }
+  // Read-only: the tree changes only through the pool's methods.
   const RadixTree& tree() const noexcept { return tree_; }
+  // Digest tokens' references (SPEC sec. 15): a request's token lists hold their own.
+  void retain_tokens(std::span<const Tok> codes) { tree_.retain_all(codes); }
+  void release_tokens(std::span<const Tok> codes) { tree_.release_all(codes); }
   // Append the pool's codes of `tokens` to `out` (interning their digests).
   void intern_into(TokenSeq tokens, std::vector<Tok>& out);
   TokenOut decode(Tok t) const;
@@ -161,6 +212,26 @@ class BlockPool {
   std::vector<std::int64_t> block_tiers(const std::vector<NodeId>& path, std::int64_t m) const;
   // The creation number snapshots show for a node handle (kNoNode stays kNoNode).
   std::int64_t node_uid(NodeId id) const { return id == kNoNode ? kNoNode : tree_.uid(id); }
+
+  // ---------------------------------------------------------------- a request's references
+  // The root of the scope root_key, made on first use, with one more reference (each open
+  // request holds one, a fork its own).
+  NodeId open_scope(const Digest& root_key);
+  // create's match (match_with_hits; hits nullptr: none), held as a SUSPENDED request holds
+  // it: blocks referenced, the pages of blocks not stale at the match end and the ssm
+  // snapshot there used (HELD, priority raised); a shared extension's blocks enter the tree.
+  HeldMatch hold_match(NodeId root, std::span<const Tok> query, std::span<const Digest> keys,
+                       const SharedHits* hits, std::int64_t priority);
+  // A fork takes its own references of `blocks` (kNoNode skipped) and uses `pages` (per
+  // attention lc; -1 skipped), LOCKED.
+  void hold(const std::vector<NodeId>& blocks, const std::vector<std::vector<std::int64_t>>& pages,
+            std::int64_t priority);
+  // A request stops referencing tree block (or scope root) `node`.
+  void unref(NodeId node) { tree_.unref(node); }
+  // SPEC sec. 5, 7: block i of `chain` (full, or its partial tail) into the tree (see
+  // block_pool.cpp); defer_prune: more blocks of this commit follow.
+  Inserted insert_block(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint,
+                        bool want_snapshot, bool defer_prune = false);
 
   // ---------------------------------------------------------------- pools
   const Pool& pool(std::int64_t tier, std::int64_t lc) const {
@@ -193,6 +264,11 @@ class BlockPool {
   void use(Page* p, bool active, std::int64_t priority);
   void unuse(Page* p, bool active);
   void set_active(Page* p, bool active);
+  // A new gpu page private to one request, in its state (LOCKED when active, else HELD);
+  // room is made first (the caller's check promised it).
+  Page* alloc(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal, std::int64_t priority, bool active);
+  // The tokens a request wrote into its private page `p` (no part of its state or key).
+  void set_coverage(Page* p, std::int64_t coverage) { p->coverage = static_cast<std::int16_t>(coverage); }
   // Unindex `p`, apply `change` (its users, node, priority or last_used), index it again:
   // the only way a pooled page's eviction key or state changes.
   template <typename F>
@@ -208,15 +284,21 @@ class BlockPool {
   void free_page(Page* p);
   // `p` leaves its block's slot (no event, no pruning); may delete a dead orphan block
   void unlink_from_node(Page* p);
-  bool can_allocate(std::int64_t tier, std::int64_t lc, std::int64_t n, const std::int64_t* adjust);
-  std::int64_t capacity_of(std::int64_t tier, std::int64_t lc, const std::int64_t* adjust);
+  // The gpu pool of `lc` as a feasibility check reads it (changing nothing); `releasing`:
+  // page handles about to lose one ACTIVE user (a resize's releases), counted in the state
+  // they will be in.
+  Budget budget(std::int64_t lc, std::span<const std::int64_t> releasing = {}) const;
+  std::int64_t capacity_of(std::int64_t tier, std::int64_t lc) const;
   bool make_room(std::int64_t tier, std::int64_t lc);
+  // make_room where a feasibility check already promised the slot
+  void ensure_room(std::int64_t tier, std::int64_t lc);
   void resize_pool(std::int64_t tier, std::int64_t lc, std::int64_t n);
   void move(Page* p, std::int64_t dst, const char* reason);
   void retire_nodes(const std::vector<NodeId>& ids, bool announce);
   void drop_all_droppable();
 
   // ---------------------------------------------------------------- copy ops
+  // A copy op from src to dst ("cow" or "snapshot"), counted.
   void copy(std::int64_t lc, const Page* src, const Page* dst, const char* reason);
   // The shared tier's write (DECISIONS.md): a store op for `p`, a full-coverage page of the
   // full block `key` (shared_write="commit").
@@ -288,6 +370,15 @@ class BlockPool {
   // the SPEC tier number of config position ``t`` (see tier_id_)
   std::int64_t tier_id(std::int64_t t) const { return tier_id_[static_cast<std::size_t>(t)]; }
   std::vector<std::int64_t> live_pages() const;  // handles, by serial
+  // insert_block's parts (block_pool.cpp)
+  std::vector<NodeId> insert_shared_blocks(NodeId root, std::span<const Tok> query, std::span<const Digest> keys,
+                                           std::int64_t m, const RequestMatch& sm, std::int64_t priority);
+  Digest key_for(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint) const;
+  NodeId parent_for(const Chain& chain, std::int64_t i, Inserted& done);
+  void switch_block(const Chain& chain, std::int64_t j, NodeId orphan, NodeId existing, Inserted& done);
+  void install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained);
+  void attach(NodeId parent, NodeId nid);
+  void move_reference(NodeId old, NodeId nid);
   // One more free slot by evicting the pool's first victim (make_room, resize_pool).
   bool evict_one(std::int64_t tier, std::int64_t lc);
   void drop(Page* p);

@@ -24,22 +24,12 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   pool_.intern_into(tokens_in, tokens);
   pool_.tick();
   const std::int64_t serial = next_request_++;
-  Request& r = requests_.try_emplace(serial, pool_).first->second;
-  r.serial = serial;
-  r.lora = lora;
-  r.salt = salt;
-  r.priority = priority;
-  r.root_key = scope_root_key(lora, salt);
-  // the scope root lives at least as long as the request (request.py: Request.__init__, sec. 15)
-  r.root = pool_.tree().root(r.root_key);
-  pool_.tree().ref(r.root);
   const auto n = static_cast<std::int64_t>(tokens.size());
-  const std::int64_t nfull = n / pool_.B();
-  r.keys = pool_.chain(r.root_key, std::span<const Tok>(tokens.data(), static_cast<std::size_t>(nfull * pool_.B())));
-  r.has_digests = !tokens_in.digests.empty();
-  const std::int64_t m = r.match_and_hold(tokens, r.keys, hits);
-  r.input_tokens = std::move(tokens);
-  r.reused = m;
+  const Request& r = requests_
+                         .try_emplace(serial, pool_, serial, std::move(tokens), lora, salt, priority,
+                                      !tokens_in.digests.empty(), hits)
+                         .first->second;
+  const std::int64_t m = r.state().reused;
   pool_.record_match(n, m);
   return serial;
 }
@@ -166,7 +156,7 @@ std::vector<std::int64_t> Manager::set_quota(std::int64_t tier, std::int64_t quo
     const auto lc = static_cast<std::size_t>(ilc);
     const Pool& pool = pool_.pool(tier, ilc);
     const std::int64_t movable =
-        tier < pool_.num_tiers() - 1 ? std::min(pool.held, pool_.capacity_of(tier + 1, ilc, nullptr)) : 0;
+        tier < pool_.num_tiers() - 1 ? std::min(pool.held, pool_.capacity_of(tier + 1, ilc)) : 0;
     const std::int64_t need = pool.total - pool.nfree() - pool.droppable - movable;
     if (slots[lc] < need) return {ilc, slots[lc], need, pool.locked, pool.held - movable};
   }
@@ -228,7 +218,7 @@ void Manager::require_status(std::int64_t serial, ReqStatus status, const char* 
 }
 
 RequestInfo Manager::info(std::int64_t serial) const {
-  const Request& r = req(serial);
+  const RequestState& r = req(serial).state();
   RequestInfo i;
   i.status = r.status;
   i.stopped = r.stopped;
@@ -281,10 +271,10 @@ std::vector<std::int32_t> Manager::page_indices(std::int64_t serial, std::int64_
 // joins the registry once Request::fork made it (the Request never touches the registry).
 std::int64_t Manager::fork(std::int64_t serial) {
   Request& parent = req(serial);
-  Request child(pool_);
+  const std::int64_t child_serial = next_request_;
+  Request child(pool_, child_serial);
   if (!parent.fork(child)) return -1;
-  child.serial = next_request_++;
-  const std::int64_t child_serial = child.serial;
+  ++next_request_;
   requests_.emplace(child_serial, std::move(child));  // (unordered_map: `parent` stays valid)
   return child_serial;
 }

@@ -191,7 +191,7 @@ void BlockPool::snapshot_pools(std::string& o) const {
 void Manager::snapshot_requests(std::string& o) const {
   bool first = true;
   for (const std::int64_t serial : open_serials()) {
-    const Request& r = requests_.at(serial);
+    const RequestState& r = requests_.at(serial).state();
     if (!first) o += ',';
     first = false;
     o += "{\"serial\":";
@@ -500,7 +500,7 @@ void BlockPool::check_pool_index(const Pool& pool, const std::string& where, con
 // users and block references into `users`.
 // py: observe.py check_request — SPEC sec. 11
 void Manager::check_request(std::int64_t serial, BlockPool::InvariantUsers& users) const {
-  const Request& r = requests_.at(serial);
+  const RequestState& r = requests_.at(serial).state();
   auto& locks = users.locks;
   auto& holds = users.holds;
   auto& refs = users.refs;

@@ -14,80 +14,42 @@ namespace kvcm {
 
 using namespace detail;
 
-// create's match and holds (SPEC sec. 6, 7).
+// create: the scope root (it lives at least as long as the request, sec. 15), the input's
+// full-block keys (hashed once, reused by commit for the same tokens), the match held.
+// py: request.py Request.__init__ — SPEC sec. 7
+Request::Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input, std::optional<std::uint64_t> lora_id,
+                 std::optional<std::uint64_t> salt_id, std::int64_t prio, bool digests, const SharedHits* hits)
+    : pool_(pool) {
+  serial = serial_no;
+  lora = lora_id;
+  salt = salt_id;
+  priority = prio;
+  root_key = scope_root_key(lora, salt);
+  root = pool_.open_scope(root_key);
+  const auto nfull = static_cast<std::int64_t>(input.size()) / pool_.B();
+  keys = pool_.chain(root_key, std::span<const Tok>(input.data(), static_cast<std::size_t>(nfull * pool_.B())));
+  has_digests = digests;
+  input_tokens = std::move(input);
+  reused = match_and_hold(input_tokens, keys, hits);
+}
+
+// create's match and holds (SPEC sec. 6, 7): the pool holds the match (hold_match).
 // py: request.py Request.match_and_hold — SPEC sec. 7
 std::int64_t Request::match_and_hold(std::span<const Tok> query, std::span<const Digest> query_keys,
                                      const SharedHits* hits) {
-  // the match probes report; the shared tier's extension is taken only when longer (DECISIONS.md)
-  RequestMatch match = pool_.match_with_hits(root, query, query_keys, hits);
-  const std::int64_t m = match.m;
-  std::vector<NodeId> path = match.extended ? insert_shared_blocks(query, query_keys, m, match) : std::move(match.path);
+  HeldMatch held = pool_.hold_match(root, query, query_keys, hits, priority);
+  const std::int64_t m = held.m;
   tokens.assign(query.begin(), query.begin() + m);
   // tokens holds its own digest references (the caller's keep theirs; sec. 15)
-  if (has_digests) pool_.tree().retain_all(tokens);
+  if (has_digests) pool_.retain_tokens(tokens);
   capacity = m;
   history = m;
-  blocks = path;
-  for (NodeId nid : path) pool_.tree().ref(nid);
-  pages.assign(pool_.cfg().lcs.size(), {});
-  for (std::int64_t lc : pool_.attn_lcs()) pages[static_cast<std::size_t>(lc)].assign(path.size(), -1);
-  for (std::int64_t lc : pool_.attn_lcs()) {
-    const auto [lo, hi] = pool_.stale_range(lc, m);
-    for (std::size_t j = 0; j < path.size(); ++j) {
-      const auto jj = static_cast<std::int64_t>(j);
-      if (lo <= jj && jj < hi) continue;
-      Page* p = &pool_.page(pool_.tree().page(path[j], lc));
-      pool_.use(p, false, priority);
-      pages[static_cast<std::size_t>(lc)][j] = p->handle;
-    }
-  }
-  live = snap = -1;
-  if (pool_.ssm_lc() >= 0 && m > 0) {
-    Page* s = &pool_.page(pool_.tree().page(path.back(), pool_.ssm_lc()));
-    snap = s->handle;
-    pool_.use(s, false, priority);
-  }
+  blocks = std::move(held.blocks);
+  pages = std::move(held.pages);
+  live = -1;
+  snap = held.snap;
   cow_block = m % pool_.B() ? m / pool_.B() : -1;
   return m;
-}
-
-// DECISIONS.md "The shared tier": the extension's blocks below ceil(m / B) enter the tree at
-// once, with a shared page for exactly the pages the request will hold (attention pages of
-// blocks non-stale at m, the ssm snapshot of the block m ends in).
-// py: request.py Request.insert_shared_blocks — SPEC sec. 16
-std::vector<NodeId> Request::insert_shared_blocks(std::span<const Tok> query,
-                                                  std::span<const Digest> query_keys, std::int64_t m,
-                                                  const RequestMatch& sm) {
-  const std::int64_t nb = ceildiv(m, pool_.B());
-  const auto np = static_cast<std::int64_t>(sm.path.size());
-  std::vector<NodeId> path(sm.path.begin(), sm.path.begin() + std::min(nb, np));
-  NodeId parent = path.empty() ? root : path.back();
-  const auto nlc = static_cast<std::int64_t>(pool_.cfg().lcs.size());
-  for (std::int64_t i = np; i < nb; ++i) {
-    const std::vector<std::int64_t>& row = sm.rows[static_cast<std::size_t>(i - np)];
-    const NodeId nid = pool_.new_block(query_keys[static_cast<std::size_t>(i)],
-                                 query.subspan(static_cast<std::size_t>(i * pool_.B()), static_cast<std::size_t>(pool_.B())), i);
-    for (std::int64_t lc = 0; lc < nlc; ++lc) {
-      bool held;
-      if (pool_.cfg().lcs[static_cast<std::size_t>(lc)].ssm) {
-        held = i == nb - 1;
-      } else {
-        const auto [lo, hi] = pool_.stale_range(lc, m);
-        held = !(lo <= i && i < hi);
-      }
-      if (!held) continue;
-      if (row[static_cast<std::size_t>(lc)] != pool_.B()) {
-        throw InternalErr("kvcm bug: the fixed point kept a block without its page");
-      }
-      Page* p = pool_.new_shared_page(lc, priority, i);
-      pool_.tree().set_page(nid, lc, p->handle, pool_.B());
-      p->node = static_cast<std::int32_t>(nid);
-    }
-    attach(parent, nid);
-    path.push_back(nid);
-    parent = nid;
-  }
-  return path;
 }
 
 // DECISIONS.md "Failed copies".
@@ -122,7 +84,7 @@ void Request::release_all() {
   live = snap = -1;
   for (auto& v : pages) v.clear();
   for (NodeId nid : blocks) {
-    if (nid != kNoNode) pool_.tree().unref(nid);
+    if (nid != kNoNode) pool_.unref(nid);
   }
   blocks.clear();
 }
@@ -139,7 +101,7 @@ void Request::roll_back(std::int64_t point) {
   const std::vector<Digest> kept_keys =
       pool_.chain(root_key, std::span<const Tok>(kept.data(), static_cast<std::size_t>(point / pool_.B() * pool_.B())));
   match_and_hold(kept, kept_keys);
-  if (has_digests) pool_.tree().release_all(old);
+  if (has_digests) pool_.release_tokens(old);
 }
 
 // py: request.py Request.require — SPEC sec. 10
@@ -184,17 +146,9 @@ std::vector<Page*> Request::cow_sources() {
   return out;
 }
 
-// py: request.py Request.ensure_room — SPEC sec. 8
-void Request::ensure_room(std::int64_t tier, std::int64_t lc) {
-  if (!pool_.make_room(tier, lc)) throw InternalErr("kvcm bug: a feasibility check passed but eviction found no slot");
-}
-
 // py: request.py Request.alloc_private — SPEC sec. 7
 Page* Request::alloc_private(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal) {
-  ensure_room(kGpu, lc);
-  Page* p = pool_.new_page(kGpu, lc, coverage, priority, ordinal);
-  pool_.use(p, status == ReqStatus::active, priority);
-  return p;
+  return pool_.alloc(lc, coverage, ordinal, priority, status == ReqStatus::active);
 }
 
 // py: request.py Request.resume — SPEC sec. 7
@@ -202,11 +156,13 @@ bool Request::resume() {
   require(ReqStatus::suspended, "resume");
   const std::vector<Page*> used = used_pages();
   const std::vector<Page*> cows = cow_sources();
-  const std::size_t nlc = pool_.cfg().lcs.size();
+  const std::size_t nlc = pool_.num_life_cycles();
+  std::vector<Budget> budgets(nlc);
   std::vector<std::int64_t> need(nlc, 0), locked_after(nlc), held_gpu(nlc);
   for (std::size_t lc = 0; lc < nlc; ++lc) {
-    locked_after[lc] = pool_.pool(0, lc).locked;
-    held_gpu[lc] = pool_.pool(0, lc).held;
+    budgets[lc] = pool_.budget(static_cast<std::int64_t>(lc));
+    locked_after[lc] = budgets[lc].locked;
+    held_gpu[lc] = budgets[lc].held;
   }
   for (Page* p : used) {
     const auto lc = static_cast<std::size_t>(p->lc);
@@ -229,10 +185,10 @@ bool Request::resume() {
   }
   const double limit = pool_.cfg().max_util_for_resume;
   for (std::size_t lc = 0; lc < nlc; ++lc) {
-    const Pool& pool = pool_.pool(0, lc);
-    if (static_cast<double>(locked_after[lc]) > limit * static_cast<double>(pool.total)) return false;
-    const std::int64_t adjust[3] = {pool.nfree(), held_gpu[lc], pool.droppable};
-    if (!pool_.can_allocate(kGpu, static_cast<std::int64_t>(lc), need[lc], adjust)) return false;
+    Budget& b = budgets[lc];
+    if (static_cast<double>(locked_after[lc]) > limit * static_cast<double>(b.total)) return false;
+    b.held = held_gpu[lc];
+    if (!b.fits(need[lc])) return false;
   }
 
   pool_.tick();
@@ -241,11 +197,7 @@ bool Request::resume() {
     if (p->tier == kGpu) pool_.set_active(p, true);
   }
   for (Page* p : used) {
-    if (p->tier != kGpu) {
-      ensure_room(kGpu, p->lc);
-      pool_.move(p, kGpu, "onboard");
-      pool_.set_active(p, true);
-    }
+    if (p->tier != kGpu) pool_.set_active(p, true);  // onboarded first
   }
   if (pool_.ssm_lc() >= 0 && live < 0) {
     live = alloc_private(pool_.ssm_lc(), 0, static_cast<std::int64_t>(tokens.size()) / pool_.B())->handle;
@@ -265,18 +217,16 @@ void Request::copy_on_write() {
       Page* dst = alloc_private(lc, covered, j);
       Page* src = &pool_.page(s);
       pool_.copy(lc, src, dst, "cow");
-      pool_.count(lc, kCows);
       pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
       pool_.unuse(src, true);
     }
-    pool_.tree().unref(blocks[static_cast<std::size_t>(j)]);
+    pool_.unref(blocks[static_cast<std::size_t>(j)]);
     blocks[static_cast<std::size_t>(j)] = kNoNode;
     cow_block = -1;
   }
   if (snap >= 0) {
     Page* snap_page = &pool_.page(snap);
     pool_.copy(pool_.ssm_lc(), snap_page, &pool_.page(live), "cow");
-    pool_.count(pool_.ssm_lc(), kCows);
     pool_.unuse(snap_page, true);
     snap = -1;
   }
@@ -322,7 +272,7 @@ bool Request::could_hold(std::int64_t nb, std::int64_t new_history) const {
   for (std::int64_t lc : pool_.attn_lcs()) {
     const auto [lo, hi] = pool_.stale_range(lc, new_history);
     const std::int64_t stale = std::max<std::int64_t>(0, std::min(hi, nb) - std::min(lo, nb));
-    if (nb - stale > pool_.pool(0, static_cast<std::size_t>(lc)).total) return false;
+    if (nb - stale > pool_.budget(lc).total) return false;
   }
   return true;
 }
@@ -361,27 +311,19 @@ bool Request::resize_checked(std::int64_t new_capacity, std::int64_t new_history
     for (std::int64_t i = n; i < std::min(lo, nb); ++i) allocs.emplace_back(lc, i);
     for (std::int64_t i = std::max(hi, n); i < nb; ++i) allocs.emplace_back(lc, i);
   }
+  // feasibility from counters, with the releases applied (DECISIONS.md)
+  std::vector<std::int64_t> released;
+  bool released_known = false;
   for (std::int64_t lc : pool_.attn_lcs()) {
     std::int64_t n = 0;
     for (const auto& a : allocs) n += a.first == lc;
     for (const auto& a : cows) n += a.first == lc;
     if (!n) continue;
-    const Pool& pool = pool_.pool(0, static_cast<std::size_t>(lc));
-    std::int64_t adjust[3] = {pool.nfree(), pool.held, pool.droppable};
-    for (const auto& [rlc, i] : releases) {
-      if (rlc != lc) continue;
-      const Page& p = pool_.page(page_at(rlc, i));
-      if (p.locks != 1) continue;
-      if (p.node == kNoNode || !pool_.tree().is_attached(p.node)) {
-        adjust[0] += p.holds == 0 ? 1 : 0;
-        adjust[1] += p.holds ? 1 : 0;
-      } else if (p.holds) {
-        adjust[1] += 1;
-      } else {
-        adjust[2] += 1;
-      }
+    if (!released_known) {
+      for (const auto& [rlc, i] : releases) released.push_back(page_at(rlc, i));
+      released_known = true;
     }
-    if (!pool_.can_allocate(kGpu, lc, n, adjust)) return false;
+    if (!pool_.budget(lc, released).fits(n)) return false;
   }
 
   pool_.tick();
@@ -425,7 +367,7 @@ void Request::commit_input(std::optional<std::int64_t> n_arg) {
   const auto from = input_tokens.begin() + nc;
   tokens.insert(tokens.end(), from, from + n);
   // tokens holds its own digest references (sec. 15), as after intern_into
-  if (has_digests) pool_.tree().retain_all(std::span<const Tok>(tokens).subspan(static_cast<std::size_t>(nc)));
+  if (has_digests) pool_.retain_tokens(std::span<const Tok>(tokens).subspan(static_cast<std::size_t>(nc)));
   commit_appended(nc);
 }
 
@@ -464,8 +406,8 @@ void Request::commit_appended(std::int64_t old) {
     for (std::int64_t i = old / pool_.B(); i < ceildiv(now, pool_.B()); ++i) {
       const std::int64_t s = page_at(lc, i);
       if (s < 0) continue;
-      Page& p = pool_.page(s);
-      if (p.node == kNoNode) p.coverage = static_cast<std::int16_t>(std::min(pool_.B(), now - i * pool_.B()));
+      Page* p = &pool_.page(s);
+      if (p->node == kNoNode) pool_.set_coverage(p, std::min(pool_.B(), now - i * pool_.B()));
     }
   }
   const std::int64_t last = now / pool_.B() - 1;
@@ -482,20 +424,44 @@ void Request::commit_appended(std::int64_t old) {
 
 // DECISIONS "Tree and events" (stale pages
 // released at the end of the commit).  Ordinals stale at old_history hold no page already,
-// except those this commit wrote (from first_block on).
+// except those this commit wrote ([first_block, written)): only those and the newly stale
+// ones ([old_hi, hi)) are visited, ascending, so a commit's cost does not grow with the
+// request's history.
 // py: request.py Request.release_stale — SPEC sec. 7
 void Request::release_stale(std::int64_t old_history, std::int64_t first_block) {
   const bool active = status == ReqStatus::active;
+  const std::int64_t B = pool_.B();
+  const std::int64_t written = (static_cast<std::int64_t>(tokens.size()) + B - 1) / B;
   for (std::int64_t lc : pool_.attn_lcs()) {
     const auto [lo, hi] = pool_.stale_range(lc, history);
-    const std::int64_t start = std::max(lo, std::min(pool_.stale_range(lc, old_history).second, first_block));
     auto& table = pages[static_cast<std::size_t>(lc)];
     const std::int64_t end = std::min(hi, static_cast<std::int64_t>(table.size()));
-    for (std::int64_t i = start; i < end; ++i) {
-      const std::int64_t s = table[static_cast<std::size_t>(i)];
-      if (s >= 0) {
-        table[static_cast<std::size_t>(i)] = -1;
-        pool_.unuse(&pool_.page(s), active);
+    const auto release = [&](std::int64_t from, std::int64_t to) {
+      for (std::int64_t i = from; i < to; ++i) {
+        const std::int64_t s = table[static_cast<std::size_t>(i)];
+        if (s >= 0) {
+          table[static_cast<std::size_t>(i)] = -1;
+          pool_.unuse(&pool_.page(s), active);
+        }
+      }
+    };
+    // the union of [a1, b1) and [a2, b2), ascending, each ordinal once
+    std::int64_t a1 = std::max(lo, first_block), b1 = std::min(written, end);
+    std::int64_t a2 = std::max(lo, pool_.stale_range(lc, old_history).second), b2 = end;
+    if (a1 >= b1) {
+      release(a2, b2);
+    } else if (a2 >= b2) {
+      release(a1, b1);
+    } else {
+      if (a1 > a2) {
+        std::swap(a1, a2);
+        std::swap(b1, b2);
+      }
+      if (a2 <= b1) {
+        release(a1, std::max(b1, b2));
+      } else {
+        release(a1, b1);
+        release(a2, b2);
       }
     }
   }
@@ -533,7 +499,7 @@ ClosedTokens Request::close() {
   pool_.tick();
   if (!stopped) stop();
   release_all();
-  pool_.tree().unref(root);  // may release an unused scope root
+  pool_.unref(root);  // may release an unused scope root
   status = ReqStatus::closed;
   out.closed_now = true;
   out.capacity = capacity;
@@ -550,8 +516,8 @@ ClosedTokens Request::close() {
       for (const auto& [code, d] : out.digests) seen = seen || code == c;
       if (!seen) out.digests.emplace_back(c, pool_.tree().digest(c));
     }
-    pool_.tree().release_all(out.codes);
-    pool_.tree().release_all(input_tokens);
+    pool_.release_tokens(out.codes);
+    pool_.release_tokens(input_tokens);
   }
   return out;
 }
@@ -572,7 +538,7 @@ bool Request::fork(Request& child) {
   for (std::int64_t lc = 0; lc < static_cast<std::int64_t>(pool_.num_life_cycles()); ++lc) {
     std::int64_t need = lc == pool_.ssm_lc() ? 1 : 0;
     for (const auto& [clc, h] : copies) need += clc == lc;
-    if (need && !pool_.can_allocate(kGpu, lc, need, nullptr)) return false;
+    if (need && !pool_.budget(lc).fits(need)) return false;
   }
 
   pool_.tick();
@@ -580,7 +546,6 @@ bool Request::fork(Request& child) {
   if (pool_.ssm_lc() >= 0) {  // its own live state, a copy of the parent's
     child.live = child.alloc_private(pool_.ssm_lc(), 0, c / pool_.B())->handle;
     pool_.copy(pool_.ssm_lc(), &pool_.page(live), &pool_.page(child.live), "cow");
-    pool_.count(pool_.ssm_lc(), kCows);
   }
   child.copy_tail(copies);
   return true;
@@ -589,8 +554,7 @@ bool Request::fork(Request& child) {
 // py: request.py Request.init_fork — SPEC sec. 18
 void Request::init_fork(const Request& parent) {
   root_key = parent.root_key;
-  root = parent.root;
-  pool_.tree().ref(root);
+  root = pool_.open_scope(root_key);  // (the parent's root: it holds it)
   lora = parent.lora;
   salt = parent.salt;
   priority = parent.priority;
@@ -601,25 +565,19 @@ void Request::init_fork(const Request& parent) {
   tokens = parent.tokens;
   has_digests = parent.has_digests;
   if (has_digests) {  // its own digest references (released at its close)
-    pool_.tree().retain_all(input_tokens);
-    pool_.tree().retain_all(tokens);
+    pool_.retain_tokens(input_tokens);
+    pool_.retain_tokens(tokens);
   }
   capacity = history = static_cast<std::int64_t>(tokens.size());
   reused = parent.reused;
   const auto nb = static_cast<std::size_t>(ceildiv(capacity, pool_.B()));
   blocks.assign(parent.blocks.begin(), parent.blocks.begin() + std::min(nb, parent.blocks.size()));
-  for (NodeId nid : blocks) {
-    if (nid != kNoNode) pool_.tree().ref(nid);
-  }
-  pages.assign(pool_.cfg().lcs.size(), {});
+  pages.assign(pool_.num_life_cycles(), {});
   for (std::int64_t lc : pool_.attn_lcs()) {
     const auto& from = parent.pages[static_cast<std::size_t>(lc)];
-    auto& table = pages[static_cast<std::size_t>(lc)];
-    table.assign(from.begin(), from.begin() + std::min(nb, from.size()));
-    for (std::int64_t h : table) {
-      if (h >= 0) pool_.use(&pool_.page(h), true, priority);
-    }
+    pages[static_cast<std::size_t>(lc)].assign(from.begin(), from.begin() + std::min(nb, from.size()));
   }
+  pool_.hold(blocks, pages, priority);
   live = snap = -1;
   cow_block = -1;
 }
@@ -658,12 +616,11 @@ void Request::copy_tail(const TailPages& shared) {
     Page* dst = alloc_private(lc, covered, j);
     Page* src = &pool_.page(h);
     pool_.copy(lc, src, dst, "cow");
-    pool_.count(lc, kCows);
     pool_.unuse(src, status == ReqStatus::active);
     pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
   }
   if (j < static_cast<std::int64_t>(blocks.size()) && blocks[static_cast<std::size_t>(j)] != kNoNode) {
-    pool_.tree().unref(blocks[static_cast<std::size_t>(j)]);
+    pool_.unref(blocks[static_cast<std::size_t>(j)]);
     blocks[static_cast<std::size_t>(j)] = kNoNode;
   }
 }
@@ -685,227 +642,36 @@ std::vector<std::int32_t> Request::page_indices(std::int64_t lc) {
   return out;
 }
 
-// py: request.py Request.key_for — SPEC sec. 3
-Digest Request::key_for(std::int64_t i, std::span<const Tok> block) {
-  const Digest parent = i > 0 ? pool_.tree().key(blocks[static_cast<std::size_t>(i - 1)]) : root_key;
-  if (static_cast<std::int64_t>(block.size()) == pool_.B() && i < static_cast<std::int64_t>(keys.size()) &&
-      (i == 0 || keys[static_cast<std::size_t>(i - 1)] == parent) &&
-      static_cast<std::int64_t>(input_tokens.size()) >= (i + 1) * pool_.B() &&
-      std::equal(block.begin(), block.end(), input_tokens.begin() + i * pool_.B())) {
-    return keys[static_cast<std::size_t>(i)];  // same parent key and block: the hash done at create
+// The key of block i hashed at create, when `block` is the input's tokens there, with the
+// key it was chained from; the pool takes it when block i - 1 still has that key.
+// py: request.py Request.key_hint — SPEC sec. 3
+KeyHint Request::key_hint(std::int64_t i, std::span<const Tok> block) const {
+  const std::int64_t B = pool_.B();
+  if (static_cast<std::int64_t>(block.size()) == B && i < static_cast<std::int64_t>(keys.size()) &&
+      static_cast<std::int64_t>(input_tokens.size()) >= (i + 1) * B &&
+      std::equal(block.begin(), block.end(), input_tokens.begin() + i * B)) {
+    return KeyHint{i > 0 ? &keys[static_cast<std::size_t>(i - 1)] : nullptr, &keys[static_cast<std::size_t>(i)]};
   }
-  return pool_.block_key_of(parent, block);
+  return KeyHint{};
 }
 
-// py: request.py Request.parent_for — SPEC sec. 5
-NodeId Request::parent_for(std::int64_t i) {
-  if (i == 0) return root;
-  if (pool_.tree().is_attached(blocks[static_cast<std::size_t>(i - 1)])) return blocks[static_cast<std::size_t>(i - 1)];
-  std::int64_t k = i - 1;
-  while (k >= 0 && !pool_.tree().is_attached(blocks[static_cast<std::size_t>(k)])) --k;
-  NodeId parent = k < 0 ? root : blocks[static_cast<std::size_t>(k)];
-  for (std::int64_t j = k + 1; j < i; ++j) {
-    const NodeId orphan = blocks[static_cast<std::size_t>(j)];
-    const NodeId existing = pool_.tree().find_existing(parent, pool_.tree().key(orphan), pool_.tree().tokens(orphan));
-    if (existing != kNoNode) {
-      switch_block(j, orphan, existing);
-    } else {
-      attach(parent, orphan);
-    }
-    parent = blocks[static_cast<std::size_t>(j)];
-  }
-  return parent;
-}
-
-// py: request.py Request.switch_block — SPEC sec. 5
-void Request::switch_block(std::int64_t j, NodeId orphan, NodeId existing) {
-  std::vector<std::int64_t> gained;
-  for (std::int64_t lc : pool_.attn_lcs()) {
-    const std::int64_t s = page_at(lc, j);
-    if (s < 0) continue;
-    Page* p = &pool_.page(s);
-    if (p->node != orphan || pool_.tree().coverage(existing, lc) >= p->coverage) continue;
-    install(existing, lc, p, gained);
-  }
-  pool_.tree().ref(existing);
-  blocks[static_cast<std::size_t>(j)] = existing;
-  pool_.tree().unref(orphan);
-  pool_.emit_stored(existing, gained);
-}
-
-// py: request.py Request.install — SPEC sec. 5
-void Request::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained) {
-  if (p->node != kNoNode) {  // moving from an orphan block
-    const NodeId old_node = p->node;
-    p->node = kNoNode;
-    pool_.tree().set_page(old_node, lc, kNoPage, 0);
-  }
-  const PageHandle old = pool_.tree().set_page(nid, lc, p->handle, p->coverage);
-  if (p->locks || p->holds) {
-    p->node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
-  } else {
-    pool_.restate(*p, [&] { p->node = static_cast<std::int32_t>(nid); });
-  }
-  if (old == kNoPage) {
-    gained.push_back(lc);
-    return;
-  }
-  Page* q = &pool_.page(old);
-  pool_.restate(*q, [&] { q->node = kNoNode; });
-  pool_.emit_removed(pool_.tree().key(nid), lc);  // a coverage upgrade: removed now, stored by the caller
-  gained.push_back(lc);
-  if (q->locks == 0 && q->holds == 0) pool_.free_page(q);
-}
-
-// py: request.py Request.attach — SPEC sec. 5
-void Request::attach(NodeId parent, NodeId nid) {
-  const std::vector<NodeId> siblings = pool_.tree().attach(parent, nid);
-  const auto nlc = static_cast<std::int64_t>(pool_.cfg().lcs.size());
-  std::vector<std::int64_t>& lcs = pool_.scratch().lcs;
-  if (siblings.empty()) {  // the common case: nothing stepped aside
-    lcs.clear();
-    for (std::int64_t lc = 0; lc < nlc; ++lc) {
-      const PageHandle h = pool_.tree().page(nid, lc);
-      if (h == kNoPage) continue;
-      pool_.page(h).node = static_cast<std::int32_t>(nid);
-      lcs.push_back(lc);
-    }
-    pool_.emit_stored(nid, lcs);
-    return;
-  }
-  std::vector<std::vector<std::int64_t>> had(siblings.size());
-  auto sib_index = [&](NodeId id) -> std::int64_t {
-    for (std::size_t k = 0; k < siblings.size(); ++k) {
-      if (siblings[k] == id) return static_cast<std::int64_t>(k);
-    }
-    return -1;
-  };
-  for (std::size_t k = 0; k < siblings.size(); ++k) {
-    for (std::int64_t lc = 0; lc < nlc; ++lc) {
-      const PageHandle h = pool_.tree().page(siblings[k], lc);
-      if (h != kNoPage && pool_.page(h).node == siblings[k]) had[k].push_back(lc);
-    }
-  }
-  for (std::int64_t lc = 0; lc < nlc; ++lc) {
-    const PageHandle h = pool_.tree().page(nid, lc);
-    if (h == kNoPage) continue;
-    const std::int64_t k = sib_index(pool_.page(h).node);
-    if (k >= 0) {
-      auto& v = had[static_cast<std::size_t>(k)];
-      if (std::find(v.begin(), v.end(), lc) == v.end()) v.push_back(lc);
-    }
-  }
-  for (std::size_t k = 0; k < siblings.size(); ++k) {
-    std::vector<std::int64_t> lost = had[k];
-    std::sort(lost.begin(), lost.end());
-    const Digest key = pool_.tree().key(siblings[k]);
-    for (std::int64_t lc : lost) pool_.emit_removed(key, lc);
-  }
-  for (std::int64_t lc = 0; lc < nlc; ++lc) {
-    const PageHandle h = pool_.tree().page(nid, lc);
-    if (h != kNoPage) pool_.page(h).node = static_cast<std::int32_t>(nid);
-    for (NodeId sid : siblings) {
-      const PageHandle hs = pool_.tree().page(sid, lc);
-      if (hs != kNoPage) pool_.page(hs).node = static_cast<std::int32_t>(sid);
-    }
-  }
-  pool_.retire_nodes(siblings, false);
-  lcs.clear();
-  for (std::int64_t lc = 0; lc < nlc; ++lc) {
-    if (pool_.tree().page(nid, lc) != kNoPage) lcs.push_back(lc);
-  }
-  pool_.emit_stored(nid, lcs);
-}
-
-// Also SPEC sec. 7.  defer_prune: more blocks of this commit
-// follow, so a pageless new block leaves its parent chain attached (no quadratic re-attach).
+// Commit block i (full, or the partial tail) into the tree (sec. 5 and 7): the pool inserts
+// it (BlockPool::insert_block: the orphaned chain re-attached, a snapshot where wanted, the
+// pages moved in or switched); this request then references what the insertion gave it.
 // py: request.py Request.insert_block — SPEC sec. 5
-void Request::insert_block(std::int64_t i, std::span<const Tok> block, bool want_snapshot,
-                           bool defer_prune) {
-  const auto ntok = static_cast<std::int64_t>(block.size());
-  const Digest key = key_for(i, block);
-  NodeId parent = parent_for(i);
-  NodeId existing = pool_.tree().find_existing(parent, key, block);
-  Page* snap_page = nullptr;
-  const std::int64_t ssm = pool_.ssm_lc();
-  // shared_write="commit": a full-coverage page of a full block that becomes a tree page
-  // here is written to the shared tier (DECISIONS.md "The shared tier")
-  const bool do_store = pool_.store_on_commit() && ntok == pool_.B();
-  if (want_snapshot && (existing == kNoNode || pool_.tree().coverage(existing, ssm) < ntok)) {
-    Page* live_page = pool_.page_ptr(live);
-    if (live_page == nullptr || live_page->tier != kGpu || !pool_.make_room(kGpu, ssm)) {
-      pool_.count(ssm, kSnapshotsSkipped);
-    } else {
-      snap_page = pool_.new_page(kGpu, ssm, ntok, priority, i);
-      pool_.copy(ssm, &pool_.page(live), snap_page, "snapshot");
-      pool_.count(ssm, kSnapshotsTaken);
-      if (do_store) pool_.store(snap_page, key);
-      // eviction may have pruned this request's chain or the existing block
-      parent = parent_for(i);
-      existing = pool_.tree().find_existing(parent, key, block);
-    }
-  }
-  const bool active = status == ReqStatus::active;
-  if (existing == kNoNode) {
-    const NodeId nid = pool_.new_block(key, block, i);
-    for (std::int64_t lc : pool_.attn_lcs()) {
-      const std::int64_t s = page_at(lc, i);
-      if (s < 0) continue;
-      Page& p = pool_.page(s);
-      // forks: a shared partial page another user's stop_committing put into a block that
-      // was detached since (so not found): it moves here (DECISIONS.md "Forks", the tail
-      // block of a stop)
-      if (p.node != kNoNode) pool_.unlink_from_node(&p);
-      p.coverage = static_cast<std::int16_t>(ntok);
-      pool_.tree().set_page(nid, lc, p.handle, ntok);
-      p.node = static_cast<std::int32_t>(nid);  // a used page: its state does not depend on the node
-      if (do_store) pool_.store(&p, key);
-    }
-    if (snap_page != nullptr) {
-      pool_.tree().set_page(nid, ssm, snap_page->handle, ntok);
-      pool_.restate(*snap_page, [&] { snap_page->node = static_cast<std::int32_t>(nid); });
-    }
-    pool_.tree().ref(nid);
-    set_block(i, nid);
-    if (pool_.tree().has_page(nid)) {
-      attach(parent, nid);
-    } else if (!defer_prune) {
-      pool_.tree().prune_upward(parent);  // a re-attached chain must not stay childless
-    }
-    return;
-  }
-  std::vector<std::int64_t> gained;
-  for (std::int64_t lc : pool_.attn_lcs()) {
-    const std::int64_t s = page_at(lc, i);
-    if (s < 0) continue;
-    Page* p = &pool_.page(s);
-    p->coverage = static_cast<std::int16_t>(ntok);
-    const PageHandle qh = pool_.tree().page(existing, lc);
-    if (qh == kNoPage || pool_.tree().coverage(existing, lc) < ntok) {
-      install(existing, lc, p, gained);
-      if (do_store) pool_.store(p, key);
-    } else {
-      Page* q = &pool_.page(qh);
-      if (q->tier == kGpu) {  // switch to the tree's page; its index changes
-        pool_.use(q, active, priority);
-        pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = q->handle;
-        pool_.unuse(p, active);
-      }
-      // else: keep our page privately (freed at close)
-    }
-  }
-  if (snap_page != nullptr) install(existing, ssm, snap_page, gained);
-  pool_.tree().ref(existing);
-  set_block(i, existing);
-  pool_.emit_stored(existing, gained);
+void Request::insert_block(std::int64_t i, std::span<const Tok> block, bool want_snapshot, bool defer_prune) {
+  const Chain chain{root, blocks, pages, live, priority, status == ReqStatus::active};
+  const Inserted done = pool_.insert_block(chain, i, block, key_hint(i, block), want_snapshot, defer_prune);
+  for (const auto& [j, nid] : done.switched) blocks[static_cast<std::size_t>(j)] = nid;
+  for (const auto& [lc, h] : done.replaced) pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = h;
+  set_block(i, done.node);
 }
 
 // py: request.py Request.set_block — SPEC sec. 7
 void Request::set_block(std::int64_t i, NodeId nid) {
   const auto ii = static_cast<std::size_t>(i);
   if (ii < blocks.size()) {
-    if (blocks[ii] != kNoNode) pool_.tree().unref(blocks[ii]);
-    blocks[ii] = nid;
+    blocks[ii] = nid;  // (the pool moved the reference: Inserted)
   } else {
     blocks.resize(ii, kNoNode);
     blocks.push_back(nid);

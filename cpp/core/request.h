@@ -36,11 +36,10 @@ struct ClosedTokens {
   std::vector<TokenOut> decode() const;
 };
 
-class Request {
- public:
-  explicit Request(BlockPool& pool) noexcept : pool_(pool) {}
-
-  // ---------------------------------------------------------------- state
+// A request's state (SPEC sec. 7).  Request's private base: only Request's operations
+// change it; the manager's snapshot, invariant checks and info() read it through
+// Request::state().
+struct RequestState {
   std::int64_t serial = 0;     // creation number (the manager's registry key)
   Digest root_key{};           // the key of its reuse scope's root (lora, salt)
   NodeId root = kNoNode;       // that root's tree node (one reference held until close)
@@ -60,6 +59,20 @@ class Request {
   std::int64_t snap = -1;       // ssm: the matched snapshot's page (copied at resume), -1: none
   std::int64_t cow_block = -1;  // the matched partial block to copy at resume, -1: none
   bool has_digests = false;     // its tokens hold digest references (released at close)
+};
+
+class Request : private RequestState {
+ public:
+  // create (SPEC sec. 7): a SUSPENDED request of scope (lora, salt) holding the match of
+  // its `input` (pool codes, one digest reference each, which it keeps); `hits`: the
+  // store's answer (nullptr: none), which may extend the match into the shared tier.
+  Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input, std::optional<std::uint64_t> lora_id,
+          std::optional<std::uint64_t> salt_id, std::int64_t prio, bool digests, const SharedHits* hits);
+  // A fork's child, set up by the parent's fork() (DECISIONS.md "Forks").
+  Request(BlockPool& pool, std::int64_t serial_no) noexcept : pool_(pool) { serial = serial_no; }
+
+  // ---------------------------------------------------------------- state (read-only)
+  const RequestState& state() const noexcept { return *this; }
 
   // ---------------------------------------------------------------- operations
   // InvalidStateErr unless the request is in `s` (what: the call's name, for the message).
@@ -106,19 +119,12 @@ class Request {
   std::int64_t page_at(std::int64_t lc, std::int64_t i) const;
   std::vector<Page*> used_pages();
   std::vector<Page*> cow_sources();
-  void ensure_room(std::int64_t tier, std::int64_t lc);
   Page* alloc_private(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal);
   void copy_on_write();
-  Digest key_for(std::int64_t i, std::span<const Tok> block);
-  NodeId parent_for(std::int64_t i);
-  void switch_block(std::int64_t j, NodeId orphan, NodeId existing);
-  void install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::int64_t>& gained);
-  void attach(NodeId parent, NodeId nid);
-  // defer_prune: more blocks of this commit follow (see request.cpp)
+  KeyHint key_hint(std::int64_t i, std::span<const Tok> block) const;
+  // defer_prune: more blocks of this commit follow (BlockPool::insert_block)
   void insert_block(std::int64_t i, std::span<const Tok> block, bool want_snapshot, bool defer_prune = false);
   void set_block(std::int64_t i, NodeId nid);
-  std::vector<NodeId> insert_shared_blocks(std::span<const Tok> query, std::span<const Digest> query_keys,
-                                           std::int64_t m, const RequestMatch& match);
   // forks: the partial block's pages, those of them shared, and their copy
   void init_fork(const Request& parent);
   TailPages tail_pages() const;

@@ -13,7 +13,8 @@ observable.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvcm.api import (
@@ -32,6 +33,7 @@ from kvcm.api import (
 )
 from kvcm.checks import NOTHING_TO_SETTLE, not_in_oldest_drain_error, not_issued_error, quota_refused_error
 from kvcm.config import LifeCycle, resolve_config
+from kvcm.keys import block_key
 from kvcm.python_backend.pools import DROPPABLE, NO_NODE, Page, Pool
 from kvcm.python_backend.tree import NO_PAGE, RadixTree
 
@@ -42,8 +44,78 @@ _LC_COUNTERS = ("reused_blocks", "missed_blocks", "reused_tokens", "allocated_bl
 # the counters a move counts, by reason
 _MOVE_COUNTERS = {"offload": ("offloads", "offload_bytes"), "onboard": ("onboards", "onboard_bytes")}
 
-# what can_allocate may override of the gpu pool's counters: (free, held, droppable)
-Adjust = tuple[int, int, int]
+# the counter each copy op between pages counts (BlockPool.copy)
+_COPY_COUNTERS = {"cow": "cows", "snapshot": "snapshots_taken"}
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The facts of the configuration a request's operations read (SPEC sec. 1, 2): they
+    never change, so a request reads them as one value (C++ twin: ``Layout`` in block_pool.h)."""
+
+    B: int  # tokens per block
+    lcs: tuple[LifeCycle, ...]
+    attn_lcs: tuple[int, ...]  # the attention life cycles, ascending
+    ssm_lc: int | None  # the ssm life cycle (at most one)
+    # no windowed attention: no block ever becomes stale (the decode step's shortcut)
+    full_attention_only: bool
+    partial_reuse: bool  # enable_partial_reuse
+    max_util_for_resume: float
+
+    def stale_range(self, lc: int, history: int) -> tuple[int, int]:
+        """SPEC sec. 2: the block ordinals ``[lo, hi)`` of ``lc`` stale at ``history``."""
+        return self.lcs[lc].stale_range(history, self.B)
+
+
+class Budget(NamedTuple):
+    """The gpu pool of one life cycle as a request's feasibility checks read it (SPEC sec.
+    8, DECISIONS.md "All-or-nothing resume / resize"; ``BlockPool.budget``)."""
+
+    total: int  # slots
+    free: int
+    locked: int
+    held: int
+    droppable: int
+    colder: int  # what the colder tiers could take of its HELD pages (0: no colder tier)
+
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` new pages fit after eviction: free slots, DROPPABLE pages, and HELD
+        pages a colder tier can take."""
+        return self.free + self.droppable + min(self.held, self.colder) >= n
+
+
+class HeldMatch(NamedTuple):
+    """What a request holds after ``BlockPool.hold_match``: the match length, the blocks it
+    references (ordinal order), its pages per attention lc (None: stale) and the ssm
+    snapshot at the match end."""
+
+    m: int
+    blocks: list[int]
+    pages: dict[int, list[Page | None]]
+    snap: Page | None
+
+
+class Chain(NamedTuple):
+    """What ``BlockPool.insert_block`` reads of the request whose block it inserts (it
+    changes none of it: the request applies the result, ``Inserted``)."""
+
+    root: int  # its scope's root
+    blocks: list[int]  # the tree block it references per ordinal (NO_NODE: none)
+    pages: dict[int, list[Page | None]]  # its page table per attention lc
+    live: Page | None  # its live ssm state
+    priority: int
+    active: bool  # ACTIVE (its pages LOCKED), else SUSPENDED (HELD)
+
+
+class Inserted(NamedTuple):
+    """``BlockPool.insert_block``'s result for the request: the block it now references for
+    the inserted ordinal, the ordinals of its orphaned chain that re-attachment moved to
+    an equivalent block (ordinal -> block), and its pages the insertion replaced by the
+    tree's (lc, page) at the inserted ordinal."""
+
+    node: int
+    switched: dict[int, int]
+    replaced: list[tuple[int, Page]]
 
 
 class RequestMatch(NamedTuple):
@@ -95,6 +167,9 @@ class BlockPool:
         # no windowed attention: no block ever becomes stale (the decode step's fast paths)
         self.full_attention_only = all(lc.window is None for lc in self.lcs if lc.kind == "attn")
         self.ssm_lc: int | None = rc.ssm_lc
+        # what a request reads of the configuration (the same values, one immutable record)
+        self.layout = Layout(self.B, self.lcs, tuple(self.attn_lcs), self.ssm_lc, self.full_attention_only,
+                             config.enable_partial_reuse, config.max_util_for_resume)
         self.num_tiers = len(rc.tier_kinds)
         # pools are indexed by config position; copy ops, events, stats and snapshots
         # report SPEC's tier number by kind (gpu 0, host 1, disk 2): tier_ids maps at that boundary
@@ -210,6 +285,297 @@ class BlockPool:
             out.append(tier)
         return tuple(out)
 
+    # ------------------------------------------------------------------ a request's references
+
+    def open_scope(self, root_key: bytes) -> int:
+        """SPEC sec. 15: the root of the scope ``root_key``, made on first use, with one more
+        reference (each open request holds one, a fork its own)."""
+        root = self.tree.root(root_key)
+        self.tree.ref(root)
+        return root
+
+    def hold_match(self, root: int, tokens: Sequence[Token], keys: list[bytes],
+                   hits: set[tuple[bytes, int]] | None, priority: int) -> HeldMatch:
+        """SPEC sec. 6, 7 create: the match a request created now takes (``match_with_hits``,
+        what probes report), held as a SUSPENDED request holds it: its blocks referenced,
+        the pages of its blocks not stale at the match end and the ssm snapshot there used
+        (HELD, LRU touched, ``priority`` raised).  With the store's ``hits`` the match may
+        extend into the shared tier: its blocks enter the tree here (DECISIONS.md "The
+        shared tier")."""
+        m, _mbs, path, rows = self.match_with_hits(root, tokens, keys, hits)
+        if rows is not None:
+            path = self._insert_shared_blocks(root, tokens, keys, m, path, rows, priority)
+        tree = self.tree
+        for nid in path:
+            tree.ref(nid)
+        pages: dict[int, list[Page | None]] = {lc: [None] * len(path) for lc in self.attn_lcs}
+        for lc in self.attn_lcs:
+            lo, hi = self.lcs[lc].stale_range(m, self.B)
+            row = pages[lc]
+            for j, nid in enumerate(path):
+                if lo <= j < hi:
+                    continue
+                page = self.pages[tree.page(nid, lc)]
+                self.use(page, False, priority)
+                row[j] = page
+        snap = None
+        if self.ssm_lc is not None and m > 0:
+            snap = self.pages[tree.page(path[-1], self.ssm_lc)]
+            self.use(snap, False, priority)
+        return HeldMatch(m, list(path), pages, snap)
+
+    def _insert_shared_blocks(self, root: int, tokens: Sequence[Token], keys: list[bytes], m: int,
+                              tree_path: list[int], rows: list[list[int]], priority: int) -> list[int]:
+        """DECISIONS.md "The shared tier": the extension's blocks below ``ceil(m / B)`` enter
+        the tree at once, with a shared page (tier 3, slot -1) for exactly the pages a
+        request created with the match holds: attention pages of blocks non-stale at ``m``,
+        and the ssm snapshot of the block ``m`` ends in.  Returns the match path (tree path
+        + new blocks)."""
+        tree = self.tree
+        B = self.B
+        nb = -(-m // B)
+        path = list(tree_path[:nb])
+        parent = path[-1] if path else root
+        for i in range(len(tree_path), nb):
+            row = rows[i - len(tree_path)]
+            nid = tree.new_block(keys[i], tokens[i * B:(i + 1) * B], i)
+            for lc, life in enumerate(self.lcs):
+                if life.kind == "ssm":
+                    held = i == nb - 1
+                else:
+                    lo, hi = life.stale_range(m, B)
+                    held = not lo <= i < hi
+                if not held:
+                    continue
+                assert row[lc] == B, "kvcm bug: the fixed point kept a block without its page"
+                page = self.new_shared_page(lc, priority, i)
+                tree.set_page(nid, lc, page.serial, B)
+                self.restate(page, node=nid)  # (a shared page is in no pool: the field alone)
+            self.attach(parent, nid)
+            path.append(nid)
+            parent = nid
+        return path
+
+    def hold(self, blocks: Iterable[int], pages: dict[int, list[Page | None]], priority: int) -> None:
+        """SPEC sec. 18 fork: a new ACTIVE request takes its own references of ``blocks``
+        (NO_NODE skipped) and uses ``pages`` (per attention lc; None skipped), LOCKED."""
+        tree = self.tree
+        for nid in blocks:
+            if nid != NO_NODE:
+                tree.ref(nid)
+        for lc in self.attn_lcs:
+            for p in pages[lc]:
+                if p is not None:
+                    self.use(p, True, priority)
+
+    # ------------------------------------------------------------------ tree insertion (sec. 5)
+
+    def insert_block(self, chain: Chain, i: int, tokens: Sequence[Token], key_hint: tuple[bytes | None, bytes] | None,
+                     want_snapshot: bool, defer_prune: bool = False) -> Inserted:
+        """SPEC sec. 5, 7: block ``i`` of a request's ``chain`` (full, or its partial tail)
+        into the tree, under the block ``i - 1`` of the chain (its orphaned blocks
+        re-attached first, ``parent_for``): a new block adopting the request's pages, or
+        the existing equivalent one, which takes the request's pages where they cover more
+        (and the request the tree's gpu page where the tree's covers as much).  With
+        ``want_snapshot``, the request's live ssm state is copied into a snapshot page first
+        when the block has none covering as much.  ``key_hint``: the key hashed at create
+        for these tokens, with the parent key it was chained from (None: the scope's root).
+
+        ``defer_prune``: more blocks of this commit follow.  A new block without a page
+        stays detached, and pruning its parent chain now would only have the next block
+        re-attach the whole chain again (quadratic in the blocks of one pure-ssm commit):
+        the chain stays attached until the commit's last block, whose insertion prunes (or
+        keeps) it exactly as it would have been (DECISIONS.md)."""
+        tree = self.tree
+        ntok = len(tokens)
+        key = self._key_for(chain, i, tokens, key_hint)
+        switched: dict[int, int] = {}
+        parent = self._parent_for(chain, i, switched)
+        existing = tree.find_existing(parent, key, tokens)
+        snap: Page | None = None
+        ssm = self.ssm_lc
+        # shared_write="commit": a full-coverage page of a full block that becomes a tree
+        # page here is written to the shared tier (DECISIONS.md "The shared tier")
+        store = self.store_on_commit and ntok == self.B
+        if want_snapshot and (existing == NO_NODE or tree.coverage(existing, ssm) < ntok):
+            live = chain.live
+            if live is None or live.tier != GPU or not self.make_room(GPU, ssm):
+                self.count(ssm, "snapshots_skipped")
+            else:
+                snap = self.new_page(GPU, ssm, ntok, chain.priority, i)
+                self.copy(ssm, live, snap, "snapshot")
+                if store:
+                    self.store(snap, key)
+                # eviction may have pruned this request's chain or the existing block
+                parent = self._parent_for(chain, i, switched)
+                existing = tree.find_existing(parent, key, tokens)
+        old = chain.blocks[i] if i < len(chain.blocks) else NO_NODE  # (an ordinal it referenced before)
+        if existing == NO_NODE:
+            nid = tree.new_block(key, tokens, i)
+            for lc in self.attn_lcs:
+                pages = chain.pages[lc]
+                p = pages[i] if i < len(pages) else None
+                if p is not None:
+                    if p.node != NO_NODE:
+                        # forks: a shared partial page another user's stop_committing put
+                        # into a block that was detached since (so not found): it moves here
+                        # (DECISIONS.md "Forks", the tail block of a stop)
+                        self.unlink_from_node(p)
+                    p.coverage = ntok
+                    tree.set_page(nid, lc, p.serial, ntok)
+                    p.node = nid  # a used page: its state does not depend on the node
+                    if store:
+                        self.store(p, key)
+            if snap is not None:
+                tree.set_page(nid, ssm, snap.serial, ntok)
+                self.restate(snap, node=nid)
+            self._move_reference(old, nid)
+            if tree.nodes[nid].has_page():
+                self.attach(parent, nid)
+            elif not defer_prune:
+                tree.prune_upward(parent)  # a re-attached chain must not stay childless
+            return Inserted(nid, switched, [])
+        gained: list[int] = []
+        replaced: list[tuple[int, Page]] = []
+        active = chain.active
+        for lc in self.attn_lcs:
+            pages = chain.pages[lc]
+            p = pages[i] if i < len(pages) else None
+            if p is None:
+                continue
+            p.coverage = ntok
+            q_handle = tree.page(existing, lc)
+            if q_handle == NO_PAGE or tree.coverage(existing, lc) < ntok:
+                self._install(existing, lc, p, gained)
+                if store:
+                    self.store(p, key)
+            else:
+                q = self.pages[q_handle]
+                if q.tier == GPU:  # the request switches to the tree's page; its index changes
+                    self.use(q, active, chain.priority)
+                    replaced.append((lc, q))
+                    self.unuse(p, active)
+                # else: the request keeps its page privately (freed at close)
+        if snap is not None:
+            self._install(existing, ssm, snap, gained)
+        self._move_reference(old, existing)
+        self.emit_stored(existing, gained)
+        return Inserted(existing, switched, replaced)
+
+    def _move_reference(self, old: int, new: int) -> None:
+        """A request's ordinal now references ``new`` instead of ``old`` (NO_NODE: none):
+        ``new`` is referenced first, so a block referenced by both never dies in between."""
+        self.tree.ref(new)
+        if old != NO_NODE:
+            self.tree.unref(old)
+
+    def _key_for(self, chain: Chain, i: int, tokens: Sequence[Token], hint: tuple[bytes | None, bytes] | None,
+                 ) -> bytes:
+        """SPEC sec. 3: the key of block ``i`` of ``chain`` holding ``tokens``: the hash
+        done at create (``hint``) when it was chained from the same parent key."""
+        parent = self.tree.key(chain.blocks[i - 1] if i > 0 else chain.root)
+        if hint is not None and (i == 0 or hint[0] == parent):
+            return hint[1]
+        return block_key(parent, tokens)
+
+    def _parent_for(self, chain: Chain, i: int, switched: dict[int, int]) -> int:
+        """SPEC sec. 5: the attached node to insert block ``i`` of ``chain`` under,
+        re-attaching the chain's orphaned blocks first (the bug this project exists to
+        get right).  An orphan with an equivalent attached block is switched to it
+        (``switched``: ordinal -> block, read before ``chain.blocks``)."""
+        if i == 0:
+            return chain.root
+        tree = self.tree
+        blocks = chain.blocks
+        prev = switched.get(i - 1, blocks[i - 1])
+        if tree.is_attached(prev):
+            return prev
+        k = i - 1
+        while k >= 0 and not tree.is_attached(switched.get(k, blocks[k])):
+            k -= 1
+        parent = chain.root if k < 0 else switched.get(k, blocks[k])
+        for j in range(k + 1, i):
+            orphan = switched.get(j, blocks[j])
+            node = tree.nodes[orphan]
+            existing = tree.find_existing(parent, node.key, node.tokens)
+            if existing != NO_NODE:
+                self._switch_block(chain, j, orphan, existing, switched)
+            else:
+                self.attach(parent, orphan)
+            parent = switched.get(j, blocks[j])
+        return parent
+
+    def _switch_block(self, chain: Chain, j: int, orphan: int, existing: int, switched: dict[int, int]) -> None:
+        """SPEC sec. 5 re-attachment: another request inserted a block equivalent to the
+        chain's orphan ``j`` meanwhile: the chain uses it, its pages moving into it where
+        they cover more."""
+        tree = self.tree
+        gained: list[int] = []
+        for lc in self.attn_lcs:
+            pages = chain.pages[lc]
+            p = pages[j] if j < len(pages) else None
+            if p is None or p.node != orphan or tree.coverage(existing, lc) >= p.coverage:
+                continue
+            self._install(existing, lc, p, gained)
+        tree.ref(existing)
+        switched[j] = existing
+        tree.unref(orphan)
+        self.emit_stored(existing, gained)
+
+    def _install(self, nid: int, lc: int, p: Page, gained: list[int]) -> None:
+        """SPEC sec. 5: make ``p`` the page of block ``nid`` for ``lc`` (a slot keeps only the
+        page with the largest coverage).  ``lc`` joins ``gained`` (the caller's ``stored``);
+        a replaced page is first announced ``removed`` (DECISIONS.md "Tree and events")."""
+        tree = self.tree
+        if p.node != NO_NODE:  # moving from an orphan block
+            old_node = p.node
+            p.node = NO_NODE
+            tree.set_page(old_node, lc, NO_PAGE, 0)
+        old = tree.set_page(nid, lc, p.serial, p.coverage)
+        if p.locks or p.holds:
+            p.node = nid  # a used page: its state does not depend on the node
+        else:
+            self.restate(p, node=nid)
+        if old == NO_PAGE:
+            gained.append(lc)
+            return
+        q = self.pages[old]
+        self.restate(q, node=NO_NODE)
+        self.emit_removed(tree.key(nid), lc)  # a coverage upgrade: removed now, stored by the caller
+        gained.append(lc)
+        if q.locks == 0 and q.holds == 0:
+            self.free_page(q)
+
+    def attach(self, parent: int, nid: int) -> None:
+        """SPEC sec. 5 attach: link block ``nid`` under ``parent`` and announce it: ``removed`` for every lc the
+        detached partial siblings had (adopted pages included), then ``stored``."""
+        tree = self.tree
+        siblings = tree.attach(parent, nid)
+        node = tree.nodes[nid]
+        if not siblings:  # the common case: nothing detached, nothing swapped, only ``stored``
+            self.emit_stored(nid, [lc for lc, h in enumerate(node.pages) if h != NO_PAGE])
+            return
+        had: dict[int, set[int]] = {sid: set() for sid in siblings}
+        for sid in siblings:  # page.node still names the owner from before the swap
+            for lc, h in enumerate(tree.nodes[sid].pages):
+                if h != NO_PAGE and self.pages[h].node == sid:
+                    had[sid].add(lc)
+        for lc, h in enumerate(node.pages):
+            if h != NO_PAGE and self.pages[h].node in had:
+                had[self.pages[h].node].add(lc)
+        for sid in siblings:
+            for lc in sorted(had[sid]):
+                self.emit_removed(tree.nodes[sid].key, lc)
+        for lc in range(len(self.lcs)):
+            if node.pages[lc] != NO_PAGE:
+                self.pages[node.pages[lc]].node = nid
+            for sid in siblings:
+                h = tree.nodes[sid].pages[lc]
+                if h != NO_PAGE:
+                    self.pages[h].node = sid
+        self.retire_nodes(siblings, announce=False)
+        self.emit_stored(nid, [lc for lc in range(len(self.lcs)) if node.pages[lc] != NO_PAGE])
+
     # --- pages and their users.  Every change of a page's state goes through restate so the
     # pool counters and eviction index never disagree with the derived state (sec. 4).
 
@@ -282,11 +648,34 @@ class BlockPool:
             self.free_page(page)
 
     def set_active(self, page: Page, active: bool) -> None:
-        """SPEC sec. 7 suspend/resume: LOCKED <-> HELD without touching LRU."""
+        """SPEC sec. 7 resume / suspend: HELD -> LOCKED / LOCKED -> HELD without touching
+        LRU.  A page resumed on a colder tier is onboarded first (resume's check promised
+        the room)."""
         if active:
+            if page.tier != GPU:
+                self.ensure_room(GPU, page.lc)
+                self.move(page, GPU, "onboard")
             self.restate(page, locks=page.locks + 1, holds=page.holds - 1)
         else:
             self.restate(page, locks=page.locks - 1, holds=page.holds + 1)
+
+    def alloc(self, lc: int, coverage: int, ordinal: int, priority: int, active: bool) -> Page:
+        """SPEC sec. 4, 7: a new gpu page private to one request, used in its state (LOCKED
+        when it is ACTIVE, else HELD); room is made first (the caller's check promised it)."""
+        self.ensure_room(GPU, lc)
+        page = self.new_page(GPU, lc, coverage, priority, ordinal)
+        self.use(page, active, priority)
+        return page
+
+    def set_coverage(self, page: Page, coverage: int) -> None:
+        """SPEC sec. 7 commit: the tokens a request wrote into its private ``page`` (no part
+        of the page's state or eviction key)."""
+        page.coverage = coverage
+
+    def unref(self, node: int) -> None:
+        """A request stops referencing tree block ``node`` (or its scope root): a detached
+        block, or an unused root, goes with its last reference (sec. 5, 15)."""
+        self.tree.unref(node)
 
     def free_page(self, page: Page) -> None:
         """Its slot back to the pool (SPEC sec. 4: the lowest free slot is handed out next)."""
@@ -301,20 +690,37 @@ class BlockPool:
 
     # --- eviction (sec. 8)
 
-    def can_allocate(self, tier: int, lc: int, n: int, adjust: Adjust | None = None) -> bool:
-        """Whether ``n`` pages fit into pool (tier, lc) after eviction, without changing
-        anything.  ``adjust`` overrides the gpu pool's (free, held, droppable) counters.
-        SPEC sec. 8: what eviction could free, HELD pages only where a colder tier takes them."""
-        return self._capacity_of(tier, lc, adjust) >= n
-
-    def _capacity_of(self, tier: int, lc: int, adjust: Adjust | None) -> int:
-        pool = self.pools[tier][lc]
+    def budget(self, lc: int, releasing: Iterable[Page] = ()) -> Budget:
+        """SPEC sec. 8, the gpu pool of ``lc`` as a feasibility check reads it (changing
+        nothing; ``Budget.fits``: what eviction could free, HELD pages only where a colder
+        tier takes them).  ``releasing``: pages about to lose one ACTIVE user (a resize's
+        releases), counted in the state they will be in."""
+        pool = self.pools[GPU][lc]
         free, held, droppable = pool.nfree, pool.held, pool.droppable
-        if adjust is not None and tier == GPU:
-            free, held, droppable = adjust
+        for p in releasing:
+            if p.lc != lc or p.locks != 1:
+                continue
+            if p.node == NO_NODE or not self.tree.is_attached(p.node):  # freed, or kept by a SUSPENDED user
+                free += 1 if p.holds == 0 else 0
+                held += 1 if p.holds else 0
+            elif p.holds:
+                held += 1
+            else:
+                droppable += 1
+        colder = self._capacity_of(GPU + 1, lc) if self.num_tiers > 1 else 0
+        return Budget(pool.total, free, pool.locked, held, droppable, colder)
+
+    def _capacity_of(self, tier: int, lc: int) -> int:
+        """The pages pool (tier, lc) could take after eviction (``Budget.fits``'s rule)."""
+        pool = self.pools[tier][lc]
         if tier == self.num_tiers - 1:
-            return free + droppable
-        return free + droppable + min(held, self._capacity_of(tier + 1, lc, None))
+            return pool.nfree + pool.droppable
+        return pool.nfree + pool.droppable + min(pool.held, self._capacity_of(tier + 1, lc))
+
+    def ensure_room(self, tier: int, lc: int) -> None:
+        """``make_room`` where a feasibility check already promised the slot."""
+        if not self.make_room(tier, lc):
+            raise AssertionError("kvcm bug: a feasibility check passed but eviction found no slot")
 
     def make_room(self, tier: int, lc: int) -> bool:
         """SPEC sec. 8: ensure pool (tier, lc) has a free slot, evicting one victim if needed:
@@ -454,7 +860,7 @@ class BlockPool:
         stay could not fit; every pool is checked before any changes."""
         for lc, n in enumerate(per_lc):
             pool = self.pools[pos][lc]
-            movable = min(pool.held, self._capacity_of(pos + 1, lc, None)) if pos < self.num_tiers - 1 else 0
+            movable = min(pool.held, self._capacity_of(pos + 1, lc)) if pos < self.num_tiers - 1 else 0
             need = pool.total - pool.nfree - pool.droppable - movable
             if n < need:
                 raise quota_refused_error(self.rc.tier_kinds[pos], q, lc, n, need, pool.locked, pool.held - movable)
@@ -509,8 +915,10 @@ class BlockPool:
     # --- copy ops
 
     def copy(self, lc: int, src: Page, dst: Page, reason: str) -> None:
+        """SPEC sec. 7, 8: a copy op from ``src`` to ``dst`` (``cow`` or ``snapshot``), counted."""
         tid = self.tier_ids
         self.add_copy_op(CopyOp(lc, tid[src.tier], src.slot, tid[dst.tier], dst.slot, reason), dst.serial)
+        self.count(lc, _COPY_COUNTERS[reason])
 
     def add_copy_op(self, op: CopyOp, fills: int) -> None:
         """SPEC sec. 8 copy ops (``fills``: the serial of the page the op fills, -1: none),
@@ -712,9 +1120,3 @@ class BlockPool:
             "events_dropped": self.events_dropped,
             "pending_copy_ops": len(self.copy_ops),
         }
-
-    # ------------------------------------------------------------------ what a request needs
-
-    def stale_range(self, lc: int, history: int) -> tuple[int, int]:
-        """SPEC sec. 2: the block ordinals ``[lo, hi)`` of ``lc`` stale at ``history``."""
-        return self.lcs[lc].stale_range(history, self.B)

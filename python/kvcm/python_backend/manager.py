@@ -91,6 +91,7 @@ class PyKVCacheManager(KVCacheManager):
         serial, cache_id = self.new_request(cache_id)
         cache = Request(self.pool, self, serial, cache_id, tokens, packed, scope, prio,
                         None if hits is None else set(hits))
+        self.pool.record_match(len(tokens), cache.num_reused_tokens)  # (hit-rate stats: creates only)
         self.register(cache)
         return cache
 

@@ -1,0 +1,352 @@
+"""The seam between a request and the block pool, measured (issue 30 item 1).
+
+A request's operations reach shared state only through ``BlockPool`` methods; this module
+counts how wide that surface is, in both wings, and holds it narrow:
+
+* the distinct ``BlockPool`` members ``request.py``'s ``Request`` uses (``self.pool.x``,
+  ``pool.x`` after ``pool = self.pool`` or of a parameter ``pool``), and the members of the tree it reaches through
+  ``pool.tree`` (``pool.tree.y``, ``tree.y`` after ``tree = pool.tree``);
+* the same for the C++ ``Request`` (``pool_.x``, ``pool_.tree().y``) and the number of
+  ``pool_.tree()`` calls in ``request.{h,cpp}``;
+* writes of a ``Page`` field outside the pool (python: an assignment to ``x.f`` where ``f``
+  is one of ``Page.__slots__`` and ``x`` is not ``self``, in every ``python_backend``
+  module but ``block_pool.py`` / ``pools.py`` and ``tree.py`` (whose nodes have fields of
+  the same names and which never sees a page); C++: ``x.f =`` / ``x->f =`` (and ``++`` /
+  ``--``, ``+=`` / ``-=``) on a variable declared ``Page*`` / ``Page&`` or on
+  ``pool_.page(...)``, where ``f`` is a field of ``struct Page``, in every ``cpp/core``
+  file but ``block_pool.*`` / ``pools.*``, counted with and without the writes inside a
+  lambda handed to ``restate``);
+* the C++ ``Request``'s public data members, and the ``Request`` fields
+  ``Manager::create`` assigns (``r.f = ...``).
+
+The counting functions take a checkout's root, so the figures of the start commit and of
+this one come from the same code (``counts(root)``; DECISIONS.md "The Python wing is the
+executable specification").
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The narrow seam's bounds (issue 30 item 1).  Before: python 43 members (30 of the pool,
+# 13 of its tree), 9 page-field writes outside the pool; C++ 51 members (35 + 16 of the
+# tree), 52 ``pool_.tree()`` calls, 13 page-field writes, 20 public fields, 10 of them
+# filled by ``Manager::create``.
+MAX_REQUEST_POOL_MEMBERS = 15
+# C++ also reaches the token interning (digest references, codes) and the decode step's
+# scratch buffers, which python does not have
+MAX_CPP_REQUEST_POOL_MEMBERS = 26
+# the tree members the C++ Request may use through the (const) tree: reads only
+CPP_TREE_READS = {"digest", "prefetch_child"}
+
+
+# ---------------------------------------------------------------------------------- python
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise AssertionError(f"no class {name}")
+
+
+def _is_pool(node: ast.AST, pool_names: set[str]) -> bool:
+    """``node`` is the block pool: ``<x>.pool`` or a local bound to one."""
+    if isinstance(node, ast.Attribute) and node.attr == "pool":
+        return True
+    return isinstance(node, ast.Name) and node.id in pool_names
+
+
+def _is_tree(node: ast.AST, pool_names: set[str], tree_names: set[str]) -> bool:
+    """``node`` is the pool's tree: ``<pool>.tree`` or a local bound to one."""
+    if isinstance(node, ast.Attribute) and node.attr == "tree" and _is_pool(node.value, pool_names):
+        return True
+    return isinstance(node, ast.Name) and node.id in tree_names
+
+
+def python_request_members(root: Path = ROOT) -> tuple[set[str], set[str]]:
+    """(the BlockPool members ``Request`` uses, the tree members it reaches through the
+    pool's ``tree``), by name, over every method of the class."""
+    mod = ast.parse((root / "python/kvcm/python_backend/request.py").read_text())
+    cls = _class(mod, "Request")
+    pool_members: set[str] = set()
+    tree_members: set[str] = set()
+    for fn in ast.walk(cls):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        # a parameter holding the pool (``__init__(self, pool: BlockPool, ...)``)
+        pool_names = {a.arg for a in fn.args.args + fn.args.kwonlyargs
+                      if a.arg == "pool" or (a.annotation is not None and "BlockPool" in ast.unparse(a.annotation))}
+        tree_names: set[str] = set()
+        # the locals bound to the pool or its tree (``pool = self.pool``, ``tree = pool.tree``)
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                if _is_pool(node.value, pool_names):
+                    pool_names.add(node.targets[0].id)
+                elif _is_tree(node.value, pool_names, tree_names):
+                    tree_names.add(node.targets[0].id)
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Attribute):
+                continue
+            if _is_tree(node.value, pool_names, tree_names):
+                tree_members.add(node.attr)
+            elif _is_pool(node.value, pool_names):
+                pool_members.add(node.attr)
+    return pool_members, tree_members
+
+
+def _page_fields_py(root: Path) -> set[str]:
+    mod = ast.parse((root / "python/kvcm/python_backend/pools.py").read_text())
+    for node in _class(mod, "Page").body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    raise AssertionError("Page has no __slots__")
+
+
+def _targets(node: ast.AST) -> list[ast.AST]:
+    if isinstance(node, ast.Assign):
+        out = []
+        for t in node.targets:
+            out.extend(t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])
+        return out
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return [node.target]
+    return []
+
+
+def python_page_writes(root: Path = ROOT) -> list[str]:
+    """``file:line attr`` of every write of a Page field outside the pool's modules."""
+    fields = _page_fields_py(root)
+    out = []
+    for path in sorted((root / "python/kvcm/python_backend").glob("*.py")):
+        if path.name in {"block_pool.py", "pools.py", "tree.py"}:  # (the tree's Node has fields of those names)
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            for t in _targets(node):
+                if (isinstance(t, ast.Attribute) and t.attr in fields
+                        and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                    out.append(f"{path.name}:{t.lineno} {t.attr}")
+    return out
+
+
+# ---------------------------------------------------------------------------------- C++
+
+
+def _cpp_request_text(root: Path) -> str:
+    core = root / "cpp/core"
+    return (core / "request.h").read_text() + "\n" + (core / "request.cpp").read_text()
+
+
+def cpp_request_members(root: Path = ROOT) -> tuple[set[str], set[str], int]:
+    """(the BlockPool members the C++ Request uses, the tree members it reaches through
+    ``pool_.tree()``, the number of ``pool_.tree()`` calls) in request.{h,cpp}."""
+    text = _strip_comments(_cpp_request_text(root))
+    pool_members = set(re.findall(r"\bpool_\s*\.\s*(\w+)", text))
+    tree_members = set(re.findall(r"\bpool_\s*\.\s*tree\s*\(\s*\)\s*\.\s*(\w+)", text))
+    calls = len(re.findall(r"\bpool_\s*\.\s*tree\s*\(\s*\)", text))
+    return pool_members, tree_members, calls
+
+
+def _strip_comments(text: str) -> str:
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _struct_fields(text: str, name: str) -> set[str]:
+    """The data members of ``struct name { ... };`` (one declaration per line)."""
+    m = re.search(r"\bstruct\s+" + name + r"\s*\{", text)
+    assert m, f"no struct {name}"
+    depth, i = 1, m.end()
+    body_start = i
+    while depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    body = _strip_comments(text[body_start:i - 1])
+    fields: set[str] = set()
+    for line in body.splitlines():
+        line = line.strip()
+        if not line.endswith(";") or "(" in line or line.startswith(("static", "using", "return", "}")):
+            continue
+        fields |= _declared_names(line[:-1])
+    return fields
+
+
+def _declared_names(decl: str) -> set[str]:
+    """The names one declaration (``T a = 1, b = 2``, ``std::optional<X> c, d``) declares."""
+    while True:
+        stripped = re.sub(r"<[^<>]*>", "", decl)  # template arguments (their commas are not the declaration's)
+        if stripped == decl:
+            break
+        decl = stripped
+    out = set()
+    for part in decl.split(","):
+        words = re.findall(r"\w+", part.split("=")[0].split("{")[0])
+        if words:
+            out.add(words[-1])
+    return out
+
+
+_PAGE_VAR = re.compile(r"\bPage\s*[*&]\s*(\w+)|\bPage\s+[*&](\w+)")
+
+
+def cpp_page_writes(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """(every write of a Page field outside the pool's files, those of them inside a lambda
+    handed to ``restate``) as ``file:line field``."""
+    core = root / "cpp/core"
+    fields = _struct_fields((core / "pools.h").read_text(), "Page")
+    field_alt = "|".join(sorted(fields))
+    out: list[str] = []
+    in_restate: list[str] = []
+    for path in sorted(core.glob("*.[hc]*")):
+        if path.stem in {"block_pool", "pools"}:
+            continue
+        text = _strip_comments(path.read_text())
+        names = {a or b for a, b in _PAGE_VAR.findall(text)}
+        obj = r"(?:\b(?:" + "|".join(sorted(names)) + r")\b|\bpool_\s*\.\s*page\s*\([^;]*?\))" if names else \
+            r"\bpool_\s*\.\s*page\s*\([^;]*?\)"
+        write = re.compile(obj + r"\s*(?:->|\.)\s*(" + field_alt + r")\b\s*(?:=(?!=)|\+=|-=|\+\+|--)"
+                           r"|(?:\+\+|--)\s*" + obj + r"\s*(?:->|\.)\s*(" + field_alt + r")\b")
+        restates = [(m.start(), _lambda_end(text, m.end())) for m in re.finditer(r"\brestate\s*\(", text)]
+        for m in write.finditer(text):
+            line = text.count("\n", 0, m.start()) + 1
+            entry = f"{path.name}:{line} {m[1] or m[2]}"
+            out.append(entry)
+            if any(a <= m.start() < b for a, b in restates):
+                in_restate.append(entry)
+    return out, in_restate
+
+
+def _lambda_end(text: str, i: int) -> int:
+    """The end of the call whose argument list starts at ``i`` (just after its ``(``)."""
+    depth = 1
+    while depth and i < len(text):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        i += 1
+    return i
+
+
+def _class_body(text: str, name: str) -> str:
+    m = re.search(r"\bclass\s+" + name + r"\s*(?:final\s*)?(?::[^{;]*)?\{", text)
+    assert m, f"no class {name}"
+    depth, i = 1, m.end()
+    while depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return text[m.end():i - 1]
+
+
+def cpp_request_public_fields(root: Path = ROOT) -> set[str]:
+    """The data members declared in the public part(s) of ``class Request`` (request.h)."""
+    body = _strip_comments(_class_body((root / "cpp/core/request.h").read_text(), "Request"))
+    out: set[str] = set()
+    access = "private"
+    depth = 0
+    for line in body.splitlines():
+        s = line.strip()
+        m = re.match(r"(public|private|protected)\s*:", s)
+        if m and depth == 0:
+            access = m[1]
+            continue
+        if depth == 0 and access == "public" and s.endswith(";") and "(" not in s and ")" not in s and not s.startswith(
+                ("using", "friend", "static", "enum", "struct", "class", "}")):
+            out |= _declared_names(s[:-1])
+        depth += s.count("{") - s.count("}")
+    return out
+
+
+def cpp_create_request_writes(root: Path = ROOT) -> set[str]:
+    """The Request fields ``Manager::create`` assigns (``r.f = ...``)."""
+    text = _strip_comments((root / "cpp/core/manager.cpp").read_text())
+    m = re.search(r"\bManager::create\s*\(", text)
+    assert m, "no Manager::create"
+    start = text.index("{", m.end())
+    depth, i = 1, start + 1
+    while depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return set(re.findall(r"\br\s*\.\s*(\w+)\s*=(?!=)", text[start:i]))
+
+
+def counts(root: Path = ROOT) -> dict:
+    """Every figure of this module for the checkout at ``root``."""
+    py_pool, py_tree = python_request_members(root)
+    cpp_pool, cpp_tree, tree_calls = cpp_request_members(root)
+    cpp_writes, cpp_in_restate = cpp_page_writes(root)
+    return {
+        "python_request_pool_members": sorted(py_pool),
+        "python_request_tree_members": sorted(py_tree),
+        "python_request_members_total": len(py_pool - {"tree"}) + len(py_tree),
+        "python_page_writes_outside_pool": python_page_writes(root),
+        "cpp_request_pool_members": sorted(cpp_pool),
+        "cpp_request_tree_members": sorted(cpp_tree),
+        "cpp_request_members_total": len(cpp_pool - {"tree"}) + len(cpp_tree),
+        "cpp_request_tree_calls": tree_calls,
+        "cpp_page_writes_outside_pool": cpp_writes,
+        "cpp_page_writes_in_restate_lambdas": cpp_in_restate,
+        "cpp_request_public_fields": sorted(cpp_request_public_fields(root)),
+        "cpp_create_request_writes": sorted(cpp_create_request_writes(root)),
+    }
+
+
+# ---------------------------------------------------------------------------------- the bounds
+
+
+def test_python_request_uses_a_narrow_pool_surface() -> None:
+    pool, tree = python_request_members()
+    assert not tree, f"Request reaches through the pool into its tree: {sorted(tree)}"
+    assert len(pool) <= MAX_REQUEST_POOL_MEMBERS, f"Request uses {len(pool)} BlockPool members: {sorted(pool)}"
+
+
+def test_cpp_request_uses_a_narrow_pool_surface() -> None:
+    pool, tree, _calls = cpp_request_members()
+    assert tree <= CPP_TREE_READS, f"Request reaches the tree for {sorted(tree - CPP_TREE_READS)}"
+    assert len(pool - {"tree"}) <= MAX_CPP_REQUEST_POOL_MEMBERS, f"{len(pool)} BlockPool members: {sorted(pool)}"
+
+
+def test_the_pool_hands_out_a_const_tree() -> None:
+    """The tree changes only through BlockPool's methods: its accessor is const (C++)."""
+    header = _strip_comments((ROOT / "cpp/core/block_pool.h").read_text())
+    accessors = re.findall(r"(\bconst\s+)?RadixTree\s*&\s*tree\s*\(\s*\)", header)
+    assert accessors and all(const for const in accessors), "BlockPool::tree() must return a const RadixTree&"
+
+
+def test_no_page_field_is_written_outside_the_pool() -> None:
+    assert python_page_writes() == []
+    writes, _in_restate = cpp_page_writes()
+    assert writes == []
+
+
+def test_cpp_request_state_is_private_and_set_up_by_its_constructor() -> None:
+    assert cpp_request_public_fields() == set()
+    head = re.search(r"\bclass\s+Request\s*(?::([^{;]*))?\{", (ROOT / "cpp/core/request.h").read_text())
+    assert head is not None
+    assert "public" not in (head[1] or ""), "a public base would expose the request's fields"
+    assert cpp_create_request_writes() == set()
+
+
+def test_the_counters_see_what_they_count(tmp_path) -> None:
+    """The counting functions find a widened seam (a check that cannot fail holds nothing)."""
+    import shutil
+
+    for rel in ("python/kvcm/python_backend", "cpp/core"):
+        shutil.copytree(ROOT / rel, tmp_path / rel)
+    req = tmp_path / "python/kvcm/python_backend/request.py"
+    req.write_text(req.read_text().replace(
+        "        self._status = Status.SUSPENDED\n",
+        "        self._status = Status.SUSPENDED\n        pool.tree.ref(pool.make_room)\n"
+        "        self.live = pool.pages[0]\n        self.live.node = 3\n", 1))
+    cpp = tmp_path / "cpp/core/request.cpp"
+    cpp.write_text(cpp.read_text().replace(
+        "  cow_block = m % pool_.B() ? m / pool_.B() : -1;\n",
+        "  cow_block = m % pool_.B() ? m / pool_.B() : -1;\n  Page* p = &pool_.page(0);\n  p->node = 1;\n", 1))
+    pool, tree = python_request_members(tmp_path)
+    assert "make_room" in pool and "pages" in pool and tree == {"ref"}
+    assert python_page_writes(tmp_path) == ["request.py:" + str(_line_of(req, "self.live.node = 3")) + " node"]
+    assert [w.split()[1] for w in cpp_page_writes(tmp_path)[0]] == ["node"]
+
+
+def _line_of(path: Path, text: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
