@@ -204,6 +204,8 @@ class FakeEngine:
 
     envs: ClassVar[dict[str, dict]] = {}
     wrong: ClassVar[set[str]] = set()
+    kill: ClassVar[set[str]] = set()  # killed (SIGTERM) at their first start
+    starts: ClassVar[list[str]] = []
 
     def __init__(self, argv, stdout, stderr, env, start_new_session):
         assert start_new_session and stderr == subprocess.STDOUT
@@ -212,6 +214,15 @@ class FakeEngine:
             spec = json.load(f)
         key = os.path.basename(spec_path).split(".")[0]
         FakeEngine.envs[key] = dict(env)
+        FakeEngine.starts.append(key)
+        self.rc = -15 if key in FakeEngine.kill else 0
+        FakeEngine.kill.discard(key)
+        extra = (spec["connector"] or {}).get("kv_connector_extra_config", {})
+        if "shared" in extra:  # what the engine writes: the rerun must not find the killed one's
+            os.makedirs(extra["shared"], exist_ok=True)
+            mark = os.path.join(extra["shared"], key)
+            assert not os.path.exists(mark), "a rerun found the store its killed run wrote"
+            open(mark, "w").close()
         reserved = env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "2" if spec["connector"] else "1")
         stdout.write(f"\tlocal_world_size=1, reserve_cpu_num={reserved}\n\tlocal_rank=0, core ids=[0]\n"
                      f"\treserved_cpus=[1]\n")
@@ -221,13 +232,13 @@ class FakeEngine:
             json.dump({"start_seconds": 1.0, "phases": [{"name": "warmup"}, main]}, f)
 
     def wait(self, timeout=None):
-        return 0
+        return self.rc
 
 
 def fake_run(tmp_path, monkeypatch, capsys, *argv):
     from kvcm.integrations.vllm import workload
 
-    FakeEngine.envs = {}
+    FakeEngine.envs, FakeEngine.starts = {}, []
     monkeypatch.setattr(workload, "make_model", lambda path, **kw: path)
     monkeypatch.setattr(bench.subprocess, "Popen", FakeEngine)
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "5")  # the caller's own setting never leaks in
@@ -255,3 +266,16 @@ def test_vllms_own_layout_is_shown_to_differ_and_a_wrong_output_fails(tmp_path, 
     assert all("VLLM_CPU_NUM_OF_RESERVED_CPU" not in e for e in FakeEngine.envs.values())
     assert len(report["layouts"]) == 2 and "different core layouts" in out
     assert [r["exact"] for r in report["rows"]] == [True, False]
+
+
+def test_an_engine_killed_from_outside_runs_again_once_from_a_clean_start(tmp_path, monkeypatch, capsys):
+    FakeEngine.wrong, FakeEngine.kill = set(), {"shared1"}
+    rc, report, out = fake_run(tmp_path, monkeypatch, capsys, "--configs", "vllm,shared1,shared2", "--plot", "")
+    assert rc == 0 and FakeEngine.starts == ["vllm", "shared1", "shared1", "shared2"]
+    assert [r["killed_before"] for r in report["rows"]] == [None, 15, None]
+    assert "killed from outside the bench, then run again from a clean start: kvcm +shared (1st) (signal 15)" in out
+    FakeEngine.kill = {"vllm"}
+    monkeypatch.setattr(FakeEngine, "wait", lambda self, timeout=None: -9)  # killed again: the run ends
+    with pytest.raises(bench.EngineKilled, match="killed by signal 9"):
+        fake_run(tmp_path, monkeypatch, capsys, "--configs", "vllm")
+    assert "the work dir is kept for its logs" in capsys.readouterr().err

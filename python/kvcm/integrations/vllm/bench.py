@@ -86,6 +86,25 @@ def core_layout(log: str) -> str:
     return f"reserve_cpu_num={found[0][-1]}, OpenMP threads on cores [{found[1][-1]}], reserved [{found[2][-1]}]"
 
 
+class EngineKilled(RuntimeError):
+    """An engine ended by a signal the bench did not send (a shared machine's other jobs)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+def _forget(key: str, spec: dict) -> None:
+    """What a killed engine left behind, so its rerun starts as the first run did: its
+    stats file and disk tier, and for ``shared1`` the store it was writing."""
+    extra = (spec["connector"] or {}).get("kv_connector_extra_config", {})
+    for path in (extra.get("disk_path"), extra.get("shared") if key == "shared1" else None):
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
+    if extra.get("stats_file") and os.path.exists(extra["stats_file"]):
+        os.unlink(extra["stats_file"])
+
+
 def _child(tmp: str, key: str, spec: dict, plan: Plan, timeout: float) -> tuple[dict, str, float]:
     name = key.replace("+", "-")
     spec_path, out_path, log_path = (os.path.join(tmp, f"{name}.{x}") for x in ("spec.json", "out.json", "log"))
@@ -109,6 +128,8 @@ def _child(tmp: str, key: str, spec: dict, plan: Plan, timeout: float) -> tuple[
     seconds = time.perf_counter() - t
     with open(log_path) as f:
         text = f.read()
+    if rc < 0:
+        raise EngineKilled(-rc, f"bench vllm: the {key} engine was killed by signal {-rc}; log {log_path}")
     if rc != 0:
         raise RuntimeError(f"bench vllm: the {key} engine failed ({rc}); log {log_path}:\n{text[-6000:]}")
     with open(out_path) as f:
@@ -121,6 +142,7 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
     keep = args.dir is not None
     tmp = args.dir or tempfile.mkdtemp(prefix="kvcm-bench-vllm-")
     os.makedirs(tmp, exist_ok=True)
+    done = False
     try:
         model = make_model(os.path.join(tmp, "model"), **MODEL)
         layout = ("vLLM's own core layout" if plan.reserved_cpus is None
@@ -130,9 +152,17 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
         results: dict[str, dict] = {}
         for key in plan.configs:
             print(f"bench vllm: {CONFIGS[key]} ...", file=sys.stderr, end="", flush=True)
-            out, layout, seconds = _child(tmp, key, engine_spec(tmp, model, key, plan), plan, args.timeout)
+            spec, killed = engine_spec(tmp, model, key, plan), None
+            try:
+                out, layout, seconds = _child(tmp, key, spec, plan, args.timeout)
+            except EngineKilled as e:  # once: a second kill ends the run
+                print(f" {e}: running it again", file=sys.stderr, flush=True)
+                killed = e.signum
+                _forget(key, spec)
+                out, layout, seconds = _child(tmp, key, spec, plan, args.timeout)
             main = next(p for p in out["phases"] if p["name"] == "main")
-            results[key] = {"phase": main, "layout": layout, "seconds": seconds, "start_seconds": out["start_seconds"]}
+            results[key] = {"phase": main, "layout": layout, "seconds": seconds, "start_seconds": out["start_seconds"],
+                            "killed_before": killed}
             print(f" {seconds:.0f} s (engine start {out['start_seconds']:.0f} s, workload {main['seconds']:.1f} s)",
                   file=sys.stderr, flush=True)
         report = bench_report.summarize(plan, results, CONFIGS)
@@ -143,9 +173,12 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
         if args.plot:
             bench_report.plot(plan, report, args.plot)
             print(f"plot: {args.plot}")
+        done = True
     finally:
-        if not keep:
+        if done and not keep:
             shutil.rmtree(tmp, ignore_errors=True)
+        elif not done:
+            print(f"bench vllm: the work dir is kept for its logs: {tmp}", file=sys.stderr)
     return 0 if all(r["exact"] for r in report["rows"]) else 1
 
 

@@ -68,7 +68,8 @@ def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str]) -> d
             "wall_s": p["seconds"], "load_before": p["loadavg_before"][0], "load_after": p["loadavg_after"][0],
             "exact": p["outputs"] == ref, "requests": len(p["outputs"]),
             "reset_ok": p.get("reset") is not False, "connector_s": _connector_seconds(p),
-            "layout": r["layout"], "engine_seconds": r["seconds"], "start_seconds": r["start_seconds"]})
+            "layout": r["layout"], "engine_seconds": r["seconds"], "start_seconds": r["start_seconds"],
+            "killed_before": r.get("killed_before")})
     by_key = {row["key"]: row for row in rows}
     for row in rows:
         for base in ("vllm", "limit"):
@@ -169,6 +170,9 @@ def markdown(plan: Plan, report: dict, model: dict) -> str:
                "1-2; more means other processes shared the cores).")
     out.append("per engine (start + warm-up + workload): " + ", ".join(
         f"{r['config']} {r['engine_seconds']:.0f} s" for r in rows))
+    killed = [f"{r['config']} (signal {r['killed_before']})" for r in rows if r["killed_before"]]
+    if killed:
+        out.append("killed from outside the bench, then run again from a clean start: " + ", ".join(killed))
     if not all(r["reset_ok"] for r in rows):
         out.append("reset after the warm-up failed for " + ", ".join(r["config"] for r in rows if not r["reset_ok"])
                    + ": the warm-up's blocks stayed cached")
