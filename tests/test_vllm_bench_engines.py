@@ -30,5 +30,5 @@ def test_quick_bench_runs_both_engines_on_one_core_layout(tmp_path) -> None:
     assert vllm["exact"] and kvcm["exact"] and kvcm["requests"] == vllm["requests"] == report["requests"]
     assert vllm["hits"] is None and sum(kvcm["hits"].values()) > 0, kvcm["hits"]
     assert report["floor_prefill_tokens"] <= kvcm["prefill_tokens"] <= vllm["prefill_tokens"]
-    assert vllm["decode_ms_p50"] > 0 and kvcm["ttft_p50_ms"] > 0 and kvcm["reset_ok"]
+    assert vllm["decode_ms_p50"] > 0 and kvcm["ttft_p50_ms"] > 0
     assert png.stat().st_size > 0

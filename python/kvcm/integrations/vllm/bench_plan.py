@@ -162,7 +162,7 @@ def _connector(tmp: str, key: str, plan: Plan) -> dict | None:
 def engine_spec(tmp: str, model: str, key: str, plan: Plan) -> dict:
     """The workload child's spec for one configuration."""
     blocks = plan.limit_blocks if key == "limit" else plan.sizes["gpu_blocks"]
-    workload: dict[str, Any] = {"kind": plan.workload, "seed": 11, "batch": plan.batch,
+    workload: dict[str, Any] = {"kind": plan.workload, "seed": 11, "batch": plan.batch, "block_size": BLOCK,
                                 **{k: plan.sizes[k] for k in WORKLOAD_KEYS[plan.workload]}}
     if plan.workload == "chat":
         workload["vocab"] = 512

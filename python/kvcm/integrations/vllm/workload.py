@@ -1,15 +1,15 @@
 """Workloads through a real vLLM engine, with or without kvcm (the tests and ``python -m kvcm
-bench vllm`` share them): a multi-turn chat (``kind: chat``, the default) and long documents
-asked several questions each (``kind: long``).  No hub: the model is a random-weight Llama
-saved from a transformers config, prompts are token ids (``skip_tokenizer_init``).
+bench vllm`` share them): a multi-turn chat, or (``kind: long``) long documents asked several
+questions each.  Per phase: the greedy outputs, each request's TTFT and decode seconds per
+output token (vLLM's request metrics) and prefill tokens computed, the whole-block prefill
+floor (:class:`PrefillFloor`), wall seconds, the 1-minute load average before and after.
+No hub: the model is a random-weight Llama saved from a transformers config, prompts are
+token ids (``skip_tokenizer_init``).
 
 Run as ``python -m kvcm.integrations.vllm.workload SPEC.json OUT.json``: one engine (one
 process, vLLM spawns its engine core), several phases, each a workload, optionally after a
 ``reset_prefix_cache`` (vLLM's cache and kvcm's local tiers) or with a fault mode written to
-a control file (the tests' fault store reads it).  Per phase: the greedy outputs, TTFT and
-decode seconds per output token of every request (vLLM's request metrics), prefill tokens
-computed, the whole-block prefill floor (:class:`PrefillFloor`), wall seconds, the 1-minute
-load average before and after, the connector's stats file before and after.
+a control file (the tests' fault store reads it).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def conversations(n: int, system_len: int, seed: int, vocab: int) -> list[list[i
 
 
 class PrefillFloor:
-    """The whole-block prefill floor of a workload: what a cache that forgets nothing saves.
+    """The whole-block prefill floor of a workload: what a cache that forgets nothing leaves.
 
     A prompt can reuse its leading whole blocks that some earlier request computed (its prompt
     and its output but the last token, which is sampled, never fed back), at most the blocks
@@ -76,7 +76,7 @@ class PrefillFloor:
         keys, h = [], hashlib.blake2b(digest_size=16)
         for i in range(len(tokens) // self.block):
             h.update(b"".join(t.to_bytes(4, "little") for t in tokens[i * self.block:(i + 1) * self.block]))
-            keys.append(h.copy().digest())  # the chain: a block's key names its whole prefix
+            keys.append(h.copy().digest())  # a chain: a block's key names its whole prefix
         return keys
 
     def submit(self, prompt: list[int]) -> None:
@@ -98,30 +98,31 @@ def _request_metrics(r: Any, submitted: float) -> tuple[float, float | None]:
     submitted where vLLM gave none) and decode seconds per output token after the first
     (engine-core timestamps of the first and last token; None for a single-token output)."""
     m = getattr(r, "metrics", None)
-    ft = getattr(m, "first_token_latency", None) if m is not None else None
-    ttft = ft if ft else time.perf_counter() - submitted
-    n = getattr(m, "num_generation_tokens", 0) if m is not None else 0
-    first, last = (getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)) if m is not None else (0, 0)
+    ft = getattr(m, "first_token_latency", None)
+    n = getattr(m, "num_generation_tokens", 0)
+    first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
     decode = (last - first) / (n - 1) if n > 1 and last > first else None
-    return ttft, decode
+    return (ft if ft else time.perf_counter() - submitted), decode
 
 
 class _Recorder:
-    """What a workload measures, request by request, in submission order."""
+    """What a workload measures, request by request, in submission order (the prompts too)."""
 
     def __init__(self, block_size: int) -> None:
-        self.outputs: list[list[int]] = []
         self.ttft: list[float] = []
         self.decode: list[float] = []
         self.prefill: list[int] = []
+        self.prompts: list[list[int]] = []
         self.cached = self.prompt_tokens = 0
         self.floor = PrefillFloor(block_size)
+        self.load_before = os.getloadavg()
 
     def generate(self, llm: Any, prompts: list[list[int]], sampling: Any) -> list[list[int]]:
         from vllm.inputs import TokensPrompt
 
         for p in prompts:
             self.floor.submit(p)
+            self.prompts.append(list(p))
         s = time.perf_counter()
         res = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
         outs = []
@@ -139,33 +140,10 @@ class _Recorder:
             outs.append(out)
         return outs
 
-    def result(self, outputs: list[list[int]], seconds: float) -> dict:
-        return {"outputs": outputs, "ttft": self.ttft, "decode": self.decode, "prefill": self.prefill,
-                "cached_tokens": self.cached, "prompt_tokens": self.prompt_tokens,
-                "floor_prefill_tokens": self.floor.tokens, "seconds": seconds}
-
-
-def run_turns(llm: Any, spec: dict, sampling: Any) -> dict:
-    """``turns`` rounds over ``conversations`` chats: each round every chat gets a new user
-    message, the whole history is the prompt, the reply is appended.  ``batch`` prompts of a
-    round are submitted together (default: the whole round)."""
-    vocab = spec.get("vocab", MODEL_DEFAULTS["vocab_size"])
-    rng = random.Random(spec.get("seed", 0) + 1)
-    chats = conversations(spec["conversations"], spec["system_len"], spec.get("seed", 0), vocab)
-    rec = _Recorder(spec.get("block_size", 32))
-    batch = spec.get("batch") or len(chats)
-    outputs: list[list[int]] = []
-    t0 = time.perf_counter()
-    for _ in range(spec["turns"]):
-        for c in chats:
-            c += [rng.randrange(1, vocab) for _ in range(spec["user_len"])]
-        turn: list[list[int]] = []
-        for i in range(0, len(chats), batch):
-            turn += rec.generate(llm, chats[i:i + batch], sampling)
-        for c, out in zip(chats, turn, strict=True):
-            outputs.append(out)
-            c += out
-    return rec.result(outputs, time.perf_counter() - t0)
+    def figures(self) -> dict:
+        return {"ttft": self.ttft, "decode": self.decode, "prefill": self.prefill, "cached_tokens": self.cached,
+                "prompt_tokens": self.prompt_tokens, "floor_prefill_tokens": self.floor.tokens,
+                "loadavg_before": self.load_before, "loadavg_after": os.getloadavg(), "prompts": self.prompts}
 
 
 def run_documents(llm: Any, spec: dict, sampling: Any) -> dict:
@@ -185,10 +163,34 @@ def run_documents(llm: Any, spec: dict, sampling: Any) -> dict:
         prompts = [d + [rng.randrange(1, vocab) for _ in range(spec["question_len"])] for d in docs]
         for i in range(0, len(prompts), batch):
             outputs += rec.generate(llm, prompts[i:i + batch], sampling)
-    return rec.result(outputs, time.perf_counter() - t0)
+    return {"outputs": outputs, **rec.figures(), "seconds": time.perf_counter() - t0}
 
 
-WORKLOADS = {"chat": run_turns, "long": run_documents}
+def run_turns(llm: Any, spec: dict, sampling: Any) -> dict:
+    """The phase's workload: ``kind: long`` is :func:`run_documents`; a chat (the default) is
+    ``turns`` rounds over ``conversations`` chats: each round every chat gets a new user
+    message, the whole history is the prompt, the reply is appended.  ``batch`` prompts of a
+    round are submitted together (default: the whole round)."""
+    if spec.get("kind", "chat") == "long":
+        return run_documents(llm, spec, sampling)
+    vocab = spec.get("vocab", MODEL_DEFAULTS["vocab_size"])
+    rng = random.Random(spec.get("seed", 0) + 1)
+    chats = conversations(spec["conversations"], spec["system_len"], spec.get("seed", 0), vocab)
+    rec = _Recorder(spec.get("block_size", 32))
+    batch = spec.get("batch") or len(chats)
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for _ in range(spec["turns"]):
+        for c in chats:
+            c += [rng.randrange(1, vocab) for _ in range(spec["user_len"])]
+        turn: list[list[int]] = []
+        for i in range(0, len(chats), batch):
+            turn += rec.generate(llm, chats[i:i + batch], sampling)
+        for c, out in zip(chats, turn, strict=True):
+            outputs.append(out)
+            c += out
+    return {"outputs": outputs, **rec.figures(),
+            "seconds": time.perf_counter() - t0}
 
 
 def main(argv: list[str]) -> int:
@@ -212,7 +214,8 @@ def main(argv: list[str]) -> int:
     sampling = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     stats_file = (spec.get("connector") or {}).get("kv_connector_extra_config", {}).get("stats_file")
     for phase in spec["phases"]:
-        reset = llm.reset_prefix_cache(reset_connector=True) if phase.get("reset") else None
+        if phase.get("reset"):
+            llm.reset_prefix_cache(reset_connector=True)
         if spec.get("fault_file"):
             with open(spec["fault_file"], "w") as f:
                 f.write(phase.get("fault", ""))
@@ -220,12 +223,10 @@ def main(argv: list[str]) -> int:
             for name in os.listdir(path):
                 if name.startswith("kvcm-pool-"):
                     os.truncate(os.path.join(path, name), 0)
-        before, load_before = _read(stats_file), os.getloadavg()
-        work = {"block_size": spec.get("block_size", 32), **spec["workload"], **phase.get("workload", {})}
-        r = WORKLOADS[work.get("kind", "chat")](llm, work, sampling)
-        r["name"], r["reset"] = phase["name"], reset
+        before = _read(stats_file)
+        r = run_turns(llm, {**spec["workload"], **phase.get("workload", {})}, sampling)
+        r["name"] = phase["name"]
         r["stats_before"], r["stats"] = before, _read(stats_file)
-        r["loadavg_before"], r["loadavg_after"] = load_before, os.getloadavg()
         result["phases"].append(r)
         with open(out_path, "w") as f:  # after every phase: a crash later keeps what ran
             json.dump(result, f)
