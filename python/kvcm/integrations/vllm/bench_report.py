@@ -213,8 +213,10 @@ def plot(plan: Plan, report: dict, path: str) -> None:
     s = plan.sizes
     what = (f"chat {s['conversations']}x{s['turns']} turns" if plan.workload == "chat"
             else f"long context {s['documents']} docs x {s['doc_len']} tok x {s['questions']} questions")
-    fig.suptitle(f"vLLM (cpu) with and without kvcm: {what}, {_mode(plan)}; "
-                 f"same core layout (reserved cpus {plan.reserved_cpus if plan.reserved_cpus is not None else 'vLLM'})",
+    loads = [v for r in rows for v in (r["load_before"], r["load_after"])]
+    fig.suptitle(f"vLLM (cpu) with and without kvcm: {what}, {_mode(plan)}\n"
+                 f"same core layout (reserved cpus {plan.reserved_cpus if plan.reserved_cpus is not None else 'vLLM'}); "
+                 f"{report['cores']} cores, 1-minute load {min(loads):.1f}–{max(loads):.1f} during the workloads",
                  fontsize="medium")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
