@@ -279,3 +279,13 @@ def test_an_engine_killed_from_outside_runs_again_once_from_a_clean_start(tmp_pa
     with pytest.raises(bench.EngineKilled, match="killed by signal 9"):
         fake_run(tmp_path, monkeypatch, capsys, "--configs", "vllm")
     assert "the work dir is kept for its logs" in capsys.readouterr().err
+
+
+def test_a_second_run_in_the_same_dir_starts_every_engine_clean(tmp_path, monkeypatch, capsys):
+    """``--dir`` reused: shared1 must not find the store the earlier run's shared1 wrote (the
+    stand-in engine asserts it), shared2 finds this run's."""
+    FakeEngine.wrong, FakeEngine.kill = set(), set()
+    for _ in range(2):
+        rc, _, _ = fake_run(tmp_path, monkeypatch, capsys, "--configs", "vllm,shared1,shared2", "--plot", "")
+        assert rc == 0 and FakeEngine.starts == ["vllm", "shared1", "shared2"]
+    assert sorted(os.listdir(tmp_path / "work" / "shared")) == ["shared1", "shared2"]

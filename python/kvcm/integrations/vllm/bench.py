@@ -95,10 +95,12 @@ class EngineKilled(RuntimeError):
 
 
 def _forget(key: str, spec: dict) -> None:
-    """What a killed engine left behind, so its rerun starts as the first run did: its
-    stats file and disk tier, and for ``shared1`` the store it was writing."""
+    """What an earlier engine of this configuration left in the work dir (a killed one, a
+    run before in the same ``--dir``), so every engine starts clean: its stats file, disk
+    tier and ExampleConnector files, and for ``shared1`` the store (``shared2`` reads it)."""
     extra = (spec["connector"] or {}).get("kv_connector_extra_config", {})
-    for path in (extra.get("disk_path"), extra.get("shared") if key == "shared1" else None):
+    for path in (extra.get("disk_path"), extra.get("shared_storage_path"),
+                 extra.get("shared") if key == "shared1" else None):
         if path:
             shutil.rmtree(path, ignore_errors=True)
     if extra.get("stats_file") and os.path.exists(extra["stats_file"]):
@@ -145,21 +147,24 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
     done = False
     try:
         model = make_model(os.path.join(tmp, "model"), **MODEL)
-        layout = ("vLLM's own core layout" if plan.reserved_cpus is None
-                  else f"VLLM_CPU_NUM_OF_RESERVED_CPU={plan.reserved_cpus}")
-        print(f"bench vllm: {', '.join(plan.configs)} on the {plan.workload} workload, {layout} in every engine; "
+        asked = ("vLLM's own core layout" if plan.reserved_cpus is None
+                 else f"VLLM_CPU_NUM_OF_RESERVED_CPU={plan.reserved_cpus}")
+        print(f"bench vllm: {', '.join(plan.configs)} on the {plan.workload} workload, {asked} in every engine; "
               f"work dir {tmp}", file=sys.stderr, flush=True)
         results: dict[str, dict] = {}
         for key in plan.configs:
             print(f"bench vllm: {CONFIGS[key]} ...", file=sys.stderr, end="", flush=True)
             spec, killed = engine_spec(tmp, model, key, plan), None
-            try:
-                out, layout, seconds = _child(tmp, key, spec, plan, args.timeout)
-            except EngineKilled as e:  # once: a second kill ends the run
-                print(f" {e}: running it again", file=sys.stderr, flush=True)
-                killed = e.signum
+            for attempt in (1, 2):  # a second kill ends the run
                 _forget(key, spec)
-                out, layout, seconds = _child(tmp, key, spec, plan, args.timeout)
+                try:
+                    out, layout, seconds = _child(tmp, key, spec, plan, args.timeout)
+                    break
+                except EngineKilled as e:
+                    if attempt == 2:
+                        raise
+                    print(f" {e}: running it again", file=sys.stderr, flush=True)
+                    killed = e.signum
             main = next(p for p in out["phases"] if p["name"] == "main")
             results[key] = {"phase": main, "layout": layout, "seconds": seconds, "start_seconds": out["start_seconds"],
                             "killed_before": killed}
