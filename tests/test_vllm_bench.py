@@ -177,6 +177,36 @@ def test_summary_figures_and_ratios():
     assert "**outputs differ from vLLM alone's: kvcm host+disk**" in md
 
 
+def test_connector_time_splits_the_steps_path_from_the_transfer_thread():
+    """kvcm's time in the phase from its stats file (after minus before): the scheduler's hooks
+    and the worker's synchronous loads are on the step's path, copy runs, async loads and
+    saves on the transfer thread; the warm-up's share is not counted."""
+    p = plan("--configs", "vllm,host+disk")
+    kv = phase([[1]], [0.01], [0.001], hits={"host": 3, "disk": 2, "shared": 0})
+    kv["stats_before"] = {"counters": {"loads_sync": 1}, "seconds": {"match": 0.5, "meta": 0.25},
+                          "worker": {"saves_us": 1_000_000, "sync_load_us": 250_000}, "waits": {"async_load_s": 1.0}}
+    kv["stats"] = {"counters": {"hit_blocks_host": 3, "hit_blocks_disk": 2, "loads_sync": 4, "loads_async": 2,
+                                "saves_deferred": 1},
+                   "seconds": {"match": 1.5, "meta": 0.75, "alloc": 0.25},
+                   "worker": {"saves_us": 3_000_000, "loads_us": 500_000, "runs_us": 250_000, "saved_bytes": 99,
+                              "sync_load_us": 750_000, "sync_wait_us": 500_000},
+                   "waits": {"async_load_s": 3.5}}
+    r = bench_report.summarize(p, {"vllm": result(phase([[1]], [0.01], [0.001])), "host+disk": result(kv)},
+                               bench_plan.CONFIGS)
+    v, c = r["rows"][0], r["rows"][1]["connector"]
+    assert v["connector"] is None
+    assert c["scheduler_s"] == {"match": 1.0, "meta": 0.5, "alloc": 0.25}
+    assert c["worker_step_s"] == {"sync_wait_us": 0.5, "sync_load_us": 0.5, "preempt_wait_us": 0.0}
+    assert c["step_s"] == pytest.approx(2.75) and c["transfer_s"] == pytest.approx(2.75)
+    assert c["transfer_parts_s"] == {"saves_us": 2.0, "loads_us": 0.5, "runs_us": 0.25}
+    assert c["async_wait_s"] == pytest.approx(2.5)
+    assert (c["loads_sync"], c["loads_async"], c["saves_deferred"]) == (3, 2, 1)
+    md = bench_report.markdown(p, r, bench_plan.MODEL)
+    assert ("kvcm's time, kvcm host+disk: 2.75 s on the step's path (scheduler hooks 1.75, sync loads 0.50 + "
+            "waiting for queued writes 0.50, preemptions waiting for saves 0.00); 2.75 s on its transfer thread; "
+            "requests waited 2.50 s for async loads (summed); loads 3 sync / 2 async, 1 saves deferred") in md
+
+
 def test_summary_without_vllm_and_with_mixed_layouts():
     p = plan("--configs", "limit,host", "--reserved-cpus", "vllm")
     results = {"limit": result(phase([[1]], [0.01], [])),

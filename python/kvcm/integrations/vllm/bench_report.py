@@ -33,17 +33,35 @@ def _hits(phase: dict) -> dict[str, int] | None:
     return {t: after.get(f"hit_blocks_{t}", 0) - before.get(f"hit_blocks_{t}", 0) for t in TIERS}
 
 
-def _connector_seconds(phase: dict) -> float | None:
-    """kvcm's own time inside the engine during the phase (scheduler seconds + worker µs), when
-    its stats file says."""
-    def total(stats: dict | None) -> float:
-        stats = stats or {}
-        return (sum(v for v in stats.get("seconds", {}).values() if isinstance(v, (int, float)))
-                + sum(v for k, v in stats.get("worker", {}).items() if k.endswith("_us")) / 1e6)
+# the worker's microsecond counters spent on the step's own thread: a synchronous load waiting
+# for queued jobs that write its slots, then copying; a preemption waiting for its saves
+STEP_US = ("sync_wait_us", "sync_load_us", "preempt_wait_us")
 
+
+def _delta(phase: dict, part: str) -> dict[str, float]:
+    """One part of the stats file (``counters``, ``worker``, ``seconds``, ``waits``) after the
+    phase minus before it."""
+    after = (phase.get("stats") or {}).get(part) or {}
+    before = (phase.get("stats_before") or {}).get(part) or {}
+    return {k: v - before.get(k, 0) for k, v in after.items() if isinstance(v, (int, float))}
+
+
+def connector_time(phase: dict) -> dict[str, Any] | None:
+    """Where kvcm's time went during the phase, from its stats file (None without one):
+    ``step_s``, on the engine's critical path (the scheduler's hooks, synchronous loads
+    and what they waited for, preemptions waiting for saves) with its parts;
+    ``transfer_s``, on the worker's transfer thread (copy runs, async loads, saves: off the
+    forward's path, but on the same cores here); ``async_wait_s``, how long requests sat in
+    WAITING_FOR_REMOTE_KVS, summed; the loads by kind and the saves deferred by the bound."""
     if not phase.get("stats"):
         return None
-    return total(phase["stats"]) - total(phase.get("stats_before"))
+    sched, worker, waits, counters = (_delta(phase, k) for k in ("seconds", "worker", "waits", "counters"))
+    step = {k: worker.get(k, 0) / 1e6 for k in STEP_US}
+    thread = {k: v / 1e6 for k, v in worker.items() if k.endswith("_us") and k not in STEP_US}
+    return {"step_s": sum(sched.values()) + sum(step.values()), "scheduler_s": sched,
+            "worker_step_s": step, "transfer_s": sum(thread.values()), "transfer_parts_s": thread,
+            "async_wait_s": waits.get("async_load_s", 0.0),
+            **{k: int(counters.get(k, 0)) for k in ("loads_sync", "loads_async", "saves_deferred", "load_error_blocks")}}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -67,7 +85,7 @@ def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str]) -> d
             "decode_ms_p50": percentile(decode, 50) if decode else None,
             "wall_s": p["seconds"], "load_before": p["loadavg_before"][0], "load_after": p["loadavg_after"][0],
             "exact": p["outputs"] == ref, "requests": len(p["outputs"]),
-            "connector_s": _connector_seconds(p),
+            "connector": connector_time(p),
             "layout": r["layout"], "engine_seconds": r["seconds"], "start_seconds": r["start_seconds"],
             "killed_before": r.get("killed_before")})
     by_key = {row["key"]: row for row in rows}
@@ -168,6 +186,16 @@ def markdown(plan: Plan, report: dict, model: dict) -> str:
                "per request, vLLM's engine-core timestamps; wall: the measured workload alone (no engine start); "
                "load: the 1-minute load average when the workload started and ended (an engine alone adds about "
                "1-2; more means other processes shared the cores).")
+    for r in rows:
+        c = r.get("connector")
+        if c:
+            w = c["worker_step_s"]
+            out.append(f"kvcm's time, {r['config']}: {c['step_s']:.2f} s on the step's path (scheduler hooks "
+                       f"{sum(c['scheduler_s'].values()):.2f}, sync loads {w['sync_load_us']:.2f} + waiting for "
+                       f"queued writes {w['sync_wait_us']:.2f}, preemptions waiting for saves "
+                       f"{w['preempt_wait_us']:.2f}); {c['transfer_s']:.2f} s on its transfer thread; requests "
+                       f"waited {c['async_wait_s']:.2f} s for async loads (summed); loads {c['loads_sync']} sync / "
+                       f"{c['loads_async']} async, {c['saves_deferred']} saves deferred by the in-flight bound")
     out.append("per engine (start + warm-up + workload): " + ", ".join(
         f"{r['config']} {r['engine_seconds']:.0f} s" for r in rows))
     killed = [f"{r['config']} (signal {r['killed_before']})" for r in rows if r["killed_before"]]
