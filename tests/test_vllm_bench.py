@@ -83,6 +83,7 @@ def test_configs_run_in_order_and_the_layout_option():
     (("--turns", "0"), "--turns must be at least 1"),
     (("--warmup", "-1"), "--warmup must be 0 or more"),
     (("--workload", "huge"), "invalid choice"),
+    (("--load-mode", "eager"), "argument --load-mode: invalid choice"),
 ])
 def test_bad_arguments_exit_2_before_anything_runs(capsys, monkeypatch, argv, says):
     err = usage_error(capsys, monkeypatch, *argv)
@@ -107,6 +108,21 @@ def test_engine_specs_share_everything_but_the_cache_and_the_connector(tmp_path)
     assert s1["shared"] == s2["shared"] and s1["disk_path"] != s2["disk_path"]
     assert len({c["stats_file"] for c in (host, disk, s1, s2)}) == 4
     assert bench_plan.engine_spec(str(tmp_path), "model", "vllm", plan("--warmup", "0"))["phases"] == [{"name": "main"}]
+
+
+def test_kvcm_engines_configs_are_the_connectors_and_the_load_mode_option(tmp_path):
+    """Every kvcm engine's kv_connector_extra_config parses as the connector's settings;
+    --load-mode reaches every kvcm engine (none without it: the connector's default)."""
+    from kvcm.integrations.vllm.settings import ConnectorSettings
+
+    kvcm_keys = ("host", "host+disk", "shared1", "shared2")
+    for argv, mode in (((), "auto"), (("--load-mode", "sync"), "sync"), (("--load-mode", "async"), "async")):
+        p = plan(*argv)
+        for k in kvcm_keys:
+            extra = bench_plan.engine_spec(str(tmp_path), "model", k, p)["connector"]["kv_connector_extra_config"]
+            assert ("load_mode" in extra) == bool(argv), (k, extra)
+            assert ConnectorSettings.parse(extra).load_mode == mode
+    assert "kvcm's load_mode: sync" in bench_report.header(plan("--load-mode", "sync"), bench_plan.MODEL)
 
 
 def test_page_is_a_block_of_every_layer():

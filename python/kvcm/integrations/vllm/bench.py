@@ -216,6 +216,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--reserved-cpus", default="1",
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default 1); 'vllm': leave it to vLLM, "
                         "which reserves one more core for engines with a connector")
+    c.add_argument("--load-mode", choices=("auto", "sync", "async"),
+                   help="the kvcm engines' load_mode (default: the connector's, auto: host hits load "
+                        "synchronously, disk and store hits asynchronously)")
     c.add_argument("--warmup", type=int, default=2, help="unrelated requests each engine runs first (default 2)")
     o = p.add_argument_group("run and output")
     o.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, the figures mean nothing")

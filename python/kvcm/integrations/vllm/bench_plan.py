@@ -57,6 +57,7 @@ class Plan:
     limit_blocks: int
     disk_blocks: int
     extra: dict[str, Any] = field(default_factory=dict)
+    load_mode: str | None = None  # the kvcm engines' load_mode (None: the connector's default)
 
     @property
     def reference(self) -> str:
@@ -139,7 +140,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return Plan(workload=args.workload, sizes=sizes, batch=batch, together=bool(args.together), configs=configs,
                 reserved_cpus=reserved, warmup=args.warmup, quick=args.quick, working_set=work, requests=requests,
                 max_model_len=max_model_len, limit_blocks=limit, disk_blocks=disk,
-                extra={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens})
+                extra={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+                load_mode=args.load_mode)
 
 
 def _connector(tmp: str, key: str, plan: Plan) -> dict | None:
@@ -151,6 +153,8 @@ def _connector(tmp: str, key: str, plan: Plan) -> dict | None:
     name = key.replace("+", "-")
     extra: dict[str, Any] = {"host_bytes": plan.sizes["host_blocks"] * PAGE,
                              "stats_file": os.path.join(tmp, f"{name}.stats.json")}
+    if plan.load_mode is not None:
+        extra["load_mode"] = plan.load_mode
     if key != "host":
         extra.update(disk_path=os.path.join(tmp, f"{name}-disk"), disk_bytes=plan.disk_blocks * PAGE)
     if key in ("shared1", "shared2"):

