@@ -1,21 +1,50 @@
-"""``python -m kvcm bench vllm``: a multi-turn chat through real vLLM engines, with and without kvcm.
+"""``python -m kvcm bench vllm``: real vLLM engines with and without kvcm, on one core layout.
 
-Configurations (each one engine process, :mod:`kvcm.integrations.vllm.workload`; vLLM's KV
-cache shrunk with ``num_gpu_blocks_override`` to a fraction of the workload's working set):
+Configurations (``--configs``; each one engine process, :mod:`kvcm.integrations.vllm.workload`):
 
-* ``vllm``              vLLM alone (its own prefix cache);
-* ``vllm+example``      vLLM + its ``ExampleConnector`` (safetensors files per prompt);
-* ``kvcm host``         vLLM + kvcm, host tier only;
-* ``kvcm host+disk``    vLLM + kvcm, host + disk;
-* ``kvcm +shared (1st)`` host + disk + a file store (written on commit, one fsync per block);
-* ``kvcm +shared (2nd)`` a second vLLM + kvcm process on the store the first wrote (its
-  host tier empty at start): what a fleet reuses.
+* ``vllm``      vLLM alone, its KV cache shrunk (``num_gpu_blocks_override``) well below the
+                workload's working set: the reference outputs;
+* ``limit``     vLLM alone with a KV cache that holds the whole working set (and headroom):
+                what a perfect tiered cache could at best give;
+* ``host``      vLLM (the shrunk cache) + kvcm, host tier only;
+* ``host+disk`` vLLM + kvcm, host + disk;
+* ``shared1``   host + disk + a file store (written on commit);
+* ``shared2``   a second vLLM + kvcm process on the store ``shared1`` wrote (local tiers
+                empty at start): what a fleet reuses;
+* ``example``   vLLM + its ``ExampleConnector`` (not by default).
 
-Reported per configuration: prompt tokens, prefill tokens vLLM computed (prompt tokens minus
-``num_cached_tokens``: local and external hits), blocks kvcm loaded by tier, TTFT p50 / p90
-(``RequestOutput.metrics.first_token_latency``, from arrival; requests are submitted one
-at a time by default, ``--batch N`` submits N together), throughput (prompt + generated tokens per second of the workload's wall time),
-and whether the greedy outputs equal vLLM alone's.  A markdown table on stdout and a plot.
+**Core layout.**  vLLM's CPU backend binds the worker's OpenMP threads to the allowed cores
+minus ``reserve_cpu_num`` (``vllm/utils/ompmultiprocessing.py``): one core per local rank,
+*one more whenever a kv_transfer_config is set*; ``VLLM_CPU_NUM_OF_RESERVED_CPU`` overrides
+it.  On two cores vLLM alone computes on one core, while any connector's engine reserves
+two, which leaves none, so vLLM binds its threads to both cores, where they contend with the
+engine-core and front-end processes: every connector, even ExampleConnector, ran ~3x
+slower in wall time.  So every engine here runs with the same
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` (``--reserved-cpus``, default 1), and the header prints
+the binding each engine logged.
+
+Workloads (``--workload``):
+
+* ``chat``  ``--conversations`` chats x ``--turns`` turns; a shared system prompt, each turn
+            a new user message and a greedy reply appended to the history, the whole
+            history the prompt;
+* ``long``  ``--documents`` documents of ``--doc-len`` tokens, ``--questions`` questions
+            each: round q asks every document its q-th question (prompt = document +
+            question, short replies), so a document comes back after all the others:
+            prefill dominates.
+
+``--batch 1`` submits one request at a time (TTFT is the request's own prefill);
+``--together`` submits each turn's (round's) requests together, so one request's loads and
+saves meet the others' steps.  Every engine first runs ``--warmup`` unrelated requests,
+then its prefix cache (and kvcm's local tiers) is reset.
+
+Reported per configuration: prompt tokens, prefill tokens computed (prompt tokens minus
+``num_cached_tokens``), blocks kvcm loaded by tier (its ``stats_file``), TTFT p50 / p90
+(vLLM's ``first_token_latency``, from arrival), decode ms per output token p50 (vLLM's
+engine-core timestamps of each request's first and last token), wall seconds of the
+workload, the 1-minute load average when it started and ended, and whether the greedy
+outputs equal vLLM alone's; ratios against ``vllm`` and ``limit``.  A markdown table on
+stdout, a JSON file, a plot.  Exit 1 if any output differs, 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -23,143 +52,191 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any
+import time
 
-BLOCK = 32
-# a random-weight Llama large enough that prefill is the cost it is on a real engine
-MODEL = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 8}
-PAGE = BLOCK * MODEL["num_hidden_layers"] * (MODEL["num_key_value_heads"] * 64 * 2 * 4)  # a block of every layer, fp32
+from kvcm.integrations.vllm import bench_report
+from kvcm.integrations.vllm.bench_plan import (
+    BLOCK,
+    CHAT,
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    LONG,
+    MODEL,
+    Plan,
+    UsageError,
+    engine_spec,
+    make_plan,
+)
+
+_LAYOUT = (re.compile(r"reserve_cpu_num=(\d+)"), re.compile(r"local_rank=\d+, core ids=\[([^\]]*)\]"),
+           re.compile(r"reserved_cpus=\[([^\]]*)\]"))
 
 
-def _child(tmp: str, name: str, spec: dict) -> dict:
-    spec_path, out_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.out.json")
+def core_layout(log: str) -> str:
+    """The OpenMP binding an engine logged (vllm/utils/ompmultiprocessing.py), in words."""
+    found = [p.findall(log) for p in _LAYOUT]
+    if not all(found):
+        return "not in vLLM's log"
+    return f"reserve_cpu_num={found[0][-1]}, OpenMP threads on cores [{found[1][-1]}], reserved [{found[2][-1]}]"
+
+
+class EngineKilled(RuntimeError):
+    """An engine ended by a signal the bench did not send (a shared machine's other jobs)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+def _forget(key: str, spec: dict) -> None:
+    """What an earlier engine of this configuration left in the work dir (a killed one, a
+    run before in the same ``--dir``), so every engine starts clean: its stats file, disk
+    tier and ExampleConnector files, and for ``shared1`` the store (``shared2`` reads it)."""
+    extra = (spec["connector"] or {}).get("kv_connector_extra_config", {})
+    for path in (extra.get("disk_path"), extra.get("shared_storage_path"),
+                 extra.get("shared") if key == "shared1" else None):
+        if path:
+            shutil.rmtree(path, ignore_errors=True)
+    if extra.get("stats_file") and os.path.exists(extra["stats_file"]):
+        os.unlink(extra["stats_file"])
+
+
+def _child(tmp: str, key: str, spec: dict, plan: Plan, timeout: float) -> tuple[dict, str, float]:
+    name = key.replace("+", "-")
+    spec_path, out_path, log_path = (os.path.join(tmp, f"{name}.{x}") for x in ("spec.json", "out.json", "log"))
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    p = subprocess.run([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
-                       capture_output=True, text=True, check=False)
-    if p.returncode != 0:
-        raise RuntimeError(f"bench vllm: the {name} engine failed ({p.returncode}):\n{p.stderr[-6000:]}")
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
+    if plan.reserved_cpus is not None:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(plan.reserved_cpus)
+    t = time.perf_counter()
+    with open(log_path, "w") as log:
+        # a session of its own: a timeout ends the engine's whole process group
+        p = subprocess.Popen([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
+                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            raise RuntimeError(f"bench vllm: the {key} engine ran past --timeout {timeout:.0f} s (log: {log_path})") from None
+    seconds = time.perf_counter() - t
+    with open(log_path) as f:
+        text = f.read()
+    if rc < 0:
+        raise EngineKilled(-rc, f"bench vllm: the {key} engine was killed by signal {-rc}; log {log_path}")
+    if rc != 0:
+        raise RuntimeError(f"bench vllm: the {key} engine failed ({rc}); log {log_path}:\n{text[-6000:]}")
     with open(out_path) as f:
-        return json.load(f)
+        return json.load(f), core_layout(text), seconds
 
 
-def _kvcm(tmp: str, name: str, host_pages: int, disk_pages: int, shared: str | None) -> dict:
-    extra: dict[str, Any] = {"host_bytes": host_pages * PAGE, "stats_file": os.path.join(tmp, f"{name}.stats.json")}
-    if disk_pages:
-        extra.update(disk_path=os.path.join(tmp, f"{name}-disk"), disk_bytes=disk_pages * PAGE)
-    if shared:
-        extra.update(shared=shared, shared_namespace="bench-llama-random")
-    return {"kv_connector": "KvcmConnector", "kv_connector_module_path": "kvcm.integrations.vllm",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
-
-
-def run(args: argparse.Namespace) -> int:
+def run(plan: Plan, args: argparse.Namespace) -> int:
     from kvcm.integrations.vllm.workload import make_model
 
+    keep = args.dir is not None
     tmp = args.dir or tempfile.mkdtemp(prefix="kvcm-bench-vllm-")
-    model = make_model(os.path.join(tmp, "model"), **MODEL)
-    workload = {"conversations": args.conversations, "turns": args.turns, "system_len": args.system_len,
-                "user_len": args.user_len, "seed": 11, "batch": args.batch}
-    base = {"model": model, "gpu_blocks": args.gpu_blocks, "block_size": BLOCK, "max_tokens": args.max_tokens,
-            "workload": workload, "stats": True, "phases": [{"name": "main"}], "max_num_seqs": args.max_num_seqs}
-    # the working set: every conversation's final history, in blocks
-    final = args.system_len + args.turns * (args.user_len + args.max_tokens)
-    sys_blocks = args.system_len // BLOCK  # the system prompt's whole blocks are shared by every chat
-    working = sys_blocks + args.conversations * (-(-final // BLOCK) - sys_blocks)  # distinct blocks
-    shared = os.path.join(tmp, "shared")
-    configs = [
-        ("vllm", None),
-        ("vllm+example", {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
-                          "kv_connector_extra_config": {"shared_storage_path": os.path.join(tmp, "example")}}),
-        ("kvcm host", _kvcm(tmp, "host", args.host_blocks, 0, None)),
-        ("kvcm host+disk", _kvcm(tmp, "hostdisk", args.host_blocks, working * 2, None)),
-        ("kvcm +shared (1st)", _kvcm(tmp, "first", args.host_blocks, working * 2, shared)),
-        ("kvcm +shared (2nd)", _kvcm(tmp, "second", args.host_blocks, working * 2, shared)),
-    ]
-    rows = []
-    for name, conn in configs:
-        print(f"bench vllm: {name} ...", file=sys.stderr, flush=True)
-        r = _child(tmp, name.replace(" ", "_").replace("+", "_").replace("(", "").replace(")", ""),
-                   {**base, "connector": conn})
-        rows.append((name, r["phases"][0]))
-    ref = rows[0][1]["outputs"]
-    table = []
-    for name, p in rows:
-        c = (p.get("stats") or {}).get("counters", {})
-        ttft = sorted(p["ttft"])
-        gen = sum(len(o) for o in p["outputs"])
-        table.append({
-            "config": name, "prompt_tokens": p["prompt_tokens"], "prefill_tokens": p["prompt_tokens"] - p["cached_tokens"],
-            "host": c.get("hit_blocks_host", "-"), "disk": c.get("hit_blocks_disk", "-"),
-            "shared": c.get("hit_blocks_shared", "-"),
-            "ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p90_ms": 1000 * ttft[int(0.9 * (len(ttft) - 1))],
-            "tok_s": (p["prompt_tokens"] + gen) / p["seconds"], "exact": p["outputs"] == ref,
-            "seconds": p["seconds"],
-            "connector_s": sum((p.get("stats") or {}).get("seconds", {}).values())
-            + sum(v for k, v in (p.get("stats") or {}).get("worker", {}).items() if k.endswith("_us")) / 1e6})
-    print(f"\nworkload: {args.conversations} chats x {args.turns} turns, {args.batch} request(s) at a time, system {args.system_len}, user "
-          f"{args.user_len}, reply {args.max_tokens} tokens; working set {working} blocks of {BLOCK}; vLLM's KV "
-          f"cache {args.gpu_blocks} blocks; kvcm host {args.host_blocks} blocks, disk {working * 2} blocks\n")
-    print("| config | prompt tokens | prefill tokens computed | kvcm hits host / disk / shared (blocks) "
-          "| TTFT p50 ms | TTFT p90 ms | tokens/s | wall s (kvcm's part) | exact |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for t in table:
-        part = f" ({t['connector_s']:.1f})" if t["connector_s"] else ""
-        print(f"| {t['config']} | {t['prompt_tokens']:,} | {t['prefill_tokens']:,} | {t['host']} / {t['disk']} / "
-              f"{t['shared']} | {t['ttft_p50_ms']:.0f} | {t['ttft_p90_ms']:.0f} | {t['tok_s']:,.0f} | "
-              f"{t['seconds']:.1f}{part} | {'yes' if t['exact'] else 'NO'} |")
-    with open(os.path.join(tmp, "bench-vllm.json"), "w") as f:
-        json.dump(table, f, indent=1)
-    if args.plot:
-        _plot(table, args.plot)
-        print(f"\nplot: {args.plot}")
-    return 0 if all(t["exact"] for t in table) else 1
-
-
-def _plot(table: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [t["config"] for t in table]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
-    a.barh(names, [t["prefill_tokens"] for t in table], color="tab:blue")
-    a.set_xlabel("prefill tokens computed")
-    a.invert_yaxis()
-    b.barh([n + " p50" for n in names], [t["ttft_p50_ms"] for t in table], color="tab:green")
-    b.barh([n + " p90" for n in names], [t["ttft_p90_ms"] for t in table], color="tab:olive")
-    b.set_xlabel("TTFT (ms)")
-    b.invert_yaxis()
-    fig.suptitle("multi-turn chat through vLLM (cpu), working set several times vLLM's KV cache")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    os.makedirs(tmp, exist_ok=True)
+    done = False
+    try:
+        model = make_model(os.path.join(tmp, "model"), **MODEL)
+        asked = ("vLLM's own core layout" if plan.reserved_cpus is None
+                 else f"VLLM_CPU_NUM_OF_RESERVED_CPU={plan.reserved_cpus}")
+        print(f"bench vllm: {', '.join(plan.configs)} on the {plan.workload} workload, {asked} in every engine; "
+              f"work dir {tmp}", file=sys.stderr, flush=True)
+        results: dict[str, dict] = {}
+        for key in plan.configs:
+            print(f"bench vllm: {CONFIGS[key]} ...", file=sys.stderr, end="", flush=True)
+            spec, killed = engine_spec(tmp, model, key, plan), None
+            for attempt in (1, 2):  # a second kill ends the run
+                _forget(key, spec)
+                try:
+                    out, layout, seconds = _child(tmp, key, spec, plan, args.timeout)
+                    break
+                except EngineKilled as e:
+                    if attempt == 2:
+                        raise
+                    print(f" {e}: running it again", file=sys.stderr, flush=True)
+                    killed = e.signum
+            main = next(p for p in out["phases"] if p["name"] == "main")
+            results[key] = {"phase": main, "layout": layout, "seconds": seconds, "start_seconds": out["start_seconds"],
+                            "killed_before": killed}
+            print(f" {seconds:.0f} s (engine start {out['start_seconds']:.0f} s, workload {main['seconds']:.1f} s)",
+                  file=sys.stderr, flush=True)
+        report = bench_report.summarize(plan, results, CONFIGS)
+        print(bench_report.markdown(plan, report, MODEL))
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\njson: {args.json}")
+        if args.plot:
+            bench_report.plot(plan, report, args.plot)
+            print(f"plot: {args.plot}")
+        done = True
+    finally:
+        if done and not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif not done:
+            print(f"bench vllm: the work dir is kept for its logs: {tmp}", file=sys.stderr)
+    return 0 if all(r["exact"] for r in report["rows"]) else 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--conversations", type=int, default=8)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--system-len", type=int, default=256)
-    p.add_argument("--user-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--gpu-blocks", type=int, default=24, help="vLLM's KV cache, blocks of 32 tokens")
-    p.add_argument("--host-blocks", type=int, default=64, help="kvcm's host tier, blocks")
-    p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--batch", type=int, default=1,
-                   help="requests submitted together (1: one at a time, so TTFT is the request's own prefill)")
-    p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
-    p.add_argument("--plot", default="kvcm-vllm.png")
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=("chat", "long"), default="chat")
+    w.add_argument("--conversations", type=int, help=f"chat: chats (default {CHAT['conversations']})")
+    w.add_argument("--turns", type=int, help=f"chat: turns per chat (default {CHAT['turns']})")
+    w.add_argument("--system-len", type=int, help=f"chat: the shared system prompt, tokens (default {CHAT['system_len']})")
+    w.add_argument("--user-len", type=int, help=f"chat: each user message, tokens (default {CHAT['user_len']})")
+    w.add_argument("--documents", type=int, help=f"long: documents (default {LONG['documents']})")
+    w.add_argument("--doc-len", type=int, help=f"long: tokens per document (default {LONG['doc_len']})")
+    w.add_argument("--questions", type=int, help=f"long: questions per document (default {LONG['questions']})")
+    w.add_argument("--question-len", type=int, help=f"long: tokens per question (default {LONG['question_len']})")
+    w.add_argument("--max-tokens", type=int, help="greedy reply tokens per request (default 16)")
+    m = p.add_mutually_exclusive_group()
+    m.add_argument("--batch", type=int, help="requests submitted together (default 1: one at a time)")
+    m.add_argument("--together", action="store_true", help="each turn's (round's) requests submitted together")
+    c = p.add_argument_group("engines and caches")
+    c.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated, from {', '.join(CONFIGS)} (default {','.join(DEFAULT_CONFIGS)})")
+    c.add_argument("--gpu-blocks", type=int,
+                   help=f"vLLM's KV cache, blocks of {BLOCK} tokens (default chat {CHAT['gpu_blocks']}, long {LONG['gpu_blocks']})")
+    c.add_argument("--limit-blocks", type=int, help="the limit's KV cache (default: working set + headroom)")
+    c.add_argument("--host-blocks", type=int,
+                   help=f"kvcm's host tier, blocks (default chat {CHAT['host_blocks']}, long {LONG['host_blocks']})")
+    c.add_argument("--disk-blocks", type=int, help="kvcm's disk tier, blocks (default: twice the working set)")
+    c.add_argument("--max-num-seqs", type=int, default=4)
+    c.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    c.add_argument("--reserved-cpus", default="1",
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every engine (default 1); 'vllm': leave it to vLLM, "
+                        "which reserves one more core for engines with a connector")
+    c.add_argument("--load-mode", choices=("auto", "sync", "async"),
+                   help="the kvcm engines' load_mode (default: the connector's, auto: host hits load "
+                        "synchronously, disk and store hits asynchronously)")
+    c.add_argument("--warmup", type=int, default=2, help="unrelated requests each engine runs first (default 2)")
+    o = p.add_argument_group("run and output")
+    o.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, the figures mean nothing")
+    o.add_argument("--timeout", type=float, default=1800, help="seconds per engine (default 1800)")
+    o.add_argument("--dir", default=None, help="work directory, kept (default: a temp dir, removed)")
+    o.add_argument("--json", default="kvcm-vllm.json")
+    o.add_argument("--plot", default="kvcm-vllm.png", help="'' for none")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcm bench vllm", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    return run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        plan = make_plan(args)
+    except UsageError as e:
+        p.error(str(e))
+    return run(plan, args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
-"""A multi-turn chat workload through a real vLLM engine, with or without kvcm (the tests and
-``python -m kvcm bench vllm`` share it).  No hub: the model is a random-weight Llama saved
-from a transformers config, prompts are token ids (``skip_tokenizer_init``).
+"""Workloads through a real vLLM engine, with or without kvcm (the tests and ``python -m kvcm
+bench vllm`` share them): a multi-turn chat, or (``kind: long``) long documents asked several
+questions each.  Per phase: the greedy outputs, each request's TTFT and decode seconds per
+output token (vLLM's request metrics) and prefill tokens computed, the whole-block prefill
+floor (:class:`PrefillFloor`), wall seconds, the 1-minute load average before and after.
+No hub: the model is a random-weight Llama saved from a transformers config, prompts are
+token ids (``skip_tokenizer_init``).
 
 Run as ``python -m kvcm.integrations.vllm.workload SPEC.json OUT.json``: one engine (one
 process, vLLM spawns its engine core), several phases, each a workload, optionally after a
@@ -15,6 +19,7 @@ on at their deadline may still be running on their threads: a hung store's).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -57,37 +62,139 @@ def conversations(n: int, system_len: int, seed: int, vocab: int) -> list[list[i
     return [list(system) for _ in range(n)]
 
 
-def run_turns(llm: Any, spec: dict, sampling: Any) -> dict:
-    """``turns`` rounds over ``conversations`` chats: each round every chat gets a new user
-    message, the whole history is the prompt, the reply is appended."""
-    from vllm.inputs import TokensPrompt
+class PrefillFloor:
+    """The whole-block prefill floor of a workload: what a cache that forgets nothing leaves.
 
+    A prompt can reuse its leading whole blocks that some earlier request computed (its prompt
+    and its output but the last token, which is sampled, never fed back), at most the blocks
+    of ``len - 1`` tokens (vLLM computes a prompt's last token in any case).  Requests are
+    counted in submission order, a request's prompt blocks visible to the requests submitted
+    after it in the same batch (vLLM registers a block's hash when it schedules it), so the
+    floor is a lower bound for every order the engine may pick."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block = block_size
+        self.seen: set[bytes] = set()
+        self.tokens = 0  # prefill tokens at the floor so far
+
+    def _keys(self, tokens: list[int]) -> list[bytes]:
+        keys, h = [], hashlib.blake2b(digest_size=16)
+        for i in range(len(tokens) // self.block):
+            h.update(b"".join(t.to_bytes(4, "little") for t in tokens[i * self.block:(i + 1) * self.block]))
+            keys.append(h.copy().digest())  # a chain: a block's key names its whole prefix
+        return keys
+
+    def submit(self, prompt: list[int]) -> None:
+        keys = self._keys(prompt)
+        hit = 0
+        for k in keys[:(len(prompt) - 1) // self.block]:
+            if k not in self.seen:
+                break
+            hit += 1
+        self.tokens += len(prompt) - hit * self.block
+        self.seen.update(keys)
+
+    def finish(self, prompt: list[int], output: list[int]) -> None:
+        self.seen.update(self._keys(prompt + output[:-1]))
+
+
+def _request_metrics(r: Any, submitted: float) -> tuple[float, float | None]:
+    """TTFT (seconds from arrival: vLLM's ``first_token_latency``; the time since the batch was
+    submitted where vLLM gave none) and decode seconds per output token after the first
+    (engine-core timestamps of the first and last token; None for a single-token output)."""
+    m = getattr(r, "metrics", None)
+    ft = getattr(m, "first_token_latency", None)
+    n = getattr(m, "num_generation_tokens", 0)
+    first, last = getattr(m, "first_token_ts", 0.0), getattr(m, "last_token_ts", 0.0)
+    decode = (last - first) / (n - 1) if n > 1 and last > first else None
+    return (ft if ft else time.perf_counter() - submitted), decode
+
+
+class _Recorder:
+    """What a workload measures, request by request, in submission order (the prompts too)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.ttft: list[float] = []
+        self.decode: list[float] = []
+        self.prefill: list[int] = []
+        self.prompts: list[list[int]] = []
+        self.cached = self.prompt_tokens = 0
+        self.floor = PrefillFloor(block_size)
+        self.load_before = os.getloadavg()
+
+    def generate(self, llm: Any, prompts: list[list[int]], sampling: Any) -> list[list[int]]:
+        from vllm.inputs import TokensPrompt
+
+        for p in prompts:
+            self.floor.submit(p)
+            self.prompts.append(list(p))
+        s = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling, use_tqdm=False)
+        outs = []
+        for p, r in zip(prompts, res, strict=True):
+            ttft, decode = _request_metrics(r, s)
+            self.ttft.append(ttft)
+            if decode is not None:
+                self.decode.append(decode)
+            cached = r.num_cached_tokens or 0
+            self.cached += cached
+            self.prompt_tokens += len(r.prompt_token_ids)
+            self.prefill.append(len(r.prompt_token_ids) - cached)
+            out = list(r.outputs[0].token_ids)
+            self.floor.finish(p, out)
+            outs.append(out)
+        return outs
+
+    def figures(self) -> dict:
+        return {"ttft": self.ttft, "decode": self.decode, "prefill": self.prefill, "cached_tokens": self.cached,
+                "prompt_tokens": self.prompt_tokens, "floor_prefill_tokens": self.floor.tokens,
+                "loadavg_before": self.load_before, "loadavg_after": os.getloadavg(), "prompts": self.prompts}
+
+
+def run_documents(llm: Any, spec: dict, sampling: Any) -> dict:
+    """Long context: ``documents`` documents of ``doc_len`` tokens, ``questions`` questions of
+    ``question_len`` tokens each; a prompt is its document followed by one question (no
+    history).  Round ``q`` asks every document its ``q``-th question, so a document comes back
+    after all the others: a cache smaller than the documents forgets it in between (LRU).
+    ``batch`` prompts of a round are submitted together (default: the whole round)."""
+    vocab = spec.get("vocab", MODEL_DEFAULTS["vocab_size"])
+    rng = random.Random(spec.get("seed", 0))
+    docs = [[rng.randrange(1, vocab) for _ in range(spec["doc_len"])] for _ in range(spec["documents"])]
+    rec = _Recorder(spec.get("block_size", 32))
+    batch = spec.get("batch") or len(docs)
+    outputs: list[list[int]] = []
+    t0 = time.perf_counter()
+    for _ in range(spec["questions"]):
+        prompts = [d + [rng.randrange(1, vocab) for _ in range(spec["question_len"])] for d in docs]
+        for i in range(0, len(prompts), batch):
+            outputs += rec.generate(llm, prompts[i:i + batch], sampling)
+    return {"outputs": outputs, **rec.figures(), "seconds": time.perf_counter() - t0}
+
+
+def run_turns(llm: Any, spec: dict, sampling: Any) -> dict:
+    """The phase's workload: ``kind: long`` is :func:`run_documents`; a chat (the default) is
+    ``turns`` rounds over ``conversations`` chats: each round every chat gets a new user
+    message, the whole history is the prompt, the reply is appended.  ``batch`` prompts of a
+    round are submitted together (default: the whole round)."""
+    if spec.get("kind", "chat") == "long":
+        return run_documents(llm, spec, sampling)
     vocab = spec.get("vocab", MODEL_DEFAULTS["vocab_size"])
     rng = random.Random(spec.get("seed", 0) + 1)
     chats = conversations(spec["conversations"], spec["system_len"], spec.get("seed", 0), vocab)
-    outputs, ttft, cached, prompt_tokens = [], [], 0, 0
+    rec = _Recorder(spec.get("block_size", 32))
+    batch = spec.get("batch") or len(chats)
+    outputs: list[list[int]] = []
     t0 = time.perf_counter()
     for _ in range(spec["turns"]):
         for c in chats:
             c += [rng.randrange(1, vocab) for _ in range(spec["user_len"])]
-        prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in chats]
-        turn = []
-        for i in range(0, len(prompts), spec.get("batch", len(prompts))):
-            chunk = prompts[i:i + spec.get("batch", len(prompts))]
-            s = time.perf_counter()
-            res = llm.generate(chunk, sampling, use_tqdm=False)
-            for r in res:
-                m = getattr(r, "metrics", None)
-                ft = getattr(m, "first_token_latency", None) if m is not None else None
-                ttft.append(ft if ft else time.perf_counter() - s)
-                cached += r.num_cached_tokens or 0
-                prompt_tokens += len(r.prompt_token_ids)
-            turn += res
-        for c, r in zip(chats, turn, strict=True):
-            out = list(r.outputs[0].token_ids)
+        turn: list[list[int]] = []
+        for i in range(0, len(chats), batch):
+            turn += rec.generate(llm, chats[i:i + batch], sampling)
+        for c, out in zip(chats, turn, strict=True):
             outputs.append(out)
             c += out
-    return {"outputs": outputs, "ttft": ttft, "cached_tokens": cached, "prompt_tokens": prompt_tokens,
+    return {"outputs": outputs, **rec.figures(),
             "seconds": time.perf_counter() - t0}
 
 
