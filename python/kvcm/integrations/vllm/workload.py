@@ -28,8 +28,10 @@ MODEL_DEFAULTS = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 25
 
 def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides: Any) -> str:
     """A random-weight model saved under ``path`` (reused when it is there already):
-    ``llama`` (full attention) or ``gemma3`` (sliding-window layers then a full-attention one,
-    Gemma-3's text model)."""
+    ``llama`` (full attention), ``gemma3`` (sliding-window layers then a full-attention one,
+    Gemma-3's text model; pass ``tie_word_embeddings=False``, else a random model only echoes
+    the prompt's last token and an exactness check on it cannot fail) or ``mistral`` (every
+    layer a sliding window of 64 tokens)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -44,8 +46,12 @@ def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides
                     layer_types=["sliding_attention"] * (args["num_hidden_layers"] - 1) + ["full_attention"])
         args.setdefault("query_pre_attn_scalar", args["head_dim"])
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**args, torch_dtype="float32"))
+    elif kind == "mistral":
+        args.setdefault("sliding_window", 64)
+        args.setdefault("head_dim", args["hidden_size"] // args["num_attention_heads"])
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**args, torch_dtype="float32"))
     else:
-        raise ValueError(f"unknown model kind {kind!r}: llama or gemma3")
+        raise ValueError(f"unknown model kind {kind!r}: llama, gemma3 or mistral")
     model.save_pretrained(path)
     return path
 
@@ -168,6 +174,7 @@ def main(argv: list[str]) -> int:
                           "kv_cache_memory_bytes": spec.get("kv_cache_memory_bytes", 64 << 20)}
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = spec["connector"]
+    kw.update(spec.get("llm", {}))  # more engine arguments (e.g. disable_hybrid_kv_cache_manager)
     if spec.get("tensor_parallel_size", 1) > 1:
         kw["tensor_parallel_size"] = spec["tensor_parallel_size"]
     if spec.get("kv_events") is not None:  # vLLM's own KV-event publisher (kvcm's tier events ride on it)
