@@ -139,7 +139,7 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "loads_sync", "loads_async", "load_blocks_planned", "loaded_blocks", "hit_blocks_host",
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
-            "holds", "finished_loading", "skipped_requests", "steps")
+            "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped")
 
 
 class KvcmScheduler:
@@ -527,6 +527,9 @@ class KvcmScheduler:
         if not first:  # every block of the range is outside a window: nothing to store, committed as is
             m.confirmed.update(range(m.planned, end))
             self._commit(m)
+        else:  # the blocks of windowed life cycles kvcm leaves out (stale once this step ran)
+            self._count("window_blocks_skipped", sum(end - m.planned - len([i for i, _ in want if i < end])
+                                                     for lc, want in enumerate(wanted) if self.windowed[lc]))
         self._count("save_blocks_planned", end - m.planned)
         m.planned = end
 
