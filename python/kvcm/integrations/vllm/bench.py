@@ -59,6 +59,10 @@ def _kvcm(tmp: str, name: str, host_pages: int, disk_pages: int, shared: str | N
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model == "gemma3":  # the hybrid KV cache manager comparison (bench_hybrid)
+        from kvcm.integrations.vllm import bench_hybrid
+
+        return bench_hybrid.run(args)
     from kvcm.integrations.vllm.workload import make_model
 
     tmp = args.dir or tempfile.mkdtemp(prefix="kvcm-bench-vllm-")
@@ -154,6 +158,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests submitted together (1: one at a time, so TTFT is the request's own prefill)")
     p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
     p.add_argument("--plot", default="kvcm-vllm.png")
+    p.add_argument("--model", choices=("llama", "gemma3"), default="llama",
+                   help="gemma3: a sliding-window + full-attention model, vLLM's hybrid KV cache manager on and off "
+                        "(kvcm.integrations.vllm.bench_hybrid)")
+    p.add_argument("--kv-pages", type=int, default=40,
+                   help="--model gemma3: vLLM's KV cache memory, in blocks of every layer")
 
 
 def main(argv: list[str] | None = None) -> int:

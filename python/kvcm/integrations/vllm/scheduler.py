@@ -102,6 +102,7 @@ class Mirror:
     stopped: bool = False  # no more saves (tier 0 full, a failed save, roll-back not resumable)
     retiring: bool = False  # finished or preempted: closes once nothing is in flight
     held: bool = False  # request_finished answered True
+    load_failed: bool = False  # a load of it failed (hybrid: reported by request)
 
 
     @property
@@ -641,8 +642,11 @@ class KvcmScheduler:
         if failed and self.hybrid:
             # reported by request (failed_recving): vLLM recomputes it from its first token and
             # looks it up again; kvcm answers 0 for it from now on
-            self.no_load.add(m.rid)
-            self._count("failed_loads")
+            if not m.load_failed:  # one per request (its life cycles' plans fail together)
+                self._count("failed_loads")
+            m.load_failed = True
+            if self.mirrors.get(m.rid) is m:  # still running (an aborted request is not looked up again)
+                self.no_load.add(m.rid)
         elif failed:
             self._taint({info.blocks[i] for i in failed})
 
@@ -744,6 +748,7 @@ class KvcmScheduler:
         return {"mirrors": len(self.mirrors), "retiring": len(self.retiring), "loads": len(self.loads),
                 "saves": len(self.saves), "unsettled_drains": self.drain_seq - self.settled,
                 "holds": len(self.pending_holds), "probes": len(self.probes), "hit_cache": len(self.hit_cache),
+                "no_load": len(self.no_load),
                 "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes}
 
     def take_stats(self) -> dict[str, int] | None:

@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
 
     kw: dict[str, Any] = {"model": spec["model"], "skip_tokenizer_init": True, "dtype": "float32",
                           "block_size": spec.get("block_size", 32), "num_gpu_blocks_override": spec["gpu_blocks"],
-                          "max_model_len": spec.get("max_model_len", (spec["gpu_blocks"] - 1) * spec.get("block_size", 32)), "enforce_eager": True,
+                          "max_model_len": spec.get("max_model_len") or (spec["gpu_blocks"] - 1) * spec.get("block_size", 32), "enforce_eager": True,
                           "max_num_seqs": spec.get("max_num_seqs", 4), "seed": 0,
                           "disable_log_stats": False,  # RequestOutput.metrics: TTFT
                           "max_num_batched_tokens": spec.get("max_num_batched_tokens", 2048),
@@ -175,6 +175,8 @@ def main(argv: list[str]) -> int:
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = spec["connector"]
     kw.update(spec.get("llm", {}))  # more engine arguments (e.g. disable_hybrid_kv_cache_manager)
+    if kw["num_gpu_blocks_override"] is None:  # vLLM's cache sized by kv_cache_memory_bytes alone
+        del kw["num_gpu_blocks_override"]
     if spec.get("tensor_parallel_size", 1) > 1:
         kw["tensor_parallel_size"] = spec["tensor_parallel_size"]
     if spec.get("kv_events") is not None:  # vLLM's own KV-event publisher (kvcm's tier events ride on it)
