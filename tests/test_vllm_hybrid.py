@@ -112,12 +112,14 @@ def test_failed_loads_recompute_exactly(hybrid: dict, fault: str) -> None:
     base, p = phase(hybrid["baseline"], "main"), phase(hybrid["kvcm"], fault)
     assert p["outputs"] == base["outputs"]
     c = lambda side, key: delta(p, side, key)
-    assert c("counters", "failed_loads") > 0 and c("worker", "failed_recving") == c("counters", "failed_loads")
+    assert c("worker", "failed_recving") == c("counters", "failed_loads")  # every failed load: by request
     assert c("worker", "load_error_blocks") == 0  # nothing reported by block id
     if fault == "disk-truncated-mid-load":
+        # the truncation lands on the first disk read: a load in flight, or a page kvcm onboards
+        # for a prefix vLLM still holds itself (then no load fails, the kvcm request rolls back)
         assert c("counters", "failed_ops") > 0 and c("counters", "rollbacks") > 0
-    else:
-        assert c("worker", "shared_load_failures") > 0
+    else:  # the store dies inside the get of a load in flight: that load fails
+        assert c("worker", "shared_load_failures") > 0 and c("counters", "failed_loads") > 0
     assert_drained(p)
 
 

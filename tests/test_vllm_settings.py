@@ -103,6 +103,7 @@ def test_hybrid_groups_map_onto_kvcm_life_cycles_of_their_kind() -> None:
     assert layout.lc_groups == ((0, 1, 2), (3,))  # one kvcm life cycle per kind: window 64, then full
     cfg = ConnectorSettings.parse(None).manager_config(layout)
     assert [(layer.window, layer.sink_tokens) for layer in cfg.layers] == [(64, 0)] * 3 + [(None, 0)]
+    assert cfg.pool_ratio == {0: 1.0, 1: 1.0}  # every life cycle the same share of each tier's bytes
     mgr = kvcm.KVCacheManager(cfg)
     assert len(mgr.life_cycles) == 2
     mgr.shutdown()
@@ -113,6 +114,7 @@ def test_hybrid_groups_map_onto_kvcm_life_cycles_of_their_kind() -> None:
     # one full group: the layout of before (not hybrid; block-level load errors as before)
     full = KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu")
     assert not full.hybrid and full.lc_groups == ((0,),) and full.groups == ()
+    assert ConnectorSettings.parse(None).manager_config(full).pool_ratio is None
 
 
 def test_unsupported_groups_are_refused_naming_the_kind() -> None:

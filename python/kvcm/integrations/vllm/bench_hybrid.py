@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -43,8 +44,22 @@ def _kvcm(tmp: str, name: str, host_pages: int) -> dict:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
 
 
+def _child(tmp: str, name: str, spec: dict) -> dict:
+    """One engine process (:mod:`kvcm.integrations.vllm.workload`) running ``spec``."""
+    spec_path, out_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.out.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    p = subprocess.run([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
+                       capture_output=True, text=True, check=False)
+    if p.returncode != 0:
+        raise RuntimeError(f"bench vllm --model gemma3: the {name} engine failed ({p.returncode}):\n{p.stderr[-6000:]}")
+    if "Turning off hybrid kv cache manager" in p.stdout + p.stderr and not spec.get("llm"):
+        raise RuntimeError(f"bench vllm --model gemma3: vLLM turned its hybrid manager off for {name}")
+    with open(out_path) as f:
+        return json.load(f)
+
+
 def run(args: argparse.Namespace) -> int:
-    from kvcm.integrations.vllm.bench import _child
     from kvcm.integrations.vllm.workload import make_model
 
     # vLLM's CPU backend reserves one more core when a connector is configured: every engine

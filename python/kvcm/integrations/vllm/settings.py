@@ -255,7 +255,12 @@ class ConnectorSettings:
             # (kvcm.integrations.vllm.worker.shard_config), and a block is a shared hit only when
             # every rank's object is there
             namespace = f"{self.shared_namespace}|{layout.describe}|tp{world}"
-        return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers,
+        # several life cycles (a hybrid model): each gets the same share of every tier's bytes
+        # (equal slot counts would give a full-attention life cycle, which keeps a page of every
+        # block, as few slots as a window life cycle, which keeps a page of a few blocks per request)
+        n_lc = len(layout.lc_groups)
+        ratio = {"pool_ratio": dict.fromkeys(range(n_lc), 1.0)} if n_lc > 1 else {}
+        return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers, **ratio,
                                     enable_partial_reuse=False,  # vLLM loads whole blocks only
                                     shared_write=self.shared_write, shared_namespace=namespace)
 
