@@ -180,6 +180,53 @@ def test_admission_asks_the_shared_store_once(make_manager, tmp_path):
     assert EngineLoop(first_mgr).shared_hits(PROMPT_A) is None  # no plane to ask: no lookup
 
 
+def test_probe_changes_nothing_and_admission_takes_its_hits(make_manager, tmp_path):
+    """An engine that asks before it admits (vLLM's scheduler): ``probe`` asks the store and
+    answers what ``create`` would match, changing nothing in the manager; ``admit`` with the
+    probe's hits holds exactly that and does not ask the store again."""
+    store = str(tmp_path / "store")
+    cfg = config(8, shared=store, shared_namespace="engine-loop-probe")
+    serve(EngineLoop(make_manager(cfg), DataPlane(cfg, dtype=torch.uint8)), PROMPT_A)
+    mgr = make_manager(cfg)
+    plane = DataPlane(cfg, dtype=torch.uint8)
+    scheduler = EngineLoop(mgr, lookup_plane=plane)
+    before = mgr.snapshot()
+    probe, hits = scheduler.probe(PROMPT_A)
+    again, same = scheduler.probe(PROMPT_A, shared_hits=hits)  # the first answer, not asked again
+    assert mgr.snapshot() == before and plane.shared_stats["lookups"] == 1
+    assert probe.num_tokens == again.num_tokens == 8 and list(probe.block_tiers) == [3, 3] and same == hits
+    kv = scheduler.admit(PROMPT_A, sync=False, shared_hits=hits)
+    assert kv is not None and kv.num_committed_tokens == probe.num_tokens
+    assert plane.shared_stats["lookups"] == 1 and scheduler.last_shared_hits == len(hits) == 2
+    assert EngineLoop(mgr).probe(PROMPT_B)[1] is None  # no plane to ask: no hits
+    worker = EngineLoop(None, plane)
+    assert scheduler.report(worker.apply(scheduler.drain())) == []
+    kv.close()
+    scheduler.report(worker.apply(scheduler.drain()))
+    mgr.check_invariants()
+
+
+def test_a_block_is_a_shared_hit_only_when_every_lookup_plane_holds_it(make_manager, tmp_path):
+    """``lookup_planes`` (one per tensor-parallel rank, each naming objects with its rank):
+    the store's hits are the blocks every plane holds, in candidate order."""
+    import dataclasses
+
+    store = str(tmp_path / "store")
+    cfg = config(8, shared=store, shared_namespace="engine-loop-tp")
+    rank = [dataclasses.replace(cfg, shared_namespace=f"engine-loop-tp/r{r}") for r in (0, 1)]
+    serve(EngineLoop(make_manager(rank[0]), DataPlane(rank[0], dtype=torch.uint8)), PROMPT_A)  # 2 blocks
+    serve(EngineLoop(make_manager(rank[1]), DataPlane(rank[1], dtype=torch.uint8)), PROMPT_A[:5])  # block 0
+    planes = [DataPlane(c, dtype=torch.uint8) for c in rank]
+    mgr = make_manager(cfg)
+    both = EngineLoop(mgr, lookup_planes=planes)
+    cand = mgr.shared_candidates(PROMPT_A)
+    assert len(planes[0].shared_lookup(cand)) == 2
+    assert both.shared_hits(PROMPT_A) == cand[:1] and both.lookup_plane is planes[0]
+    assert both.probe(PROMPT_A)[0].num_tokens == B
+    with pytest.raises(ValueError, match="not both"):
+        EngineLoop(mgr, lookup_plane=planes[0], lookup_planes=planes)
+
+
 @pytest.mark.skipif("copy_settlement" not in KVCacheManagerConfig.__dataclass_fields__,
                     reason="KVCacheManagerConfig.copy_settlement (settle_copies) is not in this tree yet")
 def test_explicit_settlement_settles_every_drain(make_manager):

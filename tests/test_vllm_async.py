@@ -261,6 +261,7 @@ def test_disk_fault_while_async_load_in_flight(tmp_path, backend, sims, fault, a
     c = sim.sched.counters
     assert not sim.violations
     assert c["failed_ops"] > before["failed_ops"] and c["rollbacks"] > before["rollbacks"]
+    assert sim.sched.loop.counters["rollbacks"] == c["rollbacks"]  # settled through the engine loop
     assert c["load_error_blocks"] > 0 and c["load_error_blocks"] == sim.counters["invalid_blocks"]
     assert sim.sched.worker_counters["load_error_blocks"] == c["load_error_blocks"]
     assert_drained(sim)
@@ -429,8 +430,7 @@ def test_two_ranks_name_their_shards_and_agree(tmp_path, backend, sims, fault_fi
     gone = sorted(present[1])[:2]
     for key, lc in gone:  # rank 1's shard of two blocks disappears: rank 0's alone is no hit
         os.unlink(rank1.shared.path(rank1.codec.name(key, lc)))
-    assert set(sched._hits("probe", prefix)) == present[0] - set(gone)
-    sched.hit_cache.clear()
+    assert set(sched.loop.shared_hits(prefix)) == present[0] - set(gone)
     chats.run(second, 1)
     assert sched.counters["hit_blocks_shared"] > 0 and not second.violations
     assert_drained(second)
@@ -550,6 +550,70 @@ def test_sync_load_waits_only_for_the_writes_of_its_slots(tmp_path, backend, sim
     out = eng.sync_loads([LoadPlan(2, "r", [6], [1], sync=True)])
     assert time.monotonic() - t0 >= 0.25
     assert out == {2: [0]}  # the onboard read a never-written disk slot: the load fails
+
+
+def test_a_jobs_outcome_is_seen_with_its_completion(tmp_path, backend, sims) -> None:
+    """Whoever sees a job's results sees it done: while a load job runs, take() reports
+    nothing of it and its bytes are in flight; the first take() that reports it finds its
+    bytes released and nothing queued (the outcome is published under the lock that marks
+    the job done)."""
+    sim = rig(extra(tmp_path, backend), num_blocks=8)
+    sims.append(sim)
+    eng = sim.workers[0].engine
+    entered, opened = threading.Event(), threading.Event()
+    orig = eng.copier.load
+
+    def held(slots, blocks, pool, sync, after=None):
+        entered.set()
+        opened.wait(30)
+        orig(slots, blocks, pool, sync, after)
+
+    eng.copier.load = held
+    eng.submit_loads([LoadPlan(5, "r", [1, 2], [0, 1], sync=False)])
+    assert entered.wait(10)
+    assert eng.take().loads == {} and eng.gauges()["bytes_in_flight"] == 2 * SIM_PAGE
+    threading.Timer(0.05, opened.set).start()
+    seen = []
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        done = eng.take()
+        if done.loads:
+            seen.append((done.loads, eng.gauges()))
+    assert seen, "the load never completed"
+    loads, gauges = seen[0]
+    assert loads == {5: []} and gauges["bytes_in_flight"] == 0 and gauges["jobs_queued"] == 0
+
+
+def test_async_loads_start_after_the_marker_of_their_step(tmp_path, backend, sims) -> None:
+    """start_load_kv hands an asynchronous load the marker recorded on vLLM's thread when it
+    was queued (on CUDA: an event on the compute stream, so vLLM's zeroing of the blocks it
+    allocated comes first; the transfer thread's current stream is not vLLM's); a
+    synchronous load runs on vLLM's thread and records its own (``after`` None)."""
+    from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata
+
+    sim = rig(extra(tmp_path, backend), num_blocks=8)
+    sims.append(sim)
+    w = sim.workers[0]
+    eng = w.engine
+    marker = object()
+    eng.copier.forward_marker = lambda: marker
+    seen: dict[bool, object] = {}
+    orig = eng.copier.load
+
+    def recording(slots, blocks, pool, sync, after=None):
+        seen[sync] = after
+        orig(slots, blocks, pool, sync, after)
+
+    eng.copier.load = recording
+    meta = KvcmConnectorMetadata(1, loads=[LoadPlan(1, "a", [1], [2], sync=False),
+                                           LoadPlan(2, "b", [3], [4], sync=True)])
+    w.start_load_kv(meta)
+    deadline = time.monotonic() + 10
+    while eng.gauges()["jobs_queued"] and time.monotonic() < deadline:
+        eng.wait_any(0.1)
+    assert seen == {False: marker, True: None}
+    _sending, recving, _ = w.get_transfer_results()
+    assert recving == {"a"} and w.get_block_ids_with_load_errors() == set()
 
 
 def test_close_with_work_queued_fails_it_and_joins(tmp_path, backend) -> None:

@@ -43,6 +43,7 @@ import threading
 
 import pytest
 from children import child_env
+from vllm_fault_store import HANG_S
 
 if os.environ.get("KVCM_VLLM_TESTS") != "1":
     pytest.skip("the vLLM connector tests run in the vllm leg (KVCM_VLLM_TESTS=1)", allow_module_level=True)
@@ -71,8 +72,10 @@ FAULT_PHASES = [
     {"name": "shared-corrupted", "reset": True, "fault": "corrupt"},
     {"name": "store-dies-mid-load", "reset": True, "fault": "die"},
     {"name": "store-down", "reset": True, "fault": "down"},
-    # every store call sleeps past the deadline: one turn only (each call costs its deadline)
-    {"name": "store-hung", "reset": True, "fault": "hang", "workload": {"turns": 1}},
+    # every store call sleeps past the deadline: one turn only (each call costs its deadline);
+    # the calls given up on return HANG_S later: waited out, so that no phase after this one
+    # starts with their threads (the long run compares thread counts)
+    {"name": "store-hung", "reset": True, "fault": "hang", "workload": {"turns": 1}, "settle_s": HANG_S + 1},
     {"name": "store-full", "reset": True, "fault": "full"},
     # loads from the store take a while (a slow get): requests aborted two engine steps after
     # they were added land on their loads and saves in flight

@@ -56,6 +56,33 @@ def test_cuda_copier_round_trips_pages_like_the_cpu_one(kv_first: bool) -> None:
     cp.close()
 
 
+def test_async_load_waits_for_what_the_compute_stream_queued_before_it() -> None:
+    """An asynchronous load runs on the transfer thread, whose current stream is not vLLM's:
+    it starts after the marker recorded on vLLM's (non-default) compute stream when it was
+    queued, so a write vLLM queued to the block before (a slow one here) never lands on top
+    of the loaded bytes."""
+    import threading
+
+    n, B, H, D = 12, 16, 2, 8
+    gpu = [torch.zeros((n, B, 2, H, D), device="cuda")]
+    nbytes = (B * 2 * H * D * 4,)
+    cp = CudaCopier(page_parts(gpu, nbytes, n, ("l0",)), torch.device("cuda"))
+    pool = torch.arange(4 * nbytes[0], dtype=torch.int64).remainder(251).to(torch.uint8).view(4, -1)
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        big = torch.randn(2048, 2048, device="cuda")
+        for _ in range(20):
+            big = big @ big / 2048
+        gpu[0][9].fill_(-1.0)  # queued behind the busy work
+        marker = cp.forward_marker()
+    t = threading.Thread(target=cp.load, args=([2], [9], pool, False, marker))
+    t.start()
+    t.join(60)
+    torch.cuda.synchronize()
+    assert torch.equal(gpu[0][9].cpu().view(torch.uint8).reshape(-1), pool[2])
+    cp.close()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync-sched", "async-sched"])
 def test_protocol_exact_on_cuda(tmp_path, backend, async_scheduling) -> None:
     """The engine-free protocol run (vllm_sim) with vLLM's KV tensors on the GPU: loads

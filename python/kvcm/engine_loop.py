@@ -4,19 +4,25 @@ Every engine that drives a manager does the same two things around its own sched
 
 * **admission** — ask the shared store which of the prompt's blocks it holds (one batched
   query, only with a shared tier), ``create_kv_cache`` with those hits, ``resume`` (and
-  ``resize`` to the room the request needs now); a refusal closes the new request;
+  ``resize`` to the room the request needs now); a refusal closes the new request.  An
+  engine that decides before it admits (vLLM asks how much is cached first) probes with the
+  same hits, without side effects (:meth:`EngineLoop.probe`), and admits with them;
 * **sync** — drain the manager's copy runs, execute them in the data plane, and report the
   ops that did not complete (a ``CopyError``: disk I/O, a checksum, a store load) so that
   the manager forgets their pages and rolls back the requests that used them; the engine
   then recomputes those requests from their new committed length.
 
 :class:`EngineLoop` is that protocol; the reference engine (``kvcm.engine``), the tools
-(``kvcm.tools.soak``, ``kvcm.tools.fleet_replay``) and the transformers integration use it.
+(``kvcm.tools.soak``, ``kvcm.tools.fleet_replay``), the transformers integration and, by
+halves, the vLLM connector use it.
 Its halves can be used apart, for an engine whose copies run elsewhere or later (vLLM's
 scheduler and workers): :meth:`EngineLoop.admit` with ``sync=False`` and
 :meth:`EngineLoop.drain` on the side that owns the manager, :meth:`EngineLoop.apply` on the
 side that owns the bytes, and :meth:`EngineLoop.report` back on the manager's side, once per
-non-empty drain, in drain order.
+non-empty drain, in drain order (with explicit settlement, drains later).  With several
+sides that own bytes (vLLM's tensor-parallel ranks, each storing its shard of a block under
+its own object name), a block is a shared hit only when every rank's object exists
+(``lookup_planes``).
 
 :func:`config_from_layout` is the config an engine builds from its layer layout, with every
 tier sized in pages per life cycle.
@@ -28,13 +34,17 @@ object with ``apply_runs`` (and, for a shared tier, ``shared`` and ``shared_look
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from kvcm.api import AttentionLayer, CopyError, CopyOp, CopyRun, KVCacheManagerConfig, Layer, SsmLayer, Tier
 
 if TYPE_CHECKING:
-    from kvcm.api import KVCache, KVCacheManager, ReuseScope
+    from kvcm.api import KVCache, KVCacheManager, ReuseProbe, ReuseScope
     from kvcm.dataplane import DataPlane
+
+ASK: Final = object()
+"""``shared_hits=ASK`` (the default): ask the store now.  Any other value is the store's
+answer from an earlier :meth:`EngineLoop.probe` (None: no shared tier), used as it is."""
 
 
 def page_bytes(tokens_per_block: int, layers: Sequence[Layer]) -> int:
@@ -78,14 +88,18 @@ class EngineLoop:
     ``manager``: the kvcm manager (``None`` on a side that only applies copies).  ``plane``:
     the data plane that executes its copies (``None`` on a side that only drains and reports).  ``lookup_plane``: the plane that
     answers shared-store queries at admission (default ``plane``; ``None`` and no ``plane``:
-    no lookups).  ``on_rollback``: called with the id of each cache the manager rolled back
+    no lookups).  ``lookup_planes``: several planes that answer them together, in place of
+    ``lookup_plane``: a block is a hit only when every one holds its object (one plane per
+    tensor-parallel rank, each naming objects with its rank).  ``on_rollback``: called with the id of each cache the manager rolled back
     (after the report that rolled it back; the cache is SUSPENDED, its committed tokens cut to
     before the first lost block: resume it and recompute from ``num_committed_tokens``).
 
     Attributes:
         manager: the manager, or None.
         plane: the plane that executes copies, or None.
-        lookup_plane: the plane that answers shared lookups, or None.
+        lookup_plane: the plane that answers shared lookups, or None (the first of
+            ``lookup_planes`` when those are given).
+        lookup_planes: every plane that must hold a block's object for a shared hit.
         on_rollback: the roll-back callback, or None.
         counters: ``copy_failures`` (applies that raised ``CopyError``), ``failed_ops``,
             ``rollbacks`` (caches rolled back), ``shared_hits`` ((key, lc) pairs the store held
@@ -98,11 +112,18 @@ class EngineLoop:
     RESUME_ATTEMPTS = 3
 
     def __init__(self, manager: KVCacheManager | None, plane: DataPlane | None = None, *,
-                 lookup_plane: DataPlane | None = None,
+                 lookup_plane: DataPlane | None = None, lookup_planes: Sequence[DataPlane] = (),
                  on_rollback: Callable[[int | str], None] | None = None) -> None:
+        if lookup_planes and lookup_plane is not None:
+            raise ValueError("EngineLoop: give lookup_plane or lookup_planes, not both")
         self.manager = manager
         self.plane = plane
-        self.lookup_plane = lookup_plane if lookup_plane is not None else plane
+        if lookup_planes:
+            self.lookup_planes = list(lookup_planes)
+        else:
+            one = lookup_plane if lookup_plane is not None else plane
+            self.lookup_planes = [one] if one is not None else []
+        self.lookup_plane = self.lookup_planes[0] if self.lookup_planes else None
         self.on_rollback = on_rollback
         self.counters = dict.fromkeys(("copy_failures", "failed_ops", "rollbacks", "shared_hits", "refused"), 0)
         self.last_shared_hits = 0
@@ -112,16 +133,39 @@ class EngineLoop:
 
     def shared_hits(self, tokens: Sequence[Any], scope: ReuseScope | None = None) -> list[tuple[bytes, int]] | None:
         """The ``(key, lc)`` pairs of ``tokens``' blocks past the local match that the shared
-        store holds (one batched query), or None without a shared store to ask."""
-        lp = self.lookup_plane
-        if lp is None or getattr(lp, "shared", None) is None:
+        store holds (one batched query per lookup plane; with several, the pairs every one
+        holds, in candidate order), or None without a shared store to ask."""
+        planes = self.lookup_planes
+        if not planes or any(getattr(lp, "shared", None) is None for lp in planes):
             return None
-        return lp.shared_lookup(self.manager.shared_candidates(tokens, scope))
+        candidates = self.manager.shared_candidates(tokens, scope)
+        if len(planes) == 1:
+            return planes[0].shared_lookup(candidates)
+        found: set[tuple[bytes, int]] | None = None
+        for lp in planes:
+            got = set(lp.shared_lookup(candidates))
+            found = got if found is None else found & got
+            if not found:
+                return []
+        return [c for c in candidates if c in found]
 
-    def create(self, tokens: Sequence[Any], scope: ReuseScope | None = None, *, id: int | str | None = None) -> KVCache:
-        """``create_kv_cache(tokens, scope, id=id)`` with the shared store's hits: a SUSPENDED
-        cache holding the longest match (local tiers and the store)."""
-        hits = self.shared_hits(tokens, scope)
+    def probe(self, tokens: Sequence[Any], scope: ReuseScope | None = None, *,
+              shared_hits: Any = ASK) -> tuple[ReuseProbe, list[tuple[bytes, int]] | None]:
+        """What :meth:`create` would match now, without side effects on the manager
+        (``probe_reuse_detail``: the match and the coldest tier of each block's pages), with
+        the store's hits (asked now, or ``shared_hits`` from an earlier probe of the same
+        tokens); returns the probe and those hits.  Pass the hits to :meth:`create` or
+        :meth:`admit` (``shared_hits=``): the request created then holds what was probed,
+        and the store is not asked again."""
+        hits = self.shared_hits(tokens, scope) if shared_hits is ASK else shared_hits
+        return self.manager.probe_reuse_detail(tokens, scope, shared_hits=hits), hits
+
+    def create(self, tokens: Sequence[Any], scope: ReuseScope | None = None, *, id: int | str | None = None,
+               shared_hits: Any = ASK) -> KVCache:
+        """``create_kv_cache(tokens, scope, id=id)`` with the shared store's hits (asked now,
+        or ``shared_hits`` from :meth:`probe`): a SUSPENDED cache holding the longest match
+        (local tiers and the store)."""
+        hits = self.shared_hits(tokens, scope) if shared_hits is ASK else shared_hits
         self.last_shared_hits = len(hits or ())
         self.counters["shared_hits"] += self.last_shared_hits
         return self.manager.create_kv_cache(tokens, scope, id=id, shared_hits=hits)
@@ -140,11 +184,12 @@ class EngineLoop:
         return False
 
     def admit(self, tokens: Sequence[Any], scope: ReuseScope | None = None, *, id: int | str | None = None,
-              capacity: int | None = None, sync: bool = True) -> KVCache | None:
-        """:meth:`create` then :meth:`resume`: an ACTIVE cache whose matched pages are on gpu
-        (and, with ``sync``, whose copies ran).  A refusal closes it (then syncs, with
-        ``sync``) and returns None: the request waits and is admitted again later."""
-        kv = self.create(tokens, scope, id=id)
+              capacity: int | None = None, sync: bool = True, shared_hits: Any = ASK) -> KVCache | None:
+        """:meth:`create` (``shared_hits`` as there) then :meth:`resume`: an ACTIVE cache whose
+        matched pages are on gpu (and, with ``sync``, whose copies ran).  A refusal closes it
+        (then syncs, with ``sync``) and returns None: the request waits and is admitted again
+        later."""
+        kv = self.create(tokens, scope, id=id, shared_hits=shared_hits)
         if self.resume(kv, capacity, sync=sync):
             return kv
         self.counters["refused"] += 1
@@ -205,4 +250,4 @@ class EngineLoop:
         return self.report(self.apply(runs))
 
 
-__all__ = ["EngineLoop", "config_from_layout", "page_bytes"]
+__all__ = ["ASK", "EngineLoop", "config_from_layout", "page_bytes"]

@@ -149,7 +149,8 @@ class SharedIO:
                 box["error"] = e
             done.set()
 
-        threading.Thread(target=work, name=f"kvcm-shared-{what}", daemon=True).start()
+        worker = threading.Thread(target=work, name=f"kvcm-shared-{what}", daemon=True)
+        worker.start()
         if not done.wait(self.timeout_s):
             self.stats["timeouts"] += 1
             self.late.append((done, staging))
@@ -157,6 +158,9 @@ class SharedIO:
                 self._staging = None  # abandoned: freed by _reap once the call returned
             raise TimeoutError(errno.ETIMEDOUT, f"the shared store's {what} did not answer within "
                                                 f"{self.timeout_s:g} s")
+        # it answered and is ending: gone before its answer is used, so a call that returned
+        # leaves no thread behind (an engine's thread count is flat whenever it is idle)
+        worker.join()
         if "error" in box:
             raise box["error"]
         return box["result"]

@@ -2,8 +2,10 @@
 
 It owns kvcm's manager and mirrors each vLLM request that runs into a kvcm request (a
 :class:`Mirror`), whose pages live in kvcm's tier 0 (host memory), then disk, then the
-shared store (DECISIONS.md "vLLM connector").  It imports nothing of vLLM: the requests
-and scheduler outputs it reads are duck-typed (``request_id``, ``all_token_ids``,
+shared store (DECISIONS.md "vLLM connector").  The engine side of kvcm's protocol goes
+through :class:`kvcm.engine_loop.EngineLoop` (the half that owns the manager: probe, admit
+without syncing, drain, report; the workers' loops apply).  It imports nothing of vLLM:
+the requests and scheduler outputs it reads are duck-typed (``request_id``, ``all_token_ids``,
 ``num_computed_tokens``; ``num_scheduled_tokens``, ``preempted_req_ids``,
 ``total_num_scheduled_tokens``, ``kv_connector_block_state`` or the new / cached request
 data), so tests drive it without an engine.
@@ -12,18 +14,20 @@ Per step (vLLM's order; under async scheduling vLLM builds step N+1 before it ha
 the workers' output of step N, and nothing here depends on that output being in):
 
 * ``get_num_new_matched_tokens`` (a waiting request, maybe several times): a probe without
-  side effects — the store's existence query (cached per request and prompt length), then
-  ``probe_reuse_detail(prompt[:-1], shared_hits=...)``.  The answer is the whole blocks kvcm
-  holds past vLLM's local hit; asynchronous when one of them must first come from disk or
-  the store (``load_mode``).
-* ``update_state_after_alloc``: the kvcm request is created (with the cached hits) and
-  resumed, and the load is planned (kvcm tier-0 slots -> the vLLM blocks just allocated).
+  side effects (``EngineLoop.probe``) — the store's existence query (cached per request and
+  prompt length), then ``probe_reuse_detail(prompt[:-1], shared_hits=...)``.  The answer is
+  the whole blocks kvcm holds past vLLM's local hit; asynchronous when one of them must
+  first come from disk or the store (``load_mode``).
+* ``update_state_after_alloc``: the kvcm request is admitted (``EngineLoop.admit`` with the
+  probe's hits, ``sync=False``: created, resumed, closed if refused), and the load is
+  planned (kvcm tier-0 slots -> the vLLM blocks just allocated).
 * ``build_connector_meta``: saves are planned for the blocks full after the step (bounded by
   ``max_inflight_bytes``), preemptions and finished requests holding blocks are passed on,
-  then ONE ``drain_copy_runs()`` (drains are settled explicitly, oldest first).
+  then ONE drain (``EngineLoop.drain``; drains are settled explicitly, oldest first).
 * ``update_connector_output``: the workers' reports, once every rank made its report: drains
-  are settled (``settle_copies``: roll-backs), loads counted as delivered or failed, confirmed
-  saves committed (a block enters kvcm's tree only after its bytes are written).
+  are settled (``EngineLoop.report``: ``settle_copies``, roll-backs), loads counted as
+  delivered or failed, confirmed saves committed (a block enters kvcm's tree only after
+  its bytes are written).
 * ``request_finished``: True while saves of the request are in flight (vLLM keeps its blocks
   until every worker reports it in ``finished_sending``).
 
@@ -43,6 +47,7 @@ from typing import Any
 import kvcm
 from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig, Tier
 from kvcm.dataplane import DataPlane
+from kvcm.engine_loop import ASK, EngineLoop
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
 from kvcm.integrations.vllm.stats import process_stats
@@ -59,13 +64,6 @@ def shard_config(config: KVCacheManagerConfig, rank: int) -> KVCacheManagerConfi
     if not config.shared_namespace:
         return config
     return replace(config, shared_namespace=f"{config.shared_namespace}/r{rank}")
-
-
-def probe_detail(mgr: Any, tokens: list[int], scope: Any, hits: Any) -> tuple[int, list[int]]:
-    """``(reusable tokens, coldest tier of each block's pages)`` for ``tokens`` with the
-    store's ``hits``, without side effects (``probe_reuse_detail``)."""
-    p = mgr.probe_reuse_detail(tokens, scope=scope, shared_hits=hits)
-    return p.num_tokens, list(p.block_tiers)
 
 
 @dataclass
@@ -186,6 +184,8 @@ class KvcmScheduler:
                                            shared_namespace=self.config.shared_namespace)
                 self.lookup_planes.append(DataPlane(shard_config(cfg, rank), store=settings.make_store(),
                                                     shared_timeout_s=settings.shared_timeout_s))
+        # the engine side of the protocol, the half that owns the manager (the workers apply)
+        self.loop = EngineLoop(self.mgr, lookup_planes=self.lookup_planes)
         self.mirrors: dict[str, Mirror] = {}  # by request id: the live mirror of a request
         self.retiring: dict[int, Mirror] = {}  # by serial: finished or preempted, transfers in flight
         self.by_cache: dict[Any, Mirror] = {}  # kvcm cache id -> mirror
@@ -261,9 +261,10 @@ class KvcmScheduler:
             self.probes[rid] = Probe(len(tokens), n_local, 0, False, None, [], scope)
             return 0, False
         prefix = list(tokens[:-1])
-        hits = self._hits(rid, prefix, scope)
-        m, tiers = probe_detail(self.mgr, prefix, scope, hits)
-        hit = m // self.B
+        p, hits = self.loop.probe(prefix, scope, shared_hits=self._known_hits(rid, prefix))
+        self._remember_hits(rid, prefix, hits)
+        tiers = list(p.block_tiers)
+        hit = p.num_tokens // self.B
         answer = max(0, hit * self.B - n_local)
         mode = self.settings.load_mode
         if rid in self.no_load:
@@ -275,28 +276,20 @@ class KvcmScheduler:
         self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit], scope)
         return answer, is_async
 
-    def _hits(self, rid: str, prefix: list[int], scope: Any = None) -> Any:
-        """The store's hits for ``prefix``: one batched query per rank, asked once per
-        request and prompt length (vLLM may probe a waiting request every step)."""
-        if not self.lookup_planes:
-            return None
+    def _known_hits(self, rid: str, prefix: list[int]) -> Any:
+        """The store's hits for ``prefix`` asked at an earlier probe of this request and
+        prompt length (vLLM may probe a waiting request every step), else ``ASK``: the loop
+        asks (one batched query per rank: a block is a hit only when every rank's shard is
+        there)."""
         cached = self.hit_cache.get(rid)
-        if cached is not None and cached[0] == len(prefix):
-            return cached[1]
-        candidates = self.mgr.shared_candidates(prefix, scope)
-        hits = None
-        if candidates:
-            self._count("lookups")
-            self.counters["lookup_tokens"] += len(prefix)
-            found = None
-            for plane in self.lookup_planes:  # a block is a hit only when every rank's shard is there
-                got = set(plane.shared_lookup(candidates))
-                found = got if found is None else found & got
-                if not found:
-                    break
-            hits = [c for c in candidates if c in found]
+        return cached[1] if cached is not None and cached[0] == len(prefix) else ASK
+
+    def _remember_hits(self, rid: str, prefix: list[int], hits: Any) -> None:
+        if not self.lookup_planes or rid in self.hit_cache and self.hit_cache[rid][0] == len(prefix):
+            return
+        self._count("lookups")
+        self.counters["lookup_tokens"] += len(prefix)
         self.hit_cache[rid] = (len(prefix), hits)
-        return hits
 
     def update_state_after_alloc(self, request: Any, block_ids: Any, n_external: int) -> None:
         """vLLM allocated the request's blocks (``block_ids``: its blocks of each KV cache
@@ -325,10 +318,10 @@ class KvcmScheduler:
             self.counters["unmirrored"] += 1  # admitted without a probe (nothing to load): not mirrored
             return
         prefix = list(request.all_token_ids[:-1])
-        kv = self.mgr.create_kv_cache(prefix, scope=probe.scope, shared_hits=probe.hits)
-        if not kv.resume():  # tier 0 is full of locked pages: not mirrored
-            kv.close()
-            kv = None
+        # created with the probe's hits, resumed; closed when tier 0 is full of locked pages
+        # (then not mirrored: its load, if any, fails and vLLM recomputes)
+        kv = self.loop.admit(prefix, probe.scope, sync=False, shared_hits=probe.hits)
+        if kv is None:
             self._count("mirror_stops")
         else:
             self.kv_open += 1
@@ -440,7 +433,7 @@ class KvcmScheduler:
                 continue
             after = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids))
             self._plan_saves(m, min(after // self.B, min(len(t) for t in m.tables)), meta, after)
-        runs = self.mgr.drain_copy_runs()
+        runs = self.loop.drain()
         if any(len(r) for r in runs):
             self.drain_seq += 1
             meta.drain_seq = self.drain_seq
@@ -598,7 +591,7 @@ class KvcmScheduler:
                 return
             del self.drain_reports[seq]
             failed = _union(reps.values())
-            rolled = self.mgr.settle_copies(failed)
+            rolled = self.loop.report(failed)  # settle_copies (explicit settlement)
             self.settled = seq
             self.inflight_bytes -= self.drain_bytes.pop(seq, 0)
             self._count("failed_ops", len(failed))
@@ -619,7 +612,7 @@ class KvcmScheduler:
         m.epoch += 1
         m.confirmed.clear()
         m.committed = m.planned = m.kv.num_committed_tokens // self.B
-        if m.stopped or m.retiring or not m.kv.resume():
+        if m.stopped or m.retiring or not self.loop.resume(m.kv, sync=False):
             self._stop(m)
         else:
             self.created.append(m)  # resume may onboard pages: the next drain fills them
@@ -790,7 +783,7 @@ class KvcmScheduler:
                 "worker_gauges": {str(k): v for k, v in self.worker_gauges.items()}, "seconds": self.seconds,
                 "waits": self.waits,
                 "pending": self.pending(), "manager": self.mgr.stats(), "process": process_stats(),
-                "lookup": _lookup_stats(self.lookup_planes)}
+                "lookup": _lookup_stats(self.lookup_planes), "loop": dict(self.loop.counters)}
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, default=str)

@@ -14,6 +14,13 @@ ever written by a job queued after every job that read it.  Two things leave the
 * nothing else: saves are never waited for, except by :meth:`TransferEngine.wait_saves`
   (vLLM preempted their request: its blocks are about to be reused).
 
+**A job's outcome is published with its completion**: the thread collects what a job did
+(drain results, load and save outcomes, poisoned and healed slots, counters) in a private
+outcome and publishes it, marks the job done and releases its bytes in flight under one lock
+(``TransferEngine._finish``).  Whoever observes the job done (a synchronous load waiting on
+its write ticket, :meth:`TransferEngine.wait_saves`, :meth:`TransferEngine.take`) also sees
+its results, and never a result of a job not yet done.
+
 **Slot poisoning**: a tier-0 or disk slot whose last write failed (a failed copy op, an op
 of a drain that stopped before it, a failed save) is *poisoned* until a later write to it
 succeeds.  Any op or load that reads a poisoned slot fails too (a store op never publishes
@@ -23,9 +30,10 @@ propagates to everything that depended on the lost bytes.
 Copies between vLLM's tensors and host rows are made by a *copier*: :class:`CpuCopier`
 (vLLM's CPU backend: index_select / index_copy_ on the worker thread; torch releases the
 GIL, so the forward runs meanwhile) or :class:`CudaCopier` (pinned host staging, a side
-stream that waits on an event recorded on the compute stream after the forward, CUDA events
-for completion, one gather or scatter per layer part per job; the compute stream is never
-synchronized by the host — a synchronous load makes it *wait on an event*).
+stream that waits on an event recorded on the compute stream — after the forward for a save,
+when it was queued for an asynchronous load —, CUDA events for completion, one gather or
+scatter per layer part per job; the compute stream is never synchronized by the host — a
+synchronous load makes it *wait on an event*).
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ from typing import Any
 
 import torch
 
-from kvcm.api import GPU, SHARED, CopyError, CopyOp, CopyRun
+from kvcm.api import GPU, SHARED, CopyOp, CopyRun
+from kvcm.engine_loop import EngineLoop
 from kvcm.integrations.vllm.metadata import LoadPlan, SavePlan
 
 logger = logging.getLogger(__name__)
@@ -112,8 +121,9 @@ class CpuCopier:
         self.parts = list(parts)
 
     def forward_marker(self) -> Any:
-        """What a save job waits on before it reads vLLM's blocks (CPU: the forward is done
-        when ``wait_for_save`` runs)."""
+        """What a job waits on before it touches vLLM's blocks: a save, the step's forward;
+        an asynchronous load, what vLLM queued before it (e.g. zeroing the blocks it
+        allocated).  CPU: nothing — the caller's work is done when it queues the job."""
         return None
 
     def save(self, blocks: Sequence[int], slots: Sequence[int], pool: torch.Tensor, after: Any) -> None:
@@ -127,7 +137,8 @@ class CpuCopier:
 
     def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool,
              after: Any = None) -> None:
-        """tier-0 rows -> vLLM blocks, one scatter per part (CPU: done on return)."""
+        """tier-0 rows -> vLLM blocks, one scatter per part (CPU: done on return; ``sync``
+        and ``after`` do not matter)."""
         bidx = _ids(blocks)
         sidx = torch.tensor(slots, dtype=torch.long)
         n = len(blocks)
@@ -148,10 +159,13 @@ class CudaCopier:
       event (the compute stream never does) and copies the staging rows into tier 0;
     * a load: the tier-0 rows are gathered into pinned staging on the host, copied to the
       device and scattered per part on the side stream, after an event recorded on the
-      compute stream when the load started (vLLM's block zeroing comes first).  An
-      asynchronous load's worker thread waits on its event before the request is reported
-      loaded; a synchronous one makes the compute stream wait on the event (no host sync)
-      and keeps its buffers until the event has completed.
+      compute stream when the load was queued (whatever vLLM queued before, e.g. zeroing
+      the blocks it allocated, comes first): for an asynchronous load, by ``start_load_kv``
+      on vLLM's thread (:meth:`forward_marker`, passed as ``after``: the transfer thread's
+      current stream is not vLLM's); for a synchronous one, on the calling thread, which is
+      vLLM's.  An asynchronous load's worker thread waits on its event before the request
+      is reported loaded; a synchronous one makes the compute stream wait on the event (no
+      host sync) and keeps its buffers until the event has completed.
     """
 
     def __init__(self, parts: Sequence[Part], device: torch.device) -> None:
@@ -249,17 +263,32 @@ class Completed:
     load_reqs: dict[int, str] = field(default_factory=dict)  # load_id -> request (async loads)
     counters: Counter = field(default_factory=Counter)
     saves_done: set[str] = field(default_factory=set)  # asked-about requests with no save left queued
-    ended: list[tuple[SavePlan, bool]] = field(default_factory=list)  # a job's saves (published by _finish)
+
+
+@dataclass
+class _Outcome:
+    """What one job did, collected by the thread while it runs and published with its
+    completion by ``TransferEngine._finish`` (module doc)."""
+
+    done: Completed = field(default_factory=Completed)  # merged into what take() returns
+    ended: list[tuple[SavePlan, bool]] = field(default_factory=list)  # the job's saves and whether each succeeded
+    poisoned: set[tuple[int, int, int]] = field(default_factory=set)  # slots whose write failed
+    healed: set[tuple[int, int, int]] = field(default_factory=set)  # slots written successfully
 
 
 class TransferEngine:
     """One worker thread executing a FIFO of jobs against one data plane (module doc).
-    ``copier``: one copier, or one per kvcm life cycle (a hybrid model: each life cycle's
-    pages are the blocks of its own vLLM groups); loads and saves name their life cycle."""
+    ``loop``: the engine loop's half that applies copy runs (``EngineLoop(None, plane)``);
+    its plane holds kvcm's tier 0.  ``copier``: one copier, or one per kvcm life cycle (a
+    hybrid model: each life cycle's pages are the blocks of its own vLLM groups); loads and
+    saves name their life cycle."""
 
-    def __init__(self, plane: Any, copier: Any, page_bytes: int,
+    def __init__(self, loop: EngineLoop, copier: Any, page_bytes: int,
                  fault_hook: Callable[[CopyOp], None] | None = None, name: str = "kvcm-transfer") -> None:
-        self.plane = plane
+        if loop.plane is None:
+            raise ValueError("TransferEngine: the engine loop has no data plane")
+        self.loop = loop
+        plane = self.plane = loop.plane
         self.copiers = list(copier) if isinstance(copier, (list, tuple)) else [copier]
         self.copier = self.copiers[0]
         self.page_bytes = page_bytes
@@ -420,42 +449,48 @@ class TransferEngine:
                 except BaseException:  # a bug must not leave the queue hung: the job fails
                     logger.exception("kvcm transfer engine: job %s failed", job.kind)
                     out = self._failed(job)
-                    out.counters["engine_errors"] += 1
+                    out.done.counters["engine_errors"] += 1
             self._finish(job, out)
 
-    def _finish(self, job: _Job, out: Completed) -> None:
+    def _finish(self, job: _Job, out: _Outcome) -> None:
         """Publish a job's outcome and mark it done, in one step: whoever sees its results
-        also sees it done (its bytes no longer in flight, its slots' writes complete)."""
+        also sees it done (its bytes no longer in flight, its slots' writes complete), and
+        whoever sees it done sees its results (the slots it poisoned or healed)."""
         with self._cv:
+            self._poison -= out.healed
+            self._poison |= out.poisoned
             for sp, ok in out.ended:
-                self._end_save(sp, ok)
-            o = self._out
-            o.drains += out.drains
-            o.loads.update(out.loads)
-            o.failed_blocks.update(out.failed_blocks)
-            o.load_reqs.update(out.load_reqs)
-            o.counters.update(out.counters)
+                if sp.save_id in self._save_req:  # (each save ends once)
+                    self._end_save(sp, ok)
+            o, d = self._out, out.done
+            o.drains += d.drains
+            o.loads.update(d.loads)
+            o.failed_blocks.update(d.failed_blocks)
+            o.load_reqs.update(d.load_reqs)
+            o.counters.update(d.counters)
             self._queue.popleft()
             self._done = job.seq
             self._inflight_bytes -= job.nbytes
             self._cv.notify_all()
 
-    def _execute(self, job: _Job) -> Completed:
+    def _execute(self, job: _Job) -> _Outcome:
+        """Run one job on this thread; its outcome is published by :meth:`_finish`."""
         t0 = time.perf_counter()
-        out = Completed()
+        out = _Outcome()
         if job.kind == "runs":
             self._exec_runs(job, out)
         elif job.kind == "loads":
+            d = out.done
             for x in job.loads:
-                with self._cv:
+                with self._cv:  # (only this thread writes the poison set; the lock orders the read)
                     bad = [i for i, s in enumerate(x.slots) if s < 0 or (GPU, x.lc, s) in self._poison]
-                failed = self._copy_in(x, bad, False, out.counters, after=job.marker)
-                out.loads[x.load_id] = failed
-                out.failed_blocks[x.load_id] = [x.blocks[i] for i in failed]
-                out.load_reqs[x.load_id] = x.req_id
+                failed = self._copy_in(x, bad, False, d.counters, after=job.marker)
+                d.loads[x.load_id] = failed
+                d.failed_blocks[x.load_id] = [x.blocks[i] for i in failed]
+                d.load_reqs[x.load_id] = x.req_id
         else:
             self._exec_saves(job, out)
-        out.counters[f"{job.kind}_us"] += int(1e6 * (time.perf_counter() - t0))
+        out.done.counters[f"{job.kind}_us"] += int(1e6 * (time.perf_counter() - t0))
         return out
 
     def _fault(self, op: CopyOp) -> None:
@@ -466,36 +501,31 @@ class TransferEngine:
         if (op.src_tier, op.lc, op.src_slot) in self._poison:
             raise OSError(errno.EIO, f"kvcm: tier {op.src_tier} slot {op.src_slot}: its last write failed")
 
-    def _exec_runs(self, job: _Job, out: Completed) -> None:
+    def _exec_runs(self, job: _Job, out: _Outcome) -> None:
         plane = self.plane
         before = dict(plane.shared_stats)
         with self._cv:
-            checking = bool(self._poison) or self.fault_hook is not None
-        plane.fault = self._fault if checking else None
+            poisoned = bool(self._poison)
+        plane.fault = self._fault if poisoned or self.fault_hook is not None else None
         failed: list[CopyOp] = []
         try:
-            plane.apply_runs(job.runs)
-        except CopyError as e:
-            failed = list(e.ops)
-            logger.warning("kvcm: %d copy ops of drain %d did not complete (%s); their pages are dropped and "
-                           "vLLM recomputes what needed them", len(failed), job.drain_seq, e.cause)
+            failed = self.loop.apply(job.runs)  # the ops of a CopyError, [] when all completed
+            if failed:
+                logger.warning("kvcm: %d copy ops of drain %d did not complete (%s); their pages are dropped and "
+                               "vLLM recomputes what needed them", len(failed), job.drain_seq,
+                               getattr(self.loop.last_error, "cause", None))
         except ValueError:  # a run the plane refused (a bug): none of it ran
             logger.exception("kvcm: drain %d refused by the data plane", job.drain_seq)
             failed = [op for r in job.runs for op in r.ops()]
         finally:
             plane.fault = None
-        with self._cv:
-            bad = {(op.dst_tier, op.lc, op.dst_slot) for op in failed if op.dst_tier != SHARED}
-            if self._poison:
-                for r in job.runs:
-                    if r.dst_tier != SHARED:
-                        for d in r.dst_slots:
-                            key = (r.dst_tier, r.lc, d)
-                            if key not in bad:
-                                self._poison.discard(key)
-            self._poison |= bad
-        out.drains.append((job.drain_seq, failed))
-        c = out.counters
+        out.poisoned = {(op.dst_tier, op.lc, op.dst_slot) for op in failed if op.dst_tier != SHARED}
+        if poisoned:  # the slots written successfully are readable again
+            out.healed = {(r.dst_tier, r.lc, d) for r in job.runs if r.dst_tier != SHARED
+                          for d in r.dst_slots} - out.poisoned
+        d = out.done
+        d.drains.append((job.drain_seq, failed))
+        c = d.counters
         c["run_ops"] += sum(len(r) for r in job.runs)
         c["failed_ops"] += len(failed)
         c["run_bytes"] += job.nbytes
@@ -503,7 +533,9 @@ class TransferEngine:
             c["shared_" + k] += plane.shared_stats[k] - before[k]
 
     def _copy_in(self, x: LoadPlan, bad: list[int], sync: bool, counters: Counter, after: Any = None) -> list[int]:
-        """Copy the blocks of ``x`` not in ``bad`` into vLLM's cache; returns the failed positions."""
+        """Copy the blocks of ``x`` not in ``bad`` into vLLM's cache (after ``after``:
+        :meth:`CpuCopier.forward_marker` when the load was queued); counts into
+        ``counters``; returns the failed positions."""
         skip = set(bad)
         ok = [i for i in range(len(x.slots)) if i not in skip]
         failed = list(bad)
@@ -518,7 +550,7 @@ class TransferEngine:
         counters["load_failed_blocks"] += len(failed)
         return sorted(failed)
 
-    def _exec_saves(self, job: _Job, out: Completed) -> None:
+    def _exec_saves(self, job: _Job, out: _Outcome) -> None:
         with self._cv:
             todo = [sp for sp in job.saves if sp.save_id not in self._cancelled]
             skipped = [sp for sp in job.saves if sp.save_id in self._cancelled]
@@ -532,16 +564,20 @@ class TransferEngine:
                 logger.exception("kvcm: saving %d blocks failed", sum(len(sp.blocks) for sp in todo))
                 ok = False
                 break
-        out.ended += [(sp, ok) for sp in todo] + [(sp, False) for sp in skipped]
-        out.counters["saved_bytes"] += sum(len(sp.blocks) * self.slot_bytes[sp.lc] for sp in todo) if ok else 0
-        out.counters["saves_cancelled"] += len(skipped)
+        self._end_saves(out, [(sp, ok) for sp in todo] + [(sp, False) for sp in skipped])
+        out.done.counters["saved_bytes"] += sum(len(sp.blocks) * self.slot_bytes[sp.lc] for sp in todo) if ok else 0
+        out.done.counters["saves_cancelled"] += len(skipped)
 
-    def _end_save(self, sp: SavePlan, ok: bool) -> None:  # under self._cv
-        for s in sp.slots:
-            if ok:
-                self._poison.discard((GPU, sp.lc, s))
-            else:
-                self._poison.add((GPU, sp.lc, s))
+    @staticmethod
+    def _end_saves(out: _Outcome, ended: list[tuple[SavePlan, bool]]) -> None:
+        """Record the end of save plans in ``out``: a written slot is healed, one whose save
+        failed or was skipped is poisoned (its old bytes may be half overwritten)."""
+        out.ended += ended
+        for sp, ok in ended:
+            (out.healed if ok else out.poisoned).update((GPU, sp.lc, s) for s in sp.slots)
+        out.healed -= out.poisoned
+
+    def _end_save(self, sp: SavePlan, ok: bool) -> None:  # under self._cv, by _finish
         self._out.saves[sp.save_id] = ok
         self._pending_saves[sp.req_id] -= 1
         if not self._pending_saves[sp.req_id]:
@@ -550,22 +586,22 @@ class TransferEngine:
         self._started.discard(sp.save_id)
         self._cancelled.discard(sp.save_id)
 
-    def _failed(self, job: _Job) -> Completed:
+    def _failed(self, job: _Job) -> _Outcome:
         """The outcome of a job that raised (a bug) or was cancelled at close: every part of
-        it failed (what its runs should have written is poisoned)."""
-        out = Completed()
+        it failed (what it should have written is poisoned)."""
+        out = _Outcome()
+        d = out.done
         if job.kind == "runs":
             ops = [op for r in job.runs for op in r.ops()]
-            with self._cv:
-                self._poison |= {(op.dst_tier, op.lc, op.dst_slot) for op in ops if op.dst_tier != SHARED}
-            out.drains.append((job.drain_seq, ops))
+            out.poisoned = {(op.dst_tier, op.lc, op.dst_slot) for op in ops if op.dst_tier != SHARED}
+            d.drains.append((job.drain_seq, ops))
         elif job.kind == "loads":
             for x in job.loads:
-                out.loads[x.load_id] = list(range(len(x.slots)))
-                out.failed_blocks[x.load_id] = list(x.blocks)
-                out.load_reqs[x.load_id] = x.req_id
+                d.loads[x.load_id] = list(range(len(x.slots)))
+                d.failed_blocks[x.load_id] = list(x.blocks)
+                d.load_reqs[x.load_id] = x.req_id
         else:
-            out.ended += [(sp, False) for sp in job.saves]
+            self._end_saves(out, [(sp, False) for sp in job.saves])
         return out
 
     # ------------------------------------------------------------------ shutdown

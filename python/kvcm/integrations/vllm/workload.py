@@ -9,7 +9,8 @@ a control file (the tests' fault store reads it).  A phase with ``abort`` drives
 step by step and aborts some requests shortly after adding them (their loads or saves in
 flight).  With the connector's ``stats_file``, each phase ends once the connector reports
 nothing in flight (its saves finish after the outputs are returned), so the phase's stats
-are final.
+are final; a phase with ``settle_s`` then waits that long (store calls the connector gave up
+on at their deadline may still be running on their threads: a hung store's).
 """
 
 from __future__ import annotations
@@ -204,6 +205,7 @@ def main(argv: list[str]) -> int:
                                                                       ignore_eos=True)
         r = run_aborts(llm, work, sp, phase["abort"]) if phase.get("abort") else run_turns(llm, work, sp)
         _wait_idle(stats_file)
+        time.sleep(phase.get("settle_s", 0))
         r["name"] = phase["name"]
         r["stats_before"], r["stats"] = before, _read(stats_file)
         result["phases"].append(r)
