@@ -16,8 +16,9 @@ several phases on one engine start (an engine start costs about a minute on two 
   requests whose memory, threads and file descriptors stay flat;
 * instance t: tensor parallelism 2 (two vLLM workers, each its shard of the KV cache,
   each naming its objects with its rank), exact, hits from the store after a reset;
-* instances c and d (python, then cpp) sharing a real Mooncake Store (tests/mooncake_env.py);
-* a Gemma-3-style sliding-window + full-attention model, without and with kvcm.
+* instances c and d (python, then cpp) sharing a real Mooncake Store (tests/mooncake_env.py).
+
+Sliding-window and hybrid models (vLLM's hybrid KV cache manager kept on): tests/test_vllm_hybrid.py.
 
 Every phase of every instance must give exactly its baseline's greedy outputs; after every
 phase the connector reports nothing in flight (its mirrors, kvcm's requests, unsettled
@@ -401,28 +402,6 @@ def test_two_instances_share_mooncake(engines: dict, mooncake_engines: dict) -> 
     assert delta(d, "counters", "hit_blocks_shared") > 0, d["stats"]["counters"]
     assert delta(d, "worker", "shared_load_failures") == 0
     assert d["cached_tokens"] > c["cached_tokens"]
-
-
-@pytest.fixture(scope="module")
-def gemma_engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """A Gemma-3-style model, sliding-window layers then a full-attention one: vLLM without a
-    connector (its hybrid allocator on), then with kvcm (vLLM turns the hybrid allocator off
-    for a connector without SupportsHMA: every layer gets full-attention blocks)."""
-    from kvcm.integrations.vllm.workload import make_model
-
-    tmp = str(tmp_path_factory.mktemp("vllm-gemma3"))
-    model = make_model(os.path.join(tmp, "model"), kind="gemma3")
-    over = {"model": model, "max_model_len": (GPU_BLOCKS - 1) * BLOCK}
-    out = {"baseline": run_engine(tmp, "baseline", None, [{"name": "main"}], {**over, "gpu_blocks": 40})}
-    conn = connector(tmp, "g", "cpp", os.path.join(tmp, "shared"))
-    out["kvcm"] = run_engine(tmp, "g", conn, [{"name": "main"}], over)
-    return out
-
-
-def test_sliding_window_mix_runs_exactly(gemma_engines: dict) -> None:
-    base, p = phase(gemma_engines["baseline"], "main"), phase(gemma_engines["kvcm"], "main")
-    assert p["outputs"] == base["outputs"]
-    assert delta(p, "counters", "hit_blocks_host") > 0, p["stats"]["counters"]
 
 
 def test_readme_llm_example_runs_as_written(tmp_path) -> None:

@@ -78,8 +78,45 @@ def test_bad_extra_config_is_a_clear_error(extra: dict, error: type, match: str)
         ConnectorSettings.parse(extra)
 
 
-def test_hybrid_and_window_models_are_refused_naming_the_groups() -> None:
-    with pytest.raises(ValueError, match="one KV cache group.*FullAttentionSpec\\(2 layers\\), SlidingWindowSpec\\(4"):
-        KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2), (SlidingWindowSpec, 4)), "cpu")
-    with pytest.raises(ValueError, match="full attention layers only, not SlidingWindowSpec"):
-        KvLayout.from_kv_cache_config(kv_cache_config((SlidingWindowSpec, 2)), "cpu")
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+def hybrid_config(*groups: tuple[type, int, int | None]) -> SimpleNamespace:
+    """vLLM's hybrid KV cache manager's groups: (spec class, layers, sliding window)."""
+    out, first = [], 0
+    for cls, n, window in groups:
+        spec = cls(block_size=32, num_kv_heads=2, head_size=64, dtype="torch.float32",
+                   page_size_bytes=32 * 2 * 64 * 2 * 4, sliding_window=window)
+        out.append(SimpleNamespace(layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(first, first + n)],
+                                   kv_cache_spec=spec))
+        first += n
+    return SimpleNamespace(kv_cache_groups=out)
+
+
+def test_hybrid_groups_map_onto_kvcm_life_cycles_of_their_kind() -> None:
+    # Gemma-3 under vLLM's hybrid manager: three sliding groups and one full group of one layer each
+    cfg_in = hybrid_config((SlidingWindowSpec, 1, 64), (SlidingWindowSpec, 1, 64), (SlidingWindowSpec, 1, 64),
+                           (FullAttentionSpec, 1, None))
+    layout = KvLayout.from_kv_cache_config(cfg_in, "cpu")
+    assert layout.hybrid and layout.num_groups == 4 and layout.groups == (0, 1, 2, 3)
+    assert layout.lc_groups == ((0, 1, 2), (3,))  # one kvcm life cycle per kind: window 64, then full
+    cfg = ConnectorSettings.parse(None).manager_config(layout)
+    assert [(layer.window, layer.sink_tokens) for layer in cfg.layers] == [(64, 0)] * 3 + [(None, 0)]
+    assert cfg.pool_ratio == {0: 1.0, 1: 1.0}  # every life cycle the same share of each tier's bytes
+    mgr = kvcm.KVCacheManager(cfg)
+    assert len(mgr.life_cycles) == 2
+    mgr.shutdown()
+    assert "SlidingWindowSpec:2x64:float32:W64:L1+" in layout.describe
+    # all sliding (Mistral): one group, windowed
+    mistral = KvLayout.from_kv_cache_config(hybrid_config((SlidingWindowSpec, 2, 64)), "cpu")
+    assert mistral.hybrid and mistral.lc_groups == ((0,),) and mistral.windows == (64, 64)
+    # one full group: the layout of before (not hybrid; block-level load errors as before)
+    full = KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu")
+    assert not full.hybrid and full.lc_groups == ((0,),) and full.groups == ()
+    assert ConnectorSettings.parse(None).manager_config(full).pool_ratio is None
+
+
+def test_unsupported_groups_are_refused_naming_the_kind() -> None:
+    with pytest.raises(ValueError, match=r"not MambaSpec \(group 0: 2 layers\)"):
+        KvLayout.from_kv_cache_config(hybrid_config((MambaSpec, 2, None), (FullAttentionSpec, 2, None)), "cpu")

@@ -220,6 +220,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the kvcm engines' load_mode (default: the connector's, auto: host hits load "
                         "synchronously, disk and store hits asynchronously)")
     c.add_argument("--warmup", type=int, default=2, help="unrelated requests each engine runs first (default 2)")
+    c.add_argument("--model", choices=("llama", "gemma3"), default="llama",
+                   help="gemma3: a sliding-window + full-attention model through vLLM alone, kvcm with vLLM's hybrid "
+                        "KV cache manager on and off (kvcm.integrations.vllm.bench_hybrid; chat workload)")
+    c.add_argument("--kv-pages", type=int, default=40,
+                   help="--model gemma3: vLLM's KV cache memory, in blocks of every layer (default 40)")
     o = p.add_argument_group("run and output")
     o.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, the figures mean nothing")
     o.add_argument("--timeout", type=float, default=1800, help="seconds per engine (default 1800)")
@@ -232,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcm bench vllm", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
+    if args.model == "gemma3":  # the hybrid KV cache manager comparison: its own engines and table
+        from kvcm.integrations.vllm import bench_hybrid
+
+        return bench_hybrid.run(bench_hybrid.with_defaults(args))
     try:
         plan = make_plan(args)
     except UsageError as e:

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -42,8 +43,11 @@ __all__ = ["KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata"]
 _HIT_SOURCE = {GPU: CacheHitSource.HOST, 2: CacheHitSource.DISK, SHARED: CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
-class KvcmConnector(KVConnectorBase_V1):
-    """kvcm's host, disk and shared tiers for vLLM (module doc)."""
+class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvcm's host, disk and shared tiers for vLLM (module doc).  ``SupportsHMA``: vLLM keeps
+    its hybrid KV cache manager (one KV cache group per layer kind: sliding-window layers hold
+    only their window); each group maps onto the kvcm life cycle of its kind
+    (:class:`~kvcm.integrations.vllm.settings.KvLayout`)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -153,7 +157,7 @@ class KvcmConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.sched is not None
-        self.sched.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self.sched.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         assert self.sched is not None
@@ -174,6 +178,13 @@ class KvcmConnector(KVConnectorBase_V1):
             self.sched.write_stats()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.sched is not None
+        return self.sched.request_finished(request), None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's hybrid manager calls this one (every group's blocks); kvcm's answer is the same:
+        # hold the blocks while saves read them
         assert self.sched is not None
         return self.sched.request_finished(request), None
 

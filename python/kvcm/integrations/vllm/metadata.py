@@ -30,24 +30,29 @@ class LoadPlan:
     ``blocks[i]``.  A slot of -1 is a block kvcm promised but cannot deliver (it fails: vLLM
     recomputes it).  ``sync``: the step's forward reads the blocks (vLLM called
     ``start_load_kv`` before it); else the request waits in WAITING_FOR_REMOTE_KVS and the
-    worker reports it in ``finished_recving`` once every block is in (or failed)."""
+    worker reports it in ``finished_recving`` once every block is in (or failed).
+    ``lc``: the kvcm life cycle of the slots; a block is a vLLM block id, or a tuple of
+    them (one per vLLM KV cache group of the life cycle: KvLayout.lc_groups)."""
 
     load_id: int
     req_id: str
     slots: list[int]
-    blocks: list[int]
+    blocks: list
     sync: bool
+    lc: int = 0
 
 
 @dataclass
 class SavePlan:
     """Blocks of one request to copy from vLLM's cache into kvcm's tier 0: ``blocks[i]`` ->
-    ``slots[i]``, after the step's forward (the blocks are full once it ran)."""
+    ``slots[i]``, after the step's forward (the blocks are full once it ran).  ``lc`` and
+    the blocks as in :class:`LoadPlan`."""
 
     save_id: int
     req_id: str
-    blocks: list[int]
+    blocks: list
     slots: list[int]
+    lc: int = 0
 
 
 @dataclass
@@ -63,6 +68,8 @@ class KvcmConnectorMetadata(_MetaBase):
     finished_holds: list[str] = field(default_factory=list)  # finished; vLLM keeps their blocks until
     # the worker reports them in finished_sending (every save reading them done)
     forward: bool = True  # the step runs a forward (vLLM scheduled tokens)
+    window_saves: list[str] = field(default_factory=list)  # requests whose saves read sliding-window
+    # blocks vLLM frees at its next step: wait_for_save waits for them
 
 
 @dataclass

@@ -52,7 +52,7 @@ from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMet
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
 from kvcm.integrations.vllm.stats import process_stats
 
-LC = 0  # one life cycle: full attention (KvLayout allows nothing else)
+LC = 0  # the life cycle of a model with one full-attention group (KvLayout.lc_groups: one per kind)
 TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
 MEDIA = ("CPU", "CPU", "STORAGE", "SHARED")  # event medium by kvcm tier number (tier 0: host memory)
 
@@ -95,10 +95,18 @@ class Mirror:
     loads: set[int] = field(default_factory=set)  # load ids in flight
     saves: dict[int, int] = field(default_factory=dict)  # save id in flight -> its epoch
     drain_dep: int = 0  # the drain its creation onboarded into (settled before it closes)
-    block_ids: list[int] = field(default_factory=list)  # vLLM's blocks of the request (last seen)
+    tables: list[list[int]] = field(default_factory=list)  # vLLM's blocks of the request per KV cache
+    # group (last seen; 0: vLLM's null block, e.g. outside a sliding window)
     stopped: bool = False  # no more saves (tier 0 full, a failed save, roll-back not resumable)
     retiring: bool = False  # finished or preempted: closes once nothing is in flight
     held: bool = False  # request_finished answered True
+    load_failed: bool = False  # a load of it failed (hybrid: reported by request)
+
+
+    @property
+    def block_ids(self) -> list[int]:
+        """vLLM's blocks of the first KV cache group (the only one without the hybrid manager)."""
+        return self.tables[0] if self.tables else []
 
 
 @dataclass
@@ -110,6 +118,8 @@ class LoadInfo:
     blocks: list[int]
     tiers: list[int] = field(default_factory=list)  # where each block came from (counted when delivered)
     ranks: dict[int, list[int]] = field(default_factory=dict)
+    lc: int = 0
+    counts: bool = True  # counted in the hit statistics (one plan per request: the one with most blocks)
     t0: float = 0.0  # when it was planned (reporting only: how long asynchronous loads keep a request waiting)
 
 
@@ -120,13 +130,15 @@ class SaveInfo:
     end: int
     epoch: int
     ranks: dict[int, bool] = field(default_factory=dict)
+    batch: int = 0  # the first save id of the batch this save belongs to (0: alone)
+    nbytes: int = 0
 
 
 COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "mirror_stops", "unmirrored",
             "loads_sync", "loads_async", "load_blocks_planned", "loaded_blocks", "hit_blocks_host",
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
-            "holds", "finished_loading", "skipped_requests", "steps")
+            "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped")
 
 
 class KvcmScheduler:
@@ -144,7 +156,15 @@ class KvcmScheduler:
         self.layout = layout
         self.world = world
         self.B = layout.block_size
-        self.page_bytes = sum(layout.block_bytes)  # a kvcm page: one block of every layer
+        self.page_bytes = sum(layout.block_bytes)  # one block of every layer (one page of every life cycle)
+        self.lc_groups = layout.lc_groups
+        groups = layout.groups or (0,) * len(layout.block_bytes)
+        self.slot_bytes = [sum(nb for nb, g in zip(layout.block_bytes, groups, strict=True) if g in lcg)
+                           for lcg in self.lc_groups]
+        self.hybrid = layout.hybrid
+        self.windowed = [layout.window_of_group(lcg[0]) is not None for lcg in self.lc_groups]
+        self.no_load: set[str] = set()  # requests whose load failed (hybrid): recomputed, never loaded again
+        self.batches: dict[int, list[int]] = {}  # save batch -> [save plans not yet reported, all ok (1/0)]
         self.scope = scope or (lambda request: None)
         self.skip = skip or (lambda request: False)
         base = config if config is not None else settings.manager_config(layout, 0, world)
@@ -247,7 +267,11 @@ class KvcmScheduler:
         hit = p.num_tokens // self.B
         answer = max(0, hit * self.B - n_local)
         mode = self.settings.load_mode
-        is_async = answer > 0 and (mode == "async" or (mode == "auto" and any(
+        if rid in self.no_load:
+            answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
+        # a hybrid model: asynchronous always (a failed load is reported by request, which vLLM
+        # accepts only for asynchronous loads)
+        is_async = answer > 0 and (mode == "async" or self.hybrid or (mode == "auto" and any(
             t != GPU for t in tiers[n_local // self.B:hit])))
         self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit], scope)
         return answer, is_async
@@ -267,16 +291,18 @@ class KvcmScheduler:
         self.counters["lookup_tokens"] += len(prefix)
         self.hit_cache[rid] = (len(prefix), hits)
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], n_external: int) -> None:
-        """vLLM allocated the request's blocks (``block_ids``: its blocks of the one KV cache
-        group); ``n_external`` tokens from kvcm are to be loaded into them."""
+    def update_state_after_alloc(self, request: Any, block_ids: Any, n_external: int) -> None:
+        """vLLM allocated the request's blocks (``block_ids``: its blocks of each KV cache
+        group, or a list of ints for one group); ``n_external`` tokens from kvcm are to be
+        loaded into them."""
         t0 = time.perf_counter()
         try:
             self._alloc(request, block_ids, n_external)
         finally:
             self.seconds["alloc"] += time.perf_counter() - t0
 
-    def _alloc(self, request: Any, block_ids: list[int], n_external: int) -> None:
+    def _alloc(self, request: Any, block_ids: Any, n_external: int) -> None:
+        tables = [list(block_ids)] if not block_ids or isinstance(block_ids[0], int) else [list(t) for t in block_ids]
         rid = request.request_id
         probe = self.probes.pop(rid, None)
         old = self.mirrors.get(rid)
@@ -303,7 +329,7 @@ class KvcmScheduler:
             return
         matched = kv.num_committed_tokens // self.B if kv is not None else 0
         self.serial += 1
-        m = Mirror(rid, request, kv, self.serial, committed=matched, planned=matched, block_ids=list(block_ids))
+        m = Mirror(rid, request, kv, self.serial, committed=matched, planned=matched, tables=tables)
         self.counters["mirrors"] += 1
         self.counters["matched_blocks"] += matched
         if kv is None:
@@ -315,15 +341,33 @@ class KvcmScheduler:
         if n_external > 0:
             a = probe.n_local // self.B
             b = a + n_external // self.B
-            slots = kv.page_indices(LC) if kv is not None else []
-            load = LoadPlan(self._id(), rid, [slots[i] if i < matched else -1 for i in range(a, b)],
-                            list(block_ids[a:b]), sync=not probe.is_async)
-            m.loads.add(load.load_id)
-            self.loads[load.load_id] = LoadInfo(m, b - a, load.sync, load.slots, load.blocks, t0=time.perf_counter())
-            self.pending_loads.append(load)
-            self.inflight_bytes += (b - a) * self.page_bytes
+            plans = []
+            for lc in range(len(self.lc_groups)):
+                slots = kv.page_indices(lc) if kv is not None else []
+                pos, pslots, pblocks = [], [], []
+                for i in range(a, b):
+                    blk = self._block(m, lc, i)
+                    if blk is None:  # outside the window in vLLM: neither loaded nor needed
+                        continue
+                    slot = slots[i] if i < matched and i < len(slots) else -1
+                    pos.append(i)
+                    pslots.append(slot)  # -1: promised, not held (fails: vLLM recomputes)
+                    pblocks.append(blk)
+                if pos:
+                    plans.append((lc, pslots, pblocks))
+            most = max((len(p[1]) for p in plans), default=0)
+            counted = False
+            for lc, pslots, pblocks in plans:
+                load = LoadPlan(self._id(), rid, pslots, pblocks, sync=not probe.is_async, lc=lc)
+                m.loads.add(load.load_id)
+                counts = not counted and len(pslots) == most
+                counted = counted or counts
+                self.loads[load.load_id] = LoadInfo(m, len(pslots), load.sync, load.slots, load.blocks, lc=lc,
+                                                    counts=counts, t0=time.perf_counter())
+                self.pending_loads.append(load)
+                self.inflight_bytes += len(pslots) * self.slot_bytes[lc]
             self.sources[rid] = Counter(probe.tiers[i] if i < len(probe.tiers) else GPU for i in range(a, b))
-            self._count("loads_sync" if load.sync else "loads_async")
+            self._count("loads_sync" if not probe.is_async else "loads_async")
             self._count("load_blocks_planned", b - a)
 
     def planned_sources(self, rid: str, n_external: int) -> dict[int, int]:
@@ -342,6 +386,7 @@ class KvcmScheduler:
         rid = request.request_id
         self.probes.pop(rid, None)
         self.hit_cache.pop(rid, None)
+        self.no_load.discard(rid)
         self.stats_dirty = True
         m = self.mirrors.pop(rid, None)
         if m is None:
@@ -386,14 +431,14 @@ class KvcmScheduler:
             blocks.refresh(m)
             if m.stopped or m.kv is None:
                 continue
-            full = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids)) // self.B
-            self._plan_saves(m, min(full, len(m.block_ids)), meta)
+            after = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids))
+            self._plan_saves(m, min(after // self.B, min(len(t) for t in m.tables)), meta, after)
         runs = self.loop.drain()
         if any(len(r) for r in runs):
             self.drain_seq += 1
             meta.drain_seq = self.drain_seq
             meta.runs = runs
-            nbytes = sum(len(r) for r in runs) * self.page_bytes
+            nbytes = sum(len(r) * self.slot_bytes[r.lc] for r in runs)
             self.drain_bytes[self.drain_seq] = nbytes
             self.inflight_bytes += nbytes
             self._count("drains")
@@ -404,9 +449,24 @@ class KvcmScheduler:
         self._events()
         return meta
 
-    def _plan_saves(self, m: Mirror, full: int, meta: KvcmConnectorMetadata) -> None:
+    def _block(self, m: Mirror, lc: int, i: int) -> Any:
+        """vLLM's block(s) of block ordinal ``i`` in life cycle ``lc``: an id (one group), a
+        tuple (one id per group of the life cycle), or None when vLLM holds none (null block:
+        outside a sliding window, or past the table)."""
+        ids = []
+        windowed = self.windowed[lc]
+        for g in self.lc_groups[lc]:
+            t = m.tables[g] if g < len(m.tables) else []
+            if i >= len(t) or (windowed and t[i] == 0):  # vLLM's null block (a full group has none)
+                return None
+            ids.append(t[i])
+        return ids[0] if len(ids) == 1 else tuple(ids)
+
+    def _plan_saves(self, m: Mirror, full: int, meta: KvcmConnectorMetadata, after: int = 0) -> None:
         """Saves of the blocks ``[planned, full)`` (full once this step ran), within the
-        in-flight bound: blocks past it are planned in a later step."""
+        in-flight bound: blocks past it are planned in a later step.  ``after``: the tokens
+        computed once this step ran: kvcm's history, so that blocks out of a sliding window
+        by then get no page (kvcm stores no block outside a window)."""
         n = full - m.planned
         if n <= 0:
             return
@@ -419,16 +479,52 @@ class KvcmScheduler:
         if n <= 0:
             return
         end = m.planned + n
-        if m.kv.capacity < end * self.B and not m.kv.resize(end * self.B):
+        hist = max(m.kv.history_length, min(after, end * self.B)) if self.hybrid else None
+        if m.kv.capacity < end * self.B and not m.kv.resize(end * self.B, hist):
             self._stop(m)  # tier 0 cannot hold it: what is committed stays
             return
-        slots = m.kv.page_indices(LC)[m.planned:end]
-        save = SavePlan(self._id(), m.rid, list(m.block_ids[m.planned:end]), list(slots))
-        meta.saves.append(save)
-        m.saves[save.save_id] = m.epoch
-        self.saves[save.save_id] = SaveInfo(m, m.planned, end, m.epoch)
-        self._count("save_blocks_planned", n)
-        self.inflight_bytes += n * self.page_bytes
+        if hist is not None and hist > m.kv.history_length and not m.kv.resize(m.kv.capacity, hist):
+            self._stop(m)
+            return
+        wanted = []  # per life cycle: (ordinal, kvcm slot) of the blocks kvcm keeps a page of
+        for lc in range(len(self.lc_groups)):
+            slots = m.kv.page_indices(lc)
+            wanted.append([(i, slots[i]) for i in range(m.planned, end) if slots[i] >= 0])  # -1: stale
+            for i, _ in wanted[-1]:
+                if self._block(m, lc, i) is None:  # kvcm wants a page vLLM no longer holds: stop before it
+                    end = min(end, i)
+                    break
+        if end <= m.planned:
+            self._stop(m)
+            return
+        first, window = 0, False
+        for lc, want in enumerate(wanted):
+            want = [(i, slot) for i, slot in want if i < end]
+            if not want:
+                continue
+            p = SavePlan(self._id(), m.rid, [self._block(m, lc, i) for i, _ in want], [slot for _, slot in want], lc=lc)
+            first = first or p.save_id
+            nbytes = len(want) * self.slot_bytes[lc]
+            self.saves[p.save_id] = SaveInfo(m, m.planned, end, m.epoch, batch=first, nbytes=nbytes)
+            m.saves[p.save_id] = m.epoch
+            self.inflight_bytes += nbytes
+            meta.saves.append(p)
+            if first in self.batches:
+                self.batches[first][0] += 1
+            else:
+                self.batches[first] = [1, 1]
+            window = window or self.windowed[lc]
+        if first and self.batches[first][0] == 1:
+            del self.batches[first]  # one plan: confirmed alone
+        if window and self.hybrid and m.rid not in meta.window_saves:
+            meta.window_saves.append(m.rid)
+        if not first:  # every block of the range is outside a window: nothing to store, committed as is
+            m.confirmed.update(range(m.planned, end))
+            self._commit(m)
+        else:  # the blocks of windowed life cycles kvcm leaves out (stale once this step ran)
+            self._count("window_blocks_skipped", sum(end - m.planned - len([i for i, _ in want if i < end])
+                                                     for lc, want in enumerate(wanted) if self.windowed[lc]))
+        self._count("save_blocks_planned", end - m.planned)
         m.planned = end
 
     def _tiers_of_loads(self, loads: list[LoadPlan], runs: list[CopyRun]) -> None:
@@ -436,13 +532,13 @@ class KvcmScheduler:
         step's drain came from disk or the store; any other slot was in host memory."""
         if not loads:
             return
-        src: dict[int, int] = {}
+        src: dict[tuple[int, int], int] = {}
         for r in runs:
-            if r.reason == "onboard" and r.dst_tier == GPU and r.lc == LC:
+            if r.reason == "onboard" and r.dst_tier == GPU:
                 for d in r.dst_slots:
-                    src[d] = r.src_tier
+                    src[(r.lc, d)] = r.src_tier
         for x in loads:
-            self.loads[x.load_id].tiers = [src.get(s, GPU) for s in x.slots]
+            self.loads[x.load_id].tiers = [src.get((x.lc, s), GPU) for s in x.slots]
 
     # ------------------------------------------------------------------ the workers' reports
 
@@ -528,14 +624,23 @@ class KvcmScheduler:
         m = info.mirror
         m.loads.discard(lid)
         touched.add(m.serial)
-        self.inflight_bytes -= info.n * self.page_bytes
+        self.inflight_bytes -= info.n * self.slot_bytes[info.lc]
         failed = sorted(set().union(*info.ranks.values()))
-        for i in range(info.n):
-            if i not in failed:
-                self._count("hit_blocks_" + TIER_NAMES.get(info.tiers[i] if info.tiers else GPU, "host"))
-        self._count("loaded_blocks", info.n - len(failed))
+        if info.counts:
+            for i in range(info.n):
+                if i not in failed:
+                    self._count("hit_blocks_" + TIER_NAMES.get(info.tiers[i] if info.tiers else GPU, "host"))
+            self._count("loaded_blocks", info.n - len(failed))
         self._count("load_error_blocks", len(failed))
-        if failed:
+        if failed and self.hybrid:
+            # reported by request (failed_recving): vLLM recomputes it from its first token and
+            # looks it up again; kvcm answers 0 for it from now on
+            if not m.load_failed:  # one per request (its life cycles' plans fail together)
+                self._count("failed_loads")
+            m.load_failed = True
+            if self.mirrors.get(m.rid) is m:  # still running (an aborted request is not looked up again)
+                self.no_load.add(m.rid)
+        elif failed:
             self._taint({info.blocks[i] for i in failed})
 
     def _taint(self, bad_blocks: set[int]) -> None:
@@ -559,10 +664,19 @@ class KvcmScheduler:
         m.saves.pop(sid, None)
         touched.add(m.serial)
         n = info.end - info.first
-        self.inflight_bytes -= n * self.page_bytes
+        self.inflight_bytes -= info.nbytes if info.nbytes else n * self.page_bytes
+        ok = all(info.ranks.values())
+        b = self.batches.get(info.batch)
+        if b is not None:  # one save per life cycle of the same blocks: confirmed when all are in
+            b[0] -= 1
+            b[1] = b[1] and ok
+            if b[0] > 0:
+                return
+            del self.batches[info.batch]
+            ok = bool(b[1])
         if info.epoch != m.epoch:  # rolled back or tainted since: planned again
             return
-        if all(info.ranks.values()):
+        if ok:
             self._count("saved_blocks", n)
             m.confirmed.update(range(info.first, info.end))
             self._commit(m)
@@ -627,6 +741,7 @@ class KvcmScheduler:
         return {"mirrors": len(self.mirrors), "retiring": len(self.retiring), "loads": len(self.loads),
                 "saves": len(self.saves), "unsettled_drains": self.drain_seq - self.settled,
                 "holds": len(self.pending_holds), "probes": len(self.probes), "hit_cache": len(self.hit_cache),
+                "no_load": len(self.no_load),
                 "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes}
 
     def take_stats(self) -> dict[str, int] | None:
@@ -698,27 +813,29 @@ class _BlockIds:
 
     def __init__(self, so: Any) -> None:
         self.state = getattr(so, "kv_connector_block_state", None)
-        self.new: dict[str, list[int]] = {}
-        self.cached: dict[str, tuple[list[int], bool]] = {}
+        self.new: dict[str, list[list[int]]] = {}
+        self.cached: dict[str, tuple[list[list[int]], bool]] = {}
         if self.state is None:
             for r in so.scheduled_new_reqs:
-                self.new[r.req_id] = list(r.block_ids[0])
+                self.new[r.req_id] = [list(t) for t in r.block_ids]
             c = so.scheduled_cached_reqs
             resumed = getattr(c, "resumed_req_ids", set())
             for rid, ids in zip(c.req_ids, c.new_block_ids, strict=True):
                 if ids is not None:
-                    self.cached[rid] = (list(ids[0]), rid in resumed)
+                    self.cached[rid] = ([list(t) for t in ids], rid in resumed)
 
     def refresh(self, m: Mirror) -> None:
+        # vLLM 0.32's kv_connector_block_state: every group's table as vLLM holds it now
+        # (sliding-window blocks it freed are 0); the new/cached request data would keep them
         if self.state is not None:
             ids = self.state.get_block_ids(m.rid)
             if ids is not None:
-                m.block_ids = list(ids[0])
+                m.tables = [list(t) for t in ids]
         elif m.rid in self.new:
-            m.block_ids = self.new[m.rid]
+            m.tables = self.new[m.rid]
         elif m.rid in self.cached:
             ids, whole = self.cached[m.rid]
-            m.block_ids = ids if whole else m.block_ids + ids
+            m.tables = ids if whole else [a + b for a, b in zip(m.tables or [[]] * len(ids), ids, strict=True)]
 
 
 def _union(reports: Any) -> list[CopyOp]:

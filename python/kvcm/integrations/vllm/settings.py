@@ -61,33 +61,102 @@ DEFAULT_HOST_BYTES = 1 << 30
 @dataclass(frozen=True)
 class KvLayout:
     """vLLM's paged KV cache as kvcm sees it: one kvcm attention layer per vLLM layer, in the
-    order of the KV cache group's ``layer_names``; a kvcm page of a block is the bytes of that
-    block in every layer, one after another (each layer's block as vLLM's attention backend
-    lays it out: kvcm never looks inside)."""
+    order of vLLM's KV cache groups and each group's ``layer_names``; a kvcm page of a block is
+    the bytes of that block in every layer of one kvcm life cycle, one after another (each
+    layer's block as vLLM's attention backend lays it out: kvcm never looks inside).
+
+    With vLLM's hybrid KV cache manager (the connector declares ``SupportsHMA``) a model has
+    one KV cache group per layer kind and group slot: full attention and sliding window
+    groups.  Each group maps onto the kvcm life cycle of its kind (``window``: the group's
+    sliding window, no sinks: vLLM 0.32's ``SlidingWindowSpec`` has none).  Several vLLM
+    groups of one kind (Gemma-3: three sliding groups) are one kvcm life cycle whose page
+    holds one block of each of them; vLLM gives each group its own block ids."""
 
     block_size: int
     layer_names: tuple[str, ...]
     block_bytes: tuple[int, ...]  # bytes of one block of each layer
     describe: str  # what must match between instances sharing a store, beside the sizes
+    groups: tuple[int, ...] = ()  # the vLLM KV cache group of each layer (() : all group 0)
+    windows: tuple[int | None, ...] = ()  # the sliding window of each layer (() : none)
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.groups, default=0) + 1
+
+    def window_of_group(self, g: int) -> int | None:
+        for lg, w in zip(self.groups, self.windows, strict=False):
+            if lg == g:
+                return w
+        return None
+
+    @property
+    def lc_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The vLLM groups of each kvcm life cycle (kvcm numbers life cycles in the order
+        their kind first appears among the layers; one kind per window)."""
+        if not self.groups:
+            return ((0,),)
+        order: list[int | None] = []
+        out: dict[int | None, list[int]] = {}
+        for g, w in zip(self.groups, self.windows or (None,) * len(self.groups), strict=True):
+            if w not in out:
+                order.append(w)
+                out[w] = []
+            if g not in out[w]:
+                out[w].append(g)
+        return tuple(tuple(out[w]) for w in order)
+
+    @property
+    def hybrid(self) -> bool:
+        """Several vLLM groups, or sliding-window ones: loads are asynchronous and a failed
+        one is reported by request (``failed_recving``), the one path vLLM 0.32 accepts for
+        such models (a block-level report kills a multi-group engine, and truncates a
+        sliding-window request to a window of null blocks)."""
+        return self.num_groups > 1 or any(w is not None for w in self.windows)
 
     @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any, device_type: str) -> KvLayout:
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            kinds = ", ".join(f"{type(g.kv_cache_spec).__name__}({len(g.layer_names)} layers)" for g in groups)
-            raise ValueError(
-                f"KvcmConnector supports one KV cache group (full attention only); this model has {len(groups)}: "
-                f"{kinds}.  vLLM reports per-group load failures only by request (failed_recving), and kvcm's "
-                "window life cycle is not mapped onto vLLM's hybrid allocator yet (DECISIONS.md 'vLLM connector')")
-        spec = groups[0].kv_cache_spec
-        kind = type(spec).__name__
-        if kind != "FullAttentionSpec":
-            raise ValueError(f"KvcmConnector supports full attention layers only, not {kind}")
-        names = tuple(groups[0].layer_names)
-        page = int(spec.page_size_bytes)
-        desc = (f"vllm:{device_type}:{kind}:{spec.num_kv_heads}x{spec.head_size}:{str(spec.dtype).removeprefix('torch.')}"
-                f":B{spec.block_size}")
-        return cls(int(spec.block_size), names, (page,) * len(names), desc)
+        names: list[str] = []
+        nbytes: list[int] = []
+        gids: list[int] = []
+        windows: list[int | None] = []
+        descs: list[str] = []
+        B = None
+        for gi, g in enumerate(groups):
+            spec = g.kv_cache_spec
+            kind = type(spec).__name__
+            if kind == "FullAttentionSpec":
+                # a promoted sliding layer (hybrid manager off) keeps its window as an attribute:
+                # it still holds every block, so kvcm treats it as full attention
+                window = None
+            elif kind == "SlidingWindowSpec":
+                window = int(spec.sliding_window)
+            else:
+                raise ValueError(
+                    f"KvcmConnector supports full-attention and sliding-window KV cache groups, not {kind} "
+                    f"(group {gi}: {len(g.layer_names)} layers).  vLLM 0.32's CPU build runs Mamba hybrids only "
+                    "without prefix caching, where a request's state block is overwritten in place every step "
+                    "(DECISIONS.md 'vLLM connector: the hybrid KV cache manager')")
+            if B is None:
+                B = int(spec.block_size)
+            elif int(spec.block_size) != B:
+                raise ValueError(f"KvcmConnector: KV cache groups of different block sizes ({B} and "
+                                 f"{spec.block_size}) are not supported")
+            page = int(spec.page_size_bytes)
+            for n in g.layer_names:
+                names.append(n)
+                nbytes.append(page)
+                gids.append(gi)
+                windows.append(window)
+            descs.append(f"{kind}:{spec.num_kv_heads}x{spec.head_size}:{str(spec.dtype).removeprefix('torch.')}"
+                         + (f":W{window}" if window is not None else "") + f":L{len(g.layer_names)}")
+        if B is None:
+            raise ValueError("KvcmConnector: the model has no KV cache group")
+        if len(groups) == 1 and windows[0] is None:  # one full-attention group: the layout of before
+            d = descs[0].rsplit(":L", 1)[0]
+            return cls(B, tuple(names), tuple(nbytes), f"vllm:{device_type}:{d}:B{B}")
+        return cls(B, tuple(names), tuple(nbytes), f"vllm:{device_type}:{'+'.join(descs)}:B{B}",
+                   tuple(gids), tuple(windows))
 
 
 @dataclass(frozen=True)
@@ -169,7 +238,9 @@ class ConnectorSettings:
     def manager_config(self, layout: KvLayout, rank: int = 0, world: int = 1) -> KVCacheManagerConfig:
         """kvcm's config: tier 0 (kvcm's ``gpu``) is host memory, then disk, then shared."""
         B = layout.block_size
-        layers = [AttentionLayer(i, bytes_per_token=nbytes // B) for i, nbytes in enumerate(layout.block_bytes)]
+        windows = layout.windows or (None,) * len(layout.block_bytes)
+        layers = [AttentionLayer(i, bytes_per_token=nbytes // B, window=w)
+                  for i, (nbytes, w) in enumerate(zip(layout.block_bytes, windows, strict=True))]
         tiers = [Tier("gpu", self.host_bytes)]
         if self.disk_path is not None:
             # one directory per rank: a disk directory is never shared (its files are flock'ed per host)
@@ -184,7 +255,12 @@ class ConnectorSettings:
             # (kvcm.integrations.vllm.worker.shard_config), and a block is a shared hit only when
             # every rank's object is there
             namespace = f"{self.shared_namespace}|{layout.describe}|tp{world}"
-        return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers,
+        # several life cycles (a hybrid model): each gets the same share of every tier's bytes
+        # (equal slot counts would give a full-attention life cycle, which keeps a page of every
+        # block, as few slots as a window life cycle, which keeps a page of a few blocks per request)
+        n_lc = len(layout.lc_groups)
+        ratio = {"pool_ratio": dict.fromkeys(range(n_lc), 1.0)} if n_lc > 1 else {}
+        return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers, **ratio,
                                     enable_partial_reuse=False,  # vLLM loads whole blocks only
                                     shared_write=self.shared_write, shared_namespace=namespace)
 

@@ -55,7 +55,6 @@ from kvcm.integrations.vllm.metadata import LoadPlan, SavePlan
 
 logger = logging.getLogger(__name__)
 
-LC = 0  # one life cycle: full attention
 SYNC_WAIT_S = 60.0  # a synchronous load gives up (its blocks fail: vLLM recomputes) past this
 STOP_WAIT_S = 30.0  # close(): how long the running job may take to end
 
@@ -72,10 +71,20 @@ class Part:
     tensor: torch.Tensor  # block dimension first
     offset: int
     nbytes: int
+    group: int = 0  # which of a plan's block ids is this part's (a block given as a tuple: one per vLLM group)
+
+
+def _ids(blocks: Sequence[Any]) -> torch.Tensor:
+    """Block ids as a tensor: ``[n]`` (ints) or ``[n, groups]`` (tuples, one id per vLLM group)."""
+    return torch.tensor(list(blocks), dtype=torch.long)
+
+
+def _col(bidx: torch.Tensor, p: Part) -> torch.Tensor:
+    return bidx if bidx.dim() == 1 else bidx[:, p.group].contiguous()
 
 
 def page_parts(kv_caches: Sequence[torch.Tensor], block_bytes: Sequence[int], num_blocks: int,
-               names: Sequence[str]) -> list[Part]:
+               names: Sequence[str], groups: Sequence[int] = ()) -> list[Part]:
     """The parts of a page, layer by layer in the order given.  A layer's tensor holds the
     block in dimension 0 (vLLM's CPU backend: ``[num_blocks, ...]``), or K and V first and
     the block in dimension 1 (``[2, num_blocks, ...]``, e.g. FlashAttention): then the page
@@ -83,7 +92,8 @@ def page_parts(kv_caches: Sequence[torch.Tensor], block_bytes: Sequence[int], nu
     what vLLM's KV cache spec says (``block_bytes``)."""
     parts: list[Part] = []
     off = 0
-    for name, t, nbytes in zip(names, kv_caches, block_bytes, strict=True):
+    groups = list(groups) or [0] * len(names)
+    for name, t, nbytes, group in zip(names, kv_caches, block_bytes, groups, strict=True):
         if t.dim() >= 1 and t.shape[0] == num_blocks:
             views = [t]
         elif t.dim() >= 2 and t.shape[0] == 2 and t.shape[1] == num_blocks:
@@ -99,7 +109,7 @@ def page_parts(kv_caches: Sequence[torch.Tensor], block_bytes: Sequence[int], nu
                 raise ValueError(f"KvcmConnector: layer {name}: a block's bytes are not contiguous "
                                  f"(shape {tuple(t.shape)}, strides {t.stride()})")
             n = v[0].numel() * v.element_size()
-            parts.append(Part(v, off, n))
+            parts.append(Part(v, off, n, group))
             off += n
     return parts
 
@@ -118,23 +128,23 @@ class CpuCopier:
 
     def save(self, blocks: Sequence[int], slots: Sequence[int], pool: torch.Tensor, after: Any) -> None:
         """vLLM blocks -> tier-0 rows, one gather per part."""
-        bidx = torch.tensor(blocks, dtype=torch.long)
+        bidx = _ids(blocks)
         sidx = torch.tensor(slots, dtype=torch.long)
         n = len(blocks)
         for p in self.parts:
-            rows = p.tensor.index_select(0, bidx).reshape(n, -1).view(torch.uint8)
+            rows = p.tensor.index_select(0, _col(bidx, p)).reshape(n, -1).view(torch.uint8)
             pool[:, p.offset:p.offset + p.nbytes].index_copy_(0, sidx, rows)
 
     def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool,
              after: Any = None) -> None:
         """tier-0 rows -> vLLM blocks, one scatter per part (CPU: done on return; ``sync``
         and ``after`` do not matter)."""
-        bidx = torch.tensor(blocks, dtype=torch.long)
+        bidx = _ids(blocks)
         sidx = torch.tensor(slots, dtype=torch.long)
         n = len(blocks)
         for p in self.parts:
             rows = pool[:, p.offset:p.offset + p.nbytes].index_select(0, sidx)
-            p.tensor.index_copy_(0, bidx, rows.view(p.tensor.dtype).view(n, *p.tensor.shape[1:]))
+            p.tensor.index_copy_(0, _col(bidx, p), rows.view(p.tensor.dtype).view(n, *p.tensor.shape[1:]))
 
     def close(self) -> None:
         return
@@ -173,8 +183,8 @@ class CudaCopier:
     def forward_marker(self) -> Any:
         return self._marker()
 
-    def _index(self, ids: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
+    def _index(self, ids: Sequence[Any]) -> torch.Tensor:
+        return _ids(ids).pin_memory().to(self.device, non_blocking=True)
 
     def save(self, blocks: Sequence[int], slots: Sequence[int], pool: torch.Tensor, after: Any) -> None:
         n, page = len(blocks), pool.shape[1]
@@ -186,7 +196,7 @@ class CudaCopier:
             bidx = self._index(blocks)
             dev = torch.empty((n, page), dtype=torch.uint8, device=self.device)
             for p in self.parts:
-                dev[:, p.offset:p.offset + p.nbytes] = p.tensor.index_select(0, bidx).reshape(n, -1).view(torch.uint8)
+                dev[:, p.offset:p.offset + p.nbytes] = p.tensor.index_select(0, _col(bidx, p)).reshape(n, -1).view(torch.uint8)
             host.copy_(dev, non_blocking=True)
             done.record(self.stream)
         done.synchronize()  # this (transfer) thread waits; the compute stream does not
@@ -208,7 +218,7 @@ class CudaCopier:
             dev = host.to(self.device, non_blocking=True)
             for p in self.parts:
                 rows = dev[:, p.offset:p.offset + p.nbytes]
-                p.tensor.index_copy_(0, bidx, rows.view(p.tensor.dtype).view(n, *p.tensor.shape[1:]))
+                p.tensor.index_copy_(0, _col(bidx, p), rows.view(p.tensor.dtype).view(n, *p.tensor.shape[1:]))
             done.record(self.stream)
         if sync:
             torch.cuda.current_stream(self.device).wait_event(done)  # the forward reads them: a GPU-side wait
@@ -269,7 +279,9 @@ class _Outcome:
 class TransferEngine:
     """One worker thread executing a FIFO of jobs against one data plane (module doc).
     ``loop``: the engine loop's half that applies copy runs (``EngineLoop(None, plane)``);
-    its plane holds kvcm's tier 0."""
+    its plane holds kvcm's tier 0.  ``copier``: one copier, or one per kvcm life cycle (a
+    hybrid model: each life cycle's pages are the blocks of its own vLLM groups); loads and
+    saves name their life cycle."""
 
     def __init__(self, loop: EngineLoop, copier: Any, page_bytes: int,
                  fault_hook: Callable[[CopyOp], None] | None = None, name: str = "kvcm-transfer") -> None:
@@ -277,16 +289,18 @@ class TransferEngine:
             raise ValueError("TransferEngine: the engine loop has no data plane")
         self.loop = loop
         plane = self.plane = loop.plane
-        self.copier = copier
+        self.copiers = list(copier) if isinstance(copier, (list, tuple)) else [copier]
+        self.copier = self.copiers[0]
         self.page_bytes = page_bytes
-        self.pool = plane.pool(GPU, LC)
+        self.pools = [plane.pool(GPU, lc) for lc in range(len(self.copiers))]
+        self.pool = self.pools[0]
         self.slot_bytes = [lc.slot_bytes for lc in plane.life_cycles]
         self.fault_hook = fault_hook
         self._cv = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._seq = 0  # the last job submitted
         self._done = 0  # every job <= _done has completed (FIFO)
-        self._ticket: dict[int, int] = {}  # tier-0 slot -> the last queued job writing it
+        self._ticket: dict[tuple[int, int], int] = {}  # tier-0 (lc, slot) -> the last queued job writing it
         self._poison: set[tuple[int, int, int]] = set()  # (tier, lc, slot) whose last write failed
         self._pending_saves: Counter[str] = Counter()  # request -> save plans queued, not done
         self._save_req: dict[int, str] = {}  # queued save_id -> request
@@ -300,7 +314,7 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ submitting
 
-    def _submit(self, job: _Job, writes: Sequence[int] = ()) -> None:
+    def _submit(self, job: _Job, writes: Sequence[tuple[int, int]] = ()) -> None:
         with self._cv:
             if self._stop:
                 raise RuntimeError("kvcm transfer engine is closed")
@@ -320,7 +334,7 @@ class TransferEngine:
         nops = sum(len(r) for r in runs)
         if not nops:
             return
-        writes = [s for r in runs if r.dst_tier == GPU and r.lc == LC for s in r.dst_slots]
+        writes = [(r.lc, s) for r in runs if r.dst_tier == GPU for s in r.dst_slots]
         nbytes = sum(len(r) * self.slot_bytes[r.lc] for r in runs)
         self._submit(_Job(0, "runs", nbytes, drain_seq=drain_seq, runs=runs), writes)
 
@@ -328,14 +342,14 @@ class TransferEngine:
         """Asynchronous loads (reported by :meth:`take` once done), after ``marker``
         (:meth:`CpuCopier.forward_marker` when they were queued)."""
         if loads:
-            self._submit(_Job(0, "loads", sum(len(x.blocks) for x in loads) * self.page_bytes, loads=loads,
+            self._submit(_Job(0, "loads", sum(len(x.blocks) * self.slot_bytes[x.lc] for x in loads), loads=loads,
                               marker=marker))
 
     def submit_saves(self, saves: list[SavePlan], marker: Any) -> None:
         """Saves, after the step's forward (``marker``: :meth:`CpuCopier.forward_marker`)."""
         if saves:
-            writes = [s for sp in saves for s in sp.slots]
-            self._submit(_Job(0, "saves", sum(len(x.blocks) for x in saves) * self.page_bytes, saves=saves,
+            writes = [(sp.lc, s) for sp in saves for s in sp.slots]
+            self._submit(_Job(0, "saves", sum(len(x.blocks) * self.slot_bytes[x.lc] for x in saves), saves=saves,
                               marker=marker), writes)
 
     def sync_loads(self, loads: list[LoadPlan]) -> dict[int, list[int]]:
@@ -347,7 +361,7 @@ class TransferEngine:
             return out
         t0 = time.perf_counter()
         with self._cv:
-            need = max((self._ticket.get(s, 0) for x in loads for s in x.slots if s >= 0), default=0)
+            need = max((self._ticket.get((x.lc, s), 0) for x in loads for s in x.slots if s >= 0), default=0)
             deadline = time.monotonic() + SYNC_WAIT_S
             while self._done < need and not self._stop:
                 left = deadline - time.monotonic()
@@ -359,7 +373,7 @@ class TransferEngine:
         waited = time.perf_counter() - t0
         counters: Counter[str] = Counter()
         for x in loads:
-            bad = [i for i, s in enumerate(x.slots) if s < 0 or not ready or (GPU, LC, s) in poison]
+            bad = [i for i, s in enumerate(x.slots) if s < 0 or not ready or (GPU, x.lc, s) in poison]
             out[x.load_id] = self._copy_in(x, bad, True, counters)
         counters["sync_wait_us"] += int(1e6 * waited)
         counters["sync_load_us"] += int(1e6 * (time.perf_counter() - t0 - waited))
@@ -469,7 +483,7 @@ class TransferEngine:
             d = out.done
             for x in job.loads:
                 with self._cv:  # (only this thread writes the poison set; the lock orders the read)
-                    bad = [i for i, s in enumerate(x.slots) if s < 0 or (GPU, LC, s) in self._poison]
+                    bad = [i for i, s in enumerate(x.slots) if s < 0 or (GPU, x.lc, s) in self._poison]
                 failed = self._copy_in(x, bad, False, d.counters, after=job.marker)
                 d.loads[x.load_id] = failed
                 d.failed_blocks[x.load_id] = [x.blocks[i] for i in failed]
@@ -527,11 +541,12 @@ class TransferEngine:
         failed = list(bad)
         if ok:
             try:
-                self.copier.load([x.slots[i] for i in ok], [x.blocks[i] for i in ok], self.pool, sync, after)
+                self.copiers[x.lc].load([x.slots[i] for i in ok], [x.blocks[i] for i in ok], self.pools[x.lc], sync,
+                                        after)
             except Exception:  # e.g. out of memory: the blocks are recomputed
                 logger.exception("kvcm: load of %d blocks for %s failed", len(ok), x.req_id)
                 failed = list(range(len(x.slots)))
-        counters["loaded_bytes"] += (len(x.slots) - len(failed)) * self.page_bytes
+        counters["loaded_bytes"] += (len(x.slots) - len(failed)) * self.slot_bytes[x.lc]
         counters["load_failed_blocks"] += len(failed)
         return sorted(failed)
 
@@ -540,15 +555,17 @@ class TransferEngine:
             todo = [sp for sp in job.saves if sp.save_id not in self._cancelled]
             skipped = [sp for sp in job.saves if sp.save_id in self._cancelled]
         ok = True
-        if todo:
+        for lc in sorted({sp.lc for sp in todo}):  # one gather per life cycle (its own vLLM groups)
+            mine = [sp for sp in todo if sp.lc == lc]
             try:
-                self.copier.save([b for sp in todo for b in sp.blocks], [s for sp in todo for s in sp.slots],
-                                 self.pool, job.marker)
+                self.copiers[lc].save([b for sp in mine for b in sp.blocks], [s for sp in mine for s in sp.slots],
+                                      self.pools[lc], job.marker)
             except Exception:  # the blocks are not committed; vLLM is not affected
                 logger.exception("kvcm: saving %d blocks failed", sum(len(sp.blocks) for sp in todo))
                 ok = False
+                break
         self._end_saves(out, [(sp, ok) for sp in todo] + [(sp, False) for sp in skipped])
-        out.done.counters["saved_bytes"] += sum(len(sp.blocks) for sp in todo) * self.page_bytes if ok else 0
+        out.done.counters["saved_bytes"] += sum(len(sp.blocks) * self.slot_bytes[sp.lc] for sp in todo) if ok else 0
         out.done.counters["saves_cancelled"] += len(skipped)
 
     @staticmethod
@@ -557,7 +574,7 @@ class TransferEngine:
         failed or was skipped is poisoned (its old bytes may be half overwritten)."""
         out.ended += ended
         for sp, ok in ended:
-            (out.healed if ok else out.poisoned).update((GPU, LC, s) for s in sp.slots)
+            (out.healed if ok else out.poisoned).update((GPU, sp.lc, s) for s in sp.slots)
         out.healed -= out.poisoned
 
     def _end_save(self, sp: SavePlan, ok: bool) -> None:  # under self._cv, by _finish

@@ -67,14 +67,20 @@ class KvcmWorker:
         if missing:
             raise ValueError(f"KvcmConnector: no KV cache tensor for layers {missing}")
         tensors = [kv_caches[n] for n in self.layout.layer_names]
-        parts = page_parts(tensors, self.layout.block_bytes, self.num_blocks or tensors[0].shape[0],
-                           self.layout.layer_names)
+        nblocks = self.num_blocks or tensors[0].shape[0]
+        lay = self.layout
+        groups = lay.groups or (0,) * len(tensors)
+        device = tensors[0].device
+        copiers = []
+        for lc_groups in lay.lc_groups:  # one copier per kvcm life cycle: its page is one block of each layer
+            idx = [i for i, g in enumerate(groups) if g in lc_groups]
+            parts = page_parts([tensors[i] for i in idx], [lay.block_bytes[i] for i in idx], nblocks,
+                               [lay.layer_names[i] for i in idx], [lc_groups.index(groups[i]) for i in idx])
+            copiers.append(CudaCopier(parts, device) if device.type == "cuda" else CpuCopier(parts))
         s = self.settings
         self.plane = DataPlane(self.config, device="cpu", store=s.make_store(), shared_timeout_s=s.shared_timeout_s)
-        device = tensors[0].device
-        copier = CudaCopier(parts, device) if device.type == "cuda" else CpuCopier(parts)
-        self.engine = TransferEngine(EngineLoop(None, self.plane), copier, self.page_bytes, fault_hook=s.fault_hook(),
-                                     name=f"kvcm-transfer-r{self.rank}")
+        self.engine = TransferEngine(EngineLoop(None, self.plane), copiers if len(copiers) > 1 else copiers[0],
+                                     self.page_bytes, fault_hook=s.fault_hook(), name=f"kvcm-transfer-r{self.rank}")
 
     # ------------------------------------------------------------------ the step
 
@@ -108,9 +114,16 @@ class KvcmWorker:
                 self.errors.update(x.blocks[i] for i in failed)
 
     def wait_for_save(self, meta: KvcmConnectorMetadata) -> None:
-        """Queue the step's saves (after the forward); nothing waits for them."""
+        """Queue the step's saves (after the forward); nothing waits for them, except saves
+        of sliding-window blocks vLLM frees at its next step (``meta.window_saves``: their
+        requests' saves end before this step does, or vLLM could hand the blocks to another
+        request whose forward overwrites them while kvcm still reads them)."""
         if meta.saves and self.engine is not None:
             self.engine.submit_saves(meta.saves, self.engine.copier.forward_marker())
+            if meta.window_saves:
+                t0 = time.perf_counter()
+                self.engine.wait_saves(meta.window_saves, PREEMPT_WAIT_S)
+                self.report.counters["window_save_wait_us"] += int(1e6 * (time.perf_counter() - t0))
 
     def get_transfer_results(self, finished_req_ids: set[str] | None = None) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call: held
@@ -125,15 +138,25 @@ class KvcmWorker:
         sending = done.saves_done
         self.holds -= sending
         recving = set(done.load_reqs.values())
-        for blocks in done.failed_blocks.values():
-            self.errors.update(blocks)
+        failed: set[str] = set()
+        for lid, blocks in done.failed_blocks.items():
+            if not blocks:
+                continue
+            if self.layout.hybrid:
+                # by request (vLLM recomputes it from its first token); vLLM also wants it in
+                # finished_recving.  A block-level report kills a multi-group engine.
+                failed.add(done.load_reqs[lid])
+            else:
+                self.errors.update(blocks)
         rep = self.report
         rep.drains += done.drains
         rep.saves.update(done.saves)
         rep.loads.update(done.loads)
         rep.counters.update(done.counters)
         self.stats.update({k: done.counters[k] for k in STATS_KEYS if done.counters.get(k)})
-        return sending, recving, set()
+        if failed:
+            rep.counters["failed_recving"] += len(failed)
+        return sending, recving, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self.errors = self.errors, set()

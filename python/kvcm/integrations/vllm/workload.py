@@ -34,8 +34,10 @@ MODEL_DEFAULTS = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 25
 
 def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides: Any) -> str:
     """A random-weight model saved under ``path`` (reused when it is there already):
-    ``llama`` (full attention) or ``gemma3`` (sliding-window layers then a full-attention one,
-    Gemma-3's text model)."""
+    ``llama`` (full attention), ``gemma3`` (sliding-window layers then a full-attention one,
+    Gemma-3's text model; pass ``tie_word_embeddings=False``, else a random model only echoes
+    the prompt's last token and an exactness check on it cannot fail) or ``mistral`` (every
+    layer a sliding window of 64 tokens)."""
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
@@ -50,8 +52,12 @@ def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides
                     layer_types=["sliding_attention"] * (args["num_hidden_layers"] - 1) + ["full_attention"])
         args.setdefault("query_pre_attn_scalar", args["head_dim"])
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**args, torch_dtype="float32"))
+    elif kind == "mistral":
+        args.setdefault("sliding_window", 64)
+        args.setdefault("head_dim", args["hidden_size"] // args["num_attention_heads"])
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**args, torch_dtype="float32"))
     else:
-        raise ValueError(f"unknown model kind {kind!r}: llama or gemma3")
+        raise ValueError(f"unknown model kind {kind!r}: llama, gemma3 or mistral")
     model.save_pretrained(path)
     return path
 
@@ -269,13 +275,16 @@ def main(argv: list[str]) -> int:
 
     kw: dict[str, Any] = {"model": spec["model"], "skip_tokenizer_init": True, "dtype": "float32",
                           "block_size": spec.get("block_size", 32), "num_gpu_blocks_override": spec["gpu_blocks"],
-                          "max_model_len": spec.get("max_model_len", (spec["gpu_blocks"] - 1) * spec.get("block_size", 32)), "enforce_eager": True,
+                          "max_model_len": spec.get("max_model_len") or (spec["gpu_blocks"] - 1) * spec.get("block_size", 32), "enforce_eager": True,
                           "max_num_seqs": spec.get("max_num_seqs", 4), "seed": 0,
                           "disable_log_stats": False,  # RequestOutput.metrics: TTFT
                           "max_num_batched_tokens": spec.get("max_num_batched_tokens", 2048),
                           "kv_cache_memory_bytes": spec.get("kv_cache_memory_bytes", 64 << 20)}
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = spec["connector"]
+    kw.update(spec.get("llm", {}))  # more engine arguments (e.g. disable_hybrid_kv_cache_manager)
+    if kw["num_gpu_blocks_override"] is None:  # vLLM's cache sized by kv_cache_memory_bytes alone
+        del kw["num_gpu_blocks_override"]
     if spec.get("tensor_parallel_size", 1) > 1:
         kw["tensor_parallel_size"] = spec["tensor_parallel_size"]
     if spec.get("kv_events") is not None:  # vLLM's own KV-event publisher (kvcm's tier events ride on it)
