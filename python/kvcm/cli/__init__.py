@@ -9,6 +9,8 @@ Subcommands::
            [--page-bytes 4096] [--gpu-blocks 1024] [--plot kvcm-fleet.png]   (the fleet replay, kvcm.tools.fleet_replay)
     bench [replay|keys|probe|decode|step|ssm|evict|memory|all] [--limit N] [--block-size B] [--quick] ...
     bench vllm [--conversations N] [--turns N] [--gpu-blocks N] ...   (kvcm.integrations.vllm.bench)
+    vllm check-config JSON|@FILE           the vLLM connector's kv_connector_extra_config (or kv_transfer_config)
+                                           checked offline, without vLLM (kvcm.integrations.vllm.check)
     oplog-replay PATH [--backend python,cpp] ...   (all arguments go to kvcm.oplog.main_replay)
     demo [--backend python,cpp] [--workload multi-turn|shared-system-prompt] [--device cpu]
     events --connect ENDPOINT [--replay ENDPOINT] [--snapshot] | --demo | --bench   (kvcm.cli.events)
@@ -796,6 +798,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(why, file=sys.stderr)
             return 2
         return command(argv[1:])
+    if argv[:1] == ["vllm"]:  # no vLLM needed: the connector's settings and checks only
+        from kvcm.integrations.vllm.check import vllm_command
+
+        return vllm_command(argv[1:])
     if argv[:2] == ["bench", "vllm"]:  # real vLLM engines (kvcm[vllm]): kvcm.integrations.vllm.bench
         try:
             from kvcm.integrations.vllm.bench import main as bench_vllm_main

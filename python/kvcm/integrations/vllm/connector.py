@@ -49,7 +49,9 @@ from vllm.logger import init_logger
 import kvcm
 from kvcm.api import GPU, SHARED, CopyError, CopyOp, CopyRun, KVCacheManagerConfig, Tier
 from kvcm.dataplane import DataPlane
-from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+from kvcm.integrations.vllm import startup
+from kvcm.integrations.vllm.identity import ModelSource, request_problem, request_scope
+from kvcm.integrations.vllm.settings import KvLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,7 +62,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# under "vllm.": vLLM configures its own loggers only (an INFO line of "kvcm.*" would be dropped)
+logger = init_logger(f"vllm.{__name__}")
 LC = 0  # one life cycle: full attention (KvLayout allows nothing else)
 TIER_NAMES = {1: "host", 2: "disk", SHARED: "shared"}
 
@@ -117,7 +120,7 @@ def _counters() -> dict[str, int]:
     return dict.fromkeys(
         ("lookups", "lookup_tokens", "matched_blocks", "loaded_blocks", "hit_blocks_host", "hit_blocks_disk",
          "hit_blocks_shared", "saved_blocks", "load_error_blocks", "failed_ops", "rollbacks", "mirror_stops",
-         "steps"), 0)
+         "skipped_requests", "steps"), 0)
 
 
 class KvcmConnector(KVConnectorBase_V1):
@@ -129,15 +132,16 @@ class KvcmConnector(KVConnectorBase_V1):
             # failed copies are reported to the manager for the step that issued them
             # (forget_copies takes the last drain's ops): the scheduler must not run ahead
             raise ValueError("KvcmConnector needs async_scheduling=False (--no-async-scheduling)")
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            # vLLM's default ("fail") ends a request whose load failed with an error; a cache
-            # that misses must cost a recomputation, never a request
-            raise ValueError('KvcmConnector needs kv_transfer_config "kv_load_failure_policy": "recompute"')
         from vllm.platforms import current_platform
 
-        self.settings = ConnectorSettings.parse(self._kv_transfer_config.kv_connector_extra_config)
+        # the policy, the keys, the paths, the sizes against vLLM's block, the model's identity
+        # (kvcm.integrations.vllm.startup): one-line errors naming the key
+        self.settings = startup.check_transfer_config(self._kv_transfer_config)
         self.layout = KvLayout.from_kv_cache_config(kv_cache_config, current_platform.device_type)
         self.B = self.layout.block_size
+        self.facts = startup.EngineFacts.from_vllm(vllm_config, kv_cache_config, current_platform.device_type)
+        self.prepared = startup.prepare(self.settings, self.layout, self.facts, lambda: ModelSource.from_vllm(vllm_config),
+                                        vllm_config.parallel_config.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
@@ -147,8 +151,9 @@ class KvcmConnector(KVConnectorBase_V1):
 
     def _init_scheduler(self) -> None:
         s = self.settings
-        self.config = s.manager_config(self.layout)
+        self.config = s.manager_config(self.layout, identity_tag=self.prepared.tag)
         self.mgr = kvcm.KVCacheManager(self.config, backend=s.backend)
+        startup.announce(logger, s, self.layout, self.facts, self.prepared, self.mgr.backend_name)
         self.lookup_plane: DataPlane | None = None
         if s.shared is not None:
             # lookups only: a plane with one tier-0 slot and the same store and layout fingerprint
@@ -194,13 +199,17 @@ class KvcmConnector(KVConnectorBase_V1):
             self._release(old)
         if len(tokens) <= self.B:
             return 0, False
+        if request_problem(request) is not None:  # its KV depends on more than its tokens (LoRA, images)
+            self.counters["skipped_requests"] += 1
+            return 0, False
+        scope = request_scope(request)  # vLLM's cache_salt: kvcm's reuse scope
         prefix = tokens[:-1]  # the last token's logits must be computed
         self.counters["lookups"] += 1
         self.counters["lookup_tokens"] += len(prefix)
         hits = None
         if self.lookup_plane is not None:
-            hits = self.lookup_plane.shared_lookup(self.mgr.shared_candidates(prefix))  # ONE batched query
-        kv = self.mgr.create_kv_cache(prefix, shared_hits=hits)
+            hits = self.lookup_plane.shared_lookup(self.mgr.shared_candidates(prefix, scope))  # ONE batched query
+        kv = self.mgr.create_kv_cache(prefix, scope=scope, shared_hits=hits)
         if not kv.resume():  # tier 0 is full of locked pages: this request is not mirrored
             kv.close()
             self.counters["mirror_stops"] += 1
@@ -354,6 +363,7 @@ class KvcmConnector(KVConnectorBase_V1):
         if path is None:
             return
         data = {"counters": self.counters, "worker": self.worker_counters, "seconds": self.seconds,
+                "namespace": self.config.shared_namespace,
                 "manager": self.mgr.stats(),
                 "lookup": None if self.lookup_plane is None else self.lookup_plane.shared_stats}
         tmp = f"{path}.tmp"
@@ -388,7 +398,7 @@ class KvcmConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             rank = get_tensor_model_parallel_rank()
-        self.config = self.settings.manager_config(self.layout, rank, world)
+        self.config = self.settings.manager_config(self.layout, rank, world, identity_tag=self.prepared.tag)
         self.plane: DataPlane | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.load_errors: set[int] = set()
