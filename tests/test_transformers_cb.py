@@ -305,3 +305,22 @@ def test_persistent_manager_chat_reuses_each_turn():
     # turns 2 and 3 match the previous conversation up to its last generated token (never computed):
     # 22 + 4 tokens, then 29 + 4
     assert stats["reused_tokens"] == 26 + 33, stats
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run(tmp_path) -> None:
+    """The README's bench command with ``--plot`` and no matplotlib: one line, exit 2, at once
+    (it used to run the whole benchmark, then stop in a traceback)."""
+    from children import child_env
+
+    hide = ("import sys, runpy\n"
+            "class Hide:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'matplotlib':\n"
+            "            raise ImportError(name=name)\n"
+            "sys.meta_path.insert(0, Hide())\n"
+            "sys.argv = ['bench', '--plot', sys.argv[1]]\n"
+            "runpy.run_module('kvcm.integrations.transformers.bench', run_name='__main__')\n")
+    p = subprocess.run([sys.executable, "-c", hide, str(tmp_path / "b.png")], capture_output=True, text=True,
+                       env=child_env(), timeout=300, check=False)
+    assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
+    assert p.stderr.strip() == "bench: --plot needs matplotlib: pip install matplotlib (or kvcm[route])", p.stderr
