@@ -50,7 +50,7 @@ if os.environ.get("KVCM_VLLM_TESTS") != "1":
 
 BLOCK = 32
 GPU_BLOCKS = 16  # vLLM's KV cache: 16 blocks of 32 tokens, a few requests' worth
-BLOCK_BYTES = 2 * 2 * 64 * 2 * 4  # per layer: 2 kv heads x 64 dims x (K, V) x fp32 ... per token
+BLOCK_BYTES = 2 * 2 * 64 * 2 * 4  # per token, both layers: 2 layers x 2 kv heads x 64 dims x (K, V) x fp32
 PAGE = BLOCK * BLOCK_BYTES  # a kvcm page: one block of both layers
 WORKLOAD = {"conversations": 6, "turns": 3, "system_len": 100, "user_len": 60, "seed": 7}
 CHILD_TIMEOUT_S = int(os.environ.get("KVCM_VLLM_CHILD_TIMEOUT_S", "900"))  # per engine process (a loaded machine: raise it)
@@ -315,13 +315,14 @@ def other_model_engines(engines: dict) -> dict:
 
 def store_hits(store: str, namespace: str, prompts: list[list[int]]) -> int:
     """Blocks of ``prompts`` the store holds under ``namespace`` (the test's layout: two
-    layers of BLOCK_BYTES per token), as kvcm's data plane finds them."""
+    layers of BLOCK_BYTES // 2 per token, as the connector maps vLLM's), as kvcm's data plane
+    finds them."""
     import kvcm
     from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
     from kvcm.dataplane import DataPlane
 
-    cfg = KVCacheManagerConfig(BLOCK, [AttentionLayer(0, bytes_per_token=BLOCK_BYTES),
-                                       AttentionLayer(1, bytes_per_token=BLOCK_BYTES)],
+    cfg = KVCacheManagerConfig(BLOCK, [AttentionLayer(0, bytes_per_token=BLOCK_BYTES // 2),
+                                       AttentionLayer(1, bytes_per_token=BLOCK_BYTES // 2)],
                                [Tier("gpu", 4 * PAGE), Tier("shared", 0, store)], enable_partial_reuse=False,
                                shared_namespace=namespace)
     mgr, plane = kvcm.KVCacheManager(cfg, backend="python"), DataPlane(cfg, device="cpu")
@@ -486,4 +487,4 @@ def test_readme_server_command_runs_as_written(tmp_path: Path) -> None:
     assert text.startswith("ok: backend (KVCM_BACKEND); host 1.0 GiB; disk 4.0 GiB at "), text[:2000]  # check-config
     lines = start_lines(text)
     assert len(lines) == 1 and "shared " in lines[0] and "cap 8.0 GiB" in lines[0], text[-6000:]
-    assert "kvcm connector: kv_connector_extra_config" not in text  # no capacity warning with the README's sizes
+    assert "kvcm connector: kv_connector_extra_config['host_bytes']" not in text  # the README's host tier suffices

@@ -74,7 +74,7 @@ def test_the_start_line_says_what_the_connector_does(tmp_path: Path) -> None:
     facts = startup.EngineFacts(max_model_len=512, vllm_blocks=16, device="cpu", enable_prefix_caching=True)
     s = ConnectorSettings.parse({"backend": "cpp", "host_bytes": 24 * PAGE, "disk_path": str(tmp_path / "disk"),
                                  "disk_bytes": 96 * PAGE, "shared": str(tmp_path / "store"),
-                                 "shared_namespace": "llama@rev", "shared_timeout_s": 0.5})
+                                 "shared_bytes": 1 << 30, "shared_namespace": "llama@rev", "shared_timeout_s": 0.5})
     prepared = startup.prepare(s, layout2(), facts, ModelSource(str(d)))
     assert prepared.warnings == [] and prepared.identity is not None
     line = startup.start_line(s, layout2(), facts, prepared, "cpp")
@@ -82,7 +82,7 @@ def test_the_start_line_says_what_the_connector_does(tmp_path: Path) -> None:
     for part in ("kvcm connector: backend cpp", "vLLM block 32 tokens = 64.0 KiB per kvcm page (2 layers)",
                  "vLLM's KV cache 16 blocks, max_model_len 512 = 16 blocks", "host 1.5 MiB = 24 blocks",
                  f"disk 6.0 MiB = 96 blocks at {tmp_path / 'disk'}",
-                 f"shared {tmp_path / 'store'} (directory, cap 64.0 GiB, written on commit, timeout 0.5 s)",
+                 f"shared {tmp_path / 'store'} (directory, cap 1.0 GiB, written on commit, timeout 0.5 s)",
                  f"namespace 'llama@rev' + {prepared.identity.tag} (sampled: 1 weight files",
                  "vllm:cpu:FullAttentionSpec:2x64:float32:B32"):
         assert part in line, (part, line)
