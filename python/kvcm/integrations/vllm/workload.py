@@ -50,6 +50,18 @@ def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides
     return path
 
 
+def save_tokenizer(path: str, vocab_size: int = MODEL_DEFAULTS["vocab_size"]) -> str:
+    """A word-level tokenizer saved beside a random-weight model, so a server that needs one
+    (vLLM's OpenAI server) starts on it: token ``i`` is the word ``t<i>`` (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
+    return path
+
+
 def conversations(n: int, system_len: int, seed: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(1, vocab) for _ in range(system_len)]
@@ -64,12 +76,13 @@ def run_turns(llm: Any, spec: dict, sampling: Any) -> dict:
     vocab = spec.get("vocab", MODEL_DEFAULTS["vocab_size"])
     rng = random.Random(spec.get("seed", 0) + 1)
     chats = conversations(spec["conversations"], spec["system_len"], spec.get("seed", 0), vocab)
-    outputs, ttft, cached, prompt_tokens = [], [], 0, 0
+    outputs, ttft, cached, prompt_tokens, prompts_sent = [], [], 0, 0, []
     t0 = time.perf_counter()
     for _ in range(spec["turns"]):
         for c in chats:
             c += [rng.randrange(1, vocab) for _ in range(spec["user_len"])]
         prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in chats]
+        prompts_sent += [list(c) for c in chats]
         turn = []
         for i in range(0, len(prompts), spec.get("batch", len(prompts))):
             chunk = prompts[i:i + spec.get("batch", len(prompts))]
@@ -87,7 +100,7 @@ def run_turns(llm: Any, spec: dict, sampling: Any) -> dict:
             outputs.append(out)
             c += out
     return {"outputs": outputs, "ttft": ttft, "cached_tokens": cached, "prompt_tokens": prompt_tokens,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "prompts": prompts_sent}
 
 
 def run_aborts(llm: Any, spec: dict, sampling: Any, abort: dict) -> dict:
