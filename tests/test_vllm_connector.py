@@ -497,6 +497,13 @@ def test_vllm_internals_the_connector_relies_on() -> None:
                     "get_kv_connector_stats()", "build_connector_worker_meta()")
     assert in_order(src(gpu_model_runner.GPUModelRunner.execute_model), "handle_preemptions(",
                     "kv_connector_no_forward")
+    # the early config check (startup.check_calling_config) finds the KVTransferConfig as the
+    # local ``kv_transfer_config`` of the frame that resolves the connector class
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert "kv_transfer_config" in inspect.signature(KVConnectorFactory.get_connector_class).parameters
+    assert "getattr(connector_module, connector_name)" in src(KVConnectorFactory.get_connector_class)
+    assert "get_connector_class(" in src(KVConnectorFactory.supports_hma_config)
     agg = src(KVOutputAggregator.aggregate)
     assert "_expected_finished_count" in src(KVOutputAggregator) and ".aggregate(" in agg
     assert "invalid_block_ids |= kv_output.invalid_block_ids" in agg
@@ -517,7 +524,9 @@ def other_model_engines(engines: dict) -> dict:
     over = {"model": make_model(os.path.join(tmp, "model-other"), seed=OTHER_SEED),
             "workload": {**WORKLOAD, "turns": 1}}
     out = {"baseline": run_engine(tmp, "other-baseline", None, [{"name": "main"}], over)}
-    out["x"] = run_engine(tmp, "x", connector(tmp, "x", "cpp", engines["shared"]), [{"name": "main"}], over)
+    # a host tier one block short of vLLM's KV cache (16 blocks): the start warns, naming the numbers
+    conn = connector(tmp, "x", "cpp", engines["shared"], host_bytes=(GPU_BLOCKS - 1) * PAGE)
+    out["x"] = run_engine(tmp, "x", conn, [{"name": "main"}], over)
     return out
 
 
@@ -578,9 +587,18 @@ def test_the_connector_says_what_it_does_at_start(engines: dict, other_model_eng
         assert PAGE == 64 << 10 and "host 1.5 MiB = 24 blocks" in line and "disk 6.0 MiB = 96 blocks" in line, line
         assert "vllm_fault_store:FaultyFileStore, cap 64.0 GiB, written on commit, timeout 0.2 s" in line, line
         assert f"namespace '{NAMESPACE}' + {ns.split('|')[1]} (sampled: 1 weight files" in line, line
-    x_line = start_lines(other_model_engines["x"]["log"])[0]
+    x_log = other_model_engines["x"]["log"]
+    x_line = start_lines(x_log)[0]
     assert phase(other_model_engines["x"], "main")["stats"]["namespace"].split("|")[1] in x_line
+    assert "host 960.0 KiB = 15 blocks" in x_line and "loads auto, at most 480.0 KiB in flight" in x_line, x_line
     assert start_lines(engines["baseline"]["log"]) == []
+    # the capacity warning: in vLLM's log, once (the scheduler side), with the numbers; none where the host tier suffices
+    warns = [ln for ln in x_log.splitlines() if "kvcm connector: kv_connector_extra_config['host_bytes']" in ln]
+    assert len(warns) == 1 and " WARNING " in warns[0], warns or x_log[-3000:]
+    assert ("['host_bytes'] = 983,040 holds 15 blocks; vLLM's KV cache has 16: when the running requests hold "
+            "more than 15 blocks, kvcm stops mirroring some of them (give host_bytes >= 1,048,576)") in warns[0], warns
+    for name in ("a", "b"):
+        assert "kvcm connector: kv_connector_extra_config[" not in engines[name]["log"]
 
 
 # ------------------------------------------------------------------ errors before the model loads

@@ -5,6 +5,11 @@ A thin facade, as vLLM's own connectors are built: in the scheduler process it h
 request, planning), in each worker a :class:`~kvcm.integrations.vllm.worker.KvcmWorker`
 (the rank's data plane and transfer engine); every vLLM hook goes to the one that exists.
 How bytes move and what the connector needs from vLLM: DECISIONS.md "vLLM connector".
+
+At construction (both roles) the facade checks the configuration and the host, derives the
+model's identity for the shared tier's names and gives both sides one manager config
+(:mod:`kvcm.integrations.vllm.startup`); the scheduler side logs one start line and the
+capacity warnings (DECISIONS.md "A deployment that says what it does").
 """
 
 from __future__ import annotations
