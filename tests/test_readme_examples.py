@@ -11,11 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import kvcm
 import pytest
+from children import child_env
 
-PKG_ROOT = Path(kvcm.__file__).resolve().parent.parent
-README = PKG_ROOT.parent / "README.md"
+# the checkout these tests are in (not the installed kvcm's: a `pip install '.[vllm]'` over an
+# editable install puts kvcm in site-packages, where no README.md is)
+README = Path(__file__).resolve().parent.parent / "README.md"
 MARK = re.compile(r"^<!-- example: ([\w-]+)(?: after ([\w-]+))?(?: needs (vllm))? -->$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 
@@ -85,8 +86,7 @@ def run_example(name: str, tmp_path: Path, argv: tuple[str, ...] = (), timeout: 
         path = tmp_path / f"{n}.py"
         path.write_text(EXAMPLES[n][1])
         args += [n, str(path)]
-    env = {k: v for k, v in os.environ.items() if k != "KVCM_OPLOG"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PKG_ROOT), env.get("PYTHONPATH")) if p)
+    env = child_env({k: v for k, v in os.environ.items() if k != "KVCM_OPLOG"})  # the kvcm this process runs
     p = subprocess.run([sys.executable, "-c", RUNNER, *args, "--", *argv], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=timeout, check=False)
     assert p.returncode == 0, f"README.md:{EXAMPLES[name][2]} ({name}):\n{p.stdout}\n{p.stderr}"

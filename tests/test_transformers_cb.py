@@ -482,3 +482,22 @@ def test_host_pages_that_vanish_with_a_disk_tier_are_replaced_partial_blocks(tmp
     assert four.get("gpu->host", 0) > 0 and "host->disk" not in four, four  # the host tier never had to evict
     assert one.get("host->disk", 0) > 0, one  # with one host page per lc its victims go to disk
     assert dropped4 == dropped1
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run(tmp_path) -> None:
+    """The README's bench command with ``--plot`` and no matplotlib: one line, exit 2, at once
+    (it used to run the whole benchmark, then stop in a traceback)."""
+    from children import child_env
+
+    hide = ("import sys, runpy\n"
+            "class Hide:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'matplotlib':\n"
+            "            raise ImportError(name=name)\n"
+            "sys.meta_path.insert(0, Hide())\n"
+            "sys.argv = ['bench', '--plot', sys.argv[1]]\n"
+            "runpy.run_module('kvcm.integrations.transformers.bench', run_name='__main__')\n")
+    p = subprocess.run([sys.executable, "-c", hide, str(tmp_path / "b.png")], capture_output=True, text=True,
+                       env=child_env(), timeout=300, check=False)
+    assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
+    assert p.stderr.strip() == "bench: --plot needs matplotlib: pip install matplotlib (or kvcm[route])", p.stderr

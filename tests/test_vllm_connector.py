@@ -16,7 +16,14 @@ several phases on one engine start (an engine start costs about a minute on two 
   requests whose memory, threads and file descriptors stay flat;
 * instance t: tensor parallelism 2 (two vLLM workers, each its shard of the KV cache,
   each naming its objects with its rank), exact, hits from the store after a reset;
-* instances c and d (python, then cpp) sharing a real Mooncake Store (tests/mooncake_env.py).
+* instances c and d (python, then cpp) sharing a real Mooncake Store (tests/mooncake_env.py);
+* a second random-weight model of the same shapes (another seed), without kvcm and then with
+  kvcm on the store a and b filled, under the same ``shared_namespace``: it must read none of
+  their objects (the connector names objects by the model's weights);
+* configuration errors caught while vLLM builds its config, before the model loads, in one
+  line naming the key;
+* the README's commands: its server command (``python -m vllm.entrypoints.openai.api_server``)
+  and its ``LLM(...)`` example, which prints kvcm's hit.
 
 Sliding-window and hybrid models (vLLM's hybrid KV cache manager kept on): tests/test_vllm_hybrid.py.
 
@@ -36,10 +43,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 from children import child_env
@@ -50,10 +62,12 @@ if os.environ.get("KVCM_VLLM_TESTS") != "1":
 
 BLOCK = 32
 GPU_BLOCKS = 16  # vLLM's KV cache: 16 blocks of 32 tokens, a few requests' worth
-BLOCK_BYTES = 2 * 2 * 64 * 2 * 4  # per layer: 2 kv heads x 64 dims x (K, V) x fp32 ... per token
+BLOCK_BYTES = 2 * 2 * 64 * 2 * 4  # per token, both layers: 2 layers x 2 kv heads x 64 dims x (K, V) x fp32
 PAGE = BLOCK * BLOCK_BYTES  # a kvcm page: one block of both layers
 WORKLOAD = {"conversations": 6, "turns": 3, "system_len": 100, "user_len": 60, "seed": 7}
-CHILD_TIMEOUT_S = 900
+CHILD_TIMEOUT_S = int(os.environ.get("KVCM_VLLM_CHILD_TIMEOUT_S", "900"))  # per engine process (a loaded machine: raise it)
+NAMESPACE = "test-llama-random@20261201"
+OTHER_SEED = 20261202  # the second model: make_model's shapes, other weights
 
 # distinct prompts of just under 3 blocks decoding 16 tokens, 5 at a time: vLLM's 16 blocks
 # run out as they grow into their fourth
@@ -95,12 +109,13 @@ def run_engine(tmp: str, name: str, connector: dict | None, phases: list[dict], 
     # the kvcm this process imported; vLLM logs its stats line every second
     env = child_env(KVCM_TEST_FAULT_FILE=spec["fault_file"], VLLM_LOG_STATS_INTERVAL="1", **(env or {}))
     p = subprocess.run([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
-                       env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+                       env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=CHILD_TIMEOUT_S,
+                       check=False)
     if p.returncode != 0:
-        raise AssertionError(f"engine {name} failed ({p.returncode}):\n{p.stdout[-4000:]}\n{p.stderr[-8000:]}")
+        raise AssertionError(f"engine {name} failed ({p.returncode}):\n{p.stdout[-12000:]}")
     with open(out_path) as f:
         out = json.load(f)
-    out["log"] = p.stdout + p.stderr
+    out["log"] = p.stdout  # vLLM's log, the engine core's included
     return out
 
 
@@ -110,7 +125,7 @@ def connector(tmp: str, name: str, backend: str, shared: str, **extra) -> dict:
             "kv_connector_extra_config": {
                 "backend": backend, "host_bytes": 24 * PAGE,
                 "disk_path": os.path.join(tmp, f"{name}-disk"), "disk_bytes": 96 * PAGE,
-                "shared": shared, "shared_namespace": "test-llama-random@20261201",
+                "shared": shared, "shared_namespace": NAMESPACE,
                 "shared_store_class": "vllm_fault_store:FaultyFileStore", "shared_timeout_s": 0.2,
                 "copy_fault_hook": "vllm_fault_store:truncate_disk_hook",
                 "stats_file": os.path.join(tmp, f"{name}.stats.json"), **extra}}
@@ -143,7 +158,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = str(tmp_path_factory.mktemp("vllm"))
     MODEL_DIR = make_model(os.path.join(tmp, "model"))
     shared = os.path.join(tmp, "shared")
-    out = {"baseline": run_engine(tmp, "baseline", None, REFERENCE_PHASES)}
+    out = {"baseline": run_engine(tmp, "baseline", None, REFERENCE_PHASES), "tmp": tmp, "shared": shared}
     for name, backend, mode in (("a", "python", "auto"), ("b", "cpp", "async")):  # b starts after a: reuses its prefill
         phases = [{"name": "main"}, *fault_phases(tmp, name)] + ([LONG] if name == "a" else [])
         conn = connector(tmp, name, backend, shared, load_mode=mode)
@@ -370,6 +385,8 @@ def test_tensor_parallel_ranks_share_through_the_store(engines: dict, tp_engine:
     assert set(main["stats"]["worker_gauges"]) == {"0", "1"}
     assert delta(shared, "counters", "hit_blocks_shared") > 0
     assert delta(shared, "counters", "load_error_blocks") == 0
+    # the scheduler and both ranks named the objects by the model's identity (each rank computed it)
+    assert "|model:" in shared["stats"]["namespace"] and shared["stats"]["namespace"].endswith("|tp2")
     assert_drained(main)
     assert_drained(shared)
 
@@ -414,6 +431,7 @@ def test_readme_llm_example_runs_as_written(tmp_path) -> None:
     model = make_model(str(tmp_path / "model"))
     out = run_example("vllm-llm", tmp_path, argv=(model,), timeout=CHILD_TIMEOUT_S)
     assert "== vllm-llm" in out
+    assert "second prompt: 202 tokens, 192 loaded from kvcm" in out, out  # vLLM's own cache was emptied
 
 
 def test_vllm_internals_the_connector_relies_on() -> None:
@@ -461,7 +479,221 @@ def test_vllm_internals_the_connector_relies_on() -> None:
                     "get_kv_connector_stats()", "build_connector_worker_meta()")
     assert in_order(src(gpu_model_runner.GPUModelRunner.execute_model), "handle_preemptions(",
                     "kv_connector_no_forward")
+    # the early config check (startup.check_calling_config) finds the KVTransferConfig as the
+    # local ``kv_transfer_config`` of the frame that resolves the connector class
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert "kv_transfer_config" in inspect.signature(KVConnectorFactory.get_connector_class).parameters
+    assert "getattr(connector_module, connector_name)" in src(KVConnectorFactory.get_connector_class)
+    assert "get_connector_class(" in src(KVConnectorFactory.supports_hma_config)
     agg = src(KVOutputAggregator.aggregate)
     assert "_expected_finished_count" in src(KVOutputAggregator) and ".aggregate(" in agg
     assert "invalid_block_ids |= kv_output.invalid_block_ids" in agg
     assert isinstance(KVConnectorBase_V1.requires_kv_delivery, property)
+
+
+# ------------------------------------------------------------------ the model's identity
+
+
+@pytest.fixture(scope="module")
+def other_model_engines(engines: dict) -> dict:
+    """A second random-weight model, the same shapes as the first (make_model, another seed):
+    vLLM alone (its reference outputs), then with kvcm on the store instances a and b filled,
+    under their shared_namespace, with their first-turn prompts."""
+    from kvcm.integrations.vllm.workload import make_model
+
+    tmp = engines["tmp"]
+    over = {"model": make_model(os.path.join(tmp, "model-other"), seed=OTHER_SEED),
+            "workload": {**WORKLOAD, "turns": 1}}
+    out = {"baseline": run_engine(tmp, "other-baseline", None, [{"name": "main"}], over)}
+    # a host tier one block short of vLLM's KV cache (16 blocks): the start warns, naming the numbers
+    conn = connector(tmp, "x", "cpp", engines["shared"], host_bytes=(GPU_BLOCKS - 1) * PAGE)
+    out["x"] = run_engine(tmp, "x", conn, [{"name": "main"}], over)
+    return out
+
+
+def store_hits(store: str, namespace: str, prompts: list[list[int]]) -> int:
+    """Blocks of ``prompts`` the store holds under the manager namespace ``namespace`` (rank
+    0's objects: the test's layout, two layers of BLOCK_BYTES // 2 per token, as the connector
+    maps vLLM's), as kvcm's data plane finds them."""
+    import kvcm
+    from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
+    from kvcm.dataplane import DataPlane
+    from kvcm.integrations.vllm.scheduler import shard_config
+
+    cfg = KVCacheManagerConfig(BLOCK, [AttentionLayer(0, bytes_per_token=BLOCK_BYTES // 2),
+                                       AttentionLayer(1, bytes_per_token=BLOCK_BYTES // 2)],
+                               [Tier("gpu", 4 * PAGE), Tier("shared", 0, store)], enable_partial_reuse=False,
+                               shared_namespace=namespace)
+    mgr, plane = kvcm.KVCacheManager(cfg, backend="python"), DataPlane(shard_config(cfg, 0), device="cpu")
+    try:
+        return sum(len(plane.shared_lookup(mgr.shared_candidates(p[:-1]))) for p in prompts)
+    finally:
+        plane.close()
+        mgr.shutdown()
+
+
+def test_another_model_of_the_same_shape_never_reads_the_first_ones_kv(engines: dict, other_model_engines: dict) -> None:
+    """Equal shapes, other weights, one store, one shared_namespace: the second model's
+    instance loads nothing the first model wrote (its objects are named by its own weights)
+    and gives its own outputs exactly; the first model's two instances (two processes, two
+    backends) derived one identity, so they share (test_second_instance_reuses_...)."""
+    a, b = phase(engines["a"], "main"), phase(engines["b"], "main")
+    base, x = phase(other_model_engines["baseline"], "main"), phase(other_model_engines["x"], "main")
+    ns = {k: p["stats"]["namespace"] for k, p in (("a", a), ("b", b), ("x", x))}
+    assert ns["a"] == ns["b"] and ns["a"] != ns["x"], ns
+    assert [n.split("|")[0] for n in ns.values()] == [NAMESPACE] * 3  # the user's name: the same for all
+    assert [n.split("|")[2:] for n in ns.values()] == [ns["a"].split("|")[2:]] * 3  # so is vLLM's layout
+    # the store does hold the first model's KV for x's prompts: without its identity, x would load it
+    assert store_hits(engines["shared"], ns["a"], x["prompts"]) > 0
+    assert x["outputs"] == base["outputs"]
+    assert delta(x, "counters", "hit_blocks_shared") == 0, x["stats"]["counters"]
+    assert delta(x, "worker", "shared_loads") == 0 and delta(x, "worker", "load_error_blocks") == 0
+    assert x["stats"]["lookup"]["lookups"] > 0  # it asked the store ...
+    assert delta(x, "worker", "shared_stores") > 0  # ... and wrote its own KV under its own names
+    assert store_hits(engines["shared"], ns["x"], x["prompts"]) > 0
+
+
+def start_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "kvcm connector: backend" in line]
+
+
+def test_the_connector_says_what_it_does_at_start(engines: dict, other_model_engines: dict) -> None:
+    """One INFO line per engine (the scheduler side): backend, block, tiers and sizes, the
+    store and its cap, the namespace with the model's identity."""
+    for name, backend in (("a", "python"), ("b", "cpp")):
+        lines = start_lines(engines[name]["log"])
+        assert len(lines) == 1, engines[name]["log"][-3000:]
+        line, ns = lines[0], phase(engines[name], "main")["stats"]["namespace"]
+        assert " INFO " in line and f"kvcm connector: backend {backend}; vLLM block {BLOCK} tokens" in line, line
+        assert PAGE == 64 << 10 and "host 1.5 MiB = 24 blocks" in line and "disk 6.0 MiB = 96 blocks" in line, line
+        assert "vllm_fault_store:FaultyFileStore, cap 64.0 GiB, written on commit, timeout 0.2 s" in line, line
+        assert f"namespace '{NAMESPACE}' + {ns.split('|')[1]} (sampled: 1 weight files" in line, line
+    x_log = other_model_engines["x"]["log"]
+    x_line = start_lines(x_log)[0]
+    assert phase(other_model_engines["x"], "main")["stats"]["namespace"].split("|")[1] in x_line
+    assert "host 960.0 KiB = 15 blocks" in x_line and "loads auto, at most 480.0 KiB in flight" in x_line, x_line
+    assert start_lines(engines["baseline"]["log"]) == []
+    # the capacity warning: in vLLM's log, once (the scheduler side), with the numbers; none where the host tier suffices
+    warns = [ln for ln in x_log.splitlines() if "kvcm connector: kv_connector_extra_config['host_bytes']" in ln]
+    assert len(warns) == 1 and " WARNING " in warns[0], warns or x_log[-3000:]
+    assert ("['host_bytes'] = 983,040 holds 15 blocks; vLLM's KV cache has 16: when the running requests hold "
+            "more than 15 blocks, kvcm stops mirroring some of them (give host_bytes >= 1,048,576)") in warns[0], warns
+    for name in ("a", "b"):
+        assert "kvcm connector: kv_connector_extra_config[" not in engines[name]["log"]
+
+
+# ------------------------------------------------------------------ errors before the model loads
+
+BAD_CONFIGS = r"""
+import sys
+
+from vllm import LLM
+
+
+def kw(extra):
+    return dict(model=sys.argv[1], skip_tokenizer_init=True, block_size=32, enforce_eager=True, max_model_len=256,
+                kv_cache_memory_bytes=16 << 20, async_scheduling=False,
+                kv_transfer_config={"kv_connector": "KvcmConnector", "kv_connector_module_path": "kvcm.integrations.vllm",
+                                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                    "kv_connector_extra_config": extra})
+
+
+if __name__ == "__main__":
+    for name, extra in (("bad-key", {"host_byte": 8}), ("bad-disk", {"disk_path": "/proc/kvcm", "disk_bytes": 1 << 20})):
+        print(f"== {name}", flush=True)
+        try:
+            LLM(**kw(extra))
+            print(f"?? {name}: started", flush=True)
+        except Exception as e:
+            print(f"!! {name}: {type(e).__name__}: {e}", flush=True)
+"""
+
+
+def test_config_errors_come_before_the_model_loads_in_one_line(tmp_path: Path) -> None:
+    """A bad key or an unusable disk_path fails LLM(...) while vLLM builds its config: no
+    engine started, no weights loaded, one line naming the key.  (Sizes against vLLM's block
+    are checked as the connector is made, after the model loads: tests/test_vllm_settings.py.)"""
+    from kvcm.integrations.vllm.workload import make_model
+
+    model = make_model(str(tmp_path / "model"))
+    p = subprocess.run([sys.executable, "-c", BAD_CONFIGS, model], env=child_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=CHILD_TIMEOUT_S, check=False)
+    out = p.stdout
+    assert p.returncode == 0 and "== bad-disk" in out, out[-6000:]
+    assert "Initializing a V1 LLM engine" not in out and "Loading weights took" not in out, out[-6000:]
+    bad_key, bad_disk = out.split("== bad-disk", 1)
+    assert "!! bad-key: ValidationError" in bad_key, bad_key[-4000:]
+    assert "kv_connector_extra_config: unknown key ['host_byte'] (did you mean 'host_bytes'?)" in bad_key
+    assert "!! bad-disk: ValidationError" in bad_disk, bad_disk[-4000:]
+    assert "kv_connector_extra_config['disk_path'] '/proc/kvcm' cannot be created in '/proc'" in bad_disk
+
+
+# ------------------------------------------------------------------ the README's commands
+
+
+def readme_server_command(readme: str, model: str, root: str, port: int) -> str:
+    """The README's vLLM bash block from ``KV=`` on (the install lines before it are this
+    environment's), ``MODEL`` and ``/tmp/kvcm`` replaced, the test's address added."""
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.DOTALL) if "openai.api_server" in b)
+    script = block[block.index("KV='"):].replace("MODEL", shlex.quote(model)).replace("/tmp/kvcm", root)
+    return script.rstrip() + f" --host 127.0.0.1 --port {port}\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_server_command_runs_as_written(tmp_path: Path) -> None:
+    """The README's ``check-config`` and server command, run by bash as written (the model, the
+    directory and the test's address filled in): the server starts with kvcm, says so, and
+    completes prompts; a second request sharing the first one's prefix is served too."""
+    from kvcm.integrations.vllm.workload import make_model, save_tokenizer
+
+    model = make_model(str(tmp_path / "model"))
+    save_tokenizer(model)
+    port = free_port()
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    script = tmp_path / "serve.sh"
+    script.write_text(readme_server_command(readme, model, str(tmp_path / "kvcm"), port))
+    log = tmp_path / "serve.log"
+    env = child_env()  # as in an activated virtualenv: `python` is this one
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    with open(log, "w") as f:
+        server = subprocess.Popen(["bash", str(script)], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + CHILD_TIMEOUT_S
+        while True:
+            assert server.poll() is None, log.read_text()[-8000:]
+            assert time.monotonic() < deadline, log.read_text()[-8000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        system = list(range(3, 203))  # token ids: a 200-token prefix both prompts share
+        for tail in ([7, 8, 9], [10, 11]):
+            body = json.dumps({"model": model, "prompt": system + tail, "max_tokens": 4, "temperature": 0})
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                reply = json.load(r)
+            assert reply["choices"][0]["finish_reason"] == "length", reply
+            assert reply["usage"]["prompt_tokens"] == 200 + len(tail), reply
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    text = log.read_text()
+    assert text.startswith("ok: backend (KVCM_BACKEND); host 1.0 GiB; disk 4.0 GiB at "), text[:2000]  # check-config
+    lines = start_lines(text)
+    assert len(lines) == 1 and "shared " in lines[0] and "cap 8.0 GiB" in lines[0], text[-6000:]
+    assert "kvcm connector: kv_connector_extra_config['host_bytes']" not in text  # the README's host tier suffices

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import kvcm
 import pytest
 from kvcm.api import SHARED
-from kvcm.integrations.vllm.settings import DEFAULT_HOST_BYTES, ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.settings import DEFAULT_HOST_BYTES, DEFAULT_SHARED_BYTES, ConnectorSettings, KvLayout
 
 
 class FullAttentionSpec(SimpleNamespace):  # the name is what KvLayout checks
@@ -40,42 +40,72 @@ def test_defaults_host_tier_only() -> None:
     kvcm.KVCacheManager(cfg).shutdown()
 
 
-def test_tiers_and_namespace_carry_the_layout(tmp_path) -> None:
+def test_tiers_and_namespace_carry_the_model_and_the_layout(tmp_path) -> None:
     layout = KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 3)), "cpu")
     s = ConnectorSettings.parse({"host_bytes": 1 << 20, "disk_path": str(tmp_path / "d"), "disk_bytes": 1 << 22,
                                  "shared": str(tmp_path / "s"), "shared_namespace": "m@1"})
-    cfg = s.manager_config(layout)
+    cfg = s.manager_config(layout, identity_tag="model:ab12")
     assert [t.kind for t in cfg.tiers] == ["gpu", "disk", "shared"]
-    assert cfg.shared_namespace == "m@1|vllm:cpu:FullAttentionSpec:2x64:float32:B32|tp1"
-    assert s.manager_config(layout, rank=1, world=2).shared_namespace.endswith("|tp2")  # ranks: their planes' names
-    assert s.manager_config(layout, rank=1, world=2).tiers[1].path == str(tmp_path / "d" / "rank1")
+    assert cfg.shared_namespace == "m@1|model:ab12|vllm:cpu:FullAttentionSpec:2x64:float32:B32|tp1"
+    assert cfg.tiers[2].quota_bytes == DEFAULT_SHARED_BYTES  # bounded by default
+    with pytest.raises(ValueError, match="identity is needed"):
+        s.manager_config(layout)
+    # every rank's manager has the scheduler's namespace (each rank's plane adds its number: shard_config)
+    assert s.manager_config(layout, rank=1, world=2, identity_tag="model:ab12").shared_namespace.endswith(
+        "|model:ab12|vllm:cpu:FullAttentionSpec:2x64:float32:B32|tp2")
+    off = ConnectorSettings.parse({"shared": str(tmp_path / "s"), "shared_namespace": "m@1", "model_identity": "off"})
+    # opted out: the namespace and the layout only (the names stores written before identities had)
+    assert off.manager_config(layout).shared_namespace == "m@1|vllm:cpu:FullAttentionSpec:2x64:float32:B32|tp1"
+    anonymous = ConnectorSettings.parse({"shared": str(tmp_path / "s")})  # no namespace: the model names itself
+    assert anonymous.manager_config(layout, identity_tag="model:ab12").shared_namespace.startswith("|model:ab12|")
+    assert s.manager_config(layout, rank=1, world=2, identity_tag="model:ab12").tiers[1].path == str(tmp_path / "d" / "rank1")
     mgr = kvcm.KVCacheManager(cfg)
     assert any(lc == 0 for _, lc in mgr.shared_candidates(list(range(100)))) and SHARED == 3
     mgr.shutdown()
 
 
-@pytest.mark.parametrize(("extra", "error", "match"), [
-    ({"host_byte": 1}, ValueError, "unknown keys \\['host_byte'\\]"),
-    ({"host_bytes": 0}, ValueError, "host_bytes"),
-    ({"host_bytes": -1}, ValueError, "host_bytes"),
-    ({"host_bytes": True}, ValueError, "host_bytes"),
-    ({"disk_path": "/tmp/x"}, ValueError, "go together"),
-    ({"disk_bytes": 10}, ValueError, "go together"),
-    ({"shared": "/tmp/s"}, ValueError, "shared_namespace"),
-    ({"shared": "/tmp/s", "shared_namespace": 3}, TypeError, "shared_namespace"),
-    ({"shared_write": "never"}, ValueError, "shared_write"),
-    ({"shared_timeout_s": -1}, ValueError, "shared_timeout_s"),
-    ({"backend": "rust"}, ValueError, "backend"),
-    ({"shared_store_class": "nocolon"}, ValueError, "module:Class"),
-    ({"stats_file": ""}, ValueError, "stats_file"),
-    ({"load_mode": "lazy"}, ValueError, "load_mode"),
-    ({"max_inflight_bytes": 0}, ValueError, "max_inflight_bytes"),
-    ({"max_inflight_bytes": -5}, ValueError, "max_inflight_bytes"),
-    ({"copy_fault_hook": "nocolon"}, ValueError, "module:function"),
+@pytest.mark.parametrize(("extra", "match"), [
+    ({"host_byte": 1}, "unknown key \\['host_byte'\\] \\(did you mean 'host_bytes'\\?\\)"),
+    ({"host_bytes": 0}, "\\['host_bytes'\\] must be > 0"),
+    ({"host_bytes": -1}, "\\['host_bytes'\\] must be an int >= 0"),
+    ({"host_bytes": True}, "\\['host_bytes'\\]"),
+    ({"host_bytes": "8GiB"}, "\\['host_bytes'\\] must be an int >= 0 \\(bytes\\), got '8GiB'"),
+    ({"disk_path": "/tmp/x"}, "\\['disk_bytes'\\] must be > 0 with disk_path"),
+    ({"disk_bytes": 10}, "\\['disk_path'\\] is needed with disk_bytes 10"),
+    ({"shared": "/tmp/s", "model_identity": "off"}, "\\['shared_namespace'\\] is required with model_identity 'off'"),
+    ({"shared": "/tmp/s", "shared_namespace": 3}, "\\['shared_namespace'\\] must be a string"),
+    ({"shared_namespace": "x" * 129}, "\\['shared_namespace'\\] must be at most 128 bytes"),
+    ({"model_identity": "weights"}, "\\['model_identity'\\] must be one of 'sampled', 'full', 'off'"),
+    ({"shared": "/tmp/s", "shared_bytes": 0}, "\\['shared_bytes'\\] 0 would leave the store without a cap"),
+    ({"shared": "/tmp/s", "shared_bytes": "lots"}, "\\['shared_bytes'\\] must be an int >= 0 \\(bytes\\) or 'unbounded'"),
+    ({"shared": "mooncake://h:1", "shared_bytes": "unbounded"}, "\\['shared_bytes'\\] 'unbounded' applies to a directory"),
+    ({"shared_write": "never"}, "\\['shared_write'\\]"),
+    ({"shared_timeout_s": -1}, "\\['shared_timeout_s'\\]"),
+    ({"shared_timeout_s": float("inf")}, "\\['shared_timeout_s'\\]"),
+    ({"backend": "rust"}, "\\['backend'\\] must be 'cpp' or 'python'"),
+    ({"shared_store_class": "nocolon"}, "module:Class"),
+    ({"stats_file": ""}, "\\['stats_file'\\]"),
+    ({"load_mode": "lazy"}, "\\['load_mode'\\] must be one of 'auto', 'sync', 'async'"),
+    ({"max_inflight_bytes": 0}, "\\['max_inflight_bytes'\\] must be > 0"),
+    ({"max_inflight_bytes": -5}, "\\['max_inflight_bytes'\\] must be an int >= 0"),
+    ({"copy_fault_hook": "nocolon"}, "\\['copy_fault_hook'\\] must be 'module:function'"),
+    ({1: 2}, "keys must be strings"),
 ])
-def test_bad_extra_config_is_a_clear_error(extra: dict, error: type, match: str) -> None:
-    with pytest.raises(error, match=match):
+def test_bad_extra_config_is_a_one_line_error_naming_the_key(extra: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match) as e:
         ConnectorSettings.parse(extra)
+    assert "\n" not in str(e.value)
+
+
+def test_shared_bytes_bounded_by_default_unbounded_only_when_said(tmp_path) -> None:
+    store = str(tmp_path / "s")
+    assert ConnectorSettings.parse({"shared": store}).shared_bytes == DEFAULT_SHARED_BYTES == 64 << 30
+    assert ConnectorSettings.parse({"shared": store, "shared_bytes": 1 << 30}).shared_bytes == 1 << 30
+    assert ConnectorSettings.parse({"shared": store, "shared_bytes": "unbounded"}).shared_bytes == 0
+    mc = ConnectorSettings.parse({"shared": "mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:8080/metadata"})
+    assert mc.shared_bytes == 0 and mc.store_kind == "mooncake"  # a segment mounted: none unless asked for
+    assert ConnectorSettings.parse({"shared": store, "shared_store_class": "m:C"}).store_kind == "custom"
+    assert ConnectorSettings.parse(None).store_kind is None
 
 
 class MambaSpec(SimpleNamespace):
@@ -120,3 +150,69 @@ def test_hybrid_groups_map_onto_kvcm_life_cycles_of_their_kind() -> None:
 def test_unsupported_groups_are_refused_naming_the_kind() -> None:
     with pytest.raises(ValueError, match=r"not MambaSpec \(group 0: 2 layers\)"):
         KvLayout.from_kv_cache_config(hybrid_config((MambaSpec, 2, None), (FullAttentionSpec, 2, None)), "cpu")
+
+
+def layout2() -> KvLayout:
+    return KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu")
+
+
+PAGE = 2 * 32 * 2 * 64 * 2 * 4  # 2 layers x 32 tokens x 2 kv heads x 64 x (K, V) x fp32 = 65,536
+
+
+def test_capacity_against_vllms_block_names_the_key_and_the_numbers(tmp_path) -> None:
+    assert layout2().page_bytes == PAGE
+    with pytest.raises(ValueError, match=r"\['host_bytes'\] = 8 holds no block: one block of vLLM's KV cache is "
+                                         r"65,536 bytes \(32 tokens x 2 layers\); give at least 1,048,576"):
+        ConnectorSettings.parse({"host_bytes": 8}).check_capacity(layout2(), max_model_len=512, vllm_blocks=16)
+    with pytest.raises(ValueError, match=r"\['disk_bytes'\] = 4,096 holds no block"):
+        ConnectorSettings.parse({"disk_path": str(tmp_path), "disk_bytes": 4096}).check_capacity(layout2(), 512, 16)
+    with pytest.raises(ValueError, match=r"\['shared_bytes'\] = 100 holds no object"):
+        ConnectorSettings.parse({"shared": str(tmp_path), "shared_bytes": 100}).check_capacity(layout2(), 512, 16)
+    small = ConnectorSettings.parse({"host_bytes": 4 * PAGE}).check_capacity(layout2(), max_model_len=512, vllm_blocks=16)
+    assert small == [("kv_connector_extra_config['host_bytes'] = 262,144 holds 4 blocks of 65,536 bytes; one request of "
+                     "max_model_len 512 tokens needs 16 (1,048,576 bytes): kvcm stops saving a request at 128 tokens "
+                     "and cannot load more than that")]
+    below_vllm = ConnectorSettings.parse({"host_bytes": 20 * PAGE}).check_capacity(layout2(), 512, vllm_blocks=64)
+    assert len(below_vllm) == 1 and "vLLM's KV cache has 64" in below_vllm[0] and "4,194,304" in below_vllm[0]
+    assert ConnectorSettings.parse({"host_bytes": 64 * PAGE}).check_capacity(layout2(), 512, vllm_blocks=64) == []
+
+
+def test_environment_checked_without_creating_anything(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match=r"\['disk_path'\] '.*file/kv': '.*file' is not a directory"):
+        ConnectorSettings.parse({"disk_path": str(blocker / "kv"), "disk_bytes": 1 << 20}).check_environment()
+    with pytest.raises(ValueError, match=r"\['shared'\] '.*file/s': '.*file' is not a directory"):
+        ConnectorSettings.parse({"shared": str(blocker / "s")}).check_environment()
+    with pytest.raises(ValueError, match=r"\['shared'\] not a Mooncake location"):
+        ConnectorSettings.parse({"shared": "mooncake://nohost"}).check_environment()
+    with pytest.raises(ValueError, match=r"\['shared'\] 'file:///x\?speed=1': unknown parameters \['speed'\]"):
+        ConnectorSettings.parse({"shared": "file:///x?speed=1"}).check_environment()
+    with pytest.raises(ValueError, match=r"\['shared'\] 's3://b'"):
+        ConnectorSettings.parse({"shared": "s3://b"}).check_environment()
+    with pytest.raises(ValueError, match=r"\['shared_store_class'\] 'kvcm:NoSuchStore': 'kvcm' has no 'NoSuchStore'"):
+        ConnectorSettings.parse({"shared": "/x", "shared_store_class": "kvcm:NoSuchStore"}).check_environment()
+    with pytest.raises(ValueError, match=r"\['shared_store_class'\] 'no_such_mod_x:C': cannot import"):
+        ConnectorSettings.parse({"shared": "/x", "shared_store_class": "no_such_mod_x:C"}).check_environment()
+    with pytest.raises(ValueError, match=r"\['events_endpoint'\] must be a ZeroMQ endpoint"):
+        ConnectorSettings.parse({"events_endpoint": "127.0.0.1:5557"}).check_environment()
+    with pytest.raises(ValueError, match=r"\['stats_file'\]"):
+        ConnectorSettings.parse({"stats_file": str(blocker / "s.json")}).check_environment()
+    deep = tmp_path / "a" / "b" / "c"
+    warnings = ConnectorSettings.parse({"disk_path": str(deep), "disk_bytes": 1 << 62, "shared": str(deep / "s"),
+                                        "shared_bytes": 1 << 62}).check_environment(world=2)
+    assert len(warnings) == 2 and "(2 ranks) is more than the free space" in warnings[0], warnings
+    assert "the file system fills before the store reaches its cap" in warnings[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing created, no probe left
+
+
+def test_a_missing_cpp_extension_is_named_before_the_engine_starts(monkeypatch) -> None:
+    import kvcm._select
+
+    def broken():
+        raise ImportError("no _kvcm_cpp here")
+
+    monkeypatch.setattr(kvcm._select, "cpp_extension", broken)
+    with pytest.raises(ValueError, match=r"\['backend'\] 'cpp': the compiled extension does not import"):
+        ConnectorSettings.parse({"backend": "cpp"}).check_environment()
+    ConnectorSettings.parse({"backend": "python"}).check_environment()

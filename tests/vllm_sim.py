@@ -522,16 +522,24 @@ def sim_layout() -> Any:
 SIM_PAGE = SIM_BLOCK * SIM_HEADS * 4 * SIM_LAYERS
 
 
+SIM_IDENTITY = "model:sim"  # what the connector derives from the model's weights (a shared tier's names)
+
+
 def rig(extra: dict, *, world: int = 1, num_blocks: int = 24, kv_events: bool = False, scope: Any = None,
-        skip: Any = None, **sim_kw: Any) -> Sim:
+        skip: Any = None, identity: str = SIM_IDENTITY, **sim_kw: Any) -> Sim:
     from kvcm.integrations.vllm.scheduler import KvcmScheduler
     from kvcm.integrations.vllm.settings import ConnectorSettings
     from kvcm.integrations.vllm.worker import KvcmWorker
 
     settings = ConnectorSettings.parse(extra)
     layout = sim_layout()
-    sched = KvcmScheduler(settings, layout, world, kv_events=kv_events, scope=scope, skip=skip)
-    workers = [KvcmWorker(settings, layout, r, world, num_blocks=num_blocks) for r in range(world)]
+    # as the connector's facade: the manager config, the model's identity in its names, for the
+    # scheduler and every rank
+    config = settings.manager_config(layout, 0, world, identity_tag=identity)
+    sched = KvcmScheduler(settings, layout, world, kv_events=kv_events, config=config, scope=scope, skip=skip)
+    workers = [KvcmWorker(settings, layout, r, world, num_blocks=num_blocks,
+                          config=settings.manager_config(layout, r, world, identity_tag=identity))
+               for r in range(world)]
     return Sim(sched, workers, num_blocks=num_blocks, block_size=SIM_BLOCK, heads=SIM_HEADS, layers=SIM_LAYERS,
                **sim_kw)
 

@@ -7,6 +7,7 @@ Random-weight tiny models (no hub); ``--plot FILE`` writes a bar chart (matplotl
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from typing import Any, Self
@@ -89,6 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disk-blocks", type=int, default=256)
     ap.add_argument("--plot", default=None, help="write a bar chart here (matplotlib)")
     a = ap.parse_args(argv)
+    if a.plot:  # checked before a run of minutes, not after it (README "Exit status")
+        try:
+            import matplotlib
+        except ImportError:
+            print(f"{ap.prog}: --plot needs matplotlib: pip install matplotlib (or kvcm[route])", file=sys.stderr)
+            raise SystemExit(2) from None
     rows = []
     for kind in ("llama", "qwen3-sliding-mix"):
         m = model(kind)

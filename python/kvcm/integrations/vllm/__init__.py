@@ -5,8 +5,9 @@ Turn it on with configuration only::
     LLM(model, kv_transfer_config={
         "kv_connector": "KvcmConnector",
         "kv_connector_module_path": "kvcm.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"host_bytes": 8 << 30, "disk_path": "/nvme/kvcm", "disk_bytes": 64 << 30}})
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"host_bytes": 8 << 30, "disk_path": "/nvme/kvcm", "disk_bytes": 64 << 30,
+                                      "shared": "/mnt/shared/kv", "shared_bytes": 1 << 40}})
 
 The keys of ``kv_connector_extra_config`` are :mod:`kvcm.integrations.vllm.settings`'s.
 Modules: ``connector`` (vLLM's facade), ``scheduler`` (:class:`KvcmScheduler`: the manager and
@@ -15,6 +16,7 @@ engine), ``metadata`` (what the two sides tell each other), ``stats`` (vLLM's st
 Prometheus metrics), ``settings``.
 """
 
+import sys
 from typing import Any
 
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
@@ -30,6 +32,13 @@ def __getattr__(name: str) -> Any:
     # loader does getattr(module, name)), so the settings and the workload helpers import light
     if name in _LAZY:
         import importlib
+
+        if name == "KvcmConnector":
+            # vLLM resolves the class while it builds its config, before the model loads: the
+            # one moment a bad kv_connector_extra_config can fail fast (kvcm.integrations.vllm.startup)
+            from kvcm.integrations.vllm.startup import check_calling_config
+
+            check_calling_config(sys._getframe(1))
 
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

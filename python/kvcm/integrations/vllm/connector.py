@@ -5,6 +5,11 @@ A thin facade, as vLLM's own connectors are built: in the scheduler process it h
 request, planning), in each worker a :class:`~kvcm.integrations.vllm.worker.KvcmWorker`
 (the rank's data plane and transfer engine); every vLLM hook goes to the one that exists.
 How bytes move and what the connector needs from vLLM: DECISIONS.md "vLLM connector".
+
+At construction (both roles) the facade checks the configuration and the host, derives the
+model's identity for the shared tier's names and gives both sides one manager config
+(:mod:`kvcm.integrations.vllm.startup`); the scheduler side logs one start line and the
+capacity warnings (DECISIONS.md "A deployment that says what it does").
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcm.api import GPU, SHARED
+from kvcm.integrations.vllm import startup
+from kvcm.integrations.vllm.identity import ModelSource, request_problem, request_scope
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata
 from kvcm.integrations.vllm.scheduler import KvcmScheduler
-from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.settings import KvLayout
 from kvcm.integrations.vllm.stats import KvcmConnectorStats, KvcmPromMetrics
 from kvcm.integrations.vllm.worker import KvcmWorker
 
@@ -40,6 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata"]
 
+# under "vllm.": vLLM configures its own loggers only (an INFO line of "kvcm.*" would be dropped)
+logger = init_logger(f"vllm.{__name__}")
 _HIT_SOURCE = {GPU: CacheHitSource.HOST, 2: CacheHitSource.DISK, SHARED: CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
@@ -53,32 +63,39 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
-            # vLLM's default ("fail") ends a request whose load failed with an error; a cache
-            # that misses must cost a recomputation, never a request
-            raise ValueError('KvcmConnector needs kv_transfer_config "kv_load_failure_policy": "recompute"')
+        # the policy and the keys: one-line errors naming the key (kvcm.integrations.vllm.startup;
+        # vLLM's config resolution ran the same check before the model loaded)
+        settings = startup.check_transfer_config(self._kv_transfer_config)
         par = vllm_config.parallel_config
         if par.pipeline_parallel_size > 1:
             raise ValueError("KvcmConnector supports tensor parallelism, not pipeline parallelism "
                              f"(pipeline_parallel_size={par.pipeline_parallel_size})")
         from vllm.platforms import current_platform
 
-        settings = ConnectorSettings.parse(self._kv_transfer_config.kv_connector_extra_config)
         layout = KvLayout.from_kv_cache_config(kv_cache_config, current_platform.device_type)
         world = par.tensor_parallel_size
+        # the host's paths, the sizes against vLLM's block, the model's identity for the shared
+        # tier: computed from the same files by the scheduler and by every rank, so all of them
+        # name the store's objects alike
+        facts = startup.EngineFacts.from_vllm(vllm_config, kv_cache_config, current_platform.device_type)
+        prepared = startup.prepare(settings, layout, facts, lambda: ModelSource.from_vllm(vllm_config), world)
         self.sched: KvcmScheduler | None = None
         self.worker: KvcmWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             ev = vllm_config.kv_events_config
             self.sched = KvcmScheduler(settings, layout, world,
-                                       kv_events=bool(ev is not None and ev.enable_kv_cache_events))
+                                       kv_events=bool(ev is not None and ev.enable_kv_cache_events),
+                                       config=settings.manager_config(layout, 0, world, identity_tag=prepared.tag),
+                                       scope=request_scope, skip=lambda request: request_problem(request) is not None)
+            startup.announce(logger, settings, layout, facts, prepared, self.sched.mgr.backend_name, world)
         else:
             rank = 0
             if world > 1:
                 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
                 rank = get_tensor_model_parallel_rank()
-            self.worker = KvcmWorker(settings, layout, rank, world, num_blocks=kv_cache_config.num_blocks)
+            self.worker = KvcmWorker(settings, layout, rank, world, num_blocks=kv_cache_config.num_blocks,
+                                     config=settings.manager_config(layout, rank, world, identity_tag=prepared.tag))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -781,7 +781,7 @@ class KvcmScheduler:
         self.stats_dirty = False
         data = {"counters": dict(self.counters), "worker": dict(self.worker_counters),
                 "worker_gauges": {str(k): v for k, v in self.worker_gauges.items()}, "seconds": self.seconds,
-                "waits": self.waits,
+                "waits": self.waits, "namespace": self.config.shared_namespace,
                 "pending": self.pending(), "manager": self.mgr.stats(), "process": process_stats(),
                 "lookup": _lookup_stats(self.lookup_planes), "loop": dict(self.loop.counters)}
         tmp = f"{path}.tmp"

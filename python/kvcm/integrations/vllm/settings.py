@@ -14,9 +14,16 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
 ``disk_bytes``         the disk tier's size (reserved when the worker starts)
 ``shared``             the shared tier's location: a directory, ``file:///dir?timeout_s=S`` or
                        ``mooncake://host:port?metadata=url`` (kvcm.dataplane.open_store)
-``shared_bytes``       the shared tier's quota (file store: the directory cap; Mooncake: segment)
-``shared_namespace``   required with ``shared``: names the model and its weights (DECISIONS "The
-                       shared tier"); the connector appends vLLM's KV layout to it
+``shared_bytes``       the shared tier's size: a directory store's byte cap (default 64 GiB; past
+                       it the least recently used objects go; ``"unbounded"``: no cap, said
+                       explicitly); Mooncake Store: the segment this instance mounts into the
+                       store (default 0: none; the store is bounded by its segments)
+``shared_namespace``   a name for the model's KV in the store (optional): the connector adds
+                       the model's identity (``model_identity``) and vLLM's KV layout to it
+``model_identity``     ``"sampled"`` (default) or ``"full"``: how the model's weights are
+                       fingerprinted (kvcm.integrations.vllm.identity), so two models of one
+                       shape never share an object; ``"off"``: the objects are named by
+                       ``shared_namespace`` (required then) and the layout only
 ``shared_write``       ``"commit"`` (default) or ``"evict"``
 ``shared_timeout_s``   the deadline of one store call (default: the location's, 10 s)
 ``shared_store_class`` ``"module:Class"``: a :class:`kvcm.dataplane.store.SharedStore` made as
@@ -39,23 +46,40 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
                        it runs (an exception fails the op as an I/O error would): tests inject
                        faults at an exact point of a load with it
 =====================  ===========================================================================
+
+Every error names the key as written here (``kv_connector_extra_config['host_bytes'] ...``),
+in one line: :meth:`ConnectorSettings.parse` (types, ranges, combinations),
+:meth:`ConnectorSettings.check_environment` (paths, free space, the store's location, the
+backend: nothing is created) and :meth:`ConnectorSettings.check_capacity` (the sizes against
+vLLM's block) -- what ``python -m kvcm vllm check-config`` and the connector run.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
 
 KEYS = ("backend", "host_bytes", "disk_path", "disk_bytes", "shared", "shared_bytes", "shared_namespace",
-        "shared_write", "shared_timeout_s", "shared_store_class", "events_endpoint", "events_replay_endpoint",
-        "stats_file", "load_mode", "max_inflight_bytes", "copy_fault_hook")
+        "model_identity", "shared_write", "shared_timeout_s", "shared_store_class", "events_endpoint",
+        "events_replay_endpoint", "stats_file", "load_mode", "max_inflight_bytes", "copy_fault_hook")
 LOAD_MODES = ("auto", "sync", "async")
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 DEFAULT_HOST_BYTES = 1 << 30
+DEFAULT_SHARED_BYTES = 64 << 30  # a directory store's cap when none is named (DECISIONS "bounded by default")
+UNBOUNDED = "unbounded"
+IDENTITY_MODES = ("sampled", "full", "off")
+MAX_NAMESPACE_BYTES = 128  # the user's part: kvcm's limit is 256 with the identity and layout appended
+PREFIX = "kv_connector_extra_config"
+
+
+def key_error(key: str, why: str) -> ValueError:
+    """A one-line error naming the key."""
+    return ValueError(f"{PREFIX}[{key!r}] {why}")
 
 
 @dataclass(frozen=True)
@@ -113,6 +137,11 @@ class KvLayout:
         sliding-window request to a window of null blocks)."""
         return self.num_groups > 1 or any(w is not None for w in self.windows)
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one kvcm page: one block of every layer."""
+        return sum(self.block_bytes)
+
     @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any, device_type: str) -> KvLayout:
         groups = kv_cache_config.kv_cache_groups
@@ -166,8 +195,9 @@ class ConnectorSettings:
     disk_path: str | None
     disk_bytes: int
     shared: str | None
-    shared_bytes: int
+    shared_bytes: int  # the shared Tier's quota_bytes: 0 = no cap (file store: only when said "unbounded")
     shared_namespace: str
+    model_identity: str
     shared_write: str
     shared_timeout_s: float | None
     shared_store_class: str | None
@@ -180,62 +210,216 @@ class ConnectorSettings:
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        """The settings ``extra`` (vLLM's ``kv_connector_extra_config``) gives; ValueError
+        naming the key for anything wrong with it (module docstring)."""
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"{PREFIX} must be a JSON object, got {type(extra).__name__}")
         extra = dict(extra or {})
+        bad_names = sorted(repr(k) for k in extra if not isinstance(k, str))
+        if bad_names:
+            raise ValueError(f"{PREFIX}: keys must be strings, got {', '.join(bad_names)}")
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown keys {unknown}; known: {', '.join(KEYS)}")
+            hint = _did_you_mean(unknown[0])
+            raise ValueError(f"{PREFIX}: unknown key{'s' if len(unknown) > 1 else ''} {unknown}{hint}; known: "
+                             f"{', '.join(KEYS)}")
 
         def size(name: str, default: int) -> int:
             v = extra.get(name, default)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"kv_connector_extra_config[{name!r}] must be an int >= 0 (bytes), got {v!r}")
+                raise key_error(name, f"must be an int >= 0 (bytes), got {v!r}")
             return v
 
         def text(name: str) -> str | None:
             v = extra.get(name)
             if v is not None and (not isinstance(v, str) or not v):
-                raise ValueError(f"kv_connector_extra_config[{name!r}] must be a non-empty string, got {v!r}")
+                raise key_error(name, f"must be a non-empty string, got {v!r}")
             return v
 
         backend = text("backend")
         if backend is not None and backend not in ("cpp", "python"):
-            raise ValueError(f"kv_connector_extra_config['backend'] must be 'cpp' or 'python', got {backend!r}")
+            raise key_error("backend", f"must be 'cpp' or 'python', got {backend!r}")
         host = size("host_bytes", DEFAULT_HOST_BYTES)
         if host == 0:
-            raise ValueError("kv_connector_extra_config['host_bytes'] must be > 0: it is the tier vLLM saves into")
+            raise key_error("host_bytes", "must be > 0: it is the tier vLLM saves into and loads from")
         disk_path, disk_bytes = text("disk_path"), size("disk_bytes", 0)
-        if (disk_path is None) != (disk_bytes == 0):
-            raise ValueError("kv_connector_extra_config: 'disk_path' and 'disk_bytes' > 0 go together")
+        if disk_path is not None and disk_bytes == 0:
+            raise key_error("disk_bytes", f"must be > 0 with disk_path {disk_path!r} (the disk tier's size)")
+        if disk_path is None and disk_bytes:
+            raise key_error("disk_path", f"is needed with disk_bytes {disk_bytes} (a directory for the disk tier)")
         shared = text("shared")
         namespace = extra.get("shared_namespace", "")
         if not isinstance(namespace, str):
-            raise TypeError(f"kv_connector_extra_config['shared_namespace'] must be a string, got {namespace!r}")
-        if shared is not None and not namespace:
-            raise ValueError("kv_connector_extra_config: 'shared' needs 'shared_namespace' (the model and its "
-                             "weights: two fine-tunes of one shape must not read each other's KV)")
+            raise key_error("shared_namespace", f"must be a string, got {namespace!r}")
+        if len(namespace.encode()) > MAX_NAMESPACE_BYTES or "\0" in namespace:
+            raise key_error("shared_namespace", f"must be at most {MAX_NAMESPACE_BYTES} bytes (UTF-8), without NUL")
+        identity = extra.get("model_identity", "sampled")
+        if identity not in IDENTITY_MODES:
+            raise key_error("model_identity", f"must be one of {', '.join(map(repr, IDENTITY_MODES))}, got {identity!r}")
+        if shared is not None and identity == "off" and not namespace:
+            raise key_error("shared_namespace", "is required with model_identity 'off': it alone then names the "
+                            "model's KV in the store (two fine-tunes of one shape must not read each other's)")
+        mooncake = shared is not None and shared.startswith("mooncake://")
+        shared_bytes = extra.get("shared_bytes", 0 if mooncake else DEFAULT_SHARED_BYTES)
+        if shared_bytes == UNBOUNDED:
+            if mooncake:
+                raise key_error("shared_bytes", "'unbounded' applies to a directory store; Mooncake Store is bounded "
+                                "by its segments (shared_bytes is the segment this instance mounts, default 0)")
+            shared_bytes = 0
+        elif isinstance(shared_bytes, bool) or not isinstance(shared_bytes, int) or shared_bytes < 0:
+            raise key_error("shared_bytes", f"must be an int >= 0 (bytes) or 'unbounded', got {shared_bytes!r}")
+        elif shared_bytes == 0 and not mooncake and "shared_bytes" in extra:
+            raise key_error("shared_bytes", "0 would leave the store without a cap: give a size in bytes, or "
+                            "'unbounded' to mean no cap")
         write = extra.get("shared_write", "commit")
         if write not in ("commit", "evict"):
-            raise ValueError(f"kv_connector_extra_config['shared_write'] must be 'commit' or 'evict', got {write!r}")
+            raise key_error("shared_write", f"must be 'commit' or 'evict', got {write!r}")
         timeout = extra.get("shared_timeout_s")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
-            raise ValueError(f"kv_connector_extra_config['shared_timeout_s'] must be seconds >= 0, got {timeout!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout < float("inf")):
+            raise key_error("shared_timeout_s", f"must be seconds >= 0, got {timeout!r}")
         store_class = text("shared_store_class")
         if store_class is not None and ":" not in store_class:
-            raise ValueError(f"kv_connector_extra_config['shared_store_class'] must be 'module:Class', got {store_class!r}")
+            raise key_error("shared_store_class", f"must be 'module:Class', got {store_class!r}")
         load_mode = extra.get("load_mode", "auto")
         if load_mode not in LOAD_MODES:
-            raise ValueError(f"kv_connector_extra_config['load_mode'] must be one of {LOAD_MODES}, got {load_mode!r}")
+            raise key_error("load_mode", f"must be one of {', '.join(map(repr, LOAD_MODES))}, got {load_mode!r}")
         inflight = size("max_inflight_bytes", min(DEFAULT_MAX_INFLIGHT_BYTES, host // 2))
         if inflight == 0:
-            raise ValueError("kv_connector_extra_config['max_inflight_bytes'] must be > 0")
+            raise key_error("max_inflight_bytes", "must be > 0")
         hook = text("copy_fault_hook")
         if hook is not None and ":" not in hook:
-            raise ValueError(f"kv_connector_extra_config['copy_fault_hook'] must be 'module:function', got {hook!r}")
-        return cls(backend, host, disk_path, disk_bytes, shared, size("shared_bytes", 0), namespace, write,
+            raise key_error("copy_fault_hook", f"must be 'module:function', got {hook!r}")
+        return cls(backend, host, disk_path, disk_bytes, shared, shared_bytes, namespace, identity, write,
                    None if timeout is None else float(timeout), store_class, text("events_endpoint"),
                    text("events_replay_endpoint"), text("stats_file"), load_mode, inflight, hook)
 
-    def manager_config(self, layout: KvLayout, rank: int = 0, world: int = 1) -> KVCacheManagerConfig:
+    @property
+    def store_kind(self) -> str | None:
+        """``"mooncake"``, ``"file"``, ``"custom"`` (``shared_store_class``) or None (no shared tier)."""
+        if self.shared is None:
+            return None
+        if self.shared_store_class is not None:
+            return "custom"
+        return "mooncake" if self.shared.startswith("mooncake://") else "file"
+
+    def check_environment(self, world: int = 1) -> list[str]:
+        """What the settings need from this host, checked without creating or changing
+        anything: the backend importable, ``disk_path`` / ``stats_file`` / a directory store
+        creatable and writable, ``shared`` a valid location, ``shared_store_class``
+        importable.  ValueError naming the key; returns warnings (free space below what is
+        reserved or capped: the file system fills first)."""
+        warnings: list[str] = []
+        if self.backend == "cpp" or (self.backend is None and os.environ.get("KVCM_BACKEND", "cpp") == "cpp"):
+            from kvcm._select import cpp_extension
+
+            try:
+                cpp_extension()
+            except ImportError as e:
+                key = "backend" if self.backend else "backend (KVCM_BACKEND)"
+                raise key_error(key, f"'cpp': the compiled extension does not import ({e}); build it, or use 'python'") from None
+        if self.disk_path is not None:
+            free = _writable_dir("disk_path", self.disk_path)
+            need = self.disk_bytes * world
+            if free is not None and free < need:
+                warnings.append(f"{PREFIX}['disk_bytes'] {_size(need)}{f' ({world} ranks)' if world > 1 else ''} is "
+                                f"more than the free space at {self.disk_path!r} ({_size(free)}): the disk tier is "
+                                "reserved when the engine starts and would fail")
+        if self.shared is not None and self.shared_store_class is None:
+            warnings += self._check_store()
+        if self.shared_store_class is not None:
+            module, _, name = self.shared_store_class.partition(":")
+            try:
+                ok = hasattr(importlib.import_module(module), name)
+            except ImportError as e:
+                raise key_error("shared_store_class", f"{self.shared_store_class!r}: cannot import {module!r} ({e})") from None
+            if not ok:
+                raise key_error("shared_store_class", f"{self.shared_store_class!r}: {module!r} has no {name!r}")
+        if self.stats_file is not None:
+            _writable_dir("stats_file", os.path.dirname(os.path.abspath(self.stats_file)))
+        for key in ("events_endpoint", "events_replay_endpoint"):
+            v = getattr(self, key)
+            if v is not None and "://" not in v:
+                raise key_error(key, f"must be a ZeroMQ endpoint (tcp://127.0.0.1:5557, ipc:///path), got {v!r}")
+        return warnings
+
+    def _check_store(self) -> list[str]:
+        assert self.shared is not None
+        if self.store_kind == "mooncake":
+            from kvcm.dataplane.mooncake_store import parse_url
+
+            try:
+                parse_url(self.shared)
+            except ValueError as e:
+                raise key_error("shared", str(e)) from None
+            return []
+        location = self.shared
+        if location.startswith("file://"):
+            location, _, query = location[len("file://"):].partition("?")
+            from urllib.parse import parse_qs
+
+            from kvcm.dataplane.store import parse_timeout
+
+            params = parse_qs(query, keep_blank_values=True)
+            if set(params) - {"timeout_s"}:
+                raise key_error("shared", f"{self.shared!r}: unknown parameters {sorted(set(params) - {'timeout_s'})}")
+            try:
+                if "timeout_s" in params:
+                    parse_timeout(params["timeout_s"][-1], self.shared)
+            except ValueError as e:
+                raise key_error("shared", str(e)) from None
+        elif "://" in location:
+            raise key_error("shared", f"{location!r}: use a directory, file:///dir or mooncake://host:port?metadata=url")
+        free = _writable_dir("shared", location)
+        if free is not None and self.shared_bytes and free < self.shared_bytes:
+            return [(f"{PREFIX}['shared_bytes'] {_size(self.shared_bytes)} is more than the free space at {location!r} "
+                    f"({_size(free)}): the file system fills before the store reaches its cap")]
+        return []
+
+    def check_capacity(self, layout: KvLayout, max_model_len: int, vllm_blocks: int,
+                       world: int = 1) -> list[str]:
+        """The sizes against vLLM's KV layout: ValueError naming the key when a tier cannot
+        hold one block (kvcm could do nothing); the warnings (each one line, with the numbers)
+        when ``host_bytes`` cannot hold one request of ``max_model_len`` tokens or vLLM's
+        whole KV cache (``vllm_blocks``): the running requests' blocks are held there."""
+        B, page = layout.block_size, layout.page_bytes
+        host = self.host_bytes // page
+        what = f"one block of vLLM's KV cache is {page:,} bytes ({B} tokens x {len(layout.layer_names)} layers)"
+        if host < 1:
+            raise key_error("host_bytes", f"= {self.host_bytes:,} holds no block: {what}; give at least "
+                            f"{page * max(1, max_model_len // B):,} (one request of max_model_len {max_model_len})")
+        if self.disk_path is not None and self.disk_bytes // page < 1:
+            raise key_error("disk_bytes", f"= {self.disk_bytes:,} holds no block: {what}")
+        if self.store_kind in ("file", "custom") and self.shared_bytes and self.shared_bytes < page:
+            raise key_error("shared_bytes", f"= {self.shared_bytes:,} holds no object: {what}")
+        warnings = []
+        need = max_model_len // B  # a request's full blocks, the last token excluded
+        if host < need:
+            warnings.append(
+                f"{PREFIX}['host_bytes'] = {self.host_bytes:,} holds {host} blocks of {page:,} bytes; one request of "
+                f"max_model_len {max_model_len} tokens needs {need} ({need * page:,} bytes): kvcm stops saving a "
+                f"request at {host * B} tokens and cannot load more than that")
+        elif host < vllm_blocks:
+            warnings.append(
+                f"{PREFIX}['host_bytes'] = {self.host_bytes:,} holds {host} blocks; vLLM's KV cache has {vllm_blocks}: "
+                f"when the running requests hold more than {host} blocks, kvcm stops mirroring some of them (give "
+                f"host_bytes >= {vllm_blocks * page:,})")
+        return warnings
+
+    def namespace(self, layout: KvLayout, identity_tag: str | None, world: int = 1) -> str:
+        """The manager's ``shared_namespace``: the user's name, the model's identity (its
+        tag; None with ``model_identity`` off), vLLM's layout and tensor-parallel size (each
+        rank adds its own number to name its shard's objects)."""
+        parts = [self.shared_namespace]
+        if self.model_identity != "off":
+            if identity_tag is None:
+                raise ValueError("the model's identity is needed for the shared tier (model_identity "
+                                 f"{self.model_identity!r})")
+            parts.append(identity_tag)
+        return "|".join([*parts, layout.describe, f"tp{world}"])
+
+    def manager_config(self, layout: KvLayout, rank: int = 0, world: int = 1,
+                       identity_tag: str | None = None) -> KVCacheManagerConfig:
         """kvcm's config: tier 0 (kvcm's ``gpu``) is host memory, then disk, then shared."""
         B = layout.block_size
         windows = layout.windows or (None,) * len(layout.block_bytes)
@@ -249,12 +433,13 @@ class ConnectorSettings:
         namespace = ""
         if self.shared is not None:
             tiers.append(Tier("shared", self.shared_bytes, self.shared))
-            # the bytes of a page are vLLM's layout of one rank's shard: instances share objects
-            # only when all of it matches.  The manager's namespace is the same on the scheduler
-            # and on every worker; each worker names its own objects with its rank
-            # (kvcm.integrations.vllm.worker.shard_config), and a block is a shared hit only when
-            # every rank's object is there
-            namespace = f"{self.shared_namespace}|{layout.describe}|tp{world}"
+            # the bytes of a page are this model's KV in vLLM's layout of one rank's shard:
+            # instances share objects only when all of it matches.  The manager's namespace is
+            # the same on the scheduler and on every worker (the identity is computed from the
+            # same files by each); each worker names its own objects with its rank
+            # (kvcm.integrations.vllm.scheduler.shard_config), and a block is a shared hit only
+            # when every rank's object is there
+            namespace = self.namespace(layout, identity_tag, world)
         # several life cycles (a hybrid model): each gets the same share of every tier's bytes
         # (equal slot counts would give a full-attention life cycle, which keeps a page of every
         # block, as few slots as a window life cycle, which keeps a page of a few blocks per request)
@@ -278,3 +463,43 @@ class ConnectorSettings:
         module, _, name = self.shared_store_class.partition(":")
         cls = getattr(importlib.import_module(module), name)
         return cls(self.shared, self.shared_bytes)
+
+
+def _writable_dir(key: str, path: str) -> int | None:
+    """``path`` is a directory this process can write into, or could create: its nearest
+    existing ancestor is a directory a file can be created in (probed with a temporary file,
+    removed at once: nothing is left).  ValueError naming ``key``; the free bytes of its file
+    system (None when they cannot be read)."""
+    p = os.path.abspath(os.path.expanduser(path))
+    probe = p
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise key_error(key, f"{path!r}: {probe!r} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=probe, prefix=".kvcm-probe-"):
+            pass
+    except OSError as e:
+        how = "is not writable" if probe == p else f"cannot be created in {probe!r}"
+        raise key_error(key, f"{path!r} {how}: {e.strerror or e}") from None
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _did_you_mean(key: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, KEYS, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _size(n: int) -> str:
+    from kvcm.integrations.vllm.identity import size_text
+
+    return size_text(n)

@@ -62,6 +62,18 @@ def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides
     return path
 
 
+def save_tokenizer(path: str, vocab_size: int = MODEL_DEFAULTS["vocab_size"]) -> str:
+    """A word-level tokenizer saved beside a random-weight model, so a server that needs one
+    (vLLM's OpenAI server) starts on it: token ``i`` is the word ``t<i>`` (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)
+    return path
+
+
 def conversations(n: int, system_len: int, seed: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
     system = [rng.randrange(1, vocab) for _ in range(system_len)]
