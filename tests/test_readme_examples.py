@@ -98,6 +98,9 @@ def test_readme_example_runs_as_written(name, tmp_path):
     out = run_example(name, tmp_path)
     if "engine-loop" in chain(name):
         assert "\n96\n" in out, out  # the system prompt is reusable: chunked commits snapshot the ssm state
+    if name == "transformers-chat":  # exactness is asserted inside; kvcm must also have served a prefix
+        m = re.search(r"prompt tokens (\d+): (\d+) reused from kvcm, (\d+) computed", out)
+        assert m and int(m.group(2)) > 0 and int(m.group(1)) == int(m.group(2)) + int(m.group(3)), out
     if name == "shared-tier":
         assert "first reuses 0 tokens" in out and "second reuses 320 tokens" in out, out
         assert "first would load []" in out and "second would load [3]" in out, out
