@@ -121,9 +121,10 @@ def main(argv: list[str] | None = None) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(9, 3.8))
+        fig, ax = plt.subplots(figsize=(10, 4.4))
         short = {"transformers": "alone"}
-        labels = [f"{r[0]}\n{short.get(r[1], r[1].replace('transformers + kvcm (gpu + ', '+kvcm ').rstrip(')'))}"
+        # the model on one line, the engine on the next, a long model name split: no label overlaps its neighbour
+        labels = [f"{r[0].replace('-', chr(10), 1)}\n{short.get(r[1], r[1].replace('transformers + kvcm (gpu + ', '+kvcm ').rstrip(')'))}"
                   for r in rows]
         total = max(r[2] + (r[3] if isinstance(r[3], int) else 0) for r in rows)  # every prompt token
         computed = [r[2] for r in rows]
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         ax.bar(labels, own, bottom=computed, label="reused by transformers' own prefix sharing")
         ax.bar(labels, reused, bottom=computed, label="reused through kvcm")
         ax.set_ylabel("prompt tokens")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3, fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
         fig.tight_layout()
         fig.savefig(a.plot)
 
