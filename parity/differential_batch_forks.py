@@ -1,10 +1,7 @@
 """The differential machine's ops (parity/test_differential.py): the batched decode step (resize_batch /
 commit_batch over lists, arrays, numpy and torch containers, with bad batches), forks and
-beam steps.
-
-A mixin of ``DifferentialMachine``: its methods run ops through ``self.run`` (the
-lockstep) and keep the machine's model of the engine (plans, scopes, the store, the
-unsettled drains) in step."""
+beam steps. A mixin of
+``DifferentialMachine``."""
 
 from __future__ import annotations
 

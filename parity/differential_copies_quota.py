@@ -1,10 +1,7 @@
 """The differential machine's ops (parity/test_differential.py): failed copies (forget_copies), explicit
 settlement (settle_copies), quotas at run time (set_quota) and the side-effect-free probes
-checked against what create takes.
-
-A mixin of ``DifferentialMachine``: its methods run ops through ``self.run`` (the
-lockstep) and keep the machine's model of the engine (plans, scopes, the store, the
-unsettled drains) in step."""
+checked against what create takes. A mixin of
+``DifferentialMachine``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """The differential machine's ops (parity/test_differential.py): the request life cycle: create (with the
 store's hits), resume, suspend, resize, commit, the engine-like step and its preemption,
-stop_committing, close, page_indices.
-
-A mixin of ``DifferentialMachine``: its methods run ops through ``self.run`` (the
-lockstep) and keep the machine's model of the engine (plans, scopes, the store, the
-unsettled drains) in step."""
+stop_committing, close, page_indices. A mixin of
+``DifferentialMachine``."""
 
 from __future__ import annotations
 

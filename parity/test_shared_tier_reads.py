@@ -1,12 +1,8 @@
-"""SPEC sec. 16: the shared tier (DECISIONS.md "The shared tier"), reading: the match extended by
-the store's hits, and probes with the store's hits.
-
-A store shared by many managers is the coldest tier. The manager does no I/O: the engine asks
-it which ``(key, lc)`` to look up (``shared_candidates``), tells it what the store holds
-(``create_kv_cache(shared_hits=...)``), and executes the ``store`` / ``onboard`` ops that name
-objects by block key. Each scenario asserts real outcomes (lengths, pages, ops, events, stats)
-on both backends. The other parts: parity/test_shared_tier_writes.py,
-parity/test_shared_tier.py, parity/shared_tier_helpers.py."""
+"""SPEC sec. 16: reading from the shared tier (DECISIONS.md "The shared tier"): a request's
+match extended past the local tree by the store's hits (full attention, windows, ssm
+snapshots, hybrids, backoff), and probes given the store's hits (what create would take, on
+which tiers, bad hits refused).  The tier's other scenarios: parity/test_shared_tier.py
+(which says what the tier is) and parity/test_shared_tier_writes.py."""
 
 from __future__ import annotations
 

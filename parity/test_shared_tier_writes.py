@@ -1,12 +1,8 @@
-"""SPEC sec. 16: the shared tier (DECISIONS.md "The shared tier"), what to look up (candidates)
-and what is written under shared_write="commit" and "evict".
-
-A store shared by many managers is the coldest tier. The manager does no I/O: the engine asks
-it which ``(key, lc)`` to look up (``shared_candidates``), tells it what the store holds
-(``create_kv_cache(shared_hits=...)``), and executes the ``store`` / ``onboard`` ops that name
-objects by block key. Each scenario asserts real outcomes (lengths, pages, ops, events, stats)
-on both backends. The other parts: parity/test_shared_tier_reads.py,
-parity/test_shared_tier.py, parity/shared_tier_helpers.py."""
+"""SPEC sec. 16: the shared tier (DECISIONS.md "The shared tier"): what a manager offers to look
+up (``shared_candidates``) and which pages it writes to the store, under ``shared_write="commit"``
+(every new full block at commit) and ``"evict"`` (a page just before eviction drops it).
+The tier's other scenarios: parity/test_shared_tier.py (which says what the tier is) and
+parity/test_shared_tier_reads.py."""
 
 from __future__ import annotations
 
