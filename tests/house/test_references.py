@@ -17,7 +17,7 @@ EXAMPLES = {"parity/test_x.py"}  # parity/report.py's docstring: the form of a n
 
 
 def _sources() -> list[Path]:
-    files = [ROOT / n for n in ("README.md", "DECISIONS.md", "pyproject.toml", ".ci/run")]
+    files = [ROOT / n for n in ("README.md", "DECISIONS.md", "pyproject.toml", ".ci/run", "tests/README.md")]
     files += sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "ci").glob("*"))
     for tree in ("tests", "parity", "python/kvcm"):
         files += sorted(p for p in (ROOT / tree).rglob("*.py") if "build" not in p.relative_to(ROOT).parts)
