@@ -27,8 +27,8 @@ EXTRA=(${KVCM_PYTEST_ARGS:-})
 rc=0
 for backend in ${KVCM_GPU_BACKENDS:-python cpp}; do
   echo "== gpu-check: KVCM_BACKEND=$backend, KVCM_ENGINE_DEVICE=cuda"
-  KVCM_BACKEND=$backend "$PY" -m pytest tests/test_engine_exactness.py tests/test_dataplane.py tests/test_engine_faults.py \
-    tests/test_shared_engine.py tests/test_vllm_transfer_gpu.py \
+  KVCM_BACKEND=$backend "$PY" -m pytest tests/engines/test_engine_exactness.py tests/dataplane/test_dataplane.py tests/engines/test_engine_faults.py \
+    tests/fleet/test_shared_engine.py tests/test_vllm_transfer_gpu.py \
     -p no:cacheprovider --tb=short -ra "${EXTRA[@]}" || rc=1
 done
 echo "== gpu-check: demo on cuda"

@@ -47,7 +47,7 @@ echo "== parity (LD_PRELOAD=$PRELOAD)"
 run parity 2>&1 | tee "$OUT/sanitize-parity.log"
 rc=${PIPESTATUS[0]}
 echo "== cpp unit and thread tests"
-KVCM_BACKEND=cpp run tests/cpp tests/test_threads.py 2>&1 | tee "$OUT/sanitize-tests.log"
+KVCM_BACKEND=cpp run tests/cpp tests/core/test_threads.py 2>&1 | tee "$OUT/sanitize-tests.log"
 rc2=${PIPESTATUS[0]}
 [ "$rc2" -ne 0 ] && rc=$rc2
 if grep -qE "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer|AddressSanitizer: CHECK failed" \

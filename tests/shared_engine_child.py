@@ -1,6 +1,6 @@
 """One engine instance in its own process (``python tests/shared_engine_child.py ...``): the
 arguments of ``python -m kvcm.tools.engine_instance`` plus ``--fault``, which injects a fault into this
-process's data plane (tests/test_shared_engine.py):
+process's data plane (tests/fleet/test_shared_engine.py):
 
 * ``delete-after-lookup``: every object a lookup found is removed right after the lookup,
   before the request's load (evicted / deleted between the two);

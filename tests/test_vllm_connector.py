@@ -425,7 +425,7 @@ def test_readme_llm_example_runs_as_written(tmp_path) -> None:
     """The README's ``LLM(...)`` form (marked ``needs vllm``) runs as written, on a
     random-weight model, in a fresh interpreter: it asserts its own repeated greedy output."""
     from kvcm.integrations.vllm.workload import make_model
-    from test_readme_examples import EXAMPLES, run_example
+    from readme_examples import EXAMPLES, run_example
 
     assert EXAMPLES["vllm-llm"][3] == "vllm"
     model = make_model(str(tmp_path / "model"))

@@ -20,7 +20,7 @@
 // Each function implementing a SPEC rule is preceded by one line
 //   // py: <file>.py <Class>.<name> — SPEC sec. <N>
 // naming its Python twin (same name, possibly with one leading underscore), in the
-// same-named file and the matching class (tests/test_mirror.py).
+// same-named file and the matching class (tests/house/test_mirror.py).
 //
 // Plain C++20, no Python types.  One Manager is not thread-safe by itself; the bindings
 // serialise calls with mutex() (taken after releasing the GIL).

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from test_mirror import SPEC, spec_sections
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TREES = ("python", "cpp", "tests", "parity", "docs")
 TOP_FILES = ("README.md", "DECISIONS.md", "conftest.py", "pyproject.toml")
 SUFFIXES = {".py", ".pyi", ".h", ".hpp", ".cpp", ".md", ".toml", ".txt", ".sh"}

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import kvcm
 import zmq
+from events_client import replay_request
 from kvcm import AttentionLayer, KVCacheManagerConfig, ReuseScope, SsmLayer, Tier
 from kvcm.fleet.publisher import EventPublisher
 from kvcm.fleet.router_index import RouterIndex, RouterModel
-from kvcm.fleet.wire import END_SEQ, SNAPSHOT_REQUEST, BlockRemoved, BlockStored, Decoder, seq_bytes, seq_of
+from kvcm.fleet.wire import SNAPSHOT_REQUEST, BlockRemoved, BlockStored, Decoder, seq_bytes
 
 from parity.helpers import B, keys, ssm_cfg, toks
 
@@ -58,21 +59,6 @@ def workload(mgr: kvcm.KVCacheManager, pub: EventPublisher) -> None:
     pub.publish(mgr.take_events())
 
 
-def payloads(pub: EventPublisher, ctx: zmq.Context, request: bytes) -> list[tuple[int, bytes]]:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(pub.replay_endpoint)
-    s.send_multipart([b"", request])
-    out = []
-    try:
-        while True:
-            assert s.poll(3000), "no answer from the replay endpoint"
-            _, _topic, sq, payload = s.recv_multipart()
-            if sq == END_SEQ:
-                return out
-            out.append((seq_of(sq), payload))
-    finally:
-        s.close(linger=0)
 
 
 def published(backend: str, ctx: zmq.Context) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
@@ -81,8 +67,8 @@ def published(backend: str, ctx: zmq.Context) -> tuple[list[tuple[int, bytes]], 
     with EventPublisher(mgr, context=ctx, scopes=[ReuseScope(lora_id=3, salt=11)], instance=b"parity") as pub:
         workload(mgr, pub)
         assert pub.flush()
-        batches = payloads(pub, ctx, seq_bytes(0))
-        snapshot = payloads(pub, ctx, SNAPSHOT_REQUEST)
+        batches = replay_request(ctx, pub, seq_bytes(0))
+        snapshot = replay_request(ctx, pub, SNAPSHOT_REQUEST)
     mgr.check_invariants()
     mgr.shutdown()
     return batches, snapshot
@@ -120,7 +106,7 @@ def test_wire_first_events_of_a_prompt(make_manager) -> None:
             kv.close()
             pub.publish(mgr.take_events())
             assert pub.flush()
-            [(seq, payload)] = payloads(pub, ctx, seq_bytes(0))
+            [(seq, payload)] = replay_request(ctx, pub, seq_bytes(0))
     finally:
         ctx.destroy(linger=0)
     k = keys(p)
@@ -175,7 +161,7 @@ def test_wire_coverage_of_adopted_page_and_upgrade(make_manager) -> None:
                     for e in ev] == [("removed", (k[1],)), ("stored", [(k[1], 0, 4)])]
             pub.publish(ev)
             assert pub.flush()
-            batches = [Decoder().decode(pl) for _, pl in payloads(pub, ctx, seq_bytes(0))]
+            batches = [Decoder().decode(pl) for _, pl in replay_request(ctx, pub, seq_bytes(0))]
     finally:
         ctx.destroy(linger=0)
     assert len(batches) == 2  # the first step announced nothing (a page-less block, a partial one)

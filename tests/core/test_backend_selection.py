@@ -155,7 +155,7 @@ print("same")
 def run_pytest_without_cpp(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """pytest on parity/ with kvcm._kvcm_cpp blocked (a sitecustomize on PYTHONPATH)."""
     (tmp_path / "sitecustomize.py").write_text(BLOCK_CPP)
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     e = {k: v for k, v in os.environ.items() if k not in ("KVCM_BACKEND", "KVCM_OPLOG", "KVCM_ALLOW_NO_CPP")}
     e["PYTHONPATH"] = os.pathsep.join([str(tmp_path), e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     e.update(env)

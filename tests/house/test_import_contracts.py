@@ -13,7 +13,7 @@ import pytest
 
 grimp = pytest.importorskip("grimp", reason="import-linter (a test dependency) is not installed")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PYTHON_DIR = ROOT / "python"
 # Known cycles, listed as data (none since issue 9 split python_backend/cache.py); the test
 # fails on any cycle not listed here and on a listed one that disappeared.

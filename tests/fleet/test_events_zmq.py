@@ -11,10 +11,11 @@ import kvcm
 import msgspec
 import pytest
 import zmq
+from events_client import replay_request
 from kvcm.fleet.publisher import EventPublisher
 from kvcm.fleet.router_index import RouterIndex, RouterModel
 from kvcm.fleet.subscriber import FleetSubscriber
-from kvcm.fleet.wire import END_SEQ, SNAPSHOT_REQUEST, AllBlocksCleared, BlockStored, Decoder, seq_bytes, seq_of
+from kvcm.fleet.wire import SNAPSHOT_REQUEST, AllBlocksCleared, BlockStored, Decoder, seq_bytes, seq_of
 from test_wire import B, hybrid, run
 
 TIMEOUT_MS = 3000
@@ -62,23 +63,6 @@ def req_first_reply(ctx: zmq.Context, pub: EventPublisher, req: bytes) -> tuple[
         s.close(linger=0)
 
 
-def dealer_request(ctx: zmq.Context, pub: EventPublisher, req: bytes) -> list[tuple[int, bytes]]:
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(pub.replay_endpoint)
-    s.send_multipart([b"", req])
-    out = []
-    try:
-        while True:
-            empty, topic, sq, payload = recv(s)
-            assert empty == b""
-            if sq == END_SEQ:
-                assert topic == payload == b""
-                return out
-            assert topic == b"kvcm"
-            out.append((seq_of(sq), payload))
-    finally:
-        s.close(linger=0)
 
 
 def test_pub_frames_are_topic_seq_payload_and_ts_is_the_step(ctx: zmq.Context) -> None:
@@ -121,11 +105,11 @@ def test_replay_from_a_sequence_number_then_end_marker(ctx: zmq.Context) -> None
         assert pub.next_seq == 6
         seq, payload = req_first_reply(ctx, pub, seq_bytes(3))
         assert seq == 3 and Decoder().decode(payload).events
-        got = dealer_request(ctx, pub, seq_bytes(3))
+        got = replay_request(ctx, pub, seq_bytes(3))
         assert [s for s, _ in got] == [3, 4, 5]
-        got = dealer_request(ctx, pub, seq_bytes(0))
+        got = replay_request(ctx, pub, seq_bytes(0))
         assert [s for s, _ in got] == [2, 3, 4, 5]  # the buffer keeps the last 4 batches
-        assert dealer_request(ctx, pub, seq_bytes(9)) == []
+        assert replay_request(ctx, pub, seq_bytes(9)) == []
         assert pub.replays_served == 4
 
 
@@ -136,14 +120,14 @@ def test_snapshot_is_stamped_and_equals_the_replayed_state(ctx: zmq.Context) -> 
             run(mgr, list(range(100 * i, 100 * i + 8)))
             pub.publish(mgr.take_events())
         pub.flush()
-        [(stamp, payload)] = dealer_request(ctx, pub, SNAPSHOT_REQUEST)
+        [(stamp, payload)] = replay_request(ctx, pub, SNAPSHOT_REQUEST)
         assert stamp == pub.next_seq == 5
         snap = Decoder().decode(payload)
         assert isinstance(snap.events[0], AllBlocksCleared)
         model = RouterModel.from_config(hybrid())
         from_snapshot, from_stream = RouterIndex(model), RouterIndex(model)
         from_snapshot.reset("a", snap)
-        for _, p in dealer_request(ctx, pub, seq_bytes(0)):
+        for _, p in replay_request(ctx, pub, seq_bytes(0)):
             from_stream.apply("a", Decoder().decode(p))
         a, b = from_snapshot.instance("a").blocks, from_stream.instance("a").blocks
         assert {k: e.pages for k, e in a.items()} == {k: e.pages for k, e in b.items()} != {}
@@ -191,7 +175,7 @@ def test_manager_event_overflow_is_detected_and_reset(ctx: zmq.Context) -> None:
         assert pub.publish(mgr.take_events())
         pub.flush()
         assert pub.resets == 1
-        [(_, payload)] = dealer_request(ctx, pub, seq_bytes(0))
+        [(_, payload)] = replay_request(ctx, pub, seq_bytes(0))
         events = Decoder().decode(payload).events
         assert isinstance(events[0], AllBlocksCleared) and len(events) == 1 + 9  # 3 blocks x 3 lcs
 
@@ -210,7 +194,7 @@ def test_publisher_payload_decodes_with_plain_msgpack(ctx: zmq.Context) -> None:
         run(mgr, list(range(4)))
         pub.publish(mgr.take_events())
         pub.flush()
-        [(_, payload)] = dealer_request(ctx, pub, seq_bytes(0))
+        [(_, payload)] = replay_request(ctx, pub, seq_bytes(0))
         ts, events, rank, instance = msgspec.msgpack.decode(payload)  # 4th: kvcm's instance identity
         assert ts == 0.0 and rank == 0 and [e["type"] for e in events] == ["BlockStored"] * 3
         assert instance == pub.instance and len(instance) == 8

@@ -23,7 +23,7 @@ from children import child_env
 from kvcm.dataplane.store import OBJECT_SUFFIX
 from kvcm.engine import TinyHybridModel, torch_threads
 
-CHILD = Path(__file__).with_name("shared_engine_child.py")
+CHILD = Path(__file__).resolve().parents[1] / "shared_engine_child.py"
 LOGIT_TOL = 1e-4  # float32 round-off of the paged vs the dense computation (test_engine_exactness)
 WORKLOAD = "shared-system-prompt"
 # A fresh process with an empty store reuses only within itself: this many tokens

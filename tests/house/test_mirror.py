@@ -19,7 +19,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "cpp" / "core"
 PY = ROOT / "python" / "kvcm"
 SPEC = ROOT / "docs" / "SPEC.md"

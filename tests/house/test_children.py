@@ -34,7 +34,7 @@ PARENT = textwrap.dedent("""
     import json, subprocess, sys
     from pathlib import Path
 
-    sys.path.insert(1, sys.argv[1])  # the tests' helpers (as pytest's pythonpath does)
+    sys.path[1:1] = sys.argv[1:3]  # the tests' helpers (as pytest's pythonpath does), tests/fleet
     import kvcm
     import children
     import test_shared_engine
@@ -67,7 +67,7 @@ def test_children_import_the_parents_kvcm_not_the_source_tree(installed_copy: Pa
     tests build makes the child import the parent's kvcm (was: the source tree's)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KVCM_OPLOG")}
     env.update(PYTHONPATH=str(installed_copy), KVCM_BACKEND="python")
-    r = subprocess.run([sys.executable, "-c", PARENT, str(TESTS_DIR)], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", PARENT, str(TESTS_DIR), str(TESTS_DIR / "fleet")], env=env, capture_output=True, text=True,
                        timeout=300, check=False, cwd=installed_copy.parent)
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -12,6 +12,7 @@ from typing import Any
 import kvcm
 import pytest
 import zmq
+from events_client import replay_request
 from kvcm import AttentionLayer, KVCacheManagerConfig, Tier
 from kvcm.fleet.publisher import EventPublisher
 from kvcm.fleet.router_index import RouterIndex, RouterModel
@@ -61,27 +62,6 @@ def kernel_send_buffer_max() -> int:
         return 4 << 20
 
 
-def dealer_request(ctx: zmq.Context, pub: EventPublisher, request: bytes,
-                   wait_ms: int = WAIT_MS) -> list[tuple[int, bytes]]:
-    """A replay client as vLLM's: an empty delimiter, the request; ``(topic, seq, payload)``
-    per batch, then ``(b"", END_SEQ, b"")``."""
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(pub.replay_endpoint)
-    s.send_multipart([b"", request])
-    out = []
-    try:
-        while True:
-            assert s.poll(wait_ms), "no complete answer from the replay endpoint"
-            empty, topic, sq, payload = s.recv_multipart()
-            assert empty == b""
-            if sq == END_SEQ:
-                assert topic == payload == b""
-                return out
-            assert topic == b"kvcm"
-            out.append((seq_of(sq), payload))
-    finally:
-        s.close(linger=0)
 
 
 def rebind(mgr: kvcm.KVCacheManager, endpoints: tuple[str, str], ctx: zmq.Context, **kw: Any) -> EventPublisher:
@@ -140,7 +120,7 @@ def test_replay_request_flood_does_not_stop_the_live_stream(ctx: zmq.Context) ->
             assert pub.flush(30), "the live stream stopped under the replay flood"
             assert pub.published >= before + 300
             # an honest client still gets a complete answer during the flood
-            got = [s for s, _ in dealer_request(ctx, pub, seq_bytes(pub.next_seq - 5), wait_ms=20_000)]
+            got = [s for s, _ in replay_request(ctx, pub, seq_bytes(pub.next_seq - 5), wait_ms=20_000)]
             start = pub.next_seq - 5
             assert got == list(range(start, start + 5))
             assert pub.stats()["requests_refused"] > 0  # the flooder's extra requests: capped
@@ -335,7 +315,7 @@ def test_large_step_is_split_into_batches_within_max_batch_bytes(ctx: zmq.Contex
                 step(mgr, pub, p)
             assert pub.flush()
             assert pub.split == 3 and pub.next_seq > 3
-            batches = dealer_request(ctx, pub, seq_bytes(0))
+            batches = replay_request(ctx, pub, seq_bytes(0))
             assert [s for s, _ in batches] == list(range(pub.next_seq))
             assert all(len(p) <= 2048 for _, p in batches)
             stored = [e for _, p in batches for e in Decoder().decode(p).events]

@@ -1027,7 +1027,7 @@ def test_oplog_file_is_created_0600(tmp_path, monkeypatch):
     old = os.umask(0)  # even with a permissive umask
     try:
         # the directory must exist: the op log creates none (issue 20 item 9,
-        # tests/test_cli_bad_input.py::test_kvcm_oplog_in_a_missing_directory_is_refused_not_created)
+        # tests/tools/test_cli.py::test_kvcm_oplog_in_a_missing_directory_is_refused_not_created)
         (tmp_path / "new-dir").mkdir()
         m, path = _recorded("python", tmp_path / "new-dir", monkeypatch)
         m.create_kv_cache([1])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DATAPLANE = ROOT / "python" / "kvcm" / "dataplane"
 PARTS = ("plane", "copy_runs", "shared_io", "pools", "copy_stats")
 
