@@ -655,7 +655,9 @@ def test_readme_server_command_runs_as_written(tmp_path: Path) -> None:
     model = make_model(str(tmp_path / "model"))
     save_tokenizer(model)
     port = free_port()
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    from readme_examples import README  # the checkout's README (tests/readme_examples.py)
+
+    readme = README.read_text()
     script = tmp_path / "serve.sh"
     script.write_text(readme_server_command(readme, model, str(tmp_path / "kvcm"), port))
     log = tmp_path / "serve.log"
