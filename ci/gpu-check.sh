@@ -2,7 +2,7 @@
 # GPU check (optional to run, required to exist): the data-plane and engine exactness tests
 # with the gpu tier (and the model) on CUDA, host pools pinned, on both backends; the vLLM
 # connector's CUDA transfer path (pinned staging, a side stream, events) with the engine-free
-# protocol run on GPU tensors (tests/test_vllm_transfer_gpu.py).
+# protocol run on GPU tensors (tests/engines/test_vllm_transfer_gpu.py).
 #
 #   ci/gpu-check.sh            # exits 0 with a message when no CUDA GPU is usable
 #
@@ -28,7 +28,7 @@ rc=0
 for backend in ${KVCM_GPU_BACKENDS:-python cpp}; do
   echo "== gpu-check: KVCM_BACKEND=$backend, KVCM_ENGINE_DEVICE=cuda"
   KVCM_BACKEND=$backend "$PY" -m pytest tests/engines/test_engine_exactness.py tests/dataplane/test_dataplane.py tests/engines/test_engine_faults.py \
-    tests/fleet/test_shared_engine.py tests/test_vllm_transfer_gpu.py \
+    tests/fleet/test_shared_engine.py tests/engines/test_vllm_transfer_gpu.py \
     -p no:cacheprovider --tb=short -ra "${EXTRA[@]}" || rc=1
 done
 echo "== gpu-check: demo on cuda"

@@ -23,7 +23,7 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 
 def examples(text: str) -> dict[str, tuple[str | None, str, int, str | None]]:
     """``{name: (after, code, line, needs)}`` (``needs``: ``"vllm"`` for an example that runs
-    in the vllm leg, tests/test_vllm_connector.py, else None); raises AssertionError for an unmarked python block,
+    in the vllm leg, tests/engines/test_vllm_connector.py, else None); raises AssertionError for an unmarked python block,
     a marker without a python block, or a chain to an unknown example."""
     lines = text.splitlines()
     out: dict[str, tuple[str | None, str, int, str | None]] = {}

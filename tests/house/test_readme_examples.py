@@ -14,7 +14,7 @@ from readme_examples import EXAMPLES, chain, examples, run_example
 
 def test_readme_has_examples_and_the_parser_refuses_unmarked_blocks():
     assert {"engine-loop", "copy-error", "decode-batch", "publisher", "shared-tier", "quota"} <= set(EXAMPLES)
-    assert EXAMPLES["vllm-llm"][3] == "vllm"  # run by tests/test_vllm_connector.py in the vllm leg
+    assert EXAMPLES["vllm-llm"][3] == "vllm"  # run by tests/engines/test_vllm_connector.py in the vllm leg
     with pytest.raises(AssertionError, match="without an <!-- example"):
         examples("text\n```python\nprint(1)\n```\n")
 

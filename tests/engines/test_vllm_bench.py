@@ -3,7 +3,7 @@ anything runs), the plan they give (the held-out chat workload's working set, th
 cache, the core layout every engine gets), the table's figures and ratios from given phase
 results, and the whole pipeline with the engine processes replaced by a stand-in that
 records the environment it was started with.  The real engines run in the vllm leg
-(tests/test_vllm_bench_engines.py)."""
+(tests/engines/test_vllm_bench_engines.py)."""
 
 from __future__ import annotations
 

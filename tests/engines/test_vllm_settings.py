@@ -1,6 +1,6 @@
 """The vLLM connector's configuration, without vLLM: ``kv_connector_extra_config`` parsing and
 how vLLM's KV cache layout becomes a kvcm config (kvcm.integrations.vllm.settings imports
-nothing of vLLM; the connector itself runs in the vllm leg, tests/test_vllm_connector.py)."""
+nothing of vLLM; the connector itself runs in the vllm leg, tests/engines/test_vllm_connector.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 real GPU: pinned host staging, a side stream ordered after the compute stream by events,
 synchronous loads made visible to the compute stream by an event wait (no host sync).
 Run by ci/gpu-check.sh when a CUDA device is there; skipped otherwise (the CPU copier runs
-every protocol test in tests/test_vllm_async.py)."""
+every protocol test in tests/engines/test_vllm_async.py)."""
 
 from __future__ import annotations
 

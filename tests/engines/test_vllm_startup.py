@@ -3,7 +3,7 @@
 resolution runs, the start line, the capacity warnings, ``python -m kvcm vllm check-config``,
 and -- through kvcm's real data plane and file store -- that two models of one shape on one
 store and namespace never see each other's objects.  The same on the real engine:
-tests/test_vllm_connector.py."""
+tests/engines/test_vllm_connector.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 Gemma-3-like layout as vLLM's hybrid KV cache manager gives it — a sliding-window group
 (W=64) and a full-attention group, views of ONE allocation, global block ids, 0 the null
 block — driven through vLLM 0.32's call order by hand (the real engine:
-tests/test_vllm_hybrid.py).
+tests/engines/test_vllm_hybrid.py).
 
 Checked: saves store no block outside the window; a hit loads every group's window blocks
 into the ids vLLM allocated (and nothing into null blocks), asynchronously; a failed load is

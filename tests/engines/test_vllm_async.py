@@ -4,7 +4,7 @@ and async scheduling, preemption, aborts, load errors, tensor-parallel ranks), o
 backend of the leg (``KVCM_BACKEND``).  Every forward checks every byte of KV it reads, so
 a wrong load, a stale page or a save of garbage served later fails the test ("violations").
 
-The real engine runs in tests/test_vllm_connector.py (the vllm leg)."""
+The real engine runs in tests/engines/test_vllm_connector.py (the vllm leg)."""
 
 from __future__ import annotations
 
@@ -688,7 +688,7 @@ def test_long_run_is_flat(tmp_path, backend, sims) -> None:
 
 def test_gpu_copier_requires_cuda() -> None:
     if torch.cuda.is_available():
-        pytest.skip("tests/test_vllm_transfer_gpu.py covers it on CUDA (ci/gpu-check.sh)")
+        pytest.skip("tests/engines/test_vllm_transfer_gpu.py covers it on CUDA (ci/gpu-check.sh)")
     from kvcm.integrations.vllm.transfer import CudaCopier, Part
 
     with pytest.raises((RuntimeError, AssertionError)):
