@@ -78,7 +78,7 @@ class Request(KVCache):
 
     The seam (issue 30): a request reads the configuration's facts as one value
     (``pool.layout``) and changes shared state through a dozen ``BlockPool`` methods; a
-    page's fields are written by the pool alone (tests/test_seam.py)."""
+    page's fields are written by the pool alone (tests/house/test_seam.py)."""
 
     def __init__(self, pool: BlockPool, owner: Owner, serial: int, cache_id: int | str, tokens: list,
                  packed: bytes | None, scope: ReuseScope, priority: int,

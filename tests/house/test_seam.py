@@ -30,7 +30,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # The narrow seam's bounds (issue 30 item 1).  Before: python 43 members (30 of the pool,
 # 13 of its tree), 9 page-field writes outside the pool; C++ 51 members (35 + 16 of the
