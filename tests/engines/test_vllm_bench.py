@@ -282,6 +282,9 @@ class FakeEngine:
 
 
 def fake_run(tmp_path, monkeypatch, capsys, *argv):
+    # matplotlib's first import lists the system fonts through subprocess (fc-list): done
+    # before Popen is replaced below (which replaces it in the subprocess module itself)
+    import matplotlib.pyplot  # noqa: F401
     from kvcm.integrations.vllm import workload
 
     FakeEngine.envs, FakeEngine.starts = {}, []

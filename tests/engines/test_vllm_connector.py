@@ -76,7 +76,14 @@ PREEMPT = {"name": "preempt", "reset": True, "max_tokens": 16,
 # hundreds of requests (60 chats x 4 turns): memory, threads and descriptors stay flat
 LONG = {"name": "long", "reset": True, "workload": {"conversations": 60, "turns": 4, "system_len": 64,
                                                     "user_len": 40, "seed": 13}}
-REFERENCE_PHASES = [{"name": "main"}, PREEMPT, LONG]
+# 24 chats submitted together, more than vLLM's 16 blocks hold at once (head-of-line blocking)
+TOGETHER = {"conversations": 24, "turns": 2, "system_len": 100, "user_len": 60, "seed": 17}
+REFERENCE_PHASES = [{"name": "main"}, PREEMPT, LONG, {"name": "together", "reset": True, "workload": TOGETHER}]
+# a store that lists objects it cannot deliver (get: EACCES): one request at a time, then 24 at once
+UNREADABLE_PHASES = [
+    {"name": "store-unreadable", "reset": True, "fault": "unreadable", "workload": {"batch": 1}},
+    {"name": "store-unreadable-together", "reset": True, "fault": "unreadable", "workload": TOGETHER},
+]
 
 FAULT_PHASES = [
     {"name": "disk-truncated", "truncate": True},
@@ -160,7 +167,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     shared = os.path.join(tmp, "shared")
     out = {"baseline": run_engine(tmp, "baseline", None, REFERENCE_PHASES), "tmp": tmp, "shared": shared}
     for name, backend, mode in (("a", "python", "auto"), ("b", "cpp", "async")):  # b starts after a: reuses its prefill
-        phases = [{"name": "main"}, *fault_phases(tmp, name)] + ([LONG] if name == "a" else [])
+        phases = [{"name": "main"}, *fault_phases(tmp, name), *UNREADABLE_PHASES] + ([LONG] if name == "a" else [])
         conn = connector(tmp, name, backend, shared, load_mode=mode)
         over = None
         sub = None
@@ -289,6 +296,24 @@ def test_vllm_stats_and_prometheus_show_kvcm(engines: dict, instance: str) -> No
     prom = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in out["prometheus"]}
     disk = sum(v for k, v in prom.items() if k.startswith("kvcm_hit_blocks_total") and 'tier="disk"' in k)
     assert disk > 0 and any(k.startswith("kvcm_loaded_bytes_total") and v > 0 for k, v in prom.items()), prom
+
+
+@pytest.mark.parametrize("instance", ["a", "b"])
+@pytest.mark.parametrize("fault", [ph["name"] for ph in UNREADABLE_PHASES])
+def test_a_load_that_failed_is_not_promised_again(engines: dict, instance: str, fault: str) -> None:
+    """The store lists objects whose get fails (EACCES): every request finishes exactly, one
+    at a time and 24 at once (vLLM's queue keeps moving), each request fails at most one load,
+    the objects are marked unreadable and not promised again."""
+    ref = phase(engines["baseline"], "main" if fault == "store-unreadable" else "together")
+    p = phase(engines[instance], fault)
+    assert p["outputs"] == ref["outputs"]
+    c = lambda side, key: delta(p, side, key)
+    requests = len(p["outputs"])
+    assert c("worker", "shared_load_failures") > 0 and c("counters", "unreadable_objects") > 0, p["stats"]
+    assert 0 < c("counters", "failed_loads") <= requests
+    assert c("counters", "hit_blocks_shared") == 0
+    assert c("counters", "load_error_blocks") == c("worker", "load_error_blocks")
+    assert_drained(p)
 
 
 @pytest.mark.parametrize("instance", ["a", "b"])

@@ -52,6 +52,7 @@ from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMet
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
 from kvcm.integrations.vllm.stats import process_stats
 
+UNREADABLE_MAX = 1 << 16  # store objects remembered as unreadable (32-byte keys: ~6 MiB at most)
 LC = 0  # the life cycle of a model with one full-attention group (KvLayout.lc_groups: one per kind)
 TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
 MEDIA = ("CPU", "CPU", "STORAGE", "SHARED")  # event medium by kvcm tier number (tier 0: host memory)
@@ -138,7 +139,8 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "loads_sync", "loads_async", "load_blocks_planned", "loaded_blocks", "hit_blocks_host",
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
-            "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped")
+            "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped",
+            "probes_memoized", "unreadable_objects")
 
 
 class KvcmScheduler:
@@ -163,7 +165,14 @@ class KvcmScheduler:
                            for lcg in self.lc_groups]
         self.hybrid = layout.hybrid
         self.windowed = [layout.window_of_group(lcg[0]) is not None for lcg in self.lc_groups]
-        self.no_load: set[str] = set()  # requests whose load failed (hybrid): recomputed, never loaded again
+        self.no_load: set[str] = set()  # requests whose load failed: recomputed, never loaded again
+        # store objects a load could not read (listed by the store, unreadable: EACCES, EIO, a
+        # data path down): never promised again (bounded: the oldest are forgotten first)
+        self.unreadable: dict[tuple[bytes, int], None] = {}
+        # the manager's state changes (admit, commit, resize, close, settle, clear): a probe's
+        # answer is memoized per request until then (vLLM probes a waiting request every step)
+        self.version = 0
+        self.memo: dict[str, tuple[tuple[int, int, int], tuple[int, bool]]] = {}
         self.batches: dict[int, list[int]] = {}  # save batch -> [save plans not yet reported, all ok (1/0)]
         self.scope = scope or (lambda request: None)
         self.skip = skip or (lambda request: False)
@@ -255,26 +264,50 @@ class KvcmScheduler:
             self.probes.pop(rid, None)
             self.counters["skipped_requests"] += 1
             return 0, False
+        # vLLM asks again every step while the request waits (for blocks, behind another): the
+        # answer stands while nothing it depends on changed (the manager, the live requests)
+        key = (len(tokens), n_local, self.version)
+        memo = self.memo.get(rid)
+        if memo is not None and memo[0] == key and rid in self.probes:
+            self.counters["probes_memoized"] += 1
+            return memo[1]
         scope = self.scope(request)
         if len(tokens) <= self.B:  # the last token's logits are computed: no full block to reuse
             # (still mirrored: the blocks it fills as it decodes are saved)
             self.probes[rid] = Probe(len(tokens), n_local, 0, False, None, [], scope)
             return 0, False
         prefix = list(tokens[:-1])
-        p, hits = self.loop.probe(prefix, scope, shared_hits=self._known_hits(rid, prefix))
-        self._remember_hits(rid, prefix, hits)
+        hits = self._known_hits(rid, prefix)
+        if hits is ASK:
+            hits = self.loop.shared_hits(prefix, scope)
+            self._remember_hits(rid, prefix, hits)
+        if hits and self.unreadable:  # objects a load could not read are not promised again
+            hits = [h for h in hits if h not in self.unreadable]
+        p, hits = self.loop.probe(prefix, scope, shared_hits=hits)
         tiers = list(p.block_tiers)
         hit = p.num_tokens // self.B
         answer = max(0, hit * self.B - n_local)
-        mode = self.settings.load_mode
         if rid in self.no_load:
             answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
-        # a hybrid model: asynchronous always (a failed load is reported by request, which vLLM
-        # accepts only for asynchronous loads)
-        is_async = answer > 0 and (mode == "async" or self.hybrid or (mode == "auto" and any(
-            t != GPU for t in tiers[n_local // self.B:hit])))
+        is_async = answer > 0 and self._load_async(rid, tiers[n_local // self.B:hit])
         self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit], scope)
+        self.memo[rid] = (key, (answer, is_async))
         return answer, is_async
+
+    def _load_async(self, rid: str, tiers: list[int]) -> bool:
+        """Whether a load of blocks now in ``tiers`` is asynchronous (``load_mode`` auto: DECISIONS.md
+        "Synchronous or asynchronous loads, by the engine's state").  A hybrid model's loads are
+        always asynchronous (vLLM takes a failed load by request only from those).  A load
+        from host memory is synchronous: it costs the step a memory copy.  One from disk or
+        the store is synchronous when no other request is live (the step has nothing else to
+        do, and an asynchronous load would cost the request engine steps, not bytes), else
+        asynchronous (the forwards of the others do not wait for it)."""
+        mode = self.settings.load_mode
+        if mode == "async" or self.hybrid:
+            return True
+        if mode == "sync" or all(t == GPU for t in tiers):
+            return False
+        return any(r != rid for r in self.mirrors)
 
     def _known_hits(self, rid: str, prefix: list[int]) -> Any:
         """The store's hits for ``prefix`` asked at an earlier probe of this request and
@@ -285,7 +318,7 @@ class KvcmScheduler:
         return cached[1] if cached is not None and cached[0] == len(prefix) else ASK
 
     def _remember_hits(self, rid: str, prefix: list[int], hits: Any) -> None:
-        if not self.lookup_planes or rid in self.hit_cache and self.hit_cache[rid][0] == len(prefix):
+        if not self.lookup_planes:
             return
         self._count("lookups")
         self.counters["lookup_tokens"] += len(prefix)
@@ -305,6 +338,8 @@ class KvcmScheduler:
         tables = [list(block_ids)] if not block_ids or isinstance(block_ids[0], int) else [list(t) for t in block_ids]
         rid = request.request_id
         probe = self.probes.pop(rid, None)
+        self.memo.pop(rid, None)
+        self.version += 1  # admitted: the manager and the live requests change
         old = self.mirrors.get(rid)
         if old is not None:
             if probe is None:  # the second call of an asynchronous load (n_external 0): nothing new
@@ -385,8 +420,10 @@ class KvcmScheduler:
         reports the request in ``finished_sending``."""
         rid = request.request_id
         self.probes.pop(rid, None)
+        self.memo.pop(rid, None)
         self.hit_cache.pop(rid, None)
         self.no_load.discard(rid)
+        self.version += 1
         self.stats_dirty = True
         m = self.mirrors.pop(rid, None)
         if m is None:
@@ -416,6 +453,7 @@ class KvcmScheduler:
         meta = KvcmConnectorMetadata(self.step, forward=bool(getattr(so, "total_num_scheduled_tokens", 1)))
         for rid in sorted(getattr(so, "preempted_req_ids", None) or ()):
             m = self.mirrors.pop(rid, None)
+            self.version += 1
             self._count("preemptions")
             meta.preempted.append(rid)
             if m is not None:  # vLLM freed its blocks: its saves in flight finish first (handle_preemptions)
@@ -479,6 +517,7 @@ class KvcmScheduler:
         if n <= 0:
             return
         end = m.planned + n
+        self.version += 1  # pages allocated (maybe evicting others)
         hist = max(m.kv.history_length, min(after, end * self.B)) if self.hybrid else None
         if m.kv.capacity < end * self.B and not m.kv.resize(end * self.B, hist):
             self._stop(m)  # tier 0 cannot hold it: what is committed stays
@@ -591,7 +630,9 @@ class KvcmScheduler:
                 return
             del self.drain_reports[seq]
             failed = _union(reps.values())
+            self._unreadable(failed)
             rolled = self.loop.report(failed)  # settle_copies (explicit settlement)
+            self.version += 1
             self.settled = seq
             self.inflight_bytes -= self.drain_bytes.pop(seq, 0)
             self._count("failed_ops", len(failed))
@@ -603,6 +644,19 @@ class KvcmScheduler:
             for m in list(self.retiring.values()):
                 if m.drain_dep == seq:
                     touched.add(m.serial)
+
+    def _unreadable(self, failed: list[CopyOp]) -> None:
+        """Store objects whose read failed are not promised again (the store may still list
+        them: another user's 0600 objects, EIO, a data path down while the metadata answers);
+        at most ``UNREADABLE_MAX``, the oldest forgotten first (a retry then costs one failed
+        load, and vLLM recomputes)."""
+        for op in failed:
+            if op.src_tier == SHARED and op.key is not None:
+                self.unreadable.pop((op.key, op.lc), None)
+                self.unreadable[(op.key, op.lc)] = None
+                self._count("unreadable_objects")
+        while len(self.unreadable) > UNREADABLE_MAX:
+            del self.unreadable[next(iter(self.unreadable))]
 
     def _rolled_back(self, m: Mirror) -> None:
         """kvcm forgot a page the request used (a failed copy): its kvcm request is
@@ -632,15 +686,18 @@ class KvcmScheduler:
                     self._count("hit_blocks_" + TIER_NAMES.get(info.tiers[i] if info.tiers else GPU, "host"))
             self._count("loaded_blocks", info.n - len(failed))
         self._count("load_error_blocks", len(failed))
-        if failed and self.hybrid:
-            # reported by request (failed_recving): vLLM recomputes it from its first token and
-            # looks it up again; kvcm answers 0 for it from now on
+        if failed:
+            # hybrid: reported by request (failed_recving), vLLM recomputes it from its first
+            # token; one group: vLLM recomputes from the first failed block.  Either way vLLM
+            # may look it up again (a load that failed from its first block frees its blocks):
+            # kvcm answers 0 for it from now on, so no answer of kvcm can make a request fail
+            # its load twice (DECISIONS.md "A load that failed is not promised again")
             if not m.load_failed:  # one per request (its life cycles' plans fail together)
                 self._count("failed_loads")
             m.load_failed = True
             if self.mirrors.get(m.rid) is m:  # still running (an aborted request is not looked up again)
                 self.no_load.add(m.rid)
-        elif failed:
+        if failed and not self.hybrid:
             self._taint({info.blocks[i] for i in failed})
 
     def _taint(self, bad_blocks: set[int]) -> None:
@@ -697,6 +754,7 @@ class KvcmScheduler:
             return
         tokens = m.request.all_token_ids[m.committed * self.B:end * self.B]
         m.kv.commit(list(tokens))
+        self.version += 1
         m.confirmed -= set(range(m.committed, end))
         m.committed = end
 
@@ -721,6 +779,7 @@ class KvcmScheduler:
             return
         self._commit(m)
         if m.kv is not None:
+            self.version += 1
             self.by_cache.pop(m.kv.id, None)
             m.kv.close()
             m.kv = None
@@ -772,6 +831,7 @@ class KvcmScheduler:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvcm drops every reusable
         page it holds locally (the shared store is the fleet's and is left alone)."""
         self.mgr.clear_reusable()
+        self.version += 1
         return True
 
     def write_stats(self) -> None:
