@@ -124,11 +124,31 @@ def page_parts(kv_caches: Sequence[torch.Tensor], block_bytes: Sequence[int], nu
     return parts
 
 
+def _block_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (block dimension first, each block contiguous) as ``uint8[blocks, block bytes]``
+    rows: a view when the blocks' strides allow one, else a list-like of per-block views."""
+    try:
+        return t.view(t.shape[0], -1).view(torch.uint8)
+    except RuntimeError:  # blocks not evenly strided: one view per block
+        return _Rows(t)
+
+
+class _Rows:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        return self.t[b].reshape(-1).view(torch.uint8)
+
+
 class CpuCopier:
-    """vLLM's KV tensors in host memory: gathers and scatters on the calling thread."""
+    """vLLM's KV tensors in host memory: row copies on the calling thread (one ``copy_`` per
+    block and part: memcpy speed, where torch's CPU gathers of long byte rows are 10-20x
+    slower; DECISIONS.md "Loads at memory speed")."""
 
     def __init__(self, parts: Sequence[Part]) -> None:
         self.parts = list(parts)
+        self.rows = [_block_rows(p.tensor) for p in self.parts]
 
     def forward_marker(self) -> Any:
         """What a job waits on before it touches vLLM's blocks: a save, the step's forward;
@@ -137,24 +157,20 @@ class CpuCopier:
         return None
 
     def save(self, blocks: Sequence[int], slots: Sequence[int], pool: torch.Tensor, after: Any) -> None:
-        """vLLM blocks -> tier-0 rows, one gather per part."""
-        bidx = _ids(blocks)
-        sidx = torch.tensor(slots, dtype=torch.long)
-        n = len(blocks)
-        for p in self.parts:
-            rows = p.tensor.index_select(0, _col(bidx, p)).reshape(n, -1).view(torch.uint8)
-            pool[:, p.offset:p.offset + p.nbytes].index_copy_(0, sidx, rows)
+        """vLLM blocks -> tier-0 rows."""
+        for p, rows in zip(self.parts, self.rows, strict=True):
+            col = pool[:, p.offset:p.offset + p.nbytes]
+            for b, s in zip(blocks, slots, strict=True):
+                col[s].copy_(rows[b[p.group] if isinstance(b, tuple) else b])
 
     def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool,
              after: Any = None) -> None:
-        """tier-0 rows -> vLLM blocks, one scatter per part (CPU: done on return; ``sync``
-        and ``after`` do not matter)."""
-        bidx = _ids(blocks)
-        sidx = torch.tensor(slots, dtype=torch.long)
-        n = len(blocks)
-        for p in self.parts:
-            rows = pool[:, p.offset:p.offset + p.nbytes].index_select(0, sidx)
-            p.tensor.index_copy_(0, _col(bidx, p), rows.view(p.tensor.dtype).view(n, *p.tensor.shape[1:]))
+        """tier-0 rows -> vLLM blocks (CPU: done on return; ``sync`` and ``after`` do not
+        matter)."""
+        for p, rows in zip(self.parts, self.rows, strict=True):
+            col = pool[:, p.offset:p.offset + p.nbytes]
+            for s, b in zip(slots, blocks, strict=True):
+                rows[b[p.group] if isinstance(b, tuple) else b].copy_(col[s])
 
     def close(self) -> None:
         return
