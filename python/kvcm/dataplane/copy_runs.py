@@ -13,6 +13,7 @@ shared batches to, the counters it counts completed ops in.
 from __future__ import annotations
 
 import array
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -178,7 +179,9 @@ class CopyRuns:
             j = self._batch_end(runs, i)
             batch = runs[i:j]
             n = sum(len(r) for r in batch)
+            t0 = time.perf_counter()
             failed, cause = self._execute(batch)
+            self._stats.timed(batch[0], time.perf_counter() - t0)
             if failed:
                 mine = ops[base:base + n] if ops is not None else [op for r in batch for op in r.ops()]
                 lost = [mine[p] for p in failed]

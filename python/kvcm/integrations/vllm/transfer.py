@@ -621,6 +621,8 @@ class TransferEngine:
     def _exec_runs(self, job: _Job, out: _Outcome) -> None:
         plane = self.plane
         before = dict(plane.shared_stats)
+        cs = plane.copy_stats
+        disk_bytes, disk_s = cs.route_bytes.get("disk->gpu", 0), cs.route_seconds.get("disk->gpu", 0.0)
         with self._cv:
             poisoned = bool(self._poison)
         plane.fault = self._fault if poisoned or self.fault_hook is not None else None
@@ -648,6 +650,9 @@ class TransferEngine:
         c["run_bytes"] += job.nbytes
         for k in ("load_failures", "timeouts", "lookup_errors", "removed_bad", "stores", "loads"):
             c["shared_" + k] += plane.shared_stats[k] - before[k]
+        # disk -> kvcm's tier 0 (host memory): the bench's disk read speed
+        c["disk_read_bytes"] += cs.route_bytes.get("disk->gpu", 0) - disk_bytes
+        c["disk_read_us"] += int(1e6 * (cs.route_seconds.get("disk->gpu", 0.0) - disk_s))
 
     def _copy_in(self, x: LoadPlan, bad: list[int], sync: bool, counters: Counter, after: Any = None) -> list[int]:
         """Copy the blocks of ``x`` not in ``bad`` into vLLM's cache (after ``after``:
