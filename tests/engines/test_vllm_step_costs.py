@@ -271,3 +271,51 @@ def test_unreadable_store_objects_are_not_promised_again(tmp_path, backend, sims
     assert c["failed_loads"] - before["failed_loads"] <= 2 * n and c["hit_blocks_shared"] == 0, dict(c)
     assert not second.violations
     fault_file.write_text("")
+
+
+def test_unreadable_objects_are_tried_again_after_a_while_or_a_reset(tmp_path, backend, sims, fault_file,
+                                                                      monkeypatch) -> None:
+    """The store recovers: objects marked unreadable are promised again after
+    ``UNREADABLE_STEPS`` engine steps, or at once after ``reset_prefix_cache``."""
+    from kvcm.integrations.vllm import scheduler as sched_mod
+
+    shared = tmp_path / "shared"
+    first = rig(shared_extra(tmp_path / "a", backend, shared), num_blocks=40)
+    sims.append(first)
+    Chats(n=3).run(first, 1)
+    # no prefix cache in "vLLM": every prompt asks kvcm
+    second = rig(shared_extra(tmp_path / "b", backend, shared), num_blocks=40, prefix_cache=False)
+    sims.append(second)
+    c = second.sched.counters
+    for how in ("steps", "reset"):
+        second.sched.mgr.clear_reusable()  # hits from the store only
+        fault_file.write_text("unreadable")
+        Chats(n=3).run(second, 1)
+        assert second.sched.unreadable and c["unreadable_objects"] > 0
+        fault_file.write_text("")
+        second.sched.mgr.clear_reusable()  # kvcm's local tiers forget: hits can come from the store only
+        if how == "steps":
+            monkeypatch.setattr(sched_mod, "UNREADABLE_STEPS", 1)
+            second.sched.step += 1
+        else:
+            monkeypatch.setattr(sched_mod, "UNREADABLE_STEPS", 10**9)
+            second.sched.reset()
+            assert not second.sched.unreadable
+        before = c["hit_blocks_shared"]
+        Chats(n=3).run(second, 1)
+        assert c["hit_blocks_shared"] > before and not second.violations, (how, dict(c))
+
+
+def test_an_object_written_again_is_readable_again(tmp_path, backend, sims) -> None:
+    """A drain that wrote a marked object (its store op did not fail) makes it readable."""
+    from kvcm.api import SHARED, CopyOp
+
+    sim = rig(extra(tmp_path, backend), num_blocks=20)
+    sims.append(sim)
+    sched = sim.sched
+    a, b = (b"a" * 32, 0), (b"b" * 32, 0)
+    sched._unreadable([CopyOp(0, SHARED, -1, 0, 3, "onboard", a[0]), CopyOp(0, SHARED, -1, 0, 4, "onboard", b[0])])
+    assert set(sched.unreadable) == {a, b} and sched._is_unreadable(a)
+    store_b = CopyOp(0, 0, 4, SHARED, -1, "store", b[0])
+    sched._unreadable([store_b], stored=[a, b])  # a written, b's store failed
+    assert set(sched.unreadable) == {b} and sched.counters["readable_again"] == 1

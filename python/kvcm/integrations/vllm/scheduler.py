@@ -53,6 +53,7 @@ from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
 from kvcm.integrations.vllm.stats import process_stats
 
 UNREADABLE_MAX = 1 << 16  # store objects remembered as unreadable (32-byte keys: ~6 MiB at most)
+UNREADABLE_STEPS = 2048  # engine steps an unreadable object is not promised (then tried again: a store recovers)
 LC = 0  # the life cycle of a model with one full-attention group (KvLayout.lc_groups: one per kind)
 TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
 MEDIA = ("CPU", "CPU", "STORAGE", "SHARED")  # event medium by kvcm tier number (tier 0: host memory)
@@ -140,7 +141,7 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
             "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped",
-            "probes_memoized", "unreadable_objects")
+            "probes_memoized", "unreadable_objects", "readable_again")
 
 
 class KvcmScheduler:
@@ -168,7 +169,7 @@ class KvcmScheduler:
         self.no_load: set[str] = set()  # requests whose load failed: recomputed, never loaded again
         # store objects a load could not read (listed by the store, unreadable: EACCES, EIO, a
         # data path down): never promised again (bounded: the oldest are forgotten first)
-        self.unreadable: dict[tuple[bytes, int], None] = {}
+        self.unreadable: dict[tuple[bytes, int], int] = {}  # -> the step it was marked at
         # the manager's state changes (admit, commit, resize, close, settle, clear): a probe's
         # answer is memoized per request until then (vLLM probes a waiting request every step)
         self.version = 0
@@ -210,6 +211,7 @@ class KvcmScheduler:
         self.settled = 0  # drains [1, settled] are settled
         self.drain_reports: dict[int, dict[int, list[CopyOp]]] = {}
         self.drain_bytes: dict[int, int] = {}
+        self.drain_stores: dict[int, list[tuple[bytes, int]]] = {}  # objects a drain writes (while some are unreadable)
         self.kv_open = 0  # kvcm requests the mirrors hold open
         self.inflight_bytes = 0  # saves + loads + drains planned, not reported done by every rank
         self.max_inflight = settings.max_inflight_bytes
@@ -282,7 +284,7 @@ class KvcmScheduler:
             hits = self.loop.shared_hits(prefix, scope)
             self._remember_hits(rid, prefix, hits)
         if hits and self.unreadable:  # objects a load could not read are not promised again
-            hits = [h for h in hits if h not in self.unreadable]
+            hits = [h for h in hits if not self._is_unreadable(h)]
         p, hits = self.loop.probe(prefix, scope, shared_hits=hits)
         tiers = list(p.block_tiers)
         hit = p.num_tokens // self.B
@@ -478,6 +480,8 @@ class KvcmScheduler:
             meta.runs = runs
             nbytes = sum(len(r) * self.slot_bytes[r.lc] for r in runs)
             self.drain_bytes[self.drain_seq] = nbytes
+            if self.unreadable:  # an object written again is readable again (settled: _settle)
+                self.drain_stores[self.drain_seq] = [(k, r.lc) for r in runs if r.dst_tier == SHARED for k in r.keys]
             self.inflight_bytes += nbytes
             self._count("drains")
             for m in self.created:
@@ -630,7 +634,7 @@ class KvcmScheduler:
                 return
             del self.drain_reports[seq]
             failed = _union(reps.values())
-            self._unreadable(failed)
+            self._unreadable(failed, self.drain_stores.pop(seq, ()))
             rolled = self.loop.report(failed)  # settle_copies (explicit settlement)
             self.version += 1
             self.settled = seq
@@ -645,18 +649,35 @@ class KvcmScheduler:
                 if m.drain_dep == seq:
                     touched.add(m.serial)
 
-    def _unreadable(self, failed: list[CopyOp]) -> None:
+    def _unreadable(self, failed: list[CopyOp], stored: Any = ()) -> None:
         """Store objects whose read failed are not promised again (the store may still list
-        them: another user's 0600 objects, EIO, a data path down while the metadata answers);
-        at most ``UNREADABLE_MAX``, the oldest forgotten first (a retry then costs one failed
-        load, and vLLM recomputes)."""
+        them: another user's 0600 objects, EIO, a data path down while the metadata answers)
+        until this instance writes them again (``stored``: the objects the drain wrote; those
+        whose store op did not fail are readable again), for ``UNREADABLE_STEPS`` engine
+        steps (a store that recovers is tried again), or until ``reset``; at most
+        ``UNREADABLE_MAX``, the oldest forgotten first.  A retry costs a request at most one
+        failed load, and vLLM recomputes it."""
         for op in failed:
             if op.src_tier == SHARED and op.key is not None:
                 self.unreadable.pop((op.key, op.lc), None)
-                self.unreadable[(op.key, op.lc)] = None
+                self.unreadable[(op.key, op.lc)] = self.step
                 self._count("unreadable_objects")
+        if stored and self.unreadable:
+            lost = {(op.key, op.lc) for op in failed if op.dst_tier == SHARED}
+            for k in stored:
+                if k not in lost and self.unreadable.pop(k, None) is not None:
+                    self._count("readable_again")
         while len(self.unreadable) > UNREADABLE_MAX:
             del self.unreadable[next(iter(self.unreadable))]
+
+    def _is_unreadable(self, key: tuple[bytes, int]) -> bool:
+        marked = self.unreadable.get(key)
+        if marked is None:
+            return False
+        if self.step - marked < UNREADABLE_STEPS:
+            return True
+        del self.unreadable[key]  # long enough: tried again
+        return False
 
     def _rolled_back(self, m: Mirror) -> None:
         """kvcm forgot a page the request used (a failed copy): its kvcm request is
@@ -831,6 +852,7 @@ class KvcmScheduler:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvcm drops every reusable
         page it holds locally (the shared store is the fleet's and is left alone)."""
         self.mgr.clear_reusable()
+        self.unreadable.clear()  # what kvcm learned of the store is forgotten too: tried again
         self.version += 1
         return True
 
