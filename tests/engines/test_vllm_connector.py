@@ -82,6 +82,7 @@ REFERENCE_PHASES = [{"name": "main"}, PREEMPT, LONG, {"name": "together", "reset
 # a store that lists objects it cannot deliver (get: EACCES): one request at a time, then 24 at once
 UNREADABLE_PHASES = [
     {"name": "store-unreadable", "reset": True, "fault": "unreadable", "workload": {"batch": 1}},
+    {"name": "together-prime", "reset": True, "workload": TOGETHER},  # the store gets its objects
     {"name": "store-unreadable-together", "reset": True, "fault": "unreadable", "workload": TOGETHER},
 ]
 
@@ -98,9 +99,10 @@ FAULT_PHASES = [
     # starts with their threads (the long run compares thread counts)
     {"name": "store-hung", "reset": True, "fault": "hang", "workload": {"turns": 1}, "settle_s": HANG_S + 1},
     {"name": "store-full", "reset": True, "fault": "full"},
-    # loads from the store take a while (a slow get): requests aborted two engine steps after
+    # loads from the store take a while (every page copied in sleeps first: longer than a step
+    # without a forward waits for its loads): requests aborted two engine steps after
     # they were added land on their loads and saves in flight
-    {"name": "abort", "reset": True, "fault": "slow", "abort": {"after_steps": 2, "ids": [0, 2, 4]}},
+    {"name": "abort", "reset": True, "fault": "slow-load", "abort": {"after_steps": 2, "ids": [0, 2, 4]}},
     PREEMPT,
 ]
 
@@ -303,7 +305,7 @@ def test_vllm_stats_and_prometheus_show_kvcm(engines: dict, instance: str) -> No
 
 
 @pytest.mark.parametrize("instance", ["a", "b"])
-@pytest.mark.parametrize("fault", [ph["name"] for ph in UNREADABLE_PHASES])
+@pytest.mark.parametrize("fault", [ph["name"] for ph in UNREADABLE_PHASES if ph.get("fault")])
 def test_a_load_that_failed_is_not_promised_again(engines: dict, instance: str, fault: str) -> None:
     """The store lists objects whose get fails (EACCES): every request finishes exactly, one
     at a time and 24 at once (vLLM's queue keeps moving), each request fails at most one load,

@@ -468,10 +468,12 @@ class KvcmScheduler:
             m = self.mirrors.get(rid)
             if m is None:
                 continue
+            after = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids))
+            if blocks.whole and (m.stopped or m.kv is None or after // self.B <= m.planned):
+                continue  # no block to plan: vLLM's block table is not read (per step, O(1) a request)
             blocks.refresh(m)
             if m.stopped or m.kv is None:
                 continue
-            after = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids))
             self._plan_saves(m, min(after // self.B, min(len(t) for t in m.tables)), meta, after)
         runs = self.loop.drain()
         if any(len(r) for r in runs):
@@ -895,6 +897,9 @@ class _BlockIds:
 
     def __init__(self, so: Any) -> None:
         self.state = getattr(so, "kv_connector_block_state", None)
+        # vLLM 0.32 gives every table whole: a mirror reads it only when it plans saves (the
+        # new / cached request data give a running request's new blocks only: read every step)
+        self.whole = self.state is not None
         self.new: dict[str, list[list[int]]] = {}
         self.cached: dict[str, tuple[list[list[int]], bool]] = {}
         if self.state is None:
