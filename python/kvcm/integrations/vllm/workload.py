@@ -270,13 +270,13 @@ def _reset(llm: Any, timeout_s: float = 60.0) -> None:
 
 
 def _prometheus() -> list[str]:
-    """The ``kvcm_`` lines of this process's Prometheus registry (vLLM's metrics)."""
+    """The ``kvcm:`` lines of this process's Prometheus registry (vLLM's metrics)."""
     try:
         import prometheus_client
     except ImportError:
         return []
     text = prometheus_client.generate_latest().decode()
-    return [line for line in text.splitlines() if line.startswith("kvcm_")]
+    return [line for line in text.splitlines() if line.startswith("kvcm:")]
 
 
 def main(argv: list[str]) -> int:
