@@ -95,6 +95,9 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
                                        kv_events=bool(ev is not None and ev.enable_kv_cache_events),
                                        config=settings.manager_config(layout, 0, world, identity_tag=prepared.tag),
                                        scope=request_scope, skip=lambda request: request_problem(request) is not None)
+            other = startup.shared_layout_warning(settings, layout, prepared, world)
+            if other is not None:
+                prepared.warnings.append(other)
             startup.announce(logger, settings, layout, facts, prepared, self.sched.mgr.backend_name, world)
         else:
             rank = 0

@@ -15,6 +15,9 @@ objects are read by attribute, so the tests and ``check-config`` run without it)
   model has loaded (DECISIONS.md "vLLM connector: a start that says what it does").
 * :func:`prepare` -- at construction (after the model loaded): the sizes against vLLM's
   block, the host's paths, the model's identity for the shared tier.
+* :func:`shared_layout_warning` -- a directory store that holds this model's KV under
+  another layout: one warning line (:mod:`kvcm.integrations.vllm.layouts`).
+* :func:`report_error` -- a configuration error's one ``ERROR`` line in vLLM's log.
 * :func:`start_line` -- the one INFO line the scheduler side logs (:func:`announce`, with the
   warnings, from the connector's facade).
 """
@@ -122,6 +125,20 @@ def prepare(settings: ConnectorSettings, layout: KvLayout, facts: EngineFacts, s
     return Prepared(identity, warnings)
 
 
+def shared_layout_warning(settings: ConnectorSettings, layout: KvLayout, prepared: Prepared,
+                          world: int = 1) -> str | None:
+    """The scheduler side's check of a directory store (:mod:`kvcm.integrations.vllm.layouts`):
+    one warning line when it holds this model's KV under another block size, dtype or
+    tensor-parallel size; this layout is recorded there."""
+    from kvcm.integrations.vllm import layouts
+
+    directory = layouts.store_directory(settings.shared, settings.store_kind)
+    if directory is None:
+        return None
+    key = layouts.model_key(settings.shared_namespace, prepared.tag)
+    return layouts.check_and_record(directory, key, layouts.fields(layout.describe, layout.block_size, world))
+
+
 def start_line(settings: ConnectorSettings, layout: KvLayout, facts: EngineFacts, prepared: Prepared,
                backend: str, world: int = 1) -> str:
     """The one line the connector logs when it starts: backend, block, tiers and sizes, the
@@ -153,6 +170,8 @@ def start_line(settings: ConnectorSettings, layout: KvLayout, facts: EngineFacts
     else:
         parts.append("no shared tier")
     parts.append(f"loads {s.load_mode}, at most {size_text(s.max_inflight_bytes)} in flight")
+    if s.config_file is not None:
+        parts.append(f"keys from {s.config_file}")
     if s.events_endpoint is not None:
         parts.append(f"events on {s.events_endpoint}")
     return "; ".join(parts)
@@ -167,4 +186,4 @@ def announce(log: Any, settings: ConnectorSettings, layout: KvLayout, facts: Eng
 
 
 __all__ = ["EngineFacts", "Prepared", "announce", "check_calling_config", "check_transfer_config",
-           "prepare", "report_error", "start_line"]
+           "prepare", "report_error", "shared_layout_warning", "start_line"]
