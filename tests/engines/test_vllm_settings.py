@@ -234,7 +234,9 @@ def test_a_missing_cpp_extension_is_named_before_the_engine_starts(monkeypatch) 
 
 @pytest.mark.parametrize(("text", "n"), [
     ("8GiB", 8 << 30), ("500MB", 500_000_000), ("1.5 TiB", 3 << 39), ("64 kib", 64 << 10), ("4096", 4096),
-    (4096, 4096), ("2G", 2_000_000_000), ("0.5KiB", 512),
+    (4096, 4096), ("0.5KiB", 512), ("3 b", 3),
+    # one letter as vLLM reads --kv-cache-memory-bytes: upper case binary, lower case decimal
+    ("2G", 2 << 30), ("2g", 2_000_000_000), ("80m", 80_000_000), ("80M", 80 << 20),
 ])
 def test_sizes_are_bytes_or_human(text, n) -> None:
     assert parse_size(text) == n

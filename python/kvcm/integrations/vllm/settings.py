@@ -47,7 +47,8 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
 =====================  ===========================================================================
 
 Sizes (``*_bytes``) are bytes as an int or a string with a unit: ``"8GiB"``, ``"500MB"``,
-``"1.5 TiB"`` (:func:`parse_size`; KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB of 1000).
+``"1.5 TiB"``, ``"8G"`` (:func:`parse_size`; KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB
+of 1000; one letter as vLLM reads its own flags: ``G`` 1024³, ``g`` 1000³).
 
 A test hook, accepted and not offered (:data:`TEST_KEYS`): ``copy_fault_hook``,
 ``"module:function"`` called by each worker with every kvcm copy op just before it runs (an
@@ -529,28 +530,36 @@ def _writable_dir(key: str, path: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+# one letter: vLLM's convention (vllm.utils.argparse_utils.human_readable_int, also applied to
+# bare tokens inside --kv-transfer-config's JSON): lower case decimal, upper case binary
+_LETTERS = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+            "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_size(v: object) -> int:
     """Bytes from an int (>= 0) or a string with a unit: ``"8GiB"``, ``"500MB"``, ``"1.5 TiB"``,
-    ``"4096"`` (KiB/MiB/GiB/TiB: powers of 1024; kB/MB/GB/TB and k/M/G/T: of 1000; case does not
-    matter).  ValueError (a short reason) otherwise."""
+    ``"4096"``.  KiB/MiB/GiB/TiB are powers of 1024 and kB/MB/GB/TB of 1000, in any case; one
+    letter follows vLLM's flags (``--kv-cache-memory-bytes 8G``): ``K``/``M``/``G``/``T``
+    powers of 1024, ``k``/``m``/``g``/``t`` of 1000.  ValueError (a short reason) otherwise."""
     if isinstance(v, bool):
-        raise ValueError("a size, not a boolean")
+        raise ValueError("a size, not a boolean")  # noqa: TRY004 -- one error type for every bad setting
     if isinstance(v, int):
         if v < 0:
             raise ValueError("negative")
         return v
     if isinstance(v, str):
         m = _SIZE.match(v)
-        if m is not None and m.group(2).lower() in _UNITS:
-            n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if n != int(n) and n < 1 << 53:
-                raise ValueError("not a whole number of bytes")
-            return int(n)
+        if m is not None:
+            unit = m.group(2)
+            mult = _LETTERS.get(unit) if len(unit) == 1 and unit.lower() != "b" else _UNITS.get(unit.lower())
+            if mult is not None:
+                n = float(m.group(1)) * mult
+                if n != int(n):
+                    raise ValueError("not a whole number of bytes")
+                return int(n)
     raise ValueError("not a size")
 
 
@@ -599,8 +608,8 @@ def load_config_file(path: str, key: str = "config_file") -> dict[str, Any]:
         except ValueError as e:
             raise ValueError(f"{where} {path!r}: not JSON ({e}); a YAML file's name ends in .yaml or .yml") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{where} {path!r}: must hold one mapping of kv_connector_extra_config's keys, got "
-                         f"{type(data).__name__}")
+        kind = type(data).__name__  # one error type for every bad setting (vLLM reports ValueError)
+        raise ValueError(f"{where} {path!r}: must hold one mapping of kv_connector_extra_config's keys, got {kind}")  # noqa: TRY004
     if "config_file" in data:
         raise ValueError(f"{where} {path!r}: a config file cannot name another (config_file)")
     _check_names(data, f"{where} {path!r}")
