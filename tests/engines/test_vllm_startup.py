@@ -8,6 +8,7 @@ tests/engines/test_vllm_connector.py."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -232,7 +233,7 @@ def test_check_config_command(tmp_path: Path) -> None:
         ((json.dumps({"disk_path": "/proc/x/kv", "disk_bytes": 1}),), "['disk_path'] '/proc/x/kv' cannot be created"),
         # the capacity rules the engine applies: a 16 KiB host tier holds no 64 KiB block of this model
         ((json.dumps({"host_bytes": "16KiB"}), "--model", str(model_dir(tmp_path, "m", config=LLAMA)), "--block-size", "32"),
-         "['host_bytes'] = 16,384 holds no block: one block of vLLM's KV cache is 65,536 bytes (32 tokens x 2 layers)"),
+         "['host_bytes'] = 16,384 holds no block: one block of vLLM's KV cache is 32,768 bytes (32 tokens x 2 layers)"),
         (("{bad",), "not JSON"),
         (("[1]",), "expected a JSON object"),
         ((f"@{tmp_path / 'missing.json'}",), "cannot read"),
@@ -252,12 +253,16 @@ def test_check_config_applies_the_engines_capacity_rules(tmp_path: Path) -> None
     from kvcm.integrations.vllm.check import model_layout
 
     m = model_dir(tmp_path, "m", config=LLAMA)
-    got = model_layout(str(m), 32)
+    got = model_layout(str(m), 32, dtype="float32")
     assert not isinstance(got, str) and got[0].page_bytes == PAGE == layout2().page_bytes, got
-    ok = run_check(json.dumps({"host_bytes": "1MiB"}), "--model", str(m), "--block-size", "32", "--max-model-len", "512")
-    assert ok.returncode == 0 and "vLLM block 32 tokens = 64.0 KiB per kvcm page (2 layers), host 16 blocks" in ok.stdout
+    auto = model_layout(str(m), 32)  # vLLM's dtype auto runs float32 weights in bfloat16
+    assert not isinstance(auto, str) and auto[0].page_bytes == PAGE // 2 and ":bfloat16:" in auto[0].describe
+    ok = run_check(json.dumps({"host_bytes": "1MiB"}), "--model", str(m), "--block-size", "32", "--max-model-len", "512",
+                   "--dtype", "float32")
+    assert ok.returncode == 0 and "vLLM block 32 tokens = 64.0 KiB per kvcm page (2 layers, float32), host 16 blocks" \
+        in ok.stdout, ok
     warn = run_check(json.dumps({"host_bytes": "256KiB"}), "--model", str(m), "--block-size", "32",
-                     "--max-model-len", "512")
+                     "--max-model-len", "512", "--dtype", "float32")
     assert warn.returncode == 0 and "holds 4 blocks of 65,536 bytes; one request of max_model_len 512" in warn.stderr
     (tmp_path / "sw").mkdir()
     (tmp_path / "sw" / "config.json").write_text(json.dumps({"sliding_window": 64, "num_hidden_layers": 2}))
@@ -348,3 +353,21 @@ def test_a_store_written_under_another_layout_is_one_warning(tmp_path: Path) -> 
     mooncake = ConnectorSettings.parse({"shared": "mooncake://h:1?metadata=http://h:2/metadata", "model_identity": "off",
                                         "shared_namespace": "x"})
     assert startup.shared_layout_warning(mooncake, b16, startup.Prepared(None, [])) is None
+
+
+def test_readme_config_file_block_runs_as_written(tmp_path: Path) -> None:
+    """The README's config-file block (``<!-- shell: vllm-config-file -->``), run by bash with
+    only ``/tmp/kvcm`` replaced: check-config reads the YAML, and ``config`` picks it up
+    through KVCM_CONFIG (the keys it holds are not repeated inline)."""
+    from readme_examples import SHELL
+
+    env = child_env()
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    root = str(tmp_path / "kvcm")
+    p = subprocess.run(["bash", "-c", SHELL["vllm-config-file"].replace("/tmp/kvcm", root)], env=env,
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0 and p.stderr.startswith('warning: the kv_transfer_config around it also needs'), p
+    check, printed = p.stdout.splitlines()
+    assert check.startswith(f"ok: backend cpp; host 8.0 GiB; disk 10.0 GiB at {root}/disk; keys from {root}/kvcm.yaml")
+    assert json.loads(printed)["kv_connector_extra_config"] == {}  # the file's keys come from KVCM_CONFIG at start
+    assert (tmp_path / "kvcm" / "kvcm.yaml").exists() and not (tmp_path / "kvcm" / "disk").exists()

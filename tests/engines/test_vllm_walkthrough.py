@@ -49,7 +49,7 @@ def bash_env() -> dict[str, str]:
 def expected_output(readme: str) -> str:
     """The plain block right after the requests block: what the README says it prints."""
     after = readme[readme.index("<!-- shell: vllm-requests -->"):]
-    return re.findall(r"```\n(.*?)```", after, re.DOTALL)[0]
+    return re.findall(r"\n```\n(kvcm:.*?)```", after, re.DOTALL)[0]
 
 
 def series(lines: str, model: str) -> dict[str, float]:
@@ -96,14 +96,17 @@ def test_readme_walkthrough_shows_kvcm_serving_hits(tmp_path: Path) -> None:
             server.wait()
     took = time.monotonic() - t0
     text = log.read_text()
+    print(requests.stdout)  # with -s: what the README's expected output shows
+    print("\n".join(ln for ln in text.splitlines() if "KV Transfer metrics:" in ln or "External prefix" in ln))
     assert requests.returncode == 0, (requests.stdout, requests.stderr, text[-8000:])
 
     # check-config, with the model: the backend it resolves to and the sizes against vLLM's block
     first = text.splitlines()[0]
     assert first.startswith("ok: backend cpp; host 256.0 MiB; disk 1.0 GiB at ") and (
-        "vLLM block 32 tokens = 64.0 KiB per kvcm page (2 layers), host 4096 blocks" in first), text[:2000]
+        "vLLM block 32 tokens = 32.0 KiB per kvcm page (2 layers, bfloat16), host 8192 blocks" in first), text[:2000]
     starts = [ln for ln in text.splitlines() if "kvcm connector: backend" in ln]
-    assert len(starts) == 1 and "vLLM's KV cache 32 blocks" in starts[0] and "host 256.0 MiB = 4096 blocks" in starts[0]
+    assert len(starts) == 1 and "vLLM's KV cache 32 blocks" in starts[0] and "host 256.0 MiB = 8192 blocks" in starts[0]
+    assert ":bfloat16:B32" in starts[0], starts  # what check-config assumed
     assert "kvcm connector: kv_connector_extra_config[" not in text and "kvcm: " not in text.replace(starts[0], "")
 
     # /metrics: kvcm served hits from its host tier, and nothing is left in flight

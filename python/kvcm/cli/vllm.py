@@ -34,7 +34,8 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, metavar="N", help="vLLM's --block-size (tokens)")
     p.add_argument("--max-model-len", type=int, metavar="N", help="vLLM's --max-model-len (default: the model's)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="vLLM's --tensor-parallel-size")
-    p.add_argument("--kv-cache-dtype", metavar="DTYPE", help="the KV cache's dtype (default: the model's)")
+    p.add_argument("--dtype", metavar="DTYPE", help="vLLM's --dtype (default auto: the model's, float32 as bfloat16)")
+    p.add_argument("--kv-cache-dtype", metavar="DTYPE", help="vLLM's --kv-cache-dtype (default auto: the model's)")
 
 
 def _report(prog: str, data: object, args: argparse.Namespace) -> tuple[int, object]:
@@ -43,7 +44,7 @@ def _report(prog: str, data: object, args: argparse.Namespace) -> tuple[int, obj
     try:
         settings, warnings = check(data)
         capacity, more = check_capacity(settings, args.model, args.block_size, args.max_model_len,
-                                        args.tensor_parallel_size, args.kv_cache_dtype)
+                                        args.tensor_parallel_size, args.kv_cache_dtype, args.dtype)
     except (ValueError, TypeError) as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2, None

@@ -62,13 +62,25 @@ def check(data: object) -> tuple[ConnectorSettings, list[str]]:
     return settings, settings.check_environment() + notes
 
 
+def resolved_dtype(config_dtype: str, dtype: str | None = None, kv_cache_dtype: str | None = None) -> str:
+    """The KV cache's dtype as vLLM 0.32 resolves it: ``--kv-cache-dtype`` unless ``auto``,
+    else the model's dtype: ``--dtype`` unless ``auto``, else the config's, float32 weights
+    running in bfloat16 (vLLM's ``auto`` downcasts them: measured, the walk-through's fp32
+    model gets a bfloat16 cache on the CPU build)."""
+    if kv_cache_dtype not in (None, "auto"):
+        return kv_cache_dtype
+    if dtype not in (None, "auto"):
+        return dtype
+    return "bfloat16" if config_dtype in ("float32", "float") else config_dtype
+
+
 def model_layout(model: str, block_size: int, tensor_parallel_size: int = 1,
-                 kv_cache_dtype: str | None = None) -> tuple[KvLayout, int] | str:
+                 kv_cache_dtype: str | None = None, dtype: str | None = None) -> tuple[KvLayout, int] | str:
     """vLLM's KV layout of one rank and the model's ``max_position_embeddings``, read from
     ``model/config.json`` for a full-attention decoder (the layout vLLM gives it:
-    ``2 x block_size x kv_heads / tp x head_dim x dtype`` bytes a layer); else a sentence
-    saying why the sizes cannot be checked (not a directory, a sliding-window or hybrid model,
-    an unknown dtype)."""
+    ``2 x block_size x kv_heads / tp x head_dim x dtype`` bytes a layer, the dtype as
+    :func:`resolved_dtype`); else a sentence saying why the sizes cannot be checked (not a
+    directory, a sliding-window or hybrid model, an unknown dtype)."""
     path = os.path.join(model, "config.json")
     if not os.path.isfile(path):
         return f"no {path} (a hub name is not read: give the model's directory)"
@@ -87,9 +99,9 @@ def model_layout(model: str, block_size: int, tensor_parallel_size: int = 1,
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
     except (KeyError, TypeError, ValueError) as e:
         return f"{path}: no {e} (not a decoder config kvcm can read)"
-    dtype = kv_cache_dtype or str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    dtype = resolved_dtype(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), dtype, kv_cache_dtype)
     if dtype not in DTYPE_BYTES:
-        return f"{path}: dtype {dtype!r} unknown here (give --kv-cache-dtype)"
+        return f"{path}: dtype {dtype!r} unknown here (give --dtype or --kv-cache-dtype)"
     if kv % tensor_parallel_size:
         return f"{kv} KV heads do not split over {tensor_parallel_size} ranks"
     block = 2 * block_size * (kv // tensor_parallel_size) * head_dim * DTYPE_BYTES[dtype]
@@ -101,21 +113,23 @@ def model_layout(model: str, block_size: int, tensor_parallel_size: int = 1,
 
 def check_capacity(settings: ConnectorSettings, model: str | None, block_size: int | None,
                    max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                   kv_cache_dtype: str | None = None) -> tuple[str, list[str]]:
+                   kv_cache_dtype: str | None = None, dtype: str | None = None) -> tuple[str, list[str]]:
     """The connector's capacity rules (ValueError naming the key, as the engine would refuse)
     for ``model`` at ``block_size``: a note for the summary (what was checked, or exactly what
     was not and why) and the warnings."""
     if model is None or block_size is None:
         missing = " and ".join(f"--{n}" for n, v in (("model DIR", model), ("block-size N", block_size)) if v is None)
         return f"sizes against vLLM's block NOT checked (give {missing})", []
-    got = model_layout(model, block_size, tensor_parallel_size, kv_cache_dtype)
+    got = model_layout(model, block_size, tensor_parallel_size, kv_cache_dtype, dtype)
     if isinstance(got, str):
         return f"sizes against vLLM's block NOT checked: {got}", []
     layout, max_pos = got
     mml = max_model_len or max_pos or block_size
     warnings = settings.check_capacity(layout, mml, 0, tensor_parallel_size)
     page = layout.page_bytes
-    return (f"vLLM block {block_size} tokens = {size_text(page)} per kvcm page ({len(layout.layer_names)} layers), "
+    kv_dtype = layout.describe.split(":")[2]
+    return (f"vLLM block {block_size} tokens = {size_text(page)} per kvcm page ({len(layout.layer_names)} layers, "
+            f"{kv_dtype}), "
             f"host {settings.host_bytes // page} blocks, max_model_len {mml}"), warnings
 
 
@@ -139,4 +153,4 @@ def summary(s: ConnectorSettings, capacity: str | None = None) -> str:
     return f"ok: backend {s.resolved_backend()}; " + "; ".join(tiers)
 
 
-__all__ = ["check", "check_capacity", "model_layout", "summary"]
+__all__ = ["check", "check_capacity", "model_layout", "resolved_dtype", "summary"]
