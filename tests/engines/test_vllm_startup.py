@@ -371,3 +371,18 @@ def test_readme_config_file_block_runs_as_written(tmp_path: Path) -> None:
     assert check.startswith(f"ok: backend cpp; host 8.0 GiB; disk 10.0 GiB at {root}/disk; keys from {root}/kvcm.yaml")
     assert json.loads(printed)["kv_connector_extra_config"] == {}  # the file's keys come from KVCM_CONFIG at start
     assert (tmp_path / "kvcm" / "kvcm.yaml").exists() and not (tmp_path / "kvcm" / "disk").exists()
+
+
+def test_a_mistyped_connector_class_is_named_with_the_fix(caplog) -> None:
+    """vLLM resolves ``kv_connector`` with getattr on kvcm's module: a near miss of
+    KvcmConnector is one ERROR line and an AttributeError saying which name was meant; other
+    missing attributes stay plain AttributeErrors (hasattr probes stay silent)."""
+    import kvcm.integrations.vllm as pkg
+
+    with caplog.at_level("ERROR", logger="vllm.kvcm"), pytest.raises(AttributeError, match="did you mean 'KvcmConnector'"):
+        pkg.KvcmConector  # noqa: B018
+    want = ("kvcm: kv_transfer_config[\"kv_connector\"] 'KvcmConector' is not a class of kvcm.integrations.vllm: "
+            "did you mean 'KvcmConnector'?")
+    assert [r.getMessage() for r in caplog.records] == [want]
+    caplog.clear()
+    assert not hasattr(pkg, "SomethingElse") and not hasattr(pkg, "__wrapped__") and caplog.records == []
