@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -116,7 +117,7 @@ def config(argv: Sequence[str]) -> int:
     args = p.parse_args(list(argv))
     extra: dict[str, object] = {}
     if args.config_file:
-        extra["config_file"] = args.config_file
+        extra["config_file"] = os.path.abspath(args.config_file)  # the engine may start elsewhere
     if args.backend:
         extra["backend"] = args.backend
     if args.host:
