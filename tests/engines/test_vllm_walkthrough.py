@@ -14,6 +14,7 @@ Runs in the vllm leg (``KVCM_VLLM_TESTS=1``, ci/matrix.sh); skipped elsewhere.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -127,5 +128,18 @@ def test_readme_walkthrough_shows_kvcm_serving_hits(tmp_path: Path) -> None:
     assert inflight and inflight[-1] == 0, lines
     rates = [float(r) for r in re.findall(r"External prefix cache hit rate: ([\d.]+)%", text)]
     assert rates and max(rates) > 0, text[-6000:]
+    # the store's layout record, written by the engine with its real layout: a later start with
+    # another block size is told (tests/engines/test_vllm_startup.py: the warning itself)
+    from kvcm.integrations.vllm.layouts import LAYOUTS_DIR, check_and_record
+
+    folder = Path(root) / "shared" / LAYOUTS_DIR
+    records = list(folder.iterdir())
+    assert len(records) == 1 and records[0].stat().st_mode & 0o777 == 0o600, records
+    assert folder.stat().st_mode & 0o777 == 0o700
+    (describe, mine), = json.loads(records[0].read_text()).items()
+    assert describe.endswith(":bfloat16:B32") and mine["block_size"] == 32 and mine["dtype"] == ["bfloat16"], mine
+    b16 = {**mine, "block_size": 16, "describe": describe.replace(":B32", ":B16")}
+    warning = check_and_record(str(Path(root) / "shared"), records[0].stem, b16)
+    assert warning is not None and "block size 32 (this instance: 16)" in warning and "--block-size 32" in warning
     print(f"walk-through: {took:.0f} s for the server's start, 12 requests and its stop; kvcm host hits {host:.0f}; "
           f"load {os.getloadavg()[0]:.1f}")
