@@ -77,6 +77,8 @@ def test_readme_walkthrough_shows_kvcm_serving_hits(tmp_path: Path) -> None:
     model = f"{root}/model"
     assert made.returncode == 0 and made.stdout.strip() == model, made
     assert os.path.isfile(f"{model}/config.json") and os.path.isfile(f"{model}/tokenizer.json")
+    assert os.stat(model).st_mode & 0o777 == 0o700 and {os.stat(f"{model}/{n}").st_mode & 0o777
+                                                        for n in os.listdir(model)} == {0o600}
 
     log = tmp_path / "serve.log"
     t0 = time.monotonic()
@@ -109,6 +111,7 @@ def test_readme_walkthrough_shows_kvcm_serving_hits(tmp_path: Path) -> None:
     assert len(starts) == 1 and "vLLM's KV cache 32 blocks" in starts[0] and "host 256.0 MiB = 8192 blocks" in starts[0]
     assert ":bfloat16:B32" in starts[0], starts  # what check-config assumed
     assert "kvcm connector: kv_connector_extra_config[" not in text and "kvcm: " not in text.replace(starts[0], "")
+    assert "Attempted to load weight" not in text  # the model is saved in the dtype vLLM runs
 
     # /metrics: kvcm served hits from its host tier, and nothing is left in flight
     got = series(requests.stdout, model)

@@ -149,7 +149,7 @@ def make_model(argv: Sequence[str]) -> int:
     transformers, which vLLM installs); 0 saved (or already there), 2 bad usage."""
     p = argparse.ArgumentParser(
         prog=f"{PROG} make-model",
-        description="save a small random-weight Llama (2 layers, 2 KV heads x 64, fp32, 512-word vocabulary) and a "
+        description="save a small random-weight Llama (2 layers, 2 KV heads x 64, bfloat16, 512-word vocabulary) and a "
         "word-level tokenizer (token i is the word t<i>) under DIR, offline: a model to try kvcm in vLLM on. "
         "Its outputs are random words; its KV cache is real.")
     p.add_argument("dir", help="where to save it (reused when a model is there already)")
@@ -158,8 +158,15 @@ def make_model(argv: Sequence[str]) -> int:
     from kvcm.integrations.vllm.workload import make_model as save_model
     from kvcm.integrations.vllm.workload import save_tokenizer
 
-    path = save_model(args.dir, seed=args.seed)
+    fresh = not os.path.exists(os.path.join(args.dir, "config.json"))
+    if fresh:
+        os.makedirs(args.dir, mode=0o700, exist_ok=True)
+        os.chmod(args.dir, 0o700)  # kvcm's files: 0600 in a 0700 directory, whatever the umask
+    path = save_model(args.dir, seed=args.seed, dtype="bfloat16")  # vLLM's auto dtype: loaded as saved
     save_tokenizer(path)
+    if fresh:
+        for name in os.listdir(path):
+            os.chmod(os.path.join(path, name), 0o600)
     print(path)
     return 0
 
