@@ -80,7 +80,6 @@ KEYS = ("config_file", "backend", "host_bytes", "disk_path", "disk_bytes", "shar
         "events_endpoint", "events_replay_endpoint", "stats_file", "load_mode", "max_inflight_bytes")
 # test hooks: accepted, never offered (not in "known:", not a did-you-mean, not in the README)
 TEST_KEYS = ("copy_fault_hook",)
-SIZE_KEYS = ("host_bytes", "disk_bytes", "shared_bytes", "max_inflight_bytes")
 CONFIG_ENV = "KVCM_CONFIG"  # a config file (YAML or JSON) with the keys of kv_connector_extra_config
 LOAD_MODES = ("auto", "sync", "async")
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
