@@ -386,3 +386,18 @@ def test_a_mistyped_connector_class_is_named_with_the_fix(caplog) -> None:
     assert [r.getMessage() for r in caplog.records] == [want]
     caplog.clear()
     assert not hasattr(pkg, "SomethingElse") and not hasattr(pkg, "__wrapped__") and caplog.records == []
+
+
+def test_make_model_saves_what_vllm_runs_privately(tmp_path: Path) -> None:
+    """``make-model DIR``: a bfloat16 Llama and its tokenizer, 0600 files in a 0700 directory;
+    check-config reads its layout (the walk-through's page: 32 KiB); a second call reuses it."""
+    pytest.importorskip("transformers")
+    d = tmp_path / "m"
+    p = run_cli("make-model", str(d))
+    assert p.returncode == 0 and p.stdout.strip() == str(d), p
+    assert d.stat().st_mode & 0o777 == 0o700 and {f.stat().st_mode & 0o777 for f in d.iterdir()} == {0o600}
+    assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16" and (d / "tokenizer.json").exists()
+    ok = run_check(json.dumps({"host_bytes": "1MiB"}), "--model", str(d), "--block-size", "32", "--max-model-len", "512")
+    assert "32.0 KiB per kvcm page (2 layers, bfloat16), host 32 blocks" in ok.stdout, ok
+    before = (d / "model.safetensors").stat().st_mtime_ns
+    assert run_cli("make-model", str(d)).returncode == 0 and (d / "model.safetensors").stat().st_mtime_ns == before
