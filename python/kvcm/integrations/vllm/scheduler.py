@@ -869,7 +869,8 @@ class KvcmScheduler:
                 "pending": self.pending(), "manager": self.mgr.stats(), "process": process_stats(),
                 "lookup": _lookup_stats(self.lookup_planes), "loop": dict(self.loop.counters)}
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # kvcm's files are 0600
+        with os.fdopen(fd, "w") as f:
             json.dump(data, f, default=str)
         os.replace(tmp, path)
 
