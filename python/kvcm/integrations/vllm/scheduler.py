@@ -533,8 +533,8 @@ class KvcmScheduler:
             return
         wanted = []  # per life cycle: (ordinal, kvcm slot) of the blocks kvcm keeps a page of
         for lc in range(len(self.lc_groups)):
-            slots = m.kv.page_indices(lc)
-            wanted.append([(i, slots[i]) for i in range(m.planned, end) if slots[i] >= 0])  # -1: stale
+            slots = m.kv.page_indices(lc, m.planned, end)  # the new blocks only (no per-block O(length) read)
+            wanted.append([(i, s) for i, s in enumerate(slots, m.planned) if s >= 0])  # -1: stale
             for i, _ in wanted[-1]:
                 if self._block(m, lc, i) is None:  # kvcm wants a page vLLM no longer holds: stop before it
                     end = min(end, i)
