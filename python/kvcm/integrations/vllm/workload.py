@@ -334,6 +334,13 @@ def main(argv: list[str]) -> int:
         result["phases"].append(r)
         with open(out_path, "w") as f:  # after every phase: a crash later keeps what ran
             json.dump(result, f)
+    if stats_file is not None:
+        # a last one-token request: vLLM hands the frontend the scheduler's stats with a step's
+        # outputs, and the steps that drained kvcm's transfers had none (its gauges' last value)
+        from vllm.inputs import TokensPrompt
+
+        llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
     result["prometheus"] = _prometheus()
     with open(out_path, "w") as f:
         json.dump(result, f)
