@@ -29,6 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcm.api import GPU, SHARED
 from kvcm.integrations.vllm import startup
+from kvcm.integrations.vllm.handover import Handover, Role
 from kvcm.integrations.vllm.identity import ModelSource, request_problem, request_scope
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata
 from kvcm.integrations.vllm.scheduler import KvcmScheduler
@@ -81,6 +82,8 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
         prepared = startup.prepare(settings, layout, facts, lambda: ModelSource.from_vllm(vllm_config), world)
         self.sched: KvcmScheduler | None = None
         self.worker: KvcmWorker | None = None
+        self.handover: Handover | None = None
+        role = Role.of(self._kv_transfer_config, settings.save_decode_cache)  # disaggregated P/D (handover.py)
         if role == KVConnectorRole.SCHEDULER:
             ev = vllm_config.kv_events_config
             self.sched = KvcmScheduler(settings, layout, world,
@@ -88,6 +91,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
                                        config=settings.manager_config(layout, 0, world, identity_tag=prepared.tag),
                                        scope=request_scope, skip=lambda request: request_problem(request) is not None)
             startup.announce(logger, settings, layout, facts, prepared, self.sched.mgr.backend_name, world)
+            self.handover = Handover(self.sched, role, settings.handover_wait_s)
         else:
             rank = 0
             if world > 1:
@@ -96,6 +100,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
                 rank = get_tensor_model_parallel_rank()
             self.worker = KvcmWorker(settings, layout, rank, world, num_blocks=kv_cache_config.num_blocks,
                                      config=settings.manager_config(layout, rank, world, identity_tag=prepared.tag))
+            self.worker.shared_writes = role.writes_shared
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -169,8 +174,8 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
     # ================================================================== scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self.sched is not None
-        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        assert self.handover is not None
+        return self.handover.lookup(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.sched is not None
@@ -195,15 +200,15 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
             self.sched.write_stats()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.sched is not None
-        return self.sched.request_finished(request), None
+        assert self.handover is not None
+        return self.handover.finished(request)
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # vLLM's hybrid manager calls this one (every group's blocks); kvcm's answer is the same:
         # hold the blocks while saves read them
-        assert self.sched is not None
-        return self.sched.request_finished(request), None
+        assert self.handover is not None
+        return self.handover.finished(request)
 
     def has_pending_push_work(self) -> bool:
         # an idle engine keeps stepping while kvcm's transfers are in flight, so their

@@ -216,6 +216,9 @@ class KvcmScheduler:
         # reported done by every rank), summed
         self.waits = {"async_load_s": 0.0}
         self.stats_dirty = False
+        # commits since the last drain: their shared-tier writes (write-through) are drained at
+        # the next step, which an idle engine takes only while busy() says so (issue 35)
+        self.undrained = False
         self.publisher = None
         if settings.events_endpoint is not None:
             from kvcm.fleet.publisher import EventPublisher
@@ -434,6 +437,7 @@ class KvcmScheduler:
             after = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids))
             self._plan_saves(m, min(after // self.B, min(len(t) for t in m.tables)), meta, after)
         runs = self.loop.drain()
+        self.undrained = False
         if any(len(r) for r in runs):
             self.drain_seq += 1
             meta.drain_seq = self.drain_seq
@@ -697,6 +701,7 @@ class KvcmScheduler:
             return
         tokens = m.request.all_token_ids[m.committed * self.B:end * self.B]
         m.kv.commit(list(tokens))
+        self.undrained = True
         m.confirmed -= set(range(m.committed, end))
         m.committed = end
 
@@ -734,7 +739,7 @@ class KvcmScheduler:
         """Work is in flight that vLLM's steps must drive to completion (vLLM's
         ``has_pending_push_work``: an idle engine keeps stepping until it is done)."""
         return bool(self.settled < self.drain_seq or self.loads or self.saves or self.retiring
-                    or self.pending_holds or self.pending_loads)
+                    or self.pending_holds or self.pending_loads or self.undrained)
 
     def pending(self) -> dict[str, int]:
         """What is open or in flight (tests assert it drains to nothing)."""

@@ -45,6 +45,11 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
 ``copy_fault_hook``    ``"module:function"`` called by each worker with every kvcm copy op just before
                        it runs (an exception fails the op as an I/O error would): tests inject
                        faults at an exact point of a load with it
+``save_decode_cache``  ``kv_role`` ``kv_consumer`` only: also write the decode's blocks to the shared
+                       tier (default false: a consumer loads and writes nothing there; vLLM's option
+                       of the same name); kvcm.integrations.vllm.handover
+``handover_wait_s``    a consumer's deadline for the objects a producer's hand-over announced and
+                       has not written yet (default 10 s); past it the rest is computed
 =====================  ===========================================================================
 
 Every error names the key as written here (``kv_connector_extra_config['host_bytes'] ...``),
@@ -66,10 +71,12 @@ from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
 
 KEYS = ("backend", "host_bytes", "disk_path", "disk_bytes", "shared", "shared_bytes", "shared_namespace",
         "model_identity", "shared_write", "shared_timeout_s", "shared_store_class", "events_endpoint",
-        "events_replay_endpoint", "stats_file", "load_mode", "max_inflight_bytes", "copy_fault_hook")
+        "events_replay_endpoint", "stats_file", "load_mode", "max_inflight_bytes", "copy_fault_hook",
+        "save_decode_cache", "handover_wait_s")
 LOAD_MODES = ("auto", "sync", "async")
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 DEFAULT_HOST_BYTES = 1 << 30
+DEFAULT_HANDOVER_WAIT_S = 10.0
 DEFAULT_SHARED_BYTES = 64 << 30  # a directory store's cap when none is named (DECISIONS "bounded by default")
 UNBOUNDED = "unbounded"
 IDENTITY_MODES = ("sampled", "full", "off")
@@ -207,6 +214,8 @@ class ConnectorSettings:
     load_mode: str = "auto"
     max_inflight_bytes: int = 0  # parse() resolves the default
     copy_fault_hook: str | None = None
+    save_decode_cache: bool = False
+    handover_wait_s: float = DEFAULT_HANDOVER_WAIT_S
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -290,9 +299,16 @@ class ConnectorSettings:
         hook = text("copy_fault_hook")
         if hook is not None and ":" not in hook:
             raise key_error("copy_fault_hook", f"must be 'module:function', got {hook!r}")
+        save_decode = extra.get("save_decode_cache", False)
+        if not isinstance(save_decode, bool):
+            raise key_error("save_decode_cache", f"must be true or false, got {save_decode!r}")
+        wait = extra.get("handover_wait_s", DEFAULT_HANDOVER_WAIT_S)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
+            raise key_error("handover_wait_s", f"must be seconds in [0, 3600], got {wait!r}")
         return cls(backend, host, disk_path, disk_bytes, shared, shared_bytes, namespace, identity, write,
                    None if timeout is None else float(timeout), store_class, text("events_endpoint"),
-                   text("events_replay_endpoint"), text("stats_file"), load_mode, inflight, hook)
+                   text("events_replay_endpoint"), text("stats_file"), load_mode, inflight, hook,
+                   save_decode_cache=save_decode, handover_wait_s=float(wait))
 
     @property
     def store_kind(self) -> str | None:
