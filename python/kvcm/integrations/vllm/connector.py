@@ -83,7 +83,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
         self.sched: KvcmScheduler | None = None
         self.worker: KvcmWorker | None = None
         self.handover: Handover | None = None
-        role = Role.of(self._kv_transfer_config, settings.save_decode_cache)  # disaggregated P/D (handover.py)
+        kv_role = Role.of(self._kv_transfer_config, settings.save_decode_cache)  # disaggregated P/D (handover.py)
         if role == KVConnectorRole.SCHEDULER:
             ev = vllm_config.kv_events_config
             self.sched = KvcmScheduler(settings, layout, world,
@@ -91,7 +91,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
                                        config=settings.manager_config(layout, 0, world, identity_tag=prepared.tag),
                                        scope=request_scope, skip=lambda request: request_problem(request) is not None)
             startup.announce(logger, settings, layout, facts, prepared, self.sched.mgr.backend_name, world)
-            self.handover = Handover(self.sched, role, settings.handover_wait_s)
+            self.handover = Handover(self.sched, kv_role, settings.handover_wait_s)
         else:
             rank = 0
             if world > 1:
@@ -100,7 +100,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
                 rank = get_tensor_model_parallel_rank()
             self.worker = KvcmWorker(settings, layout, rank, world, num_blocks=kv_cache_config.num_blocks,
                                      config=settings.manager_config(layout, rank, world, identity_tag=prepared.tag))
-            self.worker.shared_writes = role.writes_shared
+            self.worker.shared_writes = kv_role.writes_shared
 
     @property
     def requires_kv_delivery(self) -> bool:
