@@ -119,10 +119,11 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def prompt_sources(url: str) -> tuple[float, float]:
-    """vLLM's prompt tokens of an instance by source: (computed, loaded by the connector)."""
-    return (metric(url, "vllm:prompt_tokens_by_source", source="local_compute"),
-            metric(url, "vllm:prompt_tokens_by_source", source="external_kv_transfer"))
+def prompt_sources(url: str) -> tuple[float, float, float]:
+    """vLLM's prompt tokens of an instance by source: (computed, its own prefix cache's hits,
+    loaded by the connector)."""
+    return tuple(metric(url, "vllm:prompt_tokens_by_source", source=s)  # type: ignore[return-value]
+                 for s in ("local_compute", "local_cache_hit", "external_kv_transfer"))
 
 
 def settled(fn, want, timeout: float = 30.0):
@@ -219,7 +220,7 @@ def test_outputs_through_the_proxy_equal_one_vllm_alone(fleet: dict) -> None:
     model, proxy, ref = fleet["model"], fleet["proxy"], fleet["reference"]
     t0 = time.monotonic()
     loaded_before = metric(fleet["decode"], "kvcm_hit_blocks", tier="shared")
-    computed_before, external_before = prompt_sources(fleet["decode"])
+    before = prompt_sources(fleet["decode"])
     pre_computed_before = prompt_sources(fleet["prefill"])[0]
     want_blocks = prompt_tokens = tail_tokens = 0
     for turn, batch in (("t1", fleet["first"]), ("t2", fleet["second"])):
@@ -235,11 +236,10 @@ def test_outputs_through_the_proxy_equal_one_vllm_alone(fleet: dict) -> None:
                 want_blocks += (len(p) - 1) // BLOCK
     elapsed = time.monotonic() - t0
     # the consumer computed only each prompt's last partial block and last token: the rest it loaded
-    computed, external = settled(lambda: prompt_sources(fleet["decode"]),
-                                 lambda v: v[0] + v[1] - computed_before - external_before >= prompt_tokens)
-    computed -= computed_before
-    external -= external_before
-    assert computed + external == prompt_tokens and computed <= tail_tokens, (computed, external, tail_tokens)
+    after = settled(lambda: prompt_sources(fleet["decode"]), lambda v: sum(v) - sum(before) >= prompt_tokens)
+    computed, local, external = (a - b for a, b in zip(after, before, strict=True))
+    assert computed + local + external == prompt_tokens and computed <= tail_tokens, (computed, local, external)
+    assert external >= want_blocks * BLOCK, (external, want_blocks)
     pre_computed = prompt_sources(fleet["prefill"])[0] - pre_computed_before
     loaded = metric(fleet["decode"], "kvcm_hit_blocks", tier="shared") - loaded_before
     # the first turn's blocks all came from the store (turn 2's old blocks may be the consumer's own host hits)
@@ -252,8 +252,8 @@ def test_outputs_through_the_proxy_equal_one_vllm_alone(fleet: dict) -> None:
         assert stream(f"{proxy}/v1/completions", completion(model, p)) == ref[("t1", i)]["text"]
     assert elapsed < 8 * WAIT_S, elapsed  # no request waited out its deadline
     print(f"\n8 requests through the proxy in {elapsed:.1f} s: {prompt_tokens} prompt tokens; the producer computed "
-          f"{pre_computed:.0f}, the consumer {computed:.0f} and loaded {external:.0f} ({loaded:.0f} blocks from the "
-          f"store); load average {os.getloadavg()[0]:.2f}")
+          f"{pre_computed:.0f}, the consumer {computed:.0f}, its own prefix cache gave {local:.0f} and it loaded "
+          f"{external:.0f} ({loaded:.0f} blocks from the store); load average {os.getloadavg()[0]:.2f}")
 
 
 def hand_over(fleet: dict, prompt: list[int]) -> dict:
@@ -279,12 +279,12 @@ def test_forged_params_are_rejected_and_nothing_is_loaded(fleet: dict) -> None:
     params = hand_over(fleet, p)  # the objects are in the store
     forged = {**params, "kvcm": {**params["kvcm"], "ns": "0" * 32}}  # another model's namespace
     rejected, loaded = (metric(fleet["decode"], k) for k in ("kvcm_handover_rejected", "kvcm_loaded_blocks"))
-    computed, external = prompt_sources(fleet["decode"])
+    before = prompt_sources(fleet["decode"])
     r = decode(fleet, p, forged)
     assert r["choices"][0]["token_ids"] == fleet["reference"][("f", 0)]["token_ids"]
     # computed whole, nothing loaded
-    after = settled(lambda: prompt_sources(fleet["decode"]), lambda v: v[0] + v[1] - computed - external >= len(p))
-    assert (after[0] - computed, after[1] - external) == (len(p), 0)
+    after = settled(lambda: prompt_sources(fleet["decode"]), lambda v: sum(v) - sum(before) >= len(p))
+    assert tuple(a - b for a, b in zip(after, before, strict=True)) == (len(p), 0, 0)
     assert settled(lambda: metric(fleet["decode"], "kvcm_handover_rejected"), lambda v: v > rejected) == rejected + 1
     assert metric(fleet["decode"], "kvcm_loaded_blocks") == loaded
 
