@@ -129,6 +129,7 @@ def test_consumer_loads_what_the_producer_announced_exactly(tmp_path, sims) -> N
     assert k["handover_accepted"] == 1 and k.get("handover_rejected", 0) == 0
     assert k["hit_blocks_shared"] == 5 and k["loaded_blocks"] == 5
     assert not c.violations and len(c.finished["d1"]) == 6
+    assert cf.handover.pending() == 0  # nothing kept per request once it finished
     # the consumer wrote nothing to the shared tier (its decode blocks stay in its host tier)
     assert objects(tmp_path) == 5
 
@@ -233,7 +234,7 @@ def test_forged_or_stale_params_are_rejected_and_nothing_is_loaded(tmp_path, sim
     c.run()
     k = counters(cf)
     assert k["handover_rejected"] == 1 and k.get("loaded_blocks", 0) == 0 and k.get("handover_accepted", 0) == 0
-    assert not c.violations and len(c.finished["d"]) == 3
+    assert not c.violations and len(c.finished["d"]) == 3 and cf.handover.pending() == 0
     # the genuine params for the same prompt load (the store held the objects all along)
     c.add("d2", tokens, 3, kv_transfer_params={"do_remote_prefill": True, PARAMS_KEY: good})
     c.run()
@@ -312,3 +313,29 @@ def test_roles_and_settings() -> None:
     with pytest.raises(ValueError, match="handover_wait_s"):
         ConnectorSettings.parse({"handover_wait_s": -1})
     assert ConnectorSettings.parse({"handover_wait_s": 3}).handover_wait_s == 3.0
+
+
+def test_a_request_asked_again_does_not_wait_again(tmp_path, sims) -> None:
+    """vLLM asks a request again after its load failed (a hybrid model's failed_recving): a
+    hand-over already decided is not waited for a second time, and a rejected one still loads
+    nothing; the decision is forgotten when the request finishes."""
+    from vllm_sim import Req
+
+    clock = Clock()
+    c, cf = instance(tmp_path, "kv_consumer", clock, sims=sims, wait_s=1.0)
+    h = cf.handover
+    tokens = prompt(4 * B + 3, 80)
+    good = {"v": 1, "ns": h.ns_digest, "tokens": 4 * B, "digest": tokens_digest(tokens[:4 * B])}
+    r = Req("x", tokens, 2, kv_transfer_params={"do_remote_prefill": True, PARAMS_KEY: good})
+    assert h.lookup(r, 0) == (None, False)  # nothing written yet
+    clock.t = 1.5
+    assert h.lookup(r, 0) == (0, False)  # the deadline: computed
+    assert h.lookup(r, 0) == (0, False) and h.pending() == 1  # asked again: no second wait
+    assert counters(cf)["handover_deadlines"] == 1
+    h.finished(r)
+    assert h.pending() == 0
+    bad = Req("y", tokens, 2, kv_transfer_params={"do_remote_prefill": True, PARAMS_KEY: {**good, "v": 9}})
+    assert h.lookup(bad, 0) == (0, False) and h.lookup(bad, 0) == (0, False)
+    assert counters(cf)["handover_rejected"] == 1 and h.queries == 1  # one query: the first arrival
+    h.finished(bad)
+    assert h.pending() == 0

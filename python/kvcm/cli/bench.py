@@ -3,7 +3,8 @@
 ``keys`` (block-key throughput against the hashlib and raw C++ floors) and ``replay``
 (each backend and the floor replaying the same prefix, each run in its own child process)
 are here; the micro benchmarks (probe, decode, step, ssm, evict, memory) are
-:mod:`kvcm.tools.bench`; ``bench vllm`` is :mod:`kvcm.integrations.vllm.bench` (real vLLM
+:mod:`kvcm.tools.bench`; ``bench vllm`` is :mod:`kvcm.integrations.vllm.bench` and ``bench disagg``
+:mod:`kvcm.integrations.vllm.bench_disagg` (real vLLM
 engines, ``kvcm[vllm]``).  Each figure is judged against a floor measured in the same run.
 """
 

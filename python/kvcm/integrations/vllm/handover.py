@@ -126,6 +126,9 @@ class Handover:
         self.namespace = sched.config.shared_namespace
         self.ns_digest = namespace_digest(self.namespace) if self.namespace else ""
         self.waiting: dict[str, _Wait] = {}
+        # requests whose hand-over was decided, True when its params were rejected (asked again,
+        # e.g. after a failed load: no second wait, and a rejected one still loads nothing)
+        self.waited: dict[str, bool] = {}
         self.polled_step = -1
         self.polled_at = float("-inf")
         self.queries = 0  # existence queries made for waiting hand-overs (tests: bounded by steps, not requests)
@@ -166,10 +169,13 @@ class Handover:
         scheduler's probe answers (a load of what is there; the rest is computed)."""
         rid = request.request_id
         w = self.waiting.get(rid)
+        if w is None and rid in self.waited:
+            return (0, False) if self.waited[rid] else self.sched.get_num_new_matched_tokens(request, n_local)
         if w is None:
             n, why = self.check(request)
             if why is not None:
                 self._count("handover_rejected")
+                self.waited[rid] = True
                 return 0, False  # nothing loaded for it: vLLM computes it
             if n == 0:
                 return self.sched.get_num_new_matched_tokens(request, n_local)
@@ -189,6 +195,7 @@ class Handover:
         if w.missing and self.clock() < w.deadline:
             return None, False
         del self.waiting[rid]
+        self.waited[rid] = False
         if w.missing:
             self._count("handover_deadlines")
             self._count("handover_blocks_missing", len({k for k, _ in w.missing}))
@@ -222,6 +229,7 @@ class Handover:
         hand-over params: the blocks saved or being saved, whose store writes the
         scheduler drives to completion without further requests."""
         rid = request.request_id
+        self.waited.pop(rid, None)
         if self.waiting.pop(rid, None) is not None:
             self._count("handover_aborted")
         params = None
@@ -242,4 +250,4 @@ class Handover:
         return self.sched.request_finished(request), params
 
     def pending(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.waited)
