@@ -46,7 +46,7 @@ if os.environ.get("KVCM_VLLM_TESTS") != "1":
 CHILD_TIMEOUT_S = int(os.environ.get("KVCM_VLLM_CHILD_TIMEOUT_S", "900"))
 BLOCK = 32
 MAX_TOKENS = 8
-WAIT_S = 5  # the README's handover_wait_s
+WAIT_S = 10  # the README's handover_wait_s
 
 
 def free_port() -> int:

@@ -322,7 +322,7 @@ def test_a_request_asked_again_does_not_wait_again(tmp_path, sims) -> None:
     from vllm_sim import Req
 
     clock = Clock()
-    c, cf = instance(tmp_path, "kv_consumer", clock, sims=sims, wait_s=1.0)
+    _c, cf = instance(tmp_path, "kv_consumer", clock, sims=sims, wait_s=1.0)
     h = cf.handover
     tokens = prompt(4 * B + 3, 80)
     good = {"v": 1, "ns": h.ns_digest, "tokens": 4 * B, "digest": tokens_digest(tokens[:4 * B])}

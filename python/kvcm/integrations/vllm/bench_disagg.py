@@ -243,9 +243,10 @@ def main(argv: Sequence[str]) -> int:
         store = os.path.join(tmp, "store")
         shutil.rmtree(store, ignore_errors=True)
         prod = vllm_server(model, free_port(), os.path.join(tmp, "producer.log"), env,
-                           kv_config("kv_producer", store))
+                           kv_config("kv_producer", store, stats_file=os.path.join(tmp, "producer.stats.json")))
         cons = vllm_server(model, free_port(), os.path.join(tmp, "consumer.log"), env,
-                           kv_config("kv_consumer", store, handover_wait_s=10))
+                           kv_config("kv_consumer", store, handover_wait_s=10,
+                                     stats_file=os.path.join(tmp, "consumer.stats.json")))
         proxy = None
         try:
             prod.wait()
@@ -294,6 +295,18 @@ def main(argv: Sequence[str]) -> int:
     print("|" + "---|" * len(head))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    for side in ("producer", "consumer"):
+        try:
+            with open(os.path.join(tmp, f"{side}.stats.json")) as f:
+                st = json.load(f)
+        except (OSError, ValueError):
+            continue
+        c, w = st.get("counters", {}), st.get("worker", {})
+        keys = ("handover_announced", "handover_accepted", "handover_rejected", "handover_deadlines",
+                "handover_blocks_missing")
+        print(f"{side}: " + ", ".join(f"{k} {c.get(k, 0)}" for k in keys if c.get(k) or k == "handover_deadlines")
+              + f"; store writes {w.get('shared_stores', 0)}, store calls past their deadline "
+              f"{w.get('shared_timeouts', 0)}, objects skipped (no write) {w.get('shared_stores_skipped', 0)}")
     print("The token counts, bytes and exactness are what the split changes; the timings are two engines sharing "
           "the few CPU cores one engine had here, and cannot show what a GPU fleet gains (each engine its own "
           "accelerator, prefill off the decode path).")

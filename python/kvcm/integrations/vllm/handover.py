@@ -39,12 +39,14 @@ Imports nothing of vLLM (requests are duck-typed: ``request_id``, ``prompt_token
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm.": vLLM configures its own loggers only
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 PARAMS_KEY = "kvcm"
 VERSION = 1
@@ -197,8 +199,11 @@ class Handover:
         del self.waiting[rid]
         self.waited[rid] = False
         if w.missing:
+            missing = len({k for k, _ in w.missing})
             self._count("handover_deadlines")
-            self._count("handover_blocks_missing", len({k for k, _ in w.missing}))
+            self._count("handover_blocks_missing", missing)
+            logger.warning("kvcm hand-over: request %s: %d of the %d announced blocks not in the store after %.1f s "
+                           "(handover_wait_s): they are computed", rid, missing, w.tokens // self.B, self.wait_s)
         return self.sched.get_num_new_matched_tokens(request, n_local)
 
     def _poll(self, force: bool = False) -> None:
