@@ -339,3 +339,16 @@ def test_a_request_asked_again_does_not_wait_again(tmp_path, sims) -> None:
     assert counters(cf)["handover_rejected"] == 1 and h.queries == 1  # one query: the first arrival
     h.finished(bad)
     assert h.pending() == 0
+
+
+def test_bench_disagg_bad_usage_is_one_line_exit_2() -> None:
+    """``python -m kvcm bench disagg`` (the real run is the vllm leg's; its numbers are in
+    DECISIONS.md): an option out of range is refused before any server starts."""
+    import subprocess
+    import sys
+
+    from children import child_env
+
+    p = subprocess.run([sys.executable, "-m", "kvcm", "bench", "disagg", "--turns", "0"], env=child_env(),
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 2 and "--turns" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -220,9 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
+    tmp = args.keep or tempfile.mkdtemp(prefix="kvcm-bench-disagg-")
+    try:
+        return _run(args, tmp)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, tmp: str) -> int:
     from kvcm.integrations.vllm.workload import make_model, save_tokenizer
 
-    tmp = args.keep or tempfile.mkdtemp(prefix="kvcm-bench-disagg-")
     os.makedirs(tmp, mode=0o700, exist_ok=True)
     model = args.model or save_tokenizer(make_model(os.path.join(tmp, "model")))
     env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU=str(args.reserved_cpus))
