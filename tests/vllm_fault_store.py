@@ -11,7 +11,10 @@ just before it is read; ``down``: every call fails as a store that cannot be rea
 writes fail with ENOSPC (a full disk under the store); ``die``: the store goes down inside
 the first get (a load in flight): that get fails and so does every call after it (the mode
 becomes ``down``, for every process reading the file); ``slow``: every get sleeps ``SLOW_S``
-first (within the deadline: loads stay in flight a while, e.g. for aborts to land on).
+first (within the deadline: loads stay in flight a while, e.g. for aborts to land on);
+``unreadable``: every object is listed by ``exists`` but its get (and put) fails with EACCES (instances
+running as different users on one directory, a file system returning EIO, a network store
+whose metadata answers while its data path is down).
 
 :func:`truncate_disk_hook` is a ``copy_fault_hook``: with the mode ``truncate-disk:DIR`` it
 truncates kvcm's disk pool files in ``DIR`` just before the first copy op that reads the disk
@@ -59,6 +62,8 @@ class FaultyFileStore(FileStore):
         self._before("put")
         if self.mode() == "full":
             return [OSError(errno.ENOSPC, "No space left on device (test)") for _ in items]
+        if self.mode() == "unreadable":  # another user's objects: not ours to overwrite either
+            return [PermissionError(errno.EACCES, f"Permission denied (test): {name}") for name, _, _ in items]
         return super().put(items, staging)
 
     def get(self, items: Sequence[tuple[str, int, int]], staging: Staging) -> list[int | OSError]:
@@ -69,6 +74,8 @@ class FaultyFileStore(FileStore):
         if m == "die":
             _set_mode("down")
             raise ConnectionRefusedError(errno.ECONNREFUSED, "test store died during a get")
+        if m == "unreadable":  # listed, never readable (another user's 0600 objects, EIO)
+            return [PermissionError(errno.EACCES, f"Permission denied (test): {name}") for name, _, _ in items]
         for name, _, _ in items:
             path = self.path(name)
             if m == "delete" and os.path.exists(path):

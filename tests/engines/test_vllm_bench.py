@@ -48,7 +48,9 @@ def test_default_chat_plan_is_the_held_out_workload():
 
 
 def test_together_submits_each_turn_at_once_and_long_has_its_own_sizes():
-    assert plan("--together").batch == 10
+    together = plan("--together")  # 20 chats; vLLM's cache holds the live batch (4 chats at their longest)
+    assert together.batch == 20 and together.sizes["gpu_blocks"] == 4 * (together.max_model_len // 32) + 1
+    assert together.sizes["gpu_blocks"] < together.working_set
     assert plan("--batch", "3").batch == 3
     long = plan("--workload", "long", "--together")
     assert long.batch == long.sizes["documents"] and long.requests == long.sizes["documents"] * long.sizes["questions"]
@@ -187,8 +189,8 @@ def test_summary_figures_and_ratios():
     assert v["exact"] and lim["exact"] and not kv["exact"]
     assert r["floor_prefill_tokens"] == 40 and r["working_set_blocks"] == 192 and r["reserved_cpus"] == 1
     md = bench_report.markdown(p, r, bench_plan.MODEL)
-    assert "| kvcm host+disk | 100 | 40 | 6 / 7 / 0 | 5 | 6 | 3.0 | 6.0 | 1.0 → 1.5 | NO |" in md
-    assert "| kvcm host+disk | 0.17x | 1.00x | 0.75x | 1.50x | 1.00x | 1.50x | 1.00x |" in md
+    assert "| kvcm host+disk | 100 | 40 | 6 / 7 / 0 | 5 | 6 | 3.0 | 6.0 | - | NO |" in md
+    assert "| kvcm host+disk | 0.17x | 1.00x | - | 0.75x | 1.50x | - | 1.00x | 1.00x |" in md
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1 in every engine" in md and "every engine logged: reserve_cpu_num=1" in md
     assert "**outputs differ from vLLM alone's: kvcm host+disk**" in md
 
@@ -282,6 +284,9 @@ class FakeEngine:
 
 
 def fake_run(tmp_path, monkeypatch, capsys, *argv):
+    # matplotlib's first import lists the system fonts through subprocess (fc-list): done
+    # before Popen is replaced below (which replaces it in the subprocess module itself)
+    import matplotlib.pyplot  # noqa: F401
     from kvcm.integrations.vllm import workload
 
     FakeEngine.envs, FakeEngine.starts = {}, []
@@ -289,13 +294,17 @@ def fake_run(tmp_path, monkeypatch, capsys, *argv):
     monkeypatch.setattr(bench.subprocess, "Popen", FakeEngine)
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "5")  # the caller's own setting never leaks in
     js = tmp_path / "out.json"
-    rc = bench.main(["--dir", str(tmp_path / "work"), "--json", str(js), "--plot", str(tmp_path / "p.png"), *argv])
+    rc = bench.main(["--dir", str(tmp_path / "work"), "--json", str(js), "--plot", str(tmp_path / "p.png"),
+                     "--settle-s", "0", *argv])
     return rc, json.loads(js.read_text()), capsys.readouterr().out
+
+
+OLD_DEFAULTS = ("--configs", "vllm,limit,host,host+disk,shared1,shared2")
 
 
 def test_every_engine_gets_the_same_reserved_cores(tmp_path, monkeypatch, capsys):
     FakeEngine.wrong = set()
-    rc, report, out = fake_run(tmp_path, monkeypatch, capsys)
+    rc, report, out = fake_run(tmp_path, monkeypatch, capsys, *OLD_DEFAULTS)
     assert rc == 0
     assert set(FakeEngine.envs) == {"vllm", "limit", "host", "host-disk", "shared1", "shared2"}
     assert {e["VLLM_CPU_NUM_OF_RESERVED_CPU"] for e in FakeEngine.envs.values()} == {"1"}
@@ -335,3 +344,61 @@ def test_a_second_run_in_the_same_dir_starts_every_engine_clean(tmp_path, monkey
         rc, _, _ = fake_run(tmp_path, monkeypatch, capsys, "--configs", "vllm,shared1,shared2", "--plot", "")
         assert rc == 0 and FakeEngine.starts == ["vllm", "shared1", "shared2"]
     assert sorted(os.listdir(tmp_path / "work" / "shared")) == ["shared1", "shared2"]
+
+
+class FakeMaster:
+    """Stands in for ``LocalMooncake(client=False)``: an address, stopped once."""
+
+    made: ClassVar[list] = []
+
+    def __init__(self, segment_bytes=0, client=True, log_dir=None):
+        assert segment_bytes == 0 and client is False
+        self.master_addr, self.stopped = "127.0.0.1:12345", False
+        FakeMaster.made.append(self)
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_mooncake_store_engine_gets_its_master_and_a_store_of_the_working_set(tmp_path, monkeypatch, capsys):
+    """vLLM's MooncakeStoreConnector beside kvcm: a master of its own on 127.0.0.1 for the
+    engine's run (stopped after it), MOONCAKE_CONFIG_PATH naming a 0600 config (embedded,
+    P2P handshake, TCP) whose segment holds the working set; kvcm's host tier beside it is
+    as large; both rows in the report with ratios against the store connector."""
+    from kvcm.dataplane import mooncake_store
+
+    FakeEngine.wrong, FakeMaster.made = set(), []
+    monkeypatch.setattr(mooncake_store, "LocalMooncake", FakeMaster)
+    rc, report, _ = fake_run(tmp_path, monkeypatch, capsys, "--configs", "vllm,limit,mooncake-store,host-equal",
+                               "--repeat", "2")
+    assert rc == 0 and len(FakeMaster.made) == 2 and all(m.stopped for m in FakeMaster.made)
+    env = FakeEngine.envs["mooncake-store"]
+    path = env["MOONCAKE_CONFIG_PATH"]
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    with open(path) as f:
+        cfg = json.load(f)
+    p = plan()
+    assert cfg["master_server_address"] == "127.0.0.1:12345" and cfg["metadata_server"] == "P2PHANDSHAKE"
+    assert cfg["protocol"] == "tcp" and cfg["mode"] == "embedded"
+    assert cfg["global_segment_size"] == p.store_blocks * bench_plan.PAGE >= p.working_set * bench_plan.PAGE
+    assert "MOONCAKE_CONFIG_PATH" not in FakeEngine.envs["host-equal"]
+    spec = bench_plan.engine_spec(str(tmp_path), "model", "host-equal", p)
+    assert spec["connector"]["kv_connector_extra_config"]["host_bytes"] == cfg["global_segment_size"]
+    assert bench_plan.engine_spec(str(tmp_path), "m", "mooncake-store", p)["connector"]["kv_connector"] == \
+        "MooncakeStoreConnector"
+    rows = {r["key"]: r for r in report["rows"]}
+    assert rows["host-equal"]["ttft_p50_ms_x_mooncake-store"] is not None and len(rows["host-equal"]["runs"]) == 2
+    assert FakeEngine.starts.count("mooncake-store") == 2  # interleaved: every config once, then again
+    assert FakeEngine.starts[:4] == FakeEngine.starts[4:]
+
+
+def test_a_run_started_above_the_quiet_load_is_marked_noisy(tmp_path, monkeypatch, capsys):
+    """The load average before each engine is printed and a run that started above 1.0 is
+    marked NOISY in the table."""
+    FakeEngine.wrong = set()
+    loads = iter([2.5, 2.5, 0.3, 0.3] * 4)
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    _, report, out = fake_run(tmp_path, monkeypatch, capsys, "--configs", "vllm,limit")
+    rows = {r["key"]: r for r in report["rows"]}
+    assert rows["vllm"]["noisy"] and not rows["limit"]["noisy"]
+    assert "2.50 NOISY" in out

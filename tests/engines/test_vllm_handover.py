@@ -352,3 +352,35 @@ def test_bench_disagg_bad_usage_is_one_line_exit_2() -> None:
     p = subprocess.run([sys.executable, "-m", "kvcm", "bench", "disagg", "--turns", "0"], env=child_env(),
                        capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 2 and "--turns" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_waiting_hand_overs_pace_an_engine_with_nothing_to_run(tmp_path, sims) -> None:
+    """vLLM steps an engine with waiting requests as fast as it can; while hand-overs wait and
+    the last step ran no forward, the first waiting lookup of a step sleeps until the next
+    poll is due (one sleep per step, whatever the number of waiting requests), never past the
+    deadline; a step after a forward is never slowed."""
+    from vllm_sim import Req
+
+    clock = Clock()
+    slept: list[float] = []
+    _c, cf = instance(tmp_path, "kv_consumer", clock, sims=sims, wait_s=1.0)
+    h = Handover(cf._sched, Role("kv_consumer"), 1.0, clock=clock, poll_s=0.02, sleep=slept.append)
+    reqs = []
+    for i in range(3):
+        tokens = prompt(4 * B + 3, 90 + i)
+        params = {"v": 1, "ns": h.ns_digest, "tokens": 4 * B, "digest": tokens_digest(tokens[:4 * B])}
+        reqs.append(Req(f"w{i}", tokens, 2, kv_transfer_params={"do_remote_decode": False, PARAMS_KEY: params}))
+    sched = cf._sched
+    sched.last_forward = True
+    assert all(h.lookup(r, 0) == (None, False) for r in reqs) and slept == []  # after a forward: no pause
+    sched.last_forward = False
+    for step in range(1, 4):
+        sched.step += 1
+        clock.t += 0.005
+        assert all(h.lookup(r, 0) == (None, False) for r in reqs)
+        assert len(slept) == step  # one pause per step for all three
+    assert all(0 < s <= 0.02 for s in slept)
+    clock.t = 0.995  # the deadline is 1.0: a pause never runs past it
+    sched.step += 1
+    h.lookup(reqs[0], 0)
+    assert slept[-1] <= 0.005 + 1e-9

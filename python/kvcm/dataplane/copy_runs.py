@@ -13,13 +13,14 @@ shared batches to, the counters it counts completed ops in.
 from __future__ import annotations
 
 import array
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcm.api import SHARED, CopyError, CopyOp, CopyRun, copy_runs
 from kvcm.dataplane.copy_stats import COPY_REASONS, CopyStats
 from kvcm.dataplane.disk_pool import DiskPool, torch_module
-from kvcm.dataplane.pools import Pools
+from kvcm.dataplane.pools import Pools, copy_rows
 from kvcm.dataplane.shared_io import SharedIO
 
 
@@ -178,7 +179,9 @@ class CopyRuns:
             j = self._batch_end(runs, i)
             batch = runs[i:j]
             n = sum(len(r) for r in batch)
+            t0 = time.perf_counter()
             failed, cause = self._execute(batch)
+            self._stats.timed(batch[0], time.perf_counter() - t0)
             if failed:
                 mine = ops[base:base + n] if ops is not None else [op for r in batch for op in r.ops()]
                 lost = [mine[p] for p in failed]
@@ -263,15 +266,15 @@ class CopyRuns:
         if isinstance(sp, DiskPool) or isinstance(dp, DiskPool):  # file I/O: op by op
             done = 0
             for p in keep if keep is not None else range(len(run)):
-                try:
-                    if isinstance(sp, DiskPool):
-                        row = torch.frombuffer(bytearray(sp.read(run.src_slots[p])), dtype=torch.uint8)
+                try:  # one copy between the page cache and the pool row, when the row is in host memory
+                    if isinstance(sp, DiskPool) and isinstance(dp, DiskPool):  # a relocation inside the disk tier
+                        dp.write(run.dst_slots[p], sp.read_rows([run.src_slots[p]])[0].numpy())
+                    elif isinstance(sp, DiskPool) and dp.device.type == "cpu":
+                        sp.read_into(run.src_slots[p], dp[run.dst_slots[p]].numpy())
+                    elif isinstance(sp, DiskPool):
+                        dp[run.dst_slots[p]] = sp.read_rows([run.src_slots[p]])[0].to(dp.device)
                     else:
-                        row = sp[run.src_slots[p]]
-                    if isinstance(dp, DiskPool):
-                        dp.write(run.dst_slots[p], row.cpu().numpy().tobytes())
-                    else:
-                        dp[run.dst_slots[p]] = row.to(dp.device)
+                        dp.write(run.dst_slots[p], sp[run.src_slots[p]].cpu().numpy())
                 except OSError as e:
                     failed.append(p)
                     cause = cause or e
@@ -286,8 +289,7 @@ class CopyRuns:
             sel = torch.tensor(keep, dtype=torch.int64)
             src, dst = src[sel], dst[sel]
         try:
-            rows = sp.index_select(0, src.to(sp.device))
-            dp.index_copy_(0, dst.to(dp.device), rows.to(dp.device))
+            copy_rows(dp, dst, sp, src)
         except (RuntimeError, MemoryError, OSError) as e:  # e.g. out of (device) memory
             return sorted(failed + (keep if keep is not None else list(range(len(run))))), cause or e
         self._stats.count(run, len(src))

@@ -14,6 +14,7 @@ import struct
 import tempfile
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 POOL_PREFIX = "kvcm-pool-"
 TRAILER = struct.Struct("<I4s")  # crc32 of the slot's data, magic
@@ -101,26 +102,51 @@ class DiskPool:
                           self.path)
         return bytes(data)
 
-    def write(self, slot: int, data: bytes) -> None:
-        """Write ``data`` (``slot_bytes`` bytes) and its checksum trailer into ``slot``."""
-        buf = bytes(data) + TRAILER.pack(zlib.crc32(data), MAGIC)
-        n = os.pwrite(self.fd, buf, slot * self.record)
-        if n != len(buf):
-            raise OSError(errno.EIO, f"short write to disk slot {slot}: {n} of {len(buf)} bytes", self.path)
+    def read_into(self, slot: int, out: Any) -> None:
+        """The verified data of ``slot`` read straight into ``out`` (a writable buffer of
+        ``slot_bytes`` bytes, e.g. a cpu pool row's numpy view): one copy out of the page
+        cache, then the checksum over it (OSError EIO as :meth:`read`; ``out`` is then
+        zeroed: bytes that failed their check never stay where a reader could take them)."""
+        view = memoryview(out).cast("B")
+        if view.nbytes != self.slot_bytes:
+            raise ValueError(f"disk slot {slot}: a buffer of {view.nbytes} bytes for {self.slot_bytes}")
+        trailer = bytearray(TRAILER.size)
+        try:
+            n = os.preadv(self.fd, [view, trailer], slot * self.record)
+            if n != self.record:
+                raise OSError(errno.EIO, f"short read of disk slot {slot}: {n} of {self.record} bytes "
+                                         "(was the pool file truncated?)", self.path)
+            crc, magic = TRAILER.unpack_from(trailer)
+            if magic != MAGIC or crc != zlib.crc32(view):
+                raise OSError(errno.EIO, f"checksum mismatch in disk slot {slot} (never written, or corrupted)",
+                              self.path)
+        except OSError:
+            view[:] = bytes(view.nbytes)
+            raise
+
+    def write(self, slot: int, data: Any) -> None:
+        """Write ``data`` (``slot_bytes`` bytes: bytes or any buffer, not copied) and its
+        checksum trailer into ``slot``."""
+        view = memoryview(data).cast("B")
+        trailer = TRAILER.pack(zlib.crc32(view), MAGIC)
+        n = os.pwritev(self.fd, [view, trailer], slot * self.record)
+        if n != view.nbytes + len(trailer):
+            raise OSError(errno.EIO, f"short write to disk slot {slot}: {n} of {view.nbytes + len(trailer)} bytes",
+                          self.path)
 
     def read_rows(self, slots: Sequence[int]):
         """``uint8[len(slots), slot_bytes]`` (cpu) of the verified data of ``slots``."""
         torch = torch_module()
         out = torch.empty((len(slots), self.slot_bytes), dtype=torch.uint8)
         for i, s in enumerate(slots):
-            out[i] = torch.frombuffer(bytearray(self.read(s)), dtype=torch.uint8)
+            self.read_into(s, out[i].numpy())
         return out
 
     def write_rows(self, slots: Sequence[int], rows) -> None:
         """Write ``rows`` (``uint8[len(slots), slot_bytes]``, any device) into ``slots``."""
         rows = rows.to("cpu").contiguous()
         for i, s in enumerate(slots):
-            self.write(s, rows[i].numpy().tobytes())
+            self.write(s, rows[i].numpy())
 
     def read_all(self):
         """Every slot's verified data, ``uint8[num_slots, slot_bytes]`` (cpu)."""

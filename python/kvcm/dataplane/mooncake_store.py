@@ -382,7 +382,8 @@ def _wait_listening(port: int, proc: subprocess.Popen, what: str, timeout: float
 class LocalMooncake:
     """A Mooncake Store on 127.0.0.1 for tests and the fleet replay: ``mooncake_master`` and
     one ``mooncake_client`` that mounts ``segment_bytes`` of memory (the store's capacity; it
-    outlives the engines).  Free ports are chosen; :attr:`url` is the shared tier's path.
+    outlives the engines; ``client=False``: no client, e.g. for vLLM's ``MooncakeStoreConnector``,
+    whose engines mount their own segments).  Free ports are chosen; :attr:`url` is the shared tier's path.
     ``stop()`` ends both (idempotent).
 
     Bound to 127.0.0.1: the master's RPC and metrics ports, the storage client's port.  No
@@ -397,8 +398,9 @@ class LocalMooncake:
     new ports (up to ``attempts`` times) when a process exits while starting."""
 
     def __init__(self, segment_bytes: int = 256 << 20, *, log_dir: str | None = None, timeout: float = 30.0,
-                 attempts: int = 5) -> None:
+                 attempts: int = 5, client: bool = True) -> None:
         self.segment_bytes = segment_bytes
+        self.with_client = client  # False: the master alone (the clients bring their own segments)
         self._logs: list = []
         self.master: subprocess.Popen | None = None
         self.client: subprocess.Popen | None = None
@@ -426,7 +428,8 @@ class LocalMooncake:
             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}"])
         _wait_listening(self.rpc_port, self.master, "mooncake_master", timeout)
         _wait_listening(self.metrics_port, self.master, "mooncake_master's metrics server", timeout)
-        self.start_client(log_dir, timeout)
+        if self.with_client:
+            self.start_client(log_dir, timeout)
 
     def _spawn(self, log_dir: str | None, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(os.path.join(log_dir, f"mooncake-{name}.log"), "ab") if log_dir else subprocess.DEVNULL  # noqa: SIM115

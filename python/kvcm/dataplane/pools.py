@@ -27,6 +27,33 @@ from kvcm.dataplane.disk_pool import (
     torch_module,
 )
 
+# Rows at least this long are copied one by one (``copy_``: memcpy speed); shorter ones with
+# one gather and one scatter.  torch's CPU ``index_select`` / ``index_copy_`` move long byte
+# rows 10-20x slower than ``copy_`` does (DECISIONS.md "Loads at memory speed").
+ROW_COPY_BYTES = 4096
+
+
+def copy_rows(dst: Any, dst_rows: Sequence[int], src: Any, src_rows: Sequence[int]) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i``: rows of 2-D tensors of one
+    dtype (a pool's ``uint8[slots, bytes]``, or a column slice of one), any devices."""
+    n = len(dst_rows)
+    if n == 0:
+        return
+    if n != len(src_rows):
+        raise ValueError(f"copy_rows: {n} destination rows for {len(src_rows)} source rows")
+    if dst.device.type == src.device.type == "cpu" and dst.shape[1] * dst.element_size() >= ROW_COPY_BYTES:
+        for d, s in zip(_ints(dst_rows), _ints(src_rows), strict=True):
+            dst[d].copy_(src[s])
+        return
+    torch = torch_module()
+    sidx = torch.as_tensor(_ints(src_rows), dtype=torch.int64, device=src.device)
+    didx = torch.as_tensor(_ints(dst_rows), dtype=torch.int64, device=dst.device)
+    dst.index_copy_(0, didx, src.index_select(0, sidx).to(dst.device))
+
+
+def _ints(rows: Any) -> list[int]:
+    return rows.tolist() if hasattr(rows, "tolist") else list(rows)
+
 
 class Pools:
     """The pools of one data plane: one per ``(tier, lc)`` of the resolved config ``rc``,

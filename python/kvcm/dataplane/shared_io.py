@@ -24,7 +24,7 @@ from kvcm.api import CopyOp, KVCacheManagerConfig
 from kvcm.config import ResolvedConfig, layout_fingerprint
 from kvcm.dataplane.copy_stats import CopyStats
 from kvcm.dataplane.disk_pool import DiskPool, torch_module
-from kvcm.dataplane.pools import Pools
+from kvcm.dataplane.pools import Pools, copy_rows
 from kvcm.dataplane.store import HEADER, BadObjectError, ObjectCodec, SharedStore, Staging, store_secret
 from kvcm.dataplane.store_factory import open_store
 
@@ -245,17 +245,16 @@ class SharedIO:
             for tier, lc, base, group in groups:
                 sp, sb = self._pools.pool(tier, lc), self.life_cycles[lc].slot_bytes
                 try:
+                    n = len(group)
+                    region = flat[base:base + n * (H + sb)].view(n, H + sb)[:, H:]
                     if isinstance(sp, DiskPool):
-                        rows = sp.read_rows([op.src_slot for op in group])
-                    else:
-                        sel = torch.tensor([op.src_slot for op in group], dtype=torch.long, device=sp.device)
-                        rows = sp.index_select(0, sel).cpu()
+                        region.copy_(sp.read_rows([op.src_slot for op in group]))
+                    else:  # straight into the staging buffer
+                        copy_rows(region, range(n), sp, [op.src_slot for op in group])
                 except (OSError, RuntimeError, MemoryError) as e:
                     failed += group
                     cause = cause or e
                     continue
-                n = len(group)
-                flat[base:base + n * (H + sb)].view(n, H + sb)[:, H:].copy_(rows)
                 for j, op in enumerate(group):
                     o = base + j * (H + sb)
                     st.view[o:o + H] = self.codec.header(op.key, lc, st.view[o + H:o + H + sb])
@@ -334,7 +333,7 @@ class SharedIO:
                     if isinstance(dp, DiskPool):
                         dp.write_rows(dst, data)
                     else:
-                        dp.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=dp.device), data.to(dp.device))
+                        copy_rows(dp, dst, data, range(len(dst)))
                 except (OSError, RuntimeError, MemoryError) as e:
                     failed += [group[j] for j in good]
                     cause = cause or e

@@ -11,7 +11,13 @@ Configurations (``--configs``; each one engine process, :mod:`kvcm.integrations.
 * ``shared1``   host + disk + a file store (written on commit);
 * ``shared2``   a second vLLM + kvcm process on the store ``shared1`` wrote (local tiers
                 empty at start): what a fleet reuses;
+* ``mooncake-store``  vLLM + its own ``MooncakeStoreConnector`` (the peer kvcm is judged
+                against): a ``mooncake_master`` on 127.0.0.1 started for it, the engine's
+                segment sized to hold the working set (embedded mode, TCP, P2P handshake);
+* ``host-equal``  vLLM + kvcm, host tier only, as large as the store above (equal memory);
 * ``example``   vLLM + its ``ExampleConnector`` (not by default).
+
+Default: ``vllm``, ``limit``, ``mooncake-store``, ``host-equal``, ``host+disk``.
 
 **Core layout.**  vLLM's CPU backend binds the worker's OpenMP threads to the allowed cores
 minus ``reserve_cpu_num`` (``vllm/utils/ompmultiprocessing.py``): one core per local rank,
@@ -35,8 +41,17 @@ Workloads (``--workload``):
 
 ``--batch 1`` submits one request at a time (TTFT is the request's own prefill);
 ``--together`` submits each turn's (round's) requests together, so one request's loads and
-saves meet the others' steps.  Every engine first runs ``--warmup`` unrelated requests,
-then its prefix cache (and kvcm's local tiers) is reset.
+saves meet the others' steps (chat: 20 chats, and vLLM's cache holds the live batch —
+``max_num_seqs`` chats at their longest —, not the working set).  ``--suite`` runs the three
+workloads the targets name, one after another: chat one at a time, chat together, long.
+Every engine first runs ``--warmup`` unrelated requests, then its prefix cache (and kvcm's
+local tiers) is reset.
+
+**A quiet machine.**  Before each engine the bench waits (up to ``--settle-s``) for the
+1-minute load average to fall to 1.0, prints it before and after the engine, and marks a
+run *noisy* when it was above 1.0 when the engine started (on 2 cores an engine alone
+brings it to 1-2 while it runs).  ``--repeat N`` runs every configuration N times,
+interleaved, and the table shows each figure's best run.
 
 Reported per configuration: prompt tokens, prefill tokens computed (prompt tokens minus
 ``num_cached_tokens``), blocks kvcm loaded by tier (its ``stats_file``), TTFT p50 / p90
@@ -72,7 +87,10 @@ from kvcm.integrations.vllm.bench_plan import (
     UsageError,
     engine_spec,
     make_plan,
+    mooncake_config,
 )
+
+QUIET_LOAD = 1.0  # the 1-minute load average below which a run counts as quiet (2 cores)
 
 _LAYOUT = (re.compile(r"reserve_cpu_num=(\d+)"), re.compile(r"local_rank=\d+, core ids=\[([^\]]*)\]"),
            re.compile(r"reserved_cpus=\[([^\]]*)\]"))
@@ -107,7 +125,8 @@ def _forget(key: str, spec: dict) -> None:
         os.unlink(extra["stats_file"])
 
 
-def _child(tmp: str, key: str, spec: dict, plan: Plan, timeout: float) -> tuple[dict, str, float]:
+def _child(tmp: str, key: str, spec: dict, plan: Plan, timeout: float,
+           env_extra: dict[str, str] | None = None) -> tuple[dict, str, float]:
     name = key.replace("+", "-")
     spec_path, out_path, log_path = (os.path.join(tmp, f"{name}.{x}") for x in ("spec.json", "out.json", "log"))
     with open(spec_path, "w") as f:
@@ -116,6 +135,7 @@ def _child(tmp: str, key: str, spec: dict, plan: Plan, timeout: float) -> tuple[
     env.pop("VLLM_CPU_NUM_OF_RESERVED_CPU", None)
     if plan.reserved_cpus is not None:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(plan.reserved_cpus)
+    env.update(env_extra or {})
     t = time.perf_counter()
     with open(log_path, "w") as log:
         # a session of its own: a timeout ends the engine's whole process group
@@ -138,6 +158,67 @@ def _child(tmp: str, key: str, spec: dict, plan: Plan, timeout: float) -> tuple[
         return json.load(f), core_layout(text), seconds
 
 
+def settle(limit_s: float) -> float:
+    """Wait up to ``limit_s`` for the 1-minute load average to fall to :data:`QUIET_LOAD`
+    (the engine before leaves it high for a while); the load average then."""
+    deadline = time.monotonic() + limit_s
+    while os.getloadavg()[0] > QUIET_LOAD and time.monotonic() < deadline:
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+    return os.getloadavg()[0]
+
+
+def _engine(tmp: str, model: str, key: str, plan: Plan, args: argparse.Namespace) -> dict:
+    """One run of configuration ``key`` (again once, from a clean start, if something from
+    outside killed it): its ``main`` phase, the layout vLLM logged, its seconds, the load
+    average before and after it."""
+    spec, killed = engine_spec(tmp, model, key, plan), None
+    load_before = settle(plan.settle_s) if plan.settle_s else os.getloadavg()[0]
+    for attempt in (1, 2):  # a second kill ends the run
+        _forget(key, spec)
+        mc = None
+        env: dict[str, str] = {}
+        try:
+            if key == "mooncake-store":  # vLLM's store connector: a master of its own, on 127.0.0.1
+                from kvcm.dataplane.mooncake_store import LocalMooncake
+
+                mc = LocalMooncake(segment_bytes=0, client=False, log_dir=tmp)
+                path = os.path.join(tmp, "mooncake-store.json")
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(mooncake_config(mc.master_addr, plan), f)
+                env["MOONCAKE_CONFIG_PATH"] = path
+            out, layout, seconds = _child(tmp, key, spec, plan, args.timeout, env)
+            break
+        except EngineKilled as e:
+            if attempt == 2:
+                raise
+            print(f" {e}: running it again", file=sys.stderr, flush=True)
+            killed = e.signum
+        finally:
+            if mc is not None:
+                mc.stop()
+    main = next(p for p in out["phases"] if p["name"] == "main")
+    return {"phase": main, "layout": layout, "seconds": seconds, "start_seconds": out["start_seconds"],
+            "killed_before": killed, "engine_load": (load_before, os.getloadavg()[0])}
+
+
+def measure(plan: Plan, args: argparse.Namespace, tmp: str, model: str) -> dict[str, dict]:
+    """Every configuration ``plan.repeat`` times, interleaved: ``key -> {"runs": [...]}``."""
+    results: dict[str, dict] = {key: {"runs": []} for key in plan.configs}
+    for rep in range(plan.repeat):
+        for key in plan.configs:
+            tag = f" (run {rep + 1} of {plan.repeat})" if plan.repeat > 1 else ""
+            print(f"bench vllm: {CONFIGS[key]}{tag} ...", file=sys.stderr, end="", flush=True)
+            r = _engine(tmp, model, key, plan, args)
+            results[key]["runs"].append(r)
+            lb, la = r["engine_load"]
+            noisy = "  NOISY (load above 1.0 at start)" if lb > QUIET_LOAD else ""
+            print(f" {r['seconds']:.0f} s (engine start {r['start_seconds']:.0f} s, workload "
+                  f"{r['phase']['seconds']:.1f} s); load 1-min {lb:.2f} before, {la:.2f} after{noisy}",
+                  file=sys.stderr, flush=True)
+    return results
+
+
 def run(plan: Plan, args: argparse.Namespace) -> int:
     from kvcm.integrations.vllm.workload import make_model
 
@@ -151,26 +232,8 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
                  else f"VLLM_CPU_NUM_OF_RESERVED_CPU={plan.reserved_cpus}")
         print(f"bench vllm: {', '.join(plan.configs)} on the {plan.workload} workload, {asked} in every engine; "
               f"work dir {tmp}", file=sys.stderr, flush=True)
-        results: dict[str, dict] = {}
-        for key in plan.configs:
-            print(f"bench vllm: {CONFIGS[key]} ...", file=sys.stderr, end="", flush=True)
-            spec, killed = engine_spec(tmp, model, key, plan), None
-            for attempt in (1, 2):  # a second kill ends the run
-                _forget(key, spec)
-                try:
-                    out, layout, seconds = _child(tmp, key, spec, plan, args.timeout)
-                    break
-                except EngineKilled as e:
-                    if attempt == 2:
-                        raise
-                    print(f" {e}: running it again", file=sys.stderr, flush=True)
-                    killed = e.signum
-            main = next(p for p in out["phases"] if p["name"] == "main")
-            results[key] = {"phase": main, "layout": layout, "seconds": seconds, "start_seconds": out["start_seconds"],
-                            "killed_before": killed}
-            print(f" {seconds:.0f} s (engine start {out['start_seconds']:.0f} s, workload {main['seconds']:.1f} s)",
-                  file=sys.stderr, flush=True)
-        report = bench_report.summarize(plan, results, CONFIGS)
+        results = measure(plan, args, tmp, model)
+        report = bench_report.summarize(plan, results, CONFIGS, floors=bench_report.copy_floors(results))
         print(bench_report.markdown(plan, report, MODEL))
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -185,6 +248,34 @@ def run(plan: Plan, args: argparse.Namespace) -> int:
         elif not done:
             print(f"bench vllm: the work dir is kept for its logs: {tmp}", file=sys.stderr)
     return 0 if all(r["exact"] for r in report["rows"]) else 1
+
+
+SUITE = (("chat, one at a time", ["--workload", "chat", "--batch", "1"]),
+         ("chat, a turn's requests together", ["--workload", "chat", "--together"]),
+         ("long documents, one at a time", ["--workload", "long", "--batch", "1"]))
+
+
+def run_suite(p: argparse.ArgumentParser, argv: list[str]) -> int:
+    """``--suite``: the three workloads of the targets, one run each (the other arguments
+    apply to all three; ``--json`` / ``--plot`` get the workload's name), then one summary."""
+    rest = [a for a in argv if a != "--suite"]
+    rc, summary = 0, []
+    for name, extra in SUITE:
+        args = p.parse_args(extra + rest)
+        stem = name.split(",")[0].replace(" ", "-") + ("-together" if args.together else "")
+        args.json = f"{os.path.splitext(args.json)[0]}-{stem}.json"
+        args.plot = f"{os.path.splitext(args.plot)[0]}-{stem}.png" if args.plot else ""
+        try:
+            plan = make_plan(args)
+        except UsageError as e:
+            p.error(f"{name}: {e}")
+        print(f"\n## {name}\n")
+        rc = max(rc, run(plan, args))
+        with open(args.json) as f:
+            summary.append((name, json.load(f)))
+    print("\n## summary\n")
+    print(bench_report.suite_table(summary))
+    return rc
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -227,6 +318,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--model gemma3: vLLM's KV cache memory, in blocks of every layer (default 40)")
     o = p.add_argument_group("run and output")
     o.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run, the figures mean nothing")
+    o.add_argument("--suite", action="store_true",
+                   help="the three workloads of the targets: chat one at a time, chat together, long documents")
+    o.add_argument("--repeat", type=int, default=1, help="runs of every configuration, interleaved; the table "
+                   "shows each figure's best run (default 1)")
+    o.add_argument("--settle-s", type=float, default=90.0, help="before each engine, wait up to this long for the "
+                   "1-minute load average to fall to 1.0 (default 90; 0: do not wait)")
     o.add_argument("--timeout", type=float, default=1800, help="seconds per engine (default 1800)")
     o.add_argument("--dir", default=None, help="work directory, kept (default: a temp dir, removed)")
     o.add_argument("--json", default="kvcm-vllm.json")
@@ -236,7 +333,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcm bench vllm", description=__doc__.split("\n\n")[0])
     add_arguments(p)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    if args.suite:
+        return run_suite(p, argv)
     if args.model == "gemma3":  # the hybrid KV cache manager comparison: its own engines and table
         from kvcm.integrations.vllm import bench_hybrid
 

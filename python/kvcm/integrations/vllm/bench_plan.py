@@ -18,8 +18,11 @@ PAGE = BLOCK * MODEL["num_hidden_layers"] * (MODEL["num_key_value_heads"] * HEAD
 
 CONFIGS = {  # key -> table label, in the order they run
     "vllm": "vllm", "limit": "limit (vllm, cache = working set)", "example": "vllm+example",
-    "host": "kvcm host", "host+disk": "kvcm host+disk", "shared1": "kvcm +shared (1st)", "shared2": "kvcm +shared (2nd)"}
-DEFAULT_CONFIGS = ("vllm", "limit", "host", "host+disk", "shared1", "shared2")
+    "mooncake-store": "vllm+MooncakeStoreConnector (store = working set)",
+    "host-equal": "kvcm host (= the store's memory)", "host": "kvcm host", "host+disk": "kvcm host+disk",
+    "shared1": "kvcm +shared (1st)", "shared2": "kvcm +shared (2nd)"}
+DEFAULT_CONFIGS = ("vllm", "limit", "mooncake-store", "host-equal", "host+disk")
+KVCM_CONFIGS = ("host-equal", "host", "host+disk", "shared1", "shared2")
 
 # per workload: its options' defaults, full size and --quick (a smoke run: nothing measured)
 CHAT = {"conversations": 10, "turns": 5, "system_len": 384, "user_len": 96, "max_tokens": 16,
@@ -30,6 +33,9 @@ LONG = {"documents": 6, "doc_len": 3072, "questions": 3, "question_len": 32, "ma
         "gpu_blocks": 200, "host_blocks": 256}
 LONG_QUICK = {"documents": 2, "doc_len": 256, "questions": 2, "question_len": 16, "max_tokens": 4,
               "gpu_blocks": 12, "host_blocks": 16}
+# --together on the chat: more chats, and vLLM's cache holds the live batch (max_num_seqs chats
+# at their longest), not the working set
+CHAT_TOGETHER = {**CHAT, "conversations": 20}
 WORKLOAD_KEYS = {"chat": ("conversations", "turns", "system_len", "user_len"),
                  "long": ("documents", "doc_len", "questions", "question_len")}
 WARMUP_SEED = 1_000_003  # the warm-up's tokens: unrelated to the workload's
@@ -58,6 +64,14 @@ class Plan:
     disk_blocks: int
     extra: dict[str, Any] = field(default_factory=dict)
     load_mode: str | None = None  # the kvcm engines' load_mode (None: the connector's default)
+    repeat: int = 1  # runs of every configuration, interleaved (the table shows each one's best)
+    settle_s: float = 0.0  # before each engine: wait up to this long for the 1-minute load to fall to QUIET_LOAD
+
+    @property
+    def store_blocks(self) -> int:
+        """MooncakeStoreConnector's store, and kvcm's host tier beside it (``host-equal``):
+        the limit's cache, the working set and headroom."""
+        return self.limit_blocks
 
     @property
     def reference(self) -> str:
@@ -66,7 +80,8 @@ class Plan:
 
 
 def _sizes(args: argparse.Namespace) -> dict[str, int]:
-    defaults = {"chat": CHAT_QUICK if args.quick else CHAT, "long": LONG_QUICK if args.quick else LONG}[args.workload]
+    chat = CHAT_QUICK if args.quick else CHAT_TOGETHER if args.together else CHAT
+    defaults = {"chat": chat, "long": LONG_QUICK if args.quick else LONG}[args.workload]
     other = WORKLOAD_KEYS["long" if args.workload == "chat" else "chat"]
     given = [k for k in other if getattr(args, k) is not None]
     if given:
@@ -115,6 +130,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise UsageError(f"--batch must be at least 1 (got {batch})")
     max_model_len = -(-longest // BLOCK) * BLOCK
     need = max_model_len // BLOCK + 1  # vLLM holds one block back (its null block)
+    if args.together and args.workload == "chat" and args.gpu_blocks is None and not args.quick:
+        sizes["gpu_blocks"] = args.max_num_seqs * (max_model_len // BLOCK) + 1  # the live batch
     if sizes["gpu_blocks"] < need:
         raise UsageError(f"--gpu-blocks {sizes['gpu_blocks']} cannot hold the longest request "
                          f"({longest} tokens): give at least {need}")
@@ -137,11 +154,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise UsageError(f"--reserved-cpus: a number of cores or 'vllm' (got {args.reserved_cpus!r})") from None
         if reserved < 0:
             raise UsageError(f"--reserved-cpus must be 0 or more (got {reserved})")
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be at least 1 (got {args.repeat})")
+    if args.settle_s < 0:
+        raise UsageError(f"--settle-s must be 0 or more (got {args.settle_s})")
     return Plan(workload=args.workload, sizes=sizes, batch=batch, together=bool(args.together), configs=configs,
                 reserved_cpus=reserved, warmup=args.warmup, quick=args.quick, working_set=work, requests=requests,
                 max_model_len=max_model_len, limit_blocks=limit, disk_blocks=disk,
                 extra={"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
-                load_mode=args.load_mode)
+                load_mode=args.load_mode, repeat=args.repeat, settle_s=args.settle_s)
 
 
 def _connector(tmp: str, key: str, plan: Plan) -> dict | None:
@@ -150,17 +171,29 @@ def _connector(tmp: str, key: str, plan: Plan) -> dict | None:
     if key == "example":
         return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"shared_storage_path": os.path.join(tmp, "example")}}
+    if key == "mooncake-store":  # vLLM's own store connector (its master: bench.py; MOONCAKE_CONFIG_PATH)
+        return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {}}
     name = key.replace("+", "-")
-    extra: dict[str, Any] = {"host_bytes": plan.sizes["host_blocks"] * PAGE,
-                             "stats_file": os.path.join(tmp, f"{name}.stats.json")}
+    host = plan.store_blocks if key == "host-equal" else plan.sizes["host_blocks"]
+    extra: dict[str, Any] = {"host_bytes": host * PAGE, "stats_file": os.path.join(tmp, f"{name}.stats.json")}
     if plan.load_mode is not None:
         extra["load_mode"] = plan.load_mode
-    if key != "host":
+    if key not in ("host", "host-equal"):
         extra.update(disk_path=os.path.join(tmp, f"{name}-disk"), disk_bytes=plan.disk_blocks * PAGE)
     if key in ("shared1", "shared2"):
         extra.update(shared=os.path.join(tmp, "shared"), shared_namespace="bench-llama-random")
     return {"kv_connector": "KvcmConnector", "kv_connector_module_path": "kvcm.integrations.vllm",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+
+def mooncake_config(master: str, plan: Plan) -> dict:
+    """MOONCAKE_CONFIG_PATH's content for the ``mooncake-store`` engine: the master on
+    127.0.0.1, TCP, the engine's own segment sized as :attr:`Plan.store_blocks` (embedded
+    mode, no metadata server: the P2P handshake)."""
+    return {"metadata_server": "P2PHANDSHAKE", "master_server_address": master, "protocol": "tcp",
+            "device_name": "", "mode": "embedded", "global_segment_size": plan.store_blocks * PAGE,
+            "local_buffer_size": max(64 << 20, 4 * (plan.max_model_len // BLOCK) * PAGE)}
 
 
 def engine_spec(tmp: str, model: str, key: str, plan: Plan) -> dict:

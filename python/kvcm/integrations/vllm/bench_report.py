@@ -5,6 +5,7 @@ plot (:func:`plot`)."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from kvcm.integrations.vllm.bench_plan import BLOCK, Plan
@@ -68,41 +69,126 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
-def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str]) -> dict[str, Any]:
-    """The report: one row per configuration (``results[key]``: the engine's ``main`` phase,
-    its logged core layout, its seconds), exactness against the reference's outputs, ratios
-    against ``vllm`` and ``limit`` where they ran."""
-    ref = results[plan.reference]["phase"]["outputs"]
+TIMED = ("ttft_p50_ms", "ttft_p90_ms", "decode_ms_p50", "wall_s")  # the best of the runs is shown
+BASES = ("vllm", "limit", "mooncake-store")  # the ratios' denominators, where they ran
+
+
+def _figures(p: dict) -> dict[str, Any]:
+    decode = [1000 * d for d in p.get("decode", [])]
+    return {"ttft_p50_ms": 1000 * percentile(p["ttft"], 50), "ttft_p90_ms": 1000 * percentile(p["ttft"], 90),
+            "decode_ms_p50": percentile(decode, 50) if decode else None, "wall_s": p["seconds"]}
+
+
+def transfer_rates(phase: dict) -> dict[str, Any] | None:
+    """kvcm's copy speeds in the phase, from its stats file's worker counters: loads from
+    its host tier into vLLM's cache (synchronous and asynchronous) and disk reads into its
+    host tier; None without a stats file."""
+    if not phase.get("stats"):
+        return None
+    w = _delta(phase, "worker")
+    load_s = (w.get("sync_load_us", 0) + w.get("loads_us", 0)) / 1e6
+    disk_s = w.get("disk_read_us", 0) / 1e6
+    return {"load_bytes": int(w.get("loaded_bytes", 0)), "load_s": load_s,
+            "load_gbps": w.get("loaded_bytes", 0) / load_s / 1e9 if load_s else None,
+            "disk_bytes": int(w.get("disk_read_bytes", 0)), "disk_s": disk_s,
+            "disk_gbps": w.get("disk_read_bytes", 0) / disk_s / 1e9 if disk_s else None}
+
+
+def copy_floors(results: dict[str, dict], cap: int = 256 << 20) -> dict[str, Any]:
+    """What this machine does with the bytes kvcm moved, measured now (the same run): a
+    plain torch ``copy_`` of as many bytes as the largest load total (at most ``cap``) and a
+    read of a file of that size from the page cache (written, then read back twice: the
+    second read is timed).  kvcm's rates are set against these."""
+    import tempfile
+
+    import torch
+
+    most = 0
+    for r in results.values():
+        for run in r.get("runs", [r]):
+            t = transfer_rates(run["phase"]) or {}
+            most = max(most, t.get("load_bytes", 0), t.get("disk_bytes", 0))
+    n = max(1 << 20, min(most, cap))
+    src, dst = torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    copy_s = time.perf_counter() - t0
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(src.numpy().tobytes())
+        f.flush()
+        buf = memoryview(dst.numpy())
+        for timed in (False, True):
+            t0 = time.perf_counter()
+            got = os.preadv(f.fileno(), [buf], 0)
+            read_s = time.perf_counter() - t0
+            assert got == n or not timed
+    return {"bytes": n, "copy_gbps": n / copy_s / 1e9, "page_cache_gbps": n / read_s / 1e9}
+
+
+def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str],
+              floors: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report: one row per configuration (``results[key]["runs"]``: each run's ``main``
+    phase, logged core layout, seconds and load average before / after the engine; a
+    result without ``runs`` is one run), exactness against the reference's outputs in every
+    run, the timed figures the best run's (``--repeat``), ratios against ``vllm``,
+    ``limit`` and ``mooncake-store`` where they ran, kvcm's copy speeds against
+    ``floors`` (:func:`copy_floors`)."""
+    runs_of = {k: r.get("runs", [r]) for k, r in results.items()}
+    ref = runs_of[plan.reference][0]["phase"]["outputs"]
     rows = []
-    for key, r in results.items():
-        p = r["phase"]
-        decode = [1000 * d for d in p.get("decode", [])]
+    for key, runs in runs_of.items():
+        r, p = runs[0], runs[0]["phase"]
+        each = [_figures(x["phase"]) for x in runs]
+        best = {m: min((f[m] for f in each if f[m] is not None), default=None) for m in TIMED}
+        loads = [x.get("engine_load") for x in runs if x.get("engine_load")]
+        rates = transfer_rates(p)
+        if rates and floors:
+            rates["load_x_copy"] = _ratio(rates["load_gbps"], floors["copy_gbps"])
+            rates["disk_x_page_cache"] = _ratio(rates["disk_gbps"], floors["page_cache_gbps"])
         rows.append({
             "key": key, "config": labels[key],
             "prompt_tokens": p["prompt_tokens"], "prefill_tokens": p["prompt_tokens"] - p["cached_tokens"],
-            "floor_prefill_tokens": p.get("floor_prefill_tokens"), "hits": _hits(p),
-            "ttft_p50_ms": 1000 * percentile(p["ttft"], 50), "ttft_p90_ms": 1000 * percentile(p["ttft"], 90),
-            "decode_ms_p50": percentile(decode, 50) if decode else None,
-            "wall_s": p["seconds"], "load_before": p["loadavg_before"][0], "load_after": p["loadavg_after"][0],
-            "exact": p["outputs"] == ref, "requests": len(p["outputs"]),
-            "connector": connector_time(p),
+            "floor_prefill_tokens": p.get("floor_prefill_tokens"), "hits": _hits(p), **best,
+            "runs": [{**f, "engine_load": x.get("engine_load")} for f, x in zip(each, runs, strict=True)],
+            "load_before": p["loadavg_before"][0], "load_after": p["loadavg_after"][0],
+            "engine_load_before": max((lb for lb, _ in loads), default=None),
+            "noisy": any(lb > 1.0 for lb, _ in loads),
+            "exact": all(x["phase"]["outputs"] == ref for x in runs), "requests": len(p["outputs"]),
+            "connector": connector_time(p), "transfer": rates,
             "layout": r["layout"], "engine_seconds": r["seconds"], "start_seconds": r["start_seconds"],
             "killed_before": r.get("killed_before")})
     by_key = {row["key"]: row for row in rows}
     for row in rows:
-        for base in ("vllm", "limit"):
+        for base in BASES:
             b = by_key.get(base)
             for m in ("ttft_p50_ms", "ttft_p90_ms", "decode_ms_p50", "wall_s", "prefill_tokens"):
                 row[f"{m}_x_{base}"] = _ratio(row[m], b[m]) if b else None
         row["prefill_x_floor"] = _ratio(row["prefill_tokens"], row["floor_prefill_tokens"])
-    floors = {row["floor_prefill_tokens"] for row in rows if row["exact"]}
+    floors_tok = {row["floor_prefill_tokens"] for row in rows if row["exact"]}
     layouts = sorted({row["layout"] for row in rows})
     return {"workload": plan.workload, "sizes": plan.sizes, "batch": plan.batch, "together": plan.together,
             "requests": plan.requests, "working_set_blocks": plan.working_set, "limit_blocks": plan.limit_blocks,
             "disk_blocks": plan.disk_blocks, "max_model_len": plan.max_model_len, "warmup": plan.warmup,
             "reserved_cpus": plan.reserved_cpus, "layouts": layouts, "cores": os.cpu_count(),
-            "floor_prefill_tokens": floors.pop() if len(floors) == 1 else None, "quick": plan.quick,
-            "reference": plan.reference, "rows": rows, **plan.extra}
+            "floor_prefill_tokens": floors_tok.pop() if len(floors_tok) == 1 else None, "quick": plan.quick,
+            "reference": plan.reference, "rows": rows, "repeat": getattr(plan, "repeat", 1),
+            "copy_floors": floors, **plan.extra}
+
+
+def suite_table(reports: list[tuple[str, dict]]) -> str:
+    """``--suite``'s summary: per workload and configuration, TTFT p50 and wall against the
+    limit and against MooncakeStoreConnector, decode against vLLM alone, prefill against
+    the floor, exactness and whether any run was noisy."""
+    out = [("| workload | config | TTFT p50 ×limit | wall ×limit | TTFT p50 ×mooncake-store | wall ×mooncake-store "
+            "| decode ×vllm | prefill ×floor | exact | noisy |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, rep in reports:
+        for r in rep["rows"]:
+            out.append(f"| {name} | {r['config']} | {_x(r['ttft_p50_ms_x_limit'])} | {_x(r['wall_s_x_limit'])} | "
+                       f"{_x(r['ttft_p50_ms_x_mooncake-store'])} | {_x(r['wall_s_x_mooncake-store'])} | "
+                       f"{_x(r['decode_ms_p50_x_vllm'])} | {_x(r['prefill_x_floor'])} | "
+                       f"{'yes' if r['exact'] else 'NO'} | {'NOISY' if r.get('noisy') else 'no'} |")
+    return "\n".join(out)
 
 
 def _mode(plan: Plan) -> str:
@@ -166,27 +252,47 @@ def markdown(plan: Plan, report: dict, model: dict) -> str:
     out.append("whole-block prefill floor (every block computed before is reused, a prompt's last token is "
                f"computed): {_f(floor, ',')} tokens")
     out.append("")
-    out.append("| config | prompt tokens | prefill tokens computed | kvcm hits host / disk / shared (blocks) "
-               "| TTFT p50 ms | TTFT p90 ms | decode ms/token p50 | wall s | load 1-min start → end | exact |")
+    best = f" (the best of {report['repeat']} interleaved runs)" if report.get("repeat", 1) > 1 else ""
+    out.append(f"| config | prompt tokens | prefill tokens computed | kvcm hits host / disk / shared (blocks) "
+               f"| TTFT p50 ms{best} | TTFT p90 ms | decode ms/token p50 | wall s | load 1-min at engine start "
+               "| exact |")
     out.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         hits = " / ".join(str(r["hits"][t]) for t in ("host", "disk", "shared")) if r["hits"] else "- / - / -"
+        lb = r.get("engine_load_before")
+        load = "-" if lb is None else f"{lb:.2f}" + (" NOISY" if r.get("noisy") else "")
         out.append(f"| {r['config']} | {r['prompt_tokens']:,} | {r['prefill_tokens']:,} | {hits} | "
                    f"{r['ttft_p50_ms']:.0f} | {r['ttft_p90_ms']:.0f} | {_f(r['decode_ms_p50'], '.1f')} | "
-                   f"{r['wall_s']:.1f} | {r['load_before']:.1f} → {r['load_after']:.1f} | "
-                   f"{'yes' if r['exact'] else 'NO'} |")
+                   f"{r['wall_s']:.1f} | {load} | {'yes' if r['exact'] else 'NO'} |")
     out.append("")
-    out.append("| config | TTFT p50 ×vllm | ×limit | wall ×vllm | ×limit | decode ×vllm | ×limit | prefill ×floor |")
-    out.append("|---|---|---|---|---|---|---|---|")
+    out.append("| config | TTFT p50 ×vllm | ×limit | ×mooncake-store | wall ×vllm | ×limit | ×mooncake-store "
+               "| decode ×vllm | prefill ×floor |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         out.append(f"| {r['config']} | {_x(r['ttft_p50_ms_x_vllm'])} | {_x(r['ttft_p50_ms_x_limit'])} | "
-                   f"{_x(r['wall_s_x_vllm'])} | {_x(r['wall_s_x_limit'])} | {_x(r['decode_ms_p50_x_vllm'])} | "
-                   f"{_x(r['decode_ms_p50_x_limit'])} | {_x(r['prefill_x_floor'])} |")
+                   f"{_x(r['ttft_p50_ms_x_mooncake-store'])} | {_x(r['wall_s_x_vllm'])} | {_x(r['wall_s_x_limit'])} | "
+                   f"{_x(r['wall_s_x_mooncake-store'])} | {_x(r['decode_ms_p50_x_vllm'])} | "
+                   f"{_x(r['prefill_x_floor'])} |")
+    fl = report.get("copy_floors")
+    for r in rows:
+        t = r.get("transfer")
+        if not t or not fl:
+            continue
+        parts = []
+        if t["load_gbps"] is not None:
+            parts.append(f"loads from its host tier {t['load_gbps']:.2f} GB/s ({t['load_bytes'] / 2**20:.0f} MiB in "
+                         f"{1000 * t['load_s']:.0f} ms) = {_x(t.get('load_x_copy'))} a plain torch copy here "
+                         f"({fl['copy_gbps']:.2f} GB/s)")
+        if t["disk_gbps"] is not None:
+            parts.append(f"disk reads {t['disk_gbps']:.2f} GB/s ({t['disk_bytes'] / 2**20:.0f} MiB) = "
+                         f"{_x(t.get('disk_x_page_cache'))} a page-cache read here ({fl['page_cache_gbps']:.2f} GB/s)")
+        if parts:
+            out.append(f"copy speed, {r['config']}: " + "; ".join(parts))
     out.append("")
     out.append("TTFT: vLLM's first_token_latency (from arrival); decode: (last token - first token) / (outputs - 1) "
                "per request, vLLM's engine-core timestamps; wall: the measured workload alone (no engine start); "
-               "load: the 1-minute load average when the workload started and ended (an engine alone adds about "
-               "1-2; more means other processes shared the cores).")
+               "load: the 1-minute load average when the engine started (NOISY above 1.0 on 2 cores: another "
+               "process shared the cores; an engine alone brings it to 1-2 while it runs).")
     for r in rows:
         c = r.get("connector")
         if c:
@@ -252,4 +358,4 @@ def plot(plan: Plan, report: dict, path: str) -> None:
     plt.close(fig)
 
 
-__all__ = ["header", "markdown", "percentile", "plot", "summarize"]
+__all__ = ["copy_floors", "header", "markdown", "percentile", "plot", "suite_table", "summarize", "transfer_rates"]

@@ -118,12 +118,16 @@ class Handover:
     ``request_finished`` (it returns vLLM's pair: hold the blocks, the params)."""
 
     def __init__(self, sched: Any, role: Role, wait_s: float = 10.0, *,
-                 clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_S) -> None:
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_S,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.sched = sched
         self.role = role
         self.wait_s = wait_s
         self.clock = clock
+        self.sleep = sleep
         self.poll_s = poll_s
+        self.paced_step = -1
+        self.paces = 0  # steps slowed while hand-overs waited (an engine with nothing to run)
         self.B = sched.B
         self.namespace = sched.config.shared_namespace
         self.ns_digest = namespace_digest(self.namespace) if self.namespace else ""
@@ -195,6 +199,7 @@ class Handover:
         else:
             self._poll()
         if w.missing and self.clock() < w.deadline:
+            self._pace(w.deadline)
             return None, False
         del self.waiting[rid]
         self.waited[rid] = False
@@ -205,6 +210,21 @@ class Handover:
             logger.warning("kvcm hand-over: request %s: %d of the %d announced blocks not in the store after %.1f s "
                            "(handover_wait_s): they are computed", rid, missing, w.tokens // self.B, self.wait_s)
         return self.sched.get_num_new_matched_tokens(request, n_local)
+
+    def _pace(self, deadline: float) -> None:
+        """An engine whose last step ran no forward and whose requests wait for hand-overs
+        would spin (vLLM steps an engine with waiting requests as fast as it can): the first
+        waiting lookup of such a step sleeps until the next poll is due (at most ``poll_s``,
+        never past the deadline), so the waiting costs the host ~1/poll_s steps a second
+        (measured: a spinning consumer starved a producer on the same two cores for the whole
+        wait).  A step that runs a forward is never slowed."""
+        if self.sched.last_forward or self.sched.step == self.paced_step:
+            return
+        self.paced_step = self.sched.step
+        pause = min(self.poll_s - (self.clock() - self.polled_at), deadline - self.clock())
+        if pause > 0:
+            self.sleep(pause)
+            self.paces += 1
 
     def _poll(self, force: bool = False) -> None:
         """One existence query for every waiting hand-over's missing objects, at most once

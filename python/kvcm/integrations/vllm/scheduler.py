@@ -52,6 +52,8 @@ from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMet
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
 from kvcm.integrations.vllm.stats import process_stats
 
+UNREADABLE_MAX = 1 << 16  # store objects remembered as unreadable (32-byte keys: ~6 MiB at most)
+UNREADABLE_STEPS = 2048  # engine steps an unreadable object is not promised (then tried again: a store recovers)
 LC = 0  # the life cycle of a model with one full-attention group (KvLayout.lc_groups: one per kind)
 TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
 MEDIA = ("CPU", "CPU", "STORAGE", "SHARED")  # event medium by kvcm tier number (tier 0: host memory)
@@ -138,7 +140,8 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "loads_sync", "loads_async", "load_blocks_planned", "loaded_blocks", "hit_blocks_host",
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
-            "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped")
+            "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped",
+            "probes_memoized", "unreadable_objects", "readable_again")
 
 
 class KvcmScheduler:
@@ -163,7 +166,14 @@ class KvcmScheduler:
                            for lcg in self.lc_groups]
         self.hybrid = layout.hybrid
         self.windowed = [layout.window_of_group(lcg[0]) is not None for lcg in self.lc_groups]
-        self.no_load: set[str] = set()  # requests whose load failed (hybrid): recomputed, never loaded again
+        self.no_load: set[str] = set()  # requests whose load failed: recomputed, never loaded again
+        # store objects a load could not read (listed by the store, unreadable: EACCES, EIO, a
+        # data path down): never promised again (bounded: the oldest are forgotten first)
+        self.unreadable: dict[tuple[bytes, int], int] = {}  # -> the step it was marked at
+        # the manager's state changes (admit, commit, resize, close, settle, clear): a probe's
+        # answer is memoized per request until then (vLLM probes a waiting request every step)
+        self.version = 0
+        self.memo: dict[str, tuple[tuple[int, int, int], tuple[int, bool]]] = {}
         self.batches: dict[int, list[int]] = {}  # save batch -> [save plans not yet reported, all ok (1/0)]
         self.scope = scope or (lambda request: None)
         self.skip = skip or (lambda request: False)
@@ -201,6 +211,7 @@ class KvcmScheduler:
         self.settled = 0  # drains [1, settled] are settled
         self.drain_reports: dict[int, dict[int, list[CopyOp]]] = {}
         self.drain_bytes: dict[int, int] = {}
+        self.drain_stores: dict[int, list[tuple[bytes, int]]] = {}  # objects a drain writes (while some are unreadable)
         self.kv_open = 0  # kvcm requests the mirrors hold open
         self.inflight_bytes = 0  # saves + loads + drains planned, not reported done by every rank
         self.max_inflight = settings.max_inflight_bytes
@@ -219,6 +230,7 @@ class KvcmScheduler:
         # commits since the last drain: their shared-tier writes (write-through) are drained at
         # the next step, which an idle engine takes only while busy() says so (issue 35)
         self.undrained = False
+        self.last_forward = True  # the last step scheduled tokens
         self.publisher = None
         if settings.events_endpoint is not None:
             from kvcm.fleet.publisher import EventPublisher
@@ -258,26 +270,50 @@ class KvcmScheduler:
             self.probes.pop(rid, None)
             self.counters["skipped_requests"] += 1
             return 0, False
+        # vLLM asks again every step while the request waits (for blocks, behind another): the
+        # answer stands while nothing it depends on changed (the manager, the live requests)
+        key = (len(tokens), n_local, self.version)
+        memo = self.memo.get(rid)
+        if memo is not None and memo[0] == key and rid in self.probes:
+            self.counters["probes_memoized"] += 1
+            return memo[1]
         scope = self.scope(request)
         if len(tokens) <= self.B:  # the last token's logits are computed: no full block to reuse
             # (still mirrored: the blocks it fills as it decodes are saved)
             self.probes[rid] = Probe(len(tokens), n_local, 0, False, None, [], scope)
             return 0, False
         prefix = list(tokens[:-1])
-        p, hits = self.loop.probe(prefix, scope, shared_hits=self._known_hits(rid, prefix))
-        self._remember_hits(rid, prefix, hits)
+        hits = self._known_hits(rid, prefix)
+        if hits is ASK:
+            hits = self.loop.shared_hits(prefix, scope)
+            self._remember_hits(rid, prefix, hits)
+        if hits and self.unreadable:  # objects a load could not read are not promised again
+            hits = [h for h in hits if not self._is_unreadable(h)]
+        p, hits = self.loop.probe(prefix, scope, shared_hits=hits)
         tiers = list(p.block_tiers)
         hit = p.num_tokens // self.B
         answer = max(0, hit * self.B - n_local)
-        mode = self.settings.load_mode
         if rid in self.no_load:
             answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
-        # a hybrid model: asynchronous always (a failed load is reported by request, which vLLM
-        # accepts only for asynchronous loads)
-        is_async = answer > 0 and (mode == "async" or self.hybrid or (mode == "auto" and any(
-            t != GPU for t in tiers[n_local // self.B:hit])))
+        is_async = answer > 0 and self._load_async(rid, tiers[n_local // self.B:hit])
         self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit], scope)
+        self.memo[rid] = (key, (answer, is_async))
         return answer, is_async
+
+    def _load_async(self, rid: str, tiers: list[int]) -> bool:
+        """Whether a load of blocks now in ``tiers`` is asynchronous (``load_mode`` auto: DECISIONS.md
+        "Synchronous or asynchronous loads, by the engine's state").  A hybrid model's loads are
+        always asynchronous (vLLM takes a failed load by request only from those).  A load
+        from host memory is synchronous: it costs the step a memory copy.  One from disk or
+        the store is synchronous when no other request is live (the step has nothing else to
+        do, and an asynchronous load would cost the request engine steps, not bytes), else
+        asynchronous (the forwards of the others do not wait for it)."""
+        mode = self.settings.load_mode
+        if mode == "async" or self.hybrid:
+            return True
+        if mode == "sync" or all(t == GPU for t in tiers):
+            return False
+        return any(r != rid for r in self.mirrors)
 
     def _known_hits(self, rid: str, prefix: list[int]) -> Any:
         """The store's hits for ``prefix`` asked at an earlier probe of this request and
@@ -288,7 +324,7 @@ class KvcmScheduler:
         return cached[1] if cached is not None and cached[0] == len(prefix) else ASK
 
     def _remember_hits(self, rid: str, prefix: list[int], hits: Any) -> None:
-        if not self.lookup_planes or rid in self.hit_cache and self.hit_cache[rid][0] == len(prefix):
+        if not self.lookup_planes:
             return
         self._count("lookups")
         self.counters["lookup_tokens"] += len(prefix)
@@ -308,6 +344,8 @@ class KvcmScheduler:
         tables = [list(block_ids)] if not block_ids or isinstance(block_ids[0], int) else [list(t) for t in block_ids]
         rid = request.request_id
         probe = self.probes.pop(rid, None)
+        self.memo.pop(rid, None)
+        self.version += 1  # admitted: the manager and the live requests change
         old = self.mirrors.get(rid)
         if old is not None:
             if probe is None:  # the second call of an asynchronous load (n_external 0): nothing new
@@ -388,8 +426,10 @@ class KvcmScheduler:
         reports the request in ``finished_sending``."""
         rid = request.request_id
         self.probes.pop(rid, None)
+        self.memo.pop(rid, None)
         self.hit_cache.pop(rid, None)
         self.no_load.discard(rid)
+        self.version += 1
         self.stats_dirty = True
         m = self.mirrors.pop(rid, None)
         if m is None:
@@ -417,8 +457,10 @@ class KvcmScheduler:
         self.step += 1
         self._count("steps")
         meta = KvcmConnectorMetadata(self.step, forward=bool(getattr(so, "total_num_scheduled_tokens", 1)))
+        self.last_forward = meta.forward  # (handover.py: a waiting hand-over paces an engine with nothing to run)
         for rid in sorted(getattr(so, "preempted_req_ids", None) or ()):
             m = self.mirrors.pop(rid, None)
+            self.version += 1
             self._count("preemptions")
             meta.preempted.append(rid)
             if m is not None:  # vLLM freed its blocks: its saves in flight finish first (handle_preemptions)
@@ -444,6 +486,8 @@ class KvcmScheduler:
             meta.runs = runs
             nbytes = sum(len(r) * self.slot_bytes[r.lc] for r in runs)
             self.drain_bytes[self.drain_seq] = nbytes
+            if self.unreadable:  # an object written again is readable again (settled: _settle)
+                self.drain_stores[self.drain_seq] = [(k, r.lc) for r in runs if r.dst_tier == SHARED for k in r.keys]
             self.inflight_bytes += nbytes
             self._count("drains")
             for m in self.created:
@@ -483,6 +527,7 @@ class KvcmScheduler:
         if n <= 0:
             return
         end = m.planned + n
+        self.version += 1  # pages allocated (maybe evicting others)
         hist = max(m.kv.history_length, min(after, end * self.B)) if self.hybrid else None
         if m.kv.capacity < end * self.B and not m.kv.resize(end * self.B, hist):
             self._stop(m)  # tier 0 cannot hold it: what is committed stays
@@ -595,7 +640,9 @@ class KvcmScheduler:
                 return
             del self.drain_reports[seq]
             failed = _union(reps.values())
+            self._unreadable(failed, self.drain_stores.pop(seq, ()))
             rolled = self.loop.report(failed)  # settle_copies (explicit settlement)
+            self.version += 1
             self.settled = seq
             self.inflight_bytes -= self.drain_bytes.pop(seq, 0)
             self._count("failed_ops", len(failed))
@@ -607,6 +654,36 @@ class KvcmScheduler:
             for m in list(self.retiring.values()):
                 if m.drain_dep == seq:
                     touched.add(m.serial)
+
+    def _unreadable(self, failed: list[CopyOp], stored: Any = ()) -> None:
+        """Store objects whose read failed are not promised again (the store may still list
+        them: another user's 0600 objects, EIO, a data path down while the metadata answers)
+        until this instance writes them again (``stored``: the objects the drain wrote; those
+        whose store op did not fail are readable again), for ``UNREADABLE_STEPS`` engine
+        steps (a store that recovers is tried again), or until ``reset``; at most
+        ``UNREADABLE_MAX``, the oldest forgotten first.  A retry costs a request at most one
+        failed load, and vLLM recomputes it."""
+        for op in failed:
+            if op.src_tier == SHARED and op.key is not None:
+                self.unreadable.pop((op.key, op.lc), None)
+                self.unreadable[(op.key, op.lc)] = self.step
+                self._count("unreadable_objects")
+        if stored and self.unreadable:
+            lost = {(op.key, op.lc) for op in failed if op.dst_tier == SHARED}
+            for k in stored:
+                if k not in lost and self.unreadable.pop(k, None) is not None:
+                    self._count("readable_again")
+        while len(self.unreadable) > UNREADABLE_MAX:
+            del self.unreadable[next(iter(self.unreadable))]
+
+    def _is_unreadable(self, key: tuple[bytes, int]) -> bool:
+        marked = self.unreadable.get(key)
+        if marked is None:
+            return False
+        if self.step - marked < UNREADABLE_STEPS:
+            return True
+        del self.unreadable[key]  # long enough: tried again
+        return False
 
     def _rolled_back(self, m: Mirror) -> None:
         """kvcm forgot a page the request used (a failed copy): its kvcm request is
@@ -636,15 +713,18 @@ class KvcmScheduler:
                     self._count("hit_blocks_" + TIER_NAMES.get(info.tiers[i] if info.tiers else GPU, "host"))
             self._count("loaded_blocks", info.n - len(failed))
         self._count("load_error_blocks", len(failed))
-        if failed and self.hybrid:
-            # reported by request (failed_recving): vLLM recomputes it from its first token and
-            # looks it up again; kvcm answers 0 for it from now on
+        if failed:
+            # hybrid: reported by request (failed_recving), vLLM recomputes it from its first
+            # token; one group: vLLM recomputes from the first failed block.  Either way vLLM
+            # may look it up again (a load that failed from its first block frees its blocks):
+            # kvcm answers 0 for it from now on, so no answer of kvcm can make a request fail
+            # its load twice (DECISIONS.md "A load that failed is not promised again")
             if not m.load_failed:  # one per request (its life cycles' plans fail together)
                 self._count("failed_loads")
             m.load_failed = True
             if self.mirrors.get(m.rid) is m:  # still running (an aborted request is not looked up again)
                 self.no_load.add(m.rid)
-        elif failed:
+        if failed and not self.hybrid:
             self._taint({info.blocks[i] for i in failed})
 
     def _taint(self, bad_blocks: set[int]) -> None:
@@ -701,6 +781,7 @@ class KvcmScheduler:
             return
         tokens = m.request.all_token_ids[m.committed * self.B:end * self.B]
         m.kv.commit(list(tokens))
+        self.version += 1
         self.undrained = True
         m.confirmed -= set(range(m.committed, end))
         m.committed = end
@@ -726,6 +807,7 @@ class KvcmScheduler:
             return
         self._commit(m)
         if m.kv is not None:
+            self.version += 1
             self.by_cache.pop(m.kv.id, None)
             m.kv.close()
             m.kv = None
@@ -747,7 +829,7 @@ class KvcmScheduler:
                 "saves": len(self.saves), "unsettled_drains": self.drain_seq - self.settled,
                 "holds": len(self.pending_holds), "probes": len(self.probes), "hit_cache": len(self.hit_cache),
                 "no_load": len(self.no_load),
-                "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes}
+                "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes, "undrained": int(self.undrained)}
 
     def take_stats(self) -> dict[str, int] | None:
         """The counters since the last call (vLLM's ``get_kv_connector_stats``), with the
@@ -777,6 +859,8 @@ class KvcmScheduler:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvcm drops every reusable
         page it holds locally (the shared store is the fleet's and is left alone)."""
         self.mgr.clear_reusable()
+        self.unreadable.clear()  # what kvcm learned of the store is forgotten too: tried again
+        self.version += 1
         return True
 
     def write_stats(self) -> None:

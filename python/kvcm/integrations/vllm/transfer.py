@@ -2,10 +2,18 @@
 memory), and runs the data plane's copy runs (offload to disk, onboard from disk or the
 shared store, store to the store), off the forward's critical path.
 
-One worker thread executes jobs in the order they were submitted (FIFO): a step's copy runs,
-then its asynchronous loads, then (after the forward) its saves.  FIFO order is what makes
-the tier-0 slots safe to reuse: a slot the manager frees and hands to another page is only
-ever written by a job queued after every job that read it.  Two things leave the FIFO:
+One worker thread executes jobs that write tier-0 slots (a step's copy runs, then, after the
+forward, its saves) in the order they were submitted (FIFO).  FIFO order is what makes the
+tier-0 slots safe to reuse: a slot the manager frees and hands to another page is only ever
+written by a job queued after every job that read it.  Three things leave the FIFO:
+
+* **asynchronous loads** (tier 0 -> vLLM's blocks; they write no tier-0 slot) wait in a queue
+  of their own and overtake the FIFO: the thread runs the oldest load as soon as the jobs
+  that write the tier-0 slots it reads are done (its *write ticket*, below), before queued
+  saves and unrelated copy runs — a request waiting for its KV never waits behind another
+  request's saves (DECISIONS.md "Loads overtake saves").  A load writes only blocks vLLM
+  just allocated to its request, which no queued save reads (vLLM keeps a request's blocks
+  while its saves are in flight);
 
 * **synchronous loads** (the step's forward reads their blocks) run on the caller's thread
   as soon as the jobs that write the tier-0 slots they read are done (a per-slot *write
@@ -40,6 +48,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import re
 import threading
 import time
 from collections import Counter, deque
@@ -114,11 +124,31 @@ def page_parts(kv_caches: Sequence[torch.Tensor], block_bytes: Sequence[int], nu
     return parts
 
 
+def _block_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (block dimension first, each block contiguous) as ``uint8[blocks, block bytes]``
+    rows: a view when the blocks' strides allow one, else a list-like of per-block views."""
+    try:
+        return t.view(t.shape[0], -1).view(torch.uint8)
+    except RuntimeError:  # blocks not evenly strided: one view per block
+        return _Rows(t)
+
+
+class _Rows:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __getitem__(self, b: int) -> torch.Tensor:
+        return self.t[b].reshape(-1).view(torch.uint8)
+
+
 class CpuCopier:
-    """vLLM's KV tensors in host memory: gathers and scatters on the calling thread."""
+    """vLLM's KV tensors in host memory: row copies on the calling thread (one ``copy_`` per
+    block and part: memcpy speed, where torch's CPU gathers of long byte rows are 10-20x
+    slower; DECISIONS.md "Loads at memory speed")."""
 
     def __init__(self, parts: Sequence[Part]) -> None:
         self.parts = list(parts)
+        self.rows = [_block_rows(p.tensor) for p in self.parts]
 
     def forward_marker(self) -> Any:
         """What a job waits on before it touches vLLM's blocks: a save, the step's forward;
@@ -127,24 +157,20 @@ class CpuCopier:
         return None
 
     def save(self, blocks: Sequence[int], slots: Sequence[int], pool: torch.Tensor, after: Any) -> None:
-        """vLLM blocks -> tier-0 rows, one gather per part."""
-        bidx = _ids(blocks)
-        sidx = torch.tensor(slots, dtype=torch.long)
-        n = len(blocks)
-        for p in self.parts:
-            rows = p.tensor.index_select(0, _col(bidx, p)).reshape(n, -1).view(torch.uint8)
-            pool[:, p.offset:p.offset + p.nbytes].index_copy_(0, sidx, rows)
+        """vLLM blocks -> tier-0 rows."""
+        for p, rows in zip(self.parts, self.rows, strict=True):
+            col = pool[:, p.offset:p.offset + p.nbytes]
+            for b, s in zip(blocks, slots, strict=True):
+                col[s].copy_(rows[b[p.group] if isinstance(b, tuple) else b])
 
     def load(self, slots: Sequence[int], blocks: Sequence[int], pool: torch.Tensor, sync: bool,
              after: Any = None) -> None:
-        """tier-0 rows -> vLLM blocks, one scatter per part (CPU: done on return; ``sync``
-        and ``after`` do not matter)."""
-        bidx = _ids(blocks)
-        sidx = torch.tensor(slots, dtype=torch.long)
-        n = len(blocks)
-        for p in self.parts:
-            rows = pool[:, p.offset:p.offset + p.nbytes].index_select(0, sidx)
-            p.tensor.index_copy_(0, _col(bidx, p), rows.view(p.tensor.dtype).view(n, *p.tensor.shape[1:]))
+        """tier-0 rows -> vLLM blocks (CPU: done on return; ``sync`` and ``after`` do not
+        matter)."""
+        for p, rows in zip(self.parts, self.rows, strict=True):
+            col = pool[:, p.offset:p.offset + p.nbytes]
+            for s, b in zip(slots, blocks, strict=True):
+                rows[b[p.group] if isinstance(b, tuple) else b].copy_(col[s])
 
     def close(self) -> None:
         return
@@ -237,6 +263,65 @@ class CudaCopier:
 
 
 # ---------------------------------------------------------------------------------------
+# Where the thread runs (vLLM's CPU build)
+
+
+def forward_cpus(environ: Any = os.environ) -> set[int]:
+    """The cores vLLM's CPU worker bound its forward's OpenMP threads to (``OMP_PLACES``
+    ``{0,1}`` / ``{0:2}``, ``GOMP_CPU_AFFINITY``, ``KMP_AFFINITY`` proclist), empty when it
+    bound none."""
+    text = environ.get("OMP_PLACES", "")
+    if text:
+        out: set[int] = set()
+        for place in re.findall(r"\{([^}]*)\}", text):
+            for part in place.split(","):
+                part = part.strip()
+                if ":" in part:  # start:count[:stride]
+                    start, count, *stride = (int(x) for x in part.split(":"))
+                    out.update(range(start, start + count * (stride[0] if stride else 1), stride[0] if stride else 1))
+                elif part:
+                    out.add(int(part))
+        return out
+    text = environ.get("GOMP_CPU_AFFINITY", "") or \
+        (re.search(r"proclist=\[([^\]]*)\]", environ.get("KMP_AFFINITY", "")) or [None, ""])[1]
+    out = set()
+    for part in re.split(r"[ ,]+", text.strip()):
+        if "-" in part:
+            a, b = part.split("-")[:2]
+            out.update(range(int(a), int(b) + 1))
+        elif part.isdigit():
+            out.add(int(part))
+    return out
+
+
+def pin_to_spare_cpus() -> set[int] | None:
+    """Move the calling thread off the forward's cores (DECISIONS.md "The transfer thread's
+    core"): vLLM's CPU worker binds its OpenMP threads, and a thread it starts inherits the
+    forward's core, so copies would take turns with the forward.  The thread goes to the
+    machine's other cores (those vLLM reserved for its scheduler and the like), when there
+    are any; ``KVCM_TRANSFER_AFFINITY=off`` leaves it where it is.  Returns the cores it was
+    moved to, None when it was not moved."""
+    if os.environ.get("KVCM_TRANSFER_AFFINITY", "auto") == "off" or not hasattr(os, "sched_setaffinity"):
+        return None
+    forward = forward_cpus()
+    if not forward:
+        return None
+    try:
+        allowed = os.sched_getaffinity(1) if os.path.exists("/proc/1") else set(range(os.cpu_count() or 1))
+    except OSError:
+        allowed = set(range(os.cpu_count() or 1))
+    spare = allowed - forward
+    if not spare:
+        return None
+    try:
+        os.sched_setaffinity(0, spare)  # pid 0: this thread only
+    except OSError as e:
+        logger.info("kvcm transfer thread: could not move to cores %s (%s)", sorted(spare), e)
+        return None
+    return spare
+
+
+# ---------------------------------------------------------------------------------------
 # The engine
 
 
@@ -250,6 +335,7 @@ class _Job:
     loads: list[LoadPlan] = field(default_factory=list)
     saves: list[SavePlan] = field(default_factory=list)
     marker: Any = None
+    need: int = 0  # loads: the last job of the FIFO that writes a slot they read (runs first)
 
 
 @dataclass
@@ -297,9 +383,11 @@ class TransferEngine:
         self.slot_bytes = [lc.slot_bytes for lc in plane.life_cycles]
         self.fault_hook = fault_hook
         self._cv = threading.Condition()
-        self._queue: deque[_Job] = deque()
+        self._queue: deque[_Job] = deque()  # runs and saves (FIFO)
+        self._loads: deque[_Job] = deque()  # asynchronous loads (FIFO among themselves; they overtake _queue)
+        self._load_ids: set[int] = set()  # load ids queued or running
         self._seq = 0  # the last job submitted
-        self._done = 0  # every job <= _done has completed (FIFO)
+        self._done = 0  # every job of _queue <= _done has completed (FIFO; loads are not counted)
         self._ticket: dict[tuple[int, int], int] = {}  # tier-0 (lc, slot) -> the last queued job writing it
         self._poison: set[tuple[int, int, int]] = set()  # (tier, lc, slot) whose last write failed
         self._pending_saves: Counter[str] = Counter()  # request -> save plans queued, not done
@@ -309,6 +397,7 @@ class TransferEngine:
         self._inflight_bytes = 0
         self._out = Completed()
         self._stop = False
+        self.cpus: set[int] | None = None  # the cores the thread was moved to (CPU builds), None: not moved
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -326,7 +415,14 @@ class TransferEngine:
                 self._pending_saves[sp.req_id] += 1
                 self._save_req[sp.save_id] = sp.req_id
             self._inflight_bytes += job.nbytes
-            self._queue.append(job)
+            if job.kind == "loads":
+                # the jobs writing the tier-0 slots it reads come first (its write ticket)
+                job.need = max((self._ticket.get((x.lc, s), 0) for x in job.loads for s in x.slots if s >= 0),
+                               default=0)
+                self._load_ids.update(x.load_id for x in job.loads)
+                self._loads.append(job)
+            else:
+                self._queue.append(job)
             self._cv.notify_all()
 
     def submit_runs(self, drain_seq: int, runs: list[CopyRun]) -> None:
@@ -395,8 +491,21 @@ class TransferEngine:
         """Wait up to ``timeout`` for a job to complete while any is queued (an engine step
         without a forward: poll less)."""
         with self._cv:
-            if self._done < self._seq:
+            if self._queue or self._loads:
                 self._cv.wait(timeout)
+
+    def wait_loads(self, load_ids: Sequence[int], timeout: float) -> bool:
+        """Wait up to ``timeout`` until the asynchronous loads ``load_ids`` are done (a step
+        without a forward reports them in the same step); True when they are."""
+        want = set(load_ids)
+        with self._cv:
+            deadline = time.monotonic() + timeout
+            while want & self._load_ids and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            return not want & self._load_ids
 
     def pending_saves(self, req_id: str) -> int:
         with self._cv:
@@ -425,19 +534,23 @@ class TransferEngine:
 
     def gauges(self) -> dict[str, int]:
         with self._cv:
-            return {"bytes_in_flight": self._inflight_bytes, "jobs_queued": self._seq - self._done,
+            return {"bytes_in_flight": self._inflight_bytes, "jobs_queued": len(self._queue) + len(self._loads),
                     "saves_queued": sum(self._pending_saves.values()), "poisoned_slots": len(self._poison)}
 
     # ------------------------------------------------------------------ the thread
 
     def _loop(self) -> None:
+        if all(isinstance(c, CpuCopier) for c in self.copiers):
+            self.cpus = pin_to_spare_cpus()
         while True:
             with self._cv:
-                while not self._queue and not self._stop:
+                while not self._queue and not self._loads and not self._stop:
                     self._cv.wait()
-                if not self._queue:
+                if not self._queue and not self._loads:
                     return
-                job = self._queue[0]
+                # a load whose slots' writers are done goes first (module doc)
+                first_load = self._loads and (self._loads[0].need <= self._done or not self._queue)
+                job = self._loads[0] if first_load else self._queue[0]
                 cancelled = self._stop  # close(): what has not begun fails
                 if not cancelled:
                     self._started.update(sp.save_id for sp in job.saves)
@@ -468,8 +581,12 @@ class TransferEngine:
             o.failed_blocks.update(d.failed_blocks)
             o.load_reqs.update(d.load_reqs)
             o.counters.update(d.counters)
-            self._queue.popleft()
-            self._done = job.seq
+            if job.kind == "loads":
+                self._loads.popleft()
+                self._load_ids.difference_update(x.load_id for x in job.loads)
+            else:
+                self._queue.popleft()
+                self._done = job.seq
             self._inflight_bytes -= job.nbytes
             self._cv.notify_all()
 
@@ -504,6 +621,8 @@ class TransferEngine:
     def _exec_runs(self, job: _Job, out: _Outcome) -> None:
         plane = self.plane
         before = dict(plane.shared_stats)
+        cs = plane.copy_stats
+        disk_bytes, disk_s = cs.route_bytes.get("disk->gpu", 0), cs.route_seconds.get("disk->gpu", 0.0)
         with self._cv:
             poisoned = bool(self._poison)
         plane.fault = self._fault if poisoned or self.fault_hook is not None else None
@@ -531,6 +650,9 @@ class TransferEngine:
         c["run_bytes"] += job.nbytes
         for k in ("load_failures", "timeouts", "lookup_errors", "removed_bad", "stores", "loads"):
             c["shared_" + k] += plane.shared_stats[k] - before[k]
+        # disk -> kvcm's tier 0 (host memory): the bench's disk read speed
+        c["disk_read_bytes"] += cs.route_bytes.get("disk->gpu", 0) - disk_bytes
+        c["disk_read_us"] += int(1e6 * (cs.route_seconds.get("disk->gpu", 0.0) - disk_s))
 
     def _copy_in(self, x: LoadPlan, bad: list[int], sync: bool, counters: Counter, after: Any = None) -> list[int]:
         """Copy the blocks of ``x`` not in ``bad`` into vLLM's cache (after ``after``:

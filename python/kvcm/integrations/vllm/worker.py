@@ -33,6 +33,7 @@ from kvcm.integrations.vllm.transfer import CpuCopier, CudaCopier, TransferEngin
 logger = logging.getLogger(__name__)
 
 PREEMPT_WAIT_S = 5.0  # handle_preemptions: saves not begun by then are cancelled (kvcm skips them)
+SAME_STEP_LOAD_S = 0.5  # a step without a forward waits this long for its asynchronous loads
 IDLE_WAIT_S = 0.005  # a step without a forward waits this long for a transfer to end (less spinning)
 # what a worker adds to vLLM's stats (blocks, hits and load errors are the scheduler's: counted
 # once for every rank)
@@ -140,7 +141,12 @@ class KvcmWorker:
         if eng is None:
             return set(), set(), set()
         if self.meta is not None and not self.meta.forward:
-            eng.wait_any(IDLE_WAIT_S)
+            # a step without a forward has nothing else to do: its asynchronous loads are
+            # waited for (bounded), so they are reported in this step and the requests run in
+            # the next one (a request pays the bytes, not extra engine steps)
+            loads = [x.load_id for x in self.meta.loads if not x.sync]
+            if not loads or not eng.wait_loads(loads, SAME_STEP_LOAD_S):
+                eng.wait_any(IDLE_WAIT_S)
         done = eng.take(asked=self.holds)
         sending = done.saves_done
         self.holds -= sending
