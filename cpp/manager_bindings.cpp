@@ -940,8 +940,8 @@ void bind_request_calls(nb::class_<Manager>& cls) {
           "serial"_a, "Close the cache (idempotent); returns its final state, the tokens moved out of the core.")
       .def(
           "page_indices",
-          [](Manager& mgr, std::int64_t serial, std::int64_t lc) {
-            std::vector<std::int32_t> v = quick(mgr, [&] { return mgr.page_indices(serial, lc); });
+          [](Manager& mgr, std::int64_t serial, std::int64_t lc, std::int64_t start, std::int64_t stop) {
+            std::vector<std::int32_t> v = quick(mgr, [&] { return mgr.page_indices(serial, lc, start, stop); });
             nb::object out = nb::steal(PyList_New(static_cast<Py_ssize_t>(v.size())));
             if (!out.is_valid()) throw nb::python_error();
             for (std::size_t i = 0; i < v.size(); ++i) {
@@ -949,7 +949,7 @@ void bind_request_calls(nb::class_<Manager>& cls) {
             }
             return nb::borrow<nb::list>(out);
           },
-          "serial"_a, "lc"_a)
+          "serial"_a, "lc"_a, "start"_a = 0, "stop"_a = -1)
       .def("page_indices_into", &page_indices_into, "serial"_a, "lc"_a, "out"_a);
 }
 

@@ -241,5 +241,9 @@ class RequestOps:
             size = data.draw(st.sampled_from([need, need, need + 2, max(0, need - 1), 1, 0]))
             dtype = data.draw(st.sampled_from(["int32", "int32", "int32", "int64", "float32"]))
             self.run({"op": "page_indices_into", "cache": h, "args": {"lc": lc, "size": size, "dtype": dtype}})
+        elif data.draw(st.integers(0, 2)) == 0:  # a range of ordinals (in, at and past the ends)
+            a = data.draw(st.sampled_from([0, 0, 1, 2, -1, "0"]))
+            b = data.draw(st.sampled_from([None, None, 1, 2, 3, 0, 10**6, 1.0]))
+            self.run({"op": "page_indices", "cache": h, "args": {"lc": lc, "start": a, "stop": b}})
         else:
             self.run({"op": "page_indices", "cache": h, "args": {"lc": lc}})

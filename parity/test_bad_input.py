@@ -761,3 +761,36 @@ def test_calls_on_a_shut_down_manager(make_manager):
     assert snap(mgr) == before
     assert kv.status is Status.CLOSED and kv.committed_tokens == P[:8]
     mgr.check_invariants()
+
+
+def test_page_index_ranges_are_slices_and_bad_ranges_change_nothing(make_manager):
+    """``page_indices(lc, start, stop)`` is ``page_indices(lc)[start:stop]`` for every range
+    within the entries; a range outside them, or not of ints, is refused alike and changes
+    nothing (the engine reads the blocks it just filled: SPEC sec. 7)."""
+    mgr = make_manager(attn_cfg(gpu=8))
+    fill(mgr, P[:8])
+    kv = _active(mgr, capacity=5 * B + 1, prompt=P[:8])
+    full = kv.page_indices(0)
+    n = len(full)
+    assert n == 6
+    for a in range(n + 1):
+        assert kv.page_indices(0, a) == full[a:]
+        for b in range(a, n + 1):
+            assert kv.page_indices(0, a, b) == full[a:b]
+            assert kv.page_indices(0, start=Liar(a), stop=Liar(b)) == full[a:b]  # read by value
+    _raises(mgr, lambda: kv.page_indices(0, -1), ValueError, "block range [-1, 6) is not within the 6 entries [0, 6]")
+    _raises(mgr, lambda: kv.page_indices(0, 0, 7), ValueError, "block range [0, 7) is not within the 6 entries [0, 6]")
+    _raises(mgr, lambda: kv.page_indices(0, 4, 3), ValueError, "block range [4, 3) is not within the 6 entries [0, 6]")
+    _raises(mgr, lambda: kv.page_indices(0, "1"), TypeError, "start must be an int, got str")
+    _raises(mgr, lambda: kv.page_indices(0, 0, 1.5), TypeError, "stop must be an int or None, got float")
+    _raises(mgr, lambda: kv.page_indices(1, 0, 1), ValueError, "unknown life cycle 1; this model has 1")
+    ssm = make_manager(ssm_cfg(gpu=2))
+    live = _active(ssm, capacity=8)
+    one = live.page_indices(0)
+    assert len(one) == 1 and live.page_indices(0, 0, 1) == one
+    assert live.page_indices(0, 1) == [] and live.page_indices(0, 0, 0) == []
+    _raises(ssm, lambda: live.page_indices(0, 0, 2), ValueError, "block range [0, 2) is not within the 1 entries [0, 1]")
+    kv.suspend()
+    _raises(mgr, lambda: kv.page_indices(0, 0, 1), InvalidStateError,
+            "page_indices() needs a ACTIVE cache, this one is SUSPENDED")
+    mgr.check_invariants()

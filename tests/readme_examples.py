@@ -18,6 +18,7 @@ from children import child_env
 # editable install puts kvcm in site-packages, where no README.md is)
 README = Path(__file__).resolve().parent.parent / "README.md"
 MARK = re.compile(r"^<!-- example: ([\w-]+)(?: after ([\w-]+))?(?: needs (vllm))? -->$")
+SHELL_MARK = re.compile(r"^<!-- shell: ([\w-]+) -->$")  # a bash block a test runs as written (issue 37)
 FENCE = re.compile(r"^```(\w*)\s*$")
 
 
@@ -55,6 +56,32 @@ def examples(text: str) -> dict[str, tuple[str | None, str, int, str | None]]:
 EXAMPLES = examples(README.read_text(encoding="utf-8"))
 
 
+def shell_blocks(text: str) -> dict[str, str]:
+    """``{name: script}``: each ```bash block marked ``<!-- shell: NAME -->`` on the line
+    before it (the vLLM walk-through: tests/engines/test_vllm_walkthrough.py; the config
+    file example: tests/engines/test_vllm_startup.py).  AssertionError for a marker on
+    another kind of block, or a name twice."""
+    lines = text.splitlines()
+    out: dict[str, str] = {}
+    for i, line in enumerate(lines):
+        m = SHELL_MARK.match(line.strip())
+        if m is None:
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].strip():
+            j += 1
+        assert j < len(lines) and lines[j].strip() == "```bash", f"README.md:{i + 1}: a shell marker not on a bash block"
+        k = j + 1
+        while k < len(lines) and lines[k].strip() != "```":
+            k += 1
+        assert m.group(1) not in out, f"README.md:{i + 1}: shell block {m.group(1)!r} twice"
+        out[m.group(1)] = "\n".join(lines[j + 1 : k]) + "\n"
+    return out
+
+
+SHELL = shell_blocks(README.read_text(encoding="utf-8"))
+
+
 def chain(name: str) -> list[str]:
     after = EXAMPLES[name][0]
     return ([*chain(after)] if after else []) + [name]
@@ -86,4 +113,4 @@ def run_example(name: str, tmp_path: Path, argv: tuple[str, ...] = (), timeout: 
     return p.stdout
 
 
-__all__ = ["EXAMPLES", "chain", "examples", "run_example"]
+__all__ = ["EXAMPLES", "SHELL", "chain", "examples", "run_example", "shell_blocks"]

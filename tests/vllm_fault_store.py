@@ -18,7 +18,8 @@ whose metadata answers while its data path is down).
 
 :func:`truncate_disk_hook` is a ``copy_fault_hook``: with the mode ``truncate-disk:DIR`` it
 truncates kvcm's disk pool files in ``DIR`` just before the first copy op that reads the disk
-tier runs (a disk load in flight), once (the mode is cleared).
+tier runs (a disk load in flight), once (the mode is cleared); with ``slow-load`` every page
+copied from disk or the store into kvcm's tier 0 takes ``SLOW_LOAD_S`` more.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import os
 import time
 from collections.abc import Sequence
 
-from kvcm.api import DISK, CopyOp
+from kvcm.api import DISK, GPU, SHARED, CopyOp
 from kvcm.dataplane.store import HEADER, FileStore, Staging
 
 HANG_S = 3.0
 SLOW_S = 0.1
+SLOW_LOAD_S = 0.2
 
 
 class FaultyFileStore(FileStore):
@@ -99,7 +101,13 @@ def _set_mode(mode: str) -> None:
 
 
 def truncate_disk_hook(op: CopyOp) -> None:
-    """``copy_fault_hook`` (module doc): truncate the disk pool files as a disk read begins."""
+    """``copy_fault_hook`` (module doc): truncate the disk pool files as a disk read begins;
+    with the mode ``slow-load``, every copy of a page from disk or the store into kvcm's
+    tier 0 first sleeps ``SLOW_LOAD_S`` (outside the store's deadline: loads stay in flight
+    longer than a step waits for them, e.g. for aborts to land on)."""
+    if op.src_tier in (DISK, SHARED) and op.dst_tier == GPU and FaultyFileStore.mode() == "slow-load":
+        time.sleep(SLOW_LOAD_S)
+        return
     if op.src_tier != DISK:
         return
     m = FaultyFileStore.mode()

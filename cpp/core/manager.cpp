@@ -263,8 +263,9 @@ ClosedTokens Manager::close(std::int64_t serial) {
   return out;
 }
 
-std::vector<std::int32_t> Manager::page_indices(std::int64_t serial, std::int64_t lc) {
-  return req(serial).page_indices(lc);
+std::vector<std::int32_t> Manager::page_indices(std::int64_t serial, std::int64_t lc, std::int64_t start,
+                                                std::int64_t stop) {
+  return req(serial).page_indices(lc, start, stop);
 }
 
 // Fork registration (DECISIONS.md "Forks (issue 22)"): the child gets the next serial and

@@ -131,7 +131,8 @@ class Manager {
   void commit_input(std::int64_t serial, std::optional<std::int64_t> n);
   void stop_committing(std::int64_t serial);
   ClosedTokens close(std::int64_t serial);
-  std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc);
+  std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc, std::int64_t start = 0,
+                                         std::int64_t stop = -1);
   std::size_t num_life_cycles() const noexcept { return pool_.num_life_cycles(); }
   std::size_t num_tiers() const noexcept { return static_cast<std::size_t>(pool_.num_tiers()); }
   // Forks (issue 22, DECISIONS.md "Forks (issue 22)"): a new ACTIVE request sharing this

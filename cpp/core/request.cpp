@@ -625,17 +625,21 @@ void Request::copy_tail(const TailPages& shared) {
   }
 }
 
+// The ordinals [start, stop) only (stop -1: to the end; the Python layer checked the range,
+// kvcm.checks.check_block_range): the cost is the range's.
 // py: request.py Request.page_indices — SPEC sec. 7
-std::vector<std::int32_t> Request::page_indices(std::int64_t lc) {
+std::vector<std::int32_t> Request::page_indices(std::int64_t lc, std::int64_t start, std::int64_t stop) {
   require(ReqStatus::active, "page_indices");
   std::vector<std::int32_t> out;
   if (lc == pool_.ssm_lc()) {
-    out.push_back(static_cast<std::int32_t>(pool_.page(live).slot));
+    if (start == 0 && stop != 0) out.push_back(static_cast<std::int32_t>(pool_.page(live).slot));
     return out;
   }
   const std::int64_t nb = ceildiv(capacity, pool_.B());
-  out.reserve(static_cast<std::size_t>(nb));
-  for (std::int64_t i = 0; i < nb; ++i) {
+  const std::int64_t end = stop < 0 ? nb : std::min(stop, nb);
+  if (start >= end) return out;
+  out.reserve(static_cast<std::size_t>(end - start));
+  for (std::int64_t i = start; i < end; ++i) {
     const std::int64_t s = page_at(lc, i);
     out.push_back(s >= 0 ? static_cast<std::int32_t>(pool_.page(s).slot) : -1);
   }

@@ -98,7 +98,7 @@ class Request : private RequestState {
   void stop_committing();
   // Everything released; the request is CLOSED (the manager drops it from its registry).
   ClosedTokens close();
-  std::vector<std::int32_t> page_indices(std::int64_t lc);
+  std::vector<std::int32_t> page_indices(std::int64_t lc, std::int64_t start = 0, std::int64_t stop = -1);
   // Forks (DECISIONS.md "Forks (issue 22)"): `child`, a fresh Request of the same pool, made
   // an ACTIVE copy sharing this one's committed pages; false (nothing changed) when the gpu
   // cannot take the fork's own pages.

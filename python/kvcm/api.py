@@ -815,16 +815,25 @@ class KVCache(abc.ABC):
             ClosedError: the cache is closed."""
 
     @abc.abstractmethod
-    def page_indices(self, lc: int) -> list[int]:
+    def page_indices(self, lc: int, start: int = 0, stop: int | None = None) -> list[int]:
         """The gpu slot of each block of life cycle ``lc`` (SPEC sec. 7); ACTIVE only.
 
+        Args:
+            lc: the life cycle.
+            start, stop: the block ordinals ``[start, stop)`` only (default: all of them,
+                ``stop`` None: to the end); the cost is that of the range, so an engine
+                that reads the blocks it just filled pays nothing per block for the rest.
+
         Returns:
-            for attention, one entry per block ordinal in ``[0, ceil(capacity / B))``:
-            the slot index in the gpu pool of ``lc``, -1 for a stale or absent block; for
-            ssm, ``[live_slot]``.  Valid after the pending copy ops are executed, until the
-            next call that changes this cache (or a ``set_quota``).
+            for attention, one entry per block ordinal in ``[0, ceil(capacity / B))``
+            (within ``[start, stop)``): the slot index in the gpu pool of ``lc``, -1 for a
+            stale or absent block; for ssm, ``[live_slot]`` (one entry: ordinal 0).  Valid
+            after the pending copy ops are executed, until the next call that changes this
+            cache (or a ``set_quota``).
         Raises:
-            ValueError / TypeError: ``lc`` is no life cycle id.
+            ValueError / TypeError: ``lc`` is no life cycle id; ``start`` / ``stop`` not
+                ints (``stop`` may be None), or not ``0 <= start <= stop <= n`` for the
+                ``n`` entries there are.
             InvalidStateError: the cache is not ACTIVE.
             ClosedError: the cache is closed."""
 

@@ -259,6 +259,19 @@ def check_count(value: Any, name: str) -> int:
     return v
 
 
+def check_block_range(start: Any, stop: Any, n: int) -> tuple[int, int]:
+    """``page_indices``' ``[start, stop)`` of its ``n`` entries (``stop`` None: ``n``)."""
+    a = as_int(start)
+    if a is None:
+        raise TypeError(f"start must be an int, got {type(start).__name__}")
+    b = n if stop is None else as_int(stop)
+    if b is None:
+        raise TypeError(f"stop must be an int or None, got {type(stop).__name__}")
+    if not 0 <= a <= b <= n:
+        raise ValueError(f"block range [{a}, {b}) is not within the {n} entries [0, {n}]")
+    return a, b
+
+
 def check_batch_caches(what: str, caches: Any, is_mine: Callable[[Any], bool], key: Callable[[Any], Any]) -> list:
     """Check 1 of the batch calls, item by item in batch order: ``caches`` is a sequence
     (TypeError), each item a KVCache (TypeError) of this manager (ValueError; ``is_mine``

@@ -37,6 +37,7 @@ from kvcm.checks import (
     NOTHING_TO_SETTLE,
     SETTLE_IN_DRAIN,
     check_batch_caches,
+    check_block_range,
     check_cache_id,
     check_copy_ops,
     check_count,
@@ -400,10 +401,15 @@ class CppKVCache(KVCache):
             mgr._ids.add(cache_id)
         return child
 
-    def page_indices(self, lc: int) -> list[int]:
+    def page_indices(self, lc: int, start: int = 0, stop: int | None = None) -> list[int]:
         self._require(Status.ACTIVE, "page_indices")
         lc = self._check_lc(lc)
-        return self._core.page_indices(self._serial, lc)
+        if start == 0 and stop is None:
+            return self._core.page_indices(self._serial, lc, 0, -1)
+        rc = self._mgr._rc
+        n = 1 if lc == rc.ssm_lc else -(-self.capacity // rc.tokens_per_block)
+        start, stop = check_block_range(start, stop, n)
+        return self._core.page_indices(self._serial, lc, start, stop)
 
     def page_indices_into(self, lc: int, out: Any) -> int:
         self._require(Status.ACTIVE, "page_indices_into")

@@ -8,7 +8,7 @@ model, the directory and free 127.0.0.1 ports filled in.  Requests go through HT
   any connector, started first);
 * the hand-over happened: the decode instance computed only each prompt's last partial block
   and last token (vLLM's ``vllm:prompt_tokens_by_source``: the rest came from the connector;
-  kvcm's ``kvcm_hit_blocks{tier="shared"}``) and the producer announced what it wrote;
+  kvcm's ``kvcm:hit_blocks{tier="shared"}``) and the producer announced what it wrote;
 * faults, each ending in a recomputation or a clear error: params forged (another model's
   namespace) — rejected, nothing loaded; params for a prompt the producer never wrote (a
   producer that died before writing, or slower than the deadline) — the consumer waits its
@@ -219,7 +219,7 @@ def test_outputs_through_the_proxy_equal_one_vllm_alone(fleet: dict) -> None:
     block of each prompt (bar the last token's) from the store the producer wrote."""
     model, proxy, ref = fleet["model"], fleet["proxy"], fleet["reference"]
     t0 = time.monotonic()
-    loaded_before = metric(fleet["decode"], "kvcm_hit_blocks", tier="shared")
+    loaded_before = metric(fleet["decode"], "kvcm:hit_blocks", tier="shared")
     before = prompt_sources(fleet["decode"])
     pre_computed_before = prompt_sources(fleet["prefill"])[0]
     want_blocks = prompt_tokens = tail_tokens = 0
@@ -241,12 +241,12 @@ def test_outputs_through_the_proxy_equal_one_vllm_alone(fleet: dict) -> None:
     assert computed + local + external == prompt_tokens and computed <= tail_tokens, (computed, local, external)
     assert external >= want_blocks * BLOCK, (external, want_blocks)
     pre_computed = prompt_sources(fleet["prefill"])[0] - pre_computed_before
-    loaded = metric(fleet["decode"], "kvcm_hit_blocks", tier="shared") - loaded_before
+    loaded = metric(fleet["decode"], "kvcm:hit_blocks", tier="shared") - loaded_before
     # the first turn's blocks all came from the store (turn 2's old blocks may be the consumer's own host hits)
     assert loaded >= want_blocks, (loaded, want_blocks)
-    assert settled(lambda: metric(fleet["prefill"], "kvcm_handover_announced"), lambda v: v >= 8) >= 8
-    assert settled(lambda: metric(fleet["decode"], "kvcm_handover_accepted"), lambda v: v >= 8) >= 8
-    assert metric(fleet["decode"], "kvcm_load_error_blocks") == 0
+    assert settled(lambda: metric(fleet["prefill"], "kvcm:handover_announced"), lambda v: v >= 8) >= 8
+    assert settled(lambda: metric(fleet["decode"], "kvcm:handover_accepted"), lambda v: v >= 8) >= 8
+    assert metric(fleet["decode"], "kvcm:load_error_blocks") == 0
     # streaming through the proxy: the same text as it comes
     for i, p in enumerate(fleet["first"][:2]):
         assert stream(f"{proxy}/v1/completions", completion(model, p)) == ref[("t1", i)]["text"]
@@ -278,15 +278,15 @@ def test_forged_params_are_rejected_and_nothing_is_loaded(fleet: dict) -> None:
     p = fleet["faults"][0]
     params = hand_over(fleet, p)  # the objects are in the store
     forged = {**params, "kvcm": {**params["kvcm"], "ns": "0" * 32}}  # another model's namespace
-    rejected, loaded = (metric(fleet["decode"], k) for k in ("kvcm_handover_rejected", "kvcm_loaded_blocks"))
+    rejected, loaded = (metric(fleet["decode"], k) for k in ("kvcm:handover_rejected", "kvcm:loaded_blocks"))
     before = prompt_sources(fleet["decode"])
     r = decode(fleet, p, forged)
     assert r["choices"][0]["token_ids"] == fleet["reference"][("f", 0)]["token_ids"]
     # computed whole, nothing loaded
     after = settled(lambda: prompt_sources(fleet["decode"]), lambda v: sum(v) - sum(before) >= len(p))
     assert tuple(a - b for a, b in zip(after, before, strict=True)) == (len(p), 0, 0)
-    assert settled(lambda: metric(fleet["decode"], "kvcm_handover_rejected"), lambda v: v > rejected) == rejected + 1
-    assert metric(fleet["decode"], "kvcm_loaded_blocks") == loaded
+    assert settled(lambda: metric(fleet["decode"], "kvcm:handover_rejected"), lambda v: v > rejected) == rejected + 1
+    assert metric(fleet["decode"], "kvcm:loaded_blocks") == loaded
 
 
 def test_params_for_objects_never_written_wait_the_deadline_then_compute(fleet: dict) -> None:
@@ -298,13 +298,13 @@ def test_params_for_objects_never_written_wait_the_deadline_then_compute(fleet: 
     ns = hand_over(fleet, fleet["faults"][0])["kvcm"]["ns"]
     n = len(p) // BLOCK * BLOCK
     params = {"do_remote_prefill": True, "kvcm": {"v": 1, "ns": ns, "tokens": n, "digest": tokens_digest(p[:n])}}
-    deadlines = metric(fleet["decode"], "kvcm_handover_deadlines")
+    deadlines = metric(fleet["decode"], "kvcm:handover_deadlines")
     t0 = time.monotonic()
     r = decode(fleet, p, params)
     took = time.monotonic() - t0
     assert r["choices"][0]["token_ids"] == fleet["reference"][("f", 1)]["token_ids"]
     assert WAIT_S <= took < WAIT_S + 60, took
-    assert settled(lambda: metric(fleet["decode"], "kvcm_handover_deadlines"),
+    assert settled(lambda: metric(fleet["decode"], "kvcm:handover_deadlines"),
                    lambda v: v > deadlines) == deadlines + 1
 
 
@@ -324,10 +324,10 @@ def test_objects_corrupted_between_write_and_read_are_recomputed(fleet: dict) ->
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
-    errors = metric(fleet["decode"], "kvcm_load_error_blocks")
+    errors = metric(fleet["decode"], "kvcm:load_error_blocks")
     r = decode(fleet, p, params)
     assert r["choices"][0]["token_ids"] == fleet["reference"][("f", 2)]["token_ids"]
-    assert settled(lambda: metric(fleet["decode"], "kvcm_load_error_blocks"), lambda v: v > errors) > errors
+    assert settled(lambda: metric(fleet["decode"], "kvcm:load_error_blocks"), lambda v: v > errors) > errors
 
 
 def test_decode_instance_down_retried_elsewhere_or_a_clear_503(fleet: dict) -> None:

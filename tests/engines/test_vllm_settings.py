@@ -9,7 +9,15 @@ from types import SimpleNamespace
 import kvcm
 import pytest
 from kvcm.api import SHARED
-from kvcm.integrations.vllm.settings import DEFAULT_HOST_BYTES, DEFAULT_SHARED_BYTES, ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.settings import (
+    DEFAULT_HOST_BYTES,
+    DEFAULT_SHARED_BYTES,
+    KEYS,
+    TEST_KEYS,
+    ConnectorSettings,
+    KvLayout,
+    parse_size,
+)
 
 
 class FullAttentionSpec(SimpleNamespace):  # the name is what KvLayout checks
@@ -67,9 +75,10 @@ def test_tiers_and_namespace_carry_the_model_and_the_layout(tmp_path) -> None:
 @pytest.mark.parametrize(("extra", "match"), [
     ({"host_byte": 1}, "unknown key \\['host_byte'\\] \\(did you mean 'host_bytes'\\?\\)"),
     ({"host_bytes": 0}, "\\['host_bytes'\\] must be > 0"),
-    ({"host_bytes": -1}, "\\['host_bytes'\\] must be an int >= 0"),
+    ({"host_bytes": -1}, "\\['host_bytes'\\] must be a size: bytes as an int >= 0 or a string like \"8GiB\""),
+    ({"host_bytes": "8 gigs"}, "\\['host_bytes'\\] must be a size: .* got '8 gigs'"),
+    ({"disk_path": "/tmp/x", "disk_bytes": "1.5B"}, "\\['disk_bytes'\\] must be a size"),
     ({"host_bytes": True}, "\\['host_bytes'\\]"),
-    ({"host_bytes": "8GiB"}, "\\['host_bytes'\\] must be an int >= 0 \\(bytes\\), got '8GiB'"),
     ({"disk_path": "/tmp/x"}, "\\['disk_bytes'\\] must be > 0 with disk_path"),
     ({"disk_bytes": 10}, "\\['disk_path'\\] is needed with disk_bytes 10"),
     ({"shared": "/tmp/s", "model_identity": "off"}, "\\['shared_namespace'\\] is required with model_identity 'off'"),
@@ -77,7 +86,7 @@ def test_tiers_and_namespace_carry_the_model_and_the_layout(tmp_path) -> None:
     ({"shared_namespace": "x" * 129}, "\\['shared_namespace'\\] must be at most 128 bytes"),
     ({"model_identity": "weights"}, "\\['model_identity'\\] must be one of 'sampled', 'full', 'off'"),
     ({"shared": "/tmp/s", "shared_bytes": 0}, "\\['shared_bytes'\\] 0 would leave the store without a cap"),
-    ({"shared": "/tmp/s", "shared_bytes": "lots"}, "\\['shared_bytes'\\] must be an int >= 0 \\(bytes\\) or 'unbounded'"),
+    ({"shared": "/tmp/s", "shared_bytes": "lots"}, "\\['shared_bytes'\\] must be a size: .* or 'unbounded', got 'lots'"),
     ({"shared": "mooncake://h:1", "shared_bytes": "unbounded"}, "\\['shared_bytes'\\] 'unbounded' applies to a directory"),
     ({"shared_write": "never"}, "\\['shared_write'\\]"),
     ({"shared_timeout_s": -1}, "\\['shared_timeout_s'\\]"),
@@ -87,7 +96,9 @@ def test_tiers_and_namespace_carry_the_model_and_the_layout(tmp_path) -> None:
     ({"stats_file": ""}, "\\['stats_file'\\]"),
     ({"load_mode": "lazy"}, "\\['load_mode'\\] must be one of 'auto', 'sync', 'async'"),
     ({"max_inflight_bytes": 0}, "\\['max_inflight_bytes'\\] must be > 0"),
-    ({"max_inflight_bytes": -5}, "\\['max_inflight_bytes'\\] must be an int >= 0"),
+    ({"max_inflight_bytes": -5}, "\\['max_inflight_bytes'\\] must be a size"),
+    ({"config_file": ""}, "\\['config_file'\\] must be a path"),
+    ({"config_file": "/nonexistent/kvcm.yaml"}, "\\['config_file'\\] '/nonexistent/kvcm.yaml': cannot read it"),
     ({"copy_fault_hook": "nocolon"}, "\\['copy_fault_hook'\\] must be 'module:function'"),
     ({1: 2}, "keys must be strings"),
 ])
@@ -216,3 +227,76 @@ def test_a_missing_cpp_extension_is_named_before_the_engine_starts(monkeypatch) 
     with pytest.raises(ValueError, match=r"\['backend'\] 'cpp': the compiled extension does not import"):
         ConnectorSettings.parse({"backend": "cpp"}).check_environment()
     ConnectorSettings.parse({"backend": "python"}).check_environment()
+
+
+# ------------------------------------------------------------------ issue 37: what a vLLM user expects
+
+
+@pytest.mark.parametrize(("text", "n"), [
+    ("8GiB", 8 << 30), ("500MB", 500_000_000), ("1.5 TiB", 3 << 39), ("64 kib", 64 << 10), ("4096", 4096),
+    (4096, 4096), ("0.5KiB", 512), ("3 b", 3),
+    # one letter as vLLM reads --kv-cache-memory-bytes: upper case binary, lower case decimal
+    ("2G", 2 << 30), ("2g", 2_000_000_000), ("80m", 80_000_000), ("80M", 80 << 20),
+])
+def test_sizes_are_bytes_or_human(text, n) -> None:
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("bad", ["8 gigs", "GiB", "-1GiB", "1.5B", "", True, -1, 1.5, None, "1e9"])
+def test_a_bad_size_is_refused(bad) -> None:
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def test_every_size_key_takes_human_sizes(tmp_path) -> None:
+    s = ConnectorSettings.parse({"host_bytes": "8GiB", "disk_path": str(tmp_path / "d"), "disk_bytes": "100GiB",
+                                 "shared": str(tmp_path / "s"), "shared_bytes": "1TiB", "max_inflight_bytes": "64MiB"})
+    assert (s.host_bytes, s.disk_bytes, s.shared_bytes, s.max_inflight_bytes) == (8 << 30, 100 << 30, 1 << 40, 64 << 20)
+    assert ConnectorSettings.parse({"host_bytes": "1MiB"}).max_inflight_bytes == 1 << 19  # the default follows
+
+
+def test_a_config_file_has_the_same_keys_and_checks(tmp_path, monkeypatch) -> None:
+    """YAML or JSON, named by ``config_file`` or KVCM_CONFIG; keys inline override the file's;
+    a bad key in the file is the same one-line error, naming the file."""
+    yml = tmp_path / "kvcm.yaml"
+    yml.write_text(f"host_bytes: 8GiB\ndisk_path: {tmp_path / 'd'}\ndisk_bytes: 100GiB\nload_mode: async\n")
+    s = ConnectorSettings.parse({"config_file": str(yml), "load_mode": "sync"})
+    assert (s.host_bytes, s.disk_bytes, s.load_mode, s.config_file) == (8 << 30, 100 << 30, "sync", str(yml))
+    js = tmp_path / "kvcm.json"
+    js.write_text('{"host_bytes": "2GiB"}')
+    monkeypatch.setenv("KVCM_CONFIG", str(js))
+    assert ConnectorSettings.parse(None).host_bytes == 2 << 30
+    assert ConnectorSettings.parse({"config_file": str(yml)}).host_bytes == 8 << 30  # the key over the variable
+    assert ConnectorSettings.parse({"host_bytes": 1 << 20}).host_bytes == 1 << 20
+    for text, match in [
+        ("host_bytes: 8 gigs\n", "\\['host_bytes'\\] must be a size.*\\(from .*bad.yaml\\)"),
+        ("host_byte: 8GiB\n", "bad.yaml'.*unknown key \\['host_byte'\\] \\(did you mean 'host_bytes'\\?\\)"),
+        ("- 1\n", "must hold one mapping"),
+        ("a: [\n", "not YAML"),
+        ("config_file: other.yaml\n", "cannot name another"),
+    ]:
+        (tmp_path / "bad.yaml").write_text(text)
+        with pytest.raises(ValueError, match=match) as e:
+            ConnectorSettings.parse({"config_file": str(tmp_path / "bad.yaml")})
+        assert "\n" not in str(e.value)
+    monkeypatch.setenv("KVCM_CONFIG", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="KVCM_CONFIG \\(environment\\) '.*missing.json': cannot read it"):
+        ConnectorSettings.parse({})
+
+
+def test_test_hooks_work_but_are_never_offered() -> None:
+    assert ConnectorSettings.parse({"copy_fault_hook": "m:f"}).copy_fault_hook == "m:f"
+    assert set(TEST_KEYS).isdisjoint(KEYS)
+    with pytest.raises(ValueError) as e:
+        ConnectorSettings.parse({"copy_fault_hok": "m:f"})
+    assert "copy_fault_hook" not in str(e.value) and "known: config_file, backend" in str(e.value)
+
+
+def test_every_user_key_is_in_the_readme_and_no_test_hook_is() -> None:
+    from readme_examples import README
+
+    text = README.read_text(encoding="utf-8")
+    vllm = text[text.index("## Use it inside vLLM"):text.index("## Use it inside transformers")]
+    missing = [k for k in KEYS if f"`{k}`" not in vllm]
+    assert missing == [], missing
+    assert all(k not in text for k in TEST_KEYS)

@@ -93,7 +93,7 @@ CACHE_OPS: dict[str, tuple[str, ...]] = {
     "commit_input": ("n",),
     "stop_committing": (),
     "close": (),
-    "page_indices": ("lc",),
+    "page_indices": ("lc", "start", "stop"),  # start / stop: only when not the defaults
     # out: a fresh buffer of ``size`` items of ``dtype`` ("int32", "int64", "float32")
     # filled with -7; the result is {"count": n, "out": [...]} (see ``written``).
     "page_indices_into": ("lc", "size", "dtype"),

@@ -502,8 +502,9 @@ class RecordingCache(KVCache):
     def fork(self, id=None) -> KVCache:
         return self._record("fork", {"id": id}, lambda: self._inner.fork(id))
 
-    def page_indices(self, lc) -> list[int]:
-        return self._record("page_indices", {"lc": lc}, lambda: self._inner.page_indices(lc))
+    def page_indices(self, lc, start=0, stop=None) -> list[int]:
+        args = {"lc": lc, **({"start": start} if start != 0 else {}), **({"stop": stop} if stop is not None else {})}
+        return self._record("page_indices", args, lambda: self._inner.page_indices(lc, start, stop))
 
     def page_indices_into(self, lc, out) -> int:
         size, dtype = _buffer_spec(out)

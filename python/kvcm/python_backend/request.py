@@ -28,6 +28,7 @@ from kvcm.api import (
 )
 from kvcm.checks import (
     MAX_REQUEST_BLOCKS,
+    check_block_range,
     check_cache_id,
     check_count,
     check_tokens,
@@ -575,16 +576,18 @@ class Request(KVCache):
             self.blocks[j] = NO_NODE
 
     @serialized
-    def page_indices(self, lc: int) -> list[int]:
-        """SPEC sec. 7: gpu slot per block ordinal, -1 for stale or absent; ssm: the live slot."""
+    def page_indices(self, lc: int, start: int = 0, stop: int | None = None) -> list[int]:
+        """SPEC sec. 7: gpu slot per block ordinal in ``[start, stop)``, -1 for stale or
+        absent; ssm: the live slot (ordinal 0)."""
         self._require(Status.ACTIVE, "page_indices")
         lc = self._check_lc(lc)
         layout = self.pool.layout
-        if lc == layout.ssm_lc:
-            return [self.live.slot]
-        nb = -(-self._capacity // layout.B)
+        ssm = lc == layout.ssm_lc
+        start, stop = check_block_range(start, stop, 1 if ssm else -(-self._capacity // layout.B))
+        if ssm:
+            return [self.live.slot][start:stop]
         pages = self.pages[lc]
-        return [pages[i].slot if i < len(pages) and pages[i] is not None else -1 for i in range(nb)]
+        return [pages[i].slot if i < len(pages) and pages[i] is not None else -1 for i in range(start, stop)]
 
     @serialized
     def page_indices_into(self, lc: int, out: Any) -> int:

@@ -41,4 +41,15 @@ def __getattr__(name: str) -> Any:
             check_calling_config(sys._getframe(1))
 
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    import difflib
+
+    close = [] if name.startswith("__") else difflib.get_close_matches(name, ["KvcmConnector"], n=1, cutoff=0.75)
+    if close:
+        # vLLM resolving a mistyped kv_connector: one ERROR line in its log, before its traceback
+        from kvcm.integrations.vllm.startup import report_error
+
+        e = AttributeError(f'kv_transfer_config["kv_connector"] {name!r} is not a class of {__name__}: did you mean '
+                           f"{close[0]!r}?")
+        report_error(e)
+        raise e
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

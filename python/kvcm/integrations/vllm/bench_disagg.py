@@ -17,7 +17,7 @@ Reported per configuration: prompt tokens; prefill tokens computed on each side 
 ``vllm:prompt_tokens_by_source{source="local_compute"}``) and loaded by the decode side
 (``external_kv_transfer``); TTFT and inter-token latency p50 / p90 at the client; bytes
 written to the store (its objects) and read from it by the decode side
-(``kvcm_hit_blocks{tier="shared"}`` x object size); whether the greedy outputs equal vLLM
+(``kvcm:hit_blocks{tier="shared"}`` x object size); whether the greedy outputs equal vLLM
 alone's.  Exit 1 if any output differs, 2 on bad usage.
 
 On a few shared CPU cores the timings cannot show what a GPU fleet gains from splitting
@@ -265,12 +265,12 @@ def _run(args: argparse.Namespace, tmp: str) -> int:
                            f"http://127.0.0.1:{port}")
             proxy.wait()
             p0, d0 = sources(prod.url), sources(cons.url)
-            hits0 = metric(cons.url, "kvcm_hit_blocks", tier="shared")
+            hits0 = metric(cons.url, "kvcm:hit_blocks", tier="shared")
             r = run_workload(proxy.url, model, args)
             time.sleep(2)
             p1, d1 = sources(prod.url), sources(cons.url)
             objects, nbytes = store_bytes(store)
-            hits = metric(cons.url, "kvcm_hit_blocks", tier="shared") - hits0
+            hits = metric(cons.url, "kvcm:hit_blocks", tier="shared") - hits0
             r.update(computed_p=p1[0] - p0[0], computed_d=d1[0] - d0[0], loaded_d=d1[1] - d0[1],
                      store_written=(objects, nbytes), store_read=int(hits * (nbytes / objects if objects else 0)))
             results["kvcm"] = r

@@ -34,7 +34,7 @@ from kvcm.integrations.vllm.identity import ModelSource, request_problem, reques
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata
 from kvcm.integrations.vllm.scheduler import KvcmScheduler
 from kvcm.integrations.vllm.settings import KvLayout
-from kvcm.integrations.vllm.stats import KvcmConnectorStats, KvcmPromMetrics
+from kvcm.integrations.vllm.stats import LATEST, KvcmConnectorStats, KvcmPromMetrics
 from kvcm.integrations.vllm.worker import KvcmWorker
 
 if TYPE_CHECKING:
@@ -64,6 +64,13 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        try:
+            self._start(vllm_config, role, kv_cache_config)
+        except ValueError as e:  # a configuration kvcm refuses: one ERROR line before vLLM's traceback
+            startup.report_error(e)
+            raise
+
+    def _start(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         # the policy and the keys: one-line errors naming the key (kvcm.integrations.vllm.startup;
         # vLLM's config resolution ran the same check before the model loaded)
         settings = startup.check_transfer_config(self._kv_transfer_config)
@@ -82,6 +89,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
         prepared = startup.prepare(settings, layout, facts, lambda: ModelSource.from_vllm(vllm_config), world)
         self.sched: KvcmScheduler | None = None
         self.worker: KvcmWorker | None = None
+        self._reported_inflight = 0
         self.handover: Handover | None = None
         kv_role = Role.of(self._kv_transfer_config, settings.save_decode_cache)  # disaggregated P/D (handover.py)
         if role == KVConnectorRole.SCHEDULER:
@@ -90,6 +98,9 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
                                        kv_events=bool(ev is not None and ev.enable_kv_cache_events),
                                        config=settings.manager_config(layout, 0, world, identity_tag=prepared.tag),
                                        scope=request_scope, skip=lambda request: request_problem(request) is not None)
+            other = startup.shared_layout_warning(settings, layout, prepared, world)
+            if other is not None:
+                prepared.warnings.append(other)
             startup.announce(logger, settings, layout, facts, prepared, self.sched.mgr.backend_name, world)
             self.handover = Handover(self.sched, kv_role, settings.handover_wait_s)
         else:
@@ -154,6 +165,13 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KvcmConnectorStats | None:
         side = self.worker if self.worker is not None else self.sched
         data = side.take_stats() if side is not None else None
+        if self.sched is not None:
+            # kvcm:bytes_in_flight (stats line and /metrics): reported whenever it changed, so
+            # both end on the value it has now (0 once the saves are done), not a stale one
+            now = self.sched.inflight_bytes
+            if data is not None or now != self._reported_inflight:
+                data = {**(data or {}), LATEST: now}
+                self._reported_inflight = now
         return None if data is None else KvcmConnectorStats(data=data)
 
     @classmethod

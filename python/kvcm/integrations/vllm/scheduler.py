@@ -473,10 +473,12 @@ class KvcmScheduler:
             m = self.mirrors.get(rid)
             if m is None:
                 continue
+            after = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids))
+            if blocks.whole and (m.stopped or m.kv is None or after // self.B <= m.planned):
+                continue  # no block to plan: vLLM's block table is not read (per step, O(1) a request)
             blocks.refresh(m)
             if m.stopped or m.kv is None:
                 continue
-            after = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids))
             self._plan_saves(m, min(after // self.B, min(len(t) for t in m.tables)), meta, after)
         runs = self.loop.drain()
         self.undrained = False
@@ -537,8 +539,8 @@ class KvcmScheduler:
             return
         wanted = []  # per life cycle: (ordinal, kvcm slot) of the blocks kvcm keeps a page of
         for lc in range(len(self.lc_groups)):
-            slots = m.kv.page_indices(lc)
-            wanted.append([(i, slots[i]) for i in range(m.planned, end) if slots[i] >= 0])  # -1: stale
+            slots = m.kv.page_indices(lc, m.planned, end)  # the new blocks only (no per-block O(length) read)
+            wanted.append([(i, s) for i, s in enumerate(slots, m.planned) if s >= 0])  # -1: stale
             for i, _ in wanted[-1]:
                 if self._block(m, lc, i) is None:  # kvcm wants a page vLLM no longer holds: stop before it
                     end = min(end, i)
@@ -874,7 +876,8 @@ class KvcmScheduler:
                 "pending": self.pending(), "manager": self.mgr.stats(), "process": process_stats(),
                 "lookup": _lookup_stats(self.lookup_planes), "loop": dict(self.loop.counters)}
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # kvcm's files are 0600
+        with os.fdopen(fd, "w") as f:
             json.dump(data, f, default=str)
         os.replace(tmp, path)
 
@@ -902,6 +905,9 @@ class _BlockIds:
 
     def __init__(self, so: Any) -> None:
         self.state = getattr(so, "kv_connector_block_state", None)
+        # vLLM 0.32 gives every table whole: a mirror reads it only when it plans saves (the
+        # new / cached request data give a running request's new blocks only: read every step)
+        self.whole = self.state is not None
         self.new: dict[str, list[list[int]]] = {}
         self.cached: dict[str, tuple[list[list[int]], bool]] = {}
         if self.state is None:

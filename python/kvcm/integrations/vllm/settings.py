@@ -6,6 +6,8 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
 ``kv_connector_extra_config`` keys (all optional unless said):
 
 =====================  ===========================================================================
+``config_file``        a YAML or JSON file holding these keys (default: the ``KVCM_CONFIG``
+                       environment variable); keys given inline override the file's
 ``backend``            ``"cpp"`` or ``"python"``: the manager's backend (default: ``KVCM_BACKEND``)
 ``host_bytes``         kvcm's top tier, in host memory: what vLLM saves into and loads from
                        (default 1 GiB).  kvcm calls it its ``gpu`` tier (tier 0): it is the tier
@@ -42,15 +44,20 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
 ``max_inflight_bytes`` the bound on bytes the connector has queued and not yet done (saves, loads,
                        kvcm's own copies); saves past it wait for a later step (default
                        ``min(256 MiB, host_bytes // 2)``)
-``copy_fault_hook``    ``"module:function"`` called by each worker with every kvcm copy op just before
-                       it runs (an exception fails the op as an I/O error would): tests inject
-                       faults at an exact point of a load with it
 ``save_decode_cache``  ``kv_role`` ``kv_consumer`` only: also write the decode's blocks to the shared
                        tier (default false: a consumer loads and writes nothing there; vLLM's option
                        of the same name); kvcm.integrations.vllm.handover
 ``handover_wait_s``    a consumer's deadline for the objects a producer's hand-over announced and
                        has not written yet (default 10 s); past it the rest is computed
 =====================  ===========================================================================
+
+Sizes (``*_bytes``) are bytes as an int or a string with a unit: ``"8GiB"``, ``"500MB"``,
+``"1.5 TiB"``, ``"8G"`` (:func:`parse_size`; KiB/MiB/GiB/TiB are powers of 1024, kB/MB/GB/TB
+of 1000; one letter as vLLM reads its own flags: ``G`` 1024³, ``g`` 1000³).
+
+A test hook, accepted and not offered (:data:`TEST_KEYS`): ``copy_fault_hook``,
+``"module:function"`` called by each worker with every kvcm copy op just before it runs (an
+exception fails the op as an I/O error would): tests inject faults at an exact point of a load.
 
 Every error names the key as written here (``kv_connector_extra_config['host_bytes'] ...``),
 in one line: :meth:`ConnectorSettings.parse` (types, ranges, combinations),
@@ -61,18 +68,25 @@ vLLM's block) -- what ``python -m kvcm vllm check-config`` and the connector run
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
 
-KEYS = ("backend", "host_bytes", "disk_path", "disk_bytes", "shared", "shared_bytes", "shared_namespace",
-        "model_identity", "shared_write", "shared_timeout_s", "shared_store_class", "events_endpoint",
-        "events_replay_endpoint", "stats_file", "load_mode", "max_inflight_bytes", "copy_fault_hook",
+# the user's keys (every one in README.md "Use it inside vLLM"; tests/engines/test_vllm_settings.py checks)
+KEYS = ("config_file", "backend", "host_bytes", "disk_path", "disk_bytes", "shared", "shared_bytes",
+        "shared_namespace", "model_identity", "shared_write", "shared_timeout_s", "shared_store_class",
+        "events_endpoint", "events_replay_endpoint", "stats_file", "load_mode", "max_inflight_bytes",
         "save_decode_cache", "handover_wait_s")
+# test hooks: accepted, never offered (not in "known:", not a did-you-mean, not in the README)
+TEST_KEYS = ("copy_fault_hook",)
+CONFIG_ENV = "KVCM_CONFIG"  # a config file (YAML or JSON) with the keys of kv_connector_extra_config
 LOAD_MODES = ("auto", "sync", "async")
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 DEFAULT_HOST_BYTES = 1 << 30
@@ -214,6 +228,7 @@ class ConnectorSettings:
     load_mode: str = "auto"
     max_inflight_bytes: int = 0  # parse() resolves the default
     copy_fault_hook: str | None = None
+    config_file: str | None = None  # the file the keys came from (``config_file`` or KVCM_CONFIG)
     save_decode_cache: bool = False
     handover_wait_s: float = DEFAULT_HANDOVER_WAIT_S
 
@@ -223,21 +238,31 @@ class ConnectorSettings:
         naming the key for anything wrong with it (module docstring)."""
         if extra is not None and not isinstance(extra, dict):
             raise ValueError(f"{PREFIX} must be a JSON object, got {type(extra).__name__}")
-        extra = dict(extra or {})
-        bad_names = sorted(repr(k) for k in extra if not isinstance(k, str))
-        if bad_names:
-            raise ValueError(f"{PREFIX}: keys must be strings, got {', '.join(bad_names)}")
-        unknown = sorted(set(extra) - set(KEYS))
-        if unknown:
-            hint = _did_you_mean(unknown[0])
-            raise ValueError(f"{PREFIX}: unknown key{'s' if len(unknown) > 1 else ''} {unknown}{hint}; known: "
-                             f"{', '.join(KEYS)}")
+        inline = dict(extra or {})
+        _check_names(inline, PREFIX)
+        source = inline.get("config_file")
+        if source is not None and (not isinstance(source, str) or not source):
+            raise key_error("config_file", f"must be a path (a non-empty string), got {source!r}")
+        if source is None:
+            source = os.environ.get(CONFIG_ENV) or None
+        if source is None:
+            return cls._parse(inline)
+        from_file = load_config_file(source, "config_file" if "config_file" in inline else CONFIG_ENV)
+        merged = {**from_file, **{k: v for k, v in inline.items() if k != "config_file"}}
+        try:
+            settings = cls._parse(merged)
+        except ValueError as e:
+            named = [k for k in from_file if k not in inline and f"[{k!r}]" in str(e)]
+            if named:
+                raise ValueError(f"{e} (from {source})") from None
+            raise
+        return dataclasses.replace(settings, config_file=os.path.abspath(source))
+
+    @classmethod
+    def _parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
 
         def size(name: str, default: int) -> int:
-            v = extra.get(name, default)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise key_error(name, f"must be an int >= 0 (bytes), got {v!r}")
-            return v
+            return _size_value(name, extra.get(name, default))
 
         def text(name: str) -> str | None:
             v = extra.get(name)
@@ -275,11 +300,11 @@ class ConnectorSettings:
                 raise key_error("shared_bytes", "'unbounded' applies to a directory store; Mooncake Store is bounded "
                                 "by its segments (shared_bytes is the segment this instance mounts, default 0)")
             shared_bytes = 0
-        elif isinstance(shared_bytes, bool) or not isinstance(shared_bytes, int) or shared_bytes < 0:
-            raise key_error("shared_bytes", f"must be an int >= 0 (bytes) or 'unbounded', got {shared_bytes!r}")
-        elif shared_bytes == 0 and not mooncake and "shared_bytes" in extra:
-            raise key_error("shared_bytes", "0 would leave the store without a cap: give a size in bytes, or "
-                            "'unbounded' to mean no cap")
+        else:
+            shared_bytes = _size_value("shared_bytes", shared_bytes, " or 'unbounded'")
+            if shared_bytes == 0 and not mooncake and "shared_bytes" in extra:
+                raise key_error("shared_bytes", "0 would leave the store without a cap: give a size (\"64GiB\"), or "
+                                "'unbounded' to mean no cap")
         write = extra.get("shared_write", "commit")
         if write not in ("commit", "evict"):
             raise key_error("shared_write", f"must be 'commit' or 'evict', got {write!r}")
@@ -310,6 +335,18 @@ class ConnectorSettings:
                    text("events_replay_endpoint"), text("stats_file"), load_mode, inflight, hook,
                    save_decode_cache=save_decode, handover_wait_s=float(wait))
 
+    def resolved_backend(self) -> str:
+        """The backend the manager will run: ``backend``, else ``KVCM_BACKEND``, else ``cpp``
+        (ValueError naming ``KVCM_BACKEND`` when it names no backend)."""
+        if self.backend is not None:
+            return self.backend
+        from kvcm._select import BackendUnavailableError, default_backend
+
+        try:
+            return default_backend()
+        except BackendUnavailableError as e:
+            raise key_error("backend", f"is not given and {e}") from None
+
     @property
     def store_kind(self) -> str | None:
         """``"mooncake"``, ``"file"``, ``"custom"`` (``shared_store_class``) or None (no shared tier)."""
@@ -326,7 +363,7 @@ class ConnectorSettings:
         importable.  ValueError naming the key; returns warnings (free space below what is
         reserved or capped: the file system fills first)."""
         warnings: list[str] = []
-        if self.backend == "cpp" or (self.backend is None and os.environ.get("KVCM_BACKEND", "cpp") == "cpp"):
+        if self.resolved_backend() == "cpp":
             from kvcm._select import cpp_extension
 
             try:
@@ -508,10 +545,96 @@ def _writable_dir(key: str, path: str) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+# one letter: vLLM's convention (vllm.utils.argparse_utils.human_readable_int, also applied to
+# bare tokens inside --kv-transfer-config's JSON): lower case decimal, upper case binary
+_LETTERS = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+            "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(v: object) -> int:
+    """Bytes from an int (>= 0) or a string with a unit: ``"8GiB"``, ``"500MB"``, ``"1.5 TiB"``,
+    ``"4096"``.  KiB/MiB/GiB/TiB are powers of 1024 and kB/MB/GB/TB of 1000, in any case; one
+    letter follows vLLM's flags (``--kv-cache-memory-bytes 8G``): ``K``/``M``/``G``/``T``
+    powers of 1024, ``k``/``m``/``g``/``t`` of 1000.  ValueError (a short reason) otherwise."""
+    if isinstance(v, bool):
+        raise ValueError("a size, not a boolean")  # noqa: TRY004 -- one error type for every bad setting
+    if isinstance(v, int):
+        if v < 0:
+            raise ValueError("negative")
+        return v
+    if isinstance(v, str):
+        m = _SIZE.match(v)
+        if m is not None:
+            unit = m.group(2)
+            mult = _LETTERS.get(unit) if len(unit) == 1 and unit.lower() != "b" else _UNITS.get(unit.lower())
+            if mult is not None:
+                n = float(m.group(1)) * mult
+                if n != int(n):
+                    raise ValueError("not a whole number of bytes")
+                return int(n)
+    raise ValueError("not a size")
+
+
+def _size_value(name: str, v: object, more: str = "") -> int:
+    try:
+        return parse_size(v)
+    except ValueError:
+        raise key_error(name, f"must be a size: bytes as an int >= 0 or a string like \"8GiB\" or \"500MB\"{more}, "
+                        f"got {v!r}") from None
+
+
+def _check_names(extra: dict[Any, Any], where: str) -> None:
+    bad_names = sorted(repr(k) for k in extra if not isinstance(k, str))
+    if bad_names:
+        raise ValueError(f"{where}: keys must be strings, got {', '.join(bad_names)}")
+    unknown = sorted(set(extra) - set(KEYS) - set(TEST_KEYS))
+    if unknown:
+        hint = _did_you_mean(unknown[0])
+        raise ValueError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {unknown}{hint}; known: "
+                         f"{', '.join(KEYS)}")
+
+
+def load_config_file(path: str, key: str = "config_file") -> dict[str, Any]:
+    """The keys a config file holds: a YAML (``.yaml``/``.yml``, needs PyYAML, which vLLM
+    installs) or JSON file of one mapping, the keys of ``kv_connector_extra_config`` (not
+    ``config_file``).  ValueError, one line naming ``key`` (``config_file`` or the
+    ``KVCM_CONFIG`` environment variable) and the file."""
+    where = PREFIX + f"[{key!r}]" if key == "config_file" else f"{key} (environment)"
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{where} {path!r}: cannot read it: {e.strerror or e}") from None
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError(f"{where} {path!r}: a YAML file needs PyYAML (pip install pyyaml), or write it as JSON") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{where} {path!r}: not YAML: {' '.join(str(e).split())}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{where} {path!r}: not JSON ({e}); a YAML file's name ends in .yaml or .yml") from None
+    if not isinstance(data, dict):
+        kind = type(data).__name__  # one error type for every bad setting (vLLM reports ValueError)
+        raise ValueError(f"{where} {path!r}: must hold one mapping of kv_connector_extra_config's keys, got {kind}")  # noqa: TRY004
+    if "config_file" in data:
+        raise ValueError(f"{where} {path!r}: a config file cannot name another (config_file)")
+    _check_names(data, f"{where} {path!r}")
+    return data
+
+
 def _did_you_mean(key: str) -> str:
     import difflib
 
-    close = difflib.get_close_matches(key, KEYS, n=1)
+    close = difflib.get_close_matches(key, KEYS, n=1)  # never a test hook (TEST_KEYS)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

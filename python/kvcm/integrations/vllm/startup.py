@@ -15,12 +15,16 @@ objects are read by attribute, so the tests and ``check-config`` run without it)
   model has loaded (DECISIONS.md "vLLM connector: a start that says what it does").
 * :func:`prepare` -- at construction (after the model loaded): the sizes against vLLM's
   block, the host's paths, the model's identity for the shared tier.
+* :func:`shared_layout_warning` -- a directory store that holds this model's KV under
+  another layout: one warning line (:mod:`kvcm.integrations.vllm.layouts`).
+* :func:`report_error` -- a configuration error's one ``ERROR`` line in vLLM's log.
 * :func:`start_line` -- the one INFO line the scheduler side logs (:func:`announce`, with the
   warnings, from the connector's facade).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -30,6 +34,17 @@ from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, key_err
 
 CONNECTOR = "KvcmConnector"
 FRAMES = 8  # how far up the calling frames the kv_transfer_config is looked for
+# under "vllm.": vLLM's handler and format (``ERROR 12-06 02:00:00 [startup.py:NN] kvcm: ...``);
+# without vLLM configured, Python's last-resort handler prints it on stderr
+log = logging.getLogger("vllm.kvcm")
+
+
+def report_error(e: BaseException) -> None:
+    """The one line a configuration error gets in vLLM's log, at ERROR, before vLLM's
+    traceback (which wraps it in pydantic's ``ValidationError`` or its engine-core failure):
+    ``kvcm: kv_connector_extra_config['host_bytes'] ...`` (DECISIONS.md "vLLM connector: one
+    line where the user looks")."""
+    log.error("kvcm: %s", " ".join(str(e).split()))
 
 
 def _get(obj: Any, name: str, default: Any = None) -> Any:
@@ -59,8 +74,12 @@ def check_calling_config(frame: FrameType | None) -> None:
         ktc = frame.f_locals.get("kv_transfer_config")
         if ktc is not None and hasattr(ktc, "kv_connector_extra_config"):
             if getattr(ktc, "kv_connector", None) == CONNECTOR:
-                settings = check_transfer_config(ktc)
-                settings.check_environment()
+                try:
+                    settings = check_transfer_config(ktc)
+                    settings.check_environment()
+                except ValueError as e:
+                    report_error(e)
+                    raise
             return
         frame = frame.f_back
 
@@ -106,6 +125,20 @@ def prepare(settings: ConnectorSettings, layout: KvLayout, facts: EngineFacts, s
     return Prepared(identity, warnings)
 
 
+def shared_layout_warning(settings: ConnectorSettings, layout: KvLayout, prepared: Prepared,
+                          world: int = 1) -> str | None:
+    """The scheduler side's check of a directory store (:mod:`kvcm.integrations.vllm.layouts`):
+    one warning line when it holds this model's KV under another block size, dtype or
+    tensor-parallel size; this layout is recorded there."""
+    from kvcm.integrations.vllm import layouts
+
+    directory = layouts.store_directory(settings.shared, settings.store_kind)
+    if directory is None:
+        return None
+    key = layouts.model_key(settings.shared_namespace, prepared.tag)
+    return layouts.check_and_record(directory, key, layouts.fields(layout.describe, layout.block_size, world))
+
+
 def start_line(settings: ConnectorSettings, layout: KvLayout, facts: EngineFacts, prepared: Prepared,
                backend: str, world: int = 1) -> str:
     """The one line the connector logs when it starts: backend, block, tiers and sizes, the
@@ -137,6 +170,8 @@ def start_line(settings: ConnectorSettings, layout: KvLayout, facts: EngineFacts
     else:
         parts.append("no shared tier")
     parts.append(f"loads {s.load_mode}, at most {size_text(s.max_inflight_bytes)} in flight")
+    if s.config_file is not None:
+        parts.append(f"keys from {s.config_file}")
     if s.events_endpoint is not None:
         parts.append(f"events on {s.events_endpoint}")
     return "; ".join(parts)
@@ -151,4 +186,4 @@ def announce(log: Any, settings: ConnectorSettings, layout: KvLayout, facts: Eng
 
 
 __all__ = ["EngineFacts", "Prepared", "announce", "check_calling_config", "check_transfer_config",
-           "prepare", "start_line"]
+           "prepare", "report_error", "shared_layout_warning", "start_line"]

@@ -32,8 +32,9 @@ MODEL_DEFAULTS = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 25
                   "initializer_range": 0.2}
 
 
-def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides: Any) -> str:
-    """A random-weight model saved under ``path`` (reused when it is there already):
+def make_model(path: str, seed: int = 20261201, kind: str = "llama", dtype: str = "float32", **overrides: Any) -> str:
+    """A random-weight model saved under ``path`` (reused when it is there already), its
+    weights in ``dtype`` (``bfloat16``: what vLLM's ``auto`` runs, loaded without a cast):
     ``llama`` (full attention), ``gemma3`` (sliding-window layers then a full-attention one,
     Gemma-3's text model; pass ``tie_word_embeddings=False``, else a random model only echoes
     the prompt's last token and an exactness check on it cannot fail) or ``mistral`` (every
@@ -58,6 +59,9 @@ def make_model(path: str, seed: int = 20261201, kind: str = "llama", **overrides
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**args, torch_dtype="float32"))
     else:
         raise ValueError(f"unknown model kind {kind!r}: llama, gemma3 or mistral")
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+        model.config.dtype = dtype
     model.save_pretrained(path)
     return path
 
@@ -270,13 +274,13 @@ def _reset(llm: Any, timeout_s: float = 60.0) -> None:
 
 
 def _prometheus() -> list[str]:
-    """The ``kvcm_`` lines of this process's Prometheus registry (vLLM's metrics)."""
+    """The ``kvcm:`` lines of this process's Prometheus registry (vLLM's metrics)."""
     try:
         import prometheus_client
     except ImportError:
         return []
     text = prometheus_client.generate_latest().decode()
-    return [line for line in text.splitlines() if line.startswith("kvcm_")]
+    return [line for line in text.splitlines() if line.startswith("kvcm:")]
 
 
 def main(argv: list[str]) -> int:
