@@ -54,6 +54,7 @@ class Req:
     recv_done: bool = False
     epoch: int = 0  # bumped when rewound: in-flight outputs scheduled before are dropped
     held: bool = False  # finished, blocks kept until finished_sending
+    kv_transfer_params: dict | None = None  # what the client passed (disaggregated P/D: the hand-over)
 
     def __post_init__(self) -> None:
         h = 0
@@ -64,6 +65,10 @@ class Req:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt + self.output
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompt
 
     @property
     def num_tokens(self) -> int:
@@ -162,10 +167,10 @@ class Sim:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+    def add(self, rid: str, prompt: list[int], max_tokens: int, kv_transfer_params: dict | None = None) -> None:
         if len(prompt) + max_tokens > self.num_blocks * self.B:  # vLLM's max_model_len check
             raise ValueError(f"{rid}: {len(prompt)} + {max_tokens} tokens do not fit {self.num_blocks} blocks")
-        r = Req(rid, list(prompt), max_tokens)
+        r = Req(rid, list(prompt), max_tokens, kv_transfer_params=kv_transfer_params)
         self.requests[rid] = r
         self.waiting.append(r)
 
@@ -289,6 +294,9 @@ class Sim:
                     local = self._local_hit(r)
                     n_local = len(local) * self.B
                     ext, load_async = self.sched.get_num_new_matched_tokens(r, n_local)
+                    if ext is None:  # the connector cannot tell yet: skipped this step, asked again
+                        self.counters["ask_later"] += 1
+                        continue
                     computed = n_local + ext
                     for b in local:  # claimed first: allocating must not evict them
                         if self.ref[b] == 0:

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-COMMANDS = ["info", "replay", "bench", "oplog-replay", "demo", "events", "route", "vllm"]
+COMMANDS = ["info", "replay", "bench", "oplog-replay", "demo", "events", "route", "proxy", "vllm"]
 
 
 def test_every_command_is_a_module_with_its_help_line_and_place():

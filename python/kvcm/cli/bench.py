@@ -3,7 +3,8 @@
 ``keys`` (block-key throughput against the hashlib and raw C++ floors) and ``replay``
 (each backend and the floor replaying the same prefix, each run in its own child process)
 are here; the micro benchmarks (probe, decode, step, ssm, evict, memory) are
-:mod:`kvcm.tools.bench`; ``bench vllm`` is :mod:`kvcm.integrations.vllm.bench` (real vLLM
+:mod:`kvcm.tools.bench`; ``bench vllm`` is :mod:`kvcm.integrations.vllm.bench` and ``bench disagg``
+:mod:`kvcm.integrations.vllm.bench_disagg` (real vLLM
 engines, ``kvcm[vllm]``).  Each figure is judged against a floor measured in the same run.
 """
 
@@ -357,6 +358,14 @@ def main(argv: Sequence[str]) -> int:
     """``python -m kvcm bench ...``: returns the highest exit status of the benchmarks run
     (``bench vllm ...``: that command's)."""
     argv = list(argv)
+    if argv[:1] == ["disagg"]:  # real vLLM servers, prefill and decode through kvcm: kvcm.integrations.vllm.bench_disagg
+        try:
+            from kvcm.integrations.vllm.bench_disagg import main as bench_disagg_main
+        except ImportError as e:
+            print(f"python -m kvcm bench disagg: cannot import it ({e}); it needs vLLM: pip install 'kvcm[vllm]'",
+                  file=sys.stderr)
+            return 2
+        return bench_disagg_main(argv[1:])
     if argv[:1] == ["vllm"]:  # real vLLM engines (kvcm[vllm]): kvcm.integrations.vllm.bench
         try:
             from kvcm.integrations.vllm.bench import main as bench_vllm_main

@@ -149,9 +149,11 @@ def writable_file(prog: str, option: str, path: str) -> str | None:
 
 
 # The optional dependencies of each command, the extra that installs them.
-EXTRAS = {"zmq": "events", "msgspec": "events", "matplotlib": "route"}
+EXTRAS = {"zmq": "events", "msgspec": "events", "matplotlib": "route", "fastapi": "proxy", "uvicorn": "proxy",
+          "httpx": "proxy"}
 # Each extra's packages (pyproject.toml): installing them directly does not rebuild kvcm.
-EXTRA_PACKAGES = {"events": "pyzmq msgspec", "route": "pyzmq msgspec matplotlib"}
+EXTRA_PACKAGES = {"events": "pyzmq msgspec", "route": "pyzmq msgspec matplotlib",
+                  "proxy": "fastapi uvicorn httpx pyzmq msgspec"}
 
 
 def missing_extra(prog: str, e: ImportError, extra: str | None = None) -> str | None:

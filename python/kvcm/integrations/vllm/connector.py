@@ -29,6 +29,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcm.api import GPU, SHARED
 from kvcm.integrations.vllm import startup
+from kvcm.integrations.vllm.handover import Handover, Role
 from kvcm.integrations.vllm.identity import ModelSource, request_problem, request_scope
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata
 from kvcm.integrations.vllm.scheduler import KvcmScheduler
@@ -89,6 +90,8 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
         self.sched: KvcmScheduler | None = None
         self.worker: KvcmWorker | None = None
         self._reported_inflight = 0
+        self.handover: Handover | None = None
+        kv_role = Role.of(self._kv_transfer_config, settings.save_decode_cache)  # disaggregated P/D (handover.py)
         if role == KVConnectorRole.SCHEDULER:
             ev = vllm_config.kv_events_config
             self.sched = KvcmScheduler(settings, layout, world,
@@ -99,6 +102,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
             if other is not None:
                 prepared.warnings.append(other)
             startup.announce(logger, settings, layout, facts, prepared, self.sched.mgr.backend_name, world)
+            self.handover = Handover(self.sched, kv_role, settings.handover_wait_s)
         else:
             rank = 0
             if world > 1:
@@ -107,6 +111,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
                 rank = get_tensor_model_parallel_rank()
             self.worker = KvcmWorker(settings, layout, rank, world, num_blocks=kv_cache_config.num_blocks,
                                      config=settings.manager_config(layout, rank, world, identity_tag=prepared.tag))
+            self.worker.shared_writes = kv_role.writes_shared
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -187,8 +192,8 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
     # ================================================================== scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self.sched is not None
-        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        assert self.handover is not None
+        return self.handover.lookup(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.sched is not None
@@ -213,15 +218,15 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
             self.sched.write_stats()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.sched is not None
-        return self.sched.request_finished(request), None
+        assert self.handover is not None
+        return self.handover.finished(request)
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # vLLM's hybrid manager calls this one (every group's blocks); kvcm's answer is the same:
         # hold the blocks while saves read them
-        assert self.sched is not None
-        return self.sched.request_finished(request), None
+        assert self.handover is not None
+        return self.handover.finished(request)
 
     def has_pending_push_work(self) -> bool:
         # an idle engine keeps stepping while kvcm's transfers are in flight, so their

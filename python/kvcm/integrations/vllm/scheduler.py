@@ -227,6 +227,10 @@ class KvcmScheduler:
         # reported done by every rank), summed
         self.waits = {"async_load_s": 0.0}
         self.stats_dirty = False
+        # commits since the last drain: their shared-tier writes (write-through) are drained at
+        # the next step, which an idle engine takes only while busy() says so (issue 35)
+        self.undrained = False
+        self.last_forward = True  # the last step scheduled tokens
         self.publisher = None
         if settings.events_endpoint is not None:
             from kvcm.fleet.publisher import EventPublisher
@@ -453,6 +457,7 @@ class KvcmScheduler:
         self.step += 1
         self._count("steps")
         meta = KvcmConnectorMetadata(self.step, forward=bool(getattr(so, "total_num_scheduled_tokens", 1)))
+        self.last_forward = meta.forward  # (handover.py: a waiting hand-over paces an engine with nothing to run)
         for rid in sorted(getattr(so, "preempted_req_ids", None) or ()):
             m = self.mirrors.pop(rid, None)
             self.version += 1
@@ -476,6 +481,7 @@ class KvcmScheduler:
                 continue
             self._plan_saves(m, min(after // self.B, min(len(t) for t in m.tables)), meta, after)
         runs = self.loop.drain()
+        self.undrained = False
         if any(len(r) for r in runs):
             self.drain_seq += 1
             meta.drain_seq = self.drain_seq
@@ -778,6 +784,7 @@ class KvcmScheduler:
         tokens = m.request.all_token_ids[m.committed * self.B:end * self.B]
         m.kv.commit(list(tokens))
         self.version += 1
+        self.undrained = True
         m.confirmed -= set(range(m.committed, end))
         m.committed = end
 
@@ -816,7 +823,7 @@ class KvcmScheduler:
         """Work is in flight that vLLM's steps must drive to completion (vLLM's
         ``has_pending_push_work``: an idle engine keeps stepping until it is done)."""
         return bool(self.settled < self.drain_seq or self.loads or self.saves or self.retiring
-                    or self.pending_holds or self.pending_loads)
+                    or self.pending_holds or self.pending_loads or self.undrained)
 
     def pending(self) -> dict[str, int]:
         """What is open or in flight (tests assert it drains to nothing)."""
@@ -824,7 +831,7 @@ class KvcmScheduler:
                 "saves": len(self.saves), "unsettled_drains": self.drain_seq - self.settled,
                 "holds": len(self.pending_holds), "probes": len(self.probes), "hit_cache": len(self.hit_cache),
                 "no_load": len(self.no_load),
-                "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes}
+                "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes, "undrained": int(self.undrained)}
 
     def take_stats(self) -> dict[str, int] | None:
         """The counters since the last call (vLLM's ``get_kv_connector_stats``), with the

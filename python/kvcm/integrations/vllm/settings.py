@@ -44,6 +44,11 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
 ``max_inflight_bytes`` the bound on bytes the connector has queued and not yet done (saves, loads,
                        kvcm's own copies); saves past it wait for a later step (default
                        ``min(256 MiB, host_bytes // 2)``)
+``save_decode_cache``  ``kv_role`` ``kv_consumer`` only: also write the decode's blocks to the shared
+                       tier (default false: a consumer loads and writes nothing there; vLLM's option
+                       of the same name); kvcm.integrations.vllm.handover
+``handover_wait_s``    a consumer's deadline for the objects a producer's hand-over announced and
+                       has not written yet (default 10 s); past it the rest is computed
 =====================  ===========================================================================
 
 Sizes (``*_bytes``) are bytes as an int or a string with a unit: ``"8GiB"``, ``"500MB"``,
@@ -77,13 +82,15 @@ from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
 # the user's keys (every one in README.md "Use it inside vLLM"; tests/engines/test_vllm_settings.py checks)
 KEYS = ("config_file", "backend", "host_bytes", "disk_path", "disk_bytes", "shared", "shared_bytes",
         "shared_namespace", "model_identity", "shared_write", "shared_timeout_s", "shared_store_class",
-        "events_endpoint", "events_replay_endpoint", "stats_file", "load_mode", "max_inflight_bytes")
+        "events_endpoint", "events_replay_endpoint", "stats_file", "load_mode", "max_inflight_bytes",
+        "save_decode_cache", "handover_wait_s")
 # test hooks: accepted, never offered (not in "known:", not a did-you-mean, not in the README)
 TEST_KEYS = ("copy_fault_hook",)
 CONFIG_ENV = "KVCM_CONFIG"  # a config file (YAML or JSON) with the keys of kv_connector_extra_config
 LOAD_MODES = ("auto", "sync", "async")
 DEFAULT_MAX_INFLIGHT_BYTES = 256 << 20
 DEFAULT_HOST_BYTES = 1 << 30
+DEFAULT_HANDOVER_WAIT_S = 10.0
 DEFAULT_SHARED_BYTES = 64 << 30  # a directory store's cap when none is named (DECISIONS "bounded by default")
 UNBOUNDED = "unbounded"
 IDENTITY_MODES = ("sampled", "full", "off")
@@ -222,6 +229,8 @@ class ConnectorSettings:
     max_inflight_bytes: int = 0  # parse() resolves the default
     copy_fault_hook: str | None = None
     config_file: str | None = None  # the file the keys came from (``config_file`` or KVCM_CONFIG)
+    save_decode_cache: bool = False
+    handover_wait_s: float = DEFAULT_HANDOVER_WAIT_S
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -315,9 +324,16 @@ class ConnectorSettings:
         hook = text("copy_fault_hook")
         if hook is not None and ":" not in hook:
             raise key_error("copy_fault_hook", f"must be 'module:function', got {hook!r}")
+        save_decode = extra.get("save_decode_cache", False)
+        if not isinstance(save_decode, bool):
+            raise key_error("save_decode_cache", f"must be true or false, got {save_decode!r}")
+        wait = extra.get("handover_wait_s", DEFAULT_HANDOVER_WAIT_S)
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
+            raise key_error("handover_wait_s", f"must be seconds in [0, 3600], got {wait!r}")
         return cls(backend, host, disk_path, disk_bytes, shared, shared_bytes, namespace, identity, write,
                    None if timeout is None else float(timeout), store_class, text("events_endpoint"),
-                   text("events_replay_endpoint"), text("stats_file"), load_mode, inflight, hook)
+                   text("events_replay_endpoint"), text("stats_file"), load_mode, inflight, hook,
+                   save_decode_cache=save_decode, handover_wait_s=float(wait))
 
     def resolved_backend(self) -> str:
         """The backend the manager will run: ``backend``, else ``KVCM_BACKEND``, else ``cpp``

@@ -107,6 +107,13 @@ PROM_COUNTERS = {
     "kvcm:saved_blocks": ("Blocks saved from vLLM's KV cache into kvcm (confirmed by every rank)", "saved_blocks"),
     "kvcm:loaded_bytes": ("Bytes kvcm copied into vLLM's KV cache (all ranks)", "loaded_bytes"),
     "kvcm:saved_bytes": ("Bytes kvcm copied out of vLLM's KV cache (all ranks)", "saved_bytes"),
+    # disaggregated prefill and decode (kvcm.integrations.vllm.handover)
+    "kvcm:handover_announced": ("Hand-overs a producer announced (kv_transfer_params returned)", "handover_announced"),
+    "kvcm:handover_accepted": ("Hand-over params a consumer accepted", "handover_accepted"),
+    "kvcm:handover_rejected": ("Hand-over params a consumer rejected (forged, stale, malformed): nothing loaded",
+                               "handover_rejected"),
+    "kvcm:handover_deadlines": ("Hand-overs whose objects were not all there by the deadline (the rest computed)",
+                                "handover_deadlines"),
 }
 
 

@@ -23,6 +23,7 @@ import torch
 from kvcm.api import KVCacheManagerConfig
 from kvcm.dataplane import DataPlane
 from kvcm.engine_loop import EngineLoop
+from kvcm.integrations.vllm.handover import without_stores
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, RankReport
 from kvcm.integrations.vllm.scheduler import shard_config
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
@@ -62,6 +63,7 @@ class KvcmWorker:
         self.report = RankReport()
         self.stats: Counter[str] = Counter()  # since the last get_stats (vLLM's stats)
         self.last_gauges: dict[str, int] = {}
+        self.shared_writes = True  # False: a consumer that does not write the shared tier (handover.Role)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layout.layer_names if n not in kv_caches]
@@ -102,7 +104,12 @@ class KvcmWorker:
         if eng is None:
             raise RuntimeError("KvcmConnector: start_load_kv before register_kv_caches")
         if meta.drain_seq:
-            eng.submit_runs(meta.drain_seq, meta.runs)
+            runs, dropped = (meta.runs, 0) if self.shared_writes else without_stores(meta.runs)
+            self.report.counters["shared_stores_skipped"] += dropped
+            if any(len(r) for r in runs):
+                eng.submit_runs(meta.drain_seq, runs)
+            else:  # nothing left to run: the drain is done as it is
+                self.report.drains.append((meta.drain_seq, []))
         async_loads = [x for x in meta.loads if not x.sync]
         if async_loads:
             eng.submit_loads(async_loads, eng.copier.forward_marker())

@@ -1,0 +1,329 @@
+"""``python -m kvcm bench disagg``: disaggregated prefill and decode through kvcm, measured
+against one vLLM alone, on one multi-turn workload, with real vLLM OpenAI servers.
+
+Configurations (each its own servers, started and stopped here, all on 127.0.0.1):
+
+* ``vllm``   one vLLM OpenAI server, no connector: the reference outputs;
+* ``kvcm``   a prefill server (``kv_role`` ``kv_producer``) and a decode server
+             (``kv_consumer``) with kvcm's connector on one directory store, and
+             ``python -m kvcm proxy`` in front (vLLM's disaggregated flow).
+
+Workload: ``--conversations`` chats x ``--turns`` turns (a shared system prompt, each turn a
+new user message; the prompt is the whole history, the greedy reply is appended), one turn's
+requests sent together, streamed.  Token ids, a random-weight model (``make_model``) unless
+``--model`` names one (its tokenizer must accept token-id prompts: any does).
+
+Reported per configuration: prompt tokens; prefill tokens computed on each side (vLLM's
+``vllm:prompt_tokens_by_source{source="local_compute"}``) and loaded by the decode side
+(``external_kv_transfer``); TTFT and inter-token latency p50 / p90 at the client; bytes
+written to the store (its objects) and read from it by the decode side
+(``kvcm:hit_blocks{tier="shared"}`` x object size); whether the greedy outputs equal vLLM
+alone's.  Exit 1 if any output differs, 2 on bad usage.
+
+On a few shared CPU cores the timings cannot show what a GPU fleet gains from splitting
+prefill and decode (two engines share the cores one engine had); the token counts, bytes and
+exactness can, and the output says which is which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+BLOCK = 32
+KV_BYTES = 256 << 20
+START_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_config(role: str, store: str, **extra: Any) -> str:
+    return json.dumps({"kv_connector": "KvcmConnector", "kv_connector_module_path": "kvcm.integrations.vllm",
+                       "kv_role": role, "kv_load_failure_policy": "recompute",
+                       "kv_connector_extra_config": {"host_bytes": KV_BYTES, "shared": store,
+                                                     "shared_bytes": 8 << 30, **extra}})
+
+
+class Server:
+    """One vLLM OpenAI server (or the proxy) as a child process in its own session."""
+
+    def __init__(self, argv: list[str], log: str, env: dict[str, str], url: str) -> None:
+        self.url, self.log = url, log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait(self, path: str = "/health") -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.url} exited ({self.proc.returncode}); its log: {self.log}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.url} did not start in {START_TIMEOUT_S} s; its log: {self.log}")
+            try:
+                with urllib.request.urlopen(self.url + path, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def vllm_server(model: str, port: int, log: str, env: dict[str, str], kv: str | None = None) -> Server:
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), "--block-size", str(BLOCK), "--enforce-eager", "--kv-cache-memory-bytes",
+            str(KV_BYTES)]
+    if kv is not None:
+        argv += ["--kv-transfer-config", kv]
+    return Server(argv, log, env, f"http://127.0.0.1:{port}")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"{re.escape(name)}(?:_total)?(\{{.*\}})? ([0-9.e+-]+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def sources(url: str) -> tuple[float, float]:
+    return (metric(url, "vllm:prompt_tokens_by_source", source="local_compute"),
+            metric(url, "vllm:prompt_tokens_by_source", source="external_kv_transfer"))
+
+
+def stream(url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One streamed completion: its token ids, TTFT and the gaps between its chunks."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "return_token_ids": True, "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    times: list[float] = []
+    tokens: list[int] = []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(f"{url}: {chunk['error']}")
+            for c in chunk.get("choices", []):
+                ids = c.get("token_ids") or []
+                if ids:
+                    times.append(time.perf_counter() - t0)
+                    tokens += ids
+    return {"tokens": tokens, "ttft": times[0] if times else float("nan"),
+            "itl": [b - a for a, b in itertools.pairwise(times)]}
+
+
+def _one(results: list[Any], i: int, url: str, model: str, prompt: list[int], max_tokens: int) -> None:
+    try:
+        results[i] = stream(url, model, prompt, max_tokens)
+    except Exception as e:  # noqa: BLE001 - reported by run_workload: the run fails
+        results[i] = e
+
+
+def run_workload(url: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    system = [rng.randrange(3, 500) for _ in range(args.system_len)]
+    chats = [list(system) for _ in range(args.conversations)]
+    outputs, ttft, itl, prompt_tokens = [], [], [], 0
+    for _ in range(args.turns):
+        for c in chats:
+            c += [rng.randrange(3, 500) for _ in range(args.user_len)]
+        results: list[Any] = [None] * len(chats)
+        threads = [threading.Thread(target=_one, args=(results, i, url, model, list(chats[i]), args.max_tokens))
+                   for i in range(len(chats))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = [str(r) for r in results if not isinstance(r, dict)]
+        if failed:
+            raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
+        for i, r in enumerate(results):
+            prompt_tokens += len(chats[i])
+            outputs.append(r["tokens"])
+            ttft.append(r["ttft"])
+            itl += r["itl"]
+            chats[i] += r["tokens"]
+    return {"outputs": outputs, "ttft": ttft, "itl": itl, "prompt_tokens": prompt_tokens}
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def store_bytes(path: str) -> tuple[int, int]:
+    """(objects, bytes) of a directory store."""
+    n = b = 0
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            if name.endswith(".kvo"):
+                n += 1
+                b += os.path.getsize(os.path.join(path, name))
+    return n, b
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvcm.tools.cmdline import int_in
+
+    p = argparse.ArgumentParser(prog="python -m kvcm bench disagg", description=__doc__.split("\n\n")[0],
+                                epilog="exit status: 0 every output equal vLLM alone's; 1 an output differs or "
+                                       "a server failed; 2 bad usage")
+    p.add_argument("--model", default=None, help="a model directory (default: a random-weight one, made here)")
+    p.add_argument("--conversations", type=int_in(1, 64), default=4)
+    p.add_argument("--turns", type=int_in(1, 32), default=3)
+    p.add_argument("--system-len", type=int_in(0, 4096), default=160)
+    p.add_argument("--user-len", type=int_in(1, 4096), default=48)
+    p.add_argument("--max-tokens", type=int_in(1, 1024), default=16)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--reserved-cpus", type=int_in(0, 64), default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--keep", default=None, help="a directory for the logs and the store (default: a temporary one)")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    tmp = args.keep or tempfile.mkdtemp(prefix="kvcm-bench-disagg-")
+    try:
+        return _run(args, tmp)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, tmp: str) -> int:
+    from kvcm.integrations.vllm.workload import make_model, save_tokenizer
+
+    os.makedirs(tmp, mode=0o700, exist_ok=True)
+    model = args.model or save_tokenizer(make_model(os.path.join(tmp, "model")))
+    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU=str(args.reserved_cpus))
+    results: dict[str, Any] = {}
+    load = {"start": os.getloadavg()[0]}
+    try:
+        base = vllm_server(model, free_port(), os.path.join(tmp, "vllm.log"), env)
+        try:
+            base.wait()
+            c0 = sources(base.url)
+            r = run_workload(base.url, model, args)
+            time.sleep(2)  # vLLM's metrics lag its responses
+            c1 = sources(base.url)
+            r.update(computed_p=c1[0] - c0[0], computed_d=0.0, loaded_d=0.0, store_written=(0, 0), store_read=0)
+            results["vllm"] = r
+        finally:
+            base.stop()
+        store = os.path.join(tmp, "store")
+        shutil.rmtree(store, ignore_errors=True)
+        prod = vllm_server(model, free_port(), os.path.join(tmp, "producer.log"), env,
+                           kv_config("kv_producer", store, stats_file=os.path.join(tmp, "producer.stats.json")))
+        cons = vllm_server(model, free_port(), os.path.join(tmp, "consumer.log"), env,
+                           kv_config("kv_consumer", store, handover_wait_s=10,
+                                     stats_file=os.path.join(tmp, "consumer.stats.json")))
+        proxy = None
+        try:
+            prod.wait()
+            cons.wait()
+            port = free_port()
+            proxy = Server([sys.executable, "-m", "kvcm", "proxy", "--prefill", prod.url, "--decode", cons.url,
+                            "--port", str(port), "--log-level", "warning"], os.path.join(tmp, "proxy.log"), env,
+                           f"http://127.0.0.1:{port}")
+            proxy.wait()
+            p0, d0 = sources(prod.url), sources(cons.url)
+            hits0 = metric(cons.url, "kvcm:hit_blocks", tier="shared")
+            r = run_workload(proxy.url, model, args)
+            time.sleep(2)
+            p1, d1 = sources(prod.url), sources(cons.url)
+            objects, nbytes = store_bytes(store)
+            hits = metric(cons.url, "kvcm:hit_blocks", tier="shared") - hits0
+            r.update(computed_p=p1[0] - p0[0], computed_d=d1[0] - d0[0], loaded_d=d1[1] - d0[1],
+                     store_written=(objects, nbytes), store_read=int(hits * (nbytes / objects if objects else 0)))
+            results["kvcm"] = r
+        finally:
+            for s in (proxy, cons, prod):
+                if s is not None:
+                    s.stop()
+    except (RuntimeError, TimeoutError) as e:
+        print(f"python -m kvcm bench disagg: {e}", file=sys.stderr)
+        return 1
+    load["end"] = os.getloadavg()[0]
+    ref = results["vllm"]["outputs"]
+    rows = []
+    for name, r in results.items():
+        exact = r["outputs"] == ref
+        r["exact"] = exact
+        rows.append([name, f"{r['prompt_tokens']:,}", f"{r['computed_p']:,.0f}",
+                     f"{r['computed_d']:,.0f}" if name != "vllm" else "-",
+                     f"{r['loaded_d']:,.0f}" if name != "vllm" else "-",
+                     f"{1e3 * pct(r['ttft'], 0.5):.0f} / {1e3 * pct(r['ttft'], 0.9):.0f}",
+                     f"{1e3 * pct(r['itl'], 0.5):.1f} / {1e3 * pct(r['itl'], 0.9):.1f}",
+                     f"{r['store_written'][1] / 2**20:.2f} ({r['store_written'][0]})" if name != "vllm" else "-",
+                     f"{r['store_read'] / 2**20:.2f}" if name != "vllm" else "-", "yes" if exact else "NO"])
+    head = ["config", "prompt tokens", "prefill computed (P)", "computed (D)", "loaded (D)", "TTFT p50/p90 ms",
+            "ITL p50/p90 ms", "store MiB written (objects)", "store MiB read (D)", "exact"]
+    print(f"bench disagg: {args.conversations} chats x {args.turns} turns, system {args.system_len} + "
+          f"{args.user_len} tokens a turn, {args.max_tokens} generated; block {BLOCK}; "
+          f"load average {load['start']:.2f} -> {load['end']:.2f}")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    for side in ("producer", "consumer"):
+        try:
+            with open(os.path.join(tmp, f"{side}.stats.json")) as f:
+                st = json.load(f)
+        except (OSError, ValueError):
+            continue
+        c, w = st.get("counters", {}), st.get("worker", {})
+        keys = ("handover_announced", "handover_accepted", "handover_rejected", "handover_deadlines",
+                "handover_blocks_missing")
+        print(f"{side}: " + ", ".join(f"{k} {c.get(k, 0)}" for k in keys if c.get(k) or k == "handover_deadlines")
+              + f"; store writes {w.get('shared_stores', 0)}, store calls past their deadline "
+              f"{w.get('shared_timeouts', 0)}, objects skipped (no write) {w.get('shared_stores_skipped', 0)}")
+    print("The token counts, bytes and exactness are what the split changes; the timings are two engines sharing "
+          "the few CPU cores one engine had here, and cannot show what a GPU fleet gains (each engine its own "
+          "accelerator, prefill off the decode path).")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "load": load,
+                       "results": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in results.items()},
+                       "median_ttft_s": {k: statistics.median(v["ttft"]) for k, v in results.items()}}, f)
+    return 0 if all(r["exact"] for r in results.values()) else 1
+
+
+__all__ = ["main"]
