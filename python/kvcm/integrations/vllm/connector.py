@@ -103,6 +103,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
                 prepared.warnings.append(other)
             startup.announce(logger, settings, layout, facts, prepared, self.sched.mgr.backend_name, world)
             self.handover = Handover(self.sched, kv_role, settings.handover_wait_s)
+            self.sched.shared_writes = kv_role.writes_shared
         else:
             rank = 0
             if world > 1:

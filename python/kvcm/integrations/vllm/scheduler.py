@@ -212,6 +212,7 @@ class KvcmScheduler:
         self.drain_reports: dict[int, dict[int, list[CopyOp]]] = {}
         self.drain_bytes: dict[int, int] = {}
         self.drain_stores: dict[int, list[tuple[bytes, int]]] = {}  # objects a drain writes (while some are unreadable)
+        self.shared_writes = True  # False: the workers drop the store ops (a consumer: handover.Role)
         self.kv_open = 0  # kvcm requests the mirrors hold open
         self.inflight_bytes = 0  # saves + loads + drains planned, not reported done by every rank
         self.max_inflight = settings.max_inflight_bytes
@@ -488,7 +489,7 @@ class KvcmScheduler:
             meta.runs = runs
             nbytes = sum(len(r) * self.slot_bytes[r.lc] for r in runs)
             self.drain_bytes[self.drain_seq] = nbytes
-            if self.unreadable:  # an object written again is readable again (settled: _settle)
+            if self.unreadable and self.shared_writes:  # an object written again is readable again (_settle)
                 self.drain_stores[self.drain_seq] = [(k, r.lc) for r in runs if r.dst_tier == SHARED for k in r.keys]
             self.inflight_bytes += nbytes
             self._count("drains")
