@@ -288,6 +288,7 @@ def test_unreadable_objects_are_tried_again_after_a_while_or_a_reset(tmp_path, b
     sims.append(second)
     c = second.sched.counters
     for how in ("steps", "reset"):
+        monkeypatch.setattr(sched_mod, "UNREADABLE_STEPS", 10**9)  # marks last while the store fails
         second.sched.mgr.clear_reusable()  # hits from the store only
         fault_file.write_text("unreadable")
         Chats(n=3).run(second, 1)
@@ -298,7 +299,6 @@ def test_unreadable_objects_are_tried_again_after_a_while_or_a_reset(tmp_path, b
             monkeypatch.setattr(sched_mod, "UNREADABLE_STEPS", 1)
             second.sched.step += 1
         else:
-            monkeypatch.setattr(sched_mod, "UNREADABLE_STEPS", 10**9)
             second.sched.reset()
             assert not second.sched.unreadable
         before = c["hit_blocks_shared"]
