@@ -322,8 +322,6 @@ class KvcmScheduler:
         return n
 
     def _see(self, tokens: Any, scope: Any) -> None:
-        if self.seen is None:
-            return
         for k in self._keys(tokens, scope):
             self.seen.pop(k, None)
             self.seen[k] = None
@@ -403,7 +401,8 @@ class KvcmScheduler:
         m = Mirror(rid, request, kv, self.serial, committed=matched, planned=matched, tables=tables)
         if probe.junction * self.B > max(matched * self.B, probe.n_local):
             m.junction = probe.junction  # its window is saved as the prompt is computed (_plan_saves)
-        self._see(request.all_token_ids, probe.scope)  # later prompts sharing it: a junction
+        if self.seen is not None:
+            self._see(request.all_token_ids, probe.scope)  # later prompts sharing it: a junction
         self.counters["mirrors"] += 1
         self.counters["matched_blocks"] += matched
         if kv is None:
@@ -834,7 +833,8 @@ class KvcmScheduler:
 
     def _retire(self, m: Mirror) -> None:
         m.retiring = True
-        self._see(m.request.all_token_ids[:m.request.num_computed_tokens], self.scope(m.request))
+        if self.seen is not None:  # what it computed: later prompts sharing it find a junction
+            self._see(m.request.all_token_ids[:m.request.num_computed_tokens], self.scope(m.request))
         self._commit(m)
         self.retiring[m.serial] = m
         self._maybe_close(m)
