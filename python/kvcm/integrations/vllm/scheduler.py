@@ -563,8 +563,12 @@ class KvcmScheduler:
             # a shared prefix ends at block j = m.junction (another request computed it; kvcm
             # holds not the window ending there: it was out of the window once that request's
             # step ran): the step's saves are planned at history j, so that window gets pages
-            # too (one request per shared prefix pays this: the next ones hit there)
-            hist = max(m.kv.history_length, m.junction * self.B)
+            # too (one request per shared prefix pays this: the next ones hit there), when vLLM
+            # still holds it (saves deferred past the step that computed it: it may not)
+            if self._holds_window(m, m.junction):
+                hist = max(m.kv.history_length, m.junction * self.B)
+            else:
+                m.junction = 0
         if m.kv.capacity < end * self.B and not m.kv.resize(end * self.B, hist):
             self._stop(m)  # tier 0 cannot hold it: what is committed stays
             return
@@ -613,6 +617,15 @@ class KvcmScheduler:
         if m.junction and m.planned < m.junction <= end:
             self._count("junction_windows")
         m.planned = end
+
+    def _holds_window(self, m: Mirror, j: int) -> bool:
+        """vLLM holds every block from ``m.planned`` that the windows ending at block ``j`` need."""
+        for lc, lcg in enumerate(self.lc_groups):
+            w = self.layout.window_of_group(lcg[0])
+            lo = m.planned if w is None else max(m.planned, (j * self.B + 1 - w) // self.B)
+            if any(self._block(m, lc, i) is None for i in range(lo, j)):
+                return False
+        return True
 
     def _tiers_of_loads(self, loads: list[LoadPlan], runs: list[CopyRun]) -> None:
         """Where each block of the step's loads comes from: an onboard into its slot in this
