@@ -441,7 +441,9 @@ class KvcmScheduler:
                 self.inflight_bytes += len(pslots) * self.slot_bytes[lc]
             self.sources[rid] = Counter(probe.tiers[i] if i < len(probe.tiers) else GPU for i in range(a, b))
             self._count("loads_sync" if not probe.is_async else "loads_async")
-            self._count("load_blocks_planned", b - a)
+            # the blocks of the plan counted in loaded_blocks: with sliding windows only, the window
+            # (ordinals outside it are vLLM's null block: neither loaded nor needed)
+            self._count("load_blocks_planned", most)
 
     def planned_sources(self, rid: str, n_external: int) -> dict[int, int]:
         """The tokens of the load just planned for ``rid`` by the tier kvcm had them in
