@@ -221,3 +221,51 @@ def test_a_shared_prefix_window_out_of_window_is_saved_by_the_next_sibling(rig) 
     sched.request_finished(r)
     drain(sched, worker)
     assert sched.pending() == dict.fromkeys(sched.pending(), 0), sched.pending()
+
+
+def test_a_sliding_only_hit_counts_the_window_it_loads(tmp_path, backend: str) -> None:
+    """One sliding-window group (Mistral-style): a hit of 192 tokens loads only its window
+    (ordinals 4, 5; vLLM allocates the null block for 0..3), and ``load_blocks_planned``
+    counts those 2 blocks, as ``loaded_blocks`` does (not the hit's 6 ordinals)."""
+    cfg = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(layer_names=list(LAYERS), kv_cache_spec=type("SlidingWindowSpec", (SimpleNamespace,), {})(
+            block_size=B, num_kv_heads=HEADS, head_size=DIM, dtype="torch.float32", page_size_bytes=BLOCK_BYTES,
+            sliding_window=W))])
+    lay = KvLayout.from_kv_cache_config(cfg, "cpu")
+    settings = ConnectorSettings.parse({"backend": backend, "host_bytes": 64 * 2 * BLOCK_BYTES})
+    sched, worker = KvcmScheduler(settings, lay), KvcmWorker(settings, lay, num_blocks=NB)
+    kvs = {n: torch.zeros(NB, HEADS, B, DIM) for n in LAYERS}
+    worker.register_kv_caches(kvs)
+    try:
+        prompt = list(range(1, 201))
+        a = Request(request_id="a", all_token_ids=list(prompt), num_computed_tokens=0)
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        table = [list(range(1, 8))]
+        sched.update_state_after_alloc(a, tuple(table), 0)
+
+        def forward() -> None:
+            for li, n in enumerate(LAYERS):
+                for i, b in enumerate(table[0]):
+                    kvs[n][b] = fill(i, li, 1)
+
+        so = SimpleNamespace(num_scheduled_tokens={"a": 200}, total_num_scheduled_tokens=200,
+                             preempted_req_ids=set(), kv_connector_block_state=State({"a": table}))
+        step(sched, worker, so, forward)
+        a.num_computed_tokens = 200
+        sched.request_finished(a)
+        drain(sched, worker)
+        b = Request(request_id="b", all_token_ids=list(prompt), num_computed_tokens=0)
+        assert sched.get_num_new_matched_tokens(b, 0) == (192, True)
+        sched.update_state_after_alloc(b, ([0, 0, 0, 0, 20, 21, 22],), 192)
+        got = drain(sched, worker)
+        assert "b" in got[1] and not got[2]
+        for li, n in enumerate(LAYERS):
+            for i in (4, 5):
+                assert torch.equal(kvs[n][16 + i], fill(i, li, 1)), (n, i)
+        c = sched.counters
+        assert c["loaded_blocks"] == 2 and c["load_blocks_planned"] == 2, dict(c)
+        sched.request_finished(b)
+        drain(sched, worker)
+    finally:
+        worker.shutdown()
+        sched.shutdown()
