@@ -168,3 +168,104 @@ def test_hybrid_failed_load_is_reported_by_request(rig, monkeypatch) -> None:
     sched.request_finished(b)
     drain(sched, worker)
     assert sched.pending() == dict.fromkeys(sched.pending(), 0), sched.pending()
+
+
+def test_a_shared_prefix_window_out_of_window_is_saved_by_the_next_sibling(rig) -> None:
+    """The missing blocks of issue 34 item 7 (DECISIONS.md "Hybrid reuse: the missing
+    blocks"): ``a`` computes a 192-token shared prefix + its own 64 tokens in one step, so the
+    sliding window at the prefix's end (ordinals 4, 5) is out of the window once the step ran:
+    kvcm stores no page of it and ``b`` (the same prefix, other own tokens) gets no hit.  kvcm
+    knows the prefix was computed: ``b``'s saves are planned at history 192, so the window
+    ending at the shared prefix gets pages, and ``c`` hits the whole prefix (loading ``b``'s
+    bytes of the sliding group, ``a``'s or ``b``'s of the full group)."""
+    sched, worker, kv = rig
+    shared = list(range(1, 193))  # 6 blocks
+    ids = iter(range(1, NB))
+
+    def run(rid: str, own: int, seed: int) -> Request:
+        r = Request(request_id=rid, all_token_ids=shared + [own + t for t in range(64)], num_computed_tokens=0)
+        assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+        tables = [[next(ids) for _ in range(8)], [next(ids) for _ in range(8)]]
+        sched.update_state_after_alloc(r, tuple(tables), 0)
+
+        def forward() -> None:
+            for g, t in enumerate(tables):
+                for i, b in enumerate(t):
+                    kv[b] = fill(i, g, seed)
+
+        so = SimpleNamespace(num_scheduled_tokens={rid: 256}, total_num_scheduled_tokens=256,
+                             preempted_req_ids=set(), kv_connector_block_state=State({rid: tables}))
+        step(sched, worker, so, forward)
+        r.num_computed_tokens = 256
+        sched.request_finished(r)
+        drain(sched, worker)
+        return r
+
+    c = sched.counters
+    run("a", 1000, 1)  # history 256 after its step: sliding ordinals 0..5 stale, 6, 7 stored
+    assert c["window_blocks_skipped"] == 6 and c["junction_windows"] == 0
+    run("b", 2000, 2)  # no hit (ordinals 4, 5 missing), but it shares 6 computed blocks: saved at history 192
+    assert c["junction_windows"] == 1 and c["window_blocks_skipped"] == 6 + 4
+    r = Request(request_id="c", all_token_ids=shared + [3000 + t for t in range(64)], num_computed_tokens=0)
+    assert sched.get_num_new_matched_tokens(r, 0) == (192, True)
+    tc = [[0, 0, 0, 0, 50, 51, 52, 53], list(range(54, 62))]
+    kv[50:62] = -1.0
+    sched.update_state_after_alloc(r, tuple(tc), 192)
+    got = drain(sched, worker)
+    assert "c" in got[1] and not got[2]
+    for i in (4, 5):
+        assert torch.equal(kv[tc[0][i]], fill(i, 0, 2)), i  # b's window at the shared prefix's end
+    for i in range(6):
+        assert torch.equal(kv[tc[1][i]], fill(i, 1, 1)), i  # the full group: a's (first committed)
+    assert c["loaded_blocks"] == 6 and c["junction_windows"] == 1
+    sched.request_finished(r)
+    drain(sched, worker)
+    assert sched.pending() == dict.fromkeys(sched.pending(), 0), sched.pending()
+
+
+def test_a_sliding_only_hit_counts_the_window_it_loads(tmp_path, backend: str) -> None:
+    """One sliding-window group (Mistral-style): a hit of 192 tokens loads only its window
+    (ordinals 4, 5; vLLM allocates the null block for 0..3), and ``load_blocks_planned``
+    counts those 2 blocks, as ``loaded_blocks`` does (not the hit's 6 ordinals)."""
+    cfg = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(layer_names=list(LAYERS), kv_cache_spec=type("SlidingWindowSpec", (SimpleNamespace,), {})(
+            block_size=B, num_kv_heads=HEADS, head_size=DIM, dtype="torch.float32", page_size_bytes=BLOCK_BYTES,
+            sliding_window=W))])
+    lay = KvLayout.from_kv_cache_config(cfg, "cpu")
+    settings = ConnectorSettings.parse({"backend": backend, "host_bytes": 64 * 2 * BLOCK_BYTES})
+    sched, worker = KvcmScheduler(settings, lay), KvcmWorker(settings, lay, num_blocks=NB)
+    kvs = {n: torch.zeros(NB, HEADS, B, DIM) for n in LAYERS}
+    worker.register_kv_caches(kvs)
+    try:
+        prompt = list(range(1, 201))
+        a = Request(request_id="a", all_token_ids=list(prompt), num_computed_tokens=0)
+        assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+        table = [list(range(1, 8))]
+        sched.update_state_after_alloc(a, tuple(table), 0)
+
+        def forward() -> None:
+            for li, n in enumerate(LAYERS):
+                for i, b in enumerate(table[0]):
+                    kvs[n][b] = fill(i, li, 1)
+
+        so = SimpleNamespace(num_scheduled_tokens={"a": 200}, total_num_scheduled_tokens=200,
+                             preempted_req_ids=set(), kv_connector_block_state=State({"a": table}))
+        step(sched, worker, so, forward)
+        a.num_computed_tokens = 200
+        sched.request_finished(a)
+        drain(sched, worker)
+        b = Request(request_id="b", all_token_ids=list(prompt), num_computed_tokens=0)
+        assert sched.get_num_new_matched_tokens(b, 0) == (192, True)
+        sched.update_state_after_alloc(b, ([0, 0, 0, 0, 20, 21, 22],), 192)
+        got = drain(sched, worker)
+        assert "b" in got[1] and not got[2]
+        for li, n in enumerate(LAYERS):
+            for i in (4, 5):
+                assert torch.equal(kvs[n][16 + i], fill(i, li, 1)), (n, i)
+        c = sched.counters
+        assert c["loaded_blocks"] == 2 and c["load_blocks_planned"] == 2, dict(c)
+        sched.request_finished(b)
+        drain(sched, worker)
+    finally:
+        worker.shutdown()
+        sched.shutdown()

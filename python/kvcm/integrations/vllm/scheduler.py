@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -54,6 +54,7 @@ from kvcm.integrations.vllm.stats import process_stats
 
 UNREADABLE_MAX = 1 << 16  # store objects remembered as unreadable (32-byte keys: ~6 MiB at most)
 UNREADABLE_STEPS = 2048  # engine steps an unreadable object is not promised (then tried again: a store recovers)
+SEEN_MAX = 1 << 16  # block keys of prefixes computed (sliding windows: shared-prefix junctions), the oldest forgotten
 LC = 0  # the life cycle of a model with one full-attention group (KvLayout.lc_groups: one per kind)
 TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
 MEDIA = ("CPU", "CPU", "STORAGE", "SHARED")  # event medium by kvcm tier number (tier 0: host memory)
@@ -80,6 +81,7 @@ class Probe:
     hits: Any
     tiers: list[int]  # the coldest tier of each block's pages (0: kvcm's tier 0, host memory)
     scope: Any = None  # the request's kvcm ReuseScope (None: the default scope)
+    junction: int = 0  # sliding windows: blocks of the prompt computed before (by any request) past the hit
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Mirror:
     retiring: bool = False  # finished or preempted: closes once nothing is in flight
     held: bool = False  # request_finished answered True
     load_failed: bool = False  # a load of it failed (hybrid: reported by request)
+    junction: int = 0  # sliding windows: a shared prefix's end (blocks) whose window is saved (_plan_saves)
 
 
     @property
@@ -141,7 +144,7 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
             "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped",
-            "probes_memoized", "unreadable_objects", "readable_again")
+            "probes_memoized", "unreadable_objects", "readable_again", "junction_windows")
 
 
 class KvcmScheduler:
@@ -166,6 +169,10 @@ class KvcmScheduler:
                            for lcg in self.lc_groups]
         self.hybrid = layout.hybrid
         self.windowed = [layout.window_of_group(lcg[0]) is not None for lcg in self.lc_groups]
+        # block keys of the prefixes requests computed (a window layout only): where a prompt
+        # shares more blocks with them than kvcm's hit, the window ending there is saved
+        # (DECISIONS.md "Hybrid reuse: the missing blocks")
+        self.seen: OrderedDict[bytes, None] | None = OrderedDict() if any(self.windowed) else None
         self.no_load: set[str] = set()  # requests whose load failed: recomputed, never loaded again
         # store objects a load could not read (listed by the store, unreadable: EACCES, EIO, a
         # data path down): never promised again (bounded: the oldest are forgotten first)
@@ -297,9 +304,34 @@ class KvcmScheduler:
         if rid in self.no_load:
             answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
         is_async = answer > 0 and self._load_async(rid, tiers[n_local // self.B:hit])
-        self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit], scope)
+        junction = self._shared_blocks(prefix, scope) if self.seen is not None else 0
+        self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit], scope,
+                                 junction if junction * self.B > max(hit * self.B, n_local) else 0)
         self.memo[rid] = (key, (answer, is_async))
         return answer, is_async
+
+    def _keys(self, tokens: Any, scope: Any) -> list[bytes]:
+        n = len(tokens) // self.B * self.B
+        return kvcm.block_keys(list(tokens[:n]), self.B, scope) if n else []
+
+    def _shared_blocks(self, prefix: list[int], scope: Any) -> int:
+        """The leading blocks of ``prefix`` some request computed (admitted with them in its
+        prompt, or retired having computed them): a sliding window's prefix whose window
+        kvcm may not hold (its blocks were out of the window once the step that computed them
+        ran: never stored)."""
+        n = 0
+        for k in self._keys(prefix, scope):
+            if k not in self.seen:
+                break
+            n += 1
+        return n
+
+    def _see(self, tokens: Any, scope: Any) -> None:
+        for k in self._keys(tokens, scope):
+            self.seen.pop(k, None)
+            self.seen[k] = None
+        while len(self.seen) > SEEN_MAX:
+            del self.seen[next(iter(self.seen))]
 
     def _load_async(self, rid: str, tiers: list[int]) -> bool:
         """Whether a load of blocks now in ``tiers`` is asynchronous (``load_mode`` auto: DECISIONS.md
@@ -372,6 +404,10 @@ class KvcmScheduler:
         matched = kv.num_committed_tokens // self.B if kv is not None else 0
         self.serial += 1
         m = Mirror(rid, request, kv, self.serial, committed=matched, planned=matched, tables=tables)
+        if probe.junction * self.B > max(matched * self.B, probe.n_local):
+            m.junction = probe.junction  # its window is saved as the prompt is computed (_plan_saves)
+        if self.seen is not None:
+            self._see(request.all_token_ids, probe.scope)  # later prompts sharing it: a junction
         self.counters["mirrors"] += 1
         self.counters["matched_blocks"] += matched
         if kv is None:
@@ -410,7 +446,9 @@ class KvcmScheduler:
                 self.inflight_bytes += len(pslots) * self.slot_bytes[lc]
             self.sources[rid] = Counter(probe.tiers[i] if i < len(probe.tiers) else GPU for i in range(a, b))
             self._count("loads_sync" if not probe.is_async else "loads_async")
-            self._count("load_blocks_planned", b - a)
+            # the blocks of the plan counted in loaded_blocks: with sliding windows only, the window
+            # (ordinals outside it are vLLM's null block: neither loaded nor needed)
+            self._count("load_blocks_planned", most)
 
     def planned_sources(self, rid: str, n_external: int) -> dict[int, int]:
         """The tokens of the load just planned for ``rid`` by the tier kvcm had them in
@@ -532,6 +570,16 @@ class KvcmScheduler:
         end = m.planned + n
         self.version += 1  # pages allocated (maybe evicting others)
         hist = max(m.kv.history_length, min(after, end * self.B)) if self.hybrid else None
+        if m.junction and m.planned < m.junction <= end:
+            # a shared prefix ends at block j = m.junction (another request computed it; kvcm
+            # holds not the window ending there: it was out of the window once that request's
+            # step ran): the step's saves are planned at history j, so that window gets pages
+            # too (one request per shared prefix pays this: the next ones hit there), when vLLM
+            # still holds it (saves deferred past the step that computed it: it may not)
+            if self._holds_window(m, m.junction):
+                hist = max(m.kv.history_length, m.junction * self.B)
+            else:
+                m.junction = 0
         if m.kv.capacity < end * self.B and not m.kv.resize(end * self.B, hist):
             self._stop(m)  # tier 0 cannot hold it: what is committed stays
             return
@@ -577,7 +625,18 @@ class KvcmScheduler:
             self._count("window_blocks_skipped", sum(end - m.planned - len([i for i, _ in want if i < end])
                                                      for lc, want in enumerate(wanted) if self.windowed[lc]))
         self._count("save_blocks_planned", end - m.planned)
+        if m.junction and m.planned < m.junction <= end:
+            self._count("junction_windows")
         m.planned = end
+
+    def _holds_window(self, m: Mirror, j: int) -> bool:
+        """vLLM holds every block from ``m.planned`` that the windows ending at block ``j`` need."""
+        for lc, lcg in enumerate(self.lc_groups):
+            w = self.layout.window_of_group(lcg[0])
+            lo = m.planned if w is None else max(m.planned, (j * self.B + 1 - w) // self.B)
+            if any(self._block(m, lc, i) is None for i in range(lo, j)):
+                return False
+        return True
 
     def _tiers_of_loads(self, loads: list[LoadPlan], runs: list[CopyRun]) -> None:
         """Where each block of the step's loads comes from: an onboard into its slot in this
@@ -799,6 +858,8 @@ class KvcmScheduler:
 
     def _retire(self, m: Mirror) -> None:
         m.retiring = True
+        if self.seen is not None:  # what it computed: later prompts sharing it find a junction
+            self._see(m.request.all_token_ids[:m.request.num_computed_tokens], self.scope(m.request))
         self._commit(m)
         self.retiring[m.serial] = m
         self._maybe_close(m)
