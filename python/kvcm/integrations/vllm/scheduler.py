@@ -48,6 +48,7 @@ import kvcm
 from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig, Tier
 from kvcm.dataplane import DataPlane
 from kvcm.engine_loop import ASK, EngineLoop
+from kvcm.integrations.vllm import partial
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
 from kvcm.integrations.vllm.stats import process_stats
@@ -103,6 +104,7 @@ class Mirror:
     retiring: bool = False  # finished or preempted: closes once nothing is in flight
     held: bool = False  # request_finished answered True
     load_failed: bool = False  # a load of it failed (hybrid: reported by request)
+    tail: int = 0  # partial_tail: the tokens its trailing partial block's save in flight covers
 
 
     @property
@@ -141,7 +143,8 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
             "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped",
-            "probes_memoized", "unreadable_objects", "readable_again")
+            "probes_memoized", "unreadable_objects", "readable_again", "partial_hits", "partial_hit_tokens",
+            "partial_tail_saves", "partial_tail_tokens")
 
 
 class KvcmScheduler:
@@ -182,6 +185,9 @@ class KvcmScheduler:
         # explicit settlement: copies are reported done (or failed) drains later; events are
         # kept only when something takes them (else the buffer would fill to no use)
         self.config = replace(base, copy_settlement="explicit", **({} if consumed else {"max_events": 0}))
+        # partial_tail: matches may end inside a block, finished requests save their partial tail
+        self.partial = partial.enabled(settings.partial_tail, layout, settings.shared) and self.config.enable_partial_reuse
+        self.pending_tail_saves: list[SavePlan] = []  # planned by request_finished, in the next step's saves
         self.mgr = kvcm.KVCacheManager(self.config, backend=settings.backend)
         self.lookup_planes: list[DataPlane] = []
         if settings.shared is not None:
@@ -288,7 +294,10 @@ class KvcmScheduler:
         p, hits = self.loop.probe(prefix, scope, shared_hits=hits)
         tiers = list(p.block_tiers)
         hit = p.num_tokens // self.B
-        answer = max(0, hit * self.B - n_local)
+        answer = partial.answer(p.num_tokens, n_local, self.B, self.partial)
+        if answer % self.B:
+            self._count("partial_hits")
+            self.counters["partial_hit_tokens"] += answer % self.B
         if rid in self.no_load:
             answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
         is_async = answer > 0 and self._load_async(rid, tiers[n_local // self.B:hit])
@@ -377,7 +386,7 @@ class KvcmScheduler:
         self.created.append(m)
         if n_external > 0:
             a = probe.n_local // self.B
-            b = a + n_external // self.B
+            b = -(-(probe.n_local + n_external) // self.B)  # partial_tail: the last block may be partial
             plans = []
             for lc in range(len(self.lc_groups)):
                 slots = kv.page_indices(lc) if kv is not None else []
@@ -386,7 +395,7 @@ class KvcmScheduler:
                     blk = self._block(m, lc, i)
                     if blk is None:  # outside the window in vLLM: neither loaded nor needed
                         continue
-                    slot = slots[i] if i < matched and i < len(slots) else -1
+                    slot = slots[i] if i * self.B < kv.num_committed_tokens and i < len(slots) else -1
                     pos.append(i)
                     pslots.append(slot)  # -1: promised, not held (fails: vLLM recomputes)
                     pblocks.append(blk)
@@ -403,7 +412,7 @@ class KvcmScheduler:
                                                     counts=counts, t0=time.perf_counter())
                 self.pending_loads.append(load)
                 self.inflight_bytes += len(pslots) * self.slot_bytes[lc]
-            self.sources[rid] = Counter(probe.tiers[i] if i < len(probe.tiers) else GPU for i in range(a, b))
+            self.sources[rid] = Counter(partial.sources(probe.n_local, n_external, self.B, probe.tiers, GPU))
             self._count("loads_sync" if not probe.is_async else "loads_async")
             self._count("load_blocks_planned", b - a)
 
@@ -411,10 +420,10 @@ class KvcmScheduler:
         """The tokens of the load just planned for ``rid`` by the tier kvcm had them in
         when it was admitted (vLLM's ``get_external_cache_hit_sources``, right after
         ``update_state_after_alloc``)."""
-        blocks = self.sources.pop(rid, Counter())
-        if sum(blocks.values()) * self.B != n_external:
+        tokens = self.sources.pop(rid, Counter())
+        if sum(tokens.values()) != n_external:
             return {}
-        return {t: n * self.B for t, n in blocks.items()}
+        return dict(tokens)
 
     def request_finished(self, request: Any) -> bool:
         """vLLM finished the request (done, aborted, or while it waited for its load).  True:
@@ -432,6 +441,8 @@ class KvcmScheduler:
             return False
         if m.loads:
             self._count("finished_loading")  # aborted in WAITING_FOR_REMOTE_KVS: closes once the load is in
+        if self.partial:
+            self._save_tail(m)
         hold = bool(m.saves)
         if hold:
             m.held = True
@@ -439,6 +450,19 @@ class KvcmScheduler:
             self._count("holds")
         self._retire(m)
         return hold
+
+    def _save_tail(self, m: Mirror) -> None:
+        """partial_tail: the save of a finished request's trailing partial block (in the
+        next step's metadata, with its hold; module ``partial``)."""
+        p = partial.plan_tail(self, m)
+        if p is None:
+            return
+        nbytes, f = self.slot_bytes[0], m.tail // self.B
+        self.saves[p.save_id] = SaveInfo(m, f, f + 1, m.epoch, nbytes=nbytes)
+        m.saves[p.save_id] = m.epoch
+        self.inflight_bytes += nbytes
+        self.pending_tail_saves.append(p)
+        self._count("partial_tail_saves")
 
     # ------------------------------------------------------------------ one step
 
@@ -463,6 +487,8 @@ class KvcmScheduler:
         meta.loads, self.pending_loads = self.pending_loads, []
         self.sources.clear()  # asked for (if at all) right after each allocation
         meta.finished_holds, self.pending_holds = self.pending_holds, []
+        meta.saves += self.pending_tail_saves
+        self.pending_tail_saves = []
         blocks = _BlockIds(so)
         for rid, n in so.num_scheduled_tokens.items():
             m = self.mirrors.get(rid)
@@ -773,13 +799,21 @@ class KvcmScheduler:
         while end in m.confirmed:
             end += 1
         end = min(end, len(m.request.all_token_ids) // self.B)
-        if end <= m.committed:
-            return
-        tokens = m.request.all_token_ids[m.committed * self.B:end * self.B]
-        m.kv.commit(list(tokens))
-        self.version += 1
-        m.confirmed -= set(range(m.committed, end))
-        m.committed = end
+        if m.tail:  # the tail's block is committed by its tokens only (commit_tail)
+            end = min(end, m.tail // self.B)
+        if end > m.committed:
+            # from kvcm's committed count: a match that ended inside block m.committed
+            # (partial_tail) committed part of it already
+            tokens = m.request.all_token_ids[m.kv.num_committed_tokens:end * self.B]
+            m.kv.commit(list(tokens))
+            self.version += 1
+            m.confirmed -= set(range(m.committed, end))
+            m.committed = end
+        if m.tail:
+            n = partial.commit_tail(m, self.B)
+            if n:
+                self.version += 1
+                self._count("partial_tail_tokens", n)
 
     # ------------------------------------------------------------------ mirror lifetime
 
