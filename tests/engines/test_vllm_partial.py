@@ -107,3 +107,32 @@ def test_answer_and_sources() -> None:
     assert partial.answer(87, 80, 16, True) == 7 and partial.answer(87, 80, 16, False) == 0
     assert partial.answer(87, 48, 16, False) == 32 and partial.answer(40, 48, 16, True) == 0
     assert partial.sources(32, 23, 16, [0, 0, 2, 0], 0) == {2: 16, 0: 7}
+
+
+def test_partial_floor_counts_hits_that_end_inside_a_block() -> None:
+    from kvcm.integrations.vllm.workload import PrefillFloor
+
+    f = PrefillFloor(4)
+    a = list(range(1, 12))  # 11 tokens: 2 whole blocks and 3 tokens
+    f.submit(a)
+    assert f.tokens == f.partial_tokens == 11
+    f.finish(a, [50, 51, 52])  # computed: a + [50, 51] = 13 tokens: 3 whole blocks and 1 token
+    f.submit(a + [50, 51, 60, 61, 62])  # 16 tokens: 3 whole blocks, then [51] of block 3 seen
+    assert f.tokens == 11 + 4 and f.partial_tokens == 11 + 3
+    f.submit(list(range(1, 7)) + [70, 71])  # block 1 diverges after 2 tokens: [5, 6] reused inside it
+    assert f.tokens == 15 + 4 and f.partial_tokens == 14 + 2
+    f.submit(list(range(1, 12)))  # a seen prompt again: its last token is computed in any case
+    assert f.tokens == 19 + 3 and f.partial_tokens == 16 + 1
+
+
+def test_bench_partial_config_is_host_disk_with_partial_tail(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from kvcm.integrations.vllm import bench_plan
+
+    plan = SimpleNamespace(store_blocks=8, sizes={"host_blocks": 8}, load_mode=None, disk_blocks=16)
+    part = bench_plan._connector(str(tmp_path), "host+disk+partial", plan)["kv_connector_extra_config"]
+    disk = bench_plan._connector(str(tmp_path), "host+disk", plan)["kv_connector_extra_config"]
+    assert ConnectorSettings.parse(part).partial_tail and not ConnectorSettings.parse(disk).partial_tail
+    assert {k: v for k, v in part.items() if k != "partial_tail"}.keys() == disk.keys()
+    assert part["disk_path"] != disk["disk_path"] and part["stats_file"] != disk["stats_file"]
