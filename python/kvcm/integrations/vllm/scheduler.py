@@ -295,9 +295,6 @@ class KvcmScheduler:
         tiers = list(p.block_tiers)
         hit = p.num_tokens // self.B
         answer = partial.answer(p.num_tokens, n_local, self.B, self.partial)
-        if answer % self.B:
-            self._count("partial_hits")
-            self.counters["partial_hit_tokens"] += answer % self.B
         if rid in self.no_load:
             answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
         is_async = answer > 0 and self._load_async(rid, tiers[n_local // self.B:hit])
@@ -415,6 +412,9 @@ class KvcmScheduler:
             self.sources[rid] = Counter(partial.sources(probe.n_local, n_external, self.B, probe.tiers, GPU))
             self._count("loads_sync" if not probe.is_async else "loads_async")
             self._count("load_blocks_planned", b - a)
+            if (probe.n_local + n_external) % self.B:  # partial_tail: vLLM took a hit that ends inside a block
+                self._count("partial_hits")
+                self._count("partial_hit_tokens", (probe.n_local + n_external) % self.B)
 
     def planned_sources(self, rid: str, n_external: int) -> dict[int, int]:
         """The tokens of the load just planned for ``rid`` by the tier kvcm had them in
