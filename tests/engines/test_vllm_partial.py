@@ -138,3 +138,18 @@ def test_bench_partial_config_is_host_disk_with_partial_tail(tmp_path) -> None:
     assert ConnectorSettings.parse(part).partial_tail and not ConnectorSettings.parse(disk).partial_tail
     assert {k: v for k, v in part.items() if k != "partial_tail"}.keys() == disk.keys()
     assert part["disk_path"] != disk["disk_path"] and part["stats_file"] != disk["stats_file"]
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["whole", "partial"])
+def test_tier0_too_small_for_the_live_requests_fails_loads_exactly(tmp_path, backend, sims, on) -> None:
+    """kvcm's tier 0 (12 pages) cannot hold the live requests' matched pages: admissions fail
+    (the mirror stops, its promised blocks fail to load and vLLM recomputes them), with or
+    without partial tails, and every forward still reads exact KV.  (With ``partial_tail``
+    the extra copy-on-write and tail pages make such failures more frequent here: more tokens
+    are recomputed than with whole blocks; DECISIONS.md "Below the whole-block floor".)"""
+    sim = rig(extra(tmp_path, backend, host_bytes=12 * SIM_PAGE, partial_tail=on), num_blocks=20, max_num_seqs=5)
+    sims.append(sim)
+    Chats(n=6, system=50, user=30, reply=8).run(sim, 3)
+    c = sim.sched.counters
+    assert c["mirror_stops"] > 0 and not sim.violations, (dict(c), sim.violations)
+    drained(sim)

@@ -385,6 +385,7 @@ class KvcmScheduler:
             a = probe.n_local // self.B
             b = -(-(probe.n_local + n_external) // self.B)  # partial_tail: the last block may be partial
             plans = []
+            held = kv.num_committed_tokens if kv is not None else 0  # a match may end inside a block
             for lc in range(len(self.lc_groups)):
                 slots = kv.page_indices(lc) if kv is not None else []
                 pos, pslots, pblocks = [], [], []
@@ -392,7 +393,7 @@ class KvcmScheduler:
                     blk = self._block(m, lc, i)
                     if blk is None:  # outside the window in vLLM: neither loaded nor needed
                         continue
-                    slot = slots[i] if i * self.B < kv.num_committed_tokens and i < len(slots) else -1
+                    slot = slots[i] if i * self.B < held and i < len(slots) else -1
                     pos.append(i)
                     pslots.append(slot)  # -1: promised, not held (fails: vLLM recomputes)
                     pblocks.append(blk)
