@@ -214,7 +214,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.sched is not None
-        return self.sched.request_finished(request), None
+        return self.sched.request_finished(request, block_ids), None
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

@@ -426,10 +426,11 @@ class KvcmScheduler:
             return {}
         return dict(tokens)
 
-    def request_finished(self, request: Any) -> bool:
+    def request_finished(self, request: Any, block_ids: Any = None) -> bool:
         """vLLM finished the request (done, aborted, or while it waited for its load).  True:
         saves reading its blocks are in flight; vLLM keeps the blocks until every worker
-        reports the request in ``finished_sending``."""
+        reports the request in ``finished_sending``.  ``block_ids``: vLLM's blocks of its
+        computed tokens (one group's list, or every group's), for the partial tail's block."""
         rid = request.request_id
         self.probes.pop(rid, None)
         self.memo.pop(rid, None)
@@ -443,6 +444,8 @@ class KvcmScheduler:
         if m.loads:
             self._count("finished_loading")  # aborted in WAITING_FOR_REMOTE_KVS: closes once the load is in
         if self.partial:
+            if block_ids:  # the table as vLLM holds it now (the mirror's may predate the tail's block)
+                m.tables = [list(block_ids)] if isinstance(block_ids[0], int) else [list(t) for t in block_ids]
             self._save_tail(m)
         hold = bool(m.saves)
         if hold:
