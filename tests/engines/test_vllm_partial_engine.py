@@ -96,4 +96,5 @@ def test_partial_tail_is_exact_and_goes_below_the_whole_block_floor(engines: dic
         # hold the live batch's blocks too: how many tails and blocks are kept depends on
         # the order of saves and admissions, so only exactness and the counters are asserted)
         assert p_part < floor and p_part < p_whole
+        assert p_part == pfloor, "every turn's tail was kept: the next turn computes only past it"
     assert not any(part["stats"]["pending"].values()), part["stats"]["pending"]

@@ -221,7 +221,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM's hybrid manager calls this one (every group's blocks); kvcm's answer is the same:
         # hold the blocks while saves read them
         assert self.sched is not None
-        return self.sched.request_finished(request), None
+        return self.sched.request_finished(request, block_ids), None
 
     def has_pending_push_work(self) -> bool:
         # an idle engine keeps stepping while kvcm's transfers are in flight, so their
