@@ -190,7 +190,7 @@ class Sim:
         r.status = "FINISHED"
         self.finished[r.request_id] = list(r.output)
         self.finished_ids.add(r.request_id)
-        hold = self.sched.request_finished(r)
+        hold = self.sched.request_finished(r, list(r.blocks))  # vLLM: the blocks of its computed tokens
         if hold:
             r.held = True
             self.counters["holds"] += 1

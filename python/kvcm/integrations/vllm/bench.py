@@ -8,6 +8,8 @@ Configurations (``--configs``; each one engine process, :mod:`kvcm.integrations.
                 what a perfect tiered cache could at best give;
 * ``host``      vLLM (the shrunk cache) + kvcm, host tier only;
 * ``host+disk`` vLLM + kvcm, host + disk;
+* ``host+disk+partial``  the same with ``partial_tail`` (hits that end inside a block:
+                kvcm.integrations.vllm.partial), against the partial floor as well;
 * ``shared1``   host + disk + a file store (written on commit);
 * ``shared2``   a second vLLM + kvcm process on the store ``shared1`` wrote (local tiers
                 empty at start): what a fleet reuses;

@@ -20,9 +20,10 @@ CONFIGS = {  # key -> table label, in the order they run
     "vllm": "vllm", "limit": "limit (vllm, cache = working set)", "example": "vllm+example",
     "mooncake-store": "vllm+MooncakeStoreConnector (store = working set)",
     "host-equal": "kvcm host (= the store's memory)", "host": "kvcm host", "host+disk": "kvcm host+disk",
-    "shared1": "kvcm +shared (1st)", "shared2": "kvcm +shared (2nd)"}
+    "host+disk+partial": "kvcm host+disk, partial tails", "shared1": "kvcm +shared (1st)",
+    "shared2": "kvcm +shared (2nd)"}
 DEFAULT_CONFIGS = ("vllm", "limit", "mooncake-store", "host-equal", "host+disk")
-KVCM_CONFIGS = ("host-equal", "host", "host+disk", "shared1", "shared2")
+KVCM_CONFIGS = ("host-equal", "host", "host+disk", "host+disk+partial", "shared1", "shared2")
 
 # per workload: its options' defaults, full size and --quick (a smoke run: nothing measured)
 CHAT = {"conversations": 10, "turns": 5, "system_len": 384, "user_len": 96, "max_tokens": 16,
@@ -181,6 +182,8 @@ def _connector(tmp: str, key: str, plan: Plan) -> dict | None:
         extra["load_mode"] = plan.load_mode
     if key not in ("host", "host-equal"):
         extra.update(disk_path=os.path.join(tmp, f"{name}-disk"), disk_bytes=plan.disk_blocks * PAGE)
+    if key == "host+disk+partial":  # below the whole-block floor (kvcm.integrations.vllm.partial)
+        extra["partial_tail"] = True
     if key in ("shared1", "shared2"):
         extra.update(shared=os.path.join(tmp, "shared"), shared_namespace="bench-llama-random")
     return {"kv_connector": "KvcmConnector", "kv_connector_module_path": "kvcm.integrations.vllm",

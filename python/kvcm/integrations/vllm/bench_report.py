@@ -149,7 +149,8 @@ def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str],
         rows.append({
             "key": key, "config": labels[key],
             "prompt_tokens": p["prompt_tokens"], "prefill_tokens": p["prompt_tokens"] - p["cached_tokens"],
-            "floor_prefill_tokens": p.get("floor_prefill_tokens"), "hits": _hits(p), **best,
+            "floor_prefill_tokens": p.get("floor_prefill_tokens"),
+            "partial_floor_prefill_tokens": p.get("partial_floor_prefill_tokens"), "hits": _hits(p), **best,
             "runs": [{**f, "engine_load": x.get("engine_load")} for f, x in zip(each, runs, strict=True)],
             "load_before": p["loadavg_before"][0], "load_after": p["loadavg_after"][0],
             "engine_load_before": max((lb for lb, _ in loads), default=None),
@@ -166,12 +167,14 @@ def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str],
                 row[f"{m}_x_{base}"] = _ratio(row[m], b[m]) if b else None
         row["prefill_x_floor"] = _ratio(row["prefill_tokens"], row["floor_prefill_tokens"])
     floors_tok = {row["floor_prefill_tokens"] for row in rows if row["exact"]}
+    partial_tok = {row["partial_floor_prefill_tokens"] for row in rows if row["exact"]}
     layouts = sorted({row["layout"] for row in rows})
     return {"workload": plan.workload, "sizes": plan.sizes, "batch": plan.batch, "together": plan.together,
             "requests": plan.requests, "working_set_blocks": plan.working_set, "limit_blocks": plan.limit_blocks,
             "disk_blocks": plan.disk_blocks, "max_model_len": plan.max_model_len, "warmup": plan.warmup,
             "reserved_cpus": plan.reserved_cpus, "layouts": layouts, "cores": os.cpu_count(),
             "floor_prefill_tokens": floors_tok.pop() if len(floors_tok) == 1 else None, "quick": plan.quick,
+            "partial_floor_prefill_tokens": partial_tok.pop() if len(partial_tok) == 1 else None,
             "reference": plan.reference, "rows": rows, "repeat": getattr(plan, "repeat", 1),
             "copy_floors": floors, **plan.extra}
 
@@ -251,6 +254,10 @@ def markdown(plan: Plan, report: dict, model: dict) -> str:
     floor = report["floor_prefill_tokens"]
     out.append("whole-block prefill floor (every block computed before is reused, a prompt's last token is "
                f"computed): {_f(floor, ',')} tokens")
+    if report.get("partial_floor_prefill_tokens") is not None:
+        out.append("prefill floor below whole blocks (a hit may also end inside a block, on the longest run "
+                   f"some earlier sequence has there: partial_tail): {_f(report['partial_floor_prefill_tokens'], ',')}"
+                   " tokens")
     out.append("")
     best = f" (the best of {report['repeat']} interleaved runs)" if report.get("repeat", 1) > 1 else ""
     out.append(f"| config | prompt tokens | prefill tokens computed | kvcm hits host / disk / shared (blocks) "

@@ -220,14 +220,14 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.handover is not None
-        return self.handover.finished(request)
+        return self.handover.finished(request, block_ids)
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # vLLM's hybrid manager calls this one (every group's blocks); kvcm's answer is the same:
         # hold the blocks while saves read them
         assert self.handover is not None
-        return self.handover.finished(request)
+        return self.handover.finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         # an idle engine keeps stepping while kvcm's transfers are in flight, so their

@@ -248,7 +248,7 @@ class Handover:
 
     # ------------------------------------------------------------------ the producer
 
-    def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def finished(self, request: Any, block_ids: Any = None) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's ``request_finished``: hold the request's blocks while kvcm's saves read
         them (the scheduler's answer) and, on a producer asked for a remote decode, the
         hand-over params: the blocks saved or being saved, whose store writes the
@@ -272,7 +272,7 @@ class Handover:
                                       "digest": tokens_digest(prompt[:n])}
                 self._count("handover_announced")
                 self._count("handover_tokens_written", n)
-        return self.sched.request_finished(request), params
+        return self.sched.request_finished(request, block_ids), params
 
     def pending(self) -> int:
         return len(self.waiting) + len(self.waited)

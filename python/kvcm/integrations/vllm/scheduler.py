@@ -48,6 +48,7 @@ import kvcm
 from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig, Tier
 from kvcm.dataplane import DataPlane
 from kvcm.engine_loop import ASK, EngineLoop
+from kvcm.integrations.vllm import partial
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
 from kvcm.integrations.vllm.stats import process_stats
@@ -106,6 +107,7 @@ class Mirror:
     held: bool = False  # request_finished answered True
     load_failed: bool = False  # a load of it failed (hybrid: reported by request)
     junction: int = 0  # sliding windows: a shared prefix's end (blocks) whose window is saved (_plan_saves)
+    tail: int = 0  # partial_tail: the tokens its trailing partial block's save in flight covers
 
 
     @property
@@ -144,7 +146,8 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
             "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped",
-            "probes_memoized", "unreadable_objects", "readable_again", "junction_windows")
+            "probes_memoized", "unreadable_objects", "readable_again", "junction_windows", "partial_hits",
+            "partial_hit_tokens", "partial_tail_saves", "partial_tail_tokens")
 
 
 class KvcmScheduler:
@@ -189,6 +192,9 @@ class KvcmScheduler:
         # explicit settlement: copies are reported done (or failed) drains later; events are
         # kept only when something takes them (else the buffer would fill to no use)
         self.config = replace(base, copy_settlement="explicit", **({} if consumed else {"max_events": 0}))
+        # partial_tail: matches may end inside a block, finished requests save their partial tail
+        self.partial = partial.enabled(settings.partial_tail, layout, settings.shared) and self.config.enable_partial_reuse
+        self.pending_tail_saves: list[SavePlan] = []  # planned by request_finished, in the next step's saves
         self.mgr = kvcm.KVCacheManager(self.config, backend=settings.backend)
         self.lookup_planes: list[DataPlane] = []
         if settings.shared is not None:
@@ -300,7 +306,7 @@ class KvcmScheduler:
         p, hits = self.loop.probe(prefix, scope, shared_hits=hits)
         tiers = list(p.block_tiers)
         hit = p.num_tokens // self.B
-        answer = max(0, hit * self.B - n_local)
+        answer = partial.answer(p.num_tokens, n_local, self.B, self.partial)
         if rid in self.no_load:
             answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
         is_async = answer > 0 and self._load_async(rid, tiers[n_local // self.B:hit])
@@ -418,8 +424,9 @@ class KvcmScheduler:
         self.created.append(m)
         if n_external > 0:
             a = probe.n_local // self.B
-            b = a + n_external // self.B
+            b = -(-(probe.n_local + n_external) // self.B)  # partial_tail: the last block may be partial
             plans = []
+            held = kv.num_committed_tokens if kv is not None else 0  # a match may end inside a block
             for lc in range(len(self.lc_groups)):
                 slots = kv.page_indices(lc) if kv is not None else []
                 pos, pslots, pblocks = [], [], []
@@ -427,7 +434,7 @@ class KvcmScheduler:
                     blk = self._block(m, lc, i)
                     if blk is None:  # outside the window in vLLM: neither loaded nor needed
                         continue
-                    slot = slots[i] if i < matched and i < len(slots) else -1
+                    slot = slots[i] if i * self.B < held and i < len(slots) else -1
                     pos.append(i)
                     pslots.append(slot)  # -1: promised, not held (fails: vLLM recomputes)
                     pblocks.append(blk)
@@ -444,25 +451,29 @@ class KvcmScheduler:
                                                     counts=counts, t0=time.perf_counter())
                 self.pending_loads.append(load)
                 self.inflight_bytes += len(pslots) * self.slot_bytes[lc]
-            self.sources[rid] = Counter(probe.tiers[i] if i < len(probe.tiers) else GPU for i in range(a, b))
+            self.sources[rid] = Counter(partial.sources(probe.n_local, n_external, self.B, probe.tiers, GPU))
             self._count("loads_sync" if not probe.is_async else "loads_async")
             # the blocks of the plan counted in loaded_blocks: with sliding windows only, the window
             # (ordinals outside it are vLLM's null block: neither loaded nor needed)
             self._count("load_blocks_planned", most)
+            if (probe.n_local + n_external) % self.B:  # partial_tail: vLLM took a hit that ends inside a block
+                self._count("partial_hits")
+                self._count("partial_hit_tokens", (probe.n_local + n_external) % self.B)
 
     def planned_sources(self, rid: str, n_external: int) -> dict[int, int]:
         """The tokens of the load just planned for ``rid`` by the tier kvcm had them in
         when it was admitted (vLLM's ``get_external_cache_hit_sources``, right after
         ``update_state_after_alloc``)."""
-        blocks = self.sources.pop(rid, Counter())
-        if sum(blocks.values()) * self.B != n_external:
+        tokens = self.sources.pop(rid, Counter())
+        if sum(tokens.values()) != n_external:
             return {}
-        return {t: n * self.B for t, n in blocks.items()}
+        return dict(tokens)
 
-    def request_finished(self, request: Any) -> bool:
+    def request_finished(self, request: Any, block_ids: Any = None) -> bool:
         """vLLM finished the request (done, aborted, or while it waited for its load).  True:
         saves reading its blocks are in flight; vLLM keeps the blocks until every worker
-        reports the request in ``finished_sending``."""
+        reports the request in ``finished_sending``.  ``block_ids``: vLLM's blocks of its
+        computed tokens (one group's list, or every group's), for the partial tail's block."""
         rid = request.request_id
         self.probes.pop(rid, None)
         self.memo.pop(rid, None)
@@ -475,6 +486,10 @@ class KvcmScheduler:
             return False
         if m.loads:
             self._count("finished_loading")  # aborted in WAITING_FOR_REMOTE_KVS: closes once the load is in
+        if self.partial:
+            if block_ids:  # the table as vLLM holds it now (the mirror's may predate the tail's block)
+                m.tables = [list(block_ids)] if isinstance(block_ids[0], int) else [list(t) for t in block_ids]
+            self._save_tail(m)
         hold = bool(m.saves)
         if hold:
             m.held = True
@@ -482,6 +497,19 @@ class KvcmScheduler:
             self._count("holds")
         self._retire(m)
         return hold
+
+    def _save_tail(self, m: Mirror) -> None:
+        """partial_tail: the save of a finished request's trailing partial block (in the
+        next step's metadata, with its hold; module ``partial``)."""
+        p = partial.plan_tail(self, m)
+        if p is None:
+            return
+        nbytes, f = self.slot_bytes[0], m.tail // self.B
+        self.saves[p.save_id] = SaveInfo(m, f, f + 1, m.epoch, nbytes=nbytes)
+        m.saves[p.save_id] = m.epoch
+        self.inflight_bytes += nbytes
+        self.pending_tail_saves.append(p)
+        self._count("partial_tail_saves")
 
     # ------------------------------------------------------------------ one step
 
@@ -507,6 +535,8 @@ class KvcmScheduler:
         meta.loads, self.pending_loads = self.pending_loads, []
         self.sources.clear()  # asked for (if at all) right after each allocation
         meta.finished_holds, self.pending_holds = self.pending_holds, []
+        meta.saves += self.pending_tail_saves
+        self.pending_tail_saves = []
         blocks = _BlockIds(so)
         for rid, n in so.num_scheduled_tokens.items():
             m = self.mirrors.get(rid)
@@ -839,14 +869,23 @@ class KvcmScheduler:
         while end in m.confirmed:
             end += 1
         end = min(end, len(m.request.all_token_ids) // self.B)
-        if end <= m.committed:
-            return
-        tokens = m.request.all_token_ids[m.committed * self.B:end * self.B]
-        m.kv.commit(list(tokens))
-        self.version += 1
-        self.undrained = True
-        m.confirmed -= set(range(m.committed, end))
-        m.committed = end
+        if m.tail:  # the tail's block is committed by its tokens only (commit_tail)
+            end = min(end, m.tail // self.B)
+        if end > m.committed:
+            # from kvcm's committed count: a match that ended inside block m.committed
+            # (partial_tail) committed part of it already
+            tokens = m.request.all_token_ids[m.kv.num_committed_tokens:end * self.B]
+            m.kv.commit(list(tokens))
+            self.version += 1
+            self.undrained = True
+            m.confirmed -= set(range(m.committed, end))
+            m.committed = end
+        if m.tail:
+            n = partial.commit_tail(m, self.B)
+            if n:
+                self.version += 1
+                self.undrained = True
+                self._count("partial_tail_tokens", n)
 
     # ------------------------------------------------------------------ mirror lifetime
 

@@ -49,6 +49,10 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
                        of the same name); kvcm.integrations.vllm.handover
 ``handover_wait_s``    a consumer's deadline for the objects a producer's hand-over announced and
                        has not written yet (default 10 s); past it the rest is computed
+``partial_tail``       ``true``: serve hits that end inside a block (kvcm's partial reuse) and save a
+                       finished request's trailing partial block (default ``false``; one KV cache
+                       group set without a hybrid life cycle, no shared tier: otherwise ignored);
+                       kvcm.integrations.vllm.partial, DECISIONS.md "Below the whole-block floor"
 =====================  ===========================================================================
 
 Sizes (``*_bytes``) are bytes as an int or a string with a unit: ``"8GiB"``, ``"500MB"``,
@@ -83,7 +87,7 @@ from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
 KEYS = ("config_file", "backend", "host_bytes", "disk_path", "disk_bytes", "shared", "shared_bytes",
         "shared_namespace", "model_identity", "shared_write", "shared_timeout_s", "shared_store_class",
         "events_endpoint", "events_replay_endpoint", "stats_file", "load_mode", "max_inflight_bytes",
-        "save_decode_cache", "handover_wait_s")
+        "save_decode_cache", "handover_wait_s", "partial_tail")
 # test hooks: accepted, never offered (not in "known:", not a did-you-mean, not in the README)
 TEST_KEYS = ("copy_fault_hook",)
 CONFIG_ENV = "KVCM_CONFIG"  # a config file (YAML or JSON) with the keys of kv_connector_extra_config
@@ -231,6 +235,7 @@ class ConnectorSettings:
     config_file: str | None = None  # the file the keys came from (``config_file`` or KVCM_CONFIG)
     save_decode_cache: bool = False
     handover_wait_s: float = DEFAULT_HANDOVER_WAIT_S
+    partial_tail: bool = False  # kvcm.integrations.vllm.partial
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -330,10 +335,14 @@ class ConnectorSettings:
         wait = extra.get("handover_wait_s", DEFAULT_HANDOVER_WAIT_S)
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= 3600:
             raise key_error("handover_wait_s", f"must be seconds in [0, 3600], got {wait!r}")
+        partial_tail = extra.get("partial_tail", False)
+        if not isinstance(partial_tail, bool):
+            raise key_error("partial_tail", f"must be true or false, got {partial_tail!r}")
         return cls(backend, host, disk_path, disk_bytes, shared, shared_bytes, namespace, identity, write,
                    None if timeout is None else float(timeout), store_class, text("events_endpoint"),
                    text("events_replay_endpoint"), text("stats_file"), load_mode, inflight, hook,
-                   save_decode_cache=save_decode, handover_wait_s=float(wait))
+                   save_decode_cache=save_decode, handover_wait_s=float(wait),
+                   partial_tail=partial_tail)
 
     def resolved_backend(self) -> str:
         """The backend the manager will run: ``backend``, else ``KVCM_BACKEND``, else ``cpp``
@@ -499,7 +508,8 @@ class ConnectorSettings:
         n_lc = len(layout.lc_groups)
         ratio = {"pool_ratio": dict.fromkeys(range(n_lc), 1.0)} if n_lc > 1 else {}
         return KVCacheManagerConfig(tokens_per_block=B, layers=layers, tiers=tiers, **ratio,
-                                    enable_partial_reuse=False,  # vLLM loads whole blocks only
+                                    # whole blocks only, unless partial_tail (kvcm.integrations.vllm.partial)
+                                    enable_partial_reuse=self.partial_tail and not layout.hybrid and self.shared is None,
                                     shared_write=self.shared_write, shared_namespace=namespace)
 
     def fault_hook(self) -> Any:

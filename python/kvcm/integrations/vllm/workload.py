@@ -98,6 +98,11 @@ class PrefillFloor:
         self.block = block_size
         self.seen: set[bytes] = set()
         self.tokens = 0  # prefill tokens at the floor so far
+        # below the whole-block floor (partial_tail): a hit may end inside a block, on the
+        # longest common leading run with a block (full, or a sequence's partial tail) some
+        # earlier sequence has at that place; ``partial_tokens`` is that floor's prefill
+        self.partial_tokens = 0
+        self.next: dict[bytes, set[tuple[int, ...]]] = {}  # the key of i blocks -> blocks i seen after it
 
     def _keys(self, tokens: list[int]) -> list[bytes]:
         keys, h = [], hashlib.blake2b(digest_size=16)
@@ -114,10 +119,26 @@ class PrefillFloor:
                 break
             hit += 1
         self.tokens += len(prompt) - hit * self.block
-        self.seen.update(keys)
+        B, start = self.block, hit * self.block
+        rest = prompt[start:min(start + B, len(prompt) - 1)]
+        run = 0
+        for seen in self.next.get(keys[hit - 1] if hit else b"", ()):
+            n = next((i for i, (a, b) in enumerate(zip(rest, seen)) if a != b), min(len(rest), len(seen)))
+            run = max(run, n)
+        self.partial_tokens += len(prompt) - start - run
+        self._add(prompt, keys)
 
     def finish(self, prompt: list[int], output: list[int]) -> None:
-        self.seen.update(self._keys(prompt + output[:-1]))
+        seq = prompt + output[:-1]
+        keys = self._keys(seq)
+        self.seen.update(keys)
+        self._add(seq, keys)
+
+    def _add(self, tokens: list[int], keys: list[bytes]) -> None:
+        self.seen.update(keys)
+        B = self.block
+        for i in range(-(-len(tokens) // B)):
+            self.next.setdefault(keys[i - 1] if i else b"", set()).add(tuple(tokens[i * B:(i + 1) * B]))
 
 
 def _request_metrics(r: Any, submitted: float) -> tuple[float, float | None]:
@@ -170,6 +191,7 @@ class _Recorder:
     def figures(self) -> dict:
         return {"ttft": self.ttft, "decode": self.decode, "prefill": self.prefill, "cached_tokens": self.cached,
                 "prompt_tokens": self.prompt_tokens, "floor_prefill_tokens": self.floor.tokens,
+                "partial_floor_prefill_tokens": self.floor.partial_tokens,
                 "loadavg_before": self.load_before, "loadavg_after": os.getloadavg(), "prompts": self.prompts}
 
 
