@@ -39,8 +39,8 @@ class Facade:
             self.after_lookup(request)
         return out
 
-    def request_finished(self, request: Any) -> bool:
-        hold, self.params[request.request_id] = self.handover.finished(request)
+    def request_finished(self, request: Any, block_ids: Any = None) -> bool:
+        hold, self.params[request.request_id] = self.handover.finished(request, block_ids)
         return hold
 
 

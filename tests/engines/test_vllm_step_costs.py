@@ -319,3 +319,22 @@ def test_an_object_written_again_is_readable_again(tmp_path, backend, sims) -> N
     store_b = CopyOp(0, 0, 4, SHARED, -1, "store", b[0])
     sched._unreadable([store_b], stored=[a, b])  # a written, b's store failed
     assert set(sched.unreadable) == {b} and sched.counters["readable_again"] == 1
+
+
+def test_saves_the_in_flight_bound_deferred_are_made_when_the_request_finishes(tmp_path, backend, sims) -> None:
+    """A turn's requests together under a tight in-flight bound: the saves it deferred are
+    planned when each request finishes (vLLM keeps its blocks meanwhile), so every block a
+    request computed is in kvcm afterwards — a deferral never becomes a miss."""
+    sim = rig(extra(tmp_path, backend, host_bytes=64 * SIM_PAGE, max_inflight_bytes=2 * SIM_PAGE), num_blocks=40,
+              max_num_seqs=6)
+    sims.append(sim)
+    chats = Chats(n=6)
+    ids = chats.add_turn(sim)
+    sim.run()
+    c = sim.sched.counters
+    assert c["saves_deferred"] > 0 and c["saves_at_finish"] > 0, dict(c)
+    assert not sim.violations and c["save_failed_blocks"] == 0 and c["mirror_stops"] == 0
+    for rid, chat in zip(ids, chats.chats, strict=True):
+        computed = chat + sim.finished[rid][:-1]  # the last output token is sampled, never computed
+        probe, _ = sim.sched.loop.probe(computed)
+        assert probe.num_tokens == len(computed) // sim.B * sim.B, rid

@@ -146,7 +146,7 @@ COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
             "save_blocks_planned", "saves_deferred", "failed_ops", "drains", "rollbacks", "taints", "preemptions",
             "holds", "finished_loading", "skipped_requests", "steps", "failed_loads", "window_blocks_skipped",
-            "probes_memoized", "unreadable_objects", "readable_again", "junction_windows", "partial_hits",
+            "probes_memoized", "unreadable_objects", "readable_again", "junction_windows", "saves_at_finish", "partial_hits",
             "partial_hit_tokens", "partial_tail_saves", "partial_tail_tokens")
 
 
@@ -194,7 +194,7 @@ class KvcmScheduler:
         self.config = replace(base, copy_settlement="explicit", **({} if consumed else {"max_events": 0}))
         # partial_tail: matches may end inside a block, finished requests save their partial tail
         self.partial = partial.enabled(settings.partial_tail, layout, settings.shared) and self.config.enable_partial_reuse
-        self.pending_tail_saves: list[SavePlan] = []  # planned by request_finished, in the next step's saves
+        self.pending_tail_saves: list[SavePlan] = []  # planned by request_finished (deferred blocks, a partial tail): the next step's saves
         self.mgr = kvcm.KVCacheManager(self.config, backend=settings.backend)
         self.lookup_planes: list[DataPlane] = []
         if settings.shared is not None:
@@ -486,9 +486,10 @@ class KvcmScheduler:
             return False
         if m.loads:
             self._count("finished_loading")  # aborted in WAITING_FOR_REMOTE_KVS: closes once the load is in
+        if block_ids:  # the table as vLLM holds it now (the mirror's may predate its last blocks)
+            m.tables = [list(block_ids)] if isinstance(block_ids[0], int) else [list(t) for t in block_ids]
+        self._save_deferred(m, request)
         if self.partial:
-            if block_ids:  # the table as vLLM holds it now (the mirror's may predate the tail's block)
-                m.tables = [list(block_ids)] if isinstance(block_ids[0], int) else [list(t) for t in block_ids]
             self._save_tail(m)
         hold = bool(m.saves)
         if hold:
@@ -497,6 +498,23 @@ class KvcmScheduler:
             self._count("holds")
         self._retire(m)
         return hold
+
+    def _save_deferred(self, m: Mirror, request: Any) -> None:
+        """The full blocks of a finished request whose saves the in-flight bound deferred:
+        planned now, past the bound (vLLM keeps the request's blocks while they are in flight;
+        a deferral must not become a miss — with a turn's requests together, bounded saves
+        of requests that finished first were never planned)."""
+        if m.stopped or m.kv is None or m.loads or m.kv.status.name != "ACTIVE" or not m.tables:
+            return
+        computed = min(request.num_computed_tokens, len(request.all_token_ids))
+        full = min(computed // self.B, min(len(t) for t in m.tables))
+        if full <= m.planned:
+            return
+        fin = KvcmConnectorMetadata(0, forward=False)
+        self._plan_saves(m, full, fin, computed, bounded=False)
+        if fin.saves:
+            self.pending_tail_saves += fin.saves
+            self._count("saves_at_finish", sum(len(p.blocks) for p in fin.saves))
 
     def _save_tail(self, m: Mirror) -> None:
         """partial_tail: the save of a finished request's trailing partial block (in the
@@ -581,15 +599,16 @@ class KvcmScheduler:
             ids.append(t[i])
         return ids[0] if len(ids) == 1 else tuple(ids)
 
-    def _plan_saves(self, m: Mirror, full: int, meta: KvcmConnectorMetadata, after: int = 0) -> None:
+    def _plan_saves(self, m: Mirror, full: int, meta: KvcmConnectorMetadata, after: int = 0,
+                    bounded: bool = True) -> None:
         """Saves of the blocks ``[planned, full)`` (full once this step ran), within the
-        in-flight bound: blocks past it are planned in a later step.  ``after``: the tokens
-        computed once this step ran: kvcm's history, so that blocks out of a sliding window
-        by then get no page (kvcm stores no block outside a window)."""
+        in-flight bound (``bounded``): blocks past it are planned in a later step.  ``after``:
+        the tokens computed once this step ran: kvcm's history, so that blocks out of a
+        sliding window by then get no page (kvcm stores no block outside a window)."""
         n = full - m.planned
         if n <= 0:
             return
-        room = max(0, self.max_inflight - self.inflight_bytes) // self.page_bytes
+        room = max(0, self.max_inflight - self.inflight_bytes) // self.page_bytes if bounded else n
         if self.inflight_bytes == 0:
             room = max(room, 1)  # progress whatever the bound
         if room < n:
