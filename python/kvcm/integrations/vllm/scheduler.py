@@ -568,6 +568,7 @@ class KvcmScheduler:
                 continue
             self._plan_saves(m, min(after // self.B, min(len(t) for t in m.tables)), meta, after)
         runs = self.loop.drain()
+        flushed = self.undrained
         self.undrained = False
         if any(len(r) for r in runs):
             self.drain_seq += 1
@@ -584,6 +585,8 @@ class KvcmScheduler:
         self.created = []
         self._tiers_of_loads(meta.loads, runs)
         self._events()
+        if flushed:  # the stats file said commits waited for a drain: it says what is in flight now
+            self.write_stats()
         return meta
 
     def _block(self, m: Mirror, lc: int, i: int) -> Any:
