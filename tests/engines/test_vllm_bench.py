@@ -51,6 +51,8 @@ def test_together_submits_each_turn_at_once_and_long_has_its_own_sizes():
     together = plan("--together")  # 20 chats; vLLM's cache holds the live batch (4 chats at their longest)
     assert together.batch == 20 and together.sizes["gpu_blocks"] == 4 * (together.max_model_len // 32) + 1
     assert together.sizes["gpu_blocks"] < together.working_set
+    # kvcm's host tier holds the live requests' pages: a quarter of the working set, at least the live batch
+    assert together.sizes["host_blocks"] == max(-(-together.working_set // 4), together.sizes["gpu_blocks"])
     assert plan("--batch", "3").batch == 3
     long = plan("--workload", "long", "--together")
     assert long.batch == long.sizes["documents"] and long.requests == long.sizes["documents"] * long.sizes["questions"]

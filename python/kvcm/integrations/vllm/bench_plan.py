@@ -133,6 +133,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     need = max_model_len // BLOCK + 1  # vLLM holds one block back (its null block)
     if args.together and args.workload == "chat" and args.gpu_blocks is None and not args.quick:
         sizes["gpu_blocks"] = args.max_num_seqs * (max_model_len // BLOCK) + 1  # the live batch
+        if args.host_blocks is None:  # kvcm's host tier holds the live requests' pages: at least the live batch
+            sizes["host_blocks"] = max(sizes["host_blocks"], -(-work // 4), sizes["gpu_blocks"])
     if sizes["gpu_blocks"] < need:
         raise UsageError(f"--gpu-blocks {sizes['gpu_blocks']} cannot hold the longest request "
                          f"({longest} tokens): give at least {need}")
