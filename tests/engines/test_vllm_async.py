@@ -12,7 +12,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -45,14 +45,6 @@ def assert_drained(sim: Sim) -> None:
         assert g["bytes_in_flight"] == 0 and g["jobs_queued"] == 0 and g["saves_queued"] == 0, g
         assert not w.holds and not w.errors and not w.engine._save_req and not w.engine._pending_saves
     assert not sim.requests and not sim.violations, (list(sim.requests), sim.violations)
-
-
-@pytest.fixture
-def sims() -> Iterator[list[Sim]]:
-    made: list[Sim] = []
-    yield made
-    for s in made:
-        close(s)
 
 
 class Gate:

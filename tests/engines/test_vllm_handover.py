@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kvcm.dataplane.store import OBJECT_SUFFIX
 from kvcm.integrations.vllm.handover import PARAMS_KEY, Handover, Role, tokens_digest
 from kvcm.integrations.vllm.settings import ConnectorSettings
-from vllm_sim import SIM_BLOCK, SIM_PAGE, Sim, close, rig
+from vllm_sim import SIM_BLOCK, SIM_PAGE, Sim, rig
 
 B = SIM_BLOCK
 
@@ -81,14 +80,6 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def counters(f: Facade) -> dict[str, int]:
     return dict(f._sched.counters)
-
-
-@pytest.fixture
-def sims() -> Iterator[list[Sim]]:
-    made: list[Sim] = []
-    yield made
-    for s in made:
-        close(s)
 
 
 def prefill(sim: Sim, facade: Facade, rid: str, tokens: list[int]) -> dict:

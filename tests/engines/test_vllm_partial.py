@@ -8,12 +8,10 @@ wrong (a wrong page, a token counted that has no KV, a commit at the wrong offse
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from kvcm.integrations.vllm import partial
 from kvcm.integrations.vllm.settings import ConnectorSettings
-from vllm_sim import SIM_PAGE, Chats, Sim, close, rig, sim_layout
+from vllm_sim import SIM_PAGE, Chats, Sim, rig, sim_layout
 
 
 def extra(tmp_path, backend: str, **kw) -> dict:
@@ -21,14 +19,6 @@ def extra(tmp_path, backend: str, **kw) -> dict:
            "disk_bytes": 96 * SIM_PAGE}
     out.update(kw)
     return out
-
-
-@pytest.fixture
-def sims() -> Iterator[list[Sim]]:
-    made: list[Sim] = []
-    yield made
-    for s in made:
-        close(s)
 
 
 def count_forwarded(sim: Sim) -> list[int]:

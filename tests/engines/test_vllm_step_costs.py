@@ -10,12 +10,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from kvcm.integrations.vllm.metadata import LoadPlan, SavePlan
 from kvcm.integrations.vllm.transfer import forward_cpus, pin_to_spare_cpus
-from vllm_sim import SIM_PAGE, Chats, Req, Sim, close, rig
+from vllm_sim import SIM_PAGE, Chats, Req, Sim, rig
 
 
 def extra(tmp_path, backend: str, **kw) -> dict:
@@ -26,14 +25,6 @@ def extra(tmp_path, backend: str, **kw) -> dict:
 def shared_extra(tmp_path, backend: str, shared, **kw) -> dict:
     return {"backend": backend, "host_bytes": 24 * SIM_PAGE, "shared": str(shared), "shared_namespace": "sim-model@1",
             "shared_store_class": "vllm_fault_store:FaultyFileStore", "shared_timeout_s": 0.5, **kw}
-
-
-@pytest.fixture
-def sims() -> Iterator[list[Sim]]:
-    made: list[Sim] = []
-    yield made
-    for s in made:
-        close(s)
 
 
 @pytest.fixture
@@ -143,22 +134,28 @@ def test_an_async_load_in_a_step_without_a_forward_is_reported_in_that_step(tmp_
 # loads overtake queued saves
 
 
+def held(eng, hold, name) -> tuple[threading.Event, list[str]]:
+    """The transfer thread's jobs run in the order they are taken, recorded by ``name(job)``;
+    a job for which ``hold(job)`` is true holds the thread until the gate is set."""
+    gate, order = threading.Event(), []
+    orig = eng._execute
+
+    def execute(job):
+        if hold(job) and not gate.is_set():
+            gate.wait(10)  # the first job held keeps the thread while more jobs queue up
+        order.append(name(job))
+        return orig(job)
+
+    eng._execute = execute
+    return gate, order
+
+
 def test_loads_overtake_queued_saves(tmp_path, backend, sims) -> None:
     """An asynchronous load queued behind saves runs first (it reads no slot they write)."""
     sim = rig(extra(tmp_path, backend), num_blocks=20)
     sims.append(sim)
     eng = sim.workers[0].engine
-    order: list[str] = []
-    gate = threading.Event()
-    orig = eng._execute
-
-    def execute(job):
-        if job.kind == "saves" and not gate.is_set():
-            gate.wait(10)  # the first save job blocks the thread while more jobs queue up
-        order.append(job.kind)
-        return orig(job)
-
-    eng._execute = execute
+    gate, order = held(eng, lambda job: job.kind == "saves", lambda job: job.kind)
     pool = eng.pools[0]
     eng.submit_saves([SavePlan(1, "a", [1, 2], [0, 1])], None)
     time.sleep(0.05)  # the thread holds the first save
@@ -178,17 +175,7 @@ def test_a_load_waits_for_the_job_that_writes_its_slot(tmp_path, backend, sims) 
     sim = rig(extra(tmp_path, backend), num_blocks=20)
     sims.append(sim)
     eng = sim.workers[0].engine
-    order: list[str] = []
-    gate = threading.Event()
-    orig = eng._execute
-
-    def execute(job):
-        if not gate.is_set():
-            gate.wait(10)
-        order.append(f"{job.kind}:{job.seq}")
-        return orig(job)
-
-    eng._execute = execute
+    gate, order = held(eng, lambda job: True, lambda job: f"{job.kind}:{job.seq}")
     eng.submit_saves([SavePlan(1, "a", [1], [0])], None)
     time.sleep(0.05)
     eng.submit_saves([SavePlan(2, "b", [3], [7])], None)  # writes slot 7
