@@ -209,8 +209,10 @@ def test_check_config_command(tmp_path: Path) -> None:
     ok = run_check(json.dumps(GOOD))
     assert ok.returncode == 0, ok.stderr
     # the backend it resolves to, not where it comes from; what it could not check, said
-    assert ok.stdout.strip() == ("ok: backend cpp; host 1.0 MiB; sizes against vLLM's block NOT checked (give "
-                                 "--model DIR and --block-size N)") and ok.stderr == "", ok
+    import kvcm
+
+    assert ok.stdout.strip() == (f"ok: backend {kvcm.backend}; host 1.0 MiB; sizes against vLLM's block NOT checked "
+                                 "(give --model DIR and --block-size N)") and ok.stderr == "", ok
     assert "ok: backend python;" in subprocess.run(
         [sys.executable, "-m", "kvcm", "vllm", "check-config", json.dumps(GOOD)], capture_output=True, text=True,
         env=child_env(KVCM_BACKEND="python"), timeout=120, check=False).stdout
@@ -368,7 +370,10 @@ def test_readme_config_file_block_runs_as_written(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0 and p.stderr.startswith('warning: the kv_transfer_config around it also needs'), p
     check, printed = p.stdout.splitlines()
-    assert check.startswith(f"ok: backend cpp; host 8.0 GiB; disk 10.0 GiB at {root}/disk; keys from {root}/kvcm.yaml")
+    import kvcm
+
+    assert check.startswith(f"ok: backend {kvcm.backend}; host 8.0 GiB; disk 10.0 GiB at {root}/disk; "
+                            f"keys from {root}/kvcm.yaml"), check
     assert json.loads(printed)["kv_connector_extra_config"] == {}  # the file's keys come from KVCM_CONFIG at start
     assert (tmp_path / "kvcm" / "kvcm.yaml").exists() and not (tmp_path / "kvcm" / "disk").exists()
 
