@@ -264,6 +264,15 @@ class Proxy:
                 errors.append(f"{b.url}: a body that is not JSON")
         raise Unavailable(f"no prefill instance could serve the request ({'; '.join(errors)})")
 
+    def _decode_failed(self, b: Any, errors: list[str], why: str) -> None:
+        """A decode instance that could not take the request: marked down for DOWN_S, the
+        request retried on the next one."""
+        b.in_flight -= 1
+        b.counts["errors"] += 1
+        b.down_until = time.monotonic() + DOWN_S
+        errors.append(f"{b.url}: {why}")
+        self.counts["decode_retries"] += 1
+
     async def _open_decode(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[Any, Backend]:
         """The decode leg's response, headers received (the body not read), from the first
         instance that answers without a 5xx; the instance's in-flight count is held."""
@@ -280,19 +289,11 @@ class Proxy:
                 b.counts["errors"] += 1
                 raise  # it took the request and did not answer in time: 504 (not run twice)
             except Exception as e:  # noqa: BLE001 - unreachable: the next instance
-                b.in_flight -= 1
-                b.counts["errors"] += 1
-                b.down_until = time.monotonic() + DOWN_S
-                errors.append(f"{b.url}: {type(e).__name__}")
-                self.counts["decode_retries"] += 1
+                self._decode_failed(b, errors, type(e).__name__)
                 continue
             if r.status_code >= 500:
                 await r.aclose()
-                b.in_flight -= 1
-                b.counts["errors"] += 1
-                b.down_until = time.monotonic() + DOWN_S
-                errors.append(f"{b.url}: HTTP {r.status_code}")
-                self.counts["decode_retries"] += 1
+                self._decode_failed(b, errors, f"HTTP {r.status_code}")
                 continue
             b.counts["requests"] += 1
             return r, b
