@@ -339,6 +339,39 @@ class _Closer:
         self.x.close()
 
 
+def test_without_prefill_instances_a_plain_round_robin_balancer(made) -> None:
+    """No ``--prefill``: each request goes whole (its own ``max_tokens``, no hand-over params)
+    to one server; ``round-robin`` alternates whatever the load (``bench disagg``'s two-vLLM
+    baseline; ``load``, the default, is the decode leg's choice tested above)."""
+    a, b = fake(made, "A", "decode", delay_s=1.0), fake(made, "B", "decode")
+    rr = start(made, [], [a.url, b.url], balance="round-robin")
+    results: dict[int, Any] = {}
+
+    def go(url: str, i: int) -> None:
+        r = post(url, "/v1/completions", {"model": "m", "prompt": [i], "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        results[i] = r.json()
+
+    threads = [threading.Thread(target=go, args=(rr, i)) for i in range(4)]
+    for t in threads:  # one at a time into the proxy: the order of arrival is the order of choice
+        t.start()
+        deadline = time.monotonic() + 10
+        while len(a.received) + len(b.received) < threads.index(t) + 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    for t in threads:
+        t.join()
+    assert sorted(r["from"] for r in results.values()) == ["A", "A", "B", "B"], results  # A busy, still its turn
+    assert all(r["got_params"] is None and r["choices"][0]["text"].count("-t") == 3 for r in results.values())
+    assert all(body["max_tokens"] == 3 and "kv_transfer_params" not in body for body in a.received + b.received)
+    h = httpx.get(f"{rr}/health", timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "ok" and h.json()["prefill"] == {}
+    with pytest.raises(ValueError, match="--balance"):
+        ProxyConfig((), (a.url,), balance="random")
+    with pytest.raises(ValueError, match="--decode"):
+        ProxyConfig((a.url,), ())
+
+
 def test_command_line_errors_are_one_line_exit_2() -> None:
     env = dict(os.environ)
     cases = [

@@ -1,7 +1,7 @@
 """``python -m kvcm proxy``: disaggregated prefill and decode in front of vLLM servers.
 
-    proxy --prefill URL[,URL...] --decode URL[,URL...] [--host 127.0.0.1] [--port 8000]
-          [--prefill-events PUB,REPLAY ...  --block-size B]
+    proxy [--prefill URL[,URL...]] --decode URL[,URL...] [--host 127.0.0.1] [--port 8000]
+          [--prefill-events PUB,REPLAY ...  --block-size B] [--balance load|round-robin]
           [--max-concurrency 256] [--max-queue 1024] [--queue-timeout 30]
           [--connect-timeout 5] [--request-timeout 600]
 
@@ -12,7 +12,9 @@ on a decode instance with the params the prefill answered; the instances run vLL
 kvcm's connector (``kv_role`` ``kv_producer`` / ``kv_consumer``) on one shared store.
 ``--prefill-events`` (one ``PUB,REPLAY`` pair of ZeroMQ endpoints per ``--prefill`` URL, in
 order: each instance's ``events_endpoint`` and ``events_replay_endpoint``) routes each
-prompt to the prefill instance that already holds most of its prefix.  The runtime is
+prompt to the prefill instance that already holds most of its prefix.  Without
+``--prefill`` it is a plain balancer over the ``--decode`` servers (each request whole to
+one; ``--balance round-robin``: each in turn, the naive baseline).  The runtime is
 :mod:`kvcm.fleet.proxy` (the proxy extra: FastAPI, uvicorn, httpx).
 """
 
@@ -66,13 +68,16 @@ def main(argv: Sequence[str]) -> int:
         print(why, file=sys.stderr)
         return 2
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=PROXY_EXIT_CODES)
-    p.add_argument("--prefill", type=_urls, required=True, help="prefill instances (kv_producer), comma-separated")
+    p.add_argument("--prefill", type=_urls, default=[],
+                   help="prefill instances (kv_producer), comma-separated (none: a plain balancer over --decode)")
     p.add_argument("--decode", type=_urls, required=True, help="decode instances (kv_consumer), comma-separated")
     p.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int_in(0, 65535), default=8000)
     p.add_argument("--prefill-events", type=_pair, action="append", default=[], metavar="PUB,REPLAY",
                    help="a prefill instance's kvcm event endpoints, once per --prefill URL in order")
     p.add_argument("--block-size", type=int_in(1, 4096), default=0, help="the instances' block size (with events)")
+    p.add_argument("--balance", default="load", choices=("load", "round-robin"),
+                   help="how the decode instance is chosen: fewest requests in flight (default) or each in turn")
     p.add_argument("--max-concurrency", type=int_in(1, 100_000), default=256)
     p.add_argument("--max-queue", type=int_in(0, 1_000_000), default=1024)
     p.add_argument("--queue-timeout", type=finite_in(0, 86_400, lo_open=True), default=30.0)
@@ -83,7 +88,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = ProxyConfig(tuple(args.prefill), tuple(args.decode), tuple(args.prefill_events), args.block_size,
                              args.max_concurrency, args.max_queue, args.queue_timeout, args.connect_timeout,
-                             args.request_timeout)
+                             args.request_timeout, args.balance)
     except ValueError as e:
         p.error(str(e))
     import socket
@@ -95,9 +100,13 @@ def main(argv: Sequence[str]) -> int:
     except OSError as e:
         print(f"{prog}: cannot bind {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 2
-    print(f"kvcm proxy on http://{args.host}:{args.port}: prefill {', '.join(config.prefill)}; decode "
-          f"{', '.join(config.decode)}; prefill routing by "
-          f"{'prefix (KV events) then load' if config.prefill_events else 'load'}", file=sys.stderr, flush=True)
+    if config.prefill:
+        print(f"kvcm proxy on http://{args.host}:{args.port}: prefill {', '.join(config.prefill)}; decode "
+              f"{', '.join(config.decode)} by {config.balance}; prefill routing by "
+              f"{'prefix (KV events) then load' if config.prefill_events else 'load'}", file=sys.stderr, flush=True)
+    else:
+        print(f"kvcm proxy on http://{args.host}:{args.port}: no prefill instances, each request whole to one of "
+              f"{', '.join(config.decode)} by {config.balance}", file=sys.stderr, flush=True)
     try:
         serve_forever(config, args.host, args.port, args.log_level)
     except KeyboardInterrupt:

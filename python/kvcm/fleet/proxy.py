@@ -19,7 +19,10 @@ instance's KV events (:class:`~kvcm.fleet.subscriber.FleetSubscriber` on the ins
 ``events_endpoint`` / ``events_replay_endpoint``), among the healthy ones, ties broken by
 load; without events (or before they are in, or for a prompt given as text that the
 instance's ``/tokenize`` could not turn into tokens) the least loaded.  The decode instance
-is the least loaded (requests in flight).  A decode instance that cannot be reached (or
+is the least loaded (requests in flight; ``balance="round-robin"``: each in turn, whatever
+its load).  Without prefill instances the proxy is a plain balancer: each request goes whole
+to one of the ``decode`` instances (the baseline ``bench disagg`` compares the split with:
+two vLLMs behind a round-robin proxy).  A decode instance that cannot be reached (or
 answers 5xx before its first byte) is marked down for ``DOWN_S`` and the request goes to the
 next one; with none left the client gets 503 and a JSON error naming the backends.
 
@@ -41,6 +44,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+BALANCE = ("load", "round-robin")
 DOWN_S = 5.0  # a backend that failed is skipped this long (unless every backend is down)
 MAX_BODY = 16 << 20
 HOP_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer",
@@ -71,12 +75,15 @@ class ProxyConfig:
     queue_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
+    balance: str = "load"  # how the decode instance is chosen: "load" (fewest in flight) or "round-robin"
 
     def __post_init__(self) -> None:
+        if not self.decode:
+            raise ValueError("--decode: give at least one URL")
+        if self.balance not in BALANCE:
+            raise ValueError(f"--balance: one of {', '.join(BALANCE)}, got {self.balance!r}")
         for name in ("prefill", "decode"):
             urls = getattr(self, name)
-            if not urls:
-                raise ValueError(f"--{name}: give at least one URL")
             for u in urls:
                 if not u.startswith(("http://", "https://")) or len(u) < 10:
                     raise ValueError(f"--{name}: {u!r} is not an http(s):// URL")
@@ -184,14 +191,16 @@ class Proxy:
 
     # ------------------------------------------------------------------ choosing
 
-    def _order(self, backends: list[Backend], score: dict[str, int] | None = None) -> list[Backend]:
-        """Backends to try, best first: up before down, most prefix reuse, fewest in flight,
-        then round robin."""
+    def _order(self, backends: list[Backend], score: dict[str, int] | None = None,
+               balance: str = "load") -> list[Backend]:
+        """Backends to try, best first: up before down, most prefix reuse, fewest in flight
+        (not with ``balance="round-robin"``), then round robin."""
         now = time.monotonic()
         self.rr += 1
         n = len(backends)
-        return sorted(backends, key=lambda b: (not b.up(now), -(score or {}).get(b.url, 0), b.in_flight,
-                                               (backends.index(b) - self.rr) % n))
+        by_load = balance == "load"
+        return sorted(backends, key=lambda b: (not b.up(now), -(score or {}).get(b.url, 0),
+                                               b.in_flight if by_load else 0, (backends.index(b) - self.rr) % n))
 
     async def _tokens(self, path: str, body: dict[str, Any], via: Backend) -> list[int] | None:
         """The prompt's token ids: given as ids, or the instance's ``/tokenize`` of its text
@@ -279,7 +288,7 @@ class Proxy:
         import httpx
 
         errors = []
-        for b in self._order(self.decode):
+        for b in self._order(self.decode, balance=self.config.balance):
             b.in_flight += 1
             try:
                 req = self.client.build_request("POST", f"{b.url}{path}", json=body, headers=headers)
@@ -304,9 +313,11 @@ class Proxy:
         request's slot: called here, or by a streamed response once its stream ends."""
         from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-        params = await self._prefill(path, body, headers)
+        params = await self._prefill(path, body, headers) if self.prefill else None
         dreq = dict(body)
-        if params:
+        if not self.prefill:  # a plain balancer: the request goes whole to one instance
+            pass
+        elif params:
             dreq["kv_transfer_params"] = params
             self.counts["handovers"] += 1
         else:
@@ -374,7 +385,7 @@ class Proxy:
 
         ok = await asyncio.gather(*(one(b) for b in self.prefill + self.decode))
         state = {b.url: ("up" if up else "down") for b, up in zip(self.prefill + self.decode, ok, strict=True)}
-        good = any(ok[:len(self.prefill)]) and any(ok[len(self.prefill):])
+        good = (not self.prefill or any(ok[:len(self.prefill)])) and any(ok[len(self.prefill):])
         out = {"status": "ok" if good else "unavailable", "prefill": {b.url: state[b.url] for b in self.prefill},
                "decode": {b.url: state[b.url] for b in self.decode}}
         if self.router is not None:
