@@ -192,6 +192,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         out["faults"] = faults = prompts(7, 4, 150)
         for i, p in enumerate(faults):
             reference[("f", i)] = call(f"{out['baseline_url']}/v1/completions", completion(model, p))[1]["choices"][0]
+        # the prompt the producer is killed while writing: 120 blocks, so its writes take a while
+        out["long"] = long = prompts(9, 1, 120 * BLOCK + 11)[0]
+        reference[("long", 0)] = call(f"{out['baseline_url']}/v1/completions",
+                                      completion(model, long))[1]["choices"][0]
         out["first"], out["second"] = first, second
     finally:
         stop(base)
@@ -363,10 +367,58 @@ def test_decode_instance_down_retried_elsewhere_or_a_clear_503(fleet: dict) -> N
             stop(proxy)
 
 
-def test_producer_killed_the_proxy_says_so_and_the_consumer_still_serves(fleet: dict) -> None:
-    """SIGKILL to the prefill server (the last test: the fleet's producer is gone after it)."""
-    pid = next(int(d) for d in os.listdir("/proc") if d.isdigit() and _is_prefill(int(d), fleet))
-    os.kill(pid, signal.SIGKILL)
+def test_producer_killed_mid_write_the_consumer_waits_then_computes(fleet: dict) -> None:
+    """SIGKILL to the prefill server's processes (its API server and its engine core) while
+    its connector writes a 120-block prompt to the store and a consumer holds the hand-over
+    params: the consumer waits its deadline for the objects that never come, loads what is
+    there, computes the rest — exact; then the proxy answers 503 (no prefill instance) and the
+    consumer still serves.  The last test of the directory fleet: its producer is gone."""
+    import threading
+
+    from kvcm.integrations.vllm.handover import tokens_digest
+
+    p = fleet["long"]
+    total = len(p) // BLOCK
+    n = total * BLOCK
+    ns = hand_over(fleet, fleet["faults"][0])["kvcm"]["ns"]
+    params = {"do_remote_prefill": True, "kvcm": {"v": 1, "ns": ns, "tokens": n, "digest": tokens_digest(p[:n])}}
+    victims = _prefill_processes(fleet)
+    assert len(victims) >= 2, victims  # the API server and its engine core
+    store = fleet["store"]
+    before = set(os.listdir(store))
+
+    def written() -> int:
+        return sum(1 for x in os.listdir(store) if x not in before and x.endswith(".kvo"))
+
+    body = {**completion(fleet["model"], p), "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    prefill = threading.Thread(target=lambda: _ignore_errors(call, f"{fleet['prefill']}/v1/completions", body),
+                               daemon=True)
+    prefill.start()
+    deadline = time.monotonic() + 120
+    while written() == 0:  # the first object of the prompt is in: the producer is writing
+        assert time.monotonic() < deadline, "the producer wrote nothing in 120 s"
+        time.sleep(0.001)
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+    at_kill = written()
+    time.sleep(3)  # nothing writes any more
+    landed = written()
+    assert 0 < at_kill <= landed < total, (at_kill, landed, total)  # killed mid-write
+    deadlines = metric(fleet["decode"], "kvcm:handover_deadlines")
+    src = prompt_sources(fleet["decode"])
+    t0 = time.monotonic()
+    r = decode(fleet, p, params)
+    took = time.monotonic() - t0
+    assert r["choices"][0]["token_ids"] == fleet["reference"][("long", 0)]["token_ids"]
+    assert WAIT_S <= took < WAIT_S + 120, took  # waited for the objects that never came, no longer
+    assert settled(lambda: metric(fleet["decode"], "kvcm:handover_deadlines"),
+                   lambda v: v > deadlines) == deadlines + 1
+    after = settled(lambda: prompt_sources(fleet["decode"]), lambda v: sum(v) - sum(src) >= len(p))
+    computed, _local, external = (a - b for a, b in zip(after, src, strict=True))
+    # what it loaded came from the objects that landed; what never came was computed
+    assert external <= landed * BLOCK and computed >= len(p) - landed * BLOCK, (computed, external, landed)
+    # the proxy says there is no prefill instance; the consumer serves a request sent to it directly
     deadline = time.monotonic() + 60
     while True:
         status, r = call(f"{fleet['proxy']}/v1/completions", completion(fleet["model"], fleet["faults"][3]))
@@ -375,9 +427,37 @@ def test_producer_killed_the_proxy_says_so_and_the_consumer_still_serves(fleet: 
         assert time.monotonic() < deadline, (status, r)
         time.sleep(1)
     assert "no prefill instance could serve" in r["error"]["message"]
-    # the consumer serves a request sent to it directly (no hand-over): exact
     status, r = call(f"{fleet['decode']}/v1/completions", completion(fleet["model"], fleet["faults"][3]))
     assert status == 200 and r["choices"][0]["token_ids"] == fleet["reference"][("f", 3)]["token_ids"]
+    print(f"\nproducer killed after {at_kill} of {total} objects ({landed} landed); the consumer waited {took:.1f} s, "
+          f"loaded {external:.0f} tokens and computed {computed:.0f}; load average {os.getloadavg()[0]:.2f}")
+    stop(fleet["proc"])  # the rest of the fleet: its cores go to the Mooncake fleet below
+
+
+def _ignore_errors(fn, *args) -> None:
+    try:
+        fn(*args)
+    except OSError:  # the server was killed under the request
+        pass
+
+
+def _prefill_processes(fleet: dict) -> list[int]:
+    """The prefill server's API process and its descendants (vLLM's engine core)."""
+    api = next(int(d) for d in os.listdir("/proc") if d.isdigit() and _is_prefill(int(d), fleet))
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, todo = [api], [api]
+    while todo:
+        kids = [c for c, pp in parent.items() if pp == todo.pop()]
+        out += kids
+        todo += kids
+    return out
 
 
 def _is_prefill(pid: int, fleet: dict) -> bool:
@@ -389,3 +469,91 @@ def _is_prefill(pid: int, fleet: dict) -> bool:
     except OSError:
         return False
     return b"vllm.entrypoints.openai.api_server" in cmd and str(fleet["ports"]["prefill"]).encode() in cmd
+
+
+# ---------------------------------------------------------------------- on a real Mooncake Store
+
+
+@pytest.fixture(scope="module")
+def mooncake_fleet(fleet: dict, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A producer and a consumer on one real Mooncake Store (``mooncake_master`` and a
+    ``mooncake_client`` holding the memory, on 127.0.0.1: tests/mooncake_env.py), kvcm's
+    proxy in front; the directory fleet's model and reference outputs."""
+    import mooncake_env
+
+    tmp = tmp_path_factory.mktemp("disagg-mooncake")
+    mc = mooncake_env.start(str(tmp))
+    procs: list[subprocess.Popen] = []
+    out: dict = {"mc": mc, "tmp": tmp}
+    try:
+        ports = {k: free_port() for k in ("prefill", "decode", "proxy")}
+        for role, key in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
+            extra = {"host_bytes": 256 << 20, "shared": mc.url, "shared_bytes": 1 << 30, "shared_timeout_s": 5}
+            if role == "kv_consumer":
+                extra["handover_wait_s"] = WAIT_S
+            kv = {"kv_connector": "KvcmConnector", "kv_connector_module_path": "kvcm.integrations.vllm",
+                  "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+            with open(tmp / f"{key}.log", "w") as f:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", fleet["model"], "--host",
+                     "127.0.0.1", "--port", str(ports[key]), "--block-size", str(BLOCK), "--enforce-eager",
+                     "--kv-cache-memory-bytes", str(256 << 20), "--kv-transfer-config", json.dumps(kv)],
+                    stdout=f, stderr=subprocess.STDOUT, env=dict(fleet["env"], VLLM_CPU_NUM_OF_RESERVED_CPU="1"),
+                    start_new_session=True))
+            out[key] = f"http://127.0.0.1:{ports[key]}"
+        for key, proc in zip(("prefill", "decode"), procs, strict=True):
+            wait_health(out[key], [proc], tmp / f"{key}.log")
+        with open(tmp / "proxy.log", "w") as f:
+            procs.append(subprocess.Popen([sys.executable, "-m", "kvcm", "proxy", "--prefill", out["prefill"],
+                                           "--decode", out["decode"], "--port", str(ports["proxy"])],
+                                          stdout=f, stderr=subprocess.STDOUT, env=fleet["env"],
+                                          start_new_session=True))
+        out["proxy"] = f"http://127.0.0.1:{ports['proxy']}"
+        wait_health(out["proxy"], procs[-1:], tmp / "proxy.log")
+        yield out
+    finally:
+        for p in reversed(procs):
+            stop(p)
+        mc.stop()
+
+
+def test_mooncake_store_hand_over_is_exact(fleet: dict, mooncake_fleet: dict) -> None:
+    """The first turn of the conversations through the proxy, the producer and the consumer
+    on a real Mooncake Store: the consumer's greedy tokens equal vLLM alone's and every full
+    block of each prompt (bar the last token's) came from the store."""
+    mf, ref = mooncake_fleet, fleet["reference"]
+    loaded = metric(mf["decode"], "kvcm:hit_blocks", tier="shared")
+    stored = metric(mf["prefill"], "kvcm:copy_ops", reason="store")
+    want = 0
+    for i, p in enumerate(fleet["first"]):
+        status, r = call(f"{mf['proxy']}/v1/completions", completion(fleet["model"], p))
+        assert status == 200, r
+        assert r["choices"][0]["token_ids"] == ref[("t1", i)]["token_ids"], i
+        want += (len(p) - 1) // BLOCK
+    assert settled(lambda: metric(mf["decode"], "kvcm:hit_blocks", tier="shared") - loaded,
+                   lambda v: v >= want) >= want
+    assert metric(mf["prefill"], "kvcm:copy_ops", reason="store") - stored >= want
+    assert metric(mf["decode"], "kvcm:load_error_blocks") == 0
+    assert metric(mf["decode"], "kvcm:handover_deadlines") == 0
+
+
+def test_mooncake_master_killed_requests_are_still_exact(fleet: dict, mooncake_fleet: dict) -> None:
+    """SIGKILL to the ``mooncake_master``: the producer's writes and the consumer's queries
+    fail (each store call under its deadline); every request through the proxy is still
+    answered, exactly (computed), and none waits past the hand-over deadline plus the store
+    calls' own deadlines."""
+    mf = mooncake_fleet
+    deadlines = metric(mf["decode"], "kvcm:handover_deadlines")
+    mf["mc"].master.kill()
+    mf["mc"].master.wait()
+    for i in (1, 2):
+        t0 = time.monotonic()
+        status, r = call(f"{mf['proxy']}/v1/completions", completion(fleet["model"], fleet["faults"][i]), timeout=300)
+        took = time.monotonic() - t0
+        assert status == 200, r
+        assert r["choices"][0]["token_ids"] == fleet["reference"][("f", i)]["token_ids"], i
+        assert took < WAIT_S + 60, took
+    # the announced objects never came (the producer's writes failed, the consumer's queries too)
+    assert metric(mf["decode"], "kvcm:handover_deadlines") == deadlines + 2
+    h = json.loads(urllib.request.urlopen(f"{mf['proxy']}/health", timeout=30).read())
+    assert h["status"] == "ok", h  # the instances are up: a dead store is not a dead engine

@@ -1,24 +1,38 @@
 """``python -m kvcm bench disagg``: disaggregated prefill and decode through kvcm, measured
 against one vLLM alone, on one multi-turn workload, with real vLLM OpenAI servers.
 
-Configurations (each its own servers, started and stopped here, all on 127.0.0.1):
+Configurations (``--configs``; each its own servers, started and stopped here, all on
+127.0.0.1):
 
-* ``vllm``   one vLLM OpenAI server, no connector: the reference outputs;
-* ``kvcm``   a prefill server (``kv_role`` ``kv_producer``) and a decode server
-             (``kv_consumer``) with kvcm's connector on one directory store, and
-             ``python -m kvcm proxy`` in front (vLLM's disaggregated flow).
+* ``vllm``            one vLLM OpenAI server, no connector: the reference outputs;
+* ``round-robin``     two vLLM servers, no connector, behind ``python -m kvcm proxy`` as a
+                      plain round-robin balancer (``--balance round-robin``, no prefill
+                      leg): each request whole on one of them;
+* ``kvcm``            a prefill server (``kv_role`` ``kv_producer``) and a decode server
+                      (``kv_consumer``) with kvcm's connector on one store (``--store``: a
+                      directory, or a real Mooncake Store started here), and
+                      ``python -m kvcm proxy`` in front (vLLM's disaggregated flow);
+* ``mooncake-store``  the same flow with vLLM's own ``MooncakeStoreConnector`` in both roles
+                      (a ``mooncake_master`` started here on 127.0.0.1, each engine's segment
+                      embedded, P2P handshake over TCP), the same proxy in front: it answers
+                      no hand-over params, so the decode instance finds the prompt's blocks by
+                      its own store lookup.
 
 Workload: ``--conversations`` chats x ``--turns`` turns (a shared system prompt, each turn a
 new user message; the prompt is the whole history, the greedy reply is appended), one turn's
 requests sent together, streamed.  Token ids, a random-weight model (``make_model``) unless
 ``--model`` names one (its tokenizer must accept token-id prompts: any does).
 
-Reported per configuration: prompt tokens; prefill tokens computed on each side (vLLM's
-``vllm:prompt_tokens_by_source{source="local_compute"}``) and loaded by the decode side
-(``external_kv_transfer``); TTFT and inter-token latency p50 / p90 at the client; bytes
-written to the store (its objects) and read from it by the decode side
-(``kvcm:hit_blocks{tier="shared"}`` x object size); whether the greedy outputs equal vLLM
-alone's.  Exit 1 if any output differs, 2 on bad usage.
+Reported per configuration: prompt tokens; prompt tokens computed on each side (vLLM's
+``vllm:prompt_tokens_by_source{source="local_compute"}``; a configuration without a split
+has one side, its instances summed) and loaded by the decode side (``external_kv_transfer``);
+TTFT and inter-token latency p50 / p90 at the client; bytes written to the store and read
+from it by the decode side (kvcm: the manager's ``shared_store_bytes`` in the producer's
+stats file and the consumer's shared hits x the object size, read once the servers stopped;
+``MooncakeStoreConnector``: vLLM's ``vllm:mooncake_store_operation_bytes_total`` of
+``save_put`` and ``load_get``); whether the greedy outputs equal vLLM alone's (the
+``vllm`` configuration's, always run first).  Exit 1 if any output differs or a server
+failed, 2 on bad usage.
 
 On a few shared CPU cores the timings cannot show what a GPU fleet gains from splitting
 prefill and decode (two engines share the cores one engine had); the token counts, bytes and
@@ -57,11 +71,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CONFIGS = ("vllm", "round-robin", "kvcm", "mooncake-store")
+STORE_SEGMENT = 1 << 30  # each MooncakeStoreConnector engine's segment / kvcm's Mooncake client's memory
+
+
 def kv_config(role: str, store: str, **extra: Any) -> str:
     return json.dumps({"kv_connector": "KvcmConnector", "kv_connector_module_path": "kvcm.integrations.vllm",
                        "kv_role": role, "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"host_bytes": KV_BYTES, "shared": store,
                                                      "shared_bytes": 8 << 30, **extra}})
+
+
+def mooncake_store_config(role: str) -> str:
+    """vLLM's own ``MooncakeStoreConnector`` in ``role`` (its store: ``MOONCAKE_CONFIG_PATH``)."""
+    return json.dumps({"kv_connector": "MooncakeStoreConnector", "kv_role": role,
+                       "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {}})
+
+
+def mooncake_env_file(tmp: str, name: str, master: str) -> str:
+    """A ``MOONCAKE_CONFIG_PATH`` file (0600) for one ``MooncakeStoreConnector`` engine: the
+    master on 127.0.0.1, TCP, embedded mode with its own segment, the P2P handshake."""
+    path = os.path.join(tmp, f"{name}.mooncake.json")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"metadata_server": "P2PHANDSHAKE", "master_server_address": master, "protocol": "tcp",
+                   "device_name": "", "mode": "embedded", "global_segment_size": STORE_SEGMENT,
+                   "local_buffer_size": 256 << 20}, f)
+    return path
 
 
 class Server:
@@ -188,15 +224,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def store_bytes(path: str) -> tuple[int, int]:
-    """(objects, bytes) of a directory store."""
-    n = b = 0
-    if os.path.isdir(path):
-        for name in os.listdir(path):
-            if name.endswith(".kvo"):
-                n += 1
-                b += os.path.getsize(os.path.join(path, name))
-    return n, b
+def _configs(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown configuration {', '.join(bad) or repr(text)}: "
+                                         f"from {', '.join(CONFIGS)}")
+    return ["vllm"] + [c for c in CONFIGS[1:] if c in names]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="exit status: 0 every output equal vLLM alone's; 1 an output differs or "
                                        "a server failed; 2 bad usage")
     p.add_argument("--model", default=None, help="a model directory (default: a random-weight one, made here)")
+    p.add_argument("--configs", type=_configs, default=list(CONFIGS),
+                   help=f"comma-separated, from {', '.join(CONFIGS)} (default: all; vllm, the reference, always runs)")
+    p.add_argument("--store", choices=("dir", "mooncake"), default="dir",
+                   help="kvcm's shared store: a directory (default) or a real Mooncake Store started here")
     p.add_argument("--conversations", type=int_in(1, 64), default=4)
     p.add_argument("--turns", type=int_in(1, 32), default=3)
     p.add_argument("--system-len", type=int_in(0, 4096), default=160)
@@ -228,6 +266,125 @@ def main(argv: Sequence[str]) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def proxy_server(tmp: str, name: str, env: dict[str, str], prefill: list[Server], decode: list[Server],
+                 balance: str = "load") -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "kvcm", "proxy", "--decode", ",".join(s.url for s in decode), "--port", str(port),
+            "--balance", balance, "--log-level", "warning"]
+    if prefill:
+        argv += ["--prefill", ",".join(s.url for s in prefill)]
+    return Server(argv, os.path.join(tmp, f"{name}.proxy.log"), env, f"http://127.0.0.1:{port}")
+
+
+def kvcm_store_bytes(tmp: str) -> tuple[int, int]:
+    """(bytes kvcm's producer wrote to the store, bytes its consumer read from it), from
+    their stats files (``stats_file``, complete once the servers stopped): the managers'
+    ``shared_store_bytes`` and shared hits x the object size."""
+    def manager(side: str) -> dict[str, Any]:
+        try:
+            with open(os.path.join(tmp, f"{side}.stats.json")) as f:
+                return json.load(f).get("manager") or {}
+        except (OSError, ValueError):
+            return {}
+
+    written = stores = hits = 0
+    for lc in manager("producer").get("lc", []):
+        written += lc.get("shared_store_bytes", 0)
+        stores += lc.get("shared_stores", 0)
+    for lc in manager("consumer").get("lc", []):
+        hits += lc.get("shared_hit_blocks", 0)
+    return written, hits * written // stores if stores else 0
+
+
+def _measure(args: argparse.Namespace, model: str, url: str, sides: dict[str, list[Server]],
+             kind: str) -> dict[str, Any]:
+    """The workload through ``url``; the prompt tokens each side computed and the decode
+    side loaded, the store's bytes, from the instances' metrics before and after."""
+    def count() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for side, servers in sides.items():
+            out[side] = sum(sources(s.url)[0] for s in servers)
+            out[side + "_loaded"] = sum(sources(s.url)[1] for s in servers)
+        if kind == "mooncake-store":  # vLLM's own connector's counters
+            out["written"] = metric(sides["P"][0].url, "vllm:mooncake_store_operation_bytes", operation="save_put")
+            out["read"] = metric(sides["D"][0].url, "vllm:mooncake_store_operation_bytes", operation="load_get")
+        return out
+
+    c0 = count()
+    r = run_workload(url, model, args)
+    time.sleep(2)  # vLLM's metrics lag its responses
+    c1 = count()
+    d = {k: c1[k] - c0[k] for k in c1}
+    r.update(computed_p=d.get("P", 0.0), computed_d=d.get("D", 0.0), loaded_d=d.get("D_loaded", 0.0),
+             store_written=int(d.get("written", 0)), store_read=int(d.get("read", 0)))
+    return r
+
+
+def _config(args: argparse.Namespace, tmp: str, model: str, env: dict[str, str], kind: str) -> dict[str, Any]:
+    """One configuration's servers started, the workload run through them, all stopped."""
+    servers: list[Server] = []
+    stores: list[Any] = []
+    try:
+        if kind == "vllm":
+            s = vllm_server(model, free_port(), os.path.join(tmp, "vllm.log"), env)
+            servers.append(s)
+            s.wait()
+            return _measure(args, model, s.url, {"P": [s]}, kind)
+        if kind == "round-robin":
+            pair = [vllm_server(model, free_port(), os.path.join(tmp, f"rr{i}.log"), env) for i in (1, 2)]
+            servers += pair
+            for s in pair:
+                s.wait()
+            proxy = proxy_server(tmp, "round-robin", env, [], pair, balance="round-robin")
+            servers.append(proxy)
+            proxy.wait()
+            return _measure(args, model, proxy.url, {"P": pair}, kind)
+        if kind == "kvcm":
+            if args.store == "mooncake":
+                from kvcm.dataplane.mooncake_store import LocalMooncake
+
+                mc = LocalMooncake(STORE_SEGMENT, log_dir=tmp)
+                stores.append(mc)
+                store = mc.url
+            else:
+                store = os.path.join(tmp, "store")
+                shutil.rmtree(store, ignore_errors=True)
+            prod = vllm_server(model, free_port(), os.path.join(tmp, "producer.log"), env,
+                               kv_config("kv_producer", store, stats_file=os.path.join(tmp, "producer.stats.json")))
+            servers.append(prod)
+            cons = vllm_server(model, free_port(), os.path.join(tmp, "consumer.log"), env,
+                               kv_config("kv_consumer", store, handover_wait_s=10,
+                                         stats_file=os.path.join(tmp, "consumer.stats.json")))
+            servers.append(cons)
+        else:  # mooncake-store: vLLM's own connector in both roles, a master of its own
+            from kvcm.dataplane.mooncake_store import LocalMooncake
+
+            mc = LocalMooncake(segment_bytes=0, client=False, log_dir=tmp)
+            stores.append(mc)
+            prod = vllm_server(model, free_port(), os.path.join(tmp, "mc-producer.log"),
+                               dict(env, MOONCAKE_CONFIG_PATH=mooncake_env_file(tmp, "producer", mc.master_addr)),
+                               mooncake_store_config("kv_producer"))
+            servers.append(prod)
+            cons = vllm_server(model, free_port(), os.path.join(tmp, "mc-consumer.log"),
+                               dict(env, MOONCAKE_CONFIG_PATH=mooncake_env_file(tmp, "consumer", mc.master_addr)),
+                               mooncake_store_config("kv_consumer"))
+            servers.append(cons)
+        prod.wait()
+        cons.wait()
+        proxy = proxy_server(tmp, kind, env, [prod], [cons])
+        servers.append(proxy)
+        proxy.wait()
+        r = _measure(args, model, proxy.url, {"P": [prod], "D": [cons]}, kind)
+    finally:
+        for s in reversed(servers):
+            s.stop()
+        for mc in stores:
+            mc.stop()
+    if kind == "kvcm":  # the stats files are complete now
+        r["store_written"], r["store_read"] = kvcm_store_bytes(tmp)
+    return r
+
+
 def _run(args: argparse.Namespace, tmp: str) -> int:
     from kvcm.integrations.vllm.workload import make_model, save_tokenizer
 
@@ -237,48 +394,10 @@ def _run(args: argparse.Namespace, tmp: str) -> int:
     results: dict[str, Any] = {}
     load = {"start": os.getloadavg()[0]}
     try:
-        base = vllm_server(model, free_port(), os.path.join(tmp, "vllm.log"), env)
-        try:
-            base.wait()
-            c0 = sources(base.url)
-            r = run_workload(base.url, model, args)
-            time.sleep(2)  # vLLM's metrics lag its responses
-            c1 = sources(base.url)
-            r.update(computed_p=c1[0] - c0[0], computed_d=0.0, loaded_d=0.0, store_written=(0, 0), store_read=0)
-            results["vllm"] = r
-        finally:
-            base.stop()
-        store = os.path.join(tmp, "store")
-        shutil.rmtree(store, ignore_errors=True)
-        prod = vllm_server(model, free_port(), os.path.join(tmp, "producer.log"), env,
-                           kv_config("kv_producer", store, stats_file=os.path.join(tmp, "producer.stats.json")))
-        cons = vllm_server(model, free_port(), os.path.join(tmp, "consumer.log"), env,
-                           kv_config("kv_consumer", store, handover_wait_s=10,
-                                     stats_file=os.path.join(tmp, "consumer.stats.json")))
-        proxy = None
-        try:
-            prod.wait()
-            cons.wait()
-            port = free_port()
-            proxy = Server([sys.executable, "-m", "kvcm", "proxy", "--prefill", prod.url, "--decode", cons.url,
-                            "--port", str(port), "--log-level", "warning"], os.path.join(tmp, "proxy.log"), env,
-                           f"http://127.0.0.1:{port}")
-            proxy.wait()
-            p0, d0 = sources(prod.url), sources(cons.url)
-            hits0 = metric(cons.url, "kvcm:hit_blocks", tier="shared")
-            r = run_workload(proxy.url, model, args)
-            time.sleep(2)
-            p1, d1 = sources(prod.url), sources(cons.url)
-            objects, nbytes = store_bytes(store)
-            hits = metric(cons.url, "kvcm:hit_blocks", tier="shared") - hits0
-            r.update(computed_p=p1[0] - p0[0], computed_d=d1[0] - d0[0], loaded_d=d1[1] - d0[1],
-                     store_written=(objects, nbytes), store_read=int(hits * (nbytes / objects if objects else 0)))
-            results["kvcm"] = r
-        finally:
-            for s in (proxy, cons, prod):
-                if s is not None:
-                    s.stop()
-    except (RuntimeError, TimeoutError) as e:
+        for kind in args.configs:
+            print(f"bench disagg: {kind} ...", file=sys.stderr, flush=True)
+            results[kind] = _config(args, tmp, model, env, kind)
+    except (RuntimeError, TimeoutError, OSError) as e:
         print(f"python -m kvcm bench disagg: {e}", file=sys.stderr)
         return 1
     load["end"] = os.getloadavg()[0]
@@ -287,17 +406,20 @@ def _run(args: argparse.Namespace, tmp: str) -> int:
     for name, r in results.items():
         exact = r["outputs"] == ref
         r["exact"] = exact
+        split = name in ("kvcm", "mooncake-store")
         rows.append([name, f"{r['prompt_tokens']:,}", f"{r['computed_p']:,.0f}",
-                     f"{r['computed_d']:,.0f}" if name != "vllm" else "-",
-                     f"{r['loaded_d']:,.0f}" if name != "vllm" else "-",
+                     f"{r['computed_d']:,.0f}" if split else "-",
+                     f"{r['loaded_d']:,.0f}" if split else "-",
                      f"{1e3 * pct(r['ttft'], 0.5):.0f} / {1e3 * pct(r['ttft'], 0.9):.0f}",
                      f"{1e3 * pct(r['itl'], 0.5):.1f} / {1e3 * pct(r['itl'], 0.9):.1f}",
-                     f"{r['store_written'][1] / 2**20:.2f} ({r['store_written'][0]})" if name != "vllm" else "-",
-                     f"{r['store_read'] / 2**20:.2f}" if name != "vllm" else "-", "yes" if exact else "NO"])
-    head = ["config", "prompt tokens", "prefill computed (P)", "computed (D)", "loaded (D)", "TTFT p50/p90 ms",
-            "ITL p50/p90 ms", "store MiB written (objects)", "store MiB read (D)", "exact"]
+                     f"{r['store_written'] / 2**20:.2f}" if split else "-",
+                     f"{r['store_read'] / 2**20:.2f}" if split else "-",
+                     "reference" if name == "vllm" else ("yes" if exact else "NO")])
+    head = ["config", "prompt tokens", "computed: prefill side (all)", "computed: decode side", "loaded: decode side",
+            "TTFT p50/p90 ms", "ITL p50/p90 ms", "store MiB written", "store MiB read", "exact vs vllm"]
+    store = f"; kvcm's store: {'a Mooncake Store' if args.store == 'mooncake' else 'a directory'}"
     print(f"bench disagg: {args.conversations} chats x {args.turns} turns, system {args.system_len} + "
-          f"{args.user_len} tokens a turn, {args.max_tokens} generated; block {BLOCK}; "
+          f"{args.user_len} tokens a turn, {args.max_tokens} generated; block {BLOCK}{store}; "
           f"load average {load['start']:.2f} -> {load['end']:.2f}")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -312,7 +434,7 @@ def _run(args: argparse.Namespace, tmp: str) -> int:
         c, w = st.get("counters", {}), st.get("worker", {})
         keys = ("handover_announced", "handover_accepted", "handover_rejected", "handover_deadlines",
                 "handover_blocks_missing")
-        print(f"{side}: " + ", ".join(f"{k} {c.get(k, 0)}" for k in keys if c.get(k) or k == "handover_deadlines")
+        print(f"kvcm {side}: " + ", ".join(f"{k} {c.get(k, 0)}" for k in keys if c.get(k) or k == "handover_deadlines")
               + f"; store writes {w.get('shared_stores', 0)}, store calls past their deadline "
               f"{w.get('shared_timeouts', 0)}, objects skipped (no write) {w.get('shared_stores_skipped', 0)}")
     print("The token counts, bytes and exactness are what the split changes; the timings are two engines sharing "
