@@ -155,8 +155,8 @@ def make_model(argv: Sequence[str]) -> int:
     p.add_argument("dir", help="where to save it (reused when a model is there already)")
     p.add_argument("--seed", type=int, default=20261201, help="the weights' seed (another seed: another model)")
     args = p.parse_args(list(argv))
-    from kvcm.integrations.vllm.workload import make_model as save_model
-    from kvcm.integrations.vllm.workload import save_tokenizer
+    from kvcm.bench.vllm_workload import make_model as save_model
+    from kvcm.bench.vllm_workload import save_tokenizer
 
     fresh = not os.path.exists(os.path.join(args.dir, "config.json"))
     if fresh:
