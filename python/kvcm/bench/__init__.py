@@ -13,6 +13,8 @@ dispatches):
 * ``bench disagg``: :mod:`~kvcm.bench.disagg` (prefill and decode servers through kvcm);
 * ``bench transformers``: :mod:`~kvcm.bench.transformers` (transformers' continuous batching
   with and without kvcm).
+* ``events --bench``: :mod:`~kvcm.bench.events` (the KV-event publisher's cost per engine
+  step; its command is ``events``).
 
 Layering (pyproject.toml, import-linter): the benchmarks sit below the command line and above
 the tools and the integrations they drive; no runtime package imports them.  Importing this
