@@ -159,12 +159,14 @@ def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | No
         rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
 
 
-# The child of a baseline run imports an older kvcm: the replay module moved to
-# kvcm.tools in issue 21, so it tries the new home first and falls back to the old one.
+# The child of a baseline run imports an older kvcm: the floor moved to kvcm.tools in issue
+# 21 and to kvcm.bench in issue 36, so it tries the newest home first, then the older ones.
 BASELINE_CHILD = (
     "import json, sys\n"
     "try:\n    from kvcm.bench.floor import measure_replay\n"
-    "except ImportError:\n    from kvcm.bench_floor import measure_replay\n"
+    "except ImportError:\n"
+    "    try:\n        from kvcm.tools.bench_floor import measure_replay\n"
+    "    except ImportError:\n        from kvcm.bench_floor import measure_replay\n"
     "print(json.dumps(measure_replay(**json.loads(sys.argv[1]))))"
 )
 
