@@ -32,6 +32,6 @@ for backend in ${KVCM_GPU_BACKENDS:-python cpp}; do
     -p no:cacheprovider --tb=short -ra "${EXTRA[@]}" || rc=1
 done
 echo "== gpu-check: demo on cuda"
-"$PY" -c "import sys; from kvcm.tools.demo import main; sys.exit(main(['--device', 'cuda']))" || rc=1
+"$PY" -c "import sys; from kvcm.cli.demo import main; sys.exit(main(['--device', 'cuda']))" || rc=1
 [ "$rc" -eq 0 ] && echo "gpu-check: ok" || echo "gpu-check: FAILED"
 exit $rc

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 
+from kvcm import api
 from kvcm._select import (
     BACKENDS,
     BackendUnavailableError,
@@ -20,32 +21,8 @@ from kvcm._select import (
     cli_entry,
     cpp_extension,
 )
-from kvcm.api import (
-    AttentionLayer,
-    ClearedEvent,
-    ClosedError,
-    ConfigError,
-    CopyError,
-    CopyOp,
-    CopyRun,
-    Event,
-    InvalidStateError,
-    InvariantError,
-    KVCache,
-    KVCacheManager,
-    KVCacheManagerConfig,
-    KvcmError,
-    OutOfPagesError,
-    RemovedEvent,
-    ReuseProbe,
-    ReuseScope,
-    SsmLayer,
-    Status,
-    StoredBlock,
-    StoredEvent,
-    Tier,
-    TierChangedEvent,
-)
+from kvcm.api import *  # the interface's public names: kvcm.api.__all__, listed once there
+from kvcm.api import ReuseScope
 from kvcm.config import LifeCycle
 from kvcm.construct import install
 
@@ -77,34 +54,5 @@ def block_keys(tokens, tokens_per_block: int, scope: ReuseScope | None = None, *
     return block_keys_impl(backend)(tokens, tokens_per_block, scope)
 
 
-__all__ = [
-    "BACKENDS",
-    "AttentionLayer",
-    "BackendUnavailableError",
-    "ClearedEvent",
-    "ClosedError",
-    "ConfigError",
-    "CopyError",
-    "CopyOp",
-    "CopyRun",
-    "Event",
-    "InvalidStateError",
-    "InvariantError",
-    "KVCache",
-    "KVCacheManager",
-    "KVCacheManagerConfig",
-    "KvcmError",
-    "LifeCycle",
-    "OutOfPagesError",
-    "RemovedEvent",
-    "ReuseProbe",
-    "ReuseScope",
-    "SsmLayer",
-    "Status",
-    "StoredBlock",
-    "StoredEvent",
-    "Tier",
-    "TierChangedEvent",
-    "backend",
-    "block_keys",
-]
+__all__ = ["BACKENDS", "BackendUnavailableError", "LifeCycle", "backend", "block_keys"]
+__all__ += api.__all__

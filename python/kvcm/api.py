@@ -501,6 +501,14 @@ class StoredEvent(Event):
     kind: ClassVar[str] = "stored"
 
     def to_json(self) -> dict:
+        """The event as a JSON object, keys in this order::
+
+            {"event_id": int, "kind": "stored", "parent_key": hex str | null, "partial": bool,
+             "blocks": [[key hex str, num_tokens int, tokens [int | hex str, ...], lc int,
+                         tier int, priority int, coverage int], ...]}
+
+        one ``blocks`` row per :class:`StoredBlock`, its fields in declaration order; a token
+        is its int, or its digest's hex (a digest token, SPEC sec. 3)."""
         return {
             "event_id": self.event_id,
             "kind": self.kind,
@@ -527,6 +535,9 @@ class RemovedEvent(Event):
     kind: ClassVar[str] = "removed"
 
     def to_json(self) -> dict:
+        """The event as a JSON object, keys in this order::
+
+            {"event_id": int, "kind": "removed", "keys": [hex str, ...], "lc": int}"""
         return {"event_id": self.event_id, "kind": self.kind, "keys": [k.hex() for k in self.keys], "lc": self.lc}
 
 
@@ -547,6 +558,12 @@ class TierChangedEvent(Event):
     kind: ClassVar[str] = "tier_changed"
 
     def to_json(self) -> dict:
+        """The event as a JSON object, keys in this order::
+
+            {"event_id": int, "kind": "tier_changed", "key": hex str, "lc": int,
+             "old_tier": int, "new_tier": int}
+
+        tiers by SPEC tier number (gpu 0, host 1, disk 2, shared 3)."""
         return {
             "event_id": self.event_id,
             "kind": self.kind,
@@ -565,6 +582,7 @@ class ClearedEvent(Event):
     kind: ClassVar[str] = "cleared"
 
     def to_json(self) -> dict:
+        """The event as a JSON object: ``{"event_id": int, "kind": "cleared"}``."""
         return {"event_id": self.event_id, "kind": self.kind}
 
 
@@ -917,7 +935,6 @@ class KVCacheManager(abc.ABC):
         :meth:`KVCache.page_indices`, copy ops and events (SPEC sec. 1).  (Typed ``Any``
         here: the interface imports nothing of kvcm; the rules live in kvcm.config.)"""
 
-    @abc.abstractmethod
     def create_kv_cache(
         self,
         input_tokens: Sequence[Token] | None = None,
@@ -954,6 +971,13 @@ class KVCacheManager(abc.ABC):
         item a ``(key, lc)`` tuple or list (TypeError / ValueError), keys 32 bytes, lc a
         life cycle id; pairs that are no candidates are ignored; given without a shared
         tier: ValueError.  A bad item changes nothing."""
+        return self._create_kv_cache(input_tokens, scope, priority, id, shared_hits)
+
+    @abc.abstractmethod
+    def _create_kv_cache(self, input_tokens: Sequence[Token] | None, scope: ReuseScope | None, priority: int | None,
+                         id: int | str | None, shared_hits: Any) -> KVCache:
+        """A backend's :meth:`create_kv_cache`, every argument given: the signature, its
+        defaults and its documentation are the public method's, declared once (issue 36)."""
 
     @abc.abstractmethod
     def shared_candidates(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[tuple[bytes, int]]:
@@ -1165,10 +1189,14 @@ class KVCacheManager(abc.ABC):
         the first broken one.  For tests and debugging; no side effect."""
 
 
+# The interface's public names, listed once: what the ``kvcm`` package exports with its own
+# (kvcm/__init__: ``from kvcm.api import *``, ``__all__ += api.__all__``).  The module's other
+# names (``as_int``, ``copy_runs``, ``scope_field``, the tier numbers ``GPU``/``HOST``/``DISK``/
+# ``SHARED``, the policy tuples ``COPY_SETTLEMENTS``/``SHARED_WRITE_POLICIES``,
+# ``register_manager_factory``/``ManagerFactory``, ``PendingCopyOpsWarning``) are the
+# interface's too, imported by name from ``kvcm.api`` by the backends, the data plane and the
+# engines.
 __all__ = [
-    "COPY_SETTLEMENTS",
-    "SHARED",
-    "SHARED_WRITE_POLICIES",
     "AttentionLayer",
     "ClearedEvent",
     "ClosedError",
@@ -1183,9 +1211,7 @@ __all__ = [
     "KVCacheManager",
     "KVCacheManagerConfig",
     "KvcmError",
-    "ManagerFactory",
     "OutOfPagesError",
-    "PendingCopyOpsWarning",
     "RemovedEvent",
     "ReuseProbe",
     "ReuseScope",
@@ -1195,8 +1221,4 @@ __all__ = [
     "StoredEvent",
     "Tier",
     "TierChangedEvent",
-    "as_int",
-    "copy_runs",
-    "register_manager_factory",
-    "scope_field",
 ]

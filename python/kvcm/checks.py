@@ -259,6 +259,17 @@ def check_count(value: Any, name: str) -> int:
     return v
 
 
+def check_lc(lc: Any, n: int) -> int:
+    """A life cycle id argument (``page_indices``, ``page_indices_into``): an int (not bool;
+    a subclass by its value) in ``[0, n)``, ``n`` the model's life cycles."""
+    value = as_int(lc)
+    if value is None:
+        raise TypeError(f"lc must be an int, got {type(lc).__name__}")
+    if not 0 <= value < n:
+        raise ValueError(f"unknown life cycle {value}; this model has {n}")
+    return value
+
+
 def check_block_range(start: Any, stop: Any, n: int) -> tuple[int, int]:
     """``page_indices``' ``[start, stop)`` of its ``n`` entries (``stop`` None: ``n``)."""
     a = as_int(start)

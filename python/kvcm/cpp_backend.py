@@ -29,7 +29,6 @@ from kvcm.api import (
     ReuseScope,
     Status,
     Token,
-    as_int,
 )
 from kvcm.checks import (
     FORGET_IN_EXPLICIT,
@@ -41,6 +40,7 @@ from kvcm.checks import (
     check_cache_id,
     check_copy_ops,
     check_count,
+    check_lc,
     check_priority,
     check_scope,
     check_shared_hits,
@@ -126,14 +126,8 @@ class CppKVCacheManager(KVCacheManager):
     def life_cycles(self) -> tuple[LifeCycle, ...]:
         return self._rc.life_cycles
 
-    def create_kv_cache(
-        self,
-        input_tokens: Sequence[Token] | None = None,
-        scope: ReuseScope | None = None,
-        priority: int | None = None,
-        id: int | str | None = None,
-        shared_hits: Any = None,
-    ) -> KVCache:
+    def _create_kv_cache(self, input_tokens: Sequence[Token] | None, scope: ReuseScope | None, priority: int | None,
+                         id: int | str | None, shared_hits: Any) -> KVCache:
         # check_tokens, without a Python loop; first, so any Python code the tokens run
         # (tolist, __iter__) runs before this call looks at any state
         tokens = _parse_tokens(() if input_tokens is None else input_tokens, "input_tokens")
@@ -418,13 +412,7 @@ class CppKVCache(KVCache):
         return self._core.page_indices_into(self._serial, lc, view)
 
     def _check_lc(self, lc: Any) -> int:
-        value = as_int(lc)
-        if value is None:
-            raise TypeError(f"lc must be an int, got {type(lc).__name__}")
-        n = len(self._mgr._rc.life_cycles)
-        if not 0 <= value < n:
-            raise ValueError(f"unknown life cycle {value}; this model has {n}")
-        return value
+        return check_lc(lc, len(self._mgr._rc.life_cycles))
 
 
 __all__ = ["CppKVCache", "CppKVCacheManager", "block_keys_cpp"]

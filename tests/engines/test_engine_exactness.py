@@ -115,7 +115,7 @@ def test_model_is_deterministic_and_sensitive_to_history(model):
 
 
 def test_demo_reports_identical_outputs(backend, capsys):
-    from kvcm.tools import demo
+    from kvcm.cli import demo
 
     assert demo.main(["--backend", backend]) == 0
     out = capsys.readouterr().out
@@ -124,7 +124,7 @@ def test_demo_reports_identical_outputs(backend, capsys):
 
 
 def test_demo_reports_a_backend_without_the_life_cycle(monkeypatch, capsys):
-    from kvcm.tools import demo
+    from kvcm.cli import demo
 
     def not_yet(*_args):
         raise NotImplementedError

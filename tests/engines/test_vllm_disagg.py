@@ -157,7 +157,7 @@ def completion(model: str, prompt: list[int]) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    from kvcm.integrations.vllm.workload import make_model, save_tokenizer
+    from kvcm.bench.vllm_workload import make_model, save_tokenizer
     from readme_examples import README
 
     tmp = tmp_path_factory.mktemp("disagg")

@@ -58,7 +58,7 @@ def hybrid_connector(tmp: str, name: str, backend: str, layers: int) -> dict:
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from kvcm.integrations.vllm.workload import make_model
+    from kvcm.bench.vllm_workload import make_model
 
     name = request.param
     args, layers, backend, blocks = MODELS[name]

@@ -186,7 +186,7 @@ def test_from_vllm_reads_the_settings_that_change_the_values() -> None:
 def test_random_weight_models_of_one_shape(tmp_path: Path) -> None:
     """The models the vLLM tests run: workload.make_model with two seeds."""
     pytest.importorskip("transformers")
-    from kvcm.integrations.vllm.workload import make_model
+    from kvcm.bench.vllm_workload import make_model
 
     a = make_model(str(tmp_path / "a"), seed=1)
     b = make_model(str(tmp_path / "b"), seed=2)

@@ -102,7 +102,7 @@ def test_answer_and_sources() -> None:
 
 
 def test_partial_floor_counts_hits_that_end_inside_a_block() -> None:
-    from kvcm.integrations.vllm.workload import PrefillFloor
+    from kvcm.bench.vllm_workload import PrefillFloor
 
     f = PrefillFloor(4)
     a = list(range(1, 12))  # 11 tokens: 2 whole blocks and 3 tokens
@@ -120,7 +120,7 @@ def test_partial_floor_counts_hits_that_end_inside_a_block() -> None:
 def test_bench_partial_config_is_host_disk_with_partial_tail(tmp_path) -> None:
     from types import SimpleNamespace
 
-    from kvcm.integrations.vllm import bench_plan
+    from kvcm.bench import vllm_plan as bench_plan
 
     plan = SimpleNamespace(store_blocks=8, sizes={"host_blocks": 8}, load_mode=None, disk_blocks=16)
     part = bench_plan._connector(str(tmp_path), "host+disk+partial", plan)["kv_connector_extra_config"]

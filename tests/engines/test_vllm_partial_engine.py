@@ -34,7 +34,7 @@ def run_engine(tmp: str, model: str, name: str, connector: dict | None) -> dict:
     spec_path, out_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    p = subprocess.run([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
+    p = subprocess.run([sys.executable, "-m", "kvcm.bench.vllm_workload", spec_path, out_path],
                        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=CHILD_TIMEOUT_S, check=False)
     if p.returncode != 0:
@@ -53,7 +53,7 @@ def connector(tmp: str, name: str, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from kvcm.integrations.vllm.workload import make_model
+    from kvcm.bench.vllm_workload import make_model
 
     tmp = str(tmp_path_factory.mktemp("vllm-partial"))
     model = make_model(os.path.join(tmp, "model"))

@@ -1,5 +1,5 @@
 """What the vLLM connector checks and says when it starts, without vLLM
-(kvcm.integrations.vllm.startup, kvcm.integrations.vllm.check): the early check vLLM's config
+(kvcm.integrations.vllm.startup, kvcm.cli.vllm): the early check vLLM's config
 resolution runs, the start line, the capacity warnings, ``python -m kvcm vllm check-config``,
 and -- through kvcm's real data plane and file store -- that two models of one shape on one
 store and namespace never see each other's objects.  The same on the real engine:
@@ -252,7 +252,7 @@ def test_check_config_command(tmp_path: Path) -> None:
 def test_check_config_applies_the_engines_capacity_rules(tmp_path: Path) -> None:
     """With the model's directory and the block size, the sizes are checked as the connector
     checks them when vLLM starts it; a model whose layout it cannot read is said, not passed."""
-    from kvcm.integrations.vllm.check import model_layout
+    from kvcm.cli.vllm import model_layout
 
     m = model_dir(tmp_path, "m", config=LLAMA)
     got = model_layout(str(m), 32, dtype="float32")

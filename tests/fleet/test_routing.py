@@ -104,7 +104,7 @@ def test_events_command_watches_a_publisher(capsys: pytest.CaptureFixture) -> No
 
 
 def test_events_bench_measures_publish_cost_with_a_subscriber() -> None:
-    from kvcm.tools.events import bench
+    from kvcm.bench.events import bench
 
     r = bench(limit=15, backend=None, block_size=32)
     assert r["steps"] == 15 and r["events"] > 0

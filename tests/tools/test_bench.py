@@ -10,7 +10,7 @@ import sys
 
 import kvcm
 import pytest
-from kvcm.tools.bench import QUICK_NOTE
+from kvcm.bench.micro import QUICK_NOTE
 
 PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
 
@@ -78,7 +78,7 @@ def test_bench_quick_prints_no_target_lines_and_says_why():
 
 def test_bench_at_chosen_sizes_judges_its_targets_and_says_what_they_mean(capsys):
     from kvcm import cli
-    from kvcm.tools import bench
+    from kvcm.bench import micro as bench
 
     code = cli.main(["bench", "decode", "--decode-batch", "8", "--decode-steps", "3", "--no-progress"])
     out = capsys.readouterr().out
@@ -170,7 +170,7 @@ def test_floor_replays_like_the_backends():
     """The floor is a fair stick: on an unbounded replay it reuses exactly the whole blocks
     the backends reuse (the backends reuse partial blocks on top), it decodes the same
     output blocks, and a tight quota evicts."""
-    from kvcm.tools.bench_floor import replay_floor
+    from kvcm.bench.floor import replay_floor
     from kvcm.tools.replay import replay
     from kvcm.tools.trace import load_trace
 

@@ -126,7 +126,7 @@ def test_register_on_a_registry_and_bad_arguments(backend):
 
 
 def test_demo_serves_and_prints_the_metrics(backend, capsys):
-    from kvcm.tools.demo import main
+    from kvcm.cli.demo import main
 
     assert main(["--backend", backend, "--metrics-port", "0"]) == 0
     out = capsys.readouterr().out

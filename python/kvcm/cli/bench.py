@@ -3,9 +3,10 @@
 ``keys`` (block-key throughput against the hashlib and raw C++ floors) and ``replay``
 (each backend and the floor replaying the same prefix, each run in its own child process)
 are here; the micro benchmarks (probe, decode, step, ssm, evict, memory) are
-:mod:`kvcm.tools.bench`; ``bench vllm`` is :mod:`kvcm.integrations.vllm.bench` and ``bench disagg``
-:mod:`kvcm.integrations.vllm.bench_disagg` (real vLLM
-engines, ``kvcm[vllm]``).  Each figure is judged against a floor measured in the same run.
+:mod:`kvcm.bench.micro`; ``bench vllm`` is :mod:`kvcm.bench.vllm` and ``bench disagg``
+:mod:`kvcm.bench.disagg` (real vLLM engines, ``kvcm[vllm]``), ``bench transformers``
+:mod:`kvcm.bench.transformers` (transformers' continuous batching, ``kvcm[transformers]``).
+Each figure is judged against a floor measured in the same run.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def bench_keys(args: argparse.Namespace) -> None:
     rows.append(["speedup hashlib/python (Python floor)", ratio(rates.get("hashlib"), py)])
     # Time relative to the floor: how many raw-loop durations one block_keys call takes.
     floor = rates.get("cpp_raw")
-    from kvcm.tools.bench import target as bench_target
+    from kvcm.bench.micro import target as bench_target
 
     for label, _ in inputs:
         cpp_rate = rates.get(f"cpp{label}")
@@ -96,7 +97,7 @@ def _time_block_keys(inputs: list[tuple[str, Any]], n: int, B: int, repeat: int,
         kvcm.block_keys(toks, B, backend=b)  # warm-up, untimed: first-call effects are not throughput
         return best_of(lambda: kvcm.block_keys(toks, B, backend=b), repeat)
 
-    from kvcm.tools.bench import NOT_SELECTED, SELECTED
+    from kvcm.bench.micro import NOT_SELECTED, SELECTED
 
     for label, toks in inputs:
         for b in ("python", "cpp"):
@@ -158,12 +159,14 @@ def _time_cpp_raw_floor(n: int, B: int, repeat: int, rates: dict[str, float | No
         rows.append(["cpp raw_sha256_loop", f"{n / dt / 1e6:.2f} M tokens/s"])
 
 
-# The child of a baseline run imports an older kvcm: the replay module moved to
-# kvcm.tools in issue 21, so it tries the new home first and falls back to the old one.
+# The child of a baseline run imports an older kvcm: the floor moved to kvcm.tools in issue
+# 21 and to kvcm.bench in issue 36, so it tries the newest home first, then the older ones.
 BASELINE_CHILD = (
     "import json, sys\n"
-    "try:\n    from kvcm.tools.bench_floor import measure_replay\n"
-    "except ImportError:\n    from kvcm.bench_floor import measure_replay\n"
+    "try:\n    from kvcm.bench.floor import measure_replay\n"
+    "except ImportError:\n"
+    "    try:\n        from kvcm.tools.bench_floor import measure_replay\n"
+    "    except ImportError:\n        from kvcm.bench_floor import measure_replay\n"
     "print(json.dumps(measure_replay(**json.loads(sys.argv[1]))))"
 )
 
@@ -179,7 +182,7 @@ def _replay_in_child(impl: str, limit: int, B: int, gpu: int | None, host: int |
     import subprocess
 
     import kvcm
-    from kvcm.tools.bench_floor import REPLAY_CHILD
+    from kvcm.bench.floor import REPLAY_CHILD
     from kvcm.tools.replay import ReplayResult
 
     pkg_parent = baseline or os.path.dirname(os.path.dirname(os.path.abspath(kvcm.__file__)))
@@ -216,10 +219,10 @@ def _replay_hash_floor(B: int, repeat: int) -> float | None:
 
 
 def bench_replay(args: argparse.Namespace) -> int:
-    """Each backend and the floor (kvcm.tools.bench_floor: a minimal pure-Python prefix cache, a
+    """Each backend and the floor (kvcm.bench.floor: a minimal pure-Python prefix cache, a
     measuring stick) replay the same prefix, each run in its own child process; with the
     prompt only, and with the outputs decoded a block at a time."""
-    from kvcm.tools.bench_floor import FLOOR
+    from kvcm.bench.floor import FLOOR
     from kvcm.tools.replay import result_rows
     from kvcm.tools.trace import load_trace, unique_blocks
 
@@ -231,13 +234,13 @@ def bench_replay(args: argparse.Namespace) -> int:
     print(
         f"replay: {len(trace)} requests of the shipped trace, tokens_per_block={B}, {fmt_int(uniq)} unique blocks, "
         f"each backend's fastest of {args.repeat} run(s) (a shared machine's noise only ever adds time), each run "
-        f"in its own child process; floor = a minimal pure-Python prefix cache (kvcm.tools.bench_floor: chained SHA-256 "
+        f"in its own child process; floor = a minimal pure-Python prefix cache (kvcm.bench.floor: chained SHA-256 "
         f"keys in a dict, an ordered LRU, refcounts; no tiers, partial blocks, events or stats), a measuring stick, "
         f"not a backend"
     )
     rc = 0
-    from kvcm.tools.bench import NOT_SELECTED, SELECTED
-    from kvcm.tools.bench import target as bench_target
+    from kvcm.bench.micro import NOT_SELECTED, SELECTED
+    from kvcm.bench.micro import target as bench_target
 
     impls: tuple[str, ...] = ("python", "cpp", FLOOR)
     if args.baseline:  # the python backend of another kvcm tree, side by side (issue 21's guard)
@@ -299,7 +302,7 @@ def bench_replay(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     """Run the selected benchmarks (``all``: each in turn); returns the highest exit status
     among them."""
-    from kvcm.tools import bench
+    from kvcm.bench import micro as bench
 
     bench.SELECTED = tuple(args.backend)
     bench.QUICK = args.quick
@@ -332,7 +335,9 @@ def _baseline_dir(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m kvcm bench`` argument parser (the micro benchmarks add theirs)."""
-    b = argparse.ArgumentParser(prog="python -m kvcm bench")
+    b = argparse.ArgumentParser(
+        prog="python -m kvcm bench",
+        epilog="real engines: python -m kvcm bench vllm|disagg|transformers --help (kvcm.bench)")
     b.add_argument(
         "what", nargs="?", choices=["replay", "keys", "probe", "decode", "step", "ssm", "evict", "memory", "all"], default="all"
     )
@@ -348,30 +353,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "python/ directory) in the same loop, and print python/baseline")
     b.add_argument("--backend", type=backend_list, default=["python", "cpp"],
                    help="comma-separated backends to measure (default python,cpp; the ratios need both)")
-    from kvcm.tools.bench import add_arguments as add_micro_bench_arguments
+    from kvcm.bench.micro import add_arguments as add_micro_bench_arguments
 
     add_micro_bench_arguments(b)
     return b
 
 
+# The benchmarks that run a real engine, each a module of :mod:`kvcm.bench` with its own
+# ``main(argv)``, and the extra that module needs (named when it cannot be imported).
+ENGINE_BENCHES = {
+    "vllm": ("kvcm.bench.vllm", ("it needs vLLM: pip install 'kvcm[vllm]', then pip uninstall torchvision "
+                                 "torchaudio torchcodec (README: kvcm inside vLLM)")),
+    "disagg": ("kvcm.bench.disagg", "it needs vLLM: pip install 'kvcm[vllm]'"),
+    "transformers": ("kvcm.bench.transformers", "it needs transformers: pip install 'kvcm[transformers]'"),
+}
+
+
 def main(argv: Sequence[str]) -> int:
     """``python -m kvcm bench ...``: returns the highest exit status of the benchmarks run
-    (``bench vllm ...``: that command's)."""
+    (``bench vllm|disagg|transformers ...``: that command's)."""
     argv = list(argv)
-    if argv[:1] == ["disagg"]:  # real vLLM servers, prefill and decode through kvcm: kvcm.integrations.vllm.bench_disagg
+    if argv[:1] and argv[0] in ENGINE_BENCHES:  # real engines: kvcm.bench.<what>
+        import importlib
+
+        module, needs = ENGINE_BENCHES[argv[0]]
         try:
-            from kvcm.integrations.vllm.bench_disagg import main as bench_disagg_main
+            engine_bench = importlib.import_module(module)
         except ImportError as e:
-            print(f"python -m kvcm bench disagg: cannot import it ({e}); it needs vLLM: pip install 'kvcm[vllm]'",
-                  file=sys.stderr)
+            print(f"python -m kvcm bench {argv[0]}: cannot import it ({e}); {needs}", file=sys.stderr)
             return 2
-        return bench_disagg_main(argv[1:])
-    if argv[:1] == ["vllm"]:  # real vLLM engines (kvcm[vllm]): kvcm.integrations.vllm.bench
-        try:
-            from kvcm.integrations.vllm.bench import main as bench_vllm_main
-        except ImportError as e:
-            print(f"python -m kvcm bench vllm: cannot import it ({e}); it needs vLLM: pip install 'kvcm[vllm]', "
-                  "then pip uninstall torchvision torchaudio torchcodec (README: kvcm inside vLLM)", file=sys.stderr)
-            return 2
-        return bench_vllm_main(argv[1:])
+        return engine_bench.main(argv[1:])
     return run(build_parser().parse_args(argv))

@@ -7,7 +7,8 @@
 The watcher prints one line per batch (``seq``, ``ts``, then each event) and, with
 ``--replay``, heals sequence gaps through the replay endpoint (``gap`` lines say so);
 ``--snapshot`` first prints the publisher's snapshot (kvcm publishers only).  The work is
-:mod:`kvcm.tools.events` (the events extra: pyzmq, msgspec).
+:mod:`kvcm.tools.events` (watch, demo) and :mod:`kvcm.bench.events` (``--bench``), the
+events extra: pyzmq, msgspec.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main(argv: Sequence[str]) -> int:
     try:  # the optional dependencies (pyzmq, msgspec): the events extra
         import zmq
 
-        from kvcm.tools.events import bench, demo, watch
+        from kvcm.bench.events import bench
+        from kvcm.tools.events import demo, watch
     except ImportError as e:
         why = missing_extra(prog, e)
         if why is None:

@@ -317,7 +317,7 @@ class RecordingManager(KVCacheManager):
         return getattr(self._inner, name)
 
     # -- recorded ------------------------------------------------------------------
-    def create_kv_cache(self, input_tokens=None, scope=None, priority=None, id=None, shared_hits=None) -> KVCache:
+    def _create_kv_cache(self, input_tokens, scope, priority, id, shared_hits) -> KVCache:
         input_tokens = _materialize(input_tokens)
         args = {"input_tokens": input_tokens, "scope": scope, "priority": priority, "id": id}
         if shared_hits is not None:

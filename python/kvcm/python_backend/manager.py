@@ -72,9 +72,8 @@ class PyKVCacheManager(KVCacheManager):
         return self.pool.lcs
 
     @serialized
-    def create_kv_cache(self, input_tokens: Sequence[Token] | None = None, scope: ReuseScope | None = None,
-                        priority: int | None = None, id: int | str | None = None,
-                        shared_hits: Any = None) -> Request:
+    def _create_kv_cache(self, input_tokens: Sequence[Token] | None, scope: ReuseScope | None, priority: int | None,
+                         id: int | str | None, shared_hits: Any) -> Request:
         """SPEC sec. 7 create_kv_cache: match once and hold the match, SUSPENDED.  With
         ``shared_hits`` the match may extend into the shared tier (DECISIONS.md "The shared tier")."""
         # the tokens are read first: any Python code they run (tolist, __iter__) runs

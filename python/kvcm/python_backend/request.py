@@ -24,13 +24,13 @@ from kvcm.api import (
     ReuseScope,
     Status,
     Token,
-    as_int,
 )
 from kvcm.checks import (
     MAX_REQUEST_BLOCKS,
     check_block_range,
     check_cache_id,
     check_count,
+    check_lc,
     check_tokens,
     closed_error,
     fork_history_error,
@@ -614,13 +614,7 @@ class Request(KVCache):
             raise status_error(what, status, self._status)
 
     def _check_lc(self, lc: Any) -> int:
-        value = as_int(lc)
-        if value is None:
-            raise TypeError(f"lc must be an int, got {type(lc).__name__}")
-        nlc = len(self.pool.layout.lcs)
-        if not 0 <= value < nlc:
-            raise ValueError(f"unknown life cycle {value}; this model has {nlc}")
-        return value
+        return check_lc(lc, len(self.pool.layout.lcs))
 
     def _release_all(self) -> None:
         """Stop using every page and tree block (close, and the roll-back of forget_copies)."""

@@ -29,7 +29,7 @@ _LAZY = {"KvcmConnector": "connector", "KvcmConnectorMetadata": "metadata", "Kvc
 
 def __getattr__(name: str) -> Any:
     # the connector imports vLLM, the scheduler and worker torch: only when asked for (vLLM's
-    # loader does getattr(module, name)), so the settings and the workload helpers import light
+    # loader does getattr(module, name)), so the settings import light
     if name in _LAZY:
         import importlib
 

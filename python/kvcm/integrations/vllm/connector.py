@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvcm.api import GPU, SHARED
+from kvcm.api import DISK, GPU, SHARED
 from kvcm.integrations.vllm import startup
 from kvcm.integrations.vllm.handover import Handover, Role
 from kvcm.integrations.vllm.identity import ModelSource, request_problem, request_scope
@@ -51,7 +51,8 @@ __all__ = ["KvcmConnector", "KvcmConnectorMetadata", "KvcmWorkerMetadata"]
 
 # under "vllm.": vLLM configures its own loggers only (an INFO line of "kvcm.*" would be dropped)
 logger = init_logger(f"vllm.{__name__}")
-_HIT_SOURCE = {GPU: CacheHitSource.HOST, 2: CacheHitSource.DISK, SHARED: CacheHitSource.EXTERNAL_UNSPECIFIED}
+# vLLM's hit source by kvcm tier number: kvcm's tier 0 (the manager's "gpu") is host memory here
+_HIT_SOURCE = {GPU: CacheHitSource.HOST, DISK: CacheHitSource.DISK, SHARED: CacheHitSource.EXTERNAL_UNSPECIFIED}
 
 
 class KvcmConnector(KVConnectorBase_V1, SupportsHMA):

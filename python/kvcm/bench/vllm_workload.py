@@ -6,7 +6,7 @@ floor (:class:`PrefillFloor`), wall seconds, the 1-minute load average before an
 No hub: the model is a random-weight Llama saved from a transformers config, prompts are
 token ids (``skip_tokenizer_init``).
 
-Run as ``python -m kvcm.integrations.vllm.workload SPEC.json OUT.json``: one engine (one
+Run as ``python -m kvcm.bench.vllm_workload SPEC.json OUT.json``: one engine (one
 process, vLLM spawns its engine core), several phases, each a workload, optionally after a
 ``reset_prefix_cache`` (vLLM's cache and kvcm's local tiers) or with a fault mode written to
 a control file (the tests' fault store reads it).  A phase with ``abort`` drives the engine

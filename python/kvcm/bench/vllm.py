@@ -1,6 +1,6 @@
 """``python -m kvcm bench vllm``: real vLLM engines with and without kvcm, on one core layout.
 
-Configurations (``--configs``; each one engine process, :mod:`kvcm.integrations.vllm.workload`):
+Configurations (``--configs``; each one engine process, :mod:`kvcm.bench.vllm_workload`):
 
 * ``vllm``      vLLM alone, its KV cache shrunk (``num_gpu_blocks_override``) well below the
                 workload's working set: the reference outputs;
@@ -77,8 +77,8 @@ import sys
 import tempfile
 import time
 
-from kvcm.integrations.vllm import bench_report
-from kvcm.integrations.vllm.bench_plan import (
+from kvcm.bench import vllm_report as bench_report
+from kvcm.bench.vllm_plan import (
     BLOCK,
     CHAT,
     CONFIGS,
@@ -141,7 +141,7 @@ def _child(tmp: str, key: str, spec: dict, plan: Plan, timeout: float,
     t = time.perf_counter()
     with open(log_path, "w") as log:
         # a session of its own: a timeout ends the engine's whole process group
-        p = subprocess.Popen([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
+        p = subprocess.Popen([sys.executable, "-m", "kvcm.bench.vllm_workload", spec_path, out_path],
                              stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = p.wait(timeout=timeout)
@@ -222,7 +222,7 @@ def measure(plan: Plan, args: argparse.Namespace, tmp: str, model: str) -> dict[
 
 
 def run(plan: Plan, args: argparse.Namespace) -> int:
-    from kvcm.integrations.vllm.workload import make_model
+    from kvcm.bench.vllm_workload import make_model
 
     keep = args.dir is not None
     tmp = args.dir or tempfile.mkdtemp(prefix="kvcm-bench-vllm-")
@@ -315,7 +315,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--warmup", type=int, default=2, help="unrelated requests each engine runs first (default 2)")
     c.add_argument("--model", choices=("llama", "gemma3"), default="llama",
                    help="gemma3: a sliding-window + full-attention model through vLLM alone, kvcm with vLLM's hybrid "
-                        "KV cache manager on and off (kvcm.integrations.vllm.bench_hybrid; chat workload)")
+                        "KV cache manager on and off (kvcm.bench.vllm_hybrid; chat workload)")
     c.add_argument("--kv-pages", type=int, default=40,
                    help="--model gemma3: vLLM's KV cache memory, in blocks of every layer (default 40)")
     o = p.add_argument_group("run and output")
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite:
         return run_suite(p, argv)
     if args.model == "gemma3":  # the hybrid KV cache manager comparison: its own engines and table
-        from kvcm.integrations.vllm import bench_hybrid
+        from kvcm.bench import vllm_hybrid as bench_hybrid
 
         return bench_hybrid.run(bench_hybrid.with_defaults(args))
     try:

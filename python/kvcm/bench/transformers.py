@@ -1,4 +1,4 @@
-"""``python -m kvcm.integrations.transformers.bench``: the multi-turn chat workload through
+"""``python -m kvcm bench transformers``: the multi-turn chat workload through
 transformers' continuous batching alone and with kvcm, for a full-attention model (Llama) and a
 sliding-window mix (Qwen3 ``layer_types``): prefill tokens computed, tokens reused by tier, wall
 time and time to first token (per turn, the first token of a ``generate_batch`` call).
@@ -80,8 +80,8 @@ def workload(m, chats: int, turns: int, num_blocks: int, max_new: int) -> tuple[
     return wall, sum(ttfts) / len(ttfts), outs
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcm bench transformers", description=__doc__.splitlines()[0])
     ap.add_argument("--chats", type=int, default=4)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=8)
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=8)
         fig.tight_layout()
         fig.savefig(a.plot)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

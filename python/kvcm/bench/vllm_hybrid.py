@@ -45,11 +45,11 @@ def _kvcm(tmp: str, name: str, host_pages: int) -> dict:
 
 
 def _child(tmp: str, name: str, spec: dict) -> dict:
-    """One engine process (:mod:`kvcm.integrations.vllm.workload`) running ``spec``."""
+    """One engine process (:mod:`kvcm.bench.vllm_workload`) running ``spec``."""
     spec_path, out_path = os.path.join(tmp, f"{name}.spec.json"), os.path.join(tmp, f"{name}.out.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    p = subprocess.run([sys.executable, "-m", "kvcm.integrations.vllm.workload", spec_path, out_path],
+    p = subprocess.run([sys.executable, "-m", "kvcm.bench.vllm_workload", spec_path, out_path],
                        capture_output=True, text=True, check=False)
     if p.returncode != 0:
         raise RuntimeError(f"bench vllm --model gemma3: the {name} engine failed ({p.returncode}):\n{p.stderr[-6000:]}")
@@ -73,7 +73,7 @@ def with_defaults(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcm.integrations.vllm.workload import make_model
+    from kvcm.bench.vllm_workload import make_model
 
     # vLLM's CPU backend reserves one more core when a connector is configured: every engine
     # of the comparison gets the same reservation

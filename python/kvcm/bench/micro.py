@@ -655,7 +655,7 @@ def measure_memory(backend: str, n: int, B: int, per_req: int = 64) -> dict[str,
 
 
 _MEMORY_CHILD = (
-    "import json, sys; from kvcm.tools.bench import measure_memory; "
+    "import json, sys; from kvcm.bench.micro import measure_memory; "
     "print(json.dumps(measure_memory(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))"
 )
 

@@ -386,7 +386,7 @@ def _config(args: argparse.Namespace, tmp: str, model: str, env: dict[str, str],
 
 
 def _run(args: argparse.Namespace, tmp: str) -> int:
-    from kvcm.integrations.vllm.workload import make_model, save_tokenizer
+    from kvcm.bench.vllm_workload import make_model, save_tokenizer
 
     os.makedirs(tmp, mode=0o700, exist_ok=True)
     model = args.model or save_tokenizer(make_model(os.path.join(tmp, "model")))

@@ -261,6 +261,6 @@ def measure_replay(impl: str, limit: int, tokens_per_block: int, gpu: int | None
 
 
 REPLAY_CHILD = (
-    "import json, sys; from kvcm.tools.bench_floor import measure_replay; a = json.loads(sys.argv[1]); "
+    "import json, sys; from kvcm.bench.floor import measure_replay; a = json.loads(sys.argv[1]); "
     "print(json.dumps(measure_replay(**a)))"
 )

@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any
 
-from kvcm.integrations.vllm.bench_plan import BLOCK, Plan
+from kvcm.bench.vllm_plan import BLOCK, Plan
 
 TIERS = ("host", "disk", "shared")
 

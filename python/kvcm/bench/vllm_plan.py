@@ -1,6 +1,6 @@
 """``python -m kvcm bench vllm``'s plan: the configurations, the workloads' sizes, the
 arguments checked (:class:`UsageError` before any engine starts) and each engine's spec for
-:mod:`kvcm.integrations.vllm.workload`."""
+:mod:`kvcm.bench.vllm_workload`."""
 
 from __future__ import annotations
 
