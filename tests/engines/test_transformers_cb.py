@@ -158,6 +158,38 @@ def test_block_rows_are_where_transformers_writes(built_cache):
             del a.block_table["pin-probe"]
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3_swa_mix"])
+def test_build_batch_processor_mirrors_transformers_factory(kind):
+    """The pin ``ContinuousBatchingManager._create_batch_processor`` is a digest of the
+    factory ``build_batch_processor`` mirrors; this holds the mirror itself: with
+    transformers' own cache class, both build the same parts with the same settings."""
+    from kvcm.integrations.transformers import build_batch_processor
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    model = build(kind)
+    theirs, ours = (model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
+                    for _ in range(2))
+    try:
+        a, b = theirs._create_batch_processor(), build_batch_processor(ours, PagedAttentionCache)
+
+        def parts(mgr, bp) -> dict:
+            sched = bp.scheduler
+            return {"cache": type(bp.cache), "scheduler": type(sched), "margin": sched.safety_margin,
+                    "max_requests": sched.max_requests_per_batch, "same_cache": sched.cache is bp.cache,
+                    "cb": vars(mgr.continuous_batching_config), "prefix_sharing": mgr._use_prefix_sharing,
+                    "queues": (bp.input_queue is mgr.input_queue, bp.cancel_queue is mgr.cancel_queue),
+                    "router": bp.output_router is mgr.output_router, "status": bp.background_thread_status is
+                    mgr.background_thread_status, "async": bp.use_async_batching, "tokens": bp.max_batch_tokens,
+                    "geometry": (bp.cache.num_blocks, bp.cache.num_sectors, list(bp.cache.cache_allocators))}
+
+        assert parts(theirs, a) == parts(ours, b)
+        ours.batch_processor = b  # as the manager registers it (a persistent manager keeps it) ...
+        assert build_batch_processor(ours, PagedAttentionCache) is b  # ... it is reset and kept, as transformers'
+    finally:
+        theirs.destroy()
+        ours.destroy()
+
+
 def test_a_moved_internal_is_named_and_refused(monkeypatch):
     """The check names the change, and the context refuses to start on it: a cache method's
     parameters, and transformers' processor factory (which build_batch_processor mirrors)."""

@@ -16,9 +16,10 @@ from kvcm.integrations.transformers.cache import (
     KvcmPagedAttentionCache,
     ModelCacheHook,
     Pin,
+    build_batch_processor,
     check_pinned_internals,
     interface_pins,
 )
 
 __all__ = ["PINNED_TRANSFORMERS", "PINS", "KvcmContinuousBatching", "KvcmPagedAttentionCache", "ModelCacheHook", "Pin",
-           "check_pinned_internals", "interface_pins"]
+           "build_batch_processor", "check_pinned_internals", "interface_pins"]
