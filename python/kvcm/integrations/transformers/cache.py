@@ -354,7 +354,8 @@ class ModelCacheHook:
 
 class KvcmPagedAttentionCache(PagedAttentionCache):
     """transformers' paged cache with kvcm deciding every block (see the module docstring).
-    Built by transformers itself, inside :class:`KvcmContinuousBatching`, for the hooked model."""
+    Built by :func:`build_batch_processor` for each manager of the hooked model, inside
+    :class:`KvcmContinuousBatching`."""
 
     def __init__(self, kc: KvcmContinuousBatching, *args: Any, **kwargs: Any) -> None:
         cb = kwargs.get("continuous_batching_config", args[1] if len(args) > 1 else None)
