@@ -22,7 +22,7 @@ else:
     pytest.importorskip("transformers")
 
 import torch
-from kvcm.integrations.transformers import KvcmContinuousBatching, check_pinned_internals
+from kvcm.integrations.transformers import PINS, KvcmContinuousBatching, check_pinned_internals, interface_pins
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -32,7 +32,8 @@ MAX_NEW = 5
 def build(kind: str):
     """A random-weight tiny model: ``llama`` / ``qwen3`` (full attention, GQA 4/2), ``qwen3_swa_mix``
     (Qwen3 with ``layer_types`` sliding/full/sliding, window 12), ``gemma3_mix`` (Gemma-3 text:
-    sliding, sliding, full; window 12)."""
+    sliding, sliding, full; window 12; untied embeddings: with Gemma-3's tied ones the random
+    model's tokens do not depend on the earlier tokens' KV, so a wrong reuse would go unseen)."""
     torch.manual_seed(0)
     kw = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "intermediate_size": 128, "vocab_size": 512}
@@ -48,7 +49,7 @@ def build(kind: str):
         return Qwen3ForCausalLM(Qwen3Config(**kw, use_sliding_window=True, max_window_layers=0, layer_types=[
             "sliding_attention", "full_attention", "sliding_attention"])).eval()
     if kind == "gemma3_mix":
-        return Gemma3ForCausalLM(Gemma3TextConfig(**kw, layer_types=[
+        return Gemma3ForCausalLM(Gemma3TextConfig(**kw, tie_word_embeddings=False, layer_types=[
             "sliding_attention", "sliding_attention", "full_attention"])).eval()
     raise ValueError(kind)
 
@@ -111,14 +112,89 @@ def same_tokens(a: list[dict], b: list[dict]) -> bool:
     return [t["tokens"] for t in a] == [t["tokens"] for t in b]
 
 
-def test_pinned_internals_unchanged():
-    """Fails naming what moved when transformers' internals this integration uses change."""
-    assert check_pinned_internals() == []
+@pytest.fixture(scope="module")
+def built_cache():
+    """A paged cache transformers built inside the context (sliding + full groups), for the pins about one."""
+    model = build("qwen3_swa_mix")
+    with KvcmContinuousBatching(model) as kc:
+        model.generate_batch(conversations(1), generation_config=gen_config(), continuous_batching_config=cb_config(),
+                             progress_bar=False)
+        yield kc._cache
+
+
+@pytest.mark.parametrize("pin", PINS + interface_pins(), ids=lambda pin: pin.name)
+def test_pin_holds(pin, request):
+    """Each pin (an internal of transformers with no public alternative, its reason in
+    ``pin.why``) and each method of the cache interface kvcm implements, by name: fails
+    naming what moved when transformers changes it."""
+    assert pin.why
+    cache = request.getfixturevalue("built_cache") if pin.built else None
+    assert pin.check(cache) is None
+
+
+def test_block_rows_are_where_transformers_writes(built_cache):
+    """The pin ``PagedAttentionCache.cache_tensor``: row ``b`` of ``cache_tensor.view(-1,
+    bytes_per_block)`` (what kvcm's data plane copies as block ``b``) is exactly where
+    transformers' attention writes the tokens of block ``b``, in every group."""
+    from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+
+    cache = built_cache
+    for a in cache.cache_allocators.values():
+        rows = cache.cache_tensor.view(-1, a.bytes_per_block)
+        b = rows.shape[0] // 2
+        a.block_table["pin-probe"] = [b]
+        try:
+            page = a.tokens_per_page
+            # the linear places (a sliding group's too: the pin FullAttentionCacheAllocator.get_write_indices)
+            write = torch.tensor(FullAttentionCacheAllocator.get_write_indices(a, "pin-probe", 0, page))
+            before = rows.clone()
+            kv_heads, head_dim = a.num_key_value_heads, a.head_dim
+            for layer in a.layer_indices:
+                k = torch.randn(page, kv_heads, head_dim, dtype=a.cache_dtype)
+                a.update(k, -k, layer, torch.empty(0, dtype=torch.long), write)
+            changed = (rows != before).any(dim=1).nonzero().flatten().tolist()
+            assert changed == [b], changed
+        finally:
+            del a.block_table["pin-probe"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_swa_mix"])
+def test_build_batch_processor_mirrors_transformers_factory(kind):
+    """The pin ``ContinuousBatchingManager._create_batch_processor`` is a digest of the
+    factory ``build_batch_processor`` mirrors; this holds the mirror itself: with
+    transformers' own cache class, both build the same parts with the same settings."""
+    from kvcm.integrations.transformers import build_batch_processor
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    model = build(kind)
+    theirs, ours = (model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
+                    for _ in range(2))
+    try:
+        a, b = theirs._create_batch_processor(), build_batch_processor(ours, PagedAttentionCache)
+
+        def parts(mgr, bp) -> dict:
+            sched = bp.scheduler
+            return {"cache": type(bp.cache), "scheduler": type(sched), "margin": sched.safety_margin,
+                    "max_requests": sched.max_requests_per_batch, "same_cache": sched.cache is bp.cache,
+                    "cb": vars(mgr.continuous_batching_config), "prefix_sharing": mgr._use_prefix_sharing,
+                    "queues": (bp.input_queue is mgr.input_queue, bp.cancel_queue is mgr.cancel_queue),
+                    "router": bp.output_router is mgr.output_router, "status": bp.background_thread_status is
+                    mgr.background_thread_status, "async": bp.use_async_batching, "tokens": bp.max_batch_tokens,
+                    "geometry": (bp.cache.num_blocks, bp.cache.num_sectors, list(bp.cache.cache_allocators))}
+
+        assert parts(theirs, a) == parts(ours, b)
+        ours.batch_processor = b  # as the manager registers it (a persistent manager keeps it) ...
+        assert build_batch_processor(ours, PagedAttentionCache) is b  # ... it is reset and kept, as transformers'
+    finally:
+        theirs.destroy()
+        ours.destroy()
 
 
 def test_a_moved_internal_is_named_and_refused(monkeypatch):
-    """The check names the change, and the context refuses to start on it."""
+    """The check names the change, and the context refuses to start on it: a cache method's
+    parameters, and transformers' processor factory (which build_batch_processor mirrors)."""
     from transformers.generation.continuous_batching import cache as tf_cache
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
     def search_prefix_match(self, request_id, prompt_ids, scope):  # a new parameter upstream
         return 0
@@ -133,23 +209,33 @@ def test_a_moved_internal_is_named_and_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="search_prefix_match"), KvcmContinuousBatching(model):
         pass
     assert "init_continuous_batching" not in vars(model)  # refused before the model was touched
+    monkeypatch.undo()
+
+    def _create_batch_processor(self):  # transformers' factory changed upstream
+        return None
+
+    monkeypatch.setattr(ContinuousBatchingManager, "_create_batch_processor", _create_batch_processor)
+    assert len(check_pinned_internals()) == 1
+    assert "ContinuousBatchingManager._create_batch_processor changed" in check_pinned_internals()[0]
+    with pytest.raises(RuntimeError, match="_create_batch_processor changed"), KvcmContinuousBatching(model):
+        pass
 
 
 def test_a_missing_pinned_attribute_is_named(monkeypatch):
-    """The attributes the integration reads on the built cache and allocators are checked too:
-    an allocator without ``_copy_view`` (the byte view kvcm's gpu pools are cut from) is named."""
+    """The pins about a built cache are checked on every cache built: an allocator without
+    ``block_table`` (where kvcm's page indices go) is named."""
     from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
     original = FullAttentionCacheAllocator.register_cache_tensor
 
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool):
         original(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool)
-        del self._copy_view  # as if upstream renamed it
+        del self.block_table  # as if upstream renamed it
 
     monkeypatch.setattr(FullAttentionCacheAllocator, "register_cache_tensor", register_cache_tensor)
     model = build("llama")
     with KvcmContinuousBatching(model), pytest.raises(RuntimeError, match="internals changed: no attribute "
-                                                                     "FullAttentionCacheAllocator._copy_view"):
+                                                                     "FullAttentionCacheAllocator.block_table"):
         model.generate_batch(conversations(1), generation_config=gen_config(), continuous_batching_config=cb_config(),
                              progress_bar=False)
 
@@ -322,26 +408,43 @@ def test_preemption_suspends_and_resumes_exactly():
 
 def test_persistent_manager_chat_reuses_each_turn():
     """``init_continuous_batching()`` (one engine, one cache, requests added one by one, as
-    ``transformers serve`` does): each turn of a chat reuses the previous turn, exactly."""
+    ``transformers serve`` does): each turn of a chat reuses the previous turn, exactly.  The
+    model's tokens depend on the KV this test reuses (untied Gemma-3): another first token
+    changes them (it reaches the last position only through the earlier positions' KV; with
+    the tied Gemma-3 this test used, it did not), and a last turn after transformers' cache
+    tensor was zeroed in place (the pages kvcm hands it) generates other tokens, so a reuse
+    of wrong pages would fail here.  kvcm's manager counts each turn's hits."""
     model = build("gemma3_mix")
     prompt = conversations(1)[0]
+    assert reference(model, [7] + prompt[1:])[0] != reference(model, prompt)[0]
     with KvcmContinuousBatching(model) as kc:
         mgr = model.init_continuous_batching(generation_config=gen_config(), continuous_batching_config=cb_config())
         mgr.start()
+
+        def turn(i: int) -> list[int]:
+            rid = mgr.add_request(prompt, request_id=f"turn{i}", max_new_tokens=MAX_NEW)
+            out = mgr.get_result(rid, timeout=120)
+            assert out is not None and out.error is None, out
+            return out.generated_tokens
+
         try:
-            for turn in range(3):
-                rid = mgr.add_request(prompt, request_id=f"turn{turn}", max_new_tokens=MAX_NEW)
-                out = mgr.get_result(rid, timeout=120)
-                assert out is not None and out.error is None, out
-                assert out.generated_tokens == reference(model, prompt)[0], turn
-                prompt = prompt + out.generated_tokens + [300 + turn, 301]
+            for i in range(3):
+                before = kc.stats().get("kvcm", {}).get("reused_tokens", 0)
+                tokens = turn(i)
+                assert tokens == reference(model, prompt)[0], i
+                if i:  # kvcm's manager matched the previous turn's pages (not only the integration's count)
+                    assert kc.stats()["kvcm"]["reused_tokens"] - before == len(prompt) - 2 - 1, (i, kc.stats())
+                prompt = prompt + tokens + [300 + i, 301]
+            stats = kc.stats()
+            kc._cache.cache_tensor.zero_()  # the KV of every page the next turn reuses
+            corrupted = turn(3)
         finally:
             mgr.stop(block=True)
             model.destroy_cached_continuous_batching_manager()
-        stats = kc.stats()
     # turns 2 and 3 match the previous conversation up to its last generated token (never computed):
     # 22 + 4 tokens, then 29 + 4
     assert stats["reused_tokens"] == 26 + 33, stats
+    assert corrupted != reference(model, prompt)[0], corrupted  # the tokens depend on the reused KV
 
 
 # ---------------------------------------------------------------------------------------

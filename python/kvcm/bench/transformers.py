@@ -15,7 +15,7 @@ from typing import Any, Self
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
-from transformers.generation.continuous_batching import continuous_api as tf_api
+from transformers.generation.continuous_batching import PagedAttentionCache
 
 from kvcm.integrations.transformers import KvcmContinuousBatching, ModelCacheHook
 
@@ -43,7 +43,7 @@ class _Counting:
         self.prefill = 0
         counter = self
 
-        class Cache(tf_api.PagedAttentionCache):
+        class Cache(PagedAttentionCache):
             def count_new_complete_blocks(self, state: Any, request_len: int) -> dict[str, int]:
                 counter.tokens += request_len
                 if not state.generated_tokens:

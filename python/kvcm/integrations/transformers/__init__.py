@@ -11,11 +11,15 @@ See DECISIONS.md "transformers continuous batching (issue 23)".
 
 from kvcm.integrations.transformers.cache import (
     PINNED_TRANSFORMERS,
+    PINS,
     KvcmContinuousBatching,
     KvcmPagedAttentionCache,
     ModelCacheHook,
+    Pin,
+    build_batch_processor,
     check_pinned_internals,
+    interface_pins,
 )
 
-__all__ = ["PINNED_TRANSFORMERS", "KvcmContinuousBatching", "KvcmPagedAttentionCache", "ModelCacheHook",
-           "check_pinned_internals"]
+__all__ = ["PINNED_TRANSFORMERS", "PINS", "KvcmContinuousBatching", "KvcmPagedAttentionCache", "ModelCacheHook", "Pin",
+           "build_batch_processor", "check_pinned_internals", "interface_pins"]

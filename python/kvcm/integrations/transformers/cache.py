@@ -8,23 +8,23 @@ token indices.  This module:
 
 * is scoped to one model: :class:`KvcmContinuousBatching` hooks that model's
   ``init_continuous_batching`` (the entry point ``generate_batch`` and
-  ``continuous_batching_context_manager`` go through) and has each continuous-batching
-  manager it returns build its paged cache as a :class:`KvcmPagedAttentionCache` (that
-  manager's own ``_create_batch_processor`` runs with this class where transformers' code
-  names ``PagedAttentionCache``); nothing process-wide changes, other models and other
-  contexts are untouched;
+  ``continuous_batching_context_manager`` go through, as transformers' ``ContinuousMixin``
+  documents) and gives each continuous-batching manager it returns its own batch-processor
+  factory, :func:`build_batch_processor`: transformers' public parts (the scheduler named by
+  ``scheduler_type``, ``ContinuousBatchProcessor``) composed around a
+  :class:`KvcmPagedAttentionCache`, a subclass of the public ``PagedAttentionCache``;
+  nothing process-wide changes, other models and other contexts are untouched;
 * gives every data sector to kvcm at construction: allocator ``a`` owns a contiguous run of
   sectors whose blocks are kvcm's gpu slots of the life cycle (lc) of ``a``'s layers, so
-  block id = ``base[a] + slot``, and the data plane adopts the view
-  ``allocator._copy_view[base : base + n]`` of transformers' cache tensor as that lc's gpu
-  pool (``DataPlane.adopt_memory``): kvcm's copy ops (offload, onboard, cow, store) move
-  transformers' own bytes;
+  block id = ``base[a] + slot``, and the data plane adopts those blocks' bytes of
+  transformers' cache tensor as that lc's gpu pool (``DataPlane.adopt_memory``): kvcm's copy
+  ops (offload, onboard, cow, store) move transformers' own bytes;
 * overrides the cache's request-level methods (prefix match, allocation, commits, frees,
   forks, free capacity) to drive the kvcm manager through :class:`kvcm.engine_loop.EngineLoop`,
   and rewrites ``block_table`` from ``kv.page_indices(lc)`` before every forward;
-* reads sliding-window groups linearly (token ``p`` at block ``p // page_size``) instead of
-  through transformers' ring buffer (``extend_read_and_write_indices``), so that their blocks
-  can enter kvcm's tree and be shared;
+* reads sliding-window groups linearly (token ``p`` at block ``p // page_size``, the places
+  transformers' full-attention allocator computes) instead of through transformers' ring
+  buffer, so that their blocks can enter kvcm's tree and be shared;
 * turns a copy that failed (a ``CopyError``: a disk tier's I/O or checksum, a store's load)
   into a recompute: the manager forgets the lost pages and rolls back the requests that used
   them, which are always requests transformers is not running: the one being admitted
@@ -33,31 +33,32 @@ token indices.  This module:
   resumed likewise).  A running request's pages are locked on gpu and only its own
   admission and fork copy into them.
 
-Nothing of transformers' source is copied; the internals relied on are listed in
-:func:`check_pinned_internals`, which :class:`KvcmContinuousBatching` runs on entry.
+Nothing of transformers is patched or rebuilt.  What it relies on beyond transformers' public
+and documented surface is the pin list :data:`PINS` (each pin: what, why nothing public does
+it, its check), run by :func:`check_pinned_internals` on entering the context and, for the
+pins about a built cache, on every cache built.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Self
 
 import transformers
-from transformers.generation.continuous_batching import cache as tf_cache
-from transformers.generation.continuous_batching import continuous_api as tf_api
-from transformers.generation.continuous_batching import input_outputs as tf_io
-from transformers.generation.continuous_batching import offloading_manager as tf_offload
-from transformers.generation.continuous_batching import scheduler as tf_scheduler
+from transformers.generation.continuous_batching import ContinuousBatchingManager, PagedAttentionCache, RequestState
 from transformers.generation.continuous_batching.cache_allocators import (
-    FULL_ATTENTION,
     SLIDING_ATTENTION,
     FullAttentionCacheAllocator,
     SlidingAttentionCacheAllocator,
 )
-from transformers.generation.continuous_batching.requests import RequestState
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+from transformers.generation.continuous_batching.initialization import update_cb_config_after_cache_creation
+from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING, FIFOScheduler
 
 import kvcm
 from kvcm import AttentionLayer
@@ -68,87 +69,187 @@ from kvcm.engine_loop import EngineLoop, config_from_layout
 PINNED_TRANSFORMERS = "5.19."  # the minor version whose internals this module was written against
 _TOKENS_KEY = "kvcm_tokens"  # our entry in FutureRequestState.complete_blocks: tokens the forward computed
 
-# Methods of transformers' objects that this module CALLS (those it overrides are checked
-# against their base by check_pinned_internals): (class, method) -> parameters.  Full-attention
-# groups keep transformers' own index code (extend_read_and_write_indices).
-_CALLED: dict[tuple[type, str], tuple[str, ...]] = {
-    (FullAttentionCacheAllocator, "get_read_indices"): ("self", "request_id", "past_length", "query_length"),
-    (FullAttentionCacheAllocator, "get_write_indices"): ("self", "request_id", "past_length", "query_length"),
-}
-# (function, text its source must contain): the call sites that make the overrides and the hook take effect
-_PINNED_CALLS: tuple[tuple[Any, str], ...] = (
-    # the hook: every entry point reaches init_continuous_batching, whose manager builds the cache here
-    (tf_api.ContinuousMixin.continuous_batching_context_manager, "self.init_continuous_batching("),
-    (tf_api.ContinuousMixin.generate_batch, "self.continuous_batching_context_manager("),
-    (tf_api.ContinuousBatchingManager._create_batch_processor, "PagedAttentionCache("),
-    # admission, allocation and commits
-    (tf_scheduler.Scheduler._infer_request_tokens, "self.cache.use_prefix_sharing"),
-    (tf_scheduler.Scheduler._infer_request_tokens,
-     "self.cache.search_prefix_match(state.request_id, state.remaining_prefill_tokens)"),
-    (tf_scheduler.Scheduler._process_candidates, "self.cache.can_store_request_tokens(state, request_len)"),
-    (tf_scheduler.Scheduler._process_candidates, "self.cache.count_new_complete_blocks(state, request_len)"),
-    (tf_api.ContinuousBatchProcessor.update_batch,
-     "self.cache.mark_complete_blocks(state, future_state.complete_blocks)"),
-    (tf_api.ContinuousBatchProcessor.update_batch, "self.cache.prepare_fork_request("),
-    (RequestState.current_len, "return self.position_offset"),
-    # the linear sliding-window reads and writes
-    (tf_io.ContinuousBatchingIOs.prepare_batch_tensors, "self.cache.extend_read_and_write_indices("),
-    # preemption becomes suspend / resume
-    (tf_offload.OffloadingManager.offload_requests, "self.cache.free_blocks(state.request_id, no_cache=True)"),
-    # children a fork did not give are queued as new requests (a failed copy-on-write gives none)
-    (tf_api.ContinuousBatchProcessor.update_batch, "for new_request_id in new_request_ids[len(forked_ids) :]:"),
-)
-# attributes of objects built at run time that we read or write (checked on every cache built)
-_PINNED_CACHE_ATTRS = ("cache_allocators", "pool", "num_sectors", "cache_tensor", "use_prefix_sharing", "dtype")
-_PINNED_ALLOCATOR_ATTRS = ("block_table", "_copy_view", "blocks_per_sector", "bytes_per_block", "tokens_per_page",
-                           "layer_indices", "block_physical_stride", "sentinel_index")
+
+# ---------------------------------------------------------------------------------------
+# The pins: what this module relies on that transformers neither exports nor documents
+# ---------------------------------------------------------------------------------------
 
 
-def check_pinned_internals(version: str | None = None) -> list[str]:
-    """What changed in the transformers internals this integration relies on ([] = nothing).
-    ``version``: the transformers version to judge (default: the installed one)."""
-    problems = []
+@dataclass(frozen=True)
+class Pin:
+    """One internal of transformers this module relies on.  ``check(cache)`` returns what
+    changed (``None``: it holds); ``cache`` is a built ``PagedAttentionCache`` for the pins
+    about one (``built``), ``None`` for the others (checked on entering the context)."""
+
+    name: str
+    why: str
+    check: Callable[[Any], str | None]
+    built: bool = False
+
+
+# transformers' factory that build_batch_processor mirrors: the sha-256 prefix of its source
+_FACTORY = ContinuousBatchingManager._create_batch_processor
+_FACTORY_SHA = "cc0fca82818d2471"
+
+
+def _source_sha(fn: Any) -> str:
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+
+
+def _version(_: Any, version: str | None = None) -> str | None:
     version = transformers.__version__ if version is None else version
-    if not version.startswith(PINNED_TRANSFORMERS):
-        problems.append(f"transformers {version} is not the pinned {PINNED_TRANSFORMERS}x")
-    # every method KvcmPagedAttentionCache overrides takes what transformers' version takes
-    base = tf_api.PagedAttentionCache
+    return None if version.startswith(PINNED_TRANSFORMERS) else f"transformers {version} is not the pinned " \
+                                                                f"{PINNED_TRANSFORMERS}x"
+
+
+def _factory(_: Any) -> str | None:
+    fn = getattr(ContinuousBatchingManager, "_create_batch_processor", None)
+    if fn is None:
+        return "ContinuousBatchingManager._create_batch_processor is gone"
+    if tuple(inspect.signature(fn).parameters) != ("self",):
+        return f"ContinuousBatchingManager._create_batch_processor takes {tuple(inspect.signature(fn).parameters)}"
+    if _source_sha(fn) != _FACTORY_SHA:
+        return ("ContinuousBatchingManager._create_batch_processor changed (source sha-256 "
+                f"{_source_sha(fn)}, pinned {_FACTORY_SHA}): build_batch_processor mirrors it")
+    return None
+
+
+def _signature(cls: type, name: str, want: tuple[str, ...]) -> Callable[[Any], str | None]:
+    def check(_: Any) -> str | None:
+        fn = getattr(cls, name, None)
+        if fn is None:
+            return f"{cls.__name__}.{name} is gone"
+        got = tuple(inspect.signature(fn).parameters)
+        return None if got == want else f"{cls.__name__}.{name} takes {got}, pinned {want}"
+    return check
+
+
+def _attrs(where: Callable[[Any], list[Any]], names: tuple[str, ...]) -> Callable[[Any], str | None]:
+    def check(cache: Any) -> str | None:
+        missing = [f"{type(o).__name__}.{n}" for o in where(cache) for n in names if not hasattr(o, n)]
+        return f"no attribute {', '.join(missing)}" if missing else None
+    return check
+
+
+def _allocators(cache: Any) -> list[Any]:
+    return list(getattr(cache, "cache_allocators", {}).values())
+
+
+def _sliding(cache: Any) -> list[Any]:
+    return [a for a in _allocators(cache) if isinstance(a, SlidingAttentionCacheAllocator)]
+
+
+def _block_bytes(cache: Any) -> str | None:
+    missing = _attrs(lambda c: [c], ("cache_tensor", "num_sectors"))(cache) or _attrs(
+        _allocators, ("bytes_per_block", "blocks_per_sector"))(cache)
+    if missing:
+        return missing
+    for a in _allocators(cache):
+        if cache.cache_tensor.numel() != (cache.num_sectors + 2) * a.blocks_per_sector * a.bytes_per_block:
+            return (f"{type(a).__name__}: the cache tensor is no longer 2 trash sectors then num_sectors sectors of "
+                    "blocks_per_sector blocks of bytes_per_block bytes")
+    return None
+
+
+def _seqlen_k(cache: Any) -> str | None:
+    missing = _attrs(_sliding, ("sliding_window", "sentinel_index"))(cache)
+    if missing:
+        return missing
+    for a in _sliding(cache):
+        w = a.sliding_window
+        pasts = (0, 1, w - 1, w, 5 * w)
+        try:
+            lengths = [a.get_seqlen_k(p, 3) for p in pasts]
+        except TypeError as e:
+            return f"get_seqlen_k(past_length, query_length) fails: {e}"
+        if lengths != [3 + min(p, w - 1) for p in pasts]:
+            return "SlidingAttentionCacheAllocator.get_seqlen_k is no longer query + min(past, window - 1)"
+    return None
+
+
+def _linear_places(_: Any) -> str | None:
+    if not issubclass(SlidingAttentionCacheAllocator, FullAttentionCacheAllocator):
+        return "SlidingAttentionCacheAllocator no longer derives from FullAttentionCacheAllocator"
+    return _signature(FullAttentionCacheAllocator, "get_write_indices",
+                      ("self", "request_id", "past_length", "query_length"))(None)
+
+
+_INDEX_PARAMS = ("self", "request_id", "past_length", "query_length")
+# The pins, each with why transformers offers nothing public for it.  tests/engines/
+# test_transformers_cb.py::test_pin_holds runs each by name; the cache's public interface
+# that KvcmPagedAttentionCache implements is checked beside them (interface_pins()).
+PINS: tuple[Pin, ...] = (
+    Pin("transformers==5.19.*",
+        "the pins below are internals of one release line: no API promises them across minor versions",
+        _version),
+    Pin("ContinuousBatchingManager._create_batch_processor",
+        "the only place a manager builds its cache, and nothing (argument, config option, hook) chooses the cache "
+        "class: each manager of the hooked model gets build_batch_processor, which composes the same public parts "
+        "around kvcm's cache; the source digest says when transformers' factory changes and ours must follow",
+        _factory),
+    Pin("FullAttentionCacheAllocator.get_read_indices",
+        "full-attention groups read kvcm's pages through transformers' own index code (the cache method that calls "
+        "it, extend_read_and_write_indices, is overridden for the sliding groups); allocators are not exported",
+        _signature(FullAttentionCacheAllocator, "get_read_indices", _INDEX_PARAMS)),
+    Pin("FullAttentionCacheAllocator.get_write_indices",
+        "the linear place of token p (block p // page_size): full groups' writes, and sliding groups' linear reads "
+        "and writes (transformers' sliding indices are a ring buffer whose overwritten blocks cannot be shared)",
+        _linear_places),
+    Pin("PagedAttentionCache.cache_tensor",
+        "kvcm's gpu tier is this tensor: the data plane copies blocks by byte range, and transformers exposes no "
+        "block-to-bytes map, so the layout is pinned: 2 trash sectors, then num_sectors sectors of "
+        "blocks_per_sector blocks of bytes_per_block bytes per allocator",
+        _block_bytes, built=True),
+    Pin("PagedAttentionCache.pool.free_sectors",
+        "every data sector is kvcm's: transformers' sector pool is emptied so that nothing of transformers hands "
+        "one out (no argument gives a cache's sectors away)",
+        _attrs(lambda c: [getattr(c, "pool", None)], ("free_sectors",)), built=True),
+    Pin("CacheAllocator.block_table",
+        "where a request's blocks are for transformers' index, block-table and attention code: kvcm's page "
+        "indices are written there (the allocators' own allocation is bypassed by the overridden cache methods)",
+        _attrs(_allocators, ("block_table",)), built=True),
+    Pin("CacheAllocator.layer_indices",
+        "a group's layers and page size (tokens_per_page): kvcm's life cycles and block size are made from them",
+        _attrs(_allocators, ("layer_indices", "tokens_per_page")), built=True),
+    Pin("SlidingAttentionCacheAllocator.get_seqlen_k",
+        "the key length transformers' sliding attention expects, query + min(past, window - 1), is what the "
+        "linear reads produce (the cached tokens, then a sentinel_index per new token)",
+        _seqlen_k, built=True),
+)
+
+
+def interface_pins() -> tuple[Pin, ...]:
+    """The public ``PagedAttentionCache`` methods :class:`KvcmPagedAttentionCache` overrides:
+    each must still take what ours takes (derived from the class, not listed)."""
+    out = []
     for name, fn in vars(KvcmPagedAttentionCache).items():
         if name.startswith("_") or not inspect.isfunction(fn):  # our own helpers and __init__
             continue
-        theirs = getattr(base, name, None)
-        if theirs is None:
-            problems.append(f"PagedAttentionCache.{name} is gone")
-            continue
-        got, want = tuple(inspect.signature(theirs).parameters), tuple(inspect.signature(fn).parameters)
-        if got != want:
-            problems.append(f"PagedAttentionCache.{name} takes {got}, pinned {want}")
-    for (cls, name), want in _CALLED.items():
-        fn = getattr(cls, name, None)
-        if fn is None:
-            problems.append(f"{cls.__qualname__}.{name} is gone")
-            continue
-        got = tuple(inspect.signature(fn).parameters)
-        if got != want:
-            problems.append(f"{cls.__qualname__}.{name} takes {got}, pinned {want}")
-    for fn, text in _PINNED_CALLS:
-        try:
-            src = inspect.getsource(fn)
-        except (OSError, TypeError):
-            problems.append(f"no source for {fn.__qualname__}")
-            continue
-        if text not in src:
-            problems.append(f"{fn.__qualname__} no longer contains {text!r}")
-    build = tf_api.ContinuousBatchingManager._create_batch_processor
-    if inspect.unwrap(build) is not build or build.__closure__:
-        problems.append("ContinuousBatchingManager._create_batch_processor is wrapped")
-    if set(tf_cache.ATTN_TYPE_TO_ALLOCATOR) != {FULL_ATTENTION, SLIDING_ATTENTION}:
-        problems.append(f"attention kinds are now {sorted(tf_cache.ATTN_TYPE_TO_ALLOCATOR)}")
-    return problems
+        want = tuple(inspect.signature(fn).parameters)
+        out.append(Pin(f"PagedAttentionCache.{name}", "the paged cache's interface, which transformers' scheduler "
+                       "and batch processor call: kvcm implements it", _signature(PagedAttentionCache, name, want)))
+    for name in ("cache_allocators", "use_prefix_sharing", "dtype"):  # read by transformers' code outside the class too
+        out.append(Pin(f"PagedAttentionCache.{name}", "an attribute of the paged cache's interface (the constructor's "
+                       "argument, or read by the scheduler and batch processor): kvcm reads it",
+                       _attrs(lambda c: [c], (name,)), built=True))
+    return tuple(out)
 
 
-def _missing(obj: Any, names: tuple[str, ...]) -> list[str]:
-    return [f"{type(obj).__name__}.{n}" for n in names if not hasattr(obj, n)]
+def check_pinned_internals(version: str | None = None) -> list[str]:
+    """What changed in the transformers internals this integration relies on ([] = nothing):
+    the pins not about a built cache, and the cache interface.  ``version``: the transformers
+    version to judge (default: the installed one)."""
+    problems = [_version(None, version)]
+    problems += [p.check(None) for p in PINS + interface_pins() if not p.built and p.check is not _version]
+    return [p for p in problems if p]
+
+
+def _check_built(cache: Any) -> None:
+    """The pins about a built cache (on every cache, before anything of it is used)."""
+    problems = [p.check(cache) for p in PINS + interface_pins() if p.built]
+    problems = [p for p in problems if p]
+    if problems:
+        raise _internals_changed("; ".join(problems))
 
 
 def _internals_changed(what: str) -> RuntimeError:
@@ -160,16 +261,46 @@ def _internals_changed(what: str) -> RuntimeError:
 # ---------------------------------------------------------------------------------------
 
 
+def build_batch_processor(manager: ContinuousBatchingManager, new_cache: Callable[..., Any]) -> ContinuousBatchProcessor:
+    """``manager``'s batch processor around the cache ``new_cache(...)`` builds (called with
+    ``PagedAttentionCache``'s arguments): transformers' ``_create_batch_processor`` step for
+    step (pinned: its digest), composing transformers' public parts."""
+    processor = getattr(manager, "batch_processor", None)
+    if isinstance(processor, ContinuousBatchProcessor):  # a persistent manager keeps its processor (and cache)
+        processor.reset()
+        return processor
+    model, cb = manager.model, manager.continuous_batching_config
+    text_config = model.config.get_text_config()
+    supports_logits_to_keep = getattr(model, "_supports_logits_to_keep", None)
+    cache = new_cache(config=text_config, continuous_batching_config=cb, device=model.device,
+                      distributed_helper=manager.distributed_helper, dtype=model.dtype,
+                      model_supports_logits_to_keep=callable(supports_logits_to_keep) and supports_logits_to_keep())
+    manager._use_prefix_sharing = cache.use_prefix_sharing  # add_requests orders prompts for prefix sharing
+    update_cb_config_after_cache_creation(cb_config=cb, num_blocks=cache.num_blocks,
+                                          max_batch_tokens=cache.max_batch_tokens)
+    if SLIDING_ATTENTION in cache.cache_allocators:  # transformers has no decode path with a sliding window
+        cb.max_blocks_per_request = 0
+    scheduler_cls = SCHEDULER_MAPPING.get(cb.scheduler_type, FIFOScheduler)
+    scheduler = scheduler_cls(cache=cache, safety_margin=cb.safety_margin,
+                              max_requests_per_batch=cb.max_requests_per_batch)
+    tp_driver = manager.is_tp_driver
+    return ContinuousBatchProcessor(
+        cache=cache, config=text_config, generation_config=manager.generation_config, continuous_batching_config=cb,
+        logit_processor=manager.logit_processor, input_queue=manager.input_queue if tp_driver else None,
+        cancel_queue=manager.cancel_queue if tp_driver else None, output_router=manager.output_router,
+        background_thread_status=manager.background_thread_status, model_device=model.device,
+        model_dtype=model.dtype, scheduler=scheduler, distributed_helper=manager.distributed_helper)
+
+
 class ModelCacheHook:
     """Makes one model's continuous batching build its paged cache with ``factory`` (called
-    with transformers' arguments in place of ``PagedAttentionCache(...)``), from
-    :meth:`attach` to :meth:`detach`.
+    with ``PagedAttentionCache``'s arguments), from :meth:`attach` to :meth:`detach`.
 
     It sets the model's ``init_continuous_batching`` (an instance attribute over the class's
     method: removing it restores the model) to one that gives each continuous-batching
-    manager it returns its own ``_create_batch_processor``: transformers' function run with
-    ``factory`` bound to the name ``PagedAttentionCache``.  No module, class or other model
-    changes, so other models, threads and contexts build transformers' own cache."""
+    manager it returns its own ``_create_batch_processor``: :func:`build_batch_processor`
+    with ``factory``.  No module, class or other model changes, so other models, threads and
+    contexts build transformers' own cache."""
 
     def __init__(self, model: Any, factory: Callable[..., Any]) -> None:
         self.model = model
@@ -197,7 +328,7 @@ class ModelCacheHook:
         self._fn = None
 
     def _take(self, manager: Any) -> None:
-        """Give ``manager`` (transformers' ContinuousBatchingManager) its own cache builder."""
+        """Give ``manager`` (transformers' ContinuousBatchingManager) its own processor factory."""
         own = vars(manager).get("_create_batch_processor")
         if own is not None:
             if getattr(own, "__func__", None) is not None and getattr(own.__func__, "hook", None) is self:
@@ -207,13 +338,10 @@ class ModelCacheHook:
         if getattr(manager, "batch_processor", None) is not None:
             raise ValueError("kvcm: this model's cached continuous-batching manager was built without kvcm; "
                              "destroy it first (model.destroy_cached_continuous_batching_manager())")
-        build = tf_api.ContinuousBatchingManager._create_batch_processor
-        names = dict(build.__globals__)
-        names["PagedAttentionCache"] = self.factory
-        scoped = types.FunctionType(build.__code__, names, build.__name__, build.__defaults__, build.__closure__)
+        factory = self.factory
 
         def create_batch_processor(mgr: Any) -> Any:
-            return scoped(mgr)
+            return build_batch_processor(mgr, factory)
 
         create_batch_processor.hook = self  # type: ignore[attr-defined]
         manager._create_batch_processor = types.MethodType(create_batch_processor, manager)
@@ -224,9 +352,10 @@ class ModelCacheHook:
 # ---------------------------------------------------------------------------------------
 
 
-class KvcmPagedAttentionCache(tf_api.PagedAttentionCache):
+class KvcmPagedAttentionCache(PagedAttentionCache):
     """transformers' paged cache with kvcm deciding every block (see the module docstring).
-    Built by transformers itself, inside :class:`KvcmContinuousBatching`, for the hooked model."""
+    Built by :func:`build_batch_processor` for each manager of the hooked model, inside
+    :class:`KvcmContinuousBatching`."""
 
     def __init__(self, kc: KvcmContinuousBatching, *args: Any, **kwargs: Any) -> None:
         cb = kwargs.get("continuous_batching_config", args[1] if len(args) > 1 else None)
@@ -279,16 +408,16 @@ class KvcmPagedAttentionCache(tf_api.PagedAttentionCache):
     def _linear(self, allocator: Any, request_id: str, start: int, length: int) -> list[int]:
         """Physical indices of tokens ``start .. start + length - 1`` of a sliding group read
         linearly: token ``p`` at block ``p // page_size`` of the request's block table (kvcm's
-        page per block ordinal; a stale block is -1 and never read)."""
-        table = allocator.block_table[request_id]
-        page, stride = allocator.tokens_per_page, allocator.block_physical_stride
-        out = []
-        for p in range(start, start + length):
-            block = table[p // page]
-            if block < 0:  # a stale block: kvcm released it because the window no longer needs it
-                raise RuntimeError(f"kvcm: request {request_id} reads token {p} of a released sliding block")
-            out.append(block * stride + p % page)
-        return out
+        page per block ordinal; a stale block is -1 and never read), the places transformers'
+        full-attention allocator computes (a sliding allocator is one, with a ring buffer on top)."""
+        if length <= 0:
+            return []
+        table, page = allocator.block_table[request_id], allocator.tokens_per_page
+        stale = [b for b in range(start // page, (start + length - 1) // page + 1) if table[b] < 0]
+        if stale:  # a stale block: kvcm released it because the window no longer needs it
+            raise RuntimeError(f"kvcm: request {request_id} reads tokens {start}..{start + length - 1}, in released "
+                               f"sliding blocks {stale}")
+        return FullAttentionCacheAllocator.get_write_indices(allocator, request_id, start, length)
 
     # ---------------------------------------------------------------- indices
 
@@ -299,15 +428,14 @@ class KvcmPagedAttentionCache(tf_api.PagedAttentionCache):
         token (the order transformers' sliding ``update`` and ``get_seqlen_k`` expect), and the
         new tokens written at their linear places."""
         for i, allocator in enumerate(self.cache_allocators.values()):
-            window = getattr(allocator, "sliding_window", None)
-            if window is None:
+            if not isinstance(allocator, SlidingAttentionCacheAllocator):
                 write_index[i].extend(allocator.get_write_indices(request_id, past_length, query_length))
                 if read_index is not None:
                     read_index[i].extend(allocator.get_read_indices(request_id, past_length, query_length))
                 continue
             write_index[i].extend(self._linear(allocator, request_id, past_length, query_length))
             if read_index is not None:
-                cached = min(past_length, window - 1)
+                cached = min(past_length, allocator.sliding_window - 1)
                 read_index[i].extend(self._linear(allocator, request_id, past_length - cached, cached)
                                      + [allocator.sentinel_index] * query_length)
 
@@ -569,25 +697,11 @@ class KvcmContinuousBatching:
         """Give the cache's data sectors to kvcm (module docstring); build the manager and
         plane with the first cache; a later one gets the first one's reusable pages (its
         tensor's bytes) and the data plane adopts its tensor."""
-        missing = _missing(cache, _PINNED_CACHE_ATTRS)
-        missing += [m for a in getattr(cache, "cache_allocators", {}).values() for m in _missing(a, _PINNED_ALLOCATOR_ATTRS)]
-        missing += [m for a in getattr(cache, "cache_allocators", {}).values()
-                    if isinstance(a, SlidingAttentionCacheAllocator) for m in _missing(a, ("sliding_window",))]
-        if missing:
-            raise _internals_changed(f"no attribute {', '.join(missing)}")
+        _check_built(cache)
         allocators = list(cache.cache_allocators.items())
-        for name, a in allocators:
-            w = getattr(a, "sliding_window", None)
-            if w is None:
-                continue
-            # the linear reads (extend_read_and_write_indices) must be as long as transformers' key lengths
-            pasts = (0, 1, w - 1, w, 5 * w)
-            try:
-                lengths = [a.get_seqlen_k(p, 3) for p in pasts]
-            except TypeError as e:
-                raise _internals_changed(f"{name}: get_seqlen_k(past_length, query_length) fails: {e}") from None
-            if lengths != [3 + min(p, w - 1) for p in pasts]:
-                raise _internals_changed(f"{name}: get_seqlen_k is no longer query + min(past, window - 1)")
+        kinds = {type(a) for _, a in allocators} - {FullAttentionCacheAllocator, SlidingAttentionCacheAllocator}
+        if kinds:  # a new attention kind: its blocks are not laid out as this module knows
+            raise _internals_changed(f"unknown cache allocators {sorted(k.__name__ for k in kinds)}")
         B = allocators[0][1].tokens_per_page
         # slots per lc: the largest n such that every group's n blocks fit in whole sectors
         bps = [a.blocks_per_sector for _, a in allocators]
@@ -620,7 +734,8 @@ class KvcmContinuousBatching:
         for (name, a), b in zip(allocators, bps):
             base = (2 + first) * b
             self.base[name] = base
-            self.plane.adopt_memory("gpu", self.lc[name], a._copy_view[base:base + n])
+            blocks = cache.cache_tensor.view(-1, a.bytes_per_block)  # one row per block of this group (pinned)
+            self.plane.adopt_memory("gpu", self.lc[name], blocks[base:base + n])
             first += math.ceil(n / b)
         self._cache = cache
 
@@ -680,5 +795,5 @@ class KvcmContinuousBatching:
         return out
 
 
-__all__ = ["PINNED_TRANSFORMERS", "KvcmContinuousBatching", "KvcmPagedAttentionCache", "ModelCacheHook",
-           "check_pinned_internals"]
+__all__ = ["PINNED_TRANSFORMERS", "PINS", "KvcmContinuousBatching", "KvcmPagedAttentionCache", "ModelCacheHook", "Pin",
+           "build_batch_processor", "check_pinned_internals", "interface_pins"]
