@@ -51,7 +51,7 @@ from pathlib import Path
 
 import pytest
 from children import child_env
-from vllm_fault_store import HANG_S
+from vllm_fault_store import HANG_S, STORE_DEADLINE_S
 
 if os.environ.get("KVCM_VLLM_TESTS") != "1":
     pytest.skip("the vLLM connector tests run in the vllm leg (KVCM_VLLM_TESTS=1)", allow_module_level=True)
@@ -131,7 +131,8 @@ def connector(tmp: str, name: str, backend: str, shared: str, **extra) -> dict:
                 "backend": backend, "host_bytes": 24 * PAGE,
                 "disk_path": os.path.join(tmp, f"{name}-disk"), "disk_bytes": 96 * PAGE,
                 "shared": shared, "shared_namespace": NAMESPACE,
-                "shared_store_class": "vllm_fault_store:FaultyFileStore", "shared_timeout_s": 0.2,
+                "shared_store_class": "vllm_fault_store:FaultyFileStore",
+                "shared_timeout_s": STORE_DEADLINE_S,
                 "copy_fault_hook": "vllm_fault_store:truncate_disk_hook",
                 "stats_file": os.path.join(tmp, f"{name}.stats.json"), **extra}}
 
@@ -604,7 +605,7 @@ def test_the_connector_says_what_it_does_at_start(engines: dict, other_model_eng
         line, ns = lines[0], phase(engines[name], "main")["stats"]["namespace"]
         assert " INFO " in line and f"kvcm connector: backend {backend}; vLLM block {BLOCK} tokens" in line, line
         assert PAGE == 64 << 10 and "host 1.5 MiB = 24 blocks" in line and "disk 6.0 MiB = 96 blocks" in line, line
-        assert "vllm_fault_store:FaultyFileStore, cap 64.0 GiB, written on commit, timeout 0.2 s" in line, line
+        assert f"vllm_fault_store:FaultyFileStore, cap 64.0 GiB, written on commit, timeout {STORE_DEADLINE_S:g} s" in line, line
         assert f"namespace '{NAMESPACE}' + {ns.split('|')[1]} (sampled: 1 weight files" in line, line
     x_log = other_model_engines["x"]["log"]
     x_line = start_lines(x_log)[0]

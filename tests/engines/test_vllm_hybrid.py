@@ -25,6 +25,7 @@ import os
 
 import pytest
 from test_vllm_connector import assert_drained, delta, phase, run_engine
+from vllm_fault_store import STORE_DEADLINE_S
 
 if os.environ.get("KVCM_VLLM_TESTS") != "1":
     pytest.skip("the vLLM connector tests run in the vllm leg (KVCM_VLLM_TESTS=1)", allow_module_level=True)
@@ -53,7 +54,8 @@ def hybrid_connector(tmp: str, name: str, backend: str, layers: int) -> dict:
                 "backend": backend, "host_bytes": 24 * page,
                 "disk_path": os.path.join(tmp, f"{name}-disk"), "disk_bytes": 96 * page,
                 "shared": os.path.join(tmp, "shared"), "shared_namespace": f"test-{name}-random@20261201",
-                "shared_store_class": "vllm_fault_store:FaultyFileStore", "shared_timeout_s": 0.2,
+                "shared_store_class": "vllm_fault_store:FaultyFileStore",
+                "shared_timeout_s": STORE_DEADLINE_S,
                 "copy_fault_hook": "vllm_fault_store:truncate_disk_hook",
                 "stats_file": os.path.join(tmp, f"{name}.stats.json")}}
 
