@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from backend_legs import BACKEND_INDEPENDENT, TESTS_DIR
+from backend_legs import BACKEND_INDEPENDENT, INDEPENDENT_TESTS, TESTS_DIR
 from mooncake_env import fresh_mooncake, mooncake
 
 __all__ = ["ctx", "fresh_mooncake", "mooncake"]
@@ -38,10 +38,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if _module_key(item.path) in BACKEND_INDEPENDENT:
+        key = _module_key(item.path)
+        fn = getattr(item, "originalname", item.name)
+        if key in BACKEND_INDEPENDENT or f"{key}::{fn}" in INDEPENDENT_TESTS:
             if "backend" in getattr(item, "fixturenames", ()):
-                raise pytest.UsageError(f"{item.nodeid} requests the backend fixture but its module is in "
-                                        "tests/backend_legs.py BACKEND_INDEPENDENT: move the module to BACKEND_DEPENDENT")
+                raise pytest.UsageError(f"{item.nodeid} requests the backend fixture but tests/backend_legs.py "
+                                        "classifies it backend-independent: make it BACKEND_DEPENDENT")
             item.add_marker(pytest.mark.backend_independent)
 
 

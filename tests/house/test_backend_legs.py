@@ -5,9 +5,10 @@ leg unnoticed, and the cpp leg of ci/matrix.sh deselects exactly the independent
 
 from __future__ import annotations
 
+import ast
 import re
 
-from backend_legs import BACKEND_DEPENDENT, BACKEND_INDEPENDENT, TESTS_DIR
+from backend_legs import BACKEND_DEPENDENT, BACKEND_INDEPENDENT, INDEPENDENT_TESTS, TESTS_DIR
 
 ROOT = TESTS_DIR.parent
 
@@ -21,6 +22,17 @@ def test_every_test_module_is_classified_once() -> None:
                          "(it builds anything from the leg's backend) or BACKEND_INDEPENDENT in tests/backend_legs.py")
     stale = (set(BACKEND_INDEPENDENT) | BACKEND_DEPENDENT) - modules
     assert not stale, f"tests/backend_legs.py classifies modules that do not exist: {sorted(stale)}"
+
+
+def test_each_independent_test_of_a_dependent_module_exists() -> None:
+    """``INDEPENDENT_TESTS``: ``module::function``, the module in BACKEND_DEPENDENT (a whole
+    independent module needs no list), the function defined there."""
+    for entry in sorted(INDEPENDENT_TESTS):
+        module, _, fn = entry.partition("::")
+        assert module in BACKEND_DEPENDENT, f"{entry}: its module is not in BACKEND_DEPENDENT"
+        tree = ast.parse((TESTS_DIR / module).read_text())
+        names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert fn in names, f"{entry}: no test function {fn} in tests/{module}"
 
 
 def test_each_independent_module_says_why() -> None:
