@@ -4,7 +4,12 @@
 #   python   KVCM_BACKEND=python pytest tests      unit/integration tests on the reference backend
 #                                                  (pytest-xdist: -n $KVCM_XDIST, default 2 workers;
 #                                                  each worker starts its own Mooncake Store)
-#   cpp      KVCM_BACKEND=cpp    pytest tests      the same tests on the C++ backend
+#   cpp      KVCM_BACKEND=cpp    pytest tests -m "not backend_independent"
+#                                                  the tests whose outcome depends on the backend,
+#                                                  on the C++ backend; the backend-independent
+#                                                  modules (tests/backend_legs.py BACKEND_INDEPENDENT:
+#                                                  no manager, block keys ... from the leg's backend)
+#                                                  run once, in the python leg
 #                                                  (both legs start a real Mooncake Store on
 #                                                  127.0.0.1 for the shared-tier tests; with
 #                                                  CI=true a missing mooncake package fails them)
@@ -49,7 +54,7 @@ run_leg() {
   local leg=$1
   case "$leg" in
     python) KVCM_BACKEND=python "$PY" -m pytest tests "${XDIST[@]}" "${COMMON[@]}" "${EXTRA[@]}" ;;
-    cpp)    KVCM_BACKEND=cpp    "$PY" -m pytest tests "${XDIST[@]}" "${COMMON[@]}" "${EXTRA[@]}" ;;
+    cpp)    KVCM_BACKEND=cpp    "$PY" -m pytest tests -m "not backend_independent" "${XDIST[@]}" "${COMMON[@]}" "${EXTRA[@]}" ;;
     parity) "$PY" -m parity.report --output "$OUT/parity-report.md" parity "${COMMON[@]}" "${EXTRA[@]}" ;;
     sanitize) ci/sanitize.sh ;;
     vllm)   KVCM_VLLM_TESTS=1 "${KVCM_VLLM_PYTHON:-$PY}" -m pytest tests/engines/test_vllm_connector.py tests/engines/test_vllm_hybrid.py \
@@ -69,6 +74,7 @@ for leg in "${legs[@]}"; do
   rc=${PIPESTATUS[0]}
   seconds[$leg]=$(( $(date +%s) - start ))
   status[$leg]=$rc
+  echo "== leg $leg: exit $rc in ${seconds[$leg]}s"
   [ "$rc" -ne 0 ] && overall=1
 done
 

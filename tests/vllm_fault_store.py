@@ -32,7 +32,11 @@ from collections.abc import Sequence
 from kvcm.api import DISK, GPU, SHARED, CopyOp
 from kvcm.dataplane.store import HEADER, FileStore, Staging
 
-HANG_S = 3.0
+# The real-engine tests' store deadline (``shared_timeout_s``): generous, so that a store call
+# on a loaded machine never reaches it by accident; ``hang`` sleeps well past it, ``slow``
+# stays well within it.
+STORE_DEADLINE_S = 2.0
+HANG_S = 3 * STORE_DEADLINE_S
 SLOW_S = 0.1
 SLOW_LOAD_S = 0.2
 

@@ -183,25 +183,50 @@ def test_bytes_in_flight_are_bounded(tmp_path, backend, sims) -> None:
     assert_drained(sim)
 
 
-def test_a_failed_save_is_dropped_never_served(tmp_path, backend, sims) -> None:
-    sim = rig(extra(tmp_path, backend, disk=False), num_blocks=40)
-    sims.append(sim)
-    cp = sim.workers[0].engine.copier
-    orig, calls = cp.save, [0]
+def _poisoning_save(cp, fail_calls: set[int], fail: bool = True) -> list[int]:
+    """``cp.save`` replaced: the calls numbered in ``fail_calls`` write WRONG bytes into their
+    tier-0 slots (every byte flipped) and then fail (``fail=False``: and then report success,
+    the control).  Returns the list of slots so written."""
+    orig, calls, poisoned = cp.save, [0], []
 
     def save(blocks, slots, pool, after):
         calls[0] += 1
-        if calls[0] == 2:
-            orig(blocks, slots, pool, after)  # the bytes may even be there: it still failed
-            raise RuntimeError("test: copy failed")
-        return orig(blocks, slots, pool, after)
+        orig(blocks, slots, pool, after)
+        if calls[0] in fail_calls:
+            for s in slots:
+                pool[s] = pool[s].bitwise_not()  # served, these bytes would change what a forward reads
+            poisoned.extend(slots)
+            if fail:
+                raise RuntimeError("test: copy failed")
 
     cp.save = save
+    return poisoned
+
+
+def test_a_failed_save_is_dropped_never_served(tmp_path, backend, sims) -> None:
+    """A save that fails after writing wrong bytes: its pages are dropped, never served --
+    every forward of the next turns (which reuse those prefixes) reads the exact KV.  vLLM's
+    cache is small (12 blocks): the next turns' prefixes are kvcm's loads, not vLLM's hits."""
+    sim = rig(extra(tmp_path, backend, disk=False), num_blocks=12)
+    sims.append(sim)
+    poisoned = _poisoning_save(sim.workers[0].engine.copier, {2, 3})
     chats = Chats(n=3)
     chats.run(sim, 3)
     c = sim.sched.counters
-    assert c["save_failed_blocks"] > 0 and not sim.violations
+    assert poisoned and c["save_failed_blocks"] >= len(poisoned) and c["loaded_blocks"] > 0
+    assert not sim.violations, sim.violations[:3]
     assert_drained(sim)
+
+
+def test_a_poisoned_save_reported_as_done_would_be_seen(tmp_path, backend, sims) -> None:
+    """The control of the test above: the same wrong bytes from a save that reports success
+    are served, and a forward reads wrong KV (so the test above can fail)."""
+    sim = rig(extra(tmp_path, backend, disk=False), num_blocks=12)
+    sims.append(sim)
+    poisoned = _poisoning_save(sim.workers[0].engine.copier, {2, 3}, fail=False)
+    Chats(n=3).run(sim, 3)
+    assert poisoned and sim.sched.counters["save_failed_blocks"] == 0 and sim.sched.counters["loaded_blocks"] > 0
+    assert sim.violations
 
 
 # ---------------------------------------------------------------------------------------

@@ -190,10 +190,12 @@ def test_summary_figures_and_ratios():
     assert kv["ttft_p50_ms_x_vllm"] == pytest.approx(5 / 30) and kv["ttft_p50_ms_x_limit"] == pytest.approx(1.0)
     assert kv["wall_s_x_vllm"] == pytest.approx(0.75) and kv["wall_s_x_limit"] == pytest.approx(1.5)
     assert kv["prefill_x_floor"] == pytest.approx(1.0) and v["prefill_x_floor"] == pytest.approx(2.0)
-    assert v["exact"] and lim["exact"] and not kv["exact"]
+    # vLLM alone is the reference (compared with nothing); limit and kvcm against its outputs
+    assert v["exact"] is None and lim["exact"] and kv["exact"] is False and kv["mismatched"] == 1
     assert r["floor_prefill_tokens"] == 40 and r["working_set_blocks"] == 192 and r["reserved_cpus"] == 1
     md = bench_report.markdown(p, r, bench_plan.MODEL)
-    assert "| kvcm host+disk | 100 | 40 | 6 / 7 / 0 | 5 | 6 | 3.0 | 6.0 | - | NO |" in md
+    assert "| kvcm host+disk | 100 | 40 | 6 / 7 / 0 | 5 | 6 | 3.0 | 6.0 | - | NO (1 requests differ) |" in md
+    assert md.count("| reference |") == 1 and "| yes |" in md
     assert "| kvcm host+disk | 0.17x | 1.00x | - | 0.75x | 1.50x | - | 1.00x | 1.00x |" in md
     assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1 in every engine" in md and "every engine logged: reserve_cpu_num=1" in md
     assert "**outputs differ from vLLM alone's: kvcm host+disk**" in md
@@ -324,7 +326,7 @@ def test_vllms_own_layout_is_shown_to_differ_and_a_wrong_output_fails(tmp_path, 
     assert rc == 1
     assert all("VLLM_CPU_NUM_OF_RESERVED_CPU" not in e for e in FakeEngine.envs.values())
     assert len(report["layouts"]) == 2 and "different core layouts" in out
-    assert [r["exact"] for r in report["rows"]] == [True, False]
+    assert [r["exact"] for r in report["rows"]] == [None, False]
 
 
 def test_an_engine_killed_from_outside_runs_again_once_from_a_clean_start(tmp_path, monkeypatch, capsys):

@@ -126,12 +126,23 @@ def copy_floors(results: dict[str, dict], cap: int = 256 << 20) -> dict[str, Any
     return {"bytes": n, "copy_gbps": n / copy_s / 1e9, "page_cache_gbps": n / read_s / 1e9}
 
 
+def differing(ref: list, outputs: list) -> int:
+    """How many requests' outputs differ from the reference's (a missing one differs)."""
+    return sum(a != b for a, b in zip(ref, outputs, strict=False)) + abs(len(ref) - len(outputs))
+
+
+def exact_cell(exact: bool | None, mismatched: int = 0) -> str:
+    """A row's ``exact`` in a table: the reference's own row compares with nothing."""
+    return "reference" if exact is None else "yes" if exact else f"NO ({mismatched} requests differ)"
+
+
 def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str],
               floors: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report: one row per configuration (``results[key]["runs"]``: each run's ``main``
     phase, logged core layout, seconds and load average before / after the engine; a
     result without ``runs`` is one run), exactness against the reference's outputs in every
-    run, the timed figures the best run's (``--repeat``), ratios against ``vllm``,
+    run (the reference's row: its other runs against its first, None when it ran once -- never
+    vLLM against itself), the timed figures the best run's (``--repeat``), ratios against ``vllm``,
     ``limit`` and ``mooncake-store`` where they ran, kvcm's copy speeds against
     ``floors`` (:func:`copy_floors`)."""
     runs_of = {k: r.get("runs", [r]) for k, r in results.items()}
@@ -146,6 +157,8 @@ def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str],
         if rates and floors:
             rates["load_x_copy"] = _ratio(rates["load_gbps"], floors["copy_gbps"])
             rates["disk_x_page_cache"] = _ratio(rates["disk_gbps"], floors["page_cache_gbps"])
+        compared = runs[1:] if key == plan.reference else runs  # the reference's first run IS ref
+        mismatched = sum(differing(ref, x["phase"]["outputs"]) for x in compared)
         rows.append({
             "key": key, "config": labels[key],
             "prompt_tokens": p["prompt_tokens"], "prefill_tokens": p["prompt_tokens"] - p["cached_tokens"],
@@ -155,7 +168,7 @@ def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str],
             "load_before": p["loadavg_before"][0], "load_after": p["loadavg_after"][0],
             "engine_load_before": max((lb for lb, _ in loads), default=None),
             "noisy": any(lb > 1.0 for lb, _ in loads),
-            "exact": all(x["phase"]["outputs"] == ref for x in runs), "requests": len(p["outputs"]),
+            "exact": (mismatched == 0) if compared else None, "mismatched": mismatched, "requests": len(p["outputs"]),
             "connector": connector_time(p), "transfer": rates,
             "layout": r["layout"], "engine_seconds": r["seconds"], "start_seconds": r["start_seconds"],
             "killed_before": r.get("killed_before")})
@@ -166,8 +179,8 @@ def summarize(plan: Plan, results: dict[str, dict], labels: dict[str, str],
             for m in ("ttft_p50_ms", "ttft_p90_ms", "decode_ms_p50", "wall_s", "prefill_tokens"):
                 row[f"{m}_x_{base}"] = _ratio(row[m], b[m]) if b else None
         row["prefill_x_floor"] = _ratio(row["prefill_tokens"], row["floor_prefill_tokens"])
-    floors_tok = {row["floor_prefill_tokens"] for row in rows if row["exact"]}
-    partial_tok = {row["partial_floor_prefill_tokens"] for row in rows if row["exact"]}
+    floors_tok = {row["floor_prefill_tokens"] for row in rows if row["exact"] is not False}
+    partial_tok = {row["partial_floor_prefill_tokens"] for row in rows if row["exact"] is not False}
     layouts = sorted({row["layout"] for row in rows})
     return {"workload": plan.workload, "sizes": plan.sizes, "batch": plan.batch, "together": plan.together,
             "requests": plan.requests, "working_set_blocks": plan.working_set, "limit_blocks": plan.limit_blocks,
@@ -190,7 +203,7 @@ def suite_table(reports: list[tuple[str, dict]]) -> str:
             out.append(f"| {name} | {r['config']} | {_x(r['ttft_p50_ms_x_limit'])} | {_x(r['wall_s_x_limit'])} | "
                        f"{_x(r['ttft_p50_ms_x_mooncake-store'])} | {_x(r['wall_s_x_mooncake-store'])} | "
                        f"{_x(r['decode_ms_p50_x_vllm'])} | {_x(r['prefill_x_floor'])} | "
-                       f"{'yes' if r['exact'] else 'NO'} | {'NOISY' if r.get('noisy') else 'no'} |")
+                       f"{exact_cell(r['exact'], r.get('mismatched', 0))} | {'NOISY' if r.get('noisy') else 'no'} |")
     return "\n".join(out)
 
 
@@ -270,7 +283,7 @@ def markdown(plan: Plan, report: dict, model: dict) -> str:
         load = "-" if lb is None else f"{lb:.2f}" + (" NOISY" if r.get("noisy") else "")
         out.append(f"| {r['config']} | {r['prompt_tokens']:,} | {r['prefill_tokens']:,} | {hits} | "
                    f"{r['ttft_p50_ms']:.0f} | {r['ttft_p90_ms']:.0f} | {_f(r['decode_ms_p50'], '.1f')} | "
-                   f"{r['wall_s']:.1f} | {load} | {'yes' if r['exact'] else 'NO'} |")
+                   f"{r['wall_s']:.1f} | {load} | {exact_cell(r['exact'], r.get('mismatched', 0))} |")
     out.append("")
     out.append("| config | TTFT p50 ×vllm | ×limit | ×mooncake-store | wall ×vllm | ×limit | ×mooncake-store "
                "| decode ×vllm | prefill ×floor |")
@@ -315,8 +328,8 @@ def markdown(plan: Plan, report: dict, model: dict) -> str:
     killed = [f"{r['config']} (signal {r['killed_before']})" for r in rows if r["killed_before"]]
     if killed:
         out.append("killed from outside the bench, then run again from a clean start: " + ", ".join(killed))
-    if not all(r["exact"] for r in rows):
-        out.append("**outputs differ from vLLM alone's: " + ", ".join(r["config"] for r in rows if not r["exact"])
+    if any(r["exact"] is False for r in rows):
+        out.append("**outputs differ from vLLM alone's: " + ", ".join(r["config"] for r in rows if r["exact"] is False)
                    + "**")
     return "\n".join(out)
 

@@ -245,7 +245,9 @@ def run_turns(llm: Any, spec: dict, sampling: Any) -> dict:
 def run_aborts(llm: Any, spec: dict, sampling: Any, abort: dict) -> dict:
     """One turn of ``spec``'s chats through the engine directly: every request added, then
     after ``abort["after_steps"]`` engine steps the requests ``abort["ids"]`` (indexes) are
-    aborted.  The other requests' outputs are returned in order (the aborted ones as None)."""
+    aborted.  The other requests' outputs are returned in order (the aborted ones as None),
+    with ``aborted_done_first``: how many of the aborted requests had finished before the abort
+    (a test of aborts with transfers in flight wants 0: each abort landed on a live request)."""
     from vllm.inputs import TokensPrompt
 
     vocab = spec.get("vocab", MODEL_DEFAULTS["vocab_size"])
@@ -259,6 +261,7 @@ def run_aborts(llm: Any, spec: dict, sampling: Any, abort: dict) -> dict:
         engine.add_request(rid, TokensPrompt(prompt_token_ids=list(c)), sampling)
     out: dict[str, list[int]] = {}
     steps = 0
+    done_first = len(abort["ids"])  # none aborted yet
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         for r in engine.step():
@@ -266,10 +269,11 @@ def run_aborts(llm: Any, spec: dict, sampling: Any, abort: dict) -> dict:
                 out[r.request_id] = list(r.outputs[0].token_ids)
         steps += 1
         if steps == abort.get("after_steps", 1):
+            done_first = sum(ids[i] in out for i in abort["ids"])
             engine.abort_request([ids[i] for i in abort["ids"]])
     aborted = {ids[i] for i in abort["ids"]}
     return {"outputs": [None if rid in aborted else out.get(rid) for rid in ids], "ttft": [], "cached_tokens": 0,
-            "prompt_tokens": 0, "seconds": time.perf_counter() - t0}
+            "prompt_tokens": 0, "seconds": time.perf_counter() - t0, "aborted_done_first": done_first}
 
 
 def _wait_idle(path: str | None, timeout_s: float = 60.0) -> None:
@@ -285,11 +289,12 @@ def _wait_idle(path: str | None, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def _reset(llm: Any, timeout_s: float = 60.0) -> None:
+def _reset(llm: Any, timeout_s: float = 60.0, connector: bool = True) -> None:
     """``reset_prefix_cache`` succeeds once no request holds blocks (a finished request's
-    blocks are held while its saves are in flight): retried until then."""
+    blocks are held while its saves are in flight): retried until then.  ``connector``:
+    kvcm drops what it holds too (else only vLLM's cache empties: every hit is kvcm's)."""
     deadline = time.monotonic() + timeout_s
-    while not llm.reset_prefix_cache(reset_connector=True):
+    while not llm.reset_prefix_cache(reset_connector=connector):
         if time.monotonic() > deadline:
             raise RuntimeError("reset_prefix_cache kept failing: blocks still held")
         time.sleep(0.05)
@@ -335,8 +340,8 @@ def main(argv: list[str]) -> int:
     sampling = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 8), ignore_eos=True)
     stats_file = (spec.get("connector") or {}).get("kv_connector_extra_config", {}).get("stats_file")
     for phase in spec["phases"]:
-        if phase.get("reset"):
-            _reset(llm)
+        if phase.get("reset"):  # True: vLLM's cache and kvcm's; "vllm": vLLM's only
+            _reset(llm, connector=phase["reset"] != "vllm")
         if spec.get("fault_file"):
             with open(spec["fault_file"], "w") as f:
                 f.write(phase.get("fault", ""))

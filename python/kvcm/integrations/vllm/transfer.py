@@ -194,29 +194,36 @@ class CudaCopier:
       host sync) and keeps its buffers until the event has completed.
     """
 
-    def __init__(self, parts: Sequence[Part], device: torch.device) -> None:
+    def __init__(self, parts: Sequence[Part], device: torch.device, *, cuda: Any = None, pin: bool = True) -> None:
+        """``cuda``: where streams and events come from (``Stream``, ``Event``, ``stream``,
+        ``current_stream``), ``torch.cuda`` when None; ``pin``: host staging in pinned memory.
+        A test passes a stand-in and ``pin=False`` to run this class's logic on CPU tensors
+        (tests/engines/test_vllm_transfer_gpu.py, in every CI leg)."""
         self.parts = list(parts)
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.cuda = torch.cuda if cuda is None else cuda
+        self.pin = pin
+        self.stream = self.cuda.Stream(device=device)
         self._held: deque[tuple[Any, list[torch.Tensor]]] = deque()  # sync loads' buffers until their event
         self._lock = threading.Lock()
 
     def _marker(self) -> Any:
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
+        ev = self.cuda.Event()
+        ev.record(self.cuda.current_stream(self.device))
         return ev
 
     def forward_marker(self) -> Any:
         return self._marker()
 
     def _index(self, ids: Sequence[Any]) -> torch.Tensor:
-        return _ids(ids).pin_memory().to(self.device, non_blocking=True)
+        ids_t = _ids(ids)
+        return (ids_t.pin_memory() if self.pin else ids_t).to(self.device, non_blocking=True)
 
     def save(self, blocks: Sequence[int], slots: Sequence[int], pool: torch.Tensor, after: Any) -> None:
         n, page = len(blocks), pool.shape[1]
-        host = torch.empty((n, page), dtype=torch.uint8, pin_memory=True)
-        done = torch.cuda.Event()
-        with torch.cuda.stream(self.stream):
+        host = torch.empty((n, page), dtype=torch.uint8, pin_memory=self.pin)
+        done = self.cuda.Event()
+        with self.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
             bidx = self._index(blocks)
@@ -235,10 +242,10 @@ class CudaCopier:
         None: recorded now, on this thread's current stream (a synchronous load: vLLM's)."""
         n = len(blocks)
         start = after if after is not None else self._marker()
-        host = torch.empty((n, pool.shape[1]), dtype=torch.uint8, pin_memory=True)
+        host = torch.empty((n, pool.shape[1]), dtype=torch.uint8, pin_memory=self.pin)
         torch.index_select(pool, 0, torch.tensor(slots, dtype=torch.long), out=host)
-        done = torch.cuda.Event()
-        with torch.cuda.stream(self.stream):
+        done = self.cuda.Event()
+        with self.cuda.stream(self.stream):
             self.stream.wait_event(start)
             bidx = self._index(blocks)
             dev = host.to(self.device, non_blocking=True)
@@ -247,7 +254,7 @@ class CudaCopier:
                 p.tensor.index_copy_(0, _col(bidx, p), rows.view(p.tensor.dtype).view(n, *p.tensor.shape[1:]))
             done.record(self.stream)
         if sync:
-            torch.cuda.current_stream(self.device).wait_event(done)  # the forward reads them: a GPU-side wait
+            self.cuda.current_stream(self.device).wait_event(done)  # the forward reads them: a GPU-side wait
             with self._lock:
                 self._held.append((done, [host, dev, bidx]))
                 while self._held and self._held[0][0].query():
