@@ -129,9 +129,9 @@ def python_request_members(root: Path = ROOT) -> tuple[set[str], set[str]]:
                 pool_members.add(f"{part}.{node.attr}")
             elif _is_tree(node.value, pool_names, tree_names):
                 tree_members.add(node.attr)
-            elif _is_pool(node.value, pool_names) and node.attr not in NOT_POOL_MEMBERS:
-                if node.attr not in POOL_PARTS or (id(node) not in bases and id(node) not in bound):
-                    pool_members.add(node.attr)  # (a part used whole counts as one member)
+            elif (_is_pool(node.value, pool_names) and node.attr not in NOT_POOL_MEMBERS
+                  and (node.attr not in POOL_PARTS or (id(node) not in bases and id(node) not in bound))):
+                pool_members.add(node.attr)  # (a part used whole counts as one member)
     return pool_members, tree_members
 
 
