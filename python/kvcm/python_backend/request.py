@@ -2,7 +2,7 @@
 
 C++ twin: ``cpp/core/request.{h,cpp}`` (class ``Request``, holding its ``BlockPool&``).  A
 ``Request`` holds one request's state (its tokens, block references and page tables) and
-changes everything else through the ``BlockPool`` surface (``block_pool.py``): it never
+changes everything else through the ``BlockPool`` and its parts (``block_pool.py``): it never
 touches the manager's registries.  The manager (``manager.py``) creates and registers
 requests; the two registry steps a request's own calls need (a fork's id and serial, the
 unregistering at close) go through its ``Owner``.  The single calls are ``check_x``
@@ -78,8 +78,9 @@ class Request(KVCache):
     tables; it changes pages, the tree, copy ops, events and stats through its ``pool``.
 
     The seam (issue 30): a request reads the configuration's facts as one value
-    (``pool.layout``) and changes shared state through a dozen ``BlockPool`` methods; a
-    page's fields are written by the pool alone (tests/house/test_seam.py)."""
+    (``pool.layout``) and changes shared state through a dozen members of the ``BlockPool``
+    and its parts (``pool.tree_index.release``, ``pool.pages.budget``, ...); a page's fields
+    are written by ``Pages`` alone (tests/house/test_seam.py)."""
 
     def __init__(self, pool: BlockPool, owner: Owner, serial: int, cache_id: int | str, tokens: list,
                  packed: bytes | None, scope: ReuseScope, priority: int,
