@@ -189,7 +189,8 @@ class Outbox:
         """SPEC sec. 9 / 15: buffer an event of ``kind`` with the next event id and
         ``fields`` (its record ``(kind, id, *fields)``, see ``built_event``); the oldest is
         dropped (and counted) when full, and with ``max_events == 0`` the event itself."""
-        eid = self.event_id()
+        eid = self.next_event  # (event_id's step, inline: one event per changed block)
+        self.next_event += 1
         if len(self.events) == self.max_events:  # full (0: always): one is dropped
             self.events_dropped += 1
             if not self.max_events:

@@ -127,6 +127,14 @@ class Pages:
         if pool is not None:
             pool.index(page)
 
+    def set_node(self, page: Page, node: int) -> None:
+        """``page`` changes block where that changes neither its state nor its eviction key:
+        a page in use (LOCKED / HELD whatever its block), or a page moving from one block to
+        another (DROPPABLE before and after).  Its pool's counters and index stay as they are;
+        any other change of ``node`` goes through ``restate``."""
+        assert page.locks or page.holds or (page.node != NO_NODE and node != NO_NODE), "set_node changes a state"
+        page.node = node
+
     def use(self, page: Page, active: bool, priority: int) -> None:
         """SPEC sec. 4: a request starts using ``page`` (LRU touch, priority raised to the request's)."""
         priority = max(page.priority, priority)

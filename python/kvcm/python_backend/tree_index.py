@@ -300,7 +300,7 @@ class TreeIndex:
                         self.unlink_from_node(p)
                     pages.set_coverage(p, ntok)
                     tree.set_page(nid, lc, p.serial, ntok)
-                    pages.restate(p, node=nid)  # a used page: its state does not change
+                    pages.set_node(p, nid)  # a used page: its state does not change
                     if store:
                         self.outbox.store(p, key)
             if snap is not None:
@@ -400,7 +400,7 @@ class TreeIndex:
         self.announce_stored(existing, gained)
 
     def _install(self, nid: int, lc: int, p: Page, gained: list[int]) -> None:
-        """SPEC sec. 5: make ``p`` (a page a request uses) the page of block ``nid`` for
+        """SPEC sec. 5: make ``p`` (a page a request uses, or a new snapshot) the page of block ``nid`` for
         ``lc`` (a slot keeps only the page with the largest coverage).  ``lc`` joins
         ``gained`` (the caller's ``stored``); a replaced page is first announced ``removed``
         (DECISIONS.md "Tree and events")."""
@@ -408,7 +408,10 @@ class TreeIndex:
         if p.node != NO_NODE:  # moving from an orphan block
             tree.set_page(p.node, lc, NO_PAGE, 0)
         old = tree.set_page(nid, lc, p.serial, p.coverage)
-        pages.restate(p, node=nid)
+        if p.locks or p.holds:
+            pages.set_node(p, nid)  # a used page: its state does not change
+        else:
+            pages.restate(p, node=nid)  # a new snapshot page: DROPPABLE from now
         if old == NO_PAGE:
             gained.append(lc)
             return
@@ -441,11 +444,11 @@ class TreeIndex:
                 self.outbox.emit_removed(tree.nodes[sid].key, lc)
         for lc in range(len(self.layout.lcs)):  # (the page keeps its state: it only changes block)
             if node.pages[lc] != NO_PAGE:
-                pages.restate(pages.page(node.pages[lc]), node=nid)
+                pages.set_node(pages.page(node.pages[lc]), nid)
             for sid in siblings:
                 h = tree.nodes[sid].pages[lc]
                 if h != NO_PAGE:
-                    pages.restate(pages.page(h), node=sid)
+                    pages.set_node(pages.page(h), sid)
         self.retire_nodes(siblings, announce=False)
         self.announce_stored(nid, [lc for lc in range(len(self.layout.lcs)) if node.pages[lc] != NO_PAGE])
 
