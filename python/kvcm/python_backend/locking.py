@@ -23,7 +23,7 @@ def serialized(method: F) -> F:
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         with self.lock:
             result = method(self, *args, **kwargs)
-            self.pool.warn_copy_ops()  # after the call's work: the warning never changes it (sec. 15)
+            self.pool.outbox.warn_copy_ops()  # after the call's work: the warning never changes it (sec. 15)
             return result
 
     return wrapper  # type: ignore[return-value]

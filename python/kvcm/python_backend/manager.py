@@ -69,7 +69,7 @@ class PyKVCacheManager(KVCacheManager):
 
     @property
     def life_cycles(self) -> tuple[LifeCycle, ...]:
-        return self.pool.lcs
+        return self.pool.layout.lcs
 
     @serialized
     def _create_kv_cache(self, input_tokens: Sequence[Token] | None, scope: ReuseScope | None, priority: int | None,
@@ -82,7 +82,7 @@ class PyKVCacheManager(KVCacheManager):
         scope = check_scope(scope)
         prio = check_priority(priority, self._config.default_priority)
         cache_id = check_cache_id(id)
-        hits = check_shared_hits(shared_hits, len(self.pool.lcs), self.pool.has_shared)
+        hits = check_shared_hits(shared_hits, len(self.pool.layout.lcs), self.pool.layout.has_shared)
         if cache_id is not None and cache_id in self.open_ids:
             raise ValueError(f"id {cache_id!r} is already used by an open cache")
         if self.is_shutdown:
@@ -90,7 +90,7 @@ class PyKVCacheManager(KVCacheManager):
         serial, cache_id = self.new_request(cache_id)
         cache = Request(self.pool, self, serial, cache_id, tokens, packed, scope, prio,
                         None if hits is None else set(hits))
-        self.pool.record_match(len(tokens), cache.num_reused_tokens)  # (hit-rate stats: creates only)
+        self.pool.outbox.record_match(len(tokens), cache.num_reused_tokens)  # (hit-rate stats: creates only)
         self.register(cache)
         return cache
 
@@ -112,14 +112,14 @@ class PyKVCacheManager(KVCacheManager):
         toks = check_tokens(tokens)
         scope = check_scope(scope)
         pool = self.pool
-        hits = check_shared_hits(shared_hits, len(pool.lcs), pool.has_shared)
+        hits = check_shared_hits(shared_hits, len(pool.layout.lcs), pool.layout.has_shared)
         root_key = scope_root_key(scope)  # nothing is kept for a scope (sec. 15)
         root = pool.tree.find_root(root_key)
         if not toks or (root == NO_NODE and hits is None):
             return ReuseProbe(0, 0)
-        keys = chain_keys(root_key, toks[: len(toks) // pool.B * pool.B], pool.B)
-        m, mbs, path, _rows = pool.match_with_hits(root, toks, keys, None if hits is None else set(hits))
-        return ReuseProbe(m, mbs, pool.block_tiers(path, m) if with_tiers else ())
+        keys = chain_keys(root_key, toks[: len(toks) // pool.layout.B * pool.layout.B], pool.layout.B)
+        m, mbs, path, _rows = pool.tree_index.match_with_hits(root, toks, keys, None if hits is None else set(hits))
+        return ReuseProbe(m, mbs, pool.tree_index.block_tiers(path, m) if with_tiers else ())
 
     @serialized
     def shared_candidates(self, tokens: Sequence[Token], scope: ReuseScope | None = None) -> list[tuple[bytes, int]]:
@@ -129,13 +129,13 @@ class PyKVCacheManager(KVCacheManager):
         toks = check_tokens(tokens)
         scope = check_scope(scope)
         pool = self.pool
-        if not pool.has_shared:
+        if not pool.layout.has_shared:
             return []
         root_key = scope_root_key(scope)
-        keys = chain_keys(root_key, toks[: len(toks) // pool.B * pool.B], pool.B)
+        keys = chain_keys(root_key, toks[: len(toks) // pool.layout.B * pool.layout.B], pool.layout.B)
         root = pool.tree.find_root(root_key)
         start = 0 if root == NO_NODE else len(pool.tree.key_path(root, keys))
-        return [(keys[i], lc) for i in range(start, len(keys)) for lc in range(len(pool.lcs))]
+        return [(keys[i], lc) for i in range(start, len(keys)) for lc in range(len(pool.layout.lcs))]
 
     # ---------------------------------------------------------------- batched decode step
 
@@ -149,16 +149,16 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def drain_copy_ops(self) -> list[CopyOp]:
-        return self.pool.take_copy_ops()
+        return self.pool.outbox.take_copy_ops()
 
     @serialized
     def forget_copies(self, ops: Sequence[CopyOp]) -> list[int | str]:
         """SPEC sec. 15 failed copies (contract: kvcm.api.KVCacheManager.forget_copies)."""
         ops = check_copy_ops(ops)
         pool = self.pool
-        if pool.explicit:
+        if pool.outbox.explicit:
             raise ValueError(FORGET_IN_EXPLICIT)
-        lost = pool.take_issued(ops)  # (checks every op first: ValueError, nothing changed)
+        lost = pool.outbox.take_issued(ops, pool.pages.live)  # (checks every op first: ValueError, nothing changed)
         return self.roll_back_lost(lost) if ops else []
 
     @serialized
@@ -167,14 +167,14 @@ class PyKVCacheManager(KVCacheManager):
         kvcm.api.KVCacheManager.settle_copies): the oldest unsettled drain is settled."""
         failed = check_copy_ops(failed, "settle_copies", "failed")
         pool = self.pool
-        if not pool.explicit:
+        if not pool.outbox.explicit:
             raise ValueError(SETTLE_IN_DRAIN)
-        lost = pool.settle_oldest(failed)  # (checks a drain and every op first: ValueError, nothing changed)
+        lost = pool.outbox.settle_oldest(failed, pool.pages.live)  # (checks a drain and every op first: ValueError, nothing changed)
         return self.roll_back_lost(lost) if failed else []
 
     @property
     def unsettled_drains(self) -> int:
-        return len(self.pool.unsettled)
+        return self.pool.outbox.unsettled_drains()
 
     def roll_back_lost(self, lost: list[Page]) -> list[int | str]:
         """SPEC sec. 15, the manager's part of a failure report (forget_copies,
@@ -190,7 +190,7 @@ class PyKVCacheManager(KVCacheManager):
             point = r.rollback_point(lost_serials)
             if point is not None:
                 resets.append((r, point))
-        pool.forget_pages(lost)
+        pool.tree_index.forget_pages(lost)
         for r, point in resets:
             r.roll_back(point)
         return [r.id for r, _ in resets]
@@ -202,8 +202,8 @@ class PyKVCacheManager(KVCacheManager):
             raise shut_down_error()
         pool = self.pool
         pool.tick()
-        pool.drop_all_droppable()
-        pool.emit_cleared()
+        pool.evictor.drop_all_droppable()
+        pool.outbox.emit_cleared()
 
     @serialized
     def shutdown(self) -> None:
@@ -213,7 +213,7 @@ class PyKVCacheManager(KVCacheManager):
         if self.is_shutdown:
             return
         self.pool.tick()
-        self.pool.drop_all_droppable()
+        self.pool.evictor.drop_all_droppable()
         self.is_shutdown = True
 
     # ------------------------------------------------ quotas at run time (issue 22)
@@ -230,13 +230,13 @@ class PyKVCacheManager(KVCacheManager):
         pos, q, per_lc = resolve_quota(pool.rc, tier, quota_bytes)
         if self.is_shutdown:
             raise shut_down_error()
-        pool.check_quota(pos, q, per_lc)
+        pool.pages.check_quota(pos, q, per_lc)
         pool.tick()
         pool.apply_quota(pos, q, per_lc)
 
     @serialized
     def stats(self) -> dict:
-        return self.pool.stats_view(self.pool.totals)
+        return self.pool.stats_view(self.pool.outbox.totals)
 
     @serialized
     def take_iteration_stats(self) -> dict:
@@ -244,7 +244,7 @@ class PyKVCacheManager(KVCacheManager):
 
     @serialized
     def take_events(self) -> list[Event]:
-        return self.pool.take_events()
+        return self.pool.outbox.take_events()
 
     @serialized
     def snapshot(self) -> dict:

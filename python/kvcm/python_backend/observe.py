@@ -28,18 +28,18 @@ def snapshot(pool: BlockPool, requests: dict[int, Request], next_request: int, s
     request serials): the pool's state, the open ``requests`` by serial, the manager's
     next request serial and whether it is shut down."""
     return {
-        "clock": pool.clock,
+        "clock": pool.clock.now,
         "tree": _snapshot_tree(pool.tree),
         "pages": _snapshot_pages(pool),
         "pools": _snapshot_pools(pool),
         "requests": _snapshot_requests(pool, requests),
-        "stats": pool.stats_view(pool.totals),
-        "iteration_stats": pool.stats_view(pool.iteration),
+        "stats": pool.stats_view(pool.outbox.totals),
+        "iteration_stats": pool.stats_view(pool.outbox.iteration),
         "copy_ops": _snapshot_copy_ops(pool),
         "issued_copy_ops": _snapshot_issued(pool),
         "events": _snapshot_events(pool),
-        "events_dropped": pool.events_dropped,
-        "next": {"event": pool.next_event, "page": pool.next_page, "request": next_request,
+        "events_dropped": pool.outbox.events_dropped,
+        "next": {"event": pool.outbox.next_event, "page": pool.pages.next_page, "request": next_request,
                  "node": pool.tree.next_id},
         "shutdown": shutdown,
     }
@@ -67,13 +67,13 @@ def _snapshot_tree(tree: RadixTree) -> list[dict]:
 
 def _snapshot_pages(pool: BlockPool) -> list[dict]:
     """``pages``: every live page by serial."""
-    return [_page_entry(pool, pool.pages[serial]) for serial in sorted(pool.pages)]
+    return [_page_entry(pool, p) for p in pool.pages.live_pages()]
 
 
 def _page_entry(pool: BlockPool, p: Page) -> dict:
     """One entry of ``pages``."""
     return {
-        "serial": p.serial, "lc": p.lc, "tier": pool.tier_ids[p.tier], "slot": p.slot, "coverage": p.coverage,
+        "serial": p.serial, "lc": p.lc, "tier": pool.layout.tier_ids[p.tier], "slot": p.slot, "coverage": p.coverage,
         "state": p.state, "priority": p.priority, "last_used": p.last_used, "ordinal": p.ordinal,
         "node": p.node if p.node != NO_NODE else None, "locks": p.locks, "holds": p.holds,
     }
@@ -81,9 +81,9 @@ def _page_entry(pool: BlockPool, p: Page) -> dict:
 
 def _snapshot_pools(pool: BlockPool) -> list[dict]:
     """``pools``: per tier, per life cycle, the free slots."""
-    return [{"tier": pool.tier_ids[t], "kind": pool.rc.tier_kinds[t], "quota_bytes": pool.quotas[t],
+    return [{"tier": pool.layout.tier_ids[t], "kind": pool.layout.tier_kinds[t], "quota_bytes": pool.pages.quotas[t],
              "lc": [{"total": p.total, "free": p.nfree, "free_slots": sorted(p.free_slots)} for p in tier]}
-            for t, tier in enumerate(pool.pools)]
+            for t, tier in enumerate(pool.pages.pools)]
 
 
 def _snapshot_requests(pool: BlockPool, requests: dict[int, Request]) -> list[dict]:
@@ -93,21 +93,21 @@ def _snapshot_requests(pool: BlockPool, requests: dict[int, Request]) -> list[di
 
 def _snapshot_copy_ops(pool: BlockPool) -> list[list]:
     """``copy_ops``: the pending (undrained) ops in issue order."""
-    return [op.to_json() for op in pool.copy_ops]
+    return [op.to_json() for op in pool.outbox.copy_ops]
 
 
 def _snapshot_issued(pool: BlockPool) -> list[list]:
     """``issued_copy_ops``: the last drain's unreported ops, each ``[*op.to_json(), page
     serial]``; with explicit settlement the unsettled drains, oldest first, each a list
     of such entries (DECISIONS.md "Asynchronous copies: settle_copies")."""
-    if pool.explicit:
-        return [[[*op.to_json(), serial] for op, serial in zip(ops, pages)] for ops, pages in pool.unsettled]
-    return [[*op.to_json(), serial] for op, serial in zip(pool.issued, pool.issued_pages)]
+    if pool.outbox.explicit:
+        return [[[*op.to_json(), serial] for op, serial in zip(ops, pages)] for ops, pages in pool.outbox.unsettled]
+    return [[*op.to_json(), serial] for op, serial in zip(pool.outbox.issued, pool.outbox.issued_pages)]
 
 
 def _snapshot_events(pool: BlockPool) -> list[dict]:
     """``events``: the buffered events, oldest first."""
-    return [e.to_json() for e in pool.built_events()]
+    return [e.to_json() for e in pool.outbox.built_events()]
 
 
 def _request_entry(pool: BlockPool, serial: int, r: Request) -> dict:
@@ -124,7 +124,7 @@ def _request_entry(pool: BlockPool, serial: int, r: Request) -> dict:
         "reused_tokens": r.num_reused_tokens,
         "stopped": r.stopped,
         "blocks": [b if b != NO_NODE else None for b in r.blocks],
-        "pages": {str(lc): [p.serial if p is not None else None for p in r.pages[lc]] for lc in pool.attn_lcs},
+        "pages": {str(lc): [p.serial if p is not None else None for p in r.pages[lc]] for lc in pool.layout.attn_lcs},
         "live": r.live.serial if r.live is not None else None,
         "snap": r.snap.serial if r.snap is not None else None,
         "cow_block": r.cow_block,
@@ -142,7 +142,7 @@ def _check(cond: bool, message: str) -> None:
 def check_invariants(pool: BlockPool, requests: dict[int, Request]) -> None:
     """SPEC sec. 11: recompute every derived fact from scratch and compare (raises
     InvariantError), rule group by rule group."""
-    for t, tier in enumerate(pool.pools):
+    for t, tier in enumerate(pool.pages.pools):
         for lc, slots in enumerate(tier):
             _check_pool(pool, t, lc, slots)
     locks: dict[int, int] = {}
@@ -150,7 +150,7 @@ def check_invariants(pool: BlockPool, requests: dict[int, Request]) -> None:
     refs: dict[int, int] = {}
     for r in requests.values():
         _check_request(pool, r, locks, holds, refs)
-    for p in pool.pages.values():
+    for p in pool.pages.live.values():
         _check_page_users(pool, p, locks, holds)
     for nid, n in pool.tree.nodes.items():
         _check_tree_links(pool, nid, n, refs)
@@ -163,7 +163,7 @@ def _check_pool(pool: BlockPool, t: int, lc: int, slot_pool: Pool) -> None:
     check = _check
     free = set(slot_pool.free_slots)
     check(len(free) == len(slot_pool.free_slots), f"pool({t},{lc}): duplicate free slot")
-    used = [p for p in pool.pages.values() if p.tier == t and p.lc == lc]
+    used = [p for p in pool.pages.live.values() if p.tier == t and p.lc == lc]
     slots = [p.slot for p in used]
     check(len(set(slots)) == len(slots), f"pool({t},{lc}): two pages share a slot")
     check(not free & set(slots), f"pool({t},{lc}): a used slot is also free")
@@ -181,25 +181,25 @@ def _check_request(pool: BlockPool, r: Request, locks: dict[int, int], holds: di
     into ``locks`` / ``holds`` / ``refs`` for the page and tree checks."""
     check = _check
     tree = pool.tree
-    B = pool.B
+    B = pool.layout.B
     check(r.num_committed_tokens <= r.history_length <= r.capacity,
           f"request {r.id}: committed {r.num_committed_tokens} <= history {r.history_length} <= capacity {r.capacity}")
     target = locks if r.status == Status.ACTIVE else holds
     used = r.used_pages()
     check(len({p.serial for p in used}) == len(used), f"request {r.id}: uses a page twice")
     for p in used:
-        check(p.serial in pool.pages, f"request {r.id}: uses freed page {p.serial}")
+        check(p.serial in pool.pages.live, f"request {r.id}: uses freed page {p.serial}")
         target[p.serial] = target.get(p.serial, 0) + 1
         if r.status == Status.ACTIVE:
             check(p.tier == GPU, f"request {r.id} is ACTIVE but page {p.serial} is on tier {p.tier}")
     nb = -(-r.capacity // B)
-    for lc in pool.attn_lcs:
+    for lc in pool.layout.attn_lcs:
         check(len(r.pages[lc]) <= max(nb, len(r.blocks)), f"request {r.id}: pages beyond capacity")
-        lo, hi = pool.lcs[lc].stale_range(r.history_length, B)
+        lo, hi = pool.layout.lcs[lc].stale_range(r.history_length, B)
         for i, p in enumerate(r.pages[lc]):
             check(p is None or not lo <= i < hi, f"request {r.id}: stale block {i} of lc {lc} keeps a page")
             check(p is not None or lo <= i < hi, f"request {r.id}: block {i} of lc {lc} has no page")
-    if r.status == Status.ACTIVE and pool.ssm_lc is not None:
+    if r.status == Status.ACTIVE and pool.layout.ssm_lc is not None:
         check(r.live is not None, f"request {r.id}: ACTIVE without a live ssm state")
     for nid in r.blocks:
         if nid != NO_NODE:
@@ -217,10 +217,10 @@ def _check_page_users(pool: BlockPool, p: Page, locks: dict[int, int], holds: di
     check(p.locks == locks.get(p.serial, 0), f"page {p.serial}: {p.locks} locks, {locks.get(p.serial, 0)} users ACTIVE")
     check(p.holds == holds.get(p.serial, 0), f"page {p.serial}: {p.holds} holds, {holds.get(p.serial, 0)} users SUSPENDED")
     check(p.state != LOCKED or p.tier == GPU, f"page {p.serial}: LOCKED on tier {p.tier}")
-    if p.tier == pool.shared_pos:  # DECISIONS.md "The shared tier": HELD, linked, full, no slot
+    if p.tier == pool.layout.shared_pos:  # DECISIONS.md "The shared tier": HELD, linked, full, no slot
         check(p.slot == -1 and p.locks == 0 and p.holds > 0, f"page {p.serial}: a shared page must be HELD, "
               f"slot -1 ({p.locks} locks, {p.holds} holds, slot {p.slot})")
-        check(p.node != NO_NODE and p.coverage == pool.B, f"page {p.serial}: a shared page outside a full block")
+        check(p.node != NO_NODE and p.coverage == pool.layout.B, f"page {p.serial}: a shared page outside a full block")
     if p.node == NO_NODE:
         check(p.locks + p.holds > 0, f"page {p.serial}: private page without a user")
     else:
@@ -239,13 +239,13 @@ def _check_tree_links(pool: BlockPool, nid: int, n: Node, refs: dict[int, int]) 
     check(n.refs == refs.get(nid, 0), f"block {nid}: {n.refs} refs, {refs.get(nid, 0)} requests")
     for lc, h in enumerate(n.pages):
         if h != NO_PAGE:
-            check(h in pool.pages and pool.pages[h].node == nid, f"block {nid}: page {h} of lc {lc} not linked back")
+            check(h in pool.pages.live and pool.pages.live[h].node == nid, f"block {nid}: page {h} of lc {lc} not linked back")
             check(n.coverage[lc] > 0, f"block {nid}: page with zero coverage")
         else:
             check(n.coverage[lc] == 0, f"block {nid}: coverage without a page")
     for k, c in n.children.items():
         check(k == c.key and c.parent is n, f"block {nid}: child {c.id} link broken")
-        check(len(n.tokens) == pool.B or n.is_root, f"block {nid}: a partial block has children")
+        check(len(n.tokens) == pool.layout.B or n.is_root, f"block {nid}: a partial block has children")
     check(tree.index_leaves(nid) == sorted(c.id for c in n.children.values() if c.tokens),
           f"block {nid}: children index out of sync")
     if n.is_root:
@@ -267,14 +267,14 @@ def _check_issued(pool: BlockPool) -> None:
     -1 exactly for a store, which fills none); explicit settlement keeps no empty drain,
     counts the unsettled ops right and reports nothing through the last drain."""
     check = _check
-    drains = list(pool.unsettled) if pool.explicit else [(pool.issued, pool.issued_pages)]
+    drains = list(pool.outbox.unsettled) if pool.outbox.explicit else [(pool.outbox.issued, pool.outbox.issued_pages)]
     for d, (ops, pages) in enumerate(drains):
         check(len(ops) == len(pages), f"issued drain {d}: {len(ops)} ops, {len(pages)} pages")
-        check(bool(ops) or not pool.explicit, f"unsettled drain {d} is empty")
+        check(bool(ops) or not pool.outbox.explicit, f"unsettled drain {d} is empty")
         for op, serial in zip(ops, pages):
-            check((serial == -1) == (op.reason == "store") and -1 <= serial < pool.next_page,
+            check((serial == -1) == (op.reason == "store") and -1 <= serial < pool.pages.next_page,
                   f"issued drain {d}: op {op.to_json()} fills page {serial}")
-    if pool.explicit:
-        n = sum(len(ops) for ops, _ in pool.unsettled)
-        check(n == pool.unsettled_ops, f"{pool.unsettled_ops} unsettled copy ops counted, {n} found")
-        check(not pool.issued and not pool.issued_pages, "explicit settlement with a last drain to report")
+    if pool.outbox.explicit:
+        n = sum(len(ops) for ops, _ in pool.outbox.unsettled)
+        check(n == pool.outbox.unsettled_ops, f"{pool.outbox.unsettled_ops} unsettled copy ops counted, {n} found")
+        check(not pool.outbox.issued and not pool.outbox.issued_pages, "explicit settlement with a last drain to report")

@@ -1,12 +1,14 @@
-"""Pages, per-(tier, lc) slot pools, their eviction index and the victim choice (SPEC sec. 4, 8).
+"""Pages, per-(tier, lc) slot pools and their eviction index (SPEC sec. 4, 8).
 
-C++ twin: ``cpp/core/pools.{h,cpp}``.  ``Pool.victim`` is the one home of sec. 8's order and
-of which pages may be evicted (HELD moved only, DROPPABLE moved or dropped, LOCKED never).
+C++ twin: ``cpp/core/pools.{h,cpp}``.  A pool indexes its HELD and DROPPABLE pages by the
+eviction strategy's key (``evictor.py``: ``LruStrategy`` holds sec. 8's order and which
+pages may be evicted); only ``pages.py`` changes a page or a pool.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 LOCKED, HELD, DROPPABLE = "LOCKED", "HELD", "DROPPABLE"
 NO_NODE = -1
@@ -59,14 +61,8 @@ class Page:
             return DROPPABLE
         return None
 
-    def evict_key(self) -> tuple[int, int, int, int]:
-        """SPEC sec. 8 eviction order, the one statement of it: lower goes first.  Lowest
-        priority, then least recently used, then the deepest block (its descendants are
-        useless without it), then the oldest page; serials are unique, so keys are too."""
-        return (self.priority, self.last_used, -self.ordinal, self.serial)
 
-
-EvictEntry = tuple[tuple[int, int, int, int], int]  # a heap entry of _Index: (evict_key, serial)
+EvictEntry = tuple[tuple, int]  # a heap entry of _Index: (eviction key, serial)
 
 
 class _Index:
@@ -132,8 +128,9 @@ class Pool:
     the heap names its page by serial (``pages``: the manager's live pages by serial).
     """
 
-    def __init__(self, tier: int, lc: int, total: int, pages: dict[int, Page]) -> None:
+    def __init__(self, tier: int, lc: int, total: int, pages: dict[int, Page], key: Callable[[Page], tuple]) -> None:
         self.pages = pages
+        self.key = key  # the eviction order (EvictionStrategy.key): lower goes first
         self.tier = tier
         self.lc = lc
         self.total = total
@@ -199,15 +196,15 @@ class Pool:
             return
         # (the two list cases exclude each other; the run's is tested first as the pages a
         # call releases together all but the first take it)
-        key = page.evict_key()
+        key = self.key(page)
         r = ix.run
-        if r is not None and r.last_used == page.last_used and key < r.evict_key() and (
-                r.prev is None or r.prev.evict_key() < key):
+        if r is not None and r.last_used == page.last_used and key < self.key(r) and (
+                r.prev is None or self.key(r.prev) < key):
             ix.insert(page, r)  # just before the tail's run
             ix.run = page
             return
         tail = ix.tail
-        if tail is None or tail.evict_key() < key:  # the newest: appended
+        if tail is None or self.key(tail) < key:  # the newest: appended
             if tail is None or tail.last_used != page.last_used:
                 ix.run = page
             ix.insert(page, None)
@@ -226,30 +223,14 @@ class Pool:
             key, serial = heap[0]
             page = self.pages.get(serial)
             if page is not None and self._valid(page, key, state):
-                return page if first is None or key < first.evict_key() else first
+                return page if first is None or key < self.key(first) else first
             heapq.heappop(heap)
         return first
-
-    def victim(self, movable: bool) -> Page | None:
-        """SPEC sec. 8: the page to evict from this pool, the one home of the order and the
-        skip rules.  Candidates are the non-LOCKED pages, lowest ``(priority, last_used,
-        ordinal desc, serial)`` first.  ``movable``: the victim can go one tier colder, so
-        HELD pages qualify; otherwise (the coldest tier, or a colder tier that cannot take
-        it) only a DROPPABLE page can go (it is dropped) and HELD ones are skipped."""
-        d = self.peek(DROPPABLE)
-        if not movable:
-            return d
-        h = self.peek(HELD)
-        if h is None:
-            return d
-        if d is None:
-            return h
-        return h if h.evict_key() < d.evict_key() else d
 
     def _valid(self, page: Page, key: tuple[int, int, int, int], state: str) -> bool:
         """A heap entry of ``page`` with ``key`` still stands for it in ``state``'s index."""
         return (page.tier == self.tier and page.slot >= 0 and page.state == state
-                and page.evict_key() == key)
+                and self.key(page) == key)
 
     def _compact(self, ix: _Index, state: str) -> None:
         """Drop the stale heap entries once they outnumber the pages by far (a set: equal

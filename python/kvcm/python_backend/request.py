@@ -2,7 +2,7 @@
 
 C++ twin: ``cpp/core/request.{h,cpp}`` (class ``Request``, holding its ``BlockPool&``).  A
 ``Request`` holds one request's state (its tokens, block references and page tables) and
-changes everything else through the ``BlockPool`` surface (``block_pool.py``): it never
+changes everything else through the ``BlockPool`` and its parts (``block_pool.py``): it never
 touches the manager's registries.  The manager (``manager.py``) creates and registers
 requests; the two registry steps a request's own calls need (a fork's id and serial, the
 unregistering at close) go through its ``Owner``.  The single calls are ``check_x``
@@ -78,8 +78,9 @@ class Request(KVCache):
     tables; it changes pages, the tree, copy ops, events and stats through its ``pool``.
 
     The seam (issue 30): a request reads the configuration's facts as one value
-    (``pool.layout``) and changes shared state through a dozen ``BlockPool`` methods; a
-    page's fields are written by the pool alone (tests/house/test_seam.py)."""
+    (``pool.layout``) and changes shared state through a dozen members of the ``BlockPool``
+    and its parts (``pool.tree_index.release``, ``pool.pages.budget``, ...); a page's fields
+    are written by ``Pages`` alone (tests/house/test_seam.py)."""
 
     def __init__(self, pool: BlockPool, owner: Owner, serial: int, cache_id: int | str, tokens: list,
                  packed: bytes | None, scope: ReuseScope, priority: int,
@@ -97,7 +98,7 @@ class Request(KVCache):
         self.root_key = scope_root_key(scope)
         # the root of the scope lives at least as long as this request (sec. 15: released
         # with its last child and its last request)
-        self.root = pool.open_scope(self.root_key)
+        self.root = pool.tree_index.open_scope(self.root_key)
         # the input's (and, sliced from it, the committed) tokens: an array of ints when all
         # are ints, a list otherwise.  An array is no container the cyclic GC walks: a
         # long prompt's token lists would be walked by every collection during its request
@@ -120,7 +121,7 @@ class Request(KVCache):
         (create, and the roll-back of ``forget_copies``); returns the match length.  With
         the store's ``hits`` the match may extend into the shared tier (DECISIONS.md "The
         shared tier"): taken only when longer, its blocks inserted with shared pages."""
-        held = self.pool.hold_match(self.root, tokens, keys, hits, self._priority)
+        held = self.pool.tree_index.hold_match(self.root, tokens, keys, hits, self._priority)
         m = held.m
         self.tokens: MutableSequence[Token] = tokens[:m]  # committed tokens (input_tokens' kind)
         self._capacity = m
@@ -208,7 +209,7 @@ class Request(KVCache):
         nlc = len(layout.lcs)
         used = self.used_pages()
         cow_sources = self.cow_sources()
-        budgets = [pool.budget(lc) for lc in range(nlc)]
+        budgets = [pool.pages.budget(lc) for lc in range(nlc)]
         need = dict.fromkeys(range(nlc), 0)  # gpu slots to allocate per lc
         locked_after = {lc: budgets[lc].locked for lc in range(nlc)}
         held_gpu = {lc: budgets[lc].held for lc in range(nlc)}
@@ -313,7 +314,7 @@ class Request(KVCache):
         released = [self.pages[lc][i] for lc, i in releases]
         for lc in layout.attn_lcs:
             n = sum(len(r) for a, r in allocs if a == lc) + sum(1 for a, _p in cows if a == lc)
-            if n and not pool.budget(lc, released).fits(n):
+            if n and not pool.pages.budget(lc, released).fits(n):
                 return False
 
         pool.tick()
@@ -322,7 +323,7 @@ class Request(KVCache):
         for lc, i in releases:
             page = self.pages[lc][i]
             self.pages[lc][i] = None
-            pool.unuse(page, True)
+            pool.tree_index.release(page, True)
         for lc in layout.attn_lcs:
             pages = self.pages[lc]
             del pages[nb:]
@@ -347,7 +348,7 @@ class Request(KVCache):
             return False
         for lc in layout.attn_lcs:
             lo, hi = layout.stale_range(lc, history)
-            if nb - max(0, min(hi, nb) - min(lo, nb)) > pool.budget(lc).total:
+            if nb - max(0, min(hi, nb) - min(lo, nb)) > pool.pages.budget(lc).total:
                 return False
         return True
 
@@ -410,7 +411,7 @@ class Request(KVCache):
             for i in range(old // B, min(-(-new // B), len(pages))):
                 p = pages[i]
                 if p is not None and p.node == NO_NODE:
-                    pool.set_coverage(p, B if i < full else new - i * B)
+                    pool.pages.set_coverage(p, B if i < full else new - i * B)
         last = new // B - 1
         for i in range(old // B, last + 1):
             snapshot = layout.ssm_lc is not None and i == last and new % B == 0
@@ -436,7 +437,7 @@ class Request(KVCache):
             for i in _union(max(lo, first_block), min(written, end), max(lo, layout.stale_range(lc, old_history)[1]), end):
                 if pages[i] is not None:
                     page, pages[i] = pages[i], None
-                    pool.unuse(page, active)
+                    pool.tree_index.release(page, active)
 
     @serialized
     def stop_committing(self) -> None:
@@ -457,7 +458,7 @@ class Request(KVCache):
         if not self.stopped:
             self._stop()
         self._release_all()
-        pool.unref(self.root)  # may release an unused scope root
+        pool.tree_index.unref(self.root)  # may release an unused scope root
         self._status = Status.CLOSED
         self.owner.forget_request(self)
 
@@ -484,7 +485,7 @@ class Request(KVCache):
         copies = self._tail_pages() if self._capacity > len(self.tokens) else []
         for lc in range(len(layout.lcs)):
             need = sum(1 for clc, _p in copies if clc == lc) + (1 if lc == layout.ssm_lc else 0)
-            if need and not pool.budget(lc).fits(need):
+            if need and not pool.pages.budget(lc).fits(need):
                 raise fork_room_error()
         return copies
 
@@ -498,7 +499,7 @@ class Request(KVCache):
         child._init_fork(self, serial, cache_id)
         if ssm is not None:  # its own live state, a copy of this one's
             child.live = child._alloc_private(ssm, 0, len(child.tokens) // pool.layout.B)
-            pool.copy(ssm, self.live, child.live, "cow")
+            pool.outbox.copy(ssm, self.live, child.live, "cow")
         child._copy_tail(copies)
         return child
 
@@ -516,7 +517,7 @@ class Request(KVCache):
         self._status = Status.ACTIVE
         self.stopped = False
         self.root_key = parent.root_key
-        self.root = pool.open_scope(self.root_key)  # (the parent's root: it holds it)
+        self.root = pool.tree_index.open_scope(self.root_key)  # (the parent's root: it holds it)
         # never changed after create: shared with the parent
         self.input_tokens = parent.input_tokens
         self.keys = parent.keys
@@ -526,7 +527,7 @@ class Request(KVCache):
         nb = -(-len(self.tokens) // pool.layout.B)
         self.blocks = list(parent.blocks[:nb])
         self.pages = {lc: parent.pages[lc][:nb] for lc in pool.layout.attn_lcs}
-        pool.hold(self.blocks, self.pages, self._priority)
+        pool.tree_index.hold(self.blocks, self.pages, self._priority)
         self.live = None
         self.snap = None
         self.cow_block = -1
@@ -568,11 +569,11 @@ class Request(KVCache):
         covered = len(self.tokens) - j * B
         for lc, src in shared:
             dst = self._alloc_private(lc, covered, j)
-            pool.copy(lc, src, dst, "cow")
-            pool.unuse(src, self._status == Status.ACTIVE)
+            pool.outbox.copy(lc, src, dst, "cow")
+            pool.tree_index.release(src, self._status == Status.ACTIVE)
             self.pages[lc][j] = dst
         if j < len(self.blocks) and self.blocks[j] != NO_NODE:
-            pool.unref(self.blocks[j])
+            pool.tree_index.unref(self.blocks[j])
             self.blocks[j] = NO_NODE
 
     @serialized
@@ -621,13 +622,13 @@ class Request(KVCache):
         pool = self.pool
         active = self._status == Status.ACTIVE
         for p in self.used_pages():
-            pool.unuse(p, active)
+            pool.tree_index.release(p, active)
         self.live = self.snap = None
         for lc in pool.layout.attn_lcs:
             self.pages[lc] = []
         for nid in self.blocks:
             if nid != NO_NODE:
-                pool.unref(nid)
+                pool.tree_index.unref(nid)
         self.blocks = []
 
     def used_pages(self) -> list[Page]:
@@ -668,15 +669,15 @@ class Request(KVCache):
                 if src is None:
                     continue
                 dst = self._alloc_private(lc, covered, j)
-                pool.copy(lc, src, dst, "cow")
+                pool.outbox.copy(lc, src, dst, "cow")
                 self.pages[lc][j] = dst
-                pool.unuse(src, True)
-            pool.unref(self.blocks[j])
+                pool.tree_index.release(src, True)
+            pool.tree_index.unref(self.blocks[j])
             self.blocks[j] = NO_NODE
             self.cow_block = -1
         if self.snap is not None:
-            pool.copy(layout.ssm_lc, self.snap, self.live, "cow")
-            pool.unuse(self.snap, True)
+            pool.outbox.copy(layout.ssm_lc, self.snap, self.live, "cow")
+            pool.tree_index.release(self.snap, True)
             self.snap = None
 
     def _key_hint(self, i: int, tokens: Sequence[Token]) -> tuple[bytes | None, bytes] | None:
