@@ -47,7 +47,7 @@ from typing import Any
 import kvcm
 from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig, Tier
 from kvcm.dataplane import DataPlane
-from kvcm.engine_loop import ASK, EngineLoop
+from kvcm.engine_loop import ASK, ManagerLoop
 from kvcm.integrations.vllm import partial
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
@@ -208,7 +208,7 @@ class KvcmScheduler:
                 self.lookup_planes.append(DataPlane(shard_config(cfg, rank), store=settings.make_store(),
                                                     shared_timeout_s=settings.shared_timeout_s))
         # the engine side of the protocol, the half that owns the manager (the workers apply)
-        self.loop = EngineLoop(self.mgr, lookup_planes=self.lookup_planes)
+        self.loop = ManagerLoop(self.mgr, lookups=self.lookup_planes)
         self.mirrors: dict[str, Mirror] = {}  # by request id: the live mirror of a request
         self.retiring: dict[int, Mirror] = {}  # by serial: finished or preempted, transfers in flight
         self.by_cache: dict[Any, Mirror] = {}  # kvcm cache id -> mirror
@@ -400,7 +400,7 @@ class KvcmScheduler:
         prefix = list(request.all_token_ids[:-1])
         # created with the probe's hits, resumed; closed when tier 0 is full of locked pages
         # (then not mirrored: its load, if any, fails and vLLM recomputes)
-        kv = self.loop.admit(prefix, probe.scope, sync=False, shared_hits=probe.hits)
+        kv = self.loop.admit(prefix, probe.scope, shared_hits=probe.hits)
         if kv is None:
             self._count("mirror_stops")
         else:
@@ -807,7 +807,7 @@ class KvcmScheduler:
         m.epoch += 1
         m.confirmed.clear()
         m.committed = m.planned = m.kv.num_committed_tokens // self.B
-        if m.stopped or m.retiring or not self.loop.resume(m.kv, sync=False):
+        if m.stopped or m.retiring or not self.loop.resume(m.kv):
             self._stop(m)
         else:
             self.created.append(m)  # resume may onboard pages: the next drain fills them
