@@ -499,7 +499,7 @@ class ConnectorSettings:
             # instances share objects only when all of it matches.  The manager's namespace is
             # the same on the scheduler and on every worker (the identity is computed from the
             # same files by each); each worker names its own objects with its rank
-            # (kvcm.integrations.vllm.scheduler.shard_config), and a block is a shared hit only
+            # (shard_config, below), and a block is a shared hit only
             # when every rank's object is there
             namespace = self.namespace(layout, identity_tag, world)
         # several life cycles (a hybrid model): each gets the same share of every tier's bytes
@@ -652,3 +652,13 @@ def _size(n: int) -> str:
     from kvcm.integrations.vllm.identity import size_text
 
     return size_text(n)
+
+
+def shard_config(config: KVCacheManagerConfig, rank: int) -> KVCacheManagerConfig:
+    """The config of rank ``rank``'s data plane and store client (the scheduler's lookups and
+    the worker both use it, so it lives here): its shared objects are named with its rank
+    (the manager's namespace ``...|tp<world>`` + ``/r<rank>``), so the ranks' shards of one
+    block are distinct objects and a block is a shared hit only when all of them exist."""
+    if not config.shared_namespace:
+        return config
+    return dataclasses.replace(config, shared_namespace=f"{config.shared_namespace}/r{rank}")

@@ -25,8 +25,7 @@ from kvcm.dataplane import DataPlane
 from kvcm.engine_loop import PlaneLoop
 from kvcm.integrations.vllm.handover import without_stores
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, RankReport
-from kvcm.integrations.vllm.scheduler import shard_config
-from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, shard_config
 from kvcm.integrations.vllm.stats import process_stats
 from kvcm.integrations.vllm.transfer import CpuCopier, CudaCopier, TransferEngine, page_parts
 
