@@ -39,14 +39,14 @@ rank).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvcm.engine_loop import ASK, ManagerLoop, SharedLookup
 
 if TYPE_CHECKING:
-    from kvcm.api import CopyOp, CopyRun, KVCache, KVCacheManager, ReuseScope
+    from kvcm.api import CopyOp, CopyRun, KVCache, ReuseScope
 
 
 @dataclass(frozen=True)
@@ -74,18 +74,22 @@ class StoreSlots:
 
 
 class OffloadManager:
-    """The seam over one manager (module doc).  ``lookups``: what answers the shared store's
-    existence query (one per tensor-parallel rank: a block is a hit only when every one holds
-    its object); ``on_rollback``: called with the id of each cache a settlement rolled back.
+    """The seam over one manager, through the engine loop's manager side ``loop`` (module
+    doc): a :class:`~kvcm.engine_loop.ManagerLoop` where the bytes move elsewhere (vLLM's
+    scheduler: its lookups one store client per rank), or an
+    :class:`~kvcm.engine_loop.EngineLoop` where they move in the same process (the
+    transformers integration, the reference engine): then :meth:`prepare_load` and
+    :meth:`touch` run their copies at once.
 
     Attributes:
         manager: the kvcm manager.
-        loop: the engine loop's manager side it admits, drains and settles through."""
+        loop: the engine loop it admits, drains and settles through."""
 
-    def __init__(self, manager: KVCacheManager, *, lookups: Sequence[SharedLookup] = (),
-                 on_rollback: Callable[[int | str], None] | None = None) -> None:
-        self.manager = manager
-        self.loop = ManagerLoop(manager, lookups=lookups, on_rollback=on_rollback)
+    def __init__(self, loop: ManagerLoop) -> None:
+        if not isinstance(loop, ManagerLoop):
+            raise TypeError(f"OffloadManager: a ManagerLoop (or an EngineLoop) is required, got {type(loop).__name__}")
+        self.loop = loop
+        self.manager = loop.manager
 
     @property
     def block_size(self) -> int:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from kvcm import AttentionLayer
 from kvcm.dataplane import DataPlane, StoreClient
-from kvcm.engine_loop import EngineLoop, PlaneLoop, config_from_layout
+from kvcm.engine_loop import EngineLoop, ManagerLoop, PlaneLoop, config_from_layout
 from kvcm.integrations.vllm.tracker import Life, RequestTracker, TrackerStateError
 from kvcm.offload import Lookup, OffloadManager, StoreSlots
 
@@ -37,7 +37,7 @@ def test_the_verbs_load_store_and_settle(make_manager, tmp_path):
     served(make_manager, cfg)
     client = StoreClient(cfg)
     mgr = make_manager(dataclasses.replace(cfg, copy_settlement="explicit"))
-    seam = OffloadManager(mgr, lookups=[client])
+    seam = OffloadManager(ManagerLoop(mgr, lookups=[client]))
     prefix = PROMPT[:-1]
     before = mgr.snapshot()
     found = seam.lookup(prefix)  # no side effect: the store asked once
@@ -58,6 +58,30 @@ def test_the_verbs_load_store_and_settle(make_manager, tmp_path):
     seam.reset()
     mgr.check_invariants()
     client.close()
+
+
+def test_the_seam_over_a_whole_loop_runs_its_copies_at_once(make_manager):
+    """Over an EngineLoop (an engine whose bytes move in its process: transformers, the
+    reference engine) the seam's admission runs its copies before it answers."""
+    cfg = config_from_layout(B, LAYERS, gpu_blocks=3, host_blocks=8)
+    mgr = make_manager(cfg)
+    plane = DataPlane(cfg, dtype=torch.uint8)
+    seam = OffloadManager(EngineLoop(mgr, plane))
+    for prompt in (PROMPT, list(range(200, 209))):  # the second takes the gpu: the first's pages go to host
+        kv = seam.prepare_load(prompt, None, seam.lookup(prompt))
+        assert seam.prepare_store(kv, 0, 3) is not None  # room for its blocks
+        seam.complete_store(kv, prompt)
+        seam.release(kv)
+        seam.loop.sync()
+    found = seam.lookup(PROMPT[:-1])
+    assert found.tokens == 8 and found.block_tiers == (1, 1) and found.hits is None
+    kv = seam.prepare_load(PROMPT[:-1], None, found)
+    assert kv is not None and seam.drain() == []  # onboarded already
+    seam.release(kv)
+    seam.loop.sync()
+    mgr.check_invariants()
+    with pytest.raises(TypeError, match="ManagerLoop"):
+        OffloadManager(mgr)
 
 
 def test_store_client_has_no_pools(tmp_path):

@@ -47,7 +47,7 @@ from typing import Any
 import kvcm
 from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig
 from kvcm.dataplane import StoreClient
-from kvcm.engine_loop import ASK
+from kvcm.engine_loop import ASK, ManagerLoop
 from kvcm.integrations.vllm import partial
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, shard_config
@@ -166,8 +166,8 @@ class KvcmScheduler:
                                               shared_timeout_s=settings.shared_timeout_s) for rank in range(world)]
         # the offload seam over the manager (kvcm.offload): every manager call of the adapter
         # goes through its verbs (the engine loop's manager side inside; the workers apply)
-        self.offload = OffloadManager(self.mgr, lookups=self.store_clients)
-        self.loop = self.offload.loop
+        self.loop = ManagerLoop(self.mgr, lookups=self.store_clients)
+        self.offload = OffloadManager(self.loop)
         self.mirrors: dict[str, RequestTracker] = {}  # by request id: the live mirror of a request
         self.retiring: dict[int, RequestTracker] = {}  # by serial: finished or preempted, transfers in flight
         self.by_cache: dict[Any, RequestTracker] = {}  # kvcm cache id -> mirror
