@@ -143,14 +143,15 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ saves
 
-    def prepare_store(self, kv: KVCache, first: int, end: int, history: int | None = None) -> StoreSlots | None:
-        """Pages for ``kv``'s blocks ``[first, end)`` (its capacity grown to ``end`` blocks;
-        ``history``: at least this many tokens computed, so that blocks out of a sliding window
-        by then get no page): their slots per life cycle.  None: tier 0 cannot hold them
-        (nothing changed past what was prepared before)."""
-        B = self.block_size
+    def prepare_store(self, kv: KVCache, first: int, end: int, history: int | None = None, *,
+                      tokens: int | None = None) -> StoreSlots | None:
+        """Pages for ``kv``'s blocks ``[first, end)`` (its capacity grown to ``end`` blocks, or
+        to ``tokens``: a partial last block; ``history``: at least this many tokens computed,
+        so that blocks out of a sliding window by then get no page): their slots per life
+        cycle.  None: tier 0 cannot hold them (nothing changed past what was prepared before)."""
+        need = end * self.block_size if tokens is None else tokens
         hist = None if history is None else max(kv.history_length, history)
-        if kv.capacity < end * B and not kv.resize(end * B, hist):
+        if kv.capacity < need and not kv.resize(need, hist):
             return None
         if hist is not None and hist > kv.history_length and not kv.resize(kv.capacity, hist):
             return None

@@ -849,7 +849,7 @@ class KvcmScheduler:
             self.undrained = True
             m.commit_to(end)
         if m.tail:
-            n = partial.commit_tail(m, self.B)
+            n = partial.commit_tail(m, self.offload)
             if n:
                 self.version += 1
                 self.undrained = True
