@@ -1,10 +1,12 @@
-"""``KvcmScheduler``: the scheduler side of the connector (vLLM's scheduler process).
+"""``KvcmScheduler``: the scheduler side of the connector (vLLM's scheduler process): an
+adapter from vLLM's scheduler hooks to kvcm's offload seam.
 
-It owns kvcm's manager and mirrors each vLLM request that runs into a kvcm request (a
-:class:`~kvcm.integrations.vllm.tracker.RequestTracker`), whose pages live in kvcm's tier 0 (host memory), then disk, then the
-shared store (DECISIONS.md "vLLM connector").  The engine side of kvcm's protocol goes
-through :class:`kvcm.engine_loop.EngineLoop` (the half that owns the manager: probe, admit
-without syncing, drain, report; the workers' loops apply).  It imports nothing of vLLM:
+It owns kvcm's manager and tracks each vLLM request that runs as a kvcm request (a
+:class:`~kvcm.integrations.vllm.tracker.RequestTracker`), whose pages live in kvcm's tier 0
+(host memory), then disk, then the shared store (DECISIONS.md "vLLM connector").  Every
+manager call goes through :class:`kvcm.offload.OffloadManager` (over the engine loop's
+manager side, :class:`kvcm.engine_loop.ManagerLoop`, whose store lookups are one pool-less
+``StoreClient`` per rank; the workers' ``PlaneLoop`` applies).  It imports nothing of vLLM:
 the requests and scheduler outputs it reads are duck-typed (``request_id``, ``all_token_ids``,
 ``num_computed_tokens``; ``num_scheduled_tokens``, ``preempted_req_ids``,
 ``total_num_scheduled_tokens``, ``kv_connector_block_state`` or the new / cached request
@@ -13,25 +15,25 @@ data), so tests drive it without an engine.
 Per step (vLLM's order; under async scheduling vLLM builds step N+1 before it hands over
 the workers' output of step N, and nothing here depends on that output being in):
 
-* ``get_num_new_matched_tokens`` (a waiting request, maybe several times): a probe without
-  side effects (``EngineLoop.probe``) — the store's existence query (cached per request and
-  prompt length), then ``probe_reuse_detail(prompt[:-1], shared_hits=...)``.  The answer is
-  the whole blocks kvcm holds past vLLM's local hit; asynchronous when one of them must
-  first come from disk or the store (``load_mode``).
-* ``update_state_after_alloc``: the kvcm request is admitted (``EngineLoop.admit`` with the
-  probe's hits, ``sync=False``: created, resumed, closed if refused), and the load is
-  planned (kvcm tier-0 slots -> the vLLM blocks just allocated).
-* ``build_connector_meta``: saves are planned for the blocks full after the step (bounded by
-  ``max_inflight_bytes``), preemptions and finished requests holding blocks are passed on,
-  then ONE drain (``EngineLoop.drain``; drains are settled explicitly, oldest first).
+* ``get_num_new_matched_tokens`` (a waiting request, maybe several times): the seam's
+  ``lookup`` (no side effects) with the store's answer (``store_hits``: cached per request and
+  prompt length).  The answer is the whole blocks kvcm holds past vLLM's local hit;
+  asynchronous when one of them must first come from disk or the store (``load_mode``).
+* ``update_state_after_alloc``: ``prepare_load`` admits the kvcm request with the lookup's
+  hits (created, resumed, closed if refused), and the load is planned (kvcm tier-0 slots ->
+  the vLLM blocks just allocated).
+* ``build_connector_meta``: saves are planned for the blocks full after the step
+  (``prepare_store``, bounded by ``max_inflight_bytes``), preemptions and finished requests
+  holding blocks are passed on, then ONE drain (``drain``; drains are settled explicitly,
+  oldest first).
 * ``update_connector_output``: the workers' reports, once every rank made its report: drains
-  are settled (``EngineLoop.report``: ``settle_copies``, roll-backs), loads counted as
-  delivered or failed, confirmed saves committed (a block enters kvcm's tree only after
-  its bytes are written).
+  are settled (``complete_copies``: ``settle_copies``, roll-backs, ``touch`` to go on), loads
+  counted as delivered or failed, confirmed saves committed (``complete_store``: a block
+  enters kvcm's tree only after its bytes are written).
 * ``request_finished``: True while saves of the request are in flight (vLLM keeps its blocks
   until every worker reports it in ``finished_sending``).
 
-A mirror's kvcm request closes only when none of its transfers is in flight.
+A tracker's kvcm request closes (``release``) only when none of its transfers is in flight.
 """
 
 from __future__ import annotations
