@@ -422,33 +422,42 @@ class Engine:
             self.counters["requests"] += 1
             self.counters["prompt_tokens"] += len(r.prompt)
             self.counters["reused_tokens"] += r.reused_tokens
-        while True:  # again after each roll-back of this request during its admission
-            r.rolled_back = False
-            r.started = r.started and kv.num_committed_tokens == self._kv_target(r)
-            if not kv.resume():
-                self.counters["resume_failures"] += 1
-                return False
-            self.sync()
-            if r.rolled_back:
-                continue
-            if r.started:
-                return True
-            if not kv.resize(self._kv_target(r)):
-                kv.suspend()
-                self.sync()
-                self.counters["resume_failures"] += 1
-                return False
-            self.sync()
-            if r.rolled_back:
-                continue
-            if kv.num_committed_tokens == 0 and self.ssm_lc is not None:  # no snapshot: start from zeros
-                slot = kv.page_indices(self.ssm_lc)[0]
-                for layer_id in self.ssm_layers:
-                    self.plane.state(layer_id)[slot].zero_()
-            if not self._prefill(r):
-                continue
-            r.started = True
+        # the admission's retry is the engine loop's (ManagerLoop.retry), with this engine's
+        # attempt: a request is admitted once it is prefilled; no bound on the tries (each
+        # roll-back shortens the match, and the prefill recomputes from there)
+        return self.loop.retry(lambda: self._try_admit(r), attempts=None)
+
+    def _try_admit(self, r: Request) -> bool | None:
+        """One admission attempt (:meth:`EngineLoop.retry`'s hook): resume, the copies, the
+        resize to the tokens it holds, the prefill of what is not committed.  True: admitted
+        and prefilled; False: no room now (SUSPENDED); None: rolled back meanwhile (again)."""
+        kv = r.kv
+        r.rolled_back = False
+        r.started = r.started and kv.num_committed_tokens == self._kv_target(r)
+        if not kv.resume():
+            self.counters["resume_failures"] += 1
+            return False
+        self.sync()
+        if r.rolled_back:
+            return None
+        if r.started:
             return True
+        if not kv.resize(self._kv_target(r)):
+            kv.suspend()
+            self.sync()
+            self.counters["resume_failures"] += 1
+            return False
+        self.sync()
+        if r.rolled_back:
+            return None
+        if kv.num_committed_tokens == 0 and self.ssm_lc is not None:  # no snapshot: start from zeros
+            slot = kv.page_indices(self.ssm_lc)[0]
+            for layer_id in self.ssm_layers:
+                self.plane.state(layer_id)[slot].zero_()
+        if not self._prefill(r):
+            return None
+        r.started = True
+        return True
 
     def _create(self, r: Request) -> Any:
         """:meth:`EngineLoop.create`: with a shared tier, the blocks past the local match are

@@ -15,7 +15,7 @@ import torch
 from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer
 from kvcm.config import resolve_config
 from kvcm.dataplane import DataPlane
-from kvcm.engine_loop import EngineLoop, config_from_layout, page_bytes
+from kvcm.engine_loop import EngineLoop, ManagerLoop, PlaneLoop, config_from_layout, page_bytes
 
 B = 4
 LAYERS = [AttentionLayer(0, 8), AttentionLayer(1, 8)]  # one life cycle, 64-byte pages
@@ -136,9 +136,9 @@ def test_a_failed_onboard_at_admission_is_forgotten_and_admitted_again(make_mana
 
 
 def test_the_halves_do_what_sync_does(make_manager):
-    """A scheduler side (the manager, no plane: admits without syncing, drains), a worker side
-    (no manager: applies) and the report back: the same roll-back and the same manager state
-    as the one-sided loop."""
+    """A scheduler side (``ManagerLoop``: admits without syncing, drains), a worker side
+    (``PlaneLoop``: applies) and the report back: the same roll-back and the same manager
+    state as the one-sided loop; neither side takes None for the other."""
     whole_mgr, whole_plane = offloaded_a(make_manager)
     whole = EngineLoop(whole_mgr, whole_plane)
     whole_plane.fault = fail("onboard")
@@ -147,18 +147,21 @@ def test_the_halves_do_what_sync_does(make_manager):
     assert whole.sync() == [kv.id]
 
     mgr, plane = offloaded_a(make_manager)
-    scheduler, worker = EngineLoop(mgr), EngineLoop(None, plane)
+    scheduler, worker = ManagerLoop(mgr), PlaneLoop(plane)
     plane.fault = fail("onboard")
-    kv2 = scheduler.admit(PROMPT_A[:-1], sync=False)
+    kv2 = scheduler.admit(PROMPT_A[:-1])
     assert kv2 is not None
     runs = scheduler.drain()
     failed = worker.apply(runs)
     assert failed and worker.counters["copy_failures"] == 1
     assert scheduler.report(failed) == [kv2.id]
     assert mgr.snapshot() == whole_mgr.snapshot()
-    with pytest.raises(RuntimeError, match="no data plane"):
-        scheduler.apply(runs)
-    assert scheduler.apply([]) == []
+    assert not hasattr(scheduler, "apply") and not hasattr(worker, "drain")
+    assert worker.apply([]) == []
+    with pytest.raises(TypeError, match="manager is required"):
+        ManagerLoop(None)
+    with pytest.raises(TypeError, match="data plane is required"):
+        PlaneLoop(None)
 
 
 def test_admission_asks_the_shared_store_once(make_manager, tmp_path):
@@ -177,7 +180,7 @@ def test_admission_asks_the_shared_store_once(make_manager, tmp_path):
     assert second_plane.routes.get("shared->gpu") == 2
     kv.close()
     second.sync()
-    assert EngineLoop(first_mgr).shared_hits(PROMPT_A) is None  # no plane to ask: no lookup
+    assert ManagerLoop(first_mgr).shared_hits(PROMPT_A) is None  # nothing to ask: no lookup
 
 
 def test_probe_changes_nothing_and_admission_takes_its_hits(make_manager, tmp_path):
@@ -189,17 +192,17 @@ def test_probe_changes_nothing_and_admission_takes_its_hits(make_manager, tmp_pa
     serve(EngineLoop(make_manager(cfg), DataPlane(cfg, dtype=torch.uint8)), PROMPT_A)
     mgr = make_manager(cfg)
     plane = DataPlane(cfg, dtype=torch.uint8)
-    scheduler = EngineLoop(mgr, lookup_plane=plane)
+    scheduler = ManagerLoop(mgr, lookups=[plane])
     before = mgr.snapshot()
     probe, hits = scheduler.probe(PROMPT_A)
     again, same = scheduler.probe(PROMPT_A, shared_hits=hits)  # the first answer, not asked again
     assert mgr.snapshot() == before and plane.shared_stats["lookups"] == 1
     assert probe.num_tokens == again.num_tokens == 8 and list(probe.block_tiers) == [3, 3] and same == hits
-    kv = scheduler.admit(PROMPT_A, sync=False, shared_hits=hits)
+    kv = scheduler.admit(PROMPT_A, shared_hits=hits)
     assert kv is not None and kv.num_committed_tokens == probe.num_tokens
     assert plane.shared_stats["lookups"] == 1 and scheduler.last_shared_hits == len(hits) == 2
-    assert EngineLoop(mgr).probe(PROMPT_B)[1] is None  # no plane to ask: no hits
-    worker = EngineLoop(None, plane)
+    assert ManagerLoop(mgr).probe(PROMPT_B)[1] is None  # nothing to ask: no hits
+    worker = PlaneLoop(plane)
     assert scheduler.report(worker.apply(scheduler.drain())) == []
     kv.close()
     scheduler.report(worker.apply(scheduler.drain()))
@@ -218,13 +221,13 @@ def test_a_block_is_a_shared_hit_only_when_every_lookup_plane_holds_it(make_mana
     serve(EngineLoop(make_manager(rank[1]), DataPlane(rank[1], dtype=torch.uint8)), PROMPT_A[:5])  # block 0
     planes = [DataPlane(c, dtype=torch.uint8) for c in rank]
     mgr = make_manager(cfg)
-    both = EngineLoop(mgr, lookup_planes=planes)
+    both = ManagerLoop(mgr, lookups=planes)
     cand = mgr.shared_candidates(PROMPT_A)
     assert len(planes[0].shared_lookup(cand)) == 2
-    assert both.shared_hits(PROMPT_A) == cand[:1] and both.lookup_plane is planes[0]
+    assert both.shared_hits(PROMPT_A) == cand[:1] and both.lookups == planes
     assert both.probe(PROMPT_A)[0].num_tokens == B
     with pytest.raises(ValueError, match="not both"):
-        EngineLoop(mgr, lookup_plane=planes[0], lookup_planes=planes)
+        EngineLoop(mgr, planes[0], lookup_plane=planes[0], lookup_planes=planes)
 
 
 @pytest.mark.skipif("copy_settlement" not in KVCacheManagerConfig.__dataclass_fields__,
@@ -321,3 +324,16 @@ def test_a_copy_that_keeps_failing_ends_the_admission_after_three_attempts(make_
     kv.close()
     loop.sync()
     mgr.check_invariants()
+
+
+def test_retry_is_the_one_admission_retry(make_manager):
+    """``ManagerLoop.retry``: an engine's own attempt (the reference engine's prefill-aware
+    one) tried again while it answers None (rolled back), bounded by ``RESUME_ATTEMPTS`` unless
+    the engine asks for no bound; its first True or False is the answer."""
+    loop = ManagerLoop(make_manager(config(3)))
+    answers = iter([None, None, True])
+    assert loop.retry(lambda: next(answers)) is True
+    calls = []
+    assert loop.retry(lambda: calls.append(1)) is False and len(calls) == ManagerLoop.RESUME_ATTEMPTS
+    answers = iter([None] * 7 + [False])
+    assert loop.retry(lambda: next(answers), attempts=None) is False

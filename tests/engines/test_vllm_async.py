@@ -443,7 +443,7 @@ def test_two_ranks_name_their_shards_and_agree(tmp_path, backend, sims, fault_fi
     sched, rank1 = second.sched, second.workers[1].plane
     prefix = list(chats.chats[0][:-1])
     cand = sched.mgr.shared_candidates(prefix)
-    present = [set(p.shared_lookup(cand)) for p in sched.lookup_planes]
+    present = [set(p.shared_lookup(cand)) for p in sched.store_clients]
     assert present[0] and present[0] == present[1]
     gone = sorted(present[1])[:2]
     for key, lc in gone:  # rank 1's shard of two blocks disappears: rank 0's alone is no hit

@@ -557,7 +557,7 @@ def store_hits(store: str, namespace: str, prompts: list[list[int]]) -> int:
     import kvcm
     from kvcm.api import AttentionLayer, KVCacheManagerConfig, Tier
     from kvcm.dataplane import DataPlane
-    from kvcm.integrations.vllm.scheduler import shard_config
+    from kvcm.integrations.vllm.settings import shard_config
 
     cfg = KVCacheManagerConfig(BLOCK, [AttentionLayer(0, bytes_per_token=BLOCK_BYTES // 2),
                                        AttentionLayer(1, bytes_per_token=BLOCK_BYTES // 2)],

@@ -17,23 +17,26 @@ import pytest
 import torch
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata
 from kvcm.integrations.vllm.scheduler import KvcmScheduler
-from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, SpecClasses
 from kvcm.integrations.vllm.worker import KvcmWorker
 
 B, W, NB = 32, 64, 64
 HEADS, DIM = 2, 8
 BLOCK_BYTES = HEADS * B * DIM * 4  # float32 [heads, tokens, dim] per block
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+SlidingWindowSpec = type("SlidingWindowSpec", (SimpleNamespace,), {})  # stand-ins for vLLM's classes
+FullAttentionSpec = type("FullAttentionSpec", (SimpleNamespace,), {})
+SPECS = SpecClasses(FullAttentionSpec, SlidingWindowSpec)
 
 
 def layout() -> KvLayout:
     cfg = SimpleNamespace(kv_cache_groups=[
-        SimpleNamespace(layer_names=[LAYERS[0]], kv_cache_spec=type("SlidingWindowSpec", (SimpleNamespace,), {})(
+        SimpleNamespace(layer_names=[LAYERS[0]], kv_cache_spec=SlidingWindowSpec(
             block_size=B, num_kv_heads=HEADS, head_size=DIM, dtype="torch.float32", page_size_bytes=BLOCK_BYTES,
             sliding_window=W)),
-        SimpleNamespace(layer_names=[LAYERS[1]], kv_cache_spec=type("FullAttentionSpec", (SimpleNamespace,), {})(
+        SimpleNamespace(layer_names=[LAYERS[1]], kv_cache_spec=FullAttentionSpec(
             block_size=B, num_kv_heads=HEADS, head_size=DIM, dtype="torch.float32", page_size_bytes=BLOCK_BYTES))])
-    return KvLayout.from_kv_cache_config(cfg, "cpu")
+    return KvLayout.from_kv_cache_config(cfg, "cpu", SPECS)
 
 
 class Request(SimpleNamespace):
@@ -228,10 +231,10 @@ def test_a_sliding_only_hit_counts_the_window_it_loads(tmp_path, backend: str) -
     (ordinals 4, 5; vLLM allocates the null block for 0..3), and ``load_blocks_planned``
     counts those 2 blocks, as ``loaded_blocks`` does (not the hit's 6 ordinals)."""
     cfg = SimpleNamespace(kv_cache_groups=[
-        SimpleNamespace(layer_names=list(LAYERS), kv_cache_spec=type("SlidingWindowSpec", (SimpleNamespace,), {})(
+        SimpleNamespace(layer_names=list(LAYERS), kv_cache_spec=SlidingWindowSpec(
             block_size=B, num_kv_heads=HEADS, head_size=DIM, dtype="torch.float32", page_size_bytes=BLOCK_BYTES,
             sliding_window=W))])
-    lay = KvLayout.from_kv_cache_config(cfg, "cpu")
+    lay = KvLayout.from_kv_cache_config(cfg, "cpu", SPECS)
     settings = ConnectorSettings.parse({"backend": backend, "host_bytes": 64 * 2 * BLOCK_BYTES})
     sched, worker = KvcmScheduler(settings, lay), KvcmWorker(settings, lay, num_blocks=NB)
     kvs = {n: torch.zeros(NB, HEADS, B, DIM) for n in LAYERS}

@@ -16,16 +16,20 @@ from kvcm.integrations.vllm.settings import (
     TEST_KEYS,
     ConnectorSettings,
     KvLayout,
+    SpecClasses,
     parse_size,
 )
 
 
-class FullAttentionSpec(SimpleNamespace):  # the name is what KvLayout checks
+class FullAttentionSpec(SimpleNamespace):  # stand-ins for vLLM's classes (their names go into the namespace)
     pass
 
 
 class SlidingWindowSpec(SimpleNamespace):
     pass
+
+
+SPECS = SpecClasses(FullAttentionSpec, SlidingWindowSpec)
 
 
 def kv_cache_config(*groups: tuple[type, int]) -> SimpleNamespace:
@@ -41,7 +45,7 @@ def test_defaults_host_tier_only() -> None:
     assert s.load_mode == "auto" and s.max_inflight_bytes == 256 << 20 and s.copy_fault_hook is None
     assert ConnectorSettings.parse({"host_bytes": 1 << 20}).max_inflight_bytes == 1 << 19
     assert s.host_bytes == DEFAULT_HOST_BYTES and s.disk_path is None and s.shared is None
-    cfg = s.manager_config(KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu"))
+    cfg = s.manager_config(KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu", SPECS))
     assert [t.kind for t in cfg.tiers] == ["gpu"] and cfg.tokens_per_block == 32
     assert [layer.bytes_per_token for layer in cfg.layers] == [2 * 64 * 2 * 4] * 2
     assert cfg.enable_partial_reuse is False
@@ -49,7 +53,7 @@ def test_defaults_host_tier_only() -> None:
 
 
 def test_tiers_and_namespace_carry_the_model_and_the_layout(tmp_path) -> None:
-    layout = KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 3)), "cpu")
+    layout = KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 3)), "cpu", SPECS)
     s = ConnectorSettings.parse({"host_bytes": 1 << 20, "disk_path": str(tmp_path / "d"), "disk_bytes": 1 << 22,
                                  "shared": str(tmp_path / "s"), "shared_namespace": "m@1"})
     cfg = s.manager_config(layout, identity_tag="model:ab12")
@@ -139,7 +143,7 @@ def test_hybrid_groups_map_onto_kvcm_life_cycles_of_their_kind() -> None:
     # Gemma-3 under vLLM's hybrid manager: three sliding groups and one full group of one layer each
     cfg_in = hybrid_config((SlidingWindowSpec, 1, 64), (SlidingWindowSpec, 1, 64), (SlidingWindowSpec, 1, 64),
                            (FullAttentionSpec, 1, None))
-    layout = KvLayout.from_kv_cache_config(cfg_in, "cpu")
+    layout = KvLayout.from_kv_cache_config(cfg_in, "cpu", SPECS)
     assert layout.hybrid and layout.num_groups == 4 and layout.groups == (0, 1, 2, 3)
     assert layout.lc_groups == ((0, 1, 2), (3,))  # one kvcm life cycle per kind: window 64, then full
     cfg = ConnectorSettings.parse(None).manager_config(layout)
@@ -150,21 +154,32 @@ def test_hybrid_groups_map_onto_kvcm_life_cycles_of_their_kind() -> None:
     mgr.shutdown()
     assert "SlidingWindowSpec:2x64:float32:W64:L1+" in layout.describe
     # all sliding (Mistral): one group, windowed
-    mistral = KvLayout.from_kv_cache_config(hybrid_config((SlidingWindowSpec, 2, 64)), "cpu")
+    mistral = KvLayout.from_kv_cache_config(hybrid_config((SlidingWindowSpec, 2, 64)), "cpu", SPECS)
     assert mistral.hybrid and mistral.lc_groups == ((0,),) and mistral.windows == (64, 64)
     # one full group: the layout of before (not hybrid; block-level load errors as before)
-    full = KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu")
+    full = KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu", SPECS)
     assert not full.hybrid and full.lc_groups == ((0,),) and full.groups == ()
     assert ConnectorSettings.parse(None).manager_config(full).pool_ratio is None
 
 
 def test_unsupported_groups_are_refused_naming_the_kind() -> None:
     with pytest.raises(ValueError, match=r"not MambaSpec \(group 0: 2 layers\)"):
-        KvLayout.from_kv_cache_config(hybrid_config((MambaSpec, 2, None), (FullAttentionSpec, 2, None)), "cpu")
+        KvLayout.from_kv_cache_config(hybrid_config((MambaSpec, 2, None), (FullAttentionSpec, 2, None)), "cpu", SPECS)
+
+
+def test_spec_kinds_are_matched_by_class_not_by_name() -> None:
+    """A class named like vLLM's is not vLLM's (matched with isinstance), and a subclass of a
+    supported one (MLA, sinks) is a kind of its own: refused, naming it."""
+    impostor = type("FullAttentionSpec", (SimpleNamespace,), {})
+    with pytest.raises(ValueError, match=r"not FullAttentionSpec \(group 0"):
+        KvLayout.from_kv_cache_config(hybrid_config((impostor, 2, None)), "cpu", SPECS)
+    mla = type("MLAAttentionSpec", (FullAttentionSpec,), {})
+    with pytest.raises(ValueError, match=r"not MLAAttentionSpec \(group 0"):
+        KvLayout.from_kv_cache_config(hybrid_config((mla, 2, None)), "cpu", SPECS)
 
 
 def layout2() -> KvLayout:
-    return KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu")
+    return KvLayout.from_kv_cache_config(kv_cache_config((FullAttentionSpec, 2)), "cpu", SPECS)
 
 
 PAGE = 2 * 32 * 2 * 64 * 2 * 4  # 2 layers x 32 tokens x 2 kv heads x 64 x (K, V) x fp32 = 65,536

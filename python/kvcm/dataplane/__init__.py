@@ -135,7 +135,9 @@ Modules (one job each)
 * :mod:`kvcm.dataplane.store`: the store interface, object codec, staging buffer, file store;
 * :mod:`kvcm.dataplane.mooncake_store`: the Mooncake Store client (optional dependency).
 
-The parts depend downwards only (``plane > copy_runs > shared_io > pools | copy_stats``)
+* :mod:`kvcm.dataplane.store_client`: :class:`StoreClient`, the shared tier's existence
+  queries without pools (a side that moves no bytes: vLLM's scheduler);
+The parts depend downwards only (``plane | store_client > copy_runs > shared_io > pools | copy_stats``)
 and call one another's public methods only; the stores (``store``, ``mooncake_store``) and
 ``disk_pool`` know nothing of kvcm's managers (import contracts in pyproject.toml).
 """
@@ -143,6 +145,7 @@ and call one another's public methods only; the stores (``store``, ``mooncake_st
 from kvcm.dataplane.copy_stats import COPY_REASONS
 from kvcm.dataplane.disk_pool import DiskPool, remove_stale_pool_files
 from kvcm.dataplane.plane import DataPlane
+from kvcm.dataplane.store_client import StoreClient
 from kvcm.dataplane.store_factory import open_store
 
-__all__ = ["COPY_REASONS", "DataPlane", "DiskPool", "open_store", "remove_stale_pool_files"]
+__all__ = ["COPY_REASONS", "DataPlane", "DiskPool", "StoreClient", "open_store", "remove_stale_pool_files"]

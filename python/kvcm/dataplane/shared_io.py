@@ -36,11 +36,12 @@ class SharedIO:
     the one the tier's path names; ``None`` without a shared tier or once closed), the
     codec of its objects, the deadline of one store call (``timeout_s``: default the
     store's) and the store secret (``secret``: default the config's or the environment's);
-    pages gathered from and scattered into ``pools``, completed ops counted in ``stats``.
+    pages gathered from and scattered into ``pools``, completed ops counted in ``stats``
+    (both None for a client that only asks what exists: :class:`~kvcm.dataplane.StoreClient`).
     The arguments are those of :class:`~kvcm.dataplane.DataPlane` (``store=``,
     ``shared_timeout_s=``, ``shared_secret=``)."""
 
-    def __init__(self, config: KVCacheManagerConfig, rc: ResolvedConfig, pools: Pools, stats: CopyStats, *,
+    def __init__(self, config: KVCacheManagerConfig, rc: ResolvedConfig, pools: Pools | None, stats: CopyStats | None, *,
                  store: SharedStore | None = None, timeout_s: float | None = None,
                  secret: bytes | str | None = None) -> None:
         self._pools = pools

@@ -33,7 +33,7 @@ from kvcm.integrations.vllm.handover import Handover, Role
 from kvcm.integrations.vllm.identity import ModelSource, request_problem, request_scope
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata
 from kvcm.integrations.vllm.scheduler import KvcmScheduler
-from kvcm.integrations.vllm.settings import KvLayout
+from kvcm.integrations.vllm.settings import KvLayout, SpecClasses
 from kvcm.integrations.vllm.stats import LATEST, KvcmConnectorStats, KvcmPromMetrics
 from kvcm.integrations.vllm.worker import KvcmWorker
 
@@ -81,7 +81,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
                              f"(pipeline_parallel_size={par.pipeline_parallel_size})")
         from vllm.platforms import current_platform
 
-        layout = KvLayout.from_kv_cache_config(kv_cache_config, current_platform.device_type)
+        layout = KvLayout.from_kv_cache_config(kv_cache_config, current_platform.device_type, SpecClasses.of_vllm())
         world = par.tensor_parallel_size
         # the host's paths, the sizes against vLLM's block, the model's identity for the shared
         # tier: computed from the same files by the scheduler and by every rank, so all of them

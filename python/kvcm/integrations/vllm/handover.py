@@ -187,10 +187,10 @@ class Handover:
                 return self.sched.get_num_new_matched_tokens(request, n_local)
             # what this instance will load: the prompt's full blocks before its last token
             need = min(n, (len(request.all_token_ids) - 1) // self.B * self.B)
-            if need <= n_local or not self.sched.lookup_planes or self.sched.skip(request):
+            if need <= n_local or not self.sched.offload.lookups or self.sched.skip(request):
                 self._count("handover_accepted")
                 return self.sched.get_num_new_matched_tokens(request, n_local)
-            cands = self.sched.mgr.shared_candidates(list(request.all_token_ids[:need]), self.sched.scope(request))
+            cands = self.sched.offload.candidates(list(request.all_token_ids[:need]), self.sched.scope(request))
             self._count("handover_accepted")
             self._count("handover_tokens_announced", need)
             w = _Wait(set(cands), self.clock() + self.wait_s, need)
@@ -238,13 +238,9 @@ class Handover:
             return
         self.polled_step, self.polled_at = step, now
         self.queries += 1
-        found: set[tuple[bytes, int]] | None = None
-        cands = sorted(missing)
-        for plane in self.sched.lookup_planes:  # every rank's shard must be there
-            got = set(plane.shared_lookup(cands))
-            found = got if found is None else found & got
+        found = self.sched.offload.stored(sorted(missing))  # every rank's shard must be there
         for w in self.waiting.values():
-            w.missing -= found or set()
+            w.missing -= found
 
     # ------------------------------------------------------------------ the producer
 

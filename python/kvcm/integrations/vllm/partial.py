@@ -65,20 +65,22 @@ def plan_tail(sched: Any, m: Any) -> SavePlan | None:
     blk = sched._block(m, 0, f)
     if blk is None:
         return None
-    if kv.capacity < k and not kv.resize(k):
+    prepared = sched.offload.prepare_store(kv, f, f + 1, tokens=k)  # the capacity grown to k tokens
+    if prepared is None:
         return None
     sched.version += 1
-    slot = kv.page_indices(0)[f]
-    if slot < 0:
+    if not prepared.slots[0]:  # no page for it (-1)
         return None
-    p = SavePlan(sched._id(), m.rid, [blk], [slot], lc=0)
+    p = SavePlan(sched._id(), m.rid, [blk], [prepared.slots[0][0][1]], lc=0)
     m.tail = k
     return p
 
 
-def commit_tail(m: Any, B: int) -> int:
+def commit_tail(m: Any, offload: Any) -> int:
     """Commit the partial tail once its block's save is confirmed and every whole block
-    before it is committed; returns the tokens committed (0: not yet, or nothing)."""
+    before it is committed (through the seam, ``offload``: ``kvcm.offload.OffloadManager``);
+    returns the tokens committed (0: not yet, or nothing)."""
+    B = offload.block_size
     kv = m.kv
     k = getattr(m, "tail", 0)
     if not k or kv is None or kv.status.name != "ACTIVE":
@@ -87,7 +89,7 @@ def commit_tail(m: Any, B: int) -> int:
     if m.committed != f or f not in m.confirmed or kv.num_committed_tokens >= k:
         return 0
     n = k - kv.num_committed_tokens
-    kv.commit(list(m.request.all_token_ids[kv.num_committed_tokens:k]))
+    offload.complete_store(kv, m.request.all_token_ids[kv.num_committed_tokens:k])
     m.confirmed.discard(f)
     m.tail = 0
     return n

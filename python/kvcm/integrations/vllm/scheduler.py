@@ -1,10 +1,12 @@
-"""``KvcmScheduler``: the scheduler side of the connector (vLLM's scheduler process).
+"""``KvcmScheduler``: the scheduler side of the connector (vLLM's scheduler process): an
+adapter from vLLM's scheduler hooks to kvcm's offload seam.
 
-It owns kvcm's manager and mirrors each vLLM request that runs into a kvcm request (a
-:class:`Mirror`), whose pages live in kvcm's tier 0 (host memory), then disk, then the
-shared store (DECISIONS.md "vLLM connector").  The engine side of kvcm's protocol goes
-through :class:`kvcm.engine_loop.EngineLoop` (the half that owns the manager: probe, admit
-without syncing, drain, report; the workers' loops apply).  It imports nothing of vLLM:
+It owns kvcm's manager and tracks each vLLM request that runs as a kvcm request (a
+:class:`~kvcm.integrations.vllm.tracker.RequestTracker`), whose pages live in kvcm's tier 0
+(host memory), then disk, then the shared store (DECISIONS.md "vLLM connector").  Every
+manager call goes through :class:`kvcm.offload.OffloadManager` (over the engine loop's
+manager side, :class:`kvcm.engine_loop.ManagerLoop`, whose store lookups are one pool-less
+``StoreClient`` per rank; the workers' ``PlaneLoop`` applies).  It imports nothing of vLLM:
 the requests and scheduler outputs it reads are duck-typed (``request_id``, ``all_token_ids``,
 ``num_computed_tokens``; ``num_scheduled_tokens``, ``preempted_req_ids``,
 ``total_num_scheduled_tokens``, ``kv_connector_block_state`` or the new / cached request
@@ -13,25 +15,25 @@ data), so tests drive it without an engine.
 Per step (vLLM's order; under async scheduling vLLM builds step N+1 before it hands over
 the workers' output of step N, and nothing here depends on that output being in):
 
-* ``get_num_new_matched_tokens`` (a waiting request, maybe several times): a probe without
-  side effects (``EngineLoop.probe``) — the store's existence query (cached per request and
-  prompt length), then ``probe_reuse_detail(prompt[:-1], shared_hits=...)``.  The answer is
-  the whole blocks kvcm holds past vLLM's local hit; asynchronous when one of them must
-  first come from disk or the store (``load_mode``).
-* ``update_state_after_alloc``: the kvcm request is admitted (``EngineLoop.admit`` with the
-  probe's hits, ``sync=False``: created, resumed, closed if refused), and the load is
-  planned (kvcm tier-0 slots -> the vLLM blocks just allocated).
-* ``build_connector_meta``: saves are planned for the blocks full after the step (bounded by
-  ``max_inflight_bytes``), preemptions and finished requests holding blocks are passed on,
-  then ONE drain (``EngineLoop.drain``; drains are settled explicitly, oldest first).
+* ``get_num_new_matched_tokens`` (a waiting request, maybe several times): the seam's
+  ``lookup`` (no side effects) with the store's answer (``store_hits``: cached per request and
+  prompt length).  The answer is the whole blocks kvcm holds past vLLM's local hit;
+  asynchronous when one of them must first come from disk or the store (``load_mode``).
+* ``update_state_after_alloc``: ``prepare_load`` admits the kvcm request with the lookup's
+  hits (created, resumed, closed if refused), and the load is planned (kvcm tier-0 slots ->
+  the vLLM blocks just allocated).
+* ``build_connector_meta``: saves are planned for the blocks full after the step
+  (``prepare_store``, bounded by ``max_inflight_bytes``), preemptions and finished requests
+  holding blocks are passed on, then ONE drain (``drain``; drains are settled explicitly,
+  oldest first).
 * ``update_connector_output``: the workers' reports, once every rank made its report: drains
-  are settled (``EngineLoop.report``: ``settle_copies``, roll-backs), loads counted as
-  delivered or failed, confirmed saves committed (a block enters kvcm's tree only after
-  its bytes are written).
+  are settled (``complete_copies``: ``settle_copies``, roll-backs, ``touch`` to go on), loads
+  counted as delivered or failed, confirmed saves committed (``complete_store``: a block
+  enters kvcm's tree only after its bytes are written).
 * ``request_finished``: True while saves of the request are in flight (vLLM keeps its blocks
   until every worker reports it in ``finished_sending``).
 
-A mirror's kvcm request closes only when none of its transfers is in flight.
+A tracker's kvcm request closes (``release``) only when none of its transfers is in flight.
 """
 
 from __future__ import annotations
@@ -45,13 +47,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import kvcm
-from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig, Tier
-from kvcm.dataplane import DataPlane
-from kvcm.engine_loop import ASK, EngineLoop
+from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig
+from kvcm.dataplane import StoreClient
+from kvcm.engine_loop import ASK, ManagerLoop
 from kvcm.integrations.vllm import partial
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
-from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, shard_config
 from kvcm.integrations.vllm.stats import process_stats
+from kvcm.integrations.vllm.tracker import RequestTracker
+from kvcm.offload import Lookup, OffloadManager
 
 UNREADABLE_MAX = 1 << 16  # store objects remembered as unreadable (32-byte keys: ~6 MiB at most)
 UNREADABLE_STEPS = 2048  # engine steps an unreadable object is not promised (then tried again: a store recovers)
@@ -59,15 +63,6 @@ SEEN_MAX = 1 << 16  # block keys of prefixes computed (sliding windows: shared-p
 LC = 0  # the life cycle of a model with one full-attention group (KvLayout.lc_groups: one per kind)
 TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
 MEDIA = ("CPU", "CPU", "STORAGE", "SHARED")  # event medium by kvcm tier number (tier 0: host memory)
-
-
-def shard_config(config: KVCacheManagerConfig, rank: int) -> KVCacheManagerConfig:
-    """The config of rank ``rank``'s data plane: its shared objects are named with its rank
-    (the manager's namespace ``...|tp<world>`` + ``/r<rank>``), so the ranks' shards of one
-    block are distinct objects and a block is a shared hit only when all of them exist."""
-    if not config.shared_namespace:
-        return config
-    return replace(config, shared_namespace=f"{config.shared_namespace}/r{rank}")
 
 
 @dataclass
@@ -79,46 +74,15 @@ class Probe:
     n_local: int
     answer: int
     is_async: bool
-    hits: Any
+    found: Lookup | None  # the seam's lookup (None: not looked up, a prompt of one block at most)
     tiers: list[int]  # the coldest tier of each block's pages (0: kvcm's tier 0, host memory)
     scope: Any = None  # the request's kvcm ReuseScope (None: the default scope)
     junction: int = 0  # sliding windows: blocks of the prompt computed before (by any request) past the hit
 
 
 @dataclass
-class Mirror:
-    """The scheduler's mirror of one vLLM request: a kvcm request and what is in flight."""
-
-    rid: str
-    request: Any  # vLLM's Request (its all_token_ids grow as it decodes)
-    kv: Any  # the kvcm cache; None once closed (or never opened)
-    serial: int
-    committed: int = 0  # blocks [0, committed) are committed in kvcm (matched or saved and confirmed)
-    planned: int = 0  # blocks [0, planned): committed, or a save of them is in flight
-    confirmed: set[int] = field(default_factory=set)  # blocks >= committed whose save is confirmed
-    epoch: int = 0  # bumped when in-flight saves stop counting (a roll-back, a failed load)
-    loads: set[int] = field(default_factory=set)  # load ids in flight
-    saves: dict[int, int] = field(default_factory=dict)  # save id in flight -> its epoch
-    drain_dep: int = 0  # the drain its creation onboarded into (settled before it closes)
-    tables: list[list[int]] = field(default_factory=list)  # vLLM's blocks of the request per KV cache
-    # group (last seen; 0: vLLM's null block, e.g. outside a sliding window)
-    stopped: bool = False  # no more saves (tier 0 full, a failed save, roll-back not resumable)
-    retiring: bool = False  # finished or preempted: closes once nothing is in flight
-    held: bool = False  # request_finished answered True
-    load_failed: bool = False  # a load of it failed (hybrid: reported by request)
-    junction: int = 0  # sliding windows: a shared prefix's end (blocks) whose window is saved (_plan_saves)
-    tail: int = 0  # partial_tail: the tokens its trailing partial block's save in flight covers
-
-
-    @property
-    def block_ids(self) -> list[int]:
-        """vLLM's blocks of the first KV cache group (the only one without the hybrid manager)."""
-        return self.tables[0] if self.tables else []
-
-
-@dataclass
 class LoadInfo:
-    mirror: Mirror
+    mirror: RequestTracker
     n: int
     sync: bool
     slots: list[int]
@@ -132,7 +96,7 @@ class LoadInfo:
 
 @dataclass
 class SaveInfo:
-    mirror: Mirror
+    mirror: RequestTracker
     first: int  # blocks [first, end) of the request
     end: int
     epoch: int
@@ -196,28 +160,25 @@ class KvcmScheduler:
         self.partial = partial.enabled(settings.partial_tail, layout, settings.shared) and self.config.enable_partial_reuse
         self.pending_tail_saves: list[SavePlan] = []  # planned by request_finished (deferred blocks, a partial tail): the next step's saves
         self.mgr = kvcm.KVCacheManager(self.config, backend=settings.backend)
-        self.lookup_planes: list[DataPlane] = []
+        # the store's existence queries: one client per rank (no pools; the store, the deadline
+        # and the fault rules of the data plane), naming objects as that rank's worker does
+        self.store_clients: list[StoreClient] = []
         if settings.shared is not None:
-            # lookups only: one plane per rank (one tier-0 slot; the store, the deadline and
-            # the fault rules of the data plane), named as that rank's worker names objects
-            slot = self.page_bytes
-            for rank in range(world):
-                cfg = KVCacheManagerConfig(self.B, self.config.layers, [Tier("gpu", slot), self.config.tiers[-1]],
-                                           enable_partial_reuse=False, shared_write=settings.shared_write,
-                                           shared_namespace=self.config.shared_namespace)
-                self.lookup_planes.append(DataPlane(shard_config(cfg, rank), store=settings.make_store(),
-                                                    shared_timeout_s=settings.shared_timeout_s))
-        # the engine side of the protocol, the half that owns the manager (the workers apply)
-        self.loop = EngineLoop(self.mgr, lookup_planes=self.lookup_planes)
-        self.mirrors: dict[str, Mirror] = {}  # by request id: the live mirror of a request
-        self.retiring: dict[int, Mirror] = {}  # by serial: finished or preempted, transfers in flight
-        self.by_cache: dict[Any, Mirror] = {}  # kvcm cache id -> mirror
+            self.store_clients = [StoreClient(shard_config(self.config, rank), store=settings.make_store(),
+                                              shared_timeout_s=settings.shared_timeout_s) for rank in range(world)]
+        # the offload seam over the manager (kvcm.offload): every manager call of the adapter
+        # goes through its verbs (the engine loop's manager side inside; the workers apply)
+        self.loop = ManagerLoop(self.mgr, lookups=self.store_clients)
+        self.offload = OffloadManager(self.loop)
+        self.mirrors: dict[str, RequestTracker] = {}  # by request id: the live mirror of a request
+        self.retiring: dict[int, RequestTracker] = {}  # by serial: finished or preempted, transfers in flight
+        self.by_cache: dict[Any, RequestTracker] = {}  # kvcm cache id -> mirror
         self.probes: dict[str, Probe] = {}
         self.sources: dict[str, Counter[int]] = {}  # request -> tokens to load by planned tier (this step)
         self.hit_cache: dict[str, tuple[int, Any]] = {}  # request -> (prompt length, the store's hits)
         self.pending_loads: list[LoadPlan] = []  # planned since the last step's metadata
         self.pending_holds: list[str] = []
-        self.created: list[Mirror] = []  # created since the last drain
+        self.created: list[RequestTracker] = []  # created since the last drain
         self.loads: dict[int, LoadInfo] = {}
         self.saves: dict[int, SaveInfo] = {}
         self.drain_seq = 0  # the last non-empty drain
@@ -299,19 +260,19 @@ class KvcmScheduler:
         prefix = list(tokens[:-1])
         hits = self._known_hits(rid, prefix)
         if hits is ASK:
-            hits = self.loop.shared_hits(prefix, scope)
+            hits = self.offload.store_hits(prefix, scope)
             self._remember_hits(rid, prefix, hits)
         if hits and self.unreadable:  # objects a load could not read are not promised again
             hits = [h for h in hits if not self._is_unreadable(h)]
-        p, hits = self.loop.probe(prefix, scope, shared_hits=hits)
-        tiers = list(p.block_tiers)
-        hit = p.num_tokens // self.B
-        answer = partial.answer(p.num_tokens, n_local, self.B, self.partial)
+        found = self.offload.lookup(prefix, scope, hits=hits)
+        tiers = list(found.block_tiers)
+        hit = found.tokens // self.B
+        answer = partial.answer(found.tokens, n_local, self.B, self.partial)
         if rid in self.no_load:
             answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
         is_async = answer > 0 and self._load_async(rid, tiers[n_local // self.B:hit])
         junction = self._shared_blocks(prefix, scope) if self.seen is not None else 0
-        self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, hits, tiers[:hit], scope,
+        self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, found, tiers[:hit], scope,
                                  junction if junction * self.B > max(hit * self.B, n_local) else 0)
         self.memo[rid] = (key, (answer, is_async))
         return answer, is_async
@@ -363,7 +324,7 @@ class KvcmScheduler:
         return cached[1] if cached is not None and cached[0] == len(prefix) else ASK
 
     def _remember_hits(self, rid: str, prefix: list[int], hits: Any) -> None:
-        if not self.lookup_planes:
+        if not self.store_clients:
             return
         self._count("lookups")
         self.counters["lookup_tokens"] += len(prefix)
@@ -400,7 +361,7 @@ class KvcmScheduler:
         prefix = list(request.all_token_ids[:-1])
         # created with the probe's hits, resumed; closed when tier 0 is full of locked pages
         # (then not mirrored: its load, if any, fails and vLLM recomputes)
-        kv = self.loop.admit(prefix, probe.scope, sync=False, shared_hits=probe.hits)
+        kv = self.offload.prepare_load(prefix, probe.scope, probe.found)
         if kv is None:
             self._count("mirror_stops")
         else:
@@ -409,16 +370,14 @@ class KvcmScheduler:
             return
         matched = kv.num_committed_tokens // self.B if kv is not None else 0
         self.serial += 1
-        m = Mirror(rid, request, kv, self.serial, committed=matched, planned=matched, tables=tables)
+        m = RequestTracker(rid, request, kv, self.serial, committed=matched, planned=matched, tables=tables)
         if probe.junction * self.B > max(matched * self.B, probe.n_local):
             m.junction = probe.junction  # its window is saved as the prompt is computed (_plan_saves)
         if self.seen is not None:
             self._see(request.all_token_ids, probe.scope)  # later prompts sharing it: a junction
         self.counters["mirrors"] += 1
         self.counters["matched_blocks"] += matched
-        if kv is None:
-            m.stopped = True
-        else:
+        if kv is not None:  # (a tracker without a kvcm request saves nothing: RequestTracker)
             self.by_cache[kv.id] = m
         self.mirrors[rid] = m
         self.created.append(m)
@@ -499,7 +458,7 @@ class KvcmScheduler:
         self._retire(m)
         return hold
 
-    def _save_deferred(self, m: Mirror, request: Any) -> None:
+    def _save_deferred(self, m: RequestTracker, request: Any) -> None:
         """The full blocks of a finished request whose saves the in-flight bound deferred:
         planned now, past the bound (vLLM keeps the request's blocks while they are in flight;
         a deferral must not become a miss — with a turn's requests together, bounded saves
@@ -516,7 +475,7 @@ class KvcmScheduler:
             self.pending_tail_saves += fin.saves
             self._count("saves_at_finish", sum(len(p.blocks) for p in fin.saves))
 
-    def _save_tail(self, m: Mirror) -> None:
+    def _save_tail(self, m: RequestTracker) -> None:
         """partial_tail: the save of a finished request's trailing partial block (in the
         next step's metadata, with its hold; module ``partial``)."""
         p = partial.plan_tail(self, m)
@@ -567,7 +526,7 @@ class KvcmScheduler:
             if m.stopped or m.kv is None:
                 continue
             self._plan_saves(m, min(after // self.B, min(len(t) for t in m.tables)), meta, after)
-        runs = self.loop.drain()
+        runs = self.offload.drain()
         flushed = self.undrained
         self.undrained = False
         if any(len(r) for r in runs):
@@ -589,7 +548,7 @@ class KvcmScheduler:
             self.write_stats()
         return meta
 
-    def _block(self, m: Mirror, lc: int, i: int) -> Any:
+    def _block(self, m: RequestTracker, lc: int, i: int) -> Any:
         """vLLM's block(s) of block ordinal ``i`` in life cycle ``lc``: an id (one group), a
         tuple (one id per group of the life cycle), or None when vLLM holds none (null block:
         outside a sliding window, or past the table)."""
@@ -602,7 +561,7 @@ class KvcmScheduler:
             ids.append(t[i])
         return ids[0] if len(ids) == 1 else tuple(ids)
 
-    def _plan_saves(self, m: Mirror, full: int, meta: KvcmConnectorMetadata, after: int = 0,
+    def _plan_saves(self, m: RequestTracker, full: int, meta: KvcmConnectorMetadata, after: int = 0,
                     bounded: bool = True) -> None:
         """Saves of the blocks ``[planned, full)`` (full once this step ran), within the
         in-flight bound (``bounded``): blocks past it are planned in a later step.  ``after``:
@@ -621,7 +580,7 @@ class KvcmScheduler:
             return
         end = m.planned + n
         self.version += 1  # pages allocated (maybe evicting others)
-        hist = max(m.kv.history_length, min(after, end * self.B)) if self.hybrid else None
+        hist = min(after, end * self.B) if self.hybrid else None  # at least (the seam keeps kvcm's if more)
         if m.junction and m.planned < m.junction <= end:
             # a shared prefix ends at block j = m.junction (another request computed it; kvcm
             # holds not the window ending there: it was out of the window once that request's
@@ -629,20 +588,16 @@ class KvcmScheduler:
             # too (one request per shared prefix pays this: the next ones hit there), when vLLM
             # still holds it (saves deferred past the step that computed it: it may not)
             if self._holds_window(m, m.junction):
-                hist = max(m.kv.history_length, m.junction * self.B)
+                hist = m.junction * self.B
             else:
                 m.junction = 0
-        if m.kv.capacity < end * self.B and not m.kv.resize(end * self.B, hist):
+        prepared = self.offload.prepare_store(m.kv, m.planned, end, hist)
+        if prepared is None:
             self._stop(m)  # tier 0 cannot hold it: what is committed stays
             return
-        if hist is not None and hist > m.kv.history_length and not m.kv.resize(m.kv.capacity, hist):
-            self._stop(m)
-            return
-        wanted = []  # per life cycle: (ordinal, kvcm slot) of the blocks kvcm keeps a page of
-        for lc in range(len(self.lc_groups)):
-            slots = m.kv.page_indices(lc, m.planned, end)  # the new blocks only (no per-block O(length) read)
-            wanted.append([(i, s) for i, s in enumerate(slots, m.planned) if s >= 0])  # -1: stale
-            for i, _ in wanted[-1]:
+        wanted = [list(want) for want in prepared.slots]  # per life cycle: (ordinal, kvcm slot) kvcm keeps a page of
+        for lc, want in enumerate(wanted):
+            for i, _ in want:
                 if self._block(m, lc, i) is None:  # kvcm wants a page vLLM no longer holds: stop before it
                     end = min(end, i)
                     break
@@ -671,7 +626,7 @@ class KvcmScheduler:
         if window and self.hybrid and m.rid not in meta.window_saves:
             meta.window_saves.append(m.rid)
         if not first:  # every block of the range is outside a window: nothing to store, committed as is
-            m.confirmed.update(range(m.planned, end))
+            m.confirm(m.planned, end)
             self._commit(m)
         else:  # the blocks of windowed life cycles kvcm leaves out (stale once this step ran)
             self._count("window_blocks_skipped", sum(end - m.planned - len([i for i, _ in want if i < end])
@@ -679,9 +634,9 @@ class KvcmScheduler:
         self._count("save_blocks_planned", end - m.planned)
         if m.junction and m.planned < m.junction <= end:
             self._count("junction_windows")
-        m.planned = end
+        m.plan_to(end)
 
-    def _holds_window(self, m: Mirror, j: int) -> bool:
+    def _holds_window(self, m: RequestTracker, j: int) -> bool:
         """vLLM holds every block from ``m.planned`` that the windows ending at block ``j`` need."""
         for lc, lcg in enumerate(self.lc_groups):
             w = self.layout.window_of_group(lcg[0])
@@ -755,7 +710,7 @@ class KvcmScheduler:
             del self.drain_reports[seq]
             failed = _union(reps.values())
             self._unreadable(failed, self.drain_stores.pop(seq, ()))
-            rolled = self.loop.report(failed)  # settle_copies (explicit settlement)
+            rolled = self.offload.complete_copies(failed)  # settle_copies (explicit settlement)
             self.version += 1
             self.settled = seq
             self.inflight_bytes -= self.drain_bytes.pop(seq, 0)
@@ -799,15 +754,13 @@ class KvcmScheduler:
         del self.unreadable[key]  # long enough: tried again
         return False
 
-    def _rolled_back(self, m: Mirror) -> None:
+    def _rolled_back(self, m: RequestTracker) -> None:
         """kvcm forgot a page the request used (a failed copy): its kvcm request is
         SUSPENDED at its re-match.  Saves in flight stop counting; blocks past the re-match
         are saved again from vLLM (which recomputes those whose load failed) as it runs on."""
         self._count("rollbacks")
-        m.epoch += 1
-        m.confirmed.clear()
-        m.committed = m.planned = m.kv.num_committed_tokens // self.B
-        if m.stopped or m.retiring or not self.loop.resume(m.kv, sync=False):
+        m.roll_back(m.kv.num_committed_tokens // self.B)
+        if m.stopped or m.retiring or not self.offload.touch(m.kv):
             self._stop(m)
         else:
             self.created.append(m)  # resume may onboard pages: the next drain fills them
@@ -849,12 +802,8 @@ class KvcmScheduler:
         the failed block and recomputes from there)."""
         for m in list(self.mirrors.values()) + list(self.retiring.values()):
             j = next((i for i, b in enumerate(m.block_ids) if b in bad_blocks), None)
-            if j is None or m.planned <= max(j, m.committed):
-                continue
-            self._count("taints")
-            m.epoch += 1
-            m.confirmed = {k for k in m.confirmed if k < j}
-            m.planned = max(m.committed, min(m.planned, j))
+            if j is not None and m.taint(j):
+                self._count("taints")
 
     def _save_done(self, sid: int, info: SaveInfo, touched: set[int]) -> None:
         del self.saves[sid]
@@ -876,13 +825,13 @@ class KvcmScheduler:
             return
         if ok:
             self._count("saved_blocks", n)
-            m.confirmed.update(range(info.first, info.end))
+            m.confirm(info.first, info.end)
             self._commit(m)
         else:  # a save that fails is dropped: nothing at or past it is committed
             self._count("save_failed_blocks", n)
             self._stop(m)
 
-    def _commit(self, m: Mirror) -> None:
+    def _commit(self, m: RequestTracker) -> None:
         """Commit the confirmed blocks that follow the committed ones, as far as their tokens
         are known (under async scheduling a step's last token may not be yet)."""
         if m.kv is None or m.kv.status.name != "ACTIVE":
@@ -897,13 +846,12 @@ class KvcmScheduler:
             # from kvcm's committed count: a match that ended inside block m.committed
             # (partial_tail) committed part of it already
             tokens = m.request.all_token_ids[m.kv.num_committed_tokens:end * self.B]
-            m.kv.commit(list(tokens))
+            self.offload.complete_store(m.kv, tokens)
             self.version += 1
             self.undrained = True
-            m.confirmed -= set(range(m.committed, end))
-            m.committed = end
+            m.commit_to(end)
         if m.tail:
-            n = partial.commit_tail(m, self.B)
+            n = partial.commit_tail(m, self.offload)
             if n:
                 self.version += 1
                 self.undrained = True
@@ -911,31 +859,30 @@ class KvcmScheduler:
 
     # ------------------------------------------------------------------ mirror lifetime
 
-    def _stop(self, m: Mirror) -> None:
+    def _stop(self, m: RequestTracker) -> None:
         """No more saves for this request (what is committed stays)."""
-        if not m.stopped:
+        if m.stop():
             self._count("mirror_stops")
-        m.stopped = True
 
-    def _retire(self, m: Mirror) -> None:
-        m.retiring = True
+    def _retire(self, m: RequestTracker) -> None:
+        m.retire()
         if self.seen is not None:  # what it computed: later prompts sharing it find a junction
             self._see(m.request.all_token_ids[:m.request.num_computed_tokens], self.scope(m.request))
         self._commit(m)
         self.retiring[m.serial] = m
         self._maybe_close(m)
 
-    def _maybe_close(self, m: Mirror) -> None:
+    def _maybe_close(self, m: RequestTracker) -> None:
         """Close the kvcm request of a retiring mirror once none of its transfers is in
         flight (loads, saves, the drain that onboarded its pages)."""
-        if m.loads or m.saves or m.drain_dep > self.settled:
+        if not m.idle(self.settled):
             return
         self._commit(m)
-        if m.kv is not None:
+        kv = m.close()
+        if kv is not None:
             self.version += 1
-            self.by_cache.pop(m.kv.id, None)
-            m.kv.close()
-            m.kv = None
+            self.by_cache.pop(kv.id, None)
+            self.offload.release(kv)
             self.kv_open -= 1
         self.retiring.pop(m.serial, None)
         self.stats_dirty = True
@@ -970,7 +917,7 @@ class KvcmScheduler:
         """The manager's events of the step: to kvcm's publisher and, translated, to vLLM's."""
         if self.publisher is None and self.wire is None:
             return
-        events = self.mgr.take_events()
+        events = self.offload.take_events()
         if self.publisher is not None:
             self.publisher.publish(events)
         if self.wire is not None and events:
@@ -983,7 +930,7 @@ class KvcmScheduler:
     def reset(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``: kvcm drops every reusable
         page it holds locally (the shared store is the fleet's and is left alone)."""
-        self.mgr.clear_reusable()
+        self.offload.reset()
         self.unreadable.clear()  # what kvcm learned of the store is forgotten too: tried again
         self.version += 1
         return True
@@ -996,8 +943,8 @@ class KvcmScheduler:
         data = {"counters": dict(self.counters), "worker": dict(self.worker_counters),
                 "worker_gauges": {str(k): v for k, v in self.worker_gauges.items()}, "seconds": self.seconds,
                 "waits": self.waits, "namespace": self.config.shared_namespace,
-                "pending": self.pending(), "manager": self.mgr.stats(), "process": process_stats(),
-                "lookup": _lookup_stats(self.lookup_planes), "loop": dict(self.loop.counters)}
+                "pending": self.pending(), "manager": self.offload.stats(), "process": process_stats(),
+                "lookup": _lookup_stats(self.store_clients), "loop": dict(self.loop.counters)}
         tmp = f"{path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # kvcm's files are 0600
         with os.fdopen(fd, "w") as f:
@@ -1008,15 +955,15 @@ class KvcmScheduler:
         """The engine stops: kvcm's requests still open close (what they committed stays)."""
         self.write_stats()
         for m in list(self.mirrors.values()) + list(self.retiring.values()):
-            if m.kv is not None:
-                m.kv.close()
-                m.kv = None
+            kv = m.close()
+            if kv is not None:
+                self.offload.release(kv)
         self.mirrors.clear()
         self.retiring.clear()
         if self.publisher is not None:
             self.publisher.close()
-        for plane in self.lookup_planes:
-            plane.close()
+        for client in self.store_clients:
+            client.close()
         self.mgr.shutdown()
 
 
@@ -1042,7 +989,7 @@ class _BlockIds:
                 if ids is not None:
                     self.cached[rid] = ([list(t) for t in ids], rid in resumed)
 
-    def refresh(self, m: Mirror) -> None:
+    def refresh(self, m: RequestTracker) -> None:
         # vLLM 0.32's kv_connector_block_state: every group's table as vLLM holds it now
         # (sliding-window blocks it freed are 0); the new/cached request data would keep them
         if self.state is not None:
@@ -1070,10 +1017,10 @@ def _union(reports: Any) -> list[CopyOp]:
     return [op for op in order for _ in range(most[op])]
 
 
-def _lookup_stats(planes: list[DataPlane]) -> dict[str, int] | None:
-    if not planes:
+def _lookup_stats(clients: list[StoreClient]) -> dict[str, int] | None:
+    if not clients:
         return None
     out: Counter[str] = Counter()
-    for p in planes:
+    for p in clients:
         out.update(p.shared_stats)
     return dict(out)

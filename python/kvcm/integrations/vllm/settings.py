@@ -108,6 +108,31 @@ def key_error(key: str, why: str) -> ValueError:
 
 
 @dataclass(frozen=True)
+class SpecClasses:
+    """vLLM's KV cache spec classes kvcm maps onto its life cycles, matched with ``isinstance``
+    (never by name): ``full`` (``FullAttentionSpec``: every block kept) and ``sliding``
+    (``SlidingWindowSpec``: the window's blocks).  A subclass of either adds what kvcm does not
+    know (MLA's latent page, attention sinks, a rolling window) and is refused like any other
+    kind.  The connector passes vLLM's (:meth:`of_vllm`); the engine-free tests pass stand-ins."""
+
+    full: type
+    sliding: type
+
+    @classmethod
+    def of_vllm(cls) -> SpecClasses:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        return cls(FullAttentionSpec, SlidingWindowSpec)
+
+    def kind_of(self, spec: Any) -> str | None:
+        """``"full"``, ``"sliding"``, or None: a kind kvcm does not map."""
+        for kind, klass in (("full", self.full), ("sliding", self.sliding)):
+            if isinstance(spec, klass):
+                return kind if type(spec) is klass else None  # a subclass: a kind of its own
+        return None
+
+
+@dataclass(frozen=True)
 class KvLayout:
     """vLLM's paged KV cache as kvcm sees it: one kvcm attention layer per vLLM layer, in the
     order of vLLM's KV cache groups and each group's ``layer_names``; a kvcm page of a block is
@@ -168,7 +193,9 @@ class KvLayout:
         return sum(self.block_bytes)
 
     @classmethod
-    def from_kv_cache_config(cls, kv_cache_config: Any, device_type: str) -> KvLayout:
+    def from_kv_cache_config(cls, kv_cache_config: Any, device_type: str, spec_classes: SpecClasses) -> KvLayout:
+        """The layout of vLLM's ``kv_cache_config`` (its groups' ``kv_cache_spec``, kinds
+        matched against ``spec_classes``; ``device_type``: where vLLM's cache lives)."""
         groups = kv_cache_config.kv_cache_groups
         names: list[str] = []
         nbytes: list[int] = []
@@ -178,12 +205,13 @@ class KvLayout:
         B = None
         for gi, g in enumerate(groups):
             spec = g.kv_cache_spec
-            kind = type(spec).__name__
-            if kind == "FullAttentionSpec":
+            kind = type(spec).__name__  # (the class's name, in the store's namespace: never matched on)
+            matched = spec_classes.kind_of(spec)
+            if matched == "full":
                 # a promoted sliding layer (hybrid manager off) keeps its window as an attribute:
                 # it still holds every block, so kvcm treats it as full attention
                 window = None
-            elif kind == "SlidingWindowSpec":
+            elif matched == "sliding":
                 window = int(spec.sliding_window)
             else:
                 raise ValueError(
@@ -499,7 +527,7 @@ class ConnectorSettings:
             # instances share objects only when all of it matches.  The manager's namespace is
             # the same on the scheduler and on every worker (the identity is computed from the
             # same files by each); each worker names its own objects with its rank
-            # (kvcm.integrations.vllm.scheduler.shard_config), and a block is a shared hit only
+            # (shard_config, below), and a block is a shared hit only
             # when every rank's object is there
             namespace = self.namespace(layout, identity_tag, world)
         # several life cycles (a hybrid model): each gets the same share of every tier's bytes
@@ -652,3 +680,13 @@ def _size(n: int) -> str:
     from kvcm.integrations.vllm.identity import size_text
 
     return size_text(n)
+
+
+def shard_config(config: KVCacheManagerConfig, rank: int) -> KVCacheManagerConfig:
+    """The config of rank ``rank``'s data plane and store client (the scheduler's lookups and
+    the worker both use it, so it lives here): its shared objects are named with its rank
+    (the manager's namespace ``...|tp<world>`` + ``/r<rank>``), so the ranks' shards of one
+    block are distinct objects and a block is a shared hit only when all of them exist."""
+    if not config.shared_namespace:
+        return config
+    return dataclasses.replace(config, shared_namespace=f"{config.shared_namespace}/r{rank}")

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from kvcm.api import GPU, SHARED, CopyOp, CopyRun
-from kvcm.engine_loop import EngineLoop
+from kvcm.engine_loop import PlaneLoop
 from kvcm.integrations.vllm.metadata import LoadPlan, SavePlan
 
 logger = logging.getLogger(__name__)
@@ -371,15 +371,13 @@ class _Outcome:
 
 class TransferEngine:
     """One worker thread executing a FIFO of jobs against one data plane (module doc).
-    ``loop``: the engine loop's half that applies copy runs (``EngineLoop(None, plane)``);
+    ``loop``: the engine loop's half that applies copy runs (``PlaneLoop(plane)``);
     its plane holds kvcm's tier 0.  ``copier``: one copier, or one per kvcm life cycle (a
     hybrid model: each life cycle's pages are the blocks of its own vLLM groups); loads and
     saves name their life cycle."""
 
-    def __init__(self, loop: EngineLoop, copier: Any, page_bytes: int,
+    def __init__(self, loop: PlaneLoop, copier: Any, page_bytes: int,
                  fault_hook: Callable[[CopyOp], None] | None = None, name: str = "kvcm-transfer") -> None:
-        if loop.plane is None:
-            raise ValueError("TransferEngine: the engine loop has no data plane")
         self.loop = loop
         plane = self.plane = loop.plane
         self.copiers = list(copier) if isinstance(copier, (list, tuple)) else [copier]

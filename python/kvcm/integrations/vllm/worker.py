@@ -1,7 +1,7 @@
 """``KvcmWorker``: the worker side of the connector (one per vLLM worker: one per
 tensor-parallel rank).  It owns the rank's data plane (kvcm's tier 0 in host memory, its
 disk tier, its store client), the engine loop's half that applies copy runs
-(``EngineLoop(None, plane)``: the scheduler's half drains and reports) and the transfer
+(``PlaneLoop(plane)``: the scheduler's ``ManagerLoop`` drains and reports) and the transfer
 engine (:mod:`kvcm.integrations.vllm.transfer`) whose thread applies them, executes what the
 scheduler planned, and reports back what finished.  It imports nothing of
 vLLM (tests drive it without an engine).
@@ -22,11 +22,10 @@ import torch
 
 from kvcm.api import KVCacheManagerConfig
 from kvcm.dataplane import DataPlane
-from kvcm.engine_loop import EngineLoop
+from kvcm.engine_loop import PlaneLoop
 from kvcm.integrations.vllm.handover import without_stores
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, RankReport
-from kvcm.integrations.vllm.scheduler import shard_config
-from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
+from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, shard_config
 from kvcm.integrations.vllm.stats import process_stats
 from kvcm.integrations.vllm.transfer import CpuCopier, CudaCopier, TransferEngine, page_parts
 
@@ -82,7 +81,7 @@ class KvcmWorker:
             copiers.append(CudaCopier(parts, device) if device.type == "cuda" else CpuCopier(parts))
         s = self.settings
         self.plane = DataPlane(self.config, device="cpu", store=s.make_store(), shared_timeout_s=s.shared_timeout_s)
-        self.engine = TransferEngine(EngineLoop(None, self.plane), copiers if len(copiers) > 1 else copiers[0],
+        self.engine = TransferEngine(PlaneLoop(self.plane), copiers if len(copiers) > 1 else copiers[0],
                                      self.page_bytes, fault_hook=s.fault_hook(), name=f"kvcm-transfer-r{self.rank}")
 
     # ------------------------------------------------------------------ the step
