@@ -20,7 +20,7 @@ several phases on one engine start (an engine start costs about a minute on two 
 * a second random-weight model of the same shapes (another seed), without kvcm and then with
   kvcm on the store a and b filled, under the same ``shared_namespace``: it must read none of
   their objects (the connector names objects by the model's weights);
-* configuration errors caught while vLLM builds its config, before the model loads, in one
+* configuration errors caught where vLLM hands the config to the connector, in one
   line naming the key;
 * the README's ``LLM(...)`` example, which prints kvcm's hit (its server walk-through:
   tests/engines/test_vllm_walkthrough.py).
@@ -517,13 +517,6 @@ def test_vllm_internals_the_connector_relies_on() -> None:
                     "get_kv_connector_stats()", "build_connector_worker_meta()")
     assert in_order(src(gpu_model_runner.GPUModelRunner.execute_model), "handle_preemptions(",
                     "kv_connector_no_forward")
-    # the early config check (startup.check_calling_config) finds the KVTransferConfig as the
-    # local ``kv_transfer_config`` of the frame that resolves the connector class
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    assert "kv_transfer_config" in inspect.signature(KVConnectorFactory.get_connector_class).parameters
-    assert "getattr(connector_module, connector_name)" in src(KVConnectorFactory.get_connector_class)
-    assert "get_connector_class(" in src(KVConnectorFactory.supports_hma_config)
     agg = src(KVOutputAggregator.aggregate)
     assert "_expected_finished_count" in src(KVOutputAggregator) and ".aggregate(" in agg
     assert "invalid_block_ids |= kv_output.invalid_block_ids" in agg
@@ -621,7 +614,7 @@ def test_the_connector_says_what_it_does_at_start(engines: dict, other_model_eng
         assert "kvcm connector: kv_connector_extra_config[" not in engines[name]["log"]
 
 
-# ------------------------------------------------------------------ errors before the model loads
+# ------------------------------------------------------------------ configuration errors: one line
 
 BAD_CONFIGS = r"""
 import sys
@@ -649,11 +642,12 @@ if __name__ == "__main__":
 """
 
 
-def test_config_errors_come_before_the_model_loads_in_one_line(tmp_path: Path) -> None:
-    """A bad key or an unusable disk_path fails LLM(...) while vLLM builds its config: no
-    engine started, no weights loaded, one line naming the key.  Each error, and a host tier
-    that holds no block (refused as the connector is made, after the model loads), is ONE
-    ``ERROR ... kvcm: ...`` line in vLLM's log, before vLLM's traceback or failure."""
+def test_config_errors_are_one_line_before_vllms_failure(tmp_path: Path) -> None:
+    """A bad key, an unusable disk_path and a host tier that holds no block fail ``LLM(...)``
+    where vLLM hands the configuration to the connector, its constructor (kvcm reads none of
+    vLLM's stack frames to fail earlier: ``python -m kvcm vllm check-config`` is the check
+    before a start): each is ONE ``ERROR ... kvcm: ...`` line in vLLM's log naming the key,
+    before vLLM's traceback or failure, and no engine serves."""
     from kvcm.bench.vllm_workload import make_model
 
     model = make_model(str(tmp_path / "model"))
@@ -662,15 +656,13 @@ def test_config_errors_come_before_the_model_loads_in_one_line(tmp_path: Path) -
     out = p.stdout
     assert p.returncode == 0 and "== bad-host" in out, out[-6000:]
     early, bad_host = out.split("== bad-host", 1)
-    assert "Initializing a V1 LLM engine" not in early and "Loading weights took" not in early, early[-6000:]
     bad_key, bad_disk = early.split("== bad-disk", 1)
-    assert "!! bad-key: ValidationError" in bad_key, bad_key[-4000:]
-    assert "kv_connector_extra_config: unknown key ['host_byte'] (did you mean 'host_bytes'?)" in bad_key
-    assert "!! bad-disk: ValidationError" in bad_disk, bad_disk[-4000:]
-    assert "kv_connector_extra_config['disk_path'] '/proc/kvcm' cannot be created in '/proc'" in bad_disk
-    assert "!! bad-host: " in bad_host and "Loading weights took" in bad_host, bad_host[-6000:]
-    for section, want, before in ((bad_key, "kvcm: kv_connector_extra_config: unknown key ['host_byte']", "!! bad-key"),
-                                  (bad_disk, "kvcm: kv_connector_extra_config['disk_path'] '/proc/kvcm'", "!! bad-disk"),
+    for section, name in ((bad_key, "bad-key"), (bad_disk, "bad-disk"), (bad_host, "bad-host")):
+        assert f"!! {name}: " in section and f"?? {name}: started" not in section, section[-6000:]
+    for section, want, before in ((bad_key, ("kvcm: kv_connector_extra_config: unknown key ['host_byte'] (did you "
+                                            "mean 'host_bytes'?)"), "Traceback"),
+                                  (bad_disk, ("kvcm: kv_connector_extra_config['disk_path'] '/proc/kvcm' cannot be "
+                                             "created in '/proc'"), "Traceback"),
                                   (bad_host, "kvcm: kv_connector_extra_config['host_bytes'] = 16,384 holds no block",
                                    "Traceback")):
         lines = section.splitlines()

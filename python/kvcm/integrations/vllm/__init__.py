@@ -16,7 +16,6 @@ engine), ``metadata`` (what the two sides tell each other), ``stats`` (vLLM's st
 Prometheus metrics), ``settings``.
 """
 
-import sys
 from typing import Any
 
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout
@@ -33,13 +32,9 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        if name == "KvcmConnector":
-            # vLLM resolves the class while it builds its config, before the model loads: the
-            # one moment a bad kv_connector_extra_config can fail fast (kvcm.integrations.vllm.startup)
-            from kvcm.integrations.vllm.startup import check_calling_config
-
-            check_calling_config(sys._getframe(1))
-
+        # the configuration is checked where vLLM hands it over: the connector's constructor
+        # (kvcm.integrations.vllm.startup); ``python -m kvcm vllm check-config`` runs the same
+        # check before a start
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     import difflib
 

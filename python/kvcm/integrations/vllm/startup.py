@@ -3,16 +3,11 @@ objects are read by attribute, so the tests and ``check-config`` run without it)
 
 * :func:`check_transfer_config` -- the ``kv_transfer_config`` vLLM was given: the policy the
   connector needs and ``kv_connector_extra_config`` (:class:`ConnectorSettings`), one-line
-  errors naming the key.  Run by ``python -m kvcm vllm check-config``, by the connector's
-  constructor and, before vLLM loads the model, by :func:`check_calling_config`.
-* :func:`check_calling_config` -- vLLM 0.32 runs nothing of a connector before the model's
-  weights load except the import of its module and ``getattr(module, "KvcmConnector")``,
-  while it builds its ``VllmConfig`` (``KVConnectorFactory.supports_hma_config`` from
-  ``VllmConfig.__post_init__``, vllm/config/vllm.py:2177 -> vllm/distributed/kv_transfer/
-  kv_connector/factory.py:108-110).  The package's ``__getattr__`` calls this there: it
-  finds the ``kv_transfer_config`` the factory was called with in the calling frames and
-  checks it, so a bad key fails ``LLM(...)`` / the server in seconds instead of after the
-  model has loaded (DECISIONS.md "vLLM connector: a start that says what it does").
+  errors naming the key.  Run by the connector's constructor (where vLLM hands the
+  configuration over: its extension point) and by ``python -m kvcm vllm check-config``, the
+  check to run before a start: vLLM 0.32 runs nothing of a connector before the model's
+  weights load, and kvcm does not read vLLM's stack frames to get ahead of it (issue 36;
+  DECISIONS.md "vLLM connector: a start that says what it does").
 * :func:`prepare` -- at construction (after the model loaded): the sizes against vLLM's
   block, the host's paths, the model's identity for the shared tier.
 * :func:`shared_layout_warning` -- a directory store that holds this model's KV under
@@ -26,14 +21,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 from kvcm.integrations.vllm.identity import IdentityError, ModelIdentity, ModelSource, cached_identity, size_text
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, key_error
 
 CONNECTOR = "KvcmConnector"
-FRAMES = 8  # how far up the calling frames the kv_transfer_config is looked for
 # under "vllm.": vLLM's handler and format (``ERROR 12-06 02:00:00 [startup.py:NN] kvcm: ...``);
 # without vLLM configured, Python's last-resort handler prints it on stderr
 log = logging.getLogger("vllm.kvcm")
@@ -62,26 +55,6 @@ def check_transfer_config(ktc: Any) -> ConnectorSettings:
         raise ValueError(f'kv_transfer_config["kv_load_failure_policy"] must be "recompute" for {CONNECTOR} '
                          f"(got {policy!r}): a block kvcm cannot deliver is then recomputed, not an error")
     return ConnectorSettings.parse(_get(ktc, "kv_connector_extra_config"))
-
-
-def check_calling_config(frame: FrameType | None) -> None:
-    """Check the ``kv_transfer_config`` vLLM is resolving the connector class for, found as a
-    local of that name in ``frame`` or the frames above it (module docstring); nothing when
-    there is none (the connector's constructor checks it anyway)."""
-    for _ in range(FRAMES):
-        if frame is None:
-            return
-        ktc = frame.f_locals.get("kv_transfer_config")
-        if ktc is not None and hasattr(ktc, "kv_connector_extra_config"):
-            if getattr(ktc, "kv_connector", None) == CONNECTOR:
-                try:
-                    settings = check_transfer_config(ktc)
-                    settings.check_environment()
-                except ValueError as e:
-                    report_error(e)
-                    raise
-            return
-        frame = frame.f_back
 
 
 @dataclass(frozen=True)
@@ -185,5 +158,5 @@ def announce(log: Any, settings: ConnectorSettings, layout: KvLayout, facts: Eng
         log.warning("kvcm connector: %s", w)
 
 
-__all__ = ["EngineFacts", "Prepared", "announce", "check_calling_config", "check_transfer_config",
+__all__ = ["EngineFacts", "Prepared", "announce", "check_transfer_config",
            "prepare", "report_error", "shared_layout_warning", "start_line"]
