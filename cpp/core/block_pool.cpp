@@ -17,35 +17,19 @@ namespace kvcm {
 using namespace detail;
 
 BlockPool::BlockPool(ManagerConfig cfg)
-    : cfg_(std::move(cfg)),
-      B_(cfg_.tokens_per_block),
-      num_tiers_(static_cast<std::int64_t>(cfg_.slots.size())),
-      tree_(cfg_.tokens_per_block, [this] {
+    : layout_(std::move(cfg)),
+      tree_(layout_.B(), [this] {
         std::vector<LifeCycleSpec> specs;
-        for (const LcConfig& lc : cfg_.lcs) specs.push_back(lc.spec());
+        for (const LcConfig& lc : layout_.cfg().lcs) specs.push_back(lc.spec());
         return specs;
-      }()) {
-  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
-  for (std::int64_t lc = 0; lc < nlc; ++lc) {
-    if (cfg_.lcs[static_cast<std::size_t>(lc)].ssm) {
-      if (ssm_lc_ < 0) ssm_lc_ = lc;
-    } else {
-      attn_lcs_.push_back(lc);
-    }
-  }
-  for (const std::string& kind : cfg_.tier_kinds) {
-    tier_id_.push_back(kind == "gpu" ? 0 : kind == "host" ? 1 : 2);
-  }
-  shared_pos_ = num_tiers_;
-  if (cfg_.shared) tier_id_.push_back(3);
-  cfg_.shared_write_evict = cfg_.shared && cfg_.shared_write_evict;
-  store_on_commit_ = cfg_.shared && !cfg_.shared_write_evict;
-  cfg_.quota_bytes.resize(static_cast<std::size_t>(num_tiers_), 0);
-  pools_.resize(static_cast<std::size_t>(num_tiers_));
-  for (std::int64_t t = 0; t < num_tiers_; ++t) {
+      }()),
+      tokens_(tree_, layout_.B()) {
+  const auto nlc = static_cast<std::int64_t>(layout_.num_life_cycles());
+  pools_.resize(static_cast<std::size_t>(layout_.num_tiers()));
+  for (std::int64_t t = 0; t < layout_.num_tiers(); ++t) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       pools_[static_cast<std::size_t>(t)].emplace_back(
-          t, lc, cfg_.slots[static_cast<std::size_t>(t)][static_cast<std::size_t>(lc)], &evict_nodes_);
+          t, lc, layout_.cfg().slots[static_cast<std::size_t>(t)][static_cast<std::size_t>(lc)], &evict_nodes_);
     }
   }
   const std::size_t n = kHeader + static_cast<std::size_t>(nlc) * kNumCounters;
@@ -53,59 +37,17 @@ BlockPool::BlockPool(ManagerConfig cfg)
   iteration_.assign(n, 0);
 }
 
-void BlockPool::intern_into(TokenSeq tokens, std::vector<Tok>& out) {
-  if (tokens.digests.empty()) {  // all ints: their codes are final
-    out.insert(out.end(), tokens.codes.begin(), tokens.codes.end());
-    return;
-  }
-  const std::size_t before = out.size();
-  try {
-    out.reserve(before + tokens.size());
-    for (Tok c : tokens.codes) {
-      out.push_back((c & kDigestCode) ? tree_.intern(TokenArg{0, tokens.digests[c & ~kDigestCode].data()}) : c);
-    }
-  } catch (...) {  // nothing changed: give back what was interned
-    tree_.release_all(std::span<const Tok>(out).subspan(before));
-    out.resize(before);
-    throw;
-  }
-}
-
-TokenOut BlockPool::decode(Tok c) const { return tree_.decode(c); }
-
-std::vector<TokenOut> BlockPool::decode_all(std::span<const Tok> codes) const {
-  std::vector<TokenOut> out;
-  out.reserve(codes.size());
-  for (Tok c : codes) out.push_back(decode(c));
-  return out;
-}
-
-Digest BlockPool::block_key_of(const Digest& parent, std::span<const Tok> tokens) const {
-  Digest key{};
-  KeyChain chain(parent, static_cast<std::uint32_t>(B_), [&key](const Digest& k) { key = k; });
-  feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
-  return key;
-}
-
-std::vector<Digest> BlockPool::chain(const Digest& root, std::span<const Tok> tokens) const {
-  std::vector<Digest> keys;
-  keys.reserve(tokens.size() / static_cast<std::size_t>(B_) + 1);
-  KeyChain chain(root, static_cast<std::uint32_t>(B_), [&keys](const Digest& k) { keys.push_back(k); });
-  feed(chain, tokens, [this](Tok c) -> const Digest& { return tree_.digest(c); });
-  return keys;
-}
-
 // py: block_pool.py BlockPool.match_shared — SPEC sec. 16
 SharedMatch BlockPool::match_shared(NodeId root, std::span<const Digest> keys, const SharedHits& hits) const {
   SharedMatch sm;
   if (root != kNoNode) sm.path = tree_.key_path(root, keys);
-  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  const auto nlc = static_cast<std::int64_t>(layout_.cfg().lcs.size());
   std::size_t last = 0;  // rows up to the last block with a hit
   for (std::size_t i = sm.path.size(); i < keys.size(); ++i) {
     std::vector<std::int64_t> row(static_cast<std::size_t>(nlc), 0);
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       if (std::binary_search(hits.begin(), hits.end(), std::pair<Digest, std::int64_t>(keys[i], lc))) {
-        row[static_cast<std::size_t>(lc)] = B_;
+        row[static_cast<std::size_t>(lc)] = layout_.B();
         last = sm.rows.size() + 1;
       }
     }
@@ -114,7 +56,7 @@ SharedMatch BlockPool::match_shared(NodeId root, std::span<const Digest> keys, c
   sm.rows.resize(last);
   if (sm.rows.empty()) return sm;
   const std::int64_t n = static_cast<std::int64_t>(sm.path.size() + sm.rows.size());
-  const std::int64_t m = std::max<std::int64_t>(0, n * B_ - cfg_.reuse_match_backoff);
+  const std::int64_t m = std::max<std::int64_t>(0, n * layout_.B() - layout_.cfg().reuse_match_backoff);
   sm.m = tree_.prune_extended(sm.path, sm.rows, m);
   sm.m_before_ssm = tree_.prune_extended(sm.path, sm.rows, m, false);
   return sm;
@@ -127,7 +69,7 @@ RequestMatch BlockPool::match_with_hits(NodeId root, std::span<const Tok> query,
   RequestMatch out;
   if (query.empty()) return out;
   if (root != kNoNode) {
-    MatchResult mr = tree_.match(root, query, keys, cfg_.enable_partial_reuse, cfg_.reuse_match_backoff);
+    MatchResult mr = tree_.match(root, query, keys, layout_.cfg().enable_partial_reuse, layout_.cfg().reuse_match_backoff);
     out.m = mr.m;
     out.m_before_ssm = mr.m_before_ssm;
     out.path = std::move(mr.path);
@@ -149,21 +91,21 @@ RequestMatch BlockPool::match_with_hits(NodeId root, std::span<const Tok> query,
 // attention pages of blocks not stale at m, the ssm snapshot of the block m ends in.
 // py: block_pool.py BlockPool.block_tiers — SPEC sec. 6
 std::vector<std::int64_t> BlockPool::block_tiers(const std::vector<NodeId>& path, std::int64_t m) const {
-  const std::int64_t last = ceildiv(m, B_) - 1;  // the block whose snapshot a request holds
-  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  const std::int64_t last = ceildiv(m, layout_.B()) - 1;  // the block whose snapshot a request holds
+  const auto nlc = static_cast<std::int64_t>(layout_.cfg().lcs.size());
   std::vector<std::pair<std::int64_t, std::int64_t>> stale;  // per lc, its stale range at m
   stale.reserve(static_cast<std::size_t>(nlc));
-  for (std::int64_t lc = 0; lc < nlc; ++lc) stale.push_back(stale_range(lc, m));
-  const std::int64_t nfull = m / B_;
+  for (std::int64_t lc = 0; lc < nlc; ++lc) stale.push_back(layout_.stale_range(lc, m));
+  const std::int64_t nfull = m / layout_.B();
   std::vector<std::int64_t> out;
   out.reserve(static_cast<std::size_t>(nfull));
   for (std::int64_t j = 0; j < nfull; ++j) {
     std::int64_t tier = -1;
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       const auto [lo, hi] = stale[static_cast<std::size_t>(lc)];
-      if (cfg_.lcs[static_cast<std::size_t>(lc)].ssm ? j != last : (lo <= j && j < hi)) continue;
+      if (layout_.cfg().lcs[static_cast<std::size_t>(lc)].ssm ? j != last : (lo <= j && j < hi)) continue;
       if (j >= static_cast<std::int64_t>(path.size())) {  // the shared tier's extension: a shared page
-        tier = std::max(tier, tier_id(shared_pos_));
+        tier = std::max(tier, tier_id(layout_.shared_pos()));
         continue;
       }
       const Page& p = page(tree_.page(path[static_cast<std::size_t>(j)], lc));
@@ -211,7 +153,7 @@ Page* BlockPool::new_page(std::int64_t tier, std::int64_t lc, std::int64_t cover
 // DECISIONS.md "The shared tier".
 // py: block_pool.py BlockPool.new_shared_page — SPEC sec. 16
 Page* BlockPool::new_shared_page(std::int64_t lc, std::int64_t priority, std::int64_t ordinal) {
-  Page* p = make_page(shared_pos_, lc, -1, B_, priority, ordinal);
+  Page* p = make_page(layout_.shared_pos(), lc, -1, layout_.B(), priority, ordinal);
   count(lc, kSharedHitBlocks);
   return p;
 }
@@ -245,7 +187,8 @@ void BlockPool::use(Page* p, bool active, std::int64_t priority) {
 }
 
 // py: block_pool.py BlockPool.unuse — SPEC sec. 4
-void BlockPool::unuse(Page* p, bool active) {
+void BlockPool::unuse(const Page* cp, bool active) {
+  Page* p = own(cp);
   restate(*p, [&] {
     if (active) {
       --p->locks;
@@ -255,7 +198,7 @@ void BlockPool::unuse(Page* p, bool active) {
     p->last_used = clock_;
   });
   if (p->locks == 0 && p->holds == 0) {
-    if (p->tier == shared_pos_ && p->node != kNoNode && tree_.is_attached(p->node)) {
+    if (p->tier == layout_.shared_pos() && p->node != kNoNode && tree_.is_attached(p->node)) {
       // DECISIONS.md "The shared tier": a shared page lives only while a request uses it
       unlink_committed(p);
       free_page(p);
@@ -268,7 +211,8 @@ void BlockPool::unuse(Page* p, bool active) {
 }
 
 // py: block_pool.py BlockPool.set_active — SPEC sec. 4
-void BlockPool::set_active(Page* p, bool active) {
+void BlockPool::set_active(const Page* cp, bool active) {
+  Page* p = own(cp);
   if (active && p->tier != kGpu) {  // resumed on a colder tier: onboarded first (resume's check promised the room)
     ensure_room(kGpu, p->lc);
     move(p, kGpu, "onboard");
@@ -286,7 +230,7 @@ void BlockPool::set_active(Page* p, bool active) {
 
 // py: block_pool.py BlockPool.free_page — SPEC sec. 4
 void BlockPool::free_page(Page* p) {
-  if (p->tier == shared_pos_) {  // no slot, no pool
+  if (p->tier == layout_.shared_pos()) {  // no slot, no pool
     free_pages_.push_back(p->handle);
     p->handle = -1;
     return;
@@ -314,7 +258,7 @@ Budget BlockPool::budget(std::int64_t lc, std::span<const std::int64_t> releasin
       b.droppable += 1;
     }
   }
-  b.colder = num_tiers_ > 1 ? capacity_of(kGpu + 1, lc) : 0;
+  b.colder = layout_.num_tiers() > 1 ? capacity_of(kGpu + 1, lc) : 0;
   return b;
 }
 
@@ -323,7 +267,7 @@ Budget BlockPool::budget(std::int64_t lc, std::span<const std::int64_t> releasin
 std::int64_t BlockPool::capacity_of(std::int64_t tier, std::int64_t lc) const {
   const Pool& pool = pools_[static_cast<std::size_t>(tier)][static_cast<std::size_t>(lc)];
   const std::int64_t free = pool.nfree(), held = pool.held, droppable = pool.droppable;
-  if (tier == num_tiers_ - 1) return free + droppable;
+  if (tier == layout_.num_tiers() - 1) return free + droppable;
   return free + droppable + std::min(held, capacity_of(tier + 1, lc));
 }
 
@@ -342,7 +286,7 @@ bool BlockPool::evict_one(std::int64_t tier, std::int64_t lc) {
   const std::int64_t nfree = pool.nfree();
   Page* v = victim(pool, /*can_offload=*/true);
   if (v == nullptr) return false;
-  if (tier < num_tiers_ - 1 && make_room(tier + 1, lc)) {
+  if (tier < layout_.num_tiers() - 1 && make_room(tier + 1, lc)) {
     if (pool.nfree() > nfree) return true;  // a drop down there removed a subtree and freed a slot here
     move(v, tier + 1, "offload");
     return true;
@@ -350,8 +294,8 @@ bool BlockPool::evict_one(std::int64_t tier, std::int64_t lc) {
   // No room below (a failed make_room changes nothing): drop instead.
   v = victim(pool, /*can_offload=*/false);
   if (v == nullptr) return false;
-  if (cfg_.shared_write_evict) store_evicted(v);
-  evicting_ = cfg_.shared_write_evict;
+  if (layout_.cfg().shared_write_evict) store_evicted(v);
+  evicting_ = layout_.cfg().shared_write_evict;
   drop(v);
   evicting_ = false;
   return true;
@@ -363,7 +307,7 @@ void BlockPool::move(Page* p, std::int64_t dst, const char* reason) {
   const std::int64_t old_tier = p->tier, old_slot = p->slot;
   const std::int64_t new_slot = dst_pool.take_slot();
   CopyOpC op{p->lc, tier_id(old_tier), old_slot, tier_id(dst), new_slot, reason};
-  if (old_tier == shared_pos_) {  // a shared page: no slot, no pool; the op names its object
+  if (old_tier == layout_.shared_pos()) {  // a shared page: no slot, no pool; the op names its object
     op.has_key = true;
     op.key = tree_.key(p->node);
   } else {
@@ -375,7 +319,7 @@ void BlockPool::move(Page* p, std::int64_t dst, const char* reason) {
   index(*p);
   add_copy_op(op);
   copy_pages_.emplace_back(p->handle, p->serial);
-  const std::int64_t nbytes = cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes;
+  const std::int64_t nbytes = layout_.cfg().lcs[static_cast<std::size_t>(p->lc)].slot_bytes;
   const bool off = std::strcmp(reason, "offload") == 0;
   count(p->lc, off ? kOffloads : kOnboards);
   count(p->lc, off ? kOffloadBytes : kOnboardBytes, nbytes);
@@ -393,7 +337,7 @@ void BlockPool::move(Page* p, std::int64_t dst, const char* reason) {
 void BlockPool::drop(Page* p) {
   if (p->state() != kDroppable) throw InternalErr("kvcm bug: drop of a non-DROPPABLE page");
   count(p->lc, kDrops);
-  count(p->lc, kDropBytes, cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes);
+  count(p->lc, kDropBytes, layout_.cfg().lcs[static_cast<std::size_t>(p->lc)].slot_bytes);
   unlink_committed(p);
   free_page(p);
 }
@@ -406,9 +350,9 @@ void BlockPool::unlink_committed(Page* p) {
   const std::int64_t ordinal = tree_.ordinal(node);
   unlink_from_node(p);
   emit_removed(key, lc);
-  const LcConfig& life = cfg_.lcs[static_cast<std::size_t>(lc)];
+  const LcConfig& life = layout_.cfg().lcs[static_cast<std::size_t>(lc)];
   const bool full = !life.ssm && life.window < 0;
-  if (full || (!life.ssm && ordinal < sink_blocks(life.sinks, B_))) {
+  if (full || (!life.ssm && ordinal < sink_blocks(life.sinks, layout_.B()))) {
     const NodeId parent = tree_.parent(node);
     if (tree_.is_bare_leaf(node)) {
       // the usual victim (a leaf holding no other page): what remove_subtree + retire_nodes
@@ -433,7 +377,7 @@ void BlockPool::unlink_from_node(Page* p) {
 
 // py: block_pool.py BlockPool.retire_nodes — SPEC sec. 5
 void BlockPool::retire_nodes(const std::vector<NodeId>& ids, bool announce) {
-  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  const auto nlc = static_cast<std::int64_t>(layout_.cfg().lcs.size());
   for (NodeId nid : ids) {
     if (!tree_.exists(nid)) continue;
     const Digest key = tree_.key(nid);
@@ -442,11 +386,11 @@ void BlockPool::retire_nodes(const std::vector<NodeId>& ids, bool announce) {
       const PageHandle h = tree_.page(nid, lc);
       if (h == kNoPage) continue;
       if (announce) emit_removed(key, lc);
-      Page* pg = &page(h);
+      Page* pg = &mut(h);
       if (pg->locks == 0 && pg->holds == 0) {
         if (evicting_) store_evicted(pg);  // freed with an evicted page: written back too
         count(lc, kDrops);
-        count(lc, kDropBytes, cfg_.lcs[static_cast<std::size_t>(lc)].slot_bytes);
+        count(lc, kDropBytes, layout_.cfg().lcs[static_cast<std::size_t>(lc)].slot_bytes);
         free_orphan_page(pg);
       }
     }
@@ -476,16 +420,46 @@ void BlockPool::drop_all_droppable() {
   }
 }
 
-// `{"tier":N,"kind":"...","lc":[` — the head of one tier's entry in stats()["tiers"] and
-// snapshot()["pools"] (tier numbered by kind, SPEC sec. 1).
-void BlockPool::json_tier_head(std::string& o, std::size_t t) const {
-  o += "{\"tier\":";
-  j_int(o, tier_id_[t]);
-  o += ",\"kind\":";
-  j_str(o, cfg_.tier_kinds[t].c_str());
-  o += ",\"quota_bytes\":";
-  j_int(o, cfg_.quota_bytes[t]);
-  o += ",\"lc\":[";
+// The pools of each tier, one writer for both views (SPEC sec. 9, 11): stats()["tiers"]
+// (the state counters) and snapshot()["pools"] (the free slots); each tier entry is
+// `{"tier":N,"kind":"...","quota_bytes":Q,"lc":[...]}`, tier numbered by kind (SPEC sec. 1).
+void BlockPool::pools_json(std::string& o, bool snapshot) const {
+  for (std::size_t t = 0; t < pools_.size(); ++t) {
+    if (t) o += ',';
+    o += "{\"tier\":";
+    j_int(o, layout_.tier_id(static_cast<std::int64_t>(t)));
+    o += ",\"kind\":";
+    j_str(o, layout_.cfg().tier_kinds[t].c_str());
+    o += ",\"quota_bytes\":";
+    j_int(o, layout_.cfg().quota_bytes[t]);
+    o += ",\"lc\":[";
+    for (std::size_t lc = 0; lc < pools_[t].size(); ++lc) {
+      const Pool& p = pools_[t][lc];
+      if (lc) o += ',';
+      o += "{\"total\":";
+      j_int(o, p.total);
+      o += ",\"free\":";
+      j_int(o, p.nfree());
+      if (snapshot) {
+        o += ",\"free_slots\":[";
+        const std::vector<std::int64_t> fs = p.free_slots.sorted();
+        for (std::size_t k = 0; k < fs.size(); ++k) {
+          if (k) o += ',';
+          j_int(o, fs[k]);
+        }
+        o += "]}";
+      } else {
+        o += ",\"locked\":";
+        j_int(o, p.locked);
+        o += ",\"held\":";
+        j_int(o, p.held);
+        o += ",\"droppable\":";
+        j_int(o, p.droppable);
+        o += '}';
+      }
+    }
+    o += "]}";
+  }
 }
 
 // py: block_pool.py BlockPool.copy — SPEC sec. 8
@@ -504,12 +478,12 @@ void BlockPool::store(const Page* p, const Digest& key) {
   add_copy_op(op);
   copy_pages_.emplace_back(-1, -1);
   count(p->lc, kSharedStores);
-  count(p->lc, kSharedStoreBytes, cfg_.lcs[static_cast<std::size_t>(p->lc)].slot_bytes);
+  count(p->lc, kSharedStoreBytes, layout_.cfg().lcs[static_cast<std::size_t>(p->lc)].slot_bytes);
 }
 
 // py: block_pool.py BlockPool.store_evicted — SPEC sec. 16
 void BlockPool::store_evicted(const Page* p) {
-  if (p->coverage == B_ && static_cast<std::int64_t>(tree_.tokens(p->node).size()) == B_) store(p, tree_.key(p->node));
+  if (p->coverage == layout_.B() && static_cast<std::int64_t>(tree_.tokens(p->node).size()) == layout_.B()) store(p, tree_.key(p->node));
 }
 
 // The pending copy ops warning (sec. 15): warned once, at the call's end.
@@ -517,7 +491,7 @@ void BlockPool::store_evicted(const Page* p) {
 void BlockPool::add_copy_op(const CopyOpC& op) {
   copy_ops_.push_back(op);
   // (the figure, with the unsettled ops, grows only here, one op at a time: == catches the crossing)
-  if (static_cast<std::int64_t>(copy_ops_.size()) + unsettled_ops_ == cfg_.pending_copy_ops_warning &&
+  if (static_cast<std::int64_t>(copy_ops_.size()) + unsettled_ops_ == layout_.cfg().pending_copy_ops_warning &&
       !copy_ops_warned_) {
     copy_ops_warned_ = copy_ops_warn_due_ = true;
   }
@@ -526,11 +500,11 @@ void BlockPool::add_copy_op(const CopyOpC& op) {
 // py: block_pool.py BlockPool.emit — SPEC sec. 9
 EventC* BlockPool::new_event(EventKind kind, std::span<const Tok> tokens, bool tokens_have_digest) {
   const std::int64_t id = event_id();  // ids advance even for events nobody buffers
-  if (cfg_.max_events == 0) {
+  if (layout_.cfg().max_events == 0) {
     ++events_dropped_;
     return nullptr;
   }
-  if (static_cast<std::int64_t>(events_.size()) >= cfg_.max_events) {
+  if (static_cast<std::int64_t>(events_.size()) >= layout_.cfg().max_events) {
     const auto [sized, nblk] = event_sizes_.front();
     const std::uint32_t ntok = sized & ~kEventHasDigest;
     if (sized & kEventHasDigest) {  // the digests it referenced (rare: most events skip this)
@@ -584,7 +558,7 @@ void BlockPool::emit_stored(NodeId nid, std::span<const std::int64_t> lcs) {
     ++e->nblocks;
     ++event_sizes_.back().second;
   }
-  e->partial = static_cast<std::int64_t>(tokens.size()) < B_;
+  e->partial = static_cast<std::int64_t>(tokens.size()) < layout_.B();
 }
 
 // py: block_pool.py BlockPool.count — SPEC sec. 9
@@ -600,11 +574,11 @@ void BlockPool::record_match(std::int64_t n_query, std::int64_t m) {
     (*c)[0] += 1;
     (*c)[1] += n_query;
     (*c)[2] += m;
-    for (std::int64_t lc : attn_lcs_) {
+    for (std::int64_t lc : layout_.attn_lcs()) {
       const std::size_t base = kHeader + static_cast<std::size_t>(lc) * kNumCounters;
       (*c)[base + kReusedTokens] += m;
-      (*c)[base + kReusedBlocks] += ceildiv(m, B_);
-      (*c)[base + kMissedBlocks] += ceildiv(n_query, B_) - ceildiv(m, B_);
+      (*c)[base + kReusedBlocks] += ceildiv(m, layout_.B());
+      (*c)[base + kMissedBlocks] += ceildiv(n_query, layout_.B()) - ceildiv(m, layout_.B());
     }
   }
 }
@@ -618,7 +592,7 @@ void BlockPool::stats_view(std::string& o, const std::vector<std::int64_t>& c) c
   o += ",\"reused_tokens\":";
   j_int(o, c[2]);
   o += ",\"lc\":[";
-  const std::size_t nlc = cfg_.lcs.size();
+  const std::size_t nlc = layout_.cfg().lcs.size();
   for (std::size_t lc = 0; lc < nlc; ++lc) {
     if (lc) o += ',';
     o += '{';
@@ -631,26 +605,7 @@ void BlockPool::stats_view(std::string& o, const std::vector<std::int64_t>& c) c
     o += '}';
   }
   o += "],\"tiers\":[";
-  for (std::size_t t = 0; t < pools_.size(); ++t) {
-    if (t) o += ',';
-    json_tier_head(o, t);
-    for (std::size_t lc = 0; lc < nlc; ++lc) {
-      const Pool& p = pools_[t][lc];
-      if (lc) o += ',';
-      o += "{\"total\":";
-      j_int(o, p.total);
-      o += ",\"free\":";
-      j_int(o, p.nfree());
-      o += ",\"locked\":";
-      j_int(o, p.locked);
-      o += ",\"held\":";
-      j_int(o, p.held);
-      o += ",\"droppable\":";
-      j_int(o, p.droppable);
-      o += '}';
-    }
-    o += "]}";
-  }
+  pools_json(o, false);
   o += "],\"events_dropped\":";
   j_int(o, events_dropped_);
   o += ",\"pending_copy_ops\":";
@@ -666,9 +621,9 @@ std::vector<CopyOpC> BlockPool::drain_copy_ops() {
   copy_ops_.reserve(out.size());  // the next step's ops: one allocation, not a doubling chain
   // explicit settlement: a drain with ops becomes the newest unsettled one (an empty one
   // records nothing); else it is the last drain (forget_copies)
-  if (cfg_.explicit_settlement && out.empty()) return out;
-  std::vector<IssuedOp>& issued = cfg_.explicit_settlement ? unsettled_.emplace_back() : issued_;
-  if (cfg_.explicit_settlement) unsettled_ops_ += static_cast<std::int64_t>(out.size());
+  if (layout_.cfg().explicit_settlement && out.empty()) return out;
+  std::vector<IssuedOp>& issued = layout_.cfg().explicit_settlement ? unsettled_.emplace_back() : issued_;
+  if (layout_.cfg().explicit_settlement) unsettled_ops_ += static_cast<std::int64_t>(out.size());
   // field by field into place: an IssuedOp temporary went through the stack in pieces and
   // was read back whole, a store-forwarding stall per op
   issued.resize(out.size());
@@ -723,7 +678,7 @@ TakenEvents BlockPool::take_events() {
   TakenEvents out;
   out.events.assign(events_.begin(), events_.end());
   out.tokens.reserve(event_tokens_.size());
-  for (Tok c : event_tokens_) out.tokens.push_back(decode(c));
+  for (Tok c : event_tokens_) out.tokens.push_back(tokens_.decode(c));
   for (Tok c : event_tokens_) {
     if (c & kDigestCode) tree_.release(c);
   }
@@ -745,12 +700,6 @@ std::vector<std::int64_t> BlockPool::live_pages() const {
   return out;
 }
 
-// py: config.py LifeCycle.stale_range — SPEC sec. 7
-std::pair<std::int64_t, std::int64_t> BlockPool::stale_range(std::int64_t lc, std::int64_t history) const {
-  const LcConfig& l = cfg_.lcs[static_cast<std::size_t>(lc)];
-  if (l.ssm || l.window < 0) return {0, 0};
-  return kvcm::stale_range(l.window, l.sinks, B_, history);
-}
 
 namespace {
 // An op as kvcm.api.CopyOp.to_json() shows in a Python message: [0, 1, 2, 3, 4, 'offload'(, 'hex')].
@@ -847,7 +796,7 @@ std::vector<std::pair<std::int64_t, std::int64_t>> BlockPool::settle_oldest(std:
 void BlockPool::forget_pages(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost) {
   for (const auto& [h, serial] : lost) {
     if (!page_alive(h) || page(h).serial != serial) continue;  // freed with an earlier subtree
-    Page* p = &page(h);
+    Page* p = &mut(h);
     count(p->lc, kLostPages);
     if (p->node != kNoNode) {
       if (tree_.is_attached(p->node)) {
@@ -919,20 +868,20 @@ HeldMatch BlockPool::hold_match(NodeId root, std::span<const Tok> query, std::sp
   out.blocks = match.extended ? insert_shared_blocks(root, query, keys, m, match, priority) : std::move(match.path);
   const std::vector<NodeId>& path = out.blocks;
   for (NodeId nid : path) tree_.ref(nid);
-  out.pages.assign(cfg_.lcs.size(), {});
-  for (std::int64_t lc : attn_lcs_) out.pages[static_cast<std::size_t>(lc)].assign(path.size(), -1);
-  for (std::int64_t lc : attn_lcs_) {
-    const auto [lo, hi] = stale_range(lc, m);
+  out.pages.assign(layout_.cfg().lcs.size(), {});
+  for (std::int64_t lc : layout_.attn_lcs()) out.pages[static_cast<std::size_t>(lc)].assign(path.size(), -1);
+  for (std::int64_t lc : layout_.attn_lcs()) {
+    const auto [lo, hi] = layout_.stale_range(lc, m);
     for (std::size_t j = 0; j < path.size(); ++j) {
       const auto jj = static_cast<std::int64_t>(j);
       if (lo <= jj && jj < hi) continue;
-      Page* p = &page(tree_.page(path[j], lc));
+      Page* p = &mut(tree_.page(path[j], lc));
       use(p, false, priority);
       out.pages[static_cast<std::size_t>(lc)][j] = p->handle;
     }
   }
-  if (ssm_lc_ >= 0 && m > 0) {
-    Page* s = &page(tree_.page(path.back(), ssm_lc_));
+  if (layout_.ssm_lc() >= 0 && m > 0) {
+    Page* s = &mut(tree_.page(path.back(), layout_.ssm_lc()));
     out.snap = s->handle;
     use(s, false, priority);
   }
@@ -946,29 +895,29 @@ HeldMatch BlockPool::hold_match(NodeId root, std::span<const Tok> query, std::sp
 std::vector<NodeId> BlockPool::insert_shared_blocks(NodeId root, std::span<const Tok> query,
                                                     std::span<const Digest> keys, std::int64_t m,
                                                     const RequestMatch& sm, std::int64_t priority) {
-  const std::int64_t nb = ceildiv(m, B_);
+  const std::int64_t nb = ceildiv(m, layout_.B());
   const auto np = static_cast<std::int64_t>(sm.path.size());
   std::vector<NodeId> path(sm.path.begin(), sm.path.begin() + std::min(nb, np));
   NodeId parent = path.empty() ? root : path.back();
-  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  const auto nlc = static_cast<std::int64_t>(layout_.cfg().lcs.size());
   for (std::int64_t i = np; i < nb; ++i) {
     const std::vector<std::int64_t>& row = sm.rows[static_cast<std::size_t>(i - np)];
     const NodeId nid = new_block(keys[static_cast<std::size_t>(i)],
-                                 query.subspan(static_cast<std::size_t>(i * B_), static_cast<std::size_t>(B_)), i);
+                                 query.subspan(static_cast<std::size_t>(i * layout_.B()), static_cast<std::size_t>(layout_.B())), i);
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       bool held;
-      if (cfg_.lcs[static_cast<std::size_t>(lc)].ssm) {
+      if (layout_.cfg().lcs[static_cast<std::size_t>(lc)].ssm) {
         held = i == nb - 1;
       } else {
-        const auto [lo, hi] = stale_range(lc, m);
+        const auto [lo, hi] = layout_.stale_range(lc, m);
         held = !(lo <= i && i < hi);
       }
       if (!held) continue;
-      if (row[static_cast<std::size_t>(lc)] != B_) {
+      if (row[static_cast<std::size_t>(lc)] != layout_.B()) {
         throw InternalErr("kvcm bug: the fixed point kept a block without its page");
       }
       Page* p = new_shared_page(lc, priority, i);
-      tree_.set_page(nid, lc, p->handle, B_);
+      tree_.set_page(nid, lc, p->handle, layout_.B());
       p->node = static_cast<std::int32_t>(nid);  // (a shared page is in no pool: the field alone)
     }
     attach(parent, nid);
@@ -984,15 +933,15 @@ void BlockPool::hold(const std::vector<NodeId>& blocks, const std::vector<std::v
   for (NodeId nid : blocks) {
     if (nid != kNoNode) tree_.ref(nid);
   }
-  for (std::int64_t lc : attn_lcs_) {
+  for (std::int64_t lc : layout_.attn_lcs()) {
     for (std::int64_t h : pages[static_cast<std::size_t>(lc)]) {
-      if (h >= 0) use(&page(h), true, priority);
+      if (h >= 0) use(&mut(h), true, priority);
     }
   }
 }
 
 // py: block_pool.py BlockPool.alloc — SPEC sec. 7
-Page* BlockPool::alloc(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal, std::int64_t priority,
+const Page* BlockPool::alloc(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal, std::int64_t priority,
                        bool active) {
   ensure_room(kGpu, lc);
   Page* p = new_page(kGpu, lc, coverage, priority, ordinal);
@@ -1022,17 +971,17 @@ Inserted BlockPool::insert_block(const Chain& chain, std::int64_t i, std::span<c
   NodeId parent = parent_for(chain, i, done);
   NodeId existing = tree_.find_existing(parent, key, block);
   Page* snap_page = nullptr;
-  const std::int64_t ssm = ssm_lc_;
+  const std::int64_t ssm = layout_.ssm_lc();
   // shared_write="commit": a full-coverage page of a full block that becomes a tree page
   // here is written to the shared tier (DECISIONS.md "The shared tier")
-  const bool do_store = store_on_commit_ && ntok == B_;
+  const bool do_store = layout_.store_on_commit() && ntok == layout_.B();
   if (want_snapshot && (existing == kNoNode || tree_.coverage(existing, ssm) < ntok)) {
     Page* live_page = page_ptr(chain.live);
     if (live_page == nullptr || live_page->tier != kGpu || !make_room(kGpu, ssm)) {
       count(ssm, kSnapshotsSkipped);
     } else {
       snap_page = new_page(kGpu, ssm, ntok, chain.priority, i);
-      copy(ssm, &page(chain.live), snap_page, "snapshot");
+      copy(ssm, &mut(chain.live), snap_page, "snapshot");
       if (do_store) store(snap_page, key);
       // eviction may have pruned this request's chain or the existing block
       parent = parent_for(chain, i, done);
@@ -1043,10 +992,10 @@ Inserted BlockPool::insert_block(const Chain& chain, std::int64_t i, std::span<c
                                                                          : kNoNode;
   if (existing == kNoNode) {
     const NodeId nid = new_block(key, block, i);
-    for (std::int64_t lc : attn_lcs_) {
+    for (std::int64_t lc : layout_.attn_lcs()) {
       const std::int64_t s = chain_page(chain, lc, i);
       if (s < 0) continue;
-      Page& p = page(s);
+      Page& p = mut(s);
       // forks: a shared partial page another user's stop_committing put into a block that
       // was detached since (so not found): it moves here (DECISIONS.md "Forks", the tail
       // block of a stop)
@@ -1070,17 +1019,17 @@ Inserted BlockPool::insert_block(const Chain& chain, std::int64_t i, std::span<c
     return done;
   }
   std::vector<std::int64_t> gained;
-  for (std::int64_t lc : attn_lcs_) {
+  for (std::int64_t lc : layout_.attn_lcs()) {
     const std::int64_t s = chain_page(chain, lc, i);
     if (s < 0) continue;
-    Page* p = &page(s);
+    Page* p = &mut(s);
     p->coverage = static_cast<std::int16_t>(ntok);
     const PageHandle qh = tree_.page(existing, lc);
     if (qh == kNoPage || tree_.coverage(existing, lc) < ntok) {
       install(existing, lc, p, gained);
       if (do_store) store(p, key);
     } else {
-      Page* q = &page(qh);
+      Page* q = &mut(qh);
       if (q->tier == kGpu) {  // the request switches to the tree's page; its index changes
         use(q, chain.active, chain.priority);
         done.replaced.emplace_back(lc, q->handle);
@@ -1108,7 +1057,7 @@ void BlockPool::move_reference(NodeId old, NodeId nid) {
 Digest BlockPool::key_for(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint) const {
   const Digest parent = tree_.key(i > 0 ? chain.blocks[static_cast<std::size_t>(i - 1)] : chain.root);
   if (hint.key != nullptr && (i == 0 || *hint.prev == parent)) return *hint.key;  // the hash done at create
-  return block_key_of(parent, block);
+  return tokens_.block_key_of(parent, block);
 }
 
 // py: block_pool.py BlockPool.parent_for — SPEC sec. 5
@@ -1135,10 +1084,10 @@ NodeId BlockPool::parent_for(const Chain& chain, std::int64_t i, Inserted& done)
 // py: block_pool.py BlockPool.switch_block — SPEC sec. 5
 void BlockPool::switch_block(const Chain& chain, std::int64_t j, NodeId orphan, NodeId existing, Inserted& done) {
   std::vector<std::int64_t> gained;
-  for (std::int64_t lc : attn_lcs_) {
+  for (std::int64_t lc : layout_.attn_lcs()) {
     const std::int64_t s = chain_page(chain, lc, j);
     if (s < 0) continue;
-    Page* p = &page(s);
+    Page* p = &mut(s);
     if (p->node != orphan || tree_.coverage(existing, lc) >= p->coverage) continue;
     install(existing, lc, p, gained);
   }
@@ -1165,7 +1114,7 @@ void BlockPool::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::i
     gained.push_back(lc);
     return;
   }
-  Page* q = &page(old);
+  Page* q = &mut(old);
   restate(*q, [&] { q->node = kNoNode; });
   emit_removed(tree_.key(nid), lc);  // a coverage upgrade: removed now, stored by the caller
   gained.push_back(lc);
@@ -1177,14 +1126,14 @@ void BlockPool::install(NodeId nid, std::int64_t lc, Page* p, std::vector<std::i
 // py: block_pool.py BlockPool.attach — SPEC sec. 5
 void BlockPool::attach(NodeId parent, NodeId nid) {
   const std::vector<NodeId> siblings = tree_.attach(parent, nid);
-  const auto nlc = static_cast<std::int64_t>(cfg_.lcs.size());
+  const auto nlc = static_cast<std::int64_t>(layout_.cfg().lcs.size());
   std::vector<std::int64_t>& lcs = scratch_.lcs;
   if (siblings.empty()) {  // the common case: nothing stepped aside
     lcs.clear();
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       const PageHandle h = tree_.page(nid, lc);
       if (h == kNoPage) continue;
-      page(h).node = static_cast<std::int32_t>(nid);
+      mut(h).node = static_cast<std::int32_t>(nid);
       lcs.push_back(lc);
     }
     emit_stored(nid, lcs);
@@ -1220,10 +1169,10 @@ void BlockPool::attach(NodeId parent, NodeId nid) {
   }
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
     const PageHandle h = tree_.page(nid, lc);
-    if (h != kNoPage) page(h).node = static_cast<std::int32_t>(nid);
+    if (h != kNoPage) mut(h).node = static_cast<std::int32_t>(nid);
     for (NodeId sid : siblings) {
       const PageHandle hs = tree_.page(sid, lc);
-      if (hs != kNoPage) page(hs).node = static_cast<std::int32_t>(sid);
+      if (hs != kNoPage) mut(hs).node = static_cast<std::int32_t>(sid);
     }
   }
   retire_nodes(siblings, false);

@@ -23,33 +23,14 @@
 
 #include "core/block_keys.h"
 #include "core/fifo.h"
+#include "core/layout.h"
 #include "core/lifecycle.h"
 #include "core/pools.h"
+#include "core/tokens.h"
 #include "core/tree.h"
 #include "core/types.h"
 
 namespace kvcm {
-
-// ------------------------------------------------------------------ configuration
-struct ManagerConfig {
-  std::int64_t tokens_per_block = 1;
-  std::vector<LcConfig> lcs;
-  std::vector<std::vector<std::int64_t>> slots;  // [tier][lc]
-  std::vector<std::string> tier_kinds;
-  bool enable_partial_reuse = true;
-  std::int64_t reuse_match_backoff = 0;
-  double max_util_for_resume = 1.0;
-  std::int64_t max_events = 10000;
-  std::int64_t pending_copy_ops_warning = 1000000;  // 0: never warn
-  std::vector<std::int64_t> quota_bytes;  // [tier]: shown by stats / snapshot; set_quota changes it
-  // The shared tier (DECISIONS.md "The shared tier"): configured (tier number 3, no pools),
-  // and its write policy (false: "commit", write-through; true: "evict", write-back).
-  bool shared = false;
-  bool shared_write_evict = false;
-  // copy_settlement="explicit" (DECISIONS.md "Asynchronous copies: settle_copies"): each
-  // non-empty drain stays unsettled until settle_copies; false: "drain" (forget_copies).
-  bool explicit_settlement = false;
-};
 
 // ------------------------------------------------------------------ events
 struct StoredBlockC {  // key and tokens are the event's (one block, several life cycles)
@@ -170,17 +151,12 @@ class BlockPool {
   BlockPool(const BlockPool&) = delete;
   BlockPool& operator=(const BlockPool&) = delete;
 
-  // ---------------------------------------------------------------- config-derived facts
-  const ManagerConfig& cfg() const noexcept { return cfg_; }
-  std::int64_t B() const noexcept { return B_; }  // tokens per block
-  std::int64_t num_tiers() const noexcept { return num_tiers_; }  // local tiers (pools)
-  std::size_t num_life_cycles() const noexcept { return cfg_.lcs.size(); }
-  const std::vector<std::int64_t>& attn_lcs() const noexcept { return attn_lcs_; }
-  std::int64_t ssm_lc() const noexcept { return ssm_lc_; }  // -1: none
-  bool store_on_commit() const noexcept { return store_on_commit_; }
-  std::pair<std::int64_t, std::int64_t> stale_range(std::int64_t lc, std::int64_t history) const;
-  void set_quota_bytes(std::int64_t tier, std::int64_t bytes) { cfg_.quota_bytes[static_cast<std::size_t>(tier)] = bytes; }
-  void set_pending_copy_ops_warning(std::int64_t n) noexcept { cfg_.pending_copy_ops_warning = n; }
+  // ---------------------------------------------------------------- the layout, the tokens
+  const Layout& layout() const noexcept { return layout_; }
+  TokenTable& tokens() noexcept { return tokens_; }
+  const TokenTable& tokens() const noexcept { return tokens_; }
+  void set_quota_bytes(std::int64_t tier, std::int64_t bytes) { layout_.set_quota_bytes(tier, bytes); }
+  void set_pending_copy_ops_warning(std::int64_t n) noexcept { layout_.set_pending_copy_ops_warning(n); }
 
   // ---------------------------------------------------------------- the clock
   std::int64_t tick() { return ++clock_; }
@@ -188,16 +164,6 @@ class BlockPool {
   // ---------------------------------------------------------------- tree and tokens
   // Read-only: the tree changes only through the pool's methods.
   const RadixTree& tree() const noexcept { return tree_; }
-  // Digest tokens' references (SPEC sec. 15): a request's token lists hold their own.
-  void retain_tokens(std::span<const Tok> codes) { tree_.retain_all(codes); }
-  void release_tokens(std::span<const Tok> codes) { tree_.release_all(codes); }
-  // Append the pool's codes of `tokens` to `out` (interning their digests).
-  void intern_into(TokenSeq tokens, std::vector<Tok>& out);
-  TokenOut decode(Tok t) const;
-  std::vector<TokenOut> decode_all(std::span<const Tok> codes) const;
-  // (block keys: KeyChain with the caller's lambda as its callback, inlined)
-  Digest block_key_of(const Digest& parent, std::span<const Tok> tokens) const;
-  std::vector<Digest> chain(const Digest& root, std::span<const Tok> tokens) const;
   NodeId new_block(const Digest& key, std::span<const Tok> tokens, std::int64_t ordinal);
   // The match extended by the store's hits (DECISIONS.md "The shared tier"; m -1: no run;
   // root kNoNode: a scope with no root, no tree path).
@@ -241,39 +207,34 @@ class BlockPool {
   // ---------------------------------------------------------------- pages
   // Pages are addressed by handle (a slot of the page slab, reused after the page is
   // freed); snapshots show the page's serial instead.
-  Page& page(std::int64_t handle) {
+  const Page& page(std::int64_t handle) const {
     if (!page_alive(handle)) [[unlikely]] no_page(handle);
     return slab(handle);
   }
-  const Page& page(std::int64_t handle) const {
-    if (!page_alive(handle)) [[unlikely]] no_page(handle);
-    const auto h = static_cast<std::size_t>(handle);
-    return page_chunks_[h / kPageChunk][h % kPageChunk];
-  }
-  Page* page_ptr(std::int64_t handle) { return handle < 0 ? nullptr : &page(handle); }
   bool page_alive(std::int64_t handle) const noexcept {
     if (handle < 0 || handle >= page_slots_) return false;
     const auto h = static_cast<std::size_t>(handle);
     return page_chunks_[h / kPageChunk][h % kPageChunk].handle == handle;
   }
   std::int64_t page_serial(std::int64_t handle) const { return handle < 0 ? -1 : page(handle).serial; }
+  // (const: a page's fields change only through the pool's methods)
   Page* new_page(std::int64_t tier, std::int64_t lc, std::int64_t coverage, std::int64_t priority,
                  std::int64_t ordinal);
   Page* new_shared_page(std::int64_t lc, std::int64_t priority, std::int64_t ordinal);
   // use / unuse / set_active: one call of restate each (page users, SPEC sec. 4)
   void use(Page* p, bool active, std::int64_t priority);
-  void unuse(Page* p, bool active);
-  void set_active(Page* p, bool active);
+  void unuse(const Page* p, bool active);
+  void set_active(const Page* p, bool active);
   // A new gpu page private to one request, in its state (LOCKED when active, else HELD);
   // room is made first (the caller's check promised it).
-  Page* alloc(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal, std::int64_t priority, bool active);
+  const Page* alloc(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal, std::int64_t priority, bool active);
   // The tokens a request wrote into its private page `p` (no part of its state or key).
-  void set_coverage(Page* p, std::int64_t coverage) { p->coverage = static_cast<std::int16_t>(coverage); }
+  void set_coverage(const Page* p, std::int64_t coverage) { own(p)->coverage = static_cast<std::int16_t>(coverage); }
   // Unindex `p`, apply `change` (its users, node, priority or last_used), index it again:
   // the only way a pooled page's eviction key or state changes.
   template <typename F>
   void restate(Page& p, F change) {
-    if (p.tier == shared_pos_) {  // a shared page is in no pool
+    if (p.tier == layout_.shared_pos()) {  // a shared page is in no pool
       change();
       return;
     }
@@ -320,7 +281,7 @@ class BlockPool {
   // events) and free the unused ones.
   void forget_pages(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost);
   std::int64_t take_copy_ops_warning() noexcept {
-    const std::int64_t due = copy_ops_warn_due_ ? cfg_.pending_copy_ops_warning : 0;
+    const std::int64_t due = copy_ops_warn_due_ ? layout_.cfg().pending_copy_ops_warning : 0;
     copy_ops_warn_due_ = false;
     return due;
   }
@@ -367,8 +328,15 @@ class BlockPool {
 
  private:
   [[noreturn]] static void no_page(std::int64_t handle);
-  // the SPEC tier number of config position ``t`` (see tier_id_)
-  std::int64_t tier_id(std::int64_t t) const { return tier_id_[static_cast<std::size_t>(t)]; }
+  std::int64_t tier_id(std::int64_t t) const { return layout_.tier_id(t); }
+  // The pool's own write access to a page it handed out as const: every page is a
+  // (non-const) object of the slab this class owns, so the cast is the owner's view.
+  static Page* own(const Page* p) noexcept { return const_cast<Page*>(p); }
+  Page& mut(std::int64_t handle) {
+    if (!page_alive(handle)) [[unlikely]] no_page(handle);
+    return slab(handle);
+  }
+  Page* page_ptr(std::int64_t handle) { return handle < 0 ? nullptr : &mut(handle); }
   std::vector<std::int64_t> live_pages() const;  // handles, by serial
   // insert_block's parts (block_pool.cpp)
   std::vector<NodeId> insert_shared_blocks(NodeId root, std::span<const Tok> query, std::span<const Digest> keys,
@@ -419,12 +387,11 @@ class BlockPool {
                                                                 const std::vector<bool>& taken) const;
   std::int64_t event_id() { return next_event_++; }
   void stats_view(std::string& out, const std::vector<std::int64_t>& counters) const;
-  // `{"tier":N,"kind":"...","quota_bytes":Q,"lc":[` (stats()["tiers"], snapshot()["pools"])
-  void json_tier_head(std::string& o, std::size_t t) const;
+  // stats()["tiers"] (snapshot false) or snapshot()["pools"] (true): the one writer of both
+  void pools_json(std::string& o, bool snapshot) const;
   // observe.cpp: the snapshot's sections and the invariant checks' rule groups
   void snapshot_tree(std::string& o) const;
   void snapshot_pages(std::string& o) const;
-  void snapshot_pools(std::string& o) const;
   void snapshot_copy_ops(std::string& o) const;
   void snapshot_events(std::string& o) const;
   using NodeIndex = std::unordered_map<NodeId, const NodeDump*>;
@@ -434,25 +401,15 @@ class BlockPool {
   void check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& nodes, InvariantUsers& users) const;
 
   // --- configuration
-  ManagerConfig cfg_;      // as resolved; set_quota changes quota_bytes
-  std::int64_t B_;         // tokens per block
-  std::int64_t num_tiers_;  // local tiers (those with pools)
-  // SPEC sec. 1 tier number (gpu 0, host 1, disk 2) of each config position: pools are
-  // indexed by position; copy ops, events, stats and snapshots report these numbers.
-  std::vector<std::int64_t> tier_id_;
-  // The shared tier: a shared page's `tier` is shared_pos_ (= num_tiers_, after the local
-  // tiers; tier_id_ maps it to 3); it has slot -1 and is in no pool.
-  std::int64_t shared_pos_ = -1;
-  bool store_on_commit_ = false;  // shared_write="commit": full blocks are stored as they enter the tree
+  Layout layout_;  // the config-derived facts (parts and requests hold it const)
   bool evicting_ = false;  // shared_write="evict": an eviction drop is running (retire_nodes writes too)
-  std::vector<std::int64_t> attn_lcs_;  // the attention life cycles, ascending
-  std::int64_t ssm_lc_ = -1;            // the ssm life cycle (at most one), -1: none
 
   // --- pools, tree, pages
   // eviction-index nodes: recycled here instead of a malloc per index change
   std::pmr::unsynchronized_pool_resource evict_nodes_;
   std::vector<std::vector<Pool>> pools_;  // [tier][lc]: free slots, state counters, eviction indexes
   RadixTree tree_;  // the committed blocks, their pages per lc, and the interned digest tokens
+  TokenTable tokens_;  // the door to the tree's digest table for everything else
   // The page slab: fixed-size chunks, so a Page* stays valid while pages are added.
   static constexpr std::size_t kPageChunk = 4096;
   std::vector<std::unique_ptr<Page[]>> page_chunks_;

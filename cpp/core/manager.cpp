@@ -21,7 +21,7 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
   std::vector<Tok> tokens;  // holds one reference per digest token (sec. 15)
   tokens.reserve(tokens_in.size());
-  pool_.intern_into(tokens_in, tokens);
+  pool_.tokens().intern_into(tokens_in, tokens);
   pool_.tick();
   const std::int64_t serial = next_request_++;
   const auto n = static_cast<std::int64_t>(tokens.size());
@@ -95,12 +95,7 @@ Manager::ProbeResult Manager::probe(TokenSeq tokens_in, std::optional<std::uint6
       if (c & kDigestCode) c = pool_.tree().lookup(TokenArg{0, tokens_in.digests[c & ~kDigestCode].data()});
     }
   }
-  const std::size_t nfull = tokens_in.size() / static_cast<std::size_t>(pool_.B()) * static_cast<std::size_t>(pool_.B());
-  std::vector<Digest> keys;
-  keys.reserve(nfull / static_cast<std::size_t>(pool_.B()));
-  KeyChain chain(root_key, static_cast<std::uint32_t>(pool_.B()), [&keys](const Digest& k) { keys.push_back(k); });
-  feed(chain, tokens_in.codes.first(nfull),
-       [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
+  const std::vector<Digest> keys = TokenTable::input_chain(root_key, tokens_in, pool_.layout().B());
   const RequestMatch match = pool_.match_with_hits(root, std::span<const Tok>(codes), keys, hits);
   return ProbeResult{match.m, match.m_before_ssm,
                      with_tiers ? pool_.block_tiers(match.path, match.m) : std::vector<std::int64_t>{}};
@@ -112,17 +107,12 @@ std::vector<std::pair<Digest, std::int64_t>> Manager::shared_candidates(TokenSeq
                                                                         std::optional<std::uint64_t> lora,
                                                                         std::optional<std::uint64_t> salt) {
   std::vector<std::pair<Digest, std::int64_t>> out;
-  if (!pool_.cfg().shared) return out;
+  if (!pool_.layout().cfg().shared) return out;
   const Digest root_key = scope_root_key(lora, salt);
-  const std::size_t nfull = tokens_in.size() / static_cast<std::size_t>(pool_.B()) * static_cast<std::size_t>(pool_.B());
-  std::vector<Digest> keys;
-  keys.reserve(nfull / static_cast<std::size_t>(pool_.B()));
-  KeyChain chain(root_key, static_cast<std::uint32_t>(pool_.B()), [&keys](const Digest& k) { keys.push_back(k); });
-  feed(chain, tokens_in.codes.first(nfull),
-       [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
+  const std::vector<Digest> keys = TokenTable::input_chain(root_key, tokens_in, pool_.layout().B());
   const NodeId root = pool_.tree().find_root(root_key);  // creates nothing
   const std::size_t start = root == kNoNode ? 0 : pool_.tree().key_path(root, keys).size();
-  const auto nlc = static_cast<std::int64_t>(pool_.cfg().lcs.size());
+  const auto nlc = static_cast<std::int64_t>(pool_.layout().cfg().lcs.size());
   for (std::size_t i = start; i < keys.size(); ++i) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) out.emplace_back(keys[i], lc);
   }
@@ -151,12 +141,12 @@ void Manager::clear_reusable() {
 std::vector<std::int64_t> Manager::set_quota(std::int64_t tier, std::int64_t quota_bytes,
                                              const std::vector<std::int64_t>& slots) {
   if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
-  const auto nlc = static_cast<std::int64_t>(pool_.num_life_cycles());
+  const auto nlc = static_cast<std::int64_t>(pool_.layout().num_life_cycles());
   for (std::int64_t ilc = 0; ilc < nlc; ++ilc) {
     const auto lc = static_cast<std::size_t>(ilc);
     const Pool& pool = pool_.pool(tier, ilc);
     const std::int64_t movable =
-        tier < pool_.num_tiers() - 1 ? std::min(pool.held, pool_.capacity_of(tier + 1, ilc)) : 0;
+        tier < pool_.layout().num_tiers() - 1 ? std::min(pool.held, pool_.capacity_of(tier + 1, ilc)) : 0;
     const std::int64_t need = pool.total - pool.nfree() - pool.droppable - movable;
     if (slots[lc] < need) return {ilc, slots[lc], need, pool.locked, pool.held - movable};
   }

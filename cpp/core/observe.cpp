@@ -53,7 +53,7 @@ void BlockPool::snapshot_head(std::string& o) const {
   o += "],\"pages\":[";
   snapshot_pages(o);
   o += "],\"pools\":[";
-  snapshot_pools(o);
+  pools_json(o, true);
 }
 
 // "stats" .. "events_dropped" (after the "stats" key).
@@ -161,30 +161,6 @@ void BlockPool::snapshot_pages(std::string& o) const {
   }
 }
 
-// The snapshot's "pools" list.
-// py: observe.py snapshot_pools — SPEC sec. 11
-void BlockPool::snapshot_pools(std::string& o) const {
-  for (std::size_t t = 0; t < pools_.size(); ++t) {
-    if (t) o += ',';
-    json_tier_head(o, t);
-    for (std::size_t lc = 0; lc < pools_[t].size(); ++lc) {
-      const Pool& p = pools_[t][lc];
-      if (lc) o += ',';
-      o += "{\"total\":";
-      j_int(o, p.total);
-      o += ",\"free\":";
-      j_int(o, p.nfree());
-      o += ",\"free_slots\":[";
-      const std::vector<std::int64_t> fs = p.free_slots.sorted();
-      for (std::size_t k = 0; k < fs.size(); ++k) {
-        if (k) o += ',';
-        j_int(o, fs[k]);
-      }
-      o += "]}";
-    }
-    o += "]}";
-  }
-}
 
 // The snapshot's "requests" list.
 // py: observe.py snapshot_requests — SPEC sec. 11
@@ -219,7 +195,7 @@ void Manager::snapshot_requests(std::string& o) const {
     o += ",\"committed_tokens\":[";
     for (std::size_t k = 0; k < r.tokens.size(); ++k) {
       if (k) o += ',';
-      j_tok_snap(o, pool_.decode(r.tokens[k]));
+      j_tok_snap(o, pool_.tokens().decode(r.tokens[k]));
     }
     o += "],\"reused_tokens\":";
     j_int(o, r.reused);
@@ -232,7 +208,7 @@ void Manager::snapshot_requests(std::string& o) const {
     }
     o += "],\"pages\":{";
     bool f2 = true;
-    for (std::int64_t lc : pool_.attn_lcs()) {
+    for (std::int64_t lc : pool_.layout().attn_lcs()) {
       if (!f2) o += ',';
       f2 = false;
       o += '"';
@@ -301,7 +277,7 @@ void BlockPool::snapshot_copy_ops(std::string& o) const {
       o += ']';
     }
   };
-  if (!cfg_.explicit_settlement) {
+  if (!layout_.cfg().explicit_settlement) {
     drain(issued_);
     return;
   }
@@ -343,7 +319,7 @@ void BlockPool::snapshot_events(std::string& o) const {
           o += ",[";
           for (std::size_t t = 0; t < e.ntokens; ++t) {
             if (t) o += ',';
-            j_tok_plain(o, decode(event_tokens_[tok_at + t]));
+            j_tok_plain(o, tokens_.decode(event_tokens_[tok_at + t]));
           }
           o += "],";
           j_int(o, sb.lc);
@@ -396,7 +372,7 @@ void Manager::check_invariants() {
 void BlockPool::check_pools() const {
   const std::vector<std::int64_t> all = live_pages();
   for (std::size_t t = 0; t < pools_.size(); ++t) {
-    for (std::size_t lc = 0; lc < cfg_.lcs.size(); ++lc) check_pool(t, lc, all);
+    for (std::size_t lc = 0; lc < layout_.cfg().lcs.size(); ++lc) check_pool(t, lc, all);
   }
 }
 
@@ -416,7 +392,7 @@ void BlockPool::check_pages_and_tree(InvariantUsers& users) const {
 // counts the unsettled ops right and reports nothing through the last drain.
 // py: observe.py check_issued — SPEC sec. 11
 void BlockPool::check_issued() const {
-  const bool expl = cfg_.explicit_settlement;
+  const bool expl = layout_.cfg().explicit_settlement;
   std::int64_t n = 0;
   auto drain = [&](std::size_t d, const std::vector<IssuedOp>& issued) {
     check(!issued.empty() || !expl, "unsettled drain " + S(static_cast<std::int64_t>(d)) + " is empty");
@@ -511,7 +487,7 @@ void Manager::check_request(std::int64_t serial, BlockPool::InvariantUsers& user
   const bool active = r.status == ReqStatus::active;
   auto& target = active ? locks : holds;
   std::vector<std::int64_t> used;
-  for (std::int64_t lc : pool_.attn_lcs()) {
+  for (std::int64_t lc : pool_.layout().attn_lcs()) {
     for (std::int64_t s : r.pages[static_cast<std::size_t>(lc)]) {
       if (s >= 0) used.push_back(s);
     }
@@ -528,12 +504,12 @@ void Manager::check_request(std::int64_t serial, BlockPool::InvariantUsers& user
             rid + " is ACTIVE but page " + S(pool_.page_serial(s)) + " is on tier " + S(pool_.page(s).tier));
     }
   }
-  const std::int64_t nb = ceildiv(r.capacity, pool_.B());
-  for (std::int64_t lc : pool_.attn_lcs()) {
+  const std::int64_t nb = ceildiv(r.capacity, pool_.layout().B());
+  for (std::int64_t lc : pool_.layout().attn_lcs()) {
     const auto& v = r.pages[static_cast<std::size_t>(lc)];
     check(static_cast<std::int64_t>(v.size()) <= std::max(nb, static_cast<std::int64_t>(r.blocks.size())),
           rid + ": pages beyond capacity");
-    const auto [lo, hi] = pool_.stale_range(lc, r.history);
+    const auto [lo, hi] = pool_.layout().stale_range(lc, r.history);
     for (std::size_t i = 0; i < v.size(); ++i) {
       const auto ii = static_cast<std::int64_t>(i);
       check(v[i] < 0 || !(lo <= ii && ii < hi),
@@ -541,7 +517,7 @@ void Manager::check_request(std::int64_t serial, BlockPool::InvariantUsers& user
       check(v[i] >= 0 || (lo <= ii && ii < hi), rid + ": block " + S(ii) + " of lc " + S(lc) + " has no page");
     }
   }
-  if (active && pool_.ssm_lc() >= 0) check(r.live >= 0, rid + ": ACTIVE without a live ssm state");
+  if (active && pool_.layout().ssm_lc() >= 0) check(r.live >= 0, rid + ": ACTIVE without a live ssm state");
   for (NodeId nid : r.blocks) {
     if (nid != kNoNode) {
       check(pool_.tree().exists(nid), rid + ": references a deleted block");
@@ -566,11 +542,11 @@ void BlockPool::check_page_users(const std::vector<std::int64_t>& all, Invariant
     check(p.locks == l, pid + ": " + S(p.locks) + " locks, " + S(l) + " users ACTIVE");
     check(p.holds == h, pid + ": " + S(p.holds) + " holds, " + S(h) + " users SUSPENDED");
     check(p.state() != kLocked || p.tier == kGpu, pid + ": LOCKED on tier " + S(p.tier));
-    if (p.tier == shared_pos_) {  // DECISIONS.md "The shared tier": HELD, linked, full, no slot, in no pool
+    if (p.tier == layout_.shared_pos()) {  // DECISIONS.md "The shared tier": HELD, linked, full, no slot, in no pool
       check(p.slot == -1 && p.locks == 0 && p.holds > 0, pid + ": a shared page must be HELD, slot -1 (" +
                                                             S(p.locks) + " locks, " + S(p.holds) + " holds, slot " +
                                                             S(p.slot) + ")");
-      check(p.node != kNoNode && p.coverage == B_, pid + ": a shared page outside a full block");
+      check(p.node != kNoNode && p.coverage == layout_.B(), pid + ": a shared page outside a full block");
     } else {
       check(p.idx_state == p.state(), pid + ": counted under a stale state");
     }
@@ -589,7 +565,7 @@ void BlockPool::check_page_users(const std::vector<std::int64_t>& all, Invariant
 // Tree rules: references, page links, children, roots, attached flags and ordinals.
 // py: observe.py check_tree_links — SPEC sec. 11
 void BlockPool::check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& nodes, InvariantUsers& users) const {
-  const std::size_t nlc = cfg_.lcs.size();
+  const std::size_t nlc = layout_.cfg().lcs.size();
   auto& refs = users.refs;
   for (const NodeDump& n : dump) {
     const std::string bid = "block " + S(n.id);
@@ -609,7 +585,7 @@ void BlockPool::check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& n
     }
     for (NodeId c : n.children) {
       check(nodes.count(c) != 0 && nodes[c]->parent == n.id, bid + ": child " + S(c) + " link broken");
-      check(static_cast<std::int64_t>(n.tokens.size()) == B_ || n.is_root, bid + ": a partial block has children");
+      check(static_cast<std::int64_t>(n.tokens.size()) == layout_.B() || n.is_root, bid + ": a partial block has children");
     }
     if (n.is_root) {
       check(tree_.find_root(n.key) != kNoNode && tree_.uid(tree_.find_root(n.key)) == n.id,

@@ -171,7 +171,7 @@ Page* BlockPool::peek(Pool& pool, int state) {
   Page* first = ix.head >= 0 ? &slab(ix.head) : nullptr;
   if (!ix.set.empty()) {
     const EvictEntry& e = *ix.set.begin();
-    if (first == nullptr || e.first < first->evict_key()) return &page(e.second);
+    if (first == nullptr || e.first < first->evict_key()) return &mut(e.second);
   }
   return first;
 }
