@@ -19,13 +19,18 @@ using namespace detail;
 // py: request.py Request.__init__ — SPEC sec. 7
 Request::Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input, std::optional<std::uint64_t> lora_id,
                  std::optional<std::uint64_t> salt_id, std::int64_t prio, bool digests, const SharedHits* hits)
-    : pool_(pool), layout_(pool.layout()), tokens_(pool.tokens()) {
+    : pool_(pool),
+      layout_(pool.layout()),
+      tokens_(pool.tokens()),
+      pages_(pool.pages()),
+      index_(pool.index()),
+      outbox_(pool.outbox()) {
   serial = serial_no;
   lora = lora_id;
   salt = salt_id;
   priority = prio;
   root_key = scope_root_key(lora, salt);
-  root = pool_.open_scope(root_key);
+  root = index_.open_scope(root_key);
   const auto nfull = static_cast<std::int64_t>(input.size()) / layout_.B();
   keys = tokens_.chain(root_key, std::span<const Tok>(input.data(), static_cast<std::size_t>(nfull * layout_.B())));
   has_digests = digests;
@@ -37,7 +42,7 @@ Request::Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input
 // py: request.py Request.match_and_hold — SPEC sec. 7
 std::int64_t Request::match_and_hold(std::span<const Tok> query, std::span<const Digest> query_keys,
                                      const SharedHits* hits) {
-  HeldMatch held = pool_.hold_match(root, query, query_keys, hits, priority);
+  HeldMatch held = index_.hold_match(root, query, query_keys, hits, priority);
   const std::int64_t m = held.m;
   tokens.assign(query.begin(), query.begin() + m);
   // tokens holds its own digest references (the caller's keep theirs; sec. 15)
@@ -84,7 +89,7 @@ void Request::release_all() {
   live = snap = -1;
   for (auto& v : pages) v.clear();
   for (NodeId nid : blocks) {
-    if (nid != kNoNode) pool_.unref(nid);
+    if (nid != kNoNode) index_.unref(nid);
   }
   blocks.clear();
 }
@@ -125,11 +130,11 @@ std::vector<const Page*> Request::used_pages() {
   std::vector<const Page*> out;
   for (std::int64_t lc : layout_.attn_lcs()) {
     for (std::int64_t s : pages[static_cast<std::size_t>(lc)]) {
-      if (s >= 0) out.push_back(&pool_.page(s));
+      if (s >= 0) out.push_back(&pages_.page(s));
     }
   }
-  if (snap >= 0) out.push_back(&pool_.page(snap));
-  if (live >= 0) out.push_back(&pool_.page(live));
+  if (snap >= 0) out.push_back(&pages_.page(snap));
+  if (live >= 0) out.push_back(&pages_.page(live));
   return out;
 }
 
@@ -139,10 +144,10 @@ std::vector<const Page*> Request::cow_sources() {
   if (cow_block >= 0) {
     for (std::int64_t lc : layout_.attn_lcs()) {
       const std::int64_t s = page_at(lc, cow_block);
-      if (s >= 0) out.push_back(&pool_.page(s));
+      if (s >= 0) out.push_back(&pages_.page(s));
     }
   }
-  if (snap >= 0) out.push_back(&pool_.page(snap));
+  if (snap >= 0) out.push_back(&pages_.page(snap));
   return out;
 }
 
@@ -160,7 +165,7 @@ bool Request::resume() {
   std::vector<Budget> budgets(nlc);
   std::vector<std::int64_t> need(nlc, 0), locked_after(nlc), held_gpu(nlc);
   for (std::size_t lc = 0; lc < nlc; ++lc) {
-    budgets[lc] = pool_.budget(static_cast<std::int64_t>(lc));
+    budgets[lc] = pages_.budget(static_cast<std::int64_t>(lc));
     locked_after[lc] = budgets[lc].locked;
     held_gpu[lc] = budgets[lc].held;
   }
@@ -215,18 +220,18 @@ void Request::copy_on_write() {
       const std::int64_t s = page_at(lc, j);
       if (s < 0) continue;
       const Page* dst = alloc_private(lc, covered, j);
-      const Page* src = &pool_.page(s);
-      pool_.copy(lc, src, dst, "cow");
+      const Page* src = &pages_.page(s);
+      outbox_.copy(lc, src, dst, "cow");
       pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
       pool_.unuse(src, true);
     }
-    pool_.unref(blocks[static_cast<std::size_t>(j)]);
+    index_.unref(blocks[static_cast<std::size_t>(j)]);
     blocks[static_cast<std::size_t>(j)] = kNoNode;
     cow_block = -1;
   }
   if (snap >= 0) {
-    const Page* snap_page = &pool_.page(snap);
-    pool_.copy(layout_.ssm_lc(), snap_page, &pool_.page(live), "cow");
+    const Page* snap_page = &pages_.page(snap);
+    outbox_.copy(layout_.ssm_lc(), snap_page, &pages_.page(live), "cow");
     pool_.unuse(snap_page, true);
     snap = -1;
   }
@@ -272,7 +277,7 @@ bool Request::could_hold(std::int64_t nb, std::int64_t new_history) const {
   for (std::int64_t lc : layout_.attn_lcs()) {
     const auto [lo, hi] = layout_.stale_range(lc, new_history);
     const std::int64_t stale = std::max<std::int64_t>(0, std::min(hi, nb) - std::min(lo, nb));
-    if (nb - stale > pool_.budget(lc).total) return false;
+    if (nb - stale > pages_.budget(lc).total) return false;
   }
   return true;
 }
@@ -323,14 +328,14 @@ bool Request::resize_checked(std::int64_t new_capacity, std::int64_t new_history
       for (const auto& [rlc, i] : releases) released.push_back(page_at(rlc, i));
       released_known = true;
     }
-    if (!pool_.budget(lc, released).fits(n)) return false;
+    if (!pages_.budget(lc, released).fits(n)) return false;
   }
 
   pool_.tick();
   capacity = new_capacity;
   history = new_history;
   for (const auto& [lc, i] : releases) {
-    const Page* p = &pool_.page(page_at(lc, i));
+    const Page* p = &pages_.page(page_at(lc, i));
     pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = -1;
     pool_.unuse(p, true);
   }
@@ -406,14 +411,14 @@ void Request::commit_appended(std::int64_t old) {
     for (std::int64_t i = old / layout_.B(); i < ceildiv(now, layout_.B()); ++i) {
       const std::int64_t s = page_at(lc, i);
       if (s < 0) continue;
-      const Page* p = &pool_.page(s);
-      if (p->node == kNoNode) pool_.set_coverage(p, std::min(layout_.B(), now - i * layout_.B()));
+      const Page* p = &pages_.page(s);
+      if (p->node == kNoNode) pages_.set_coverage(p, std::min(layout_.B(), now - i * layout_.B()));
     }
   }
   const std::int64_t last = now / layout_.B() - 1;
   for (std::int64_t i = old / layout_.B(); i <= last; ++i) {
     // the next block's child-table line (its key was hashed at create), loaded meanwhile
-    if (i < last && i + 1 < static_cast<std::int64_t>(keys.size())) pool_.tree().prefetch_child(keys[static_cast<std::size_t>(i + 1)]);
+    if (i < last && i + 1 < static_cast<std::int64_t>(keys.size())) index_.tree().prefetch_child(keys[static_cast<std::size_t>(i + 1)]);
     const bool snapshot = layout_.ssm_lc() >= 0 && i == last && now % layout_.B() == 0;
     // `tokens` does not change during insert_block, so a view of it is safe
     const std::span<const Tok> block(tokens.data() + i * layout_.B(), static_cast<std::size_t>(layout_.B()));
@@ -441,7 +446,7 @@ void Request::release_stale(std::int64_t old_history, std::int64_t first_block) 
         const std::int64_t s = table[static_cast<std::size_t>(i)];
         if (s >= 0) {
           table[static_cast<std::size_t>(i)] = -1;
-          pool_.unuse(&pool_.page(s), active);
+          pool_.unuse(&pages_.page(s), active);
         }
       }
     };
@@ -499,7 +504,7 @@ ClosedTokens Request::close() {
   pool_.tick();
   if (!stopped) stop();
   release_all();
-  pool_.unref(root);  // may release an unused scope root
+  index_.unref(root);  // may release an unused scope root
   status = ReqStatus::closed;
   out.closed_now = true;
   out.capacity = capacity;
@@ -538,14 +543,14 @@ bool Request::fork(Request& child) {
   for (std::int64_t lc = 0; lc < static_cast<std::int64_t>(layout_.num_life_cycles()); ++lc) {
     std::int64_t need = lc == layout_.ssm_lc() ? 1 : 0;
     for (const auto& [clc, h] : copies) need += clc == lc;
-    if (need && !pool_.budget(lc).fits(need)) return false;
+    if (need && !pages_.budget(lc).fits(need)) return false;
   }
 
   pool_.tick();
   child.init_fork(*this);
   if (layout_.ssm_lc() >= 0) {  // its own live state, a copy of the parent's
     child.live = child.alloc_private(layout_.ssm_lc(), 0, c / layout_.B())->handle;
-    pool_.copy(layout_.ssm_lc(), &pool_.page(live), &pool_.page(child.live), "cow");
+    outbox_.copy(layout_.ssm_lc(), &pages_.page(live), &pages_.page(child.live), "cow");
   }
   child.copy_tail(copies);
   return true;
@@ -554,7 +559,7 @@ bool Request::fork(Request& child) {
 // py: request.py Request.init_fork — SPEC sec. 18
 void Request::init_fork(const Request& parent) {
   root_key = parent.root_key;
-  root = pool_.open_scope(root_key);  // (the parent's root: it holds it)
+  root = index_.open_scope(root_key);  // (the parent's root: it holds it)
   lora = parent.lora;
   salt = parent.salt;
   priority = parent.priority;
@@ -577,7 +582,7 @@ void Request::init_fork(const Request& parent) {
     const auto& from = parent.pages[static_cast<std::size_t>(lc)];
     pages[static_cast<std::size_t>(lc)].assign(from.begin(), from.begin() + std::min(nb, from.size()));
   }
-  pool_.hold(blocks, pages, priority);
+  index_.hold(blocks, pages, priority);
   live = snap = -1;
   cow_block = -1;
 }
@@ -601,7 +606,7 @@ Request::TailPages Request::shared_tail(std::int64_t new_history) const {
   const std::int64_t j = static_cast<std::int64_t>(tokens.size()) / layout_.B();
   for (const auto& [lc, h] : tail_pages()) {
     const auto [lo, hi] = layout_.stale_range(lc, new_history);
-    const Page& p = pool_.page(h);
+    const Page& p = pages_.page(h);
     if (!(lo <= j && j < hi) && (p.node != kNoNode || p.locks + p.holds > 1)) out.emplace_back(lc, h);
   }
   return out;
@@ -614,13 +619,13 @@ void Request::copy_tail(const TailPages& shared) {
   const std::int64_t covered = static_cast<std::int64_t>(tokens.size()) - j * layout_.B();
   for (const auto& [lc, h] : shared) {
     const Page* dst = alloc_private(lc, covered, j);
-    const Page* src = &pool_.page(h);
-    pool_.copy(lc, src, dst, "cow");
+    const Page* src = &pages_.page(h);
+    outbox_.copy(lc, src, dst, "cow");
     pool_.unuse(src, status == ReqStatus::active);
     pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
   }
   if (j < static_cast<std::int64_t>(blocks.size()) && blocks[static_cast<std::size_t>(j)] != kNoNode) {
-    pool_.unref(blocks[static_cast<std::size_t>(j)]);
+    index_.unref(blocks[static_cast<std::size_t>(j)]);
     blocks[static_cast<std::size_t>(j)] = kNoNode;
   }
 }
@@ -632,7 +637,7 @@ std::vector<std::int32_t> Request::page_indices(std::int64_t lc, std::int64_t st
   require(ReqStatus::active, "page_indices");
   std::vector<std::int32_t> out;
   if (lc == layout_.ssm_lc()) {
-    if (start == 0 && stop != 0) out.push_back(static_cast<std::int32_t>(pool_.page(live).slot));
+    if (start == 0 && stop != 0) out.push_back(static_cast<std::int32_t>(pages_.page(live).slot));
     return out;
   }
   const std::int64_t nb = ceildiv(capacity, layout_.B());
@@ -641,7 +646,7 @@ std::vector<std::int32_t> Request::page_indices(std::int64_t lc, std::int64_t st
   out.reserve(static_cast<std::size_t>(end - start));
   for (std::int64_t i = start; i < end; ++i) {
     const std::int64_t s = page_at(lc, i);
-    out.push_back(s >= 0 ? static_cast<std::int32_t>(pool_.page(s).slot) : -1);
+    out.push_back(s >= 0 ? static_cast<std::int32_t>(pages_.page(s).slot) : -1);
   }
   return out;
 }
@@ -665,7 +670,7 @@ KeyHint Request::key_hint(std::int64_t i, std::span<const Tok> block) const {
 // py: request.py Request.insert_block — SPEC sec. 5
 void Request::insert_block(std::int64_t i, std::span<const Tok> block, bool want_snapshot, bool defer_prune) {
   const Chain chain{root, blocks, pages, live, priority, status == ReqStatus::active};
-  const Inserted done = pool_.insert_block(chain, i, block, key_hint(i, block), want_snapshot, defer_prune);
+  const Inserted done = index_.insert_block(chain, i, block, key_hint(i, block), want_snapshot, defer_prune);
   for (const auto& [j, nid] : done.switched) blocks[static_cast<std::size_t>(j)] = nid;
   for (const auto& [lc, h] : done.replaced) pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = h;
   set_block(i, done.node);

@@ -69,7 +69,14 @@ class Request : private RequestState {
   Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input, std::optional<std::uint64_t> lora_id,
           std::optional<std::uint64_t> salt_id, std::int64_t prio, bool digests, const SharedHits* hits);
   // A fork's child, set up by the parent's fork() (DECISIONS.md "Forks").
-  Request(BlockPool& pool, std::int64_t serial_no) noexcept : pool_(pool), layout_(pool.layout()), tokens_(pool.tokens()) { serial = serial_no; }
+  Request(BlockPool& pool, std::int64_t serial_no) noexcept : pool_(pool),
+        layout_(pool.layout()),
+        tokens_(pool.tokens()),
+        pages_(pool.pages()),
+        index_(pool.index()),
+        outbox_(pool.outbox()) {
+    serial = serial_no;
+  }
 
   // ---------------------------------------------------------------- state (read-only)
   const RequestState& state() const noexcept { return *this; }
@@ -131,9 +138,15 @@ class Request : private RequestState {
   TailPages shared_tail(std::int64_t new_history) const;
   void copy_tail(const TailPages& shared);
 
-  BlockPool& pool_;      // the shared state: the only thing a request reaches beyond itself
-  const Layout& layout_;  // the pool's config facts (read-only; not a pool member)
-  TokenTable& tokens_;    // the pool's token interning (not a pool member)
+  // The shared state, the only thing a request reaches beyond itself: the pool (its clock
+  // and the operations that span parts) and the parts it works through, taken from the
+  // pool by the constructor; the layout and the token table are not pool members.
+  BlockPool& pool_;
+  const Layout& layout_;  // the config facts (read-only)
+  TokenTable& tokens_;    // the token interning
+  Pages& pages_;          // pages read (page, budget), a private page's coverage set
+  TreeIndex& index_;      // match, hold, insert, scopes
+  Outbox& outbox_;        // copy ops
 };
 
 }  // namespace kvcm
