@@ -20,7 +20,7 @@ BlockPool::BlockPool(ManagerConfig cfg)
       tokens_(tree_, layout_.B()),
       pages_(layout_, tree_, outbox_, clock_),
       outbox_(layout_, tree_, pages_),
-      index_(layout_, tree_, tokens_, pages_, evictor_, outbox_),
+      index_(layout_, tree_, tokens_, pages_, outbox_),
       evictor_(layout_, pages_, index_, outbox_) {}
 
 // py: block_pool.py BlockPool.alloc — SPEC sec. 7
@@ -32,6 +32,33 @@ const Page* BlockPool::alloc(std::int64_t lc, std::int64_t coverage, std::int64_
   return p;
 }
 
+// py: block_pool.py BlockPool.insert_block — SPEC sec. 5
+Inserted BlockPool::insert_block(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint,
+                                 bool want_snapshot, bool defer_prune) {
+  const Digest key = index_.key_for(chain, i, block, hint);
+  Inserted done;
+  const Page* snap = nullptr;
+  if (want_snapshot && index_.lacks_snapshot(chain, i, block, key, done)) {
+    snap = snapshot(chain, i, static_cast<std::int64_t>(block.size()), key);
+  }
+  return index_.insert_block(chain, i, block, key, std::move(done), snap, defer_prune);
+}
+
+// py: block_pool.py BlockPool.snapshot — SPEC sec. 7
+const Page* BlockPool::snapshot(const Chain& chain, std::int64_t i, std::int64_t ntok, const Digest& key) {
+  const std::int64_t ssm = layout_.ssm_lc();
+  const Page* live = pages_.page_ptr(chain.live);
+  if (live == nullptr || live->tier != kGpu || !evictor_.make_room(kGpu, ssm)) {
+    outbox_.count(ssm, kSnapshotsSkipped);
+    return nullptr;
+  }
+  const Page* snap = pages_.new_page(kGpu, ssm, ntok, chain.priority, i);
+  outbox_.copy(ssm, &pages_.page(chain.live), snap, "snapshot");
+  if (layout_.store_on_commit() && ntok == layout_.B()) outbox_.store(snap, key);  // shared_write="commit"
+  return snap;
+}
+
+// py: block_pool.py BlockPool.set_active — SPEC sec. 4
 void BlockPool::set_active(const Page* p, bool active) {
   if (active && p->tier != kGpu) {  // resumed on a colder tier: onboarded first (resume's check promised the room)
     evictor_.ensure_room(kGpu, p->lc);
@@ -48,22 +75,6 @@ void BlockPool::resize_pool(std::int64_t tier, std::int64_t lc, std::int64_t n) 
     }
   }
   pages_.resize_pool(tier, lc, n);
-}
-
-void BlockPool::forget_pages(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost) {
-  for (const auto& [h, serial] : lost) {
-    if (!pages_.page_alive(h) || pages_.page(h).serial != serial) continue;  // freed with an earlier subtree
-    const Page* p = &pages_.page(h);
-    outbox_.count(p->lc, kLostPages);
-    if (p->node != kNoNode) {
-      if (tree_.is_attached(p->node)) {
-        index_.unlink_committed(p);
-      } else {
-        index_.unlink_from_node(p);
-      }
-      if (p->locks == 0 && p->holds == 0) pages_.free_page(p);
-    }
-  }
 }
 
 std::vector<std::pair<std::string, std::int64_t>> BlockPool::internal_sizes(std::int64_t num_requests) const {

@@ -57,17 +57,18 @@ class BlockPool {
   // A new gpu page private to one request, in its state (LOCKED when active, else HELD);
   // room is made first (the caller's check promised it).
   const Page* alloc(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal, std::int64_t priority, bool active);
-  // A request stops using `p` (Pages::unuse); unused, it leaves the tree or is freed.
-  void unuse(const Page* p, bool active) { index_.unuse(p, active); }
+  // SPEC sec. 5, 7: block i of `chain` into the tree (TreeIndex::insert_block); with
+  // want_snapshot its live ssm state is first copied into a snapshot page when the block
+  // would have none covering as much (room made by the evictor, which may prune the chain:
+  // the tree index looks for the parent again).  hint: the key hashed at create.
+  Inserted insert_block(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint,
+                        bool want_snapshot, bool defer_prune = false);
   // A request's page changes state (Pages::set_active); resumed on a colder tier, it is
   // onboarded first (resume's check promised the room).
   void set_active(const Page* p, bool active);
   // set_quota's resize of pool (tier, lc) to n slots: what must go is evicted (sec. 8
   // order), then the pool shrinks (Pages::resize_pool).
   void resize_pool(std::int64_t tier, std::int64_t lc, std::int64_t n);
-  // forget_copies / settle_copies' second half: unlink the lost pages still alive (SPEC
-  // sec. 5 pruning, removed events) and free the unused ones.
-  void forget_pages(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost);
   // stats() (or take_iteration_stats()) as JSON
   void stats_json(std::string& out, bool take_iteration) { outbox_.stats_json(out, take_iteration); }
 
@@ -89,9 +90,13 @@ class BlockPool {
   Scratch& scratch() noexcept { return scratch_; }
 
  private:
+  // the snapshot page of block i (ntok tokens, key `key`) filled from the chain's live ssm
+  // state, or nullptr (counted skipped) when the state is not on the gpu or no room can be made
+  const Page* snapshot(const Chain& chain, std::int64_t i, std::int64_t ntok, const Digest& key);
   // Declaration order is construction order: each part is built after what it reads in its
-  // constructor; the references between parts (Pages <-> Outbox, TreeIndex <-> Evictor)
-  // are only stored there, used after the pool is built.
+  // constructor.  Every part knows only the parts below it (Evictor > TreeIndex > Pages >
+  // Outbox), but for the outbox's read-only view of the pages (a stored event's tier and
+  // priority, a lost op's page, the pools in stats()), bound here and used only once built.
   Layout layout_;      // the config-derived facts (parts and requests hold it const)
   RadixTree tree_;     // the committed blocks, their pages per lc, and the interned digest tokens
   TokenTable tokens_;  // the door to the tree's digest table for everything but the tree index

@@ -56,17 +56,16 @@ bool Evictor::evict_one(std::int64_t tier, std::int64_t lc) {
   // No room below (a failed make_room changes nothing): drop instead.
   v = strategy_.victim(pages_, pool, /*can_offload=*/false);
   if (v == nullptr) return false;
-  if (layout_.cfg().shared_write_evict) store_evicted(v);
-  evicting_ = layout_.cfg().shared_write_evict;
-  drop(v);
-  evicting_ = false;
+  const bool write_back = layout_.cfg().shared_write_evict;
+  if (write_back) store_evicted(v);
+  drop(v, write_back ? &write_back_ : nullptr);
   return true;
 }
 
 // py: evictor.py Evictor.move — SPEC sec. 8
 void Evictor::move(const Page* p, std::int64_t dst, const char* reason) {
   const RadixTree& tree = index_.tree();
-  const Retiered was = pages_.retier(p, dst);
+  const Retiered was = pages_.move_to(p, dst);
   CopyOpC op{p->lc, layout_.tier_id(was.old_tier), was.old_slot, layout_.tier_id(dst), p->slot, reason};
   if (was.old_tier == layout_.shared_pos()) {  // a shared page: no slot, no pool; the op names its object
     op.has_key = true;
@@ -88,11 +87,11 @@ void Evictor::move(const Page* p, std::int64_t dst, const char* reason) {
 }
 
 // py: evictor.py Evictor.drop — SPEC sec. 8
-void Evictor::drop(const Page* p) {
+void Evictor::drop(const Page* p, const std::function<void(const Page*)>* write_back) {
   if (p->state() != kDroppable) throw InternalErr("kvcm bug: drop of a non-DROPPABLE page");
   outbox_.count(p->lc, kDrops);
   outbox_.count(p->lc, kDropBytes, layout_.cfg().lcs[static_cast<std::size_t>(p->lc)].slot_bytes);
-  index_.unlink_committed(p);
+  index_.unlink_committed(p, write_back);
   pages_.free_page(p);
 }
 

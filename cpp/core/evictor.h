@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 
 #include "core/layout.h"
 #include "core/pages.h"
@@ -41,8 +42,9 @@ class LruStrategy final : public EvictionStrategy {
 
 class Evictor {
  public:
-  Evictor(const Layout& layout, Pages& pages, TreeIndex& index, Outbox& outbox) noexcept
-      : layout_(layout), pages_(pages), index_(index), outbox_(outbox) {}
+  Evictor(const Layout& layout, Pages& pages, TreeIndex& index, Outbox& outbox)
+      : layout_(layout), pages_(pages), index_(index), outbox_(outbox),
+        write_back_([this](const Page* p) { store_evicted(p); }) {}
   Evictor(const Evictor&) = delete;
   Evictor& operator=(const Evictor&) = delete;
 
@@ -56,18 +58,18 @@ class Evictor {
   void drop_all_droppable();
   // The write-back of a page eviction is about to drop (shared_write="evict").
   void store_evicted(const Page* p);
-  // shared_write="evict": an eviction drop is running (the tree's retire_nodes writes back too)
-  bool evicting() const noexcept { return evicting_; }
 
  private:
-  void drop(const Page* p);
+  // write_back: the pages freed with p's subtree are written back too (shared_write="evict")
+  void drop(const Page* p, const std::function<void(const Page*)>* write_back = nullptr);
 
   const Layout& layout_;
   Pages& pages_;
   TreeIndex& index_;
   Outbox& outbox_;
   LruStrategy strategy_;
-  bool evicting_ = false;
+  // shared_write="evict": an eviction drop writes back the pages freed with its subtree
+  std::function<void(const Page*)> write_back_;
 };
 
 }  // namespace kvcm

@@ -72,7 +72,7 @@ std::vector<std::int64_t> Manager::roll_back_lost(const std::vector<std::pair<st
     if (auto point = requests_.at(serial).rollback_point(lost_handles)) resets.emplace_back(serial, *point);
   }
   // unlink the lost committed pages (SPEC sec. 5 pruning, removed events)
-  pool_.forget_pages(lost);
+  pool_.index().forget_pages(lost);
   for (const auto& [serial, point] : resets) {
     requests_.at(serial).roll_back(point);
     out.push_back(serial);

@@ -120,7 +120,8 @@ void Pages::set_active(const Page* cp, bool active) {
   });
 }
 
-Retiered Pages::retier(const Page* cp, std::int64_t dst) {
+// py: pages.py Pages.move_to — SPEC sec. 8
+Retiered Pages::move_to(const Page* cp, std::int64_t dst) {
   Page* p = own(cp);
   Pool& dst_pool = pool_at(dst, p->lc);
   const std::int64_t old_tier = p->tier, old_slot = p->slot;

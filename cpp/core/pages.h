@@ -3,7 +3,7 @@
 // Python twin: kvcm/python_backend/pages.py (Pages).
 //
 // Pages hands out `const Page&` only: a page's fields change through this class's methods
-// (restate, use, unuse, set_active, set_node, set_coverage, retier, ...), so "no page
+// (restate, use, unuse, set_active, set_node, restate_node, set_coverage, move_to, ...), so "no page
 // writes outside the pool" holds by type.  The Page / Pool records are pools.h's; the
 // eviction-index operations over the slab are defined in pools.cpp.
 #pragma once
@@ -37,7 +37,7 @@ struct Budget {
   bool fits(std::int64_t n) const noexcept { return free + droppable + std::min(held, colder) >= n; }
 };
 
-// Where a page was before Pages::retier moved it.
+// Where a page was before Pages::move_to moved it.
 struct Retiered {
   std::int64_t old_tier, old_slot;
 };
@@ -88,15 +88,15 @@ class Pages {
   // The tokens a request wrote into its private page `p` (no part of its state or key).
   void set_coverage(const Page* p, std::int64_t coverage) { own(p)->coverage = static_cast<std::int16_t>(coverage); }
   // `p` now belongs to tree block `nid` (kNoNode: to none), re-indexed (its state may change).
-  void set_node(const Page* p, NodeId nid) {
+  void restate_node(const Page* p, NodeId nid) {
     Page* m = own(p);
     restate(*m, [&] { m->node = static_cast<std::int32_t>(nid); });
   }
   // The same without re-indexing, where the page's state does not depend on the node: a
   // used page, a shared page (in no pool), a page re-linked to the block it is counted under.
-  void link_node(const Page* p, NodeId nid) noexcept { own(p)->node = static_cast<std::int32_t>(nid); }
+  void set_node(const Page* p, NodeId nid) noexcept { own(p)->node = static_cast<std::int32_t>(nid); }
   // Move `p` to a slot of tier `dst` (its pool, re-indexed); where it was.
-  Retiered retier(const Page* p, std::int64_t dst);
+  Retiered move_to(const Page* p, std::int64_t dst);
   void free_page(const Page* p);
   // Shrink pool (tier, lc) to n slots once its used pages fit (the caller evicted): the
   // survivors of slots [n, total) move down (relocate), or grow it.

@@ -19,13 +19,7 @@ using namespace detail;
 // py: request.py Request.__init__ — SPEC sec. 7
 Request::Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input, std::optional<std::uint64_t> lora_id,
                  std::optional<std::uint64_t> salt_id, std::int64_t prio, bool digests, const SharedHits* hits)
-    : pool_(pool),
-      layout_(pool.layout()),
-      tokens_(pool.tokens()),
-      pages_(pool.pages()),
-      index_(pool.index()),
-      outbox_(pool.outbox()) {
-  serial = serial_no;
+    : Request(pool, serial_no) {
   lora = lora_id;
   salt = salt_id;
   priority = prio;
@@ -85,7 +79,7 @@ std::optional<std::int64_t> Request::rollback_point(const std::vector<std::int64
 // py: request.py Request.release_all — SPEC sec. 7
 void Request::release_all() {
   const bool active = status == ReqStatus::active;
-  for (const Page* p : used_pages()) pool_.unuse(p, active);
+  for (const Page* p : used_pages()) index_.release(p, active);
   live = snap = -1;
   for (auto& v : pages) v.clear();
   for (NodeId nid : blocks) {
@@ -223,7 +217,7 @@ void Request::copy_on_write() {
       const Page* src = &pages_.page(s);
       outbox_.copy(lc, src, dst, "cow");
       pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
-      pool_.unuse(src, true);
+      index_.release(src, true);
     }
     index_.unref(blocks[static_cast<std::size_t>(j)]);
     blocks[static_cast<std::size_t>(j)] = kNoNode;
@@ -232,7 +226,7 @@ void Request::copy_on_write() {
   if (snap >= 0) {
     const Page* snap_page = &pages_.page(snap);
     outbox_.copy(layout_.ssm_lc(), snap_page, &pages_.page(live), "cow");
-    pool_.unuse(snap_page, true);
+    index_.release(snap_page, true);
     snap = -1;
   }
 }
@@ -337,7 +331,7 @@ bool Request::resize_checked(std::int64_t new_capacity, std::int64_t new_history
   for (const auto& [lc, i] : releases) {
     const Page* p = &pages_.page(page_at(lc, i));
     pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = -1;
-    pool_.unuse(p, true);
+    index_.release(p, true);
   }
   for (std::int64_t lc : layout_.attn_lcs()) pages[static_cast<std::size_t>(lc)].resize(static_cast<std::size_t>(nb), -1);
   copy_tail(cows);
@@ -446,7 +440,7 @@ void Request::release_stale(std::int64_t old_history, std::int64_t first_block) 
         const std::int64_t s = table[static_cast<std::size_t>(i)];
         if (s >= 0) {
           table[static_cast<std::size_t>(i)] = -1;
-          pool_.unuse(&pages_.page(s), active);
+          index_.release(&pages_.page(s), active);
         }
       }
     };
@@ -621,7 +615,7 @@ void Request::copy_tail(const TailPages& shared) {
     const Page* dst = alloc_private(lc, covered, j);
     const Page* src = &pages_.page(h);
     outbox_.copy(lc, src, dst, "cow");
-    pool_.unuse(src, status == ReqStatus::active);
+    index_.release(src, status == ReqStatus::active);
     pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
   }
   if (j < static_cast<std::int64_t>(blocks.size()) && blocks[static_cast<std::size_t>(j)] != kNoNode) {
@@ -670,7 +664,7 @@ KeyHint Request::key_hint(std::int64_t i, std::span<const Tok> block) const {
 // py: request.py Request.insert_block — SPEC sec. 5
 void Request::insert_block(std::int64_t i, std::span<const Tok> block, bool want_snapshot, bool defer_prune) {
   const Chain chain{root, blocks, pages, live, priority, status == ReqStatus::active};
-  const Inserted done = index_.insert_block(chain, i, block, key_hint(i, block), want_snapshot, defer_prune);
+  const Inserted done = pool_.insert_block(chain, i, block, key_hint(i, block), want_snapshot, defer_prune);
   for (const auto& [j, nid] : done.switched) blocks[static_cast<std::size_t>(j)] = nid;
   for (const auto& [lc, h] : done.replaced) pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = h;
   set_block(i, done.node);

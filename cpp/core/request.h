@@ -69,7 +69,8 @@ class Request : private RequestState {
   Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input, std::optional<std::uint64_t> lora_id,
           std::optional<std::uint64_t> salt_id, std::int64_t prio, bool digests, const SharedHits* hits);
   // A fork's child, set up by the parent's fork() (DECISIONS.md "Forks").
-  Request(BlockPool& pool, std::int64_t serial_no) noexcept : pool_(pool),
+  Request(BlockPool& pool, std::int64_t serial_no) noexcept
+      : pool_(pool),
         layout_(pool.layout()),
         tokens_(pool.tokens()),
         pages_(pool.pages()),

@@ -6,7 +6,6 @@
 #include <limits>
 #include <stdexcept>
 
-#include "core/evictor.h"
 #include "core/outbox.h"
 #include "core/manager_detail.h"
 
@@ -175,7 +174,7 @@ std::vector<NodeId> TreeIndex::insert_shared_blocks(NodeId root, std::span<const
       }
       const Page* p = pages_.new_shared_page(lc, priority, i);
       tree_.set_page(nid, lc, p->handle, layout_.B());
-      pages_.link_node(p, nid);  // (a shared page is in no pool: the field alone)
+      pages_.set_node(p, nid);  // (a shared page is in no pool: the field alone)
     }
     attach(parent, nid);
     path.push_back(nid);
@@ -197,38 +196,34 @@ void TreeIndex::hold(const std::vector<NodeId>& blocks, const std::vector<std::v
   }
 }
 
+// Whether block i of `chain` (key `key`) would enter the tree with no ssm snapshot covering
+// it: no equivalent block under its parent (the chain's orphans re-attached first,
+// parent_for, recorded in `done`), or one whose snapshot covers less.
+// py: tree_index.py TreeIndex.lacks_snapshot — SPEC sec. 7
+bool TreeIndex::lacks_snapshot(const Chain& chain, std::int64_t i, std::span<const Tok> block, const Digest& key,
+                               Inserted& done) {
+  const NodeId parent = parent_for(chain, i, done);
+  const NodeId existing = tree_.find_existing(parent, key, block);
+  return existing == kNoNode || tree_.coverage(existing, layout_.ssm_lc()) < static_cast<std::int64_t>(block.size());
+}
+
 // Also SPEC sec. 7: a new block adopting the request's pages, or the existing equivalent
 // one, which takes the request's pages where they cover more (and the request the tree's
-// gpu page where the tree's covers as much); with want_snapshot the live ssm state is
-// copied into a snapshot page first when the block has none covering as much.
+// gpu page where the tree's covers as much); `snap_page`: a snapshot page of the request's
+// live ssm state for the block (nullptr: none; BlockPool::insert_block makes it); `done`:
+// the re-attachment's switches so far (lacks_snapshot's).
 // defer_prune: more blocks of this commit follow, so a pageless new block leaves its parent
 // chain attached (no quadratic re-attach; DECISIONS.md).
 // py: tree_index.py TreeIndex.insert_block — SPEC sec. 5
-Inserted TreeIndex::insert_block(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint,
-                                 bool want_snapshot, bool defer_prune) {
-  Inserted done;
+Inserted TreeIndex::insert_block(const Chain& chain, std::int64_t i, std::span<const Tok> block, const Digest& key,
+                                 Inserted&& done, const Page* snap_page, bool defer_prune) {
   const auto ntok = static_cast<std::int64_t>(block.size());
-  const Digest key = key_for(chain, i, block, hint);
-  NodeId parent = parent_for(chain, i, done);
-  NodeId existing = tree_.find_existing(parent, key, block);
-  const Page* snap_page = nullptr;
+  const NodeId parent = parent_for(chain, i, done);
+  const NodeId existing = tree_.find_existing(parent, key, block);
   const std::int64_t ssm = layout_.ssm_lc();
   // shared_write="commit": a full-coverage page of a full block that becomes a tree page
   // here is written to the shared tier (DECISIONS.md "The shared tier")
   const bool do_store = layout_.store_on_commit() && ntok == layout_.B();
-  if (want_snapshot && (existing == kNoNode || tree_.coverage(existing, ssm) < ntok)) {
-    const Page* live_page = pages_.page_ptr(chain.live);
-    if (live_page == nullptr || live_page->tier != kGpu || !evictor_.make_room(kGpu, ssm)) {
-      outbox_.count(ssm, kSnapshotsSkipped);
-    } else {
-      snap_page = pages_.new_page(kGpu, ssm, ntok, chain.priority, i);
-      outbox_.copy(ssm, &pages_.page(chain.live), snap_page, "snapshot");
-      if (do_store) outbox_.store(snap_page, key);
-      // eviction may have pruned this request's chain or the existing block
-      parent = parent_for(chain, i, done);
-      existing = tree_.find_existing(parent, key, block);
-    }
-  }
   const NodeId old = i < static_cast<std::int64_t>(chain.blocks.size()) ? chain.blocks[static_cast<std::size_t>(i)]
                                                                          : kNoNode;
   if (existing == kNoNode) {
@@ -243,12 +238,12 @@ Inserted TreeIndex::insert_block(const Chain& chain, std::int64_t i, std::span<c
       if (p.node != kNoNode) unlink_from_node(&p);
       pages_.set_coverage(&p, ntok);
       tree_.set_page(nid, lc, p.handle, ntok);
-      pages_.link_node(&p, nid);  // a used page: its state does not depend on the node
+      pages_.set_node(&p, nid);  // a used page: its state does not depend on the node
       if (do_store) outbox_.store(&p, key);
     }
     if (snap_page != nullptr) {
       tree_.set_page(nid, ssm, snap_page->handle, ntok);
-      pages_.set_node(snap_page, nid);
+      pages_.restate_node(snap_page, nid);
     }
     move_reference(old, nid);
     done.node = nid;
@@ -274,7 +269,7 @@ Inserted TreeIndex::insert_block(const Chain& chain, std::int64_t i, std::span<c
       if (q->tier == kGpu) {  // the request switches to the tree's page; its index changes
         pages_.use(q, chain.active, chain.priority);
         done.replaced.emplace_back(lc, q->handle);
-        unuse(p, chain.active);
+        release(p, chain.active);
       }
       // else: the request keeps its page privately (freed at close)
     }
@@ -342,21 +337,21 @@ void TreeIndex::switch_block(const Chain& chain, std::int64_t j, NodeId orphan, 
 void TreeIndex::install(NodeId nid, std::int64_t lc, const Page* p, std::vector<std::int64_t>& gained) {
   if (p->node != kNoNode) {  // moving from an orphan block
     const NodeId old_node = p->node;
-    pages_.link_node(p, kNoNode);  // (re-indexed just below, with its new block)
+    pages_.set_node(p, kNoNode);  // (re-indexed just below, with its new block)
     tree_.set_page(old_node, lc, kNoPage, 0);
   }
   const PageHandle old = tree_.set_page(nid, lc, p->handle, p->coverage);
   if (p->locks || p->holds) {
-    pages_.link_node(p, nid);  // a used page: its state does not depend on the node
+    pages_.set_node(p, nid);  // a used page: its state does not depend on the node
   } else {
-    pages_.set_node(p, nid);
+    pages_.restate_node(p, nid);
   }
   if (old == kNoPage) {
     gained.push_back(lc);
     return;
   }
   const Page* q = &pages_.page(old);
-  pages_.set_node(q, kNoNode);
+  pages_.restate_node(q, kNoNode);
   outbox_.emit_removed(tree_.key(nid), lc);  // a coverage upgrade: removed now, stored by the caller
   gained.push_back(lc);
   if (q->locks == 0 && q->holds == 0) pages_.free_page(q);
@@ -374,7 +369,7 @@ void TreeIndex::attach(NodeId parent, NodeId nid) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) {
       const PageHandle h = tree_.page(nid, lc);
       if (h == kNoPage) continue;
-      pages_.link_node(&pages_.page(h), nid);
+      pages_.set_node(&pages_.page(h), nid);
       lcs.push_back(lc);
     }
     outbox_.emit_stored(nid, lcs);
@@ -410,10 +405,10 @@ void TreeIndex::attach(NodeId parent, NodeId nid) {
   }
   for (std::int64_t lc = 0; lc < nlc; ++lc) {
     const PageHandle h = tree_.page(nid, lc);
-    if (h != kNoPage) pages_.link_node(&pages_.page(h), nid);
+    if (h != kNoPage) pages_.set_node(&pages_.page(h), nid);
     for (NodeId sid : siblings) {
       const PageHandle hs = tree_.page(sid, lc);
-      if (hs != kNoPage) pages_.link_node(&pages_.page(hs), sid);
+      if (hs != kNoPage) pages_.set_node(&pages_.page(hs), sid);
     }
   }
   retire_nodes(siblings, false);
@@ -425,7 +420,7 @@ void TreeIndex::attach(NodeId parent, NodeId nid) {
 }
 
 // py: tree_index.py TreeIndex.unlink_committed — SPEC sec. 5
-void TreeIndex::unlink_committed(const Page* p) {
+void TreeIndex::unlink_committed(const Page* p, const WriteBack* write_back) {
   const NodeId node = p->node;
   const std::int64_t lc = p->lc;
   const Digest key = tree_.key(node);
@@ -442,7 +437,7 @@ void TreeIndex::unlink_committed(const Page* p) {
       tree_.detach(node);
       tree_.collect(node);
     } else {
-      retire_nodes(tree_.remove_subtree(node), true);
+      retire_nodes(tree_.remove_subtree(node), true, write_back);
     }
     if (parent != kNoNode) tree_.prune_upward(parent);
   } else {
@@ -453,12 +448,12 @@ void TreeIndex::unlink_committed(const Page* p) {
 // py: tree_index.py TreeIndex.unlink_from_node — SPEC sec. 5
 void TreeIndex::unlink_from_node(const Page* p) {
   const NodeId node = p->node;
-  pages_.set_node(p, kNoNode);
+  pages_.restate_node(p, kNoNode);
   tree_.clear_page(node, p->lc);  // may delete a dead orphan node
 }
 
 // py: tree_index.py TreeIndex.retire_nodes — SPEC sec. 5
-void TreeIndex::retire_nodes(const std::vector<NodeId>& ids, bool announce) {
+void TreeIndex::retire_nodes(const std::vector<NodeId>& ids, bool announce, const WriteBack* write_back) {
   const auto nlc = static_cast<std::int64_t>(layout_.cfg().lcs.size());
   for (NodeId nid : ids) {
     if (!tree_.exists(nid)) continue;
@@ -470,7 +465,7 @@ void TreeIndex::retire_nodes(const std::vector<NodeId>& ids, bool announce) {
       if (announce) outbox_.emit_removed(key, lc);
       const Page* pg = &pages_.page(h);
       if (pg->locks == 0 && pg->holds == 0) {
-        if (evictor_.evicting()) evictor_.store_evicted(pg);  // freed with an evicted page: written back too
+        if (write_back != nullptr) (*write_back)(pg);  // freed with an evicted page: written back too
         outbox_.count(lc, kDrops);
         outbox_.count(lc, kDropBytes, layout_.cfg().lcs[static_cast<std::size_t>(lc)].slot_bytes);
         free_orphan_page(pg);
@@ -487,15 +482,12 @@ void TreeIndex::free_orphan_page(const Page* p) {
 }
 
 
-// A request stops using `p` (Pages::unuse); unused, it leaves what holds it (release).
-void TreeIndex::unuse(const Page* p, bool active) {
-  if (pages_.unuse(p, active)) release(p);
-}
-
-// A page no request uses any more: a shared page (DECISIONS.md "The shared tier": it lives
-// only while a request uses it) and a private one are freed, an orphan block's is unlinked
-// and freed; a committed page stays in the tree (DROPPABLE).
-void TreeIndex::release(const Page* p) {
+// A request stops using `p`: a private or orphaned page with no user left is freed; a tree
+// page becomes DROPPABLE (a shared one goes: DECISIONS.md "The shared tier", it lives only
+// while a request uses it).
+// py: tree_index.py TreeIndex.release — SPEC sec. 4
+void TreeIndex::release(const Page* p, bool active) {
+  if (!pages_.unuse(p, active)) return;
   if (p->tier == layout_.shared_pos() && p->node != kNoNode && tree_.is_attached(p->node)) {
     unlink_committed(p);
     pages_.free_page(p);
@@ -503,6 +495,25 @@ void TreeIndex::release(const Page* p) {
     pages_.free_page(p);
   } else if (!tree_.is_attached(p->node)) {
     free_orphan_page(p);
+  }
+}
+
+// forget_copies / settle_copies' second half: unlink the lost pages still alive (SPEC sec. 5
+// pruning, removed events) and free the unused ones.
+// py: tree_index.py TreeIndex.forget_pages — SPEC sec. 15
+void TreeIndex::forget_pages(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost) {
+  for (const auto& [h, serial] : lost) {
+    if (!pages_.page_alive(h) || pages_.page(h).serial != serial) continue;  // freed with an earlier subtree
+    const Page* p = &pages_.page(h);
+    outbox_.count(p->lc, kLostPages);
+    if (p->node != kNoNode) {
+      if (tree_.is_attached(p->node)) {
+        unlink_committed(p);
+      } else {
+        unlink_from_node(p);
+      }
+      if (p->locks == 0 && p->holds == 0) pages_.free_page(p);
+    }
   }
 }
 

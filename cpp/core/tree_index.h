@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -20,7 +21,6 @@
 
 namespace kvcm {
 
-class Evictor;
 class Outbox;
 
 // The shared tier's extension of a create's match (DECISIONS.md "The shared tier"): computed
@@ -87,11 +87,12 @@ struct Inserted {
 
 class TreeIndex {
  public:
-  // (evictor: room for a snapshot page; it in turn unlinks its victims here — the pool
-  // wires the two together)
-  TreeIndex(const Layout& layout, RadixTree& tree, const TokenTable& tokens, Pages& pages, Evictor& evictor,
-            Outbox& outbox) noexcept
-      : layout_(layout), tree_(tree), tokens_(tokens), pages_(pages), evictor_(evictor), outbox_(outbox) {}
+  TreeIndex(const Layout& layout, RadixTree& tree, const TokenTable& tokens, Pages& pages, Outbox& outbox) noexcept
+      : layout_(layout), tree_(tree), tokens_(tokens), pages_(pages), outbox_(outbox) {}
+  // What an eviction drop does to each page freed with the evicted subtree (shared_write=
+  // "evict": the write-back, Evictor::store_evicted); handed down by the evictor, so the
+  // tree index needs no evictor.
+  using WriteBack = std::function<void(const Page*)>;
   TreeIndex(const TreeIndex&) = delete;
   TreeIndex& operator=(const TreeIndex&) = delete;
 
@@ -128,20 +129,30 @@ class TreeIndex {
             std::int64_t priority);
   // A request stops referencing tree block (or scope root) `node`.
   void unref(NodeId node) { tree_.unref(node); }
-  // SPEC sec. 5, 7: block i of `chain` (full, or its partial tail) into the tree (see
-  // tree_index.cpp); defer_prune: more blocks of this commit follow.
-  Inserted insert_block(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint,
-                        bool want_snapshot, bool defer_prune = false);
-  // A page's last user let go of it (Pages::unuse said so): it leaves what holds it.
-  void release(const Page* p);
-  // unuse (Pages) and release: a request stops using `p`.
-  void unuse(const Page* p, bool active);
+  // The key of block i of `chain`: the hint's (hashed at create) when its parent still has
+  // the key it was chained from, else hashed now.
+  Digest key_for(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint) const;
+  // Whether block i would enter the tree with no ssm snapshot covering it (the chain's
+  // orphans re-attached first, their switches recorded in `done`).
+  bool lacks_snapshot(const Chain& chain, std::int64_t i, std::span<const Tok> block, const Digest& key,
+                      Inserted& done);
+  // SPEC sec. 5, 7: block i of `chain` (full, or its partial tail; key `key`) into the tree
+  // (see tree_index.cpp); snap_page: its snapshot page (nullptr: none); defer_prune: more
+  // blocks of this commit follow.
+  Inserted insert_block(const Chain& chain, std::int64_t i, std::span<const Tok> block, const Digest& key,
+                        Inserted&& done, const Page* snap_page, bool defer_prune);
+  // A request stops using `p` (Pages::unuse); with no user left it is freed, or unlinked
+  // and freed (an orphan's, a shared one), or stays in the tree DROPPABLE.
+  void release(const Page* p, bool active);
+  // forget_copies / settle_copies' second half: unlink the lost pages still alive (SPEC
+  // sec. 5 pruning, removed events) and free the unused ones; (handle, serial) pairs.
+  void forget_pages(const std::vector<std::pair<std::int64_t, std::int64_t>>& lost);
 
   // ---------------------------------------------------------------- unlinking (sec. 5)
-  void unlink_committed(const Page* p);
+  void unlink_committed(const Page* p, const WriteBack* write_back = nullptr);
   // `p` leaves its block's slot (no event, no pruning); may delete a dead orphan block
   void unlink_from_node(const Page* p);
-  void retire_nodes(const std::vector<NodeId>& ids, bool announce);
+  void retire_nodes(const std::vector<NodeId>& ids, bool announce, const WriteBack* write_back = nullptr);
   void free_orphan_page(const Page* p);
 
   // ---------------------------------------------------------------- observe.cpp
@@ -158,7 +169,6 @@ class TreeIndex {
   }
   std::vector<NodeId> insert_shared_blocks(NodeId root, std::span<const Tok> query, std::span<const Digest> keys,
                                            std::int64_t m, const RequestMatch& sm, std::int64_t priority);
-  Digest key_for(const Chain& chain, std::int64_t i, std::span<const Tok> block, KeyHint hint) const;
   NodeId parent_for(const Chain& chain, std::int64_t i, Inserted& done);
   void switch_block(const Chain& chain, std::int64_t j, NodeId orphan, NodeId existing, Inserted& done);
   void install(NodeId nid, std::int64_t lc, const Page* p, std::vector<std::int64_t>& gained);
@@ -172,7 +182,6 @@ class TreeIndex {
   RadixTree& tree_;
   const TokenTable& tokens_;
   Pages& pages_;
-  Evictor& evictor_;
   Outbox& outbox_;
   std::vector<std::int64_t> lcs_;  // attach's scratch (no allocation per insertion)
 };
