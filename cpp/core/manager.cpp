@@ -21,7 +21,7 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
   if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
   std::vector<Tok> tokens;  // holds one reference per digest token (sec. 15)
   tokens.reserve(tokens_in.size());
-  pool_.intern_into(tokens_in, tokens);
+  pool_.tokens().intern_into(tokens_in, tokens);
   pool_.tick();
   const std::int64_t serial = next_request_++;
   const auto n = static_cast<std::int64_t>(tokens.size());
@@ -30,7 +30,7 @@ std::int64_t Manager::create(TokenSeq tokens_in, std::optional<std::uint64_t> lo
                                       !tokens_in.digests.empty(), hits)
                          .first->second;
   const std::int64_t m = r.state().reused;
-  pool_.record_match(n, m);
+  pool_.outbox().record_match(n, m);
   return serial;
 }
 
@@ -42,7 +42,7 @@ std::vector<std::int64_t> Manager::forget_copies(std::span<const CopyOpC> ops) {
     throw ValueErr("forget_copies() is not used with copy_settlement='explicit': report the failed ops of each "
                    "drain with settle_copies(failed), oldest drain first");
   }
-  const std::vector<std::pair<std::int64_t, std::int64_t>> lost = pool_.take_issued(ops);
+  const std::vector<std::pair<std::int64_t, std::int64_t>> lost = pool_.outbox().take_issued(ops);
   if (ops.empty()) return {};
   return roll_back_lost(lost);
 }
@@ -55,7 +55,7 @@ std::vector<std::int64_t> Manager::settle_copies(std::span<const CopyOpC> failed
     throw ValueErr("settle_copies() needs KVCacheManagerConfig(copy_settlement='explicit'); with "
                    "copy_settlement='drain' report the failed ops of the last drain with forget_copies(ops)");
   }
-  const std::vector<std::pair<std::int64_t, std::int64_t>> lost = pool_.settle_oldest(failed);
+  const std::vector<std::pair<std::int64_t, std::int64_t>> lost = pool_.outbox().settle_oldest(failed);
   if (failed.empty()) return {};
   return roll_back_lost(lost);
 }
@@ -72,7 +72,7 @@ std::vector<std::int64_t> Manager::roll_back_lost(const std::vector<std::pair<st
     if (auto point = requests_.at(serial).rollback_point(lost_handles)) resets.emplace_back(serial, *point);
   }
   // unlink the lost committed pages (SPEC sec. 5 pruning, removed events)
-  pool_.forget_pages(lost);
+  pool_.index().forget_pages(lost);
   for (const auto& [serial, point] : resets) {
     requests_.at(serial).roll_back(point);
     out.push_back(serial);
@@ -86,24 +86,19 @@ std::vector<std::int64_t> Manager::roll_back_lost(const std::vector<std::pair<st
 Manager::ProbeResult Manager::probe(TokenSeq tokens_in, std::optional<std::uint64_t> lora,
                                     std::optional<std::uint64_t> salt, const SharedHits* hits, bool with_tiers) {
   const Digest root_key = scope_root_key(lora, salt);
-  const NodeId root = pool_.tree().find_root(root_key);  // a probe creates nothing (sec. 6, 15)
+  const NodeId root = pool_.index().tree().find_root(root_key);  // a probe creates nothing (sec. 6, 15)
   if (tokens_in.empty() || (root == kNoNode && hits == nullptr)) return {};
   // Look the digests up without interning them: a probe has no side effect.
   std::vector<Tok> codes(tokens_in.codes.begin(), tokens_in.codes.end());
   if (!tokens_in.digests.empty()) {
     for (Tok& c : codes) {
-      if (c & kDigestCode) c = pool_.tree().lookup(TokenArg{0, tokens_in.digests[c & ~kDigestCode].data()});
+      if (c & kDigestCode) c = pool_.index().tree().lookup(TokenArg{0, tokens_in.digests[c & ~kDigestCode].data()});
     }
   }
-  const std::size_t nfull = tokens_in.size() / static_cast<std::size_t>(pool_.B()) * static_cast<std::size_t>(pool_.B());
-  std::vector<Digest> keys;
-  keys.reserve(nfull / static_cast<std::size_t>(pool_.B()));
-  KeyChain chain(root_key, static_cast<std::uint32_t>(pool_.B()), [&keys](const Digest& k) { keys.push_back(k); });
-  feed(chain, tokens_in.codes.first(nfull),
-       [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
-  const RequestMatch match = pool_.match_with_hits(root, std::span<const Tok>(codes), keys, hits);
+  const std::vector<Digest> keys = TokenTable::input_chain(root_key, tokens_in, pool_.layout().B());
+  const RequestMatch match = pool_.index().match_with_hits(root, std::span<const Tok>(codes), keys, hits);
   return ProbeResult{match.m, match.m_before_ssm,
-                     with_tiers ? pool_.block_tiers(match.path, match.m) : std::vector<std::int64_t>{}};
+                     with_tiers ? pool_.index().block_tiers(match.path, match.m) : std::vector<std::int64_t>{}};
 }
 
 // DECISIONS.md "The shared tier".
@@ -112,17 +107,12 @@ std::vector<std::pair<Digest, std::int64_t>> Manager::shared_candidates(TokenSeq
                                                                         std::optional<std::uint64_t> lora,
                                                                         std::optional<std::uint64_t> salt) {
   std::vector<std::pair<Digest, std::int64_t>> out;
-  if (!pool_.cfg().shared) return out;
+  if (!pool_.layout().cfg().shared) return out;
   const Digest root_key = scope_root_key(lora, salt);
-  const std::size_t nfull = tokens_in.size() / static_cast<std::size_t>(pool_.B()) * static_cast<std::size_t>(pool_.B());
-  std::vector<Digest> keys;
-  keys.reserve(nfull / static_cast<std::size_t>(pool_.B()));
-  KeyChain chain(root_key, static_cast<std::uint32_t>(pool_.B()), [&keys](const Digest& k) { keys.push_back(k); });
-  feed(chain, tokens_in.codes.first(nfull),
-       [&tokens_in](Tok c) -> const Digest& { return tokens_in.digests[c & ~kDigestCode]; });
-  const NodeId root = pool_.tree().find_root(root_key);  // creates nothing
-  const std::size_t start = root == kNoNode ? 0 : pool_.tree().key_path(root, keys).size();
-  const auto nlc = static_cast<std::int64_t>(pool_.cfg().lcs.size());
+  const std::vector<Digest> keys = TokenTable::input_chain(root_key, tokens_in, pool_.layout().B());
+  const NodeId root = pool_.index().tree().find_root(root_key);  // creates nothing
+  const std::size_t start = root == kNoNode ? 0 : pool_.index().tree().key_path(root, keys).size();
+  const auto nlc = static_cast<std::int64_t>(pool_.layout().cfg().lcs.size());
   for (std::size_t i = start; i < keys.size(); ++i) {
     for (std::int64_t lc = 0; lc < nlc; ++lc) out.emplace_back(keys[i], lc);
   }
@@ -130,18 +120,18 @@ std::vector<std::pair<Digest, std::int64_t>> Manager::shared_candidates(TokenSeq
 }
 
 // py: manager.py PyKVCacheManager.drain_copy_ops — SPEC sec. 8
-std::vector<CopyOpC> Manager::drain_copy_ops() { return pool_.drain_copy_ops(); }
+std::vector<CopyOpC> Manager::drain_copy_ops() { return pool_.outbox().drain_copy_ops(); }
 
 // py: manager.py PyKVCacheManager.take_events — SPEC sec. 9
-TakenEvents Manager::take_events() { return pool_.take_events(); }
+TakenEvents Manager::take_events() { return pool_.outbox().take_events(); }
 
 // DECISIONS "Shut-down manager".
 // py: manager.py PyKVCacheManager.clear_reusable — SPEC sec. 8
 void Manager::clear_reusable() {
   if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
   pool_.tick();
-  pool_.drop_all_droppable();
-  pool_.new_event(EventKind::cleared);
+  pool_.evictor().drop_all_droppable();
+  pool_.outbox().new_event(EventKind::cleared);
 }
 
 // ------------------------------------------------ quotas at run time (issue 22)
@@ -151,12 +141,12 @@ void Manager::clear_reusable() {
 std::vector<std::int64_t> Manager::set_quota(std::int64_t tier, std::int64_t quota_bytes,
                                              const std::vector<std::int64_t>& slots) {
   if (is_shutdown_) throw InvalidStateErr("the manager is shut down");
-  const auto nlc = static_cast<std::int64_t>(pool_.num_life_cycles());
+  const auto nlc = static_cast<std::int64_t>(pool_.layout().num_life_cycles());
   for (std::int64_t ilc = 0; ilc < nlc; ++ilc) {
     const auto lc = static_cast<std::size_t>(ilc);
-    const Pool& pool = pool_.pool(tier, ilc);
+    const Pool& pool = pool_.pages().pool(tier, ilc);
     const std::int64_t movable =
-        tier < pool_.num_tiers() - 1 ? std::min(pool.held, pool_.capacity_of(tier + 1, ilc)) : 0;
+        tier < pool_.layout().num_tiers() - 1 ? std::min(pool.held, pool_.pages().capacity_of(tier + 1, ilc)) : 0;
     const std::int64_t need = pool.total - pool.nfree() - pool.droppable - movable;
     if (slots[lc] < need) return {ilc, slots[lc], need, pool.locked, pool.held - movable};
   }
@@ -173,7 +163,7 @@ void Manager::shutdown() {
   }
   if (is_shutdown_) return;
   pool_.tick();
-  pool_.drop_all_droppable();
+  pool_.evictor().drop_all_droppable();
   is_shutdown_ = true;
 }
 

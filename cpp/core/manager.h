@@ -93,12 +93,12 @@ class Manager {
   // creation order.  ValueErr (nothing changed): not explicit, no unsettled drain, an op
   // not of that drain.  Types are checked by the Python layer.
   std::vector<std::int64_t> settle_copies(std::span<const CopyOpC> failed);
-  std::int64_t unsettled_drains() const noexcept { return pool_.unsettled_drains(); }
-  bool explicit_settlement() const noexcept { return pool_.cfg().explicit_settlement; }
+  std::int64_t unsettled_drains() const noexcept { return pool_.outbox().unsettled_drains(); }
+  bool explicit_settlement() const noexcept { return pool_.layout().cfg().explicit_settlement; }
   // Sec. 15: the pending copy ops reached the warning figure during the last call (only once
   // per manager): returns the figure and clears the flag, else 0.  The bindings then issue
   // kvcm.api.warn_pending_copy_ops (manager.py: PyKVCacheManager.add_copy_op).
-  std::int64_t take_copy_ops_warning() noexcept { return pool_.take_copy_ops_warning(); }
+  std::int64_t take_copy_ops_warning() noexcept { return pool_.outbox().take_copy_ops_warning(); }
   void set_pending_copy_ops_warning(std::int64_t n) noexcept { pool_.set_pending_copy_ops_warning(n); }
   // Sizes of the manager's internal tables (tests of SPEC sec. 15: what a long-running
   // server keeps must stay bounded by the live state), as (name, count) pairs.
@@ -133,8 +133,8 @@ class Manager {
   ClosedTokens close(std::int64_t serial);
   std::vector<std::int32_t> page_indices(std::int64_t serial, std::int64_t lc, std::int64_t start = 0,
                                          std::int64_t stop = -1);
-  std::size_t num_life_cycles() const noexcept { return pool_.num_life_cycles(); }
-  std::size_t num_tiers() const noexcept { return static_cast<std::size_t>(pool_.num_tiers()); }
+  std::size_t num_life_cycles() const noexcept { return pool_.layout().num_life_cycles(); }
+  std::size_t num_tiers() const noexcept { return static_cast<std::size_t>(pool_.layout().num_tiers()); }
   // Forks (issue 22, DECISIONS.md "Forks (issue 22)"): a new ACTIVE request sharing this
   // one's committed pages; its serial, or -1 (nothing changed) when the gpu cannot take the
   // fork's own pages.  ClosedErr / InvalidStateErr (status, history) change nothing.

@@ -30,14 +30,14 @@ std::string Manager::snapshot_json() {
   o += "],\"requests\":[";
   snapshot_requests(o);
   o += "],\"stats\":";
-  pool_.snapshot_tail(o);
+  pool_.outbox().snapshot_tail(o);
   o += ",\"next\":{";
   pool_.snapshot_next(o);
   o += ",\"request\":";
   j_int(o, next_request_);
   o += ",\"node\":";
   // the tree's next id: one past the largest id ever made (ids are never reused)
-  j_int(o, pool_.tree().next_uid());
+  j_int(o, pool_.index().tree().next_uid());
   o += "},\"shutdown\":";
   j_bool(o, is_shutdown_);
   o += '}';
@@ -49,15 +49,15 @@ void BlockPool::snapshot_head(std::string& o) const {
   o += "{\"clock\":";
   j_int(o, clock_);
   o += ",\"tree\":[";
-  snapshot_tree(o);
+  index_.snapshot_tree(o);
   o += "],\"pages\":[";
-  snapshot_pages(o);
+  pages_.snapshot_pages(o);
   o += "],\"pools\":[";
-  snapshot_pools(o);
+  pages_.pools_json(o, true);
 }
 
 // "stats" .. "events_dropped" (after the "stats" key).
-void BlockPool::snapshot_tail(std::string& o) const {
+void Outbox::snapshot_tail(std::string& o) const {
   stats_view(o, totals_);
   o += ",\"iteration_stats\":";
   stats_view(o, iteration_);
@@ -72,14 +72,14 @@ void BlockPool::snapshot_tail(std::string& o) const {
 // "event" and "page" of "next".
 void BlockPool::snapshot_next(std::string& o) const {
   o += "\"event\":";
-  j_int(o, next_event_);
+  j_int(o, outbox_.next_event());
   o += ",\"page\":";
-  j_int(o, next_page_);
+  j_int(o, pages_.next_serial());
 }
 
 // The snapshot's "tree" list.
 // py: observe.py snapshot_tree — SPEC sec. 11
-void BlockPool::snapshot_tree(std::string& o) const {
+void TreeIndex::snapshot_tree(std::string& o) const {
   bool first = true;
   for (const NodeDump& d : tree_.dump()) {
     if (!first) o += ',';
@@ -115,7 +115,7 @@ void BlockPool::snapshot_tree(std::string& o) const {
         o += "null";
       } else {
         o += "{\"page\":";
-        j_int(o, page_serial(d.pages[lc]));
+        j_int(o, pages_.page_serial(d.pages[lc]));
         o += ",\"coverage\":";
         j_int(o, d.coverage[lc]);
         o += '}';
@@ -127,7 +127,7 @@ void BlockPool::snapshot_tree(std::string& o) const {
 
 // The snapshot's "pages" list.
 // py: observe.py snapshot_pages — SPEC sec. 11
-void BlockPool::snapshot_pages(std::string& o) const {
+void Pages::snapshot_pages(std::string& o) const {
   bool first = true;
   for (std::int64_t h : live_pages()) {
     const Page& p = page(h);
@@ -138,7 +138,7 @@ void BlockPool::snapshot_pages(std::string& o) const {
     o += ",\"lc\":";
     j_int(o, p.lc);
     o += ",\"tier\":";
-    j_int(o, tier_id(p.tier));
+    j_int(o, layout_.tier_id(p.tier));
     o += ",\"slot\":";
     j_int(o, p.slot);
     o += ",\"coverage\":";
@@ -152,7 +152,7 @@ void BlockPool::snapshot_pages(std::string& o) const {
     o += ",\"ordinal\":";
     j_int(o, p.ordinal);
     o += ",\"node\":";
-    j_id(o, node_uid(p.node));
+    j_id(o, p.node == kNoNode ? kNoNode : tree_.uid(p.node));
     o += ",\"locks\":";
     j_int(o, p.locks);
     o += ",\"holds\":";
@@ -161,30 +161,6 @@ void BlockPool::snapshot_pages(std::string& o) const {
   }
 }
 
-// The snapshot's "pools" list.
-// py: observe.py snapshot_pools — SPEC sec. 11
-void BlockPool::snapshot_pools(std::string& o) const {
-  for (std::size_t t = 0; t < pools_.size(); ++t) {
-    if (t) o += ',';
-    json_tier_head(o, t);
-    for (std::size_t lc = 0; lc < pools_[t].size(); ++lc) {
-      const Pool& p = pools_[t][lc];
-      if (lc) o += ',';
-      o += "{\"total\":";
-      j_int(o, p.total);
-      o += ",\"free\":";
-      j_int(o, p.nfree());
-      o += ",\"free_slots\":[";
-      const std::vector<std::int64_t> fs = p.free_slots.sorted();
-      for (std::size_t k = 0; k < fs.size(); ++k) {
-        if (k) o += ',';
-        j_int(o, fs[k]);
-      }
-      o += "]}";
-    }
-    o += "]}";
-  }
-}
 
 // The snapshot's "requests" list.
 // py: observe.py snapshot_requests — SPEC sec. 11
@@ -219,7 +195,7 @@ void Manager::snapshot_requests(std::string& o) const {
     o += ",\"committed_tokens\":[";
     for (std::size_t k = 0; k < r.tokens.size(); ++k) {
       if (k) o += ',';
-      j_tok_snap(o, pool_.decode(r.tokens[k]));
+      j_tok_snap(o, pool_.tokens().decode(r.tokens[k]));
     }
     o += "],\"reused_tokens\":";
     j_int(o, r.reused);
@@ -228,11 +204,11 @@ void Manager::snapshot_requests(std::string& o) const {
     o += ",\"blocks\":[";
     for (std::size_t k = 0; k < r.blocks.size(); ++k) {
       if (k) o += ',';
-      j_id(o, pool_.node_uid(r.blocks[k]));
+      j_id(o, pool_.index().node_uid(r.blocks[k]));
     }
     o += "],\"pages\":{";
     bool f2 = true;
-    for (std::int64_t lc : pool_.attn_lcs()) {
+    for (std::int64_t lc : pool_.layout().attn_lcs()) {
       if (!f2) o += ',';
       f2 = false;
       o += '"';
@@ -241,14 +217,14 @@ void Manager::snapshot_requests(std::string& o) const {
       const auto& v = r.pages[static_cast<std::size_t>(lc)];
       for (std::size_t k = 0; k < v.size(); ++k) {
         if (k) o += ',';
-        j_id(o, pool_.page_serial(v[k]));
+        j_id(o, pool_.pages().page_serial(v[k]));
       }
       o += ']';
     }
     o += "},\"live\":";
-    j_id(o, pool_.page_serial(r.live));
+    j_id(o, pool_.pages().page_serial(r.live));
     o += ",\"snap\":";
-    j_id(o, pool_.page_serial(r.snap));
+    j_id(o, pool_.pages().page_serial(r.snap));
     o += ",\"cow_block\":";
     j_int(o, r.cow_block);
     o += '}';
@@ -257,7 +233,7 @@ void Manager::snapshot_requests(std::string& o) const {
 
 // The snapshot's "copy_ops" and "issued_copy_ops" list.
 // py: observe.py snapshot_copy_ops — SPEC sec. 11
-void BlockPool::snapshot_copy_ops(std::string& o) const {
+void Outbox::snapshot_copy_ops(std::string& o) const {
   for (std::size_t k = 0; k < copy_ops_.size(); ++k) {
     const CopyOpC& c = copy_ops_[k];
     if (k) o += ',';
@@ -301,7 +277,7 @@ void BlockPool::snapshot_copy_ops(std::string& o) const {
       o += ']';
     }
   };
-  if (!cfg_.explicit_settlement) {
+  if (!layout_.cfg().explicit_settlement) {
     drain(issued_);
     return;
   }
@@ -315,7 +291,7 @@ void BlockPool::snapshot_copy_ops(std::string& o) const {
 
 // The snapshot's "events" list.
 // py: observe.py snapshot_events — SPEC sec. 11
-void BlockPool::snapshot_events(std::string& o) const {
+void Outbox::snapshot_events(std::string& o) const {
   std::size_t tok_at = 0, blk_at = 0;  // where the next stored event's tokens / blocks start
   for (std::size_t k = 0; k < events_.size(); ++k) {
     const EventC& e = events_[k];
@@ -343,7 +319,7 @@ void BlockPool::snapshot_events(std::string& o) const {
           o += ",[";
           for (std::size_t t = 0; t < e.ntokens; ++t) {
             if (t) o += ',';
-            j_tok_plain(o, decode(event_tokens_[tok_at + t]));
+            j_tok_plain(o, tree_.decode(event_tokens_[tok_at + t]));
           }
           o += "],";
           j_int(o, sb.lc);
@@ -385,44 +361,44 @@ void BlockPool::snapshot_events(std::string& o) const {
 
 // py: observe.py check_invariants — SPEC sec. 11
 void Manager::check_invariants() {
-  pool_.check_pools();
+  pool_.pages().check_pools();
   // page users, recomputed from the requests
   BlockPool::InvariantUsers users;
   for (const std::int64_t serial : open_serials()) check_request(serial, users);
-  pool_.check_pages_and_tree(users);
+  pool_.index().check_pages_and_tree(users);
+  pool_.outbox().check_issued();
 }
 
 // The pool rules of check_invariants.
-void BlockPool::check_pools() const {
+void Pages::check_pools() const {
   const std::vector<std::int64_t> all = live_pages();
   for (std::size_t t = 0; t < pools_.size(); ++t) {
-    for (std::size_t lc = 0; lc < cfg_.lcs.size(); ++lc) check_pool(t, lc, all);
+    for (std::size_t lc = 0; lc < layout_.cfg().lcs.size(); ++lc) check_pool(t, lc, all);
   }
 }
 
 // The page and tree rules of check_invariants, against the requests' page users.
-void BlockPool::check_pages_and_tree(InvariantUsers& users) const {
-  const std::vector<std::int64_t> all = live_pages();
+void TreeIndex::check_pages_and_tree(InvariantUsers& users) const {
+  const std::vector<std::int64_t> all = pages_.live_pages();
   const std::vector<NodeDump> dump = tree_.dump();
   NodeIndex nodes;
   for (const NodeDump& n : dump) nodes[n.id] = &n;
   check_page_users(all, users, nodes);
   check_tree_links(dump, nodes, users);
-  check_issued();
 }
 
 // Issued copy ops (sec. 15): each names the page it fills (a serial already made; -1
 // exactly for a store, which fills none); explicit settlement keeps no empty drain,
 // counts the unsettled ops right and reports nothing through the last drain.
 // py: observe.py check_issued — SPEC sec. 11
-void BlockPool::check_issued() const {
-  const bool expl = cfg_.explicit_settlement;
+void Outbox::check_issued() const {
+  const bool expl = layout_.cfg().explicit_settlement;
   std::int64_t n = 0;
   auto drain = [&](std::size_t d, const std::vector<IssuedOp>& issued) {
     check(!issued.empty() || !expl, "unsettled drain " + S(static_cast<std::int64_t>(d)) + " is empty");
     for (const IssuedOp& e : issued) {
       const bool store = std::strcmp(e.op.reason, "store") == 0;
-      check((e.serial == -1) == store && e.serial >= -1 && e.serial < next_page_,
+      check((e.serial == -1) == store && e.serial >= -1 && e.serial < pages_.next_serial(),
             "issued drain " + S(static_cast<std::int64_t>(d)) + ": a " + e.op.reason + " op fills page " + S(e.serial));
     }
     n += static_cast<std::int64_t>(issued.size());
@@ -438,7 +414,7 @@ void BlockPool::check_issued() const {
 
 // Pool rules: free and used slots partition the pool; the state counters match the pages.
 // py: observe.py check_pool — SPEC sec. 11
-void BlockPool::check_pool(std::size_t t, std::size_t lc, const std::vector<std::int64_t>& all) const {
+void Pages::check_pool(std::size_t t, std::size_t lc, const std::vector<std::int64_t>& all) const {
   const Pool& pool = pools_[t][lc];
   const std::string where = "pool(" + S(static_cast<std::int64_t>(t)) + "," + S(static_cast<std::int64_t>(lc)) + ")";
   const std::vector<std::int64_t> fs = pool.free_slots.sorted();
@@ -476,7 +452,7 @@ void BlockPool::check_pool(std::size_t t, std::size_t lc, const std::vector<std:
 
 // The eviction index holds exactly the HELD / DROPPABLE pages, its lists in key order.
 // py: observe.py check_pool — SPEC sec. 11
-void BlockPool::check_pool_index(const Pool& pool, const std::string& where, const std::vector<const Page*>& used) const {
+void Pages::check_pool_index(const Pool& pool, const std::string& where, const std::vector<const Page*>& used) const {
   std::size_t nh = 0, nd = 0;
   for (const Page* p : used) {
     nh += p->state() == kHeld;
@@ -511,7 +487,7 @@ void Manager::check_request(std::int64_t serial, BlockPool::InvariantUsers& user
   const bool active = r.status == ReqStatus::active;
   auto& target = active ? locks : holds;
   std::vector<std::int64_t> used;
-  for (std::int64_t lc : pool_.attn_lcs()) {
+  for (std::int64_t lc : pool_.layout().attn_lcs()) {
     for (std::int64_t s : r.pages[static_cast<std::size_t>(lc)]) {
       if (s >= 0) used.push_back(s);
     }
@@ -521,19 +497,19 @@ void Manager::check_request(std::int64_t serial, BlockPool::InvariantUsers& user
   std::set<std::int64_t> uniq(used.begin(), used.end());
   check(uniq.size() == used.size(), rid + ": uses a page twice");
   for (std::int64_t s : used) {
-    check(pool_.page_alive(s), rid + ": uses a freed page");
+    check(pool_.pages().page_alive(s), rid + ": uses a freed page");
     target[s] += 1;
     if (active) {
-      check(pool_.page(s).tier == kGpu,
-            rid + " is ACTIVE but page " + S(pool_.page_serial(s)) + " is on tier " + S(pool_.page(s).tier));
+      check(pool_.pages().page(s).tier == kGpu,
+            rid + " is ACTIVE but page " + S(pool_.pages().page_serial(s)) + " is on tier " + S(pool_.pages().page(s).tier));
     }
   }
-  const std::int64_t nb = ceildiv(r.capacity, pool_.B());
-  for (std::int64_t lc : pool_.attn_lcs()) {
+  const std::int64_t nb = ceildiv(r.capacity, pool_.layout().B());
+  for (std::int64_t lc : pool_.layout().attn_lcs()) {
     const auto& v = r.pages[static_cast<std::size_t>(lc)];
     check(static_cast<std::int64_t>(v.size()) <= std::max(nb, static_cast<std::int64_t>(r.blocks.size())),
           rid + ": pages beyond capacity");
-    const auto [lo, hi] = pool_.stale_range(lc, r.history);
+    const auto [lo, hi] = pool_.layout().stale_range(lc, r.history);
     for (std::size_t i = 0; i < v.size(); ++i) {
       const auto ii = static_cast<std::int64_t>(i);
       check(v[i] < 0 || !(lo <= ii && ii < hi),
@@ -541,36 +517,36 @@ void Manager::check_request(std::int64_t serial, BlockPool::InvariantUsers& user
       check(v[i] >= 0 || (lo <= ii && ii < hi), rid + ": block " + S(ii) + " of lc " + S(lc) + " has no page");
     }
   }
-  if (active && pool_.ssm_lc() >= 0) check(r.live >= 0, rid + ": ACTIVE without a live ssm state");
+  if (active && pool_.layout().ssm_lc() >= 0) check(r.live >= 0, rid + ": ACTIVE without a live ssm state");
   for (NodeId nid : r.blocks) {
     if (nid != kNoNode) {
-      check(pool_.tree().exists(nid), rid + ": references a deleted block");
-      refs[pool_.tree().uid(nid)] += 1;
+      check(pool_.index().tree().exists(nid), rid + ": references a deleted block");
+      refs[pool_.index().tree().uid(nid)] += 1;
     }
   }
-  check(pool_.tree().exists(r.root) && pool_.tree().find_root(r.root_key) == r.root, rid + ": its scope root is gone");
-  refs[pool_.tree().uid(r.root)] += 1;
+  check(pool_.index().tree().exists(r.root) && pool_.index().tree().find_root(r.root_key) == r.root, rid + ": its scope root is gone");
+  refs[pool_.index().tree().uid(r.root)] += 1;
 }
 
 // Page rules: each page's users match the requests', its state and tier agree, and a
 // tree page is held by its block.
 // py: observe.py check_page_users — SPEC sec. 11
-void BlockPool::check_page_users(const std::vector<std::int64_t>& all, InvariantUsers& users, NodeIndex& nodes) const {
+void TreeIndex::check_page_users(const std::vector<std::int64_t>& all, InvariantUsers& users, NodeIndex& nodes) const {
   auto& locks = users.locks;
   auto& holds = users.holds;
   for (std::int64_t s : all) {
-    const Page& p = page(s);
+    const Page& p = pages_.page(s);
     const std::string pid = "page " + S(p.serial);
     const std::int64_t l = locks.count(s) ? locks[s] : 0;
     const std::int64_t h = holds.count(s) ? holds[s] : 0;
     check(p.locks == l, pid + ": " + S(p.locks) + " locks, " + S(l) + " users ACTIVE");
     check(p.holds == h, pid + ": " + S(p.holds) + " holds, " + S(h) + " users SUSPENDED");
     check(p.state() != kLocked || p.tier == kGpu, pid + ": LOCKED on tier " + S(p.tier));
-    if (p.tier == shared_pos_) {  // DECISIONS.md "The shared tier": HELD, linked, full, no slot, in no pool
+    if (p.tier == layout_.shared_pos()) {  // DECISIONS.md "The shared tier": HELD, linked, full, no slot, in no pool
       check(p.slot == -1 && p.locks == 0 && p.holds > 0, pid + ": a shared page must be HELD, slot -1 (" +
                                                             S(p.locks) + " locks, " + S(p.holds) + " holds, slot " +
                                                             S(p.slot) + ")");
-      check(p.node != kNoNode && p.coverage == B_, pid + ": a shared page outside a full block");
+      check(p.node != kNoNode && p.coverage == layout_.B(), pid + ": a shared page outside a full block");
     } else {
       check(p.idx_state == p.state(), pid + ": counted under a stale state");
     }
@@ -588,8 +564,8 @@ void BlockPool::check_page_users(const std::vector<std::int64_t>& all, Invariant
 
 // Tree rules: references, page links, children, roots, attached flags and ordinals.
 // py: observe.py check_tree_links — SPEC sec. 11
-void BlockPool::check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& nodes, InvariantUsers& users) const {
-  const std::size_t nlc = cfg_.lcs.size();
+void TreeIndex::check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& nodes, InvariantUsers& users) const {
+  const std::size_t nlc = layout_.cfg().lcs.size();
   auto& refs = users.refs;
   for (const NodeDump& n : dump) {
     const std::string bid = "block " + S(n.id);
@@ -600,8 +576,8 @@ void BlockPool::check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& n
       const PageHandle h = n.pages[lc];
       if (h != kNoPage) {
         has_page = true;
-        check(page_alive(h) && node_uid(page(h).node) == n.id,
-              bid + ": page " + S(page_alive(h) ? page_serial(h) : h) + " of lc " + S(static_cast<std::int64_t>(lc)) + " not linked back");
+        check(pages_.page_alive(h) && node_uid(pages_.page(h).node) == n.id,
+              bid + ": page " + S(pages_.page_alive(h) ? pages_.page_serial(h) : h) + " of lc " + S(static_cast<std::int64_t>(lc)) + " not linked back");
         check(n.coverage[lc] > 0, bid + ": page with zero coverage");
       } else {
         check(n.coverage[lc] == 0, bid + ": coverage without a page");
@@ -609,7 +585,7 @@ void BlockPool::check_tree_links(const std::vector<NodeDump>& dump, NodeIndex& n
     }
     for (NodeId c : n.children) {
       check(nodes.count(c) != 0 && nodes[c]->parent == n.id, bid + ": child " + S(c) + " link broken");
-      check(static_cast<std::int64_t>(n.tokens.size()) == B_ || n.is_root, bid + ": a partial block has children");
+      check(static_cast<std::int64_t>(n.tokens.size()) == layout_.B() || n.is_root, bid + ": a partial block has children");
     }
     if (n.is_root) {
       check(tree_.find_root(n.key) != kNoNode && tree_.uid(tree_.find_root(n.key)) == n.id,

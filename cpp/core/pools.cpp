@@ -94,7 +94,7 @@ void Pool::count(int state, std::int64_t delta) noexcept {
 }
 
 // py: pools.py Pool.unindex — SPEC sec. 8
-void BlockPool::unindex(Page& p) {
+void Pages::unindex(Page& p) {
   Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
   pool.count(p.idx_state, -1);
   if (p.idx_state == kHeld || p.idx_state == kDroppable) {
@@ -122,7 +122,7 @@ void BlockPool::unindex(Page& p) {
   p.idx_state = kNone;
 }
 
-void BlockPool::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
+void Pages::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
   const std::int64_t after = before >= 0 ? slab(before).prev : ix.tail;
   p.prev = static_cast<std::int32_t>(after);
   p.next = static_cast<std::int32_t>(before);
@@ -141,7 +141,7 @@ void BlockPool::list_insert(EvictIndex& ix, Page& p, std::int64_t before) {
 }
 
 // py: pools.py Pool.index — SPEC sec. 8
-void BlockPool::index(Page& p) {
+void Pages::index(Page& p) {
   Pool& pool = pools_[static_cast<std::size_t>(p.tier)][static_cast<std::size_t>(p.lc)];
   p.idx_state = static_cast<std::uint8_t>(p.state());
   pool.count(p.idx_state, +1);
@@ -166,9 +166,9 @@ void BlockPool::index(Page& p) {
 }
 
 // py: pools.py Pool.peek — SPEC sec. 8
-Page* BlockPool::peek(Pool& pool, int state) {
-  const EvictIndex& ix = pool.index_of(state);
-  Page* first = ix.head >= 0 ? &slab(ix.head) : nullptr;
+const Page* Pages::peek(const Pool& pool, int state) const {
+  const EvictIndex& ix = state == kHeld ? pool.held_index : pool.droppable_index;
+  const Page* first = ix.head >= 0 ? &slab(ix.head) : nullptr;
   if (!ix.set.empty()) {
     const EvictEntry& e = *ix.set.begin();
     if (first == nullptr || e.first < first->evict_key()) return &page(e.second);
@@ -176,18 +176,5 @@ Page* BlockPool::peek(Pool& pool, int state) {
   return first;
 }
 
-// The eviction victim of a full pool (SPEC sec. 8), the one home of the victim rules: the
-// page first in eviction order (priority, last_used, -ordinal, serial) among the HELD and
-// the DROPPABLE pages when it can move down a tier (offload); otherwise only a DROPPABLE
-// page may go (a drop), so a HELD one is skipped.  nullptr: nothing to evict.
-// py: pools.py Pool.victim — SPEC sec. 8
-Page* BlockPool::victim(Pool& pool, bool can_offload) {
-  Page* d = peek(pool, kDroppable);
-  if (!can_offload) return d;  // a HELD page is never dropped: the oldest DROPPABLE one
-  Page* h = peek(pool, kHeld);
-  if (h == nullptr) return d;
-  if (d == nullptr) return h;
-  return h->evict_key() < d->evict_key() ? h : d;
-}
 
 }  // namespace kvcm

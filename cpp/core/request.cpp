@@ -19,15 +19,14 @@ using namespace detail;
 // py: request.py Request.__init__ — SPEC sec. 7
 Request::Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input, std::optional<std::uint64_t> lora_id,
                  std::optional<std::uint64_t> salt_id, std::int64_t prio, bool digests, const SharedHits* hits)
-    : pool_(pool) {
-  serial = serial_no;
+    : Request(pool, serial_no) {
   lora = lora_id;
   salt = salt_id;
   priority = prio;
   root_key = scope_root_key(lora, salt);
-  root = pool_.open_scope(root_key);
-  const auto nfull = static_cast<std::int64_t>(input.size()) / pool_.B();
-  keys = pool_.chain(root_key, std::span<const Tok>(input.data(), static_cast<std::size_t>(nfull * pool_.B())));
+  root = index_.open_scope(root_key);
+  const auto nfull = static_cast<std::int64_t>(input.size()) / layout_.B();
+  keys = tokens_.chain(root_key, std::span<const Tok>(input.data(), static_cast<std::size_t>(nfull * layout_.B())));
   has_digests = digests;
   input_tokens = std::move(input);
   reused = match_and_hold(input_tokens, keys, hits);
@@ -37,18 +36,18 @@ Request::Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input
 // py: request.py Request.match_and_hold — SPEC sec. 7
 std::int64_t Request::match_and_hold(std::span<const Tok> query, std::span<const Digest> query_keys,
                                      const SharedHits* hits) {
-  HeldMatch held = pool_.hold_match(root, query, query_keys, hits, priority);
+  HeldMatch held = index_.hold_match(root, query, query_keys, hits, priority);
   const std::int64_t m = held.m;
   tokens.assign(query.begin(), query.begin() + m);
   // tokens holds its own digest references (the caller's keep theirs; sec. 15)
-  if (has_digests) pool_.retain_tokens(tokens);
+  if (has_digests) tokens_.retain_tokens(tokens);
   capacity = m;
   history = m;
   blocks = std::move(held.blocks);
   pages = std::move(held.pages);
   live = -1;
   snap = held.snap;
-  cow_block = m % pool_.B() ? m / pool_.B() : -1;
+  cow_block = m % layout_.B() ? m / layout_.B() : -1;
   return m;
 }
 
@@ -57,11 +56,11 @@ std::int64_t Request::match_and_hold(std::span<const Tok> query, std::span<const
 std::optional<std::int64_t> Request::rollback_point(const std::vector<std::int64_t>& lost) const {
   auto is_lost = [&lost](std::int64_t h) { return h >= 0 && std::find(lost.begin(), lost.end(), h) != lost.end(); };
   std::optional<std::int64_t> point;
-  for (std::int64_t lc : pool_.attn_lcs()) {
+  for (std::int64_t lc : layout_.attn_lcs()) {
     const auto& v = pages[static_cast<std::size_t>(lc)];
     for (std::size_t i = 0; i < v.size(); ++i) {
       if (is_lost(v[i])) {
-        const std::int64_t at = static_cast<std::int64_t>(i) * pool_.B();
+        const std::int64_t at = static_cast<std::int64_t>(i) * layout_.B();
         point = point ? std::min(*point, at) : at;
         break;
       }
@@ -80,11 +79,11 @@ std::optional<std::int64_t> Request::rollback_point(const std::vector<std::int64
 // py: request.py Request.release_all — SPEC sec. 7
 void Request::release_all() {
   const bool active = status == ReqStatus::active;
-  for (Page* p : used_pages()) pool_.unuse(p, active);
+  for (const Page* p : used_pages()) index_.release(p, active);
   live = snap = -1;
   for (auto& v : pages) v.clear();
   for (NodeId nid : blocks) {
-    if (nid != kNoNode) pool_.unref(nid);
+    if (nid != kNoNode) index_.unref(nid);
   }
   blocks.clear();
 }
@@ -99,9 +98,9 @@ void Request::roll_back(std::int64_t point) {
   const std::vector<Tok> old = std::move(tokens);
   const std::vector<Tok> kept(old.begin(), old.begin() + point);
   const std::vector<Digest> kept_keys =
-      pool_.chain(root_key, std::span<const Tok>(kept.data(), static_cast<std::size_t>(point / pool_.B() * pool_.B())));
+      tokens_.chain(root_key, std::span<const Tok>(kept.data(), static_cast<std::size_t>(point / layout_.B() * layout_.B())));
   match_and_hold(kept, kept_keys);
-  if (has_digests) pool_.release_tokens(old);
+  if (has_digests) tokens_.release_tokens(old);
 }
 
 // py: request.py Request.require — SPEC sec. 10
@@ -113,7 +112,7 @@ void Request::require(ReqStatus s, const char* what) const {
 }
 
 // py: request.py Request.committed_tokens — SPEC sec. 7
-std::vector<TokenOut> Request::committed_tokens() const { return pool_.decode_all(tokens); }
+std::vector<TokenOut> Request::committed_tokens() const { return tokens_.decode_all(tokens); }
 
 std::int64_t Request::page_at(std::int64_t lc, std::int64_t i) const {
   const auto& v = pages[static_cast<std::size_t>(lc)];
@@ -121,50 +120,50 @@ std::int64_t Request::page_at(std::int64_t lc, std::int64_t i) const {
 }
 
 // py: request.py Request.used_pages — SPEC sec. 7
-std::vector<Page*> Request::used_pages() {
-  std::vector<Page*> out;
-  for (std::int64_t lc : pool_.attn_lcs()) {
+std::vector<const Page*> Request::used_pages() {
+  std::vector<const Page*> out;
+  for (std::int64_t lc : layout_.attn_lcs()) {
     for (std::int64_t s : pages[static_cast<std::size_t>(lc)]) {
-      if (s >= 0) out.push_back(&pool_.page(s));
+      if (s >= 0) out.push_back(&pages_.page(s));
     }
   }
-  if (snap >= 0) out.push_back(&pool_.page(snap));
-  if (live >= 0) out.push_back(&pool_.page(live));
+  if (snap >= 0) out.push_back(&pages_.page(snap));
+  if (live >= 0) out.push_back(&pages_.page(live));
   return out;
 }
 
 // py: request.py Request.cow_sources — SPEC sec. 7
-std::vector<Page*> Request::cow_sources() {
-  std::vector<Page*> out;
+std::vector<const Page*> Request::cow_sources() {
+  std::vector<const Page*> out;
   if (cow_block >= 0) {
-    for (std::int64_t lc : pool_.attn_lcs()) {
+    for (std::int64_t lc : layout_.attn_lcs()) {
       const std::int64_t s = page_at(lc, cow_block);
-      if (s >= 0) out.push_back(&pool_.page(s));
+      if (s >= 0) out.push_back(&pages_.page(s));
     }
   }
-  if (snap >= 0) out.push_back(&pool_.page(snap));
+  if (snap >= 0) out.push_back(&pages_.page(snap));
   return out;
 }
 
 // py: request.py Request.alloc_private — SPEC sec. 7
-Page* Request::alloc_private(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal) {
+const Page* Request::alloc_private(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal) {
   return pool_.alloc(lc, coverage, ordinal, priority, status == ReqStatus::active);
 }
 
 // py: request.py Request.resume — SPEC sec. 7
 bool Request::resume() {
   require(ReqStatus::suspended, "resume");
-  const std::vector<Page*> used = used_pages();
-  const std::vector<Page*> cows = cow_sources();
-  const std::size_t nlc = pool_.num_life_cycles();
+  const std::vector<const Page*> used = used_pages();
+  const std::vector<const Page*> cows = cow_sources();
+  const std::size_t nlc = layout_.num_life_cycles();
   std::vector<Budget> budgets(nlc);
   std::vector<std::int64_t> need(nlc, 0), locked_after(nlc), held_gpu(nlc);
   for (std::size_t lc = 0; lc < nlc; ++lc) {
-    budgets[lc] = pool_.budget(static_cast<std::int64_t>(lc));
+    budgets[lc] = pages_.budget(static_cast<std::int64_t>(lc));
     locked_after[lc] = budgets[lc].locked;
     held_gpu[lc] = budgets[lc].held;
   }
-  for (Page* p : used) {
+  for (const Page* p : used) {
     const auto lc = static_cast<std::size_t>(p->lc);
     if (p->tier != kGpu) {
       ++need[lc];
@@ -173,17 +172,17 @@ bool Request::resume() {
     }
     if (p->locks == 0 && std::find(cows.begin(), cows.end(), p) == cows.end()) ++locked_after[lc];
   }
-  if (pool_.ssm_lc() >= 0 && live < 0) {
-    ++need[static_cast<std::size_t>(pool_.ssm_lc())];
-    ++locked_after[static_cast<std::size_t>(pool_.ssm_lc())];
+  if (layout_.ssm_lc() >= 0 && live < 0) {
+    ++need[static_cast<std::size_t>(layout_.ssm_lc())];
+    ++locked_after[static_cast<std::size_t>(layout_.ssm_lc())];
   }
-  for (Page* p : cows) {
-    if (p->lc != pool_.ssm_lc()) {
+  for (const Page* p : cows) {
+    if (p->lc != layout_.ssm_lc()) {
       ++need[static_cast<std::size_t>(p->lc)];
       ++locked_after[static_cast<std::size_t>(p->lc)];
     }
   }
-  const double limit = pool_.cfg().max_util_for_resume;
+  const double limit = layout_.cfg().max_util_for_resume;
   for (std::size_t lc = 0; lc < nlc; ++lc) {
     Budget& b = budgets[lc];
     if (static_cast<double>(locked_after[lc]) > limit * static_cast<double>(b.total)) return false;
@@ -193,14 +192,14 @@ bool Request::resume() {
 
   pool_.tick();
   status = ReqStatus::active;
-  for (Page* p : used) {
+  for (const Page* p : used) {
     if (p->tier == kGpu) pool_.set_active(p, true);
   }
-  for (Page* p : used) {
+  for (const Page* p : used) {
     if (p->tier != kGpu) pool_.set_active(p, true);  // onboarded first
   }
-  if (pool_.ssm_lc() >= 0 && live < 0) {
-    live = alloc_private(pool_.ssm_lc(), 0, static_cast<std::int64_t>(tokens.size()) / pool_.B())->handle;
+  if (layout_.ssm_lc() >= 0 && live < 0) {
+    live = alloc_private(layout_.ssm_lc(), 0, static_cast<std::int64_t>(tokens.size()) / layout_.B())->handle;
   }
   if (cow_block >= 0 || snap >= 0) copy_on_write();
   return true;
@@ -210,24 +209,24 @@ bool Request::resume() {
 void Request::copy_on_write() {
   const std::int64_t j = cow_block;
   if (j >= 0) {
-    const std::int64_t covered = static_cast<std::int64_t>(tokens.size()) - j * pool_.B();
-    for (std::int64_t lc : pool_.attn_lcs()) {
+    const std::int64_t covered = static_cast<std::int64_t>(tokens.size()) - j * layout_.B();
+    for (std::int64_t lc : layout_.attn_lcs()) {
       const std::int64_t s = page_at(lc, j);
       if (s < 0) continue;
-      Page* dst = alloc_private(lc, covered, j);
-      Page* src = &pool_.page(s);
-      pool_.copy(lc, src, dst, "cow");
+      const Page* dst = alloc_private(lc, covered, j);
+      const Page* src = &pages_.page(s);
+      outbox_.copy(lc, src, dst, "cow");
       pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
-      pool_.unuse(src, true);
+      index_.release(src, true);
     }
-    pool_.unref(blocks[static_cast<std::size_t>(j)]);
+    index_.unref(blocks[static_cast<std::size_t>(j)]);
     blocks[static_cast<std::size_t>(j)] = kNoNode;
     cow_block = -1;
   }
   if (snap >= 0) {
-    Page* snap_page = &pool_.page(snap);
-    pool_.copy(pool_.ssm_lc(), snap_page, &pool_.page(live), "cow");
-    pool_.unuse(snap_page, true);
+    const Page* snap_page = &pages_.page(snap);
+    outbox_.copy(layout_.ssm_lc(), snap_page, &pages_.page(live), "cow");
+    index_.release(snap_page, true);
     snap = -1;
   }
 }
@@ -236,7 +235,7 @@ void Request::copy_on_write() {
 void Request::suspend() {
   require(ReqStatus::active, "suspend");
   pool_.tick();
-  for (Page* p : used_pages()) pool_.set_active(p, false);
+  for (const Page* p : used_pages()) pool_.set_active(p, false);
   status = ReqStatus::suspended;
 }
 
@@ -267,12 +266,12 @@ void Request::check_resize(std::int64_t new_capacity, std::int64_t new_history) 
 // resize: out of pages -> False.
 // py: request.py Request.could_hold — SPEC sec. 7
 bool Request::could_hold(std::int64_t nb, std::int64_t new_history) const {
-  if (pool_.attn_lcs().empty()) return true;
+  if (layout_.attn_lcs().empty()) return true;
   if (nb > kMaxRequestBlocks) return false;
-  for (std::int64_t lc : pool_.attn_lcs()) {
-    const auto [lo, hi] = pool_.stale_range(lc, new_history);
+  for (std::int64_t lc : layout_.attn_lcs()) {
+    const auto [lo, hi] = layout_.stale_range(lc, new_history);
     const std::int64_t stale = std::max<std::int64_t>(0, std::min(hi, nb) - std::min(lo, nb));
-    if (nb - stale > pool_.budget(lc).total) return false;
+    if (nb - stale > pages_.budget(lc).total) return false;
   }
   return true;
 }
@@ -280,7 +279,7 @@ bool Request::could_hold(std::int64_t nb, std::int64_t new_history) const {
 // DECISIONS "All-or-nothing".
 // py: request.py Request.resize_checked — SPEC sec. 7
 bool Request::resize_checked(std::int64_t new_capacity, std::int64_t new_history) {
-  const std::int64_t nb = ceildiv(new_capacity, pool_.B());
+  const std::int64_t nb = ceildiv(new_capacity, layout_.B());
   // forks (DECISIONS.md "Forks"): room to write into a shared partial page copies it first
   const TailPages cows =
       new_capacity > static_cast<std::int64_t>(tokens.size()) ? shared_tail(new_history) : TailPages{};
@@ -295,9 +294,9 @@ bool Request::resize_checked(std::int64_t new_capacity, std::int64_t new_history
   // at the current history (check_invariants checks it), so pages are released where
   // blocks become stale ([old_hi, hi)) or fall beyond the capacity (>= nb), and allocated
   // past n outside the new stale range.  Ascending per lc, as a scan.
-  for (std::int64_t lc : pool_.attn_lcs()) {
-    const auto [lo, hi] = pool_.stale_range(lc, new_history);
-    const std::int64_t old_hi = pool_.stale_range(lc, history).second;
+  for (std::int64_t lc : layout_.attn_lcs()) {
+    const auto [lo, hi] = layout_.stale_range(lc, new_history);
+    const std::int64_t old_hi = layout_.stale_range(lc, history).second;
     const auto& table = pages[static_cast<std::size_t>(lc)];
     const auto n = static_cast<std::int64_t>(table.size());
     const auto visit_release = [&](std::int64_t from, std::int64_t to) {
@@ -314,7 +313,7 @@ bool Request::resize_checked(std::int64_t new_capacity, std::int64_t new_history
   // feasibility from counters, with the releases applied (DECISIONS.md)
   std::vector<std::int64_t> released;
   bool released_known = false;
-  for (std::int64_t lc : pool_.attn_lcs()) {
+  for (std::int64_t lc : layout_.attn_lcs()) {
     std::int64_t n = 0;
     for (const auto& a : allocs) n += a.first == lc;
     for (const auto& a : cows) n += a.first == lc;
@@ -323,18 +322,18 @@ bool Request::resize_checked(std::int64_t new_capacity, std::int64_t new_history
       for (const auto& [rlc, i] : releases) released.push_back(page_at(rlc, i));
       released_known = true;
     }
-    if (!pool_.budget(lc, released).fits(n)) return false;
+    if (!pages_.budget(lc, released).fits(n)) return false;
   }
 
   pool_.tick();
   capacity = new_capacity;
   history = new_history;
   for (const auto& [lc, i] : releases) {
-    Page* p = &pool_.page(page_at(lc, i));
+    const Page* p = &pages_.page(page_at(lc, i));
     pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(i)] = -1;
-    pool_.unuse(p, true);
+    index_.release(p, true);
   }
-  for (std::int64_t lc : pool_.attn_lcs()) pages[static_cast<std::size_t>(lc)].resize(static_cast<std::size_t>(nb), -1);
+  for (std::int64_t lc : layout_.attn_lcs()) pages[static_cast<std::size_t>(lc)].resize(static_cast<std::size_t>(nb), -1);
   copy_tail(cows);
   for (const auto& [lc, i] : allocs) {
     const std::int64_t s = alloc_private(lc, 0, i)->handle;
@@ -367,7 +366,7 @@ void Request::commit_input(std::optional<std::int64_t> n_arg) {
   const auto from = input_tokens.begin() + nc;
   tokens.insert(tokens.end(), from, from + n);
   // tokens holds its own digest references (sec. 15), as after intern_into
-  if (has_digests) pool_.retain_tokens(std::span<const Tok>(tokens).subspan(static_cast<std::size_t>(nc)));
+  if (has_digests) tokens_.retain_tokens(std::span<const Tok>(tokens).subspan(static_cast<std::size_t>(nc)));
   commit_appended(nc);
 }
 
@@ -387,7 +386,7 @@ void Request::commit_checked(TokenSeq tokens_in) {
   if (tokens_in.empty()) return;
   const auto ncommitted = static_cast<std::int64_t>(tokens.size());
   try {
-    pool_.intern_into(tokens_in, tokens);
+    tokens_.intern_into(tokens_in, tokens);
     has_digests = has_digests || !tokens_in.digests.empty();
   } catch (...) {
     tokens.resize(static_cast<std::size_t>(ncommitted));  // nothing changed
@@ -402,24 +401,24 @@ void Request::commit_appended(std::int64_t old) {
   const std::int64_t old_history = history;
   const auto now = static_cast<std::int64_t>(tokens.size());
   history = std::max(history, now);
-  for (std::int64_t lc : pool_.attn_lcs()) {
-    for (std::int64_t i = old / pool_.B(); i < ceildiv(now, pool_.B()); ++i) {
+  for (std::int64_t lc : layout_.attn_lcs()) {
+    for (std::int64_t i = old / layout_.B(); i < ceildiv(now, layout_.B()); ++i) {
       const std::int64_t s = page_at(lc, i);
       if (s < 0) continue;
-      Page* p = &pool_.page(s);
-      if (p->node == kNoNode) pool_.set_coverage(p, std::min(pool_.B(), now - i * pool_.B()));
+      const Page* p = &pages_.page(s);
+      if (p->node == kNoNode) pages_.set_coverage(p, std::min(layout_.B(), now - i * layout_.B()));
     }
   }
-  const std::int64_t last = now / pool_.B() - 1;
-  for (std::int64_t i = old / pool_.B(); i <= last; ++i) {
+  const std::int64_t last = now / layout_.B() - 1;
+  for (std::int64_t i = old / layout_.B(); i <= last; ++i) {
     // the next block's child-table line (its key was hashed at create), loaded meanwhile
-    if (i < last && i + 1 < static_cast<std::int64_t>(keys.size())) pool_.tree().prefetch_child(keys[static_cast<std::size_t>(i + 1)]);
-    const bool snapshot = pool_.ssm_lc() >= 0 && i == last && now % pool_.B() == 0;
+    if (i < last && i + 1 < static_cast<std::int64_t>(keys.size())) index_.tree().prefetch_child(keys[static_cast<std::size_t>(i + 1)]);
+    const bool snapshot = layout_.ssm_lc() >= 0 && i == last && now % layout_.B() == 0;
     // `tokens` does not change during insert_block, so a view of it is safe
-    const std::span<const Tok> block(tokens.data() + i * pool_.B(), static_cast<std::size_t>(pool_.B()));
+    const std::span<const Tok> block(tokens.data() + i * layout_.B(), static_cast<std::size_t>(layout_.B()));
     insert_block(i, block, snapshot, /*defer_prune=*/i < last);
   }
-  release_stale(old_history, old / pool_.B());
+  release_stale(old_history, old / layout_.B());
 }
 
 // DECISIONS "Tree and events" (stale pages
@@ -430,10 +429,10 @@ void Request::commit_appended(std::int64_t old) {
 // py: request.py Request.release_stale — SPEC sec. 7
 void Request::release_stale(std::int64_t old_history, std::int64_t first_block) {
   const bool active = status == ReqStatus::active;
-  const std::int64_t B = pool_.B();
+  const std::int64_t B = layout_.B();
   const std::int64_t written = (static_cast<std::int64_t>(tokens.size()) + B - 1) / B;
-  for (std::int64_t lc : pool_.attn_lcs()) {
-    const auto [lo, hi] = pool_.stale_range(lc, history);
+  for (std::int64_t lc : layout_.attn_lcs()) {
+    const auto [lo, hi] = layout_.stale_range(lc, history);
     auto& table = pages[static_cast<std::size_t>(lc)];
     const std::int64_t end = std::min(hi, static_cast<std::int64_t>(table.size()));
     const auto release = [&](std::int64_t from, std::int64_t to) {
@@ -441,13 +440,13 @@ void Request::release_stale(std::int64_t old_history, std::int64_t first_block) 
         const std::int64_t s = table[static_cast<std::size_t>(i)];
         if (s >= 0) {
           table[static_cast<std::size_t>(i)] = -1;
-          pool_.unuse(&pool_.page(s), active);
+          index_.release(&pages_.page(s), active);
         }
       }
     };
     // the union of [a1, b1) and [a2, b2), ascending, each ordinal once
     std::int64_t a1 = std::max(lo, first_block), b1 = std::min(written, end);
-    std::int64_t a2 = std::max(lo, pool_.stale_range(lc, old_history).second), b2 = end;
+    std::int64_t a2 = std::max(lo, layout_.stale_range(lc, old_history).second), b2 = end;
     if (a1 >= b1) {
       release(a2, b2);
     } else if (a2 >= b2) {
@@ -499,7 +498,7 @@ ClosedTokens Request::close() {
   pool_.tick();
   if (!stopped) stop();
   release_all();
-  pool_.unref(root);  // may release an unused scope root
+  index_.unref(root);  // may release an unused scope root
   status = ReqStatus::closed;
   out.closed_now = true;
   out.capacity = capacity;
@@ -514,10 +513,10 @@ ClosedTokens Request::close() {
       if (!(c & kDigestCode)) continue;
       bool seen = false;
       for (const auto& [code, d] : out.digests) seen = seen || code == c;
-      if (!seen) out.digests.emplace_back(c, pool_.tree().digest(c));
+      if (!seen) out.digests.emplace_back(c, tokens_.digest(c));
     }
-    pool_.release_tokens(out.codes);
-    pool_.release_tokens(input_tokens);
+    tokens_.release_tokens(out.codes);
+    tokens_.release_tokens(input_tokens);
   }
   return out;
 }
@@ -535,17 +534,17 @@ bool Request::fork(Request& child) {
   }
   // the partial block is copied at once when the parent may already be writing into it
   const TailPages copies = capacity > c ? tail_pages() : TailPages{};
-  for (std::int64_t lc = 0; lc < static_cast<std::int64_t>(pool_.num_life_cycles()); ++lc) {
-    std::int64_t need = lc == pool_.ssm_lc() ? 1 : 0;
+  for (std::int64_t lc = 0; lc < static_cast<std::int64_t>(layout_.num_life_cycles()); ++lc) {
+    std::int64_t need = lc == layout_.ssm_lc() ? 1 : 0;
     for (const auto& [clc, h] : copies) need += clc == lc;
-    if (need && !pool_.budget(lc).fits(need)) return false;
+    if (need && !pages_.budget(lc).fits(need)) return false;
   }
 
   pool_.tick();
   child.init_fork(*this);
-  if (pool_.ssm_lc() >= 0) {  // its own live state, a copy of the parent's
-    child.live = child.alloc_private(pool_.ssm_lc(), 0, c / pool_.B())->handle;
-    pool_.copy(pool_.ssm_lc(), &pool_.page(live), &pool_.page(child.live), "cow");
+  if (layout_.ssm_lc() >= 0) {  // its own live state, a copy of the parent's
+    child.live = child.alloc_private(layout_.ssm_lc(), 0, c / layout_.B())->handle;
+    outbox_.copy(layout_.ssm_lc(), &pages_.page(live), &pages_.page(child.live), "cow");
   }
   child.copy_tail(copies);
   return true;
@@ -554,7 +553,7 @@ bool Request::fork(Request& child) {
 // py: request.py Request.init_fork — SPEC sec. 18
 void Request::init_fork(const Request& parent) {
   root_key = parent.root_key;
-  root = pool_.open_scope(root_key);  // (the parent's root: it holds it)
+  root = index_.open_scope(root_key);  // (the parent's root: it holds it)
   lora = parent.lora;
   salt = parent.salt;
   priority = parent.priority;
@@ -565,19 +564,19 @@ void Request::init_fork(const Request& parent) {
   tokens = parent.tokens;
   has_digests = parent.has_digests;
   if (has_digests) {  // its own digest references (released at its close)
-    pool_.retain_tokens(input_tokens);
-    pool_.retain_tokens(tokens);
+    tokens_.retain_tokens(input_tokens);
+    tokens_.retain_tokens(tokens);
   }
   capacity = history = static_cast<std::int64_t>(tokens.size());
   reused = parent.reused;
-  const auto nb = static_cast<std::size_t>(ceildiv(capacity, pool_.B()));
+  const auto nb = static_cast<std::size_t>(ceildiv(capacity, layout_.B()));
   blocks.assign(parent.blocks.begin(), parent.blocks.begin() + std::min(nb, parent.blocks.size()));
-  pages.assign(pool_.num_life_cycles(), {});
-  for (std::int64_t lc : pool_.attn_lcs()) {
+  pages.assign(layout_.num_life_cycles(), {});
+  for (std::int64_t lc : layout_.attn_lcs()) {
     const auto& from = parent.pages[static_cast<std::size_t>(lc)];
     pages[static_cast<std::size_t>(lc)].assign(from.begin(), from.begin() + std::min(nb, from.size()));
   }
-  pool_.hold(blocks, pages, priority);
+  index_.hold(blocks, pages, priority);
   live = snap = -1;
   cow_block = -1;
 }
@@ -586,9 +585,9 @@ void Request::init_fork(const Request& parent) {
 Request::TailPages Request::tail_pages() const {
   TailPages out;
   const auto n = static_cast<std::int64_t>(tokens.size());
-  if (n % pool_.B() == 0) return out;
-  for (std::int64_t lc : pool_.attn_lcs()) {
-    const std::int64_t h = page_at(lc, n / pool_.B());
+  if (n % layout_.B() == 0) return out;
+  for (std::int64_t lc : layout_.attn_lcs()) {
+    const std::int64_t h = page_at(lc, n / layout_.B());
     if (h >= 0) out.emplace_back(lc, h);
   }
   return out;
@@ -598,10 +597,10 @@ Request::TailPages Request::tail_pages() const {
 Request::TailPages Request::shared_tail(std::int64_t new_history) const {
   TailPages out;
   if (stopped) return out;  // it never writes again
-  const std::int64_t j = static_cast<std::int64_t>(tokens.size()) / pool_.B();
+  const std::int64_t j = static_cast<std::int64_t>(tokens.size()) / layout_.B();
   for (const auto& [lc, h] : tail_pages()) {
-    const auto [lo, hi] = pool_.stale_range(lc, new_history);
-    const Page& p = pool_.page(h);
+    const auto [lo, hi] = layout_.stale_range(lc, new_history);
+    const Page& p = pages_.page(h);
     if (!(lo <= j && j < hi) && (p.node != kNoNode || p.locks + p.holds > 1)) out.emplace_back(lc, h);
   }
   return out;
@@ -610,17 +609,17 @@ Request::TailPages Request::shared_tail(std::int64_t new_history) const {
 // py: request.py Request.copy_tail — SPEC sec. 18
 void Request::copy_tail(const TailPages& shared) {
   if (shared.empty()) return;
-  const std::int64_t j = static_cast<std::int64_t>(tokens.size()) / pool_.B();
-  const std::int64_t covered = static_cast<std::int64_t>(tokens.size()) - j * pool_.B();
+  const std::int64_t j = static_cast<std::int64_t>(tokens.size()) / layout_.B();
+  const std::int64_t covered = static_cast<std::int64_t>(tokens.size()) - j * layout_.B();
   for (const auto& [lc, h] : shared) {
-    Page* dst = alloc_private(lc, covered, j);
-    Page* src = &pool_.page(h);
-    pool_.copy(lc, src, dst, "cow");
-    pool_.unuse(src, status == ReqStatus::active);
+    const Page* dst = alloc_private(lc, covered, j);
+    const Page* src = &pages_.page(h);
+    outbox_.copy(lc, src, dst, "cow");
+    index_.release(src, status == ReqStatus::active);
     pages[static_cast<std::size_t>(lc)][static_cast<std::size_t>(j)] = dst->handle;
   }
   if (j < static_cast<std::int64_t>(blocks.size()) && blocks[static_cast<std::size_t>(j)] != kNoNode) {
-    pool_.unref(blocks[static_cast<std::size_t>(j)]);
+    index_.unref(blocks[static_cast<std::size_t>(j)]);
     blocks[static_cast<std::size_t>(j)] = kNoNode;
   }
 }
@@ -631,17 +630,17 @@ void Request::copy_tail(const TailPages& shared) {
 std::vector<std::int32_t> Request::page_indices(std::int64_t lc, std::int64_t start, std::int64_t stop) {
   require(ReqStatus::active, "page_indices");
   std::vector<std::int32_t> out;
-  if (lc == pool_.ssm_lc()) {
-    if (start == 0 && stop != 0) out.push_back(static_cast<std::int32_t>(pool_.page(live).slot));
+  if (lc == layout_.ssm_lc()) {
+    if (start == 0 && stop != 0) out.push_back(static_cast<std::int32_t>(pages_.page(live).slot));
     return out;
   }
-  const std::int64_t nb = ceildiv(capacity, pool_.B());
+  const std::int64_t nb = ceildiv(capacity, layout_.B());
   const std::int64_t end = stop < 0 ? nb : std::min(stop, nb);
   if (start >= end) return out;
   out.reserve(static_cast<std::size_t>(end - start));
   for (std::int64_t i = start; i < end; ++i) {
     const std::int64_t s = page_at(lc, i);
-    out.push_back(s >= 0 ? static_cast<std::int32_t>(pool_.page(s).slot) : -1);
+    out.push_back(s >= 0 ? static_cast<std::int32_t>(pages_.page(s).slot) : -1);
   }
   return out;
 }
@@ -650,7 +649,7 @@ std::vector<std::int32_t> Request::page_indices(std::int64_t lc, std::int64_t st
 // key it was chained from; the pool takes it when block i - 1 still has that key.
 // py: request.py Request.key_hint — SPEC sec. 3
 KeyHint Request::key_hint(std::int64_t i, std::span<const Tok> block) const {
-  const std::int64_t B = pool_.B();
+  const std::int64_t B = layout_.B();
   if (static_cast<std::int64_t>(block.size()) == B && i < static_cast<std::int64_t>(keys.size()) &&
       static_cast<std::int64_t>(input_tokens.size()) >= (i + 1) * B &&
       std::equal(block.begin(), block.end(), input_tokens.begin() + i * B)) {
@@ -686,11 +685,11 @@ void Request::set_block(std::int64_t i, NodeId nid) {
 void Request::stop() {
   stopped = true;
   const auto n = static_cast<std::int64_t>(tokens.size());
-  const std::int64_t tail = n % pool_.B();
-  const std::int64_t i = n / pool_.B();
-  if (!tail || !pool_.cfg().enable_partial_reuse || cow_block == i) return;
-  const std::vector<Tok> block(tokens.begin() + i * pool_.B(), tokens.end());
-  insert_block(i, block, pool_.ssm_lc() >= 0);
+  const std::int64_t tail = n % layout_.B();
+  const std::int64_t i = n / layout_.B();
+  if (!tail || !layout_.cfg().enable_partial_reuse || cow_block == i) return;
+  const std::vector<Tok> block(tokens.begin() + i * layout_.B(), tokens.end());
+  insert_block(i, block, layout_.ssm_lc() >= 0);
 }
 
 }  // namespace kvcm

@@ -69,7 +69,15 @@ class Request : private RequestState {
   Request(BlockPool& pool, std::int64_t serial_no, std::vector<Tok> input, std::optional<std::uint64_t> lora_id,
           std::optional<std::uint64_t> salt_id, std::int64_t prio, bool digests, const SharedHits* hits);
   // A fork's child, set up by the parent's fork() (DECISIONS.md "Forks").
-  Request(BlockPool& pool, std::int64_t serial_no) noexcept : pool_(pool) { serial = serial_no; }
+  Request(BlockPool& pool, std::int64_t serial_no) noexcept
+      : pool_(pool),
+        layout_(pool.layout()),
+        tokens_(pool.tokens()),
+        pages_(pool.pages()),
+        index_(pool.index()),
+        outbox_(pool.outbox()) {
+    serial = serial_no;
+  }
 
   // ---------------------------------------------------------------- state (read-only)
   const RequestState& state() const noexcept { return *this; }
@@ -117,9 +125,9 @@ class Request : private RequestState {
   // O(1): false when the pools could never hold ceil(capacity / B) = nb blocks at `new_history`.
   bool could_hold(std::int64_t nb, std::int64_t new_history) const;
   std::int64_t page_at(std::int64_t lc, std::int64_t i) const;
-  std::vector<Page*> used_pages();
-  std::vector<Page*> cow_sources();
-  Page* alloc_private(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal);
+  std::vector<const Page*> used_pages();
+  std::vector<const Page*> cow_sources();
+  const Page* alloc_private(std::int64_t lc, std::int64_t coverage, std::int64_t ordinal);
   void copy_on_write();
   KeyHint key_hint(std::int64_t i, std::span<const Tok> block) const;
   // defer_prune: more blocks of this commit follow (BlockPool::insert_block)
@@ -131,7 +139,15 @@ class Request : private RequestState {
   TailPages shared_tail(std::int64_t new_history) const;
   void copy_tail(const TailPages& shared);
 
-  BlockPool& pool_;  // the shared state: the only thing a request reaches beyond itself
+  // The shared state, the only thing a request reaches beyond itself: the pool (its clock
+  // and the operations that span parts) and the parts it works through, taken from the
+  // pool by the constructor; the layout and the token table are not pool members.
+  BlockPool& pool_;
+  const Layout& layout_;  // the config facts (read-only)
+  TokenTable& tokens_;    // the token interning
+  Pages& pages_;          // pages read (page, budget), a private page's coverage set
+  TreeIndex& index_;      // match, hold, insert, scopes
+  Outbox& outbox_;        // copy ops
 };
 
 }  // namespace kvcm

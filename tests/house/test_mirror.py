@@ -53,6 +53,8 @@ _CLASSES = {
     "LruStrategy": {"LruStrategy"},
     "Outbox": {"Outbox"},
 }
+# issue 36, C++: the index operations that walk the page slab (pools.cpp) are Pages members
+_CLASSES["Pool"] = {"Pool", "FreeSlots", "Pages"}
 # Python modules whose pointers are not held to a file or class (the interface's config
 # module: its C++ twin lifecycle.h has no functions of its own to point from).
 _ANYWHERE = {"config.py"}
