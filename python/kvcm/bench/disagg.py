@@ -224,23 +224,14 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _configs(text: str) -> list[str]:
-    names = [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in names if c not in CONFIGS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown configuration {', '.join(bad) or repr(text)}: "
-                                         f"from {', '.join(CONFIGS)}")
-    return ["vllm"] + [c for c in CONFIGS[1:] if c in names]
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from kvcm.tools.cmdline import int_in
+    from kvcm.tools.cmdline import int_in, names_in
 
     p = argparse.ArgumentParser(prog="python -m kvcm bench disagg", description=__doc__.split("\n\n")[0],
                                 epilog="exit status: 0 every output equal vLLM alone's; 1 an output differs or "
                                        "a server failed; 2 bad usage")
     p.add_argument("--model", default=None, help="a model directory (default: a random-weight one, made here)")
-    p.add_argument("--configs", type=_configs, default=list(CONFIGS),
+    p.add_argument("--configs", type=names_in(CONFIGS, "configuration"), default=list(CONFIGS),
                    help=f"comma-separated, from {', '.join(CONFIGS)} (default: all; vllm, the reference, always runs)")
     p.add_argument("--store", choices=("dir", "mooncake"), default="dir",
                    help="kvcm's shared store: a directory (default) or a real Mooncake Store started here")
@@ -394,7 +385,7 @@ def _run(args: argparse.Namespace, tmp: str) -> int:
     results: dict[str, Any] = {}
     load = {"start": os.getloadavg()[0]}
     try:
-        for kind in args.configs:
+        for kind in ["vllm"] + [c for c in CONFIGS[1:] if c in args.configs]:  # the reference first
             print(f"bench disagg: {kind} ...", file=sys.stderr, flush=True)
             results[kind] = _config(args, tmp, model, env, kind)
     except (RuntimeError, TimeoutError, OSError) as e:

@@ -115,6 +115,19 @@ def backend_list(text: str) -> list[str]:
     return names
 
 
+def names_in(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: one or more of ``choices``, comma-separated, in the order given
+    (``what`` names them in the error: "workload", "configuration")."""
+    def parse(text: str) -> list[str]:
+        names = [n.strip() for n in text.split(",") if n.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0] if bad else text!r}; "
+                                             f"choices: {', '.join(choices)}")
+        return names
+    return parse
+
+
 def finite_in(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite float in ``lo..hi`` (``lo_open``: ``> lo``)."""
     import math

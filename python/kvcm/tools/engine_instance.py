@@ -14,19 +14,10 @@ import json
 from collections.abc import Sequence
 
 from kvcm.engine import QuotaTooSmallError, TinyHybridModel, torch_threads
-from kvcm.tools.cmdline import backend_arg, int_in, oplog_unusable, torch_missing, writable_file
+from kvcm.tools.cmdline import backend_arg, int_in, names_in, oplog_unusable, torch_missing, writable_file
 from kvcm.tools.workloads import BUILTIN_WORKLOADS, builtin_workload, run_workload
 
 PROG = "python -m kvcm.tools.engine_instance"
-
-
-def _workloads(text: str) -> list[str]:
-    names = [w.strip() for w in text.split(",") if w.strip()]
-    bad = [w for w in names if w not in BUILTIN_WORKLOADS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown workload {bad[0] if bad else text!r}; "
-                                         f"choices: {', '.join(sorted(BUILTIN_WORKLOADS))}")
-    return names
 
 
 def instance_parser() -> argparse.ArgumentParser:
@@ -34,7 +25,7 @@ def instance_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Run the reference engine on a built-in workload through kvcm (one engine instance); "
                     "instances given the same --shared-tier reuse each other's prefill.")
-    p.add_argument("--workload", default=["shared-system-prompt"], type=_workloads,
+    p.add_argument("--workload", default=["shared-system-prompt"], type=names_in(sorted(BUILTIN_WORKLOADS), "workload"),
                    help=f"one or more (comma-separated, run in order) of {', '.join(sorted(BUILTIN_WORKLOADS))}")
     p.add_argument("--backend", type=backend_arg, default=None, help="kvcm backend (default: KVCM_BACKEND)")
     p.add_argument("--shared-tier", default=None,
