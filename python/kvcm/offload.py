@@ -31,6 +31,19 @@ vLLM               :class:`OffloadManager`
 ``reset_cache``    :meth:`reset`: every reusable page kvcm holds locally is dropped.
 =================  ==========================================================================
 
+Verbs an engine needs where kvcm is its tier-0 allocator too (the transformers integration,
+whose paged blocks are kvcm's pages; vLLM allocates its own and has no such verbs):
+
+=================  ==========================================================================
+:meth:`suspend`    the request is preempted: its pages stay kvcm's, may leave tier 0, and
+                   :meth:`touch` takes them back.
+:meth:`fork`       a request branches (parallel sampling): a new cache sharing its pages.
+:meth:`sync`       over an :class:`~kvcm.engine_loop.EngineLoop`: :meth:`drain`, the copies
+                   run in this process, :meth:`complete_copies`, at once.
+:meth:`room`       tier 0's pages per life cycle (free, droppable, held, total): what a
+                   scheduler that asks "does it fit" reads.
+=================  ==========================================================================
+
 The seam imports the interface and the engine loop only (no torch, no data plane at run
 time): the store is asked through the lookups the engine loop takes (``SharedLookup``: a data
 plane's shared tier or a pool-less ``kvcm.dataplane.StoreClient``, one per tensor-parallel
@@ -43,7 +56,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvcm.engine_loop import ASK, ManagerLoop, SharedLookup
+from kvcm.api import OutOfPagesError
+from kvcm.engine_loop import ASK, EngineLoop, ManagerLoop, SharedLookup
 
 if TYPE_CHECKING:
     from kvcm.api import CopyOp, CopyRun, KVCache, ReuseScope
@@ -71,6 +85,18 @@ class StoreSlots:
     first: int
     end: int
     slots: tuple[tuple[tuple[int, int], ...], ...]
+
+
+@dataclass(frozen=True)
+class PoolRoom:
+    """Tier 0's pages of one life cycle (:meth:`OffloadManager.room`): ``free`` (no page),
+    ``droppable`` (reusable pages nothing holds: eviction takes them), ``held`` (pages of
+    suspended requests: a colder tier can take them), out of ``total``."""
+
+    free: int
+    droppable: int
+    held: int
+    total: int
 
 
 class OffloadManager:
@@ -144,17 +170,23 @@ class OffloadManager:
     # ------------------------------------------------------------------ saves
 
     def prepare_store(self, kv: KVCache, first: int, end: int, history: int | None = None, *,
-                      tokens: int | None = None) -> StoreSlots | None:
+                      tokens: int | None = None, exact: bool = False) -> StoreSlots | None:
         """Pages for ``kv``'s blocks ``[first, end)`` (its capacity grown to ``end`` blocks, or
         to ``tokens``: a partial last block; ``history``: at least this many tokens computed,
         so that blocks out of a sliding window by then get no page): their slots per life
-        cycle.  None: tier 0 cannot hold them (nothing changed past what was prepared before)."""
+        cycle.  None: tier 0 cannot hold them (nothing changed past what was prepared before).
+        ``exact``: the capacity becomes exactly that many tokens, in one resize, even when it
+        held more (an engine whose step's room kvcm allocates: the transformers integration)."""
         need = end * self.block_size if tokens is None else tokens
         hist = None if history is None else max(kv.history_length, history)
-        if kv.capacity < need and not kv.resize(need, hist):
-            return None
-        if hist is not None and hist > kv.history_length and not kv.resize(kv.capacity, hist):
-            return None
+        if exact:
+            if not kv.resize(need, hist):
+                return None
+        else:
+            if kv.capacity < need and not kv.resize(need, hist):
+                return None
+            if hist is not None and hist > kv.history_length and not kv.resize(kv.capacity, hist):
+                return None
         slots = []
         for lc in range(len(self.manager.life_cycles)):
             got = kv.page_indices(lc, first, end)  # the new blocks only (no per-block O(length) read)
@@ -170,6 +202,20 @@ class OffloadManager:
         """The request is done with kvcm: its cache closes (what it committed stays)."""
         kv.close()
 
+    def suspend(self, kv: KVCache) -> None:
+        """The request is preempted: its pages stay kvcm's (HELD: eviction may offload them,
+        never drop them) until :meth:`touch` takes them back to tier 0."""
+        kv.suspend()
+
+    def fork(self, kv: KVCache, *, id: int | str | None = None) -> KVCache | None:
+        """A new ACTIVE cache ``id`` branching ``kv`` (parallel sampling): it shares every page
+        ``kv`` holds for its committed tokens, copy-on-write.  None: tier 0 cannot hold what
+        the branch needs now (nothing changed)."""
+        try:
+            return kv.fork(id=id)
+        except OutOfPagesError:
+            return None
+
     # ------------------------------------------------------------------ kvcm's own copies
 
     def drain(self) -> list[CopyRun]:
@@ -183,7 +229,22 @@ class OffloadManager:
         block: :meth:`touch` them to go on)."""
         return self.loop.report(failed)
 
+    def sync(self) -> list[int | str]:
+        """Over an :class:`~kvcm.engine_loop.EngineLoop` (the bytes move in this process):
+        :meth:`drain`, run the copies, :meth:`complete_copies`, now; the ids of the caches
+        rolled back.  A seam over a ``ManagerLoop`` alone leaves its copies to the side that
+        owns the bytes (TypeError)."""
+        if not isinstance(self.loop, EngineLoop):
+            raise TypeError("OffloadManager.sync: the copies run where the bytes are; over a ManagerLoop, "
+                            "drain() and complete_copies() what that side applied")
+        return self.loop.sync()
+
     # ------------------------------------------------------------------ the rest
+
+    def room(self) -> tuple[PoolRoom, ...]:
+        """Tier 0's pages per life cycle (:class:`PoolRoom`, by life cycle id)."""
+        return tuple(PoolRoom(row["free"], row["droppable"], row["held"], row["total"])
+                     for row in self.manager.stats()["tiers"][0]["lc"])
 
     def take_events(self) -> list[Any]:
         """The manager's events since the last call."""
@@ -197,4 +258,4 @@ class OffloadManager:
         return self.manager.stats()
 
 
-__all__ = ["Lookup", "OffloadManager", "StoreSlots"]
+__all__ = ["Lookup", "OffloadManager", "PoolRoom", "StoreSlots"]

@@ -14,7 +14,7 @@ from kvcm import AttentionLayer
 from kvcm.dataplane import DataPlane, StoreClient
 from kvcm.engine_loop import EngineLoop, ManagerLoop, PlaneLoop, config_from_layout
 from kvcm.integrations.vllm.tracker import Life, RequestTracker, TrackerStateError
-from kvcm.offload import Lookup, OffloadManager, StoreSlots
+from kvcm.offload import Lookup, OffloadManager, PoolRoom, StoreSlots
 
 B = 4
 LAYERS = [AttentionLayer(0, 8), AttentionLayer(1, 8)]
@@ -82,6 +82,39 @@ def test_the_seam_over_a_whole_loop_runs_its_copies_at_once(make_manager):
     mgr.check_invariants()
     with pytest.raises(TypeError, match="ManagerLoop"):
         OffloadManager(mgr)
+
+
+def test_the_verbs_of_an_engine_whose_tier_0_kvcm_allocates(make_manager):
+    """The transformers integration's verbs: suspend (a preemption), fork (parallel
+    sampling), sync (the copies now, over an EngineLoop), room (tier 0 per life cycle),
+    prepare_store(exact=True) (the step's room, cut as well as grown)."""
+    cfg = config_from_layout(B, LAYERS, gpu_blocks=4, host_blocks=8)
+    mgr = make_manager(cfg)
+    seam = OffloadManager(EngineLoop(mgr, DataPlane(cfg, dtype=torch.uint8)))
+    assert seam.room() == (PoolRoom(4, 0, 0, 4),)
+    kv = seam.prepare_load(PROMPT, None, seam.lookup(PROMPT), id="a")
+    assert seam.prepare_store(kv, 0, 3, 0, tokens=len(PROMPT), exact=True) is not None
+    seam.complete_store(kv, PROMPT)
+    assert seam.room() == (PoolRoom(1, 0, 0, 4),)
+    assert seam.prepare_store(kv, 2, 4, len(PROMPT), tokens=13, exact=True) is not None and kv.capacity == 13
+    assert seam.prepare_store(kv, 2, 3, len(PROMPT), tokens=10, exact=True) is not None and kv.capacity == 10  # cut
+    assert seam.prepare_store(kv, 2, 3, len(PROMPT), tokens=len(PROMPT)) is not None and kv.capacity == 10  # not cut
+    seam.sync()
+    child = seam.fork(kv, id="b")
+    assert child is not None and child.id == "b" and child.num_committed_tokens == len(PROMPT)
+    assert seam.prepare_store(child, 2, 3, len(PROMPT), tokens=10, exact=True) is not None  # the shared tail: a cow
+    assert seam.sync() == [] and seam.room()[0].free == 0
+    room = seam.room()
+    assert seam.fork(kv, id="c") is None and seam.room() == room  # tier 0 cannot take its own pages: nothing changed
+    seam.suspend(child)
+    assert seam.room()[0].held > 0
+    assert seam.touch(child) and seam.room()[0].held == 0
+    for c in (kv, child):
+        seam.release(c)
+    seam.sync()
+    mgr.check_invariants()
+    with pytest.raises(TypeError, match="ManagerLoop"):
+        OffloadManager(ManagerLoop(mgr)).sync()
 
 
 def test_store_client_has_no_pools(tmp_path):

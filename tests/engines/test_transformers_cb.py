@@ -302,6 +302,33 @@ def test_kvcm_is_scoped_to_its_model():
     assert "init_continuous_batching" not in vars(a)
 
 
+def test_the_cache_drives_kvcm_through_the_offload_seam_only():
+    """issue 36 item 2: every request-level call of the paged cache goes through the one
+    offload seam (``kc.seam``, kvcm.offload.OffloadManager): no engine-loop or manager call,
+    no KVCache call that changes the cache (resize, commit, close, suspend, resume, fork);
+    reads of a request's own cache (status, committed tokens, page indices) stay."""
+    import ast
+    import inspect
+
+    from kvcm.integrations.transformers import KvcmPagedAttentionCache
+
+    changing = {"resize", "commit", "close", "suspend", "resume", "fork", "admit", "sync", "create_kv_cache",
+                "drain_copy_runs", "forget_copies", "settle_copies", "stats", "take_events"}
+    bypass, seam_calls = [], 0
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(KvcmPagedAttentionCache)))):
+        if isinstance(node, ast.Attribute) and node.attr in ("loop", "mgr", "plane", "manager"):
+            bypass.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            through_seam = (isinstance(owner, ast.Name) and owner.id == "seam") or (
+                isinstance(owner, ast.Attribute) and owner.attr == "seam")
+            seam_calls += through_seam
+            if node.func.attr in changing and not through_seam:
+                bypass.append(f"line {node.lineno}: .{node.func.attr}()")
+    assert not bypass, bypass
+    assert seam_calls >= 15, seam_calls  # lookup, prepare_load, touch, prepare_store, complete_store, release, ...
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_swa_mix", "gemma3_mix"])
 def test_multi_turn_exact_and_reused(kind):
     model = build(kind)
@@ -572,8 +599,8 @@ def test_host_pages_that_vanish_with_a_disk_tier_are_replaced_partial_blocks(tmp
     for host in (4, 1):
         with KvcmContinuousBatching(model, host_blocks=host, disk_blocks=64, disk_path=str(tmp_path / str(host))) as kc:
             outs = run_turns(model, 3, 12, kc)
-            events = kc.mgr.take_events()
-            stats = kc.mgr.stats()
+            events = kc.seam.take_events()
+            stats = kc.seam.stats()
             routes = dict(kc.plane.routes)
         check_exact(model, outs)
         partial = {(b.key, b.lc): e.partial for e in events if isinstance(e, StoredEvent) for b in e.blocks}

@@ -20,8 +20,11 @@ token indices.  This module:
   transformers' cache tensor as that lc's gpu pool (``DataPlane.adopt_memory``): kvcm's copy
   ops (offload, onboard, cow, store) move transformers' own bytes;
 * overrides the cache's request-level methods (prefix match, allocation, commits, frees,
-  forks, free capacity) to drive the kvcm manager through :class:`kvcm.engine_loop.EngineLoop`,
-  and rewrites ``block_table`` from ``kv.page_indices(lc)`` before every forward;
+  forks, free capacity) to drive the kvcm manager through the offload seam every engine
+  integration uses (:class:`kvcm.offload.OffloadManager` over an
+  :class:`kvcm.engine_loop.EngineLoop`: lookup, prepare_load, touch, prepare_store,
+  complete_store, release, suspend, fork, sync, room), and rewrites ``block_table`` from
+  ``kv.page_indices(lc)`` before every forward;
 * reads sliding-window groups linearly (token ``p`` at block ``p // page_size``, the places
   transformers' full-attention allocator computes) instead of through transformers' ring
   buffer, so that their blocks can enter kvcm's tree and be shared;
@@ -65,6 +68,7 @@ from kvcm import AttentionLayer
 from kvcm.api import KVCache, Status
 from kvcm.dataplane import DataPlane
 from kvcm.engine_loop import EngineLoop, config_from_layout
+from kvcm.offload import OffloadManager
 
 PINNED_TRANSFORMERS = "5.19."  # the minor version whose internals this module was written against
 _TOKENS_KEY = "kvcm_tokens"  # our entry in FutureRequestState.complete_blocks: tokens the forward computed
@@ -447,25 +451,28 @@ class KvcmPagedAttentionCache(PagedAttentionCache):
         ``len(prompt_ids) - 1`` (the last prompt token is always computed: its logits are
         the first sample).  0 with no cache when gpu slots are short: the request waits."""
         kc = self._kc
-        loop = kc.loop
+        seam = kc.seam
         kv = self._kv.get(request_id)
         if kv is not None:
             if kv.status is Status.ACTIVE:  # matched earlier, could not be stored yet
                 if kv.num_committed_tokens == 0:
                     return 0
-                loop.sync()
+                seam.sync()
                 return self._resumed(request_id, kv)
             # SUSPENDED by a preemption or a roll-back: resume it when the prompt extends what it committed
             if kv.num_committed_tokens < len(prompt_ids) and kv.committed_tokens == list(
                     prompt_ids[:kv.num_committed_tokens]):
-                if not loop.resume(kv):  # onboard / cow run before anything reads the pages
-                    loop.sync()
+                if not seam.touch(kv):  # onboard / cow run before anything reads the pages
+                    seam.sync()
                     return 0
                 kc.counters["resumed_requests"] += 1
                 return self._resumed(request_id, kv)
-            kv.close()
+            seam.release(kv)
             del self._kv[request_id]
-        kv = loop.admit(list(prompt_ids[:-1]), id=request_id)  # lookup, create, resume, copies
+        prompt = list(prompt_ids[:-1])
+        # the lookup asks the store once (no side effect); the load admits with its hits and
+        # runs the onboards at once (an EngineLoop): what loop.admit did, in the seam's verbs
+        kv = seam.prepare_load(prompt, None, seam.lookup(prompt), id=request_id)
         if kv is None:
             return 0
         self._kv[request_id] = kv
@@ -489,9 +496,12 @@ class KvcmPagedAttentionCache(PagedAttentionCache):
         if kv.num_committed_tokens != past:
             raise RuntimeError(f"kvcm: request {state.request_id} has {kv.num_committed_tokens} tokens committed "
                                f"but transformers is at position {past} (async batching is not supported)")
-        if not kv.resize(past + request_len, history_length=past):
+        seam, B = self._kc.seam, self._kc.B
+        # the step's room, exactly past + request_len tokens (the engine allocates through kvcm)
+        if seam.prepare_store(kv, past // B, -(-(past + request_len) // B), past, tokens=past + request_len,
+                              exact=True) is None:
             return False
-        self._kc.loop.sync()
+        seam.sync()
         self._sync_tables(state.request_id)
         self._running.add(state.request_id)
         return True
@@ -513,8 +523,8 @@ class KvcmPagedAttentionCache(PagedAttentionCache):
         if len(tokens) != n:
             raise RuntimeError(f"kvcm: request {state.request_id}: {n} tokens computed from position {c}, "
                                f"but only {len(tokens)} are known")
-        kv.commit(tokens)
-        self._kc.loop.sync()
+        self._kc.seam.complete_store(kv, tokens)
+        self._kc.seam.sync()
 
     # ---------------------------------------------------------------- release
 
@@ -530,23 +540,25 @@ class KvcmPagedAttentionCache(PagedAttentionCache):
         if request_id in self._preempted and not no_cache:
             self._preempted.discard(request_id)  # the finish_request right after the preemption
             return
+        seam = self._kc.seam
         if no_cache and self._kc.has_lower_tier and kv.status is Status.ACTIVE:
-            kv.suspend()
+            seam.suspend(kv)
             self._preempted.add(request_id)
             self._kc.counters["suspended_requests"] += 1
         else:
-            kv.close()
+            seam.release(kv)
             del self._kv[request_id]
             self._preempted.discard(request_id)
-        self._kc.loop.sync()
+        seam.sync()
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        seam = self._kc.seam
         for request_id in list(self._kv):
             self._drop_tables(request_id)
-            self._kv.pop(request_id).close()
+            seam.release(self._kv.pop(request_id))
         self._preempted.clear()
         self._running.clear()
-        self._kc.loop.sync()
+        seam.sync()
 
     def reset(self) -> None:
         # the pool stays empty (every sector is kvcm's); reusable pages survive a reset
@@ -560,19 +572,19 @@ class KvcmPagedAttentionCache(PagedAttentionCache):
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """gpu slots that a resize can have (free, droppable, and held ones a colder tier can take)."""
         kc = self._kc
-        gpu = kc.mgr.stats()["tiers"][kc.gpu_pos]["lc"]
+        room = kc.seam.room()
         fracs, nbytes = [], 0
         for name, lc in kc.lc.items():
-            row = gpu[lc]
-            avail = row["free"] + row["droppable"] + (row["held"] if kc.has_lower_tier else 0)
-            fracs.append(avail / max(1, row["total"]))
+            row = room[lc]
+            avail = row.free + row.droppable + (row.held if kc.has_lower_tier else 0)
+            fracs.append(avail / max(1, row.total))
             nbytes += avail * self.cache_allocators[name].bytes_per_block
         return min(fracs) if relative else nbytes
 
     def count_storable_requests(self, list_blocks_needed: list[dict[str, int]]) -> int:
         kc = self._kc
-        gpu = kc.mgr.stats()["tiers"][kc.gpu_pos]["lc"]
-        avail = {name: gpu[lc]["free"] + gpu[lc]["droppable"] for name, lc in kc.lc.items()}
+        room = kc.seam.room()
+        avail = {name: room[lc].free + room[lc].droppable for name, lc in kc.lc.items()}
         for i, need in enumerate(list_blocks_needed):
             for name, left in avail.items():
                 avail[name] = left - need.get(name, 0)
@@ -590,18 +602,18 @@ class KvcmPagedAttentionCache(PagedAttentionCache):
         (transformers queues the others as new requests): those that did not fit, and from
         the first child whose copy failed (rolled back) on, whose kvcm requests then wait for
         that admission (resumed from what they hold)."""
+        seam = self._kc.seam
         src = self._kv[src_state.request_id]
         forked = []
         for dst in dst_req_ids:
-            try:
-                child = src.fork(id=dst)
-            except kvcm.OutOfPagesError:
+            child = seam.fork(src, id=dst)
+            if child is None:  # out of pages
                 break
             self._kv[dst] = child
             self._sync_tables(dst)
             forked.append(dst)
             self._kc.counters["forks"] += 1
-        self._kc.loop.sync()
+        seam.sync()
         ok = 0
         while ok < len(forked) and self._kv[forked[ok]].status is Status.ACTIVE:
             ok += 1
@@ -653,6 +665,7 @@ class KvcmContinuousBatching:
         self.mgr: Any = None
         self.plane: DataPlane | None = None
         self.loop: EngineLoop | None = None
+        self.seam: OffloadManager | None = None  # the offload seam over loop: every request-level call goes through it
         self.counters = dict.fromkeys(("prompt_tokens", "reused_tokens", "computed_tokens", "prefill_tokens",
                                        "suspended_requests", "resumed_requests", "forks", "rollbacks"), 0)
         self.transformers_prefix_sharing: bool | None = None  # what transformers would have done (last cache)
@@ -764,9 +777,9 @@ class KvcmContinuousBatching:
         for lc in self.mgr.life_cycles:
             if lc.id not in self.lc.values():
                 raise ValueError(f"kvcm: life cycle {lc.id} has no transformers group")
-        self.gpu_pos = 0
         self.plane = DataPlane(config, device=cache.cache_tensor.device)
         self.loop = EngineLoop(self.mgr, self.plane, on_rollback=self._rolled_back)
+        self.seam = OffloadManager(self.loop)
         self.B, self.n = B, n
         self.windows = {name: getattr(a, "sliding_window", None) for name, a in allocators}
 
@@ -790,8 +803,8 @@ class KvcmContinuousBatching:
         if self.plane is not None:
             out["routes"] = dict(self.plane.routes)
             out["copies"] = dict(self.plane.copies)
-        if self.mgr is not None:
-            out["kvcm"] = self.mgr.stats()
+        if self.seam is not None and self.mgr is not None:
+            out["kvcm"] = self.seam.stats()
         return out
 
 
