@@ -44,12 +44,13 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import kvcm
-from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig
+from kvcm.api import DISK, GPU, HOST, SHARED, CopyOp, CopyRun, KVCacheManagerConfig
 from kvcm.dataplane import StoreClient
 from kvcm.engine_loop import ASK, ManagerLoop
+from kvcm.fleet.wire import MEDIUM_CPU, MEDIUM_SHARED, MEDIUM_STORAGE
 from kvcm.integrations.vllm import partial
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, shard_config
@@ -61,8 +62,22 @@ UNREADABLE_MAX = 1 << 16  # store objects remembered as unreadable (32-byte keys
 UNREADABLE_STEPS = 2048  # engine steps an unreadable object is not promised (then tried again: a store recovers)
 SEEN_MAX = 1 << 16  # block keys of prefixes computed (sliding windows: shared-prefix junctions), the oldest forgotten
 LC = 0  # the life cycle of a model with one full-attention group (KvLayout.lc_groups: one per kind)
-TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
-MEDIA = ("CPU", "CPU", "STORAGE", "SHARED")  # event medium by kvcm tier number (tier 0: host memory)
+
+
+class TierRole(NamedTuple):
+    """What one kvcm tier is to the connector's user."""
+
+    name: str  # its name wherever the user reads it: stats line, metrics' tier label, stats file, logs
+    medium: str  # its KV events' medium (vLLM's names, kvcm.fleet.wire)
+
+
+# kvcm tier number -> its role here.  The manager's tier 0 is of kind "gpu" (the one tier
+# requests lock pages in: SPEC sec. 2 wants exactly one, first); in the connector it is host
+# memory behind vLLM's own GPU cache, so the user sees "host" (settings.manager_config).  The
+# connector configures no tier 1; its row is there for a complete table.
+TIER_ROLES = {GPU: TierRole("host", MEDIUM_CPU), HOST: TierRole("host", MEDIUM_CPU),
+              DISK: TierRole("disk", MEDIUM_STORAGE), SHARED: TierRole("shared", MEDIUM_SHARED)}
+MEDIA = tuple(TIER_ROLES[t].medium for t in range(len(TIER_ROLES)))  # the events' medium by tier number
 
 
 @dataclass
@@ -777,7 +792,7 @@ class KvcmScheduler:
         if info.counts:
             for i in range(info.n):
                 if i not in failed:
-                    self._count("hit_blocks_" + TIER_NAMES.get(info.tiers[i] if info.tiers else GPU, "host"))
+                    self._count("hit_blocks_" + TIER_ROLES.get(info.tiers[i] if info.tiers else GPU, TIER_ROLES[GPU]).name)
             self._count("loaded_blocks", info.n - len(failed))
         self._count("load_error_blocks", len(failed))
         if failed:
@@ -943,7 +958,7 @@ class KvcmScheduler:
         data = {"counters": dict(self.counters), "worker": dict(self.worker_counters),
                 "worker_gauges": {str(k): v for k, v in self.worker_gauges.items()}, "seconds": self.seconds,
                 "waits": self.waits, "namespace": self.config.shared_namespace,
-                "pending": self.pending(), "manager": self.offload.stats(), "process": process_stats(),
+                "pending": self.pending(), "manager": _with_roles(self.offload.stats()), "process": process_stats(),
                 "lookup": _lookup_stats(self.store_clients), "loop": dict(self.loop.counters)}
         tmp = f"{path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # kvcm's files are 0600
@@ -1015,6 +1030,20 @@ def _union(reports: Any) -> list[CopyOp]:
                 order.append(op)
             most[op] = max(most[op], n)
     return [op for op in order for _ in range(most[op])]
+
+
+def _with_roles(stats: dict[str, Any]) -> dict[str, Any]:
+    """The manager's stats with each tier's ``role`` after its ``kind`` (the stats file): tier 0
+    reads ``"kind": "gpu", "role": "host"`` -- the kind kept for the readers that know it."""
+    tiers = []
+    for t in stats.get("tiers", ()):
+        row = {}
+        for k, v in t.items():
+            row[k] = v
+            if k == "kind":
+                row["role"] = TIER_ROLES[t["tier"]].name
+        tiers.append(row)
+    return {**stats, "tiers": tiers}
 
 
 def _lookup_stats(clients: list[StoreClient]) -> dict[str, int] | None:
