@@ -81,9 +81,10 @@ MEDIA = tuple(TIER_ROLES[t].medium for t in range(len(TIER_ROLES)))  # the event
 
 
 @dataclass
-class Probe:
-    """What ``get_num_new_matched_tokens`` found for a waiting request (no side effect on
-    kvcm; ``update_state_after_alloc`` acts on it)."""
+class PendingLookup:
+    """What ``get_num_new_matched_tokens`` found and answered for a waiting request, kept
+    until ``update_state_after_alloc`` acts on it (no side effect on kvcm).  vLLM's side of a
+    lookup: it holds the seam's :class:`~kvcm.offload.Lookup` (``found``)."""
 
     ntokens: int
     n_local: int
@@ -159,8 +160,8 @@ class KvcmScheduler:
         # store objects a load could not read (listed by the store, unreadable: EACCES, EIO, a
         # data path down): never promised again (bounded: the oldest are forgotten first)
         self.unreadable: dict[tuple[bytes, int], int] = {}  # -> the step it was marked at
-        # the manager's state changes (admit, commit, resize, close, settle, clear): a probe's
-        # answer is memoized per request until then (vLLM probes a waiting request every step)
+        # the manager's state changes (admit, commit, resize, close, settle, clear): a lookup's
+        # answer is memoized per request until then (vLLM asks for a waiting request every step)
         self.version = 0
         self.memo: dict[str, tuple[tuple[int, int, int], tuple[int, bool]]] = {}
         self.batches: dict[int, list[int]] = {}  # save batch -> [save plans not yet reported, all ok (1/0)]
@@ -188,7 +189,7 @@ class KvcmScheduler:
         self.mirrors: dict[str, RequestTracker] = {}  # by request id: the live mirror of a request
         self.retiring: dict[int, RequestTracker] = {}  # by serial: finished or preempted, transfers in flight
         self.by_cache: dict[Any, RequestTracker] = {}  # kvcm cache id -> mirror
-        self.probes: dict[str, Probe] = {}
+        self.pending_lookups: dict[str, PendingLookup] = {}
         self.sources: dict[str, Counter[int]] = {}  # request -> tokens to load by planned tier (this step)
         self.hit_cache: dict[str, tuple[int, Any]] = {}  # request -> (prompt length, the store's hits)
         self.pending_loads: list[LoadPlan] = []  # planned since the last step's metadata
@@ -248,29 +249,29 @@ class KvcmScheduler:
     def get_num_new_matched_tokens(self, request: Any, n_local: int) -> tuple[int, bool]:
         t0 = time.perf_counter()
         try:
-            return self._probe(request, n_local)
+            return self._lookup(request, n_local)
         finally:
             self.seconds["match"] += time.perf_counter() - t0
 
-    def _probe(self, request: Any, n_local: int) -> tuple[int, bool]:
+    def _lookup(self, request: Any, n_local: int) -> tuple[int, bool]:
         rid = request.request_id
         tokens = request.all_token_ids
         self.counters["probes"] += 1
         if self.skip(request):
-            self.probes.pop(rid, None)
+            self.pending_lookups.pop(rid, None)
             self.counters["skipped_requests"] += 1
             return 0, False
         # vLLM asks again every step while the request waits (for blocks, behind another): the
         # answer stands while nothing it depends on changed (the manager, the live requests)
         key = (len(tokens), n_local, self.version)
         memo = self.memo.get(rid)
-        if memo is not None and memo[0] == key and rid in self.probes:
+        if memo is not None and memo[0] == key and rid in self.pending_lookups:
             self.counters["probes_memoized"] += 1
             return memo[1]
         scope = self.scope(request)
         if len(tokens) <= self.B:  # the last token's logits are computed: no full block to reuse
             # (still mirrored: the blocks it fills as it decodes are saved)
-            self.probes[rid] = Probe(len(tokens), n_local, 0, False, None, [], scope)
+            self.pending_lookups[rid] = PendingLookup(len(tokens), n_local, 0, False, None, [], scope)
             return 0, False
         prefix = list(tokens[:-1])
         hits = self._known_hits(rid, prefix)
@@ -287,8 +288,8 @@ class KvcmScheduler:
             answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
         is_async = answer > 0 and self._load_async(rid, tiers[n_local // self.B:hit])
         junction = self._shared_blocks(prefix, scope) if self.seen is not None else 0
-        self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, found, tiers[:hit], scope,
-                                 junction if junction * self.B > max(hit * self.B, n_local) else 0)
+        self.pending_lookups[rid] = PendingLookup(len(tokens), n_local, answer, is_async, found, tiers[:hit],
+                                                  scope, junction if junction * self.B > max(hit * self.B, n_local) else 0)
         self.memo[rid] = (key, (answer, is_async))
         return answer, is_async
 
@@ -331,8 +332,8 @@ class KvcmScheduler:
         return any(r != rid for r in self.mirrors)
 
     def _known_hits(self, rid: str, prefix: list[int]) -> Any:
-        """The store's hits for ``prefix`` asked at an earlier probe of this request and
-        prompt length (vLLM may probe a waiting request every step), else ``ASK``: the loop
+        """The store's hits for ``prefix`` asked at an earlier lookup of this request and
+        prompt length (vLLM may ask for a waiting request every step), else ``ASK``: the loop
         asks (one batched query per rank: a block is a hit only when every rank's shard is
         there)."""
         cached = self.hit_cache.get(rid)
@@ -358,25 +359,25 @@ class KvcmScheduler:
     def _alloc(self, request: Any, block_ids: Any, n_external: int) -> None:
         tables = [list(block_ids)] if not block_ids or isinstance(block_ids[0], int) else [list(t) for t in block_ids]
         rid = request.request_id
-        probe = self.probes.pop(rid, None)
+        lookup = self.pending_lookups.pop(rid, None)
         self.memo.pop(rid, None)
         self.version += 1  # admitted: the manager and the live requests change
         old = self.mirrors.get(rid)
         if old is not None:
-            if probe is None:  # the second call of an asynchronous load (n_external 0): nothing new
+            if lookup is None:  # the second call of an asynchronous load (n_external 0): nothing new
                 return
             # admitted afresh (its asynchronous load failed from the first block: vLLM freed
             # its blocks and asked again): the old mirror retires, a new one starts
             del self.mirrors[rid]
             self._retire(old)
         self.hit_cache.pop(rid, None)
-        if probe is None or probe.ntokens != len(request.all_token_ids):
-            self.counters["unmirrored"] += 1  # admitted without a probe (nothing to load): not mirrored
+        if lookup is None or lookup.ntokens != len(request.all_token_ids):
+            self.counters["unmirrored"] += 1  # admitted without a lookup (nothing to load): not mirrored
             return
         prefix = list(request.all_token_ids[:-1])
-        # created with the probe's hits, resumed; closed when tier 0 is full of locked pages
+        # created with the lookup's hits, resumed; closed when tier 0 is full of locked pages
         # (then not mirrored: its load, if any, fails and vLLM recomputes)
-        kv = self.offload.prepare_load(prefix, probe.scope, probe.found)
+        kv = self.offload.prepare_load(prefix, lookup.scope, lookup.found)
         if kv is None:
             self._count("mirror_stops")
         else:
@@ -386,10 +387,10 @@ class KvcmScheduler:
         matched = kv.num_committed_tokens // self.B if kv is not None else 0
         self.serial += 1
         m = RequestTracker(rid, request, kv, self.serial, committed=matched, planned=matched, tables=tables)
-        if probe.junction * self.B > max(matched * self.B, probe.n_local):
-            m.junction = probe.junction  # its window is saved as the prompt is computed (_plan_saves)
+        if lookup.junction * self.B > max(matched * self.B, lookup.n_local):
+            m.junction = lookup.junction  # its window is saved as the prompt is computed (_plan_saves)
         if self.seen is not None:
-            self._see(request.all_token_ids, probe.scope)  # later prompts sharing it: a junction
+            self._see(request.all_token_ids, lookup.scope)  # later prompts sharing it: a junction
         self.counters["mirrors"] += 1
         self.counters["matched_blocks"] += matched
         if kv is not None:  # (a tracker without a kvcm request saves nothing: RequestTracker)
@@ -397,8 +398,8 @@ class KvcmScheduler:
         self.mirrors[rid] = m
         self.created.append(m)
         if n_external > 0:
-            a = probe.n_local // self.B
-            b = -(-(probe.n_local + n_external) // self.B)  # partial_tail: the last block may be partial
+            a = lookup.n_local // self.B
+            b = -(-(lookup.n_local + n_external) // self.B)  # partial_tail: the last block may be partial
             plans = []
             held = kv.num_committed_tokens if kv is not None else 0  # a match may end inside a block
             for lc in range(len(self.lc_groups)):
@@ -417,7 +418,7 @@ class KvcmScheduler:
             most = max((len(p[1]) for p in plans), default=0)
             counted = False
             for lc, pslots, pblocks in plans:
-                load = LoadPlan(self._id(), rid, pslots, pblocks, sync=not probe.is_async, lc=lc)
+                load = LoadPlan(self._id(), rid, pslots, pblocks, sync=not lookup.is_async, lc=lc)
                 m.loads.add(load.load_id)
                 counts = not counted and len(pslots) == most
                 counted = counted or counts
@@ -425,14 +426,14 @@ class KvcmScheduler:
                                                     counts=counts, t0=time.perf_counter())
                 self.pending_loads.append(load)
                 self.inflight_bytes += len(pslots) * self.slot_bytes[lc]
-            self.sources[rid] = Counter(partial.sources(probe.n_local, n_external, self.B, probe.tiers, GPU))
-            self._count("loads_sync" if not probe.is_async else "loads_async")
+            self.sources[rid] = Counter(partial.sources(lookup.n_local, n_external, self.B, lookup.tiers, GPU))
+            self._count("loads_sync" if not lookup.is_async else "loads_async")
             # the blocks of the plan counted in loaded_blocks: with sliding windows only, the window
             # (ordinals outside it are vLLM's null block: neither loaded nor needed)
             self._count("load_blocks_planned", most)
-            if (probe.n_local + n_external) % self.B:  # partial_tail: vLLM took a hit that ends inside a block
+            if (lookup.n_local + n_external) % self.B:  # partial_tail: vLLM took a hit that ends inside a block
                 self._count("partial_hits")
-                self._count("partial_hit_tokens", (probe.n_local + n_external) % self.B)
+                self._count("partial_hit_tokens", (lookup.n_local + n_external) % self.B)
 
     def planned_sources(self, rid: str, n_external: int) -> dict[int, int]:
         """The tokens of the load just planned for ``rid`` by the tier kvcm had them in
@@ -449,7 +450,7 @@ class KvcmScheduler:
         reports the request in ``finished_sending``.  ``block_ids``: vLLM's blocks of its
         computed tokens (one group's list, or every group's), for the partial tail's block."""
         rid = request.request_id
-        self.probes.pop(rid, None)
+        self.pending_lookups.pop(rid, None)
         self.memo.pop(rid, None)
         self.hit_cache.pop(rid, None)
         self.no_load.discard(rid)
@@ -914,8 +915,8 @@ class KvcmScheduler:
         """What is open or in flight (tests assert it drains to nothing)."""
         return {"mirrors": len(self.mirrors), "retiring": len(self.retiring), "loads": len(self.loads),
                 "saves": len(self.saves), "unsettled_drains": self.drain_seq - self.settled,
-                "holds": len(self.pending_holds), "probes": len(self.probes), "hit_cache": len(self.hit_cache),
-                "no_load": len(self.no_load),
+                "holds": len(self.pending_holds), "probes": len(self.pending_lookups), "hit_cache": len(self.hit_cache),
+                "no_load": len(self.no_load),  # "probes": the stats file's key, kept for its readers
                 "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes, "undrained": int(self.undrained)}
 
     def take_stats(self) -> dict[str, int] | None:
