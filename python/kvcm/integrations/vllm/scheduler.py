@@ -98,7 +98,7 @@ class PendingLookup:
 
 @dataclass
 class LoadInfo:
-    mirror: RequestTracker
+    tracker: RequestTracker
     n: int
     sync: bool
     slots: list[int]
@@ -112,7 +112,7 @@ class LoadInfo:
 
 @dataclass
 class SaveInfo:
-    mirror: RequestTracker
+    tracker: RequestTracker
     first: int  # blocks [first, end) of the request
     end: int
     epoch: int
@@ -121,6 +121,8 @@ class SaveInfo:
     nbytes: int = 0
 
 
+# the stats file's counters; their names predate the tracker and the lookup ("mirrors": trackers
+# started, "probes": lookups asked), kept for the file's readers
 COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "mirror_stops", "unmirrored",
             "loads_sync", "loads_async", "load_blocks_planned", "loaded_blocks", "hit_blocks_host",
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
@@ -186,9 +188,9 @@ class KvcmScheduler:
         # goes through its verbs (the engine loop's manager side inside; the workers apply)
         self.loop = ManagerLoop(self.mgr, lookups=self.store_clients)
         self.offload = OffloadManager(self.loop)
-        self.mirrors: dict[str, RequestTracker] = {}  # by request id: the live mirror of a request
+        self.trackers: dict[str, RequestTracker] = {}  # by request id: the live tracker of a request
         self.retiring: dict[int, RequestTracker] = {}  # by serial: finished or preempted, transfers in flight
-        self.by_cache: dict[Any, RequestTracker] = {}  # kvcm cache id -> mirror
+        self.by_cache: dict[Any, RequestTracker] = {}  # kvcm cache id -> tracker
         self.pending_lookups: dict[str, PendingLookup] = {}
         self.sources: dict[str, Counter[int]] = {}  # request -> tokens to load by planned tier (this step)
         self.hit_cache: dict[str, tuple[int, Any]] = {}  # request -> (prompt length, the store's hits)
@@ -203,7 +205,7 @@ class KvcmScheduler:
         self.drain_bytes: dict[int, int] = {}
         self.drain_stores: dict[int, list[tuple[bytes, int]]] = {}  # objects a drain writes (while some are unreadable)
         self.shared_writes = True  # False: the workers drop the store ops (a consumer: handover.Role)
-        self.kv_open = 0  # kvcm requests the mirrors hold open
+        self.kv_open = 0  # kvcm requests the trackers hold open
         self.inflight_bytes = 0  # saves + loads + drains planned, not reported done by every rank
         self.max_inflight = settings.max_inflight_bytes
         self.next_id = 0
@@ -270,7 +272,7 @@ class KvcmScheduler:
             return memo[1]
         scope = self.scope(request)
         if len(tokens) <= self.B:  # the last token's logits are computed: no full block to reuse
-            # (still mirrored: the blocks it fills as it decodes are saved)
+            # (still tracked: the blocks it fills as it decodes are saved)
             self.pending_lookups[rid] = PendingLookup(len(tokens), n_local, 0, False, None, [], scope)
             return 0, False
         prefix = list(tokens[:-1])
@@ -329,7 +331,7 @@ class KvcmScheduler:
             return True
         if mode == "sync" or all(t == GPU for t in tiers):
             return False
-        return any(r != rid for r in self.mirrors)
+        return any(r != rid for r in self.trackers)
 
     def _known_hits(self, rid: str, prefix: list[int]) -> Any:
         """The store's hits for ``prefix`` asked at an earlier lookup of this request and
@@ -362,21 +364,21 @@ class KvcmScheduler:
         lookup = self.pending_lookups.pop(rid, None)
         self.memo.pop(rid, None)
         self.version += 1  # admitted: the manager and the live requests change
-        old = self.mirrors.get(rid)
+        old = self.trackers.get(rid)
         if old is not None:
             if lookup is None:  # the second call of an asynchronous load (n_external 0): nothing new
                 return
             # admitted afresh (its asynchronous load failed from the first block: vLLM freed
-            # its blocks and asked again): the old mirror retires, a new one starts
-            del self.mirrors[rid]
+            # its blocks and asked again): the old tracker retires, a new one starts
+            del self.trackers[rid]
             self._retire(old)
         self.hit_cache.pop(rid, None)
         if lookup is None or lookup.ntokens != len(request.all_token_ids):
-            self.counters["unmirrored"] += 1  # admitted without a lookup (nothing to load): not mirrored
+            self.counters["unmirrored"] += 1  # admitted without a lookup (nothing to load): not tracked
             return
         prefix = list(request.all_token_ids[:-1])
         # created with the lookup's hits, resumed; closed when tier 0 is full of locked pages
-        # (then not mirrored: its load, if any, fails and vLLM recomputes)
+        # (then not tracked: its load, if any, fails and vLLM recomputes)
         kv = self.offload.prepare_load(prefix, lookup.scope, lookup.found)
         if kv is None:
             self._count("mirror_stops")
@@ -395,7 +397,7 @@ class KvcmScheduler:
         self.counters["matched_blocks"] += matched
         if kv is not None:  # (a tracker without a kvcm request saves nothing: RequestTracker)
             self.by_cache[kv.id] = m
-        self.mirrors[rid] = m
+        self.trackers[rid] = m
         self.created.append(m)
         if n_external > 0:
             a = lookup.n_local // self.B
@@ -456,12 +458,12 @@ class KvcmScheduler:
         self.no_load.discard(rid)
         self.version += 1
         self.stats_dirty = True
-        m = self.mirrors.pop(rid, None)
+        m = self.trackers.pop(rid, None)
         if m is None:
             return False
         if m.loads:
             self._count("finished_loading")  # aborted in WAITING_FOR_REMOTE_KVS: closes once the load is in
-        if block_ids:  # the table as vLLM holds it now (the mirror's may predate its last blocks)
+        if block_ids:  # the table as vLLM holds it now (the tracker's may predate its last blocks)
             m.tables = [list(block_ids)] if isinstance(block_ids[0], int) else [list(t) for t in block_ids]
         self._save_deferred(m, request)
         if self.partial:
@@ -519,7 +521,7 @@ class KvcmScheduler:
         meta = KvcmConnectorMetadata(self.step, forward=bool(getattr(so, "total_num_scheduled_tokens", 1)))
         self.last_forward = meta.forward  # (handover.py: a waiting hand-over paces an engine with nothing to run)
         for rid in sorted(getattr(so, "preempted_req_ids", None) or ()):
-            m = self.mirrors.pop(rid, None)
+            m = self.trackers.pop(rid, None)
             self.version += 1
             self._count("preemptions")
             meta.preempted.append(rid)
@@ -532,7 +534,7 @@ class KvcmScheduler:
         self.pending_tail_saves = []
         blocks = _BlockIds(so)
         for rid, n in so.num_scheduled_tokens.items():
-            m = self.mirrors.get(rid)
+            m = self.trackers.get(rid)
             if m is None:
                 continue
             after = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids))
@@ -785,7 +787,7 @@ class KvcmScheduler:
         del self.loads[lid]
         if not info.sync:
             self.waits["async_load_s"] += time.perf_counter() - info.t0
-        m = info.mirror
+        m = info.tracker
         m.loads.discard(lid)
         touched.add(m.serial)
         self.inflight_bytes -= info.n * self.slot_bytes[info.lc]
@@ -805,7 +807,7 @@ class KvcmScheduler:
             if not m.load_failed:  # one per request (its life cycles' plans fail together)
                 self._count("failed_loads")
             m.load_failed = True
-            if self.mirrors.get(m.rid) is m:  # still running (an aborted request is not looked up again)
+            if self.trackers.get(m.rid) is m:  # still running (an aborted request is not looked up again)
                 self.no_load.add(m.rid)
         if failed and not self.hybrid:
             self._taint({info.blocks[i] for i in failed})
@@ -814,16 +816,16 @@ class KvcmScheduler:
         """vLLM blocks whose load failed held garbage while the forwards of their step ran:
         every block computed after them by a request that has them in its block table is
         suspect until vLLM recomputed it.  Saves of such blocks in flight stop counting, and
-        the mirror plans them again from its committed blocks (vLLM rewinds the request to
+        the tracker plans them again from its committed blocks (vLLM rewinds the request to
         the failed block and recomputes from there)."""
-        for m in list(self.mirrors.values()) + list(self.retiring.values()):
+        for m in list(self.trackers.values()) + list(self.retiring.values()):
             j = next((i for i, b in enumerate(m.block_ids) if b in bad_blocks), None)
             if j is not None and m.taint(j):
                 self._count("taints")
 
     def _save_done(self, sid: int, info: SaveInfo, touched: set[int]) -> None:
         del self.saves[sid]
-        m = info.mirror
+        m = info.tracker
         m.saves.pop(sid, None)
         touched.add(m.serial)
         n = info.end - info.first
@@ -873,7 +875,7 @@ class KvcmScheduler:
                 self.undrained = True
                 self._count("partial_tail_tokens", n)
 
-    # ------------------------------------------------------------------ mirror lifetime
+    # ------------------------------------------------------------------ tracker lifetime
 
     def _stop(self, m: RequestTracker) -> None:
         """No more saves for this request (what is committed stays)."""
@@ -889,7 +891,7 @@ class KvcmScheduler:
         self._maybe_close(m)
 
     def _maybe_close(self, m: RequestTracker) -> None:
-        """Close the kvcm request of a retiring mirror once none of its transfers is in
+        """Close the kvcm request of a retiring tracker once none of its transfers is in
         flight (loads, saves, the drain that onboarded its pages)."""
         if not m.idle(self.settled):
             return
@@ -913,10 +915,10 @@ class KvcmScheduler:
 
     def pending(self) -> dict[str, int]:
         """What is open or in flight (tests assert it drains to nothing)."""
-        return {"mirrors": len(self.mirrors), "retiring": len(self.retiring), "loads": len(self.loads),
+        return {"mirrors": len(self.trackers), "retiring": len(self.retiring), "loads": len(self.loads),
                 "saves": len(self.saves), "unsettled_drains": self.drain_seq - self.settled,
                 "holds": len(self.pending_holds), "probes": len(self.pending_lookups), "hit_cache": len(self.hit_cache),
-                "no_load": len(self.no_load),  # "probes": the stats file's key, kept for its readers
+                "no_load": len(self.no_load),  # "mirrors", "probes": the stats file's keys, kept for its readers
                 "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes, "undrained": int(self.undrained)}
 
     def take_stats(self) -> dict[str, int] | None:
@@ -970,11 +972,11 @@ class KvcmScheduler:
     def shutdown(self) -> None:
         """The engine stops: kvcm's requests still open close (what they committed stays)."""
         self.write_stats()
-        for m in list(self.mirrors.values()) + list(self.retiring.values()):
+        for m in list(self.trackers.values()) + list(self.retiring.values()):
             kv = m.close()
             if kv is not None:
                 self.offload.release(kv)
-        self.mirrors.clear()
+        self.trackers.clear()
         self.retiring.clear()
         if self.publisher is not None:
             self.publisher.close()
@@ -991,7 +993,7 @@ class _BlockIds:
 
     def __init__(self, so: Any) -> None:
         self.state = getattr(so, "kv_connector_block_state", None)
-        # vLLM 0.32 gives every table whole: a mirror reads it only when it plans saves (the
+        # vLLM 0.32 gives every table whole: a tracker reads it only when it plans saves (the
         # new / cached request data give a running request's new blocks only: read every step)
         self.whole = self.state is not None
         self.new: dict[str, list[list[int]]] = {}
