@@ -309,7 +309,10 @@ class TinyHybridModel:
 
 
 @dataclass
-class Request:
+class EngineRequest:
+    """The reference engine's record of one sequence: its prompt, its output and logits, its
+    kvcm cache (``kv``); the engine's side of a request, not a kvcm request (``KVCache``)."""
+
     prompt: list[int]
     max_new_tokens: int
     scope: ReuseScope | None = None
@@ -348,7 +351,7 @@ class Engine:
                          "max_stale_blocks": 0,  # most -1 (stale) entries seen in one windowed page table
                          "copy_failures": 0, "rollbacks": 0, "recomputed_tokens": 0,
                          "shared_hits": 0}  # (key, lc) pairs found in the shared store
-        self._by_id: dict[Any, Request] = {}  # open request by its cache id
+        self._by_id: dict[Any, EngineRequest] = {}  # open request by its cache id
         self.loop = EngineLoop(manager, self.plane, on_rollback=self._rolled_back)
 
     def sync(self) -> None:
@@ -371,9 +374,9 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
 
-    def generate(self, requests: Sequence[Request]) -> list[Request]:
-        waiting: deque[Request] = deque(requests)
-        running: list[Request] = []
+    def generate(self, requests: Sequence[EngineRequest]) -> list[EngineRequest]:
+        waiting: deque[EngineRequest] = deque(requests)
+        running: list[EngineRequest] = []
         while waiting or running:
             self._requeue_rolled_back(running, waiting)
             while waiting and len(running) < self.max_batch and self._admit(waiting[0]):
@@ -400,7 +403,7 @@ class Engine:
                     self._finish(r)
         return list(requests)
 
-    def _requeue_rolled_back(self, running: list[Request], waiting: deque[Request]) -> None:
+    def _requeue_rolled_back(self, running: list[EngineRequest], waiting: deque[EngineRequest]) -> None:
         """Requests the manager rolled back are SUSPENDED with fewer committed tokens: they
         wait to be admitted again and recompute from there."""
         for r in running.copy():
@@ -412,7 +415,7 @@ class Engine:
                 r.rolled_back = False
                 r.started = False
 
-    def _admit(self, r: Request) -> bool:
+    def _admit(self, r: EngineRequest) -> bool:
         kv = r.kv
         if kv is None:
             # match all but the last prompt token: its logits must be computed to sample
@@ -427,7 +430,7 @@ class Engine:
         # roll-back shortens the match, and the prefill recomputes from there)
         return self.loop.retry(lambda: self._try_admit(r), attempts=None)
 
-    def _try_admit(self, r: Request) -> bool | None:
+    def _try_admit(self, r: EngineRequest) -> bool | None:
         """One admission attempt (:meth:`EngineLoop.retry`'s hook): resume, the copies, the
         resize to the tokens it holds, the prefill of what is not committed.  True: admitted
         and prefilled; False: no room now (SUSPENDED); None: rolled back meanwhile (again)."""
@@ -459,7 +462,7 @@ class Engine:
         r.started = True
         return True
 
-    def _create(self, r: Request) -> Any:
+    def _create(self, r: EngineRequest) -> Any:
         """:meth:`EngineLoop.create`: with a shared tier, the blocks past the local match are
         looked up in the store first (one batched query) and the present ones handed over."""
         kv = self.loop.create(r.prompt[:-1], r.scope)
@@ -468,12 +471,12 @@ class Engine:
         return kv
 
     @staticmethod
-    def _kv_target(r: Request) -> int:
+    def _kv_target(r: EngineRequest) -> int:
         """Tokens whose K/V a started request holds: the prompt and every generated token
         but the last (the next decode step's input)."""
         return len(r.prompt) + max(len(r.output) - 1, 0)
 
-    def _preempt(self, r: Request, waiting: deque[Request]) -> None:
+    def _preempt(self, r: EngineRequest, waiting: deque[EngineRequest]) -> None:
         if not r.rolled_back:  # a rolled-back request is SUSPENDED already
             r.kv.suspend()
             self.sync()
@@ -481,14 +484,14 @@ class Engine:
         self.counters["preemptions"] += 1
         waiting.appendleft(r)
 
-    def _finish(self, r: Request) -> None:
+    def _finish(self, r: EngineRequest) -> None:
         r.kv.close()  # commits the partial tail + its ssm snapshot: a copy op
         self._by_id.pop(r.kv.id, None)
         self.sync()
 
     # ------------------------------------------------------------------ model steps
 
-    def _forward(self, r: Request, tokens: Sequence[int], start: int):
+    def _forward(self, r: EngineRequest, tokens: Sequence[int], start: int):
         torch = _torch()
         kv = r.kv
         pages = {}
@@ -501,7 +504,7 @@ class Engine:
         slot = kv.page_indices(self.ssm_lc)[0] if self.ssm_lc is not None else -1
         return self.model.forward_paged(tokens, start, self.plane, pages, slot)
 
-    def _prefill(self, r: Request) -> bool:
+    def _prefill(self, r: EngineRequest) -> bool:
         """Compute the K/V of ``prompt + output[:-1]`` from the committed length on (the
         whole unreused prompt, or what a roll-back dropped), then sample the first output
         token if there is none yet.  False: the request was rolled back meanwhile."""
@@ -525,7 +528,7 @@ class Engine:
             r.logits.append(last)
         return True
 
-    def _decode(self, r: Request) -> None:
+    def _decode(self, r: EngineRequest) -> None:
         kv = r.kv
         tok = r.output[-1]
         logits = self._forward(r, [tok], kv.num_committed_tokens)
@@ -591,7 +594,7 @@ def beam_search(model: TinyHybridModel, manager: Any, prompt: Sequence[int], wid
         slot = kv.page_indices(engine.ssm_lc)[0]
         for layer_id in engine.ssm_layers:
             engine.plane.state(layer_id)[slot].zero_()
-    r = Request(prompt, 0)
+    r = EngineRequest(prompt, 0)
     r.kv = kv
     c = kv.num_committed_tokens
     while c < len(prompt) - 1:  # prefill in chunks ending on block boundaries (ssm snapshots)
@@ -654,7 +657,7 @@ def beam_search(model: TinyHybridModel, manager: Any, prompt: Sequence[int], wid
 # ---------------------------------------------------------------------------------------
 
 
-def compare_with_reference(model: TinyHybridModel, requests: Sequence[Request]) -> tuple[bool, float]:
+def compare_with_reference(model: TinyHybridModel, requests: Sequence[EngineRequest]) -> tuple[bool, float]:
     """(every request's tokens equal the no-cache run's, max |logit diff| over them);
     see :meth:`TinyHybridModel.reference_logits`."""
     equal, worst = True, 0.0
@@ -669,9 +672,9 @@ def compare_with_reference(model: TinyHybridModel, requests: Sequence[Request]) 
 __all__ = [
     "Beam",
     "Engine",
+    "EngineRequest",
     "ModelConfig",
     "QuotaTooSmallError",
-    "Request",
     "TinyHybridModel",
     "beam_search",
     "compare_with_reference",

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DATAPLANE = ROOT / "python" / "kvcm" / "dataplane"
-PARTS = ("plane", "copy_runs", "shared_io", "pools", "copy_stats")
+PARTS = ("plane", "copy_runs", "shared_io", "slot_memory", "copy_stats")
 
 
 def private_reaches(source: str) -> list[str]:
@@ -45,19 +45,19 @@ def test_the_parts_are_objects_given_their_collaborators(tmp_path):
     from kvcm.dataplane import DataPlane
     from kvcm.dataplane.copy_runs import CopyRuns
     from kvcm.dataplane.copy_stats import CopyStats
-    from kvcm.dataplane.pools import Pools
     from kvcm.dataplane.shared_io import SharedIO
+    from kvcm.dataplane.slot_memory import SlotMemory
 
     # no part is another's base class any more: the facade holds them
-    for cls in (Pools, CopyRuns, SharedIO, CopyStats):
+    for cls in (SlotMemory, CopyRuns, SharedIO, CopyStats):
         assert not issubclass(DataPlane, cls)
     cfg = KVCacheManagerConfig(tokens_per_block=4, layers=[AttentionLayer(0, 8)],
                                tiers=[Tier("gpu", 8 * 32 * 4), Tier("shared", 0, str(tmp_path))], shared_namespace="parts")
     with DataPlane(cfg) as plane:
-        assert isinstance(plane.slot_pools, Pools) and isinstance(plane.copy_runs, CopyRuns)
+        assert isinstance(plane.slot_memory, SlotMemory) and isinstance(plane.copy_runs, CopyRuns)
         assert isinstance(plane.shared_io, SharedIO) and isinstance(plane.copy_stats, CopyStats)
         # the facade's state is the parts' (one object each, not copies)
-        assert plane.pools is plane.slot_pools.grid and plane.shared is plane.shared_io.store
+        assert plane.pools is plane.slot_memory.grid and plane.shared is plane.shared_io.store
         assert plane.copies is plane.copy_stats.copies and plane.shared_stats is plane.shared_io.stats
         plane.fault = print
         assert plane.copy_runs.fault is print

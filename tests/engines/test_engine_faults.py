@@ -13,7 +13,7 @@ import os
 import pytest
 from kvcm.dataplane import DataPlane
 from kvcm.dataplane.disk_pool import TRAILER
-from kvcm.engine import Engine, Request, TinyHybridModel, compare_with_reference, torch_threads
+from kvcm.engine import Engine, EngineRequest, TinyHybridModel, compare_with_reference, torch_threads
 from kvcm.tools.workloads import make_workload
 
 B = 16
@@ -64,7 +64,7 @@ def run(model, make_manager, tmp_path, fault=None, workload=WORKLOAD):
         history = [list(w.system) for _ in w.conversations]
         done = []
         for t in range(max(len(c) for c in w.conversations)):
-            wave = [(i, Request(history[i] + list(c[t]), w.max_new_tokens)) for i, c in enumerate(w.conversations)
+            wave = [(i, EngineRequest(history[i] + list(c[t]), w.max_new_tokens)) for i, c in enumerate(w.conversations)
                     if t < len(c)]
             engine.generate([r for _, r in wave])
             for i, r in wave:

@@ -182,10 +182,22 @@ def test_the_connectors_scheduler_and_ranks_name_objects_by_the_model(tmp_path: 
             assert (c["hit_blocks_shared"] > 0) == shared_hits, (identity, dict(c))
             assert all(w.plane.shared_stats["stores"] > 0 for w in sim.workers)  # b: its own KV, its own names
             sim.sched.write_stats()  # stats_file: the namespace the scheduler names objects in
-            assert json.loads((tmp_path / f"{name}.json").read_text())["namespace"] == f"one-name|{identity}|sim|tp2"
+            data = json.loads((tmp_path / f"{name}.json").read_text())
+            assert data["namespace"] == f"one-name|{identity}|sim|tp2"
+            # the manager's tier 0 is of kind gpu, host memory to the user (the kind kept; no slot tier but it here)
+            assert [(t["kind"], t["role"]) for t in data["manager"]["tiers"]] == [("gpu", "host")]
     finally:
         for sim in sims:
             close(sim)
+
+
+def test_the_tier_roles_keep_the_events_medium() -> None:
+    """One table names each kvcm tier for the user and gives its KV events' medium; tier 0 is
+    host memory (vLLM's medium CPU), the wire's values unchanged."""
+    from kvcm.integrations.vllm.scheduler import MEDIA, TIER_ROLES
+
+    assert MEDIA == ("CPU", "CPU", "STORAGE", "SHARED")
+    assert [r.name for r in TIER_ROLES.values()] == ["host", "host", "disk", "shared"]
 
 
 def run_check(*args: str) -> subprocess.CompletedProcess:

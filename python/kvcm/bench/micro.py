@@ -65,18 +65,16 @@ from typing import Any
 from kvcm import block_keys
 from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, SsmLayer, Tier
 from kvcm.config import ceildiv
+from kvcm.engine_loop import config_from_layout
 from kvcm.tools.cmdline import exit_code, format_table, int_in, ratio, run_guarded
 
 BACKENDS = ("python", "cpp")
 
 
 def _config(B: int, gpu_blocks: int, host_blocks: int = 0, max_events: int = 10_000) -> KVCacheManagerConfig:
-    tiers = [Tier("gpu", gpu_blocks * B)]
-    if host_blocks:
-        tiers.append(Tier("host", host_blocks * B))
-    return KVCacheManagerConfig(
-        tokens_per_block=B, layers=[AttentionLayer(0, bytes_per_token=1)], tiers=tiers, max_events=max_events
-    )
+    """One attention layer of a byte per token, tiers in blocks (config_from_layout)."""
+    return config_from_layout(B, [AttentionLayer(0, bytes_per_token=1)], gpu_blocks=gpu_blocks, host_blocks=host_blocks,
+                              max_events=max_events)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:

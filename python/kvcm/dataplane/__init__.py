@@ -126,8 +126,8 @@ Modules (one job each)
 * :mod:`kvcm.dataplane.shared_io`: :class:`~kvcm.dataplane.shared_io.SharedIO`,
   ``shared_lookup`` and store / load batches under a deadline, given the pools and the
   counters;
-* :mod:`kvcm.dataplane.pools`: :class:`~kvcm.dataplane.pools.Pools`, the pools per
-  ``(tier, lc)``, views, resizing;
+* :mod:`kvcm.dataplane.slot_memory`: :class:`~kvcm.dataplane.slot_memory.SlotMemory`, the
+  bytes behind the slots: the pools per ``(tier, lc)``, views, resizing;
 * :mod:`kvcm.dataplane.copy_stats`: :class:`~kvcm.dataplane.copy_stats.CopyStats`, the
   counters of executed copies;
 * :mod:`kvcm.dataplane.disk_pool`: :class:`DiskPool`, the disk tier's files;
@@ -137,7 +137,7 @@ Modules (one job each)
 
 * :mod:`kvcm.dataplane.store_client`: :class:`StoreClient`, the shared tier's existence
   queries without pools (a side that moves no bytes: vLLM's scheduler);
-The parts depend downwards only (``plane | store_client > copy_runs > shared_io > pools | copy_stats``)
+The parts depend downwards only (``plane | store_client > copy_runs > shared_io > slot_memory | copy_stats``)
 and call one another's public methods only; the stores (``store``, ``mooncake_store``) and
 ``disk_pool`` know nothing of kvcm's managers (import contracts in pyproject.toml).
 """

@@ -20,19 +20,19 @@ from typing import Any
 from kvcm.api import SHARED, CopyError, CopyOp, CopyRun, copy_runs
 from kvcm.dataplane.copy_stats import COPY_REASONS, CopyStats
 from kvcm.dataplane.disk_pool import DiskPool, torch_module
-from kvcm.dataplane.pools import Pools, copy_rows
 from kvcm.dataplane.shared_io import SharedIO
+from kvcm.dataplane.slot_memory import SlotMemory, copy_rows
 
 
 class CopyRuns:
-    """The copy-op executor over ``pools``, handing shared-tier batches to ``shared`` and
+    """The copy-op executor over ``memory`` (the pools), handing shared-tier batches to ``shared`` and
     counting completed ops in ``stats``.
 
     ``fault`` is a test hook (fault injection): called with each op just before it is
     executed; an exception it raises makes that op fail as an I/O error would."""
 
-    def __init__(self, pools: Pools, shared: SharedIO, stats: CopyStats) -> None:
-        self._pools = pools
+    def __init__(self, memory: SlotMemory, shared: SharedIO, stats: CopyStats) -> None:
+        self._memory = memory
         self._shared = shared
         self._stats = stats
         self.fault: Callable[[CopyOp], None] | None = None
@@ -53,7 +53,7 @@ class CopyRuns:
             v = getattr(op, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{op}: {name} must be an int")  # noqa: TRY004 - every bad op is a ValueError
-        if not 0 <= op.lc < len(self._pools.life_cycles):
+        if not 0 <= op.lc < len(self._memory.life_cycles):
             raise ValueError(f"{op}: unknown life cycle {op.lc}")
         shared_sides = [side for side in ("src", "dst") if getattr(op, f"{side}_tier") == SHARED]
         if shared_sides:
@@ -64,9 +64,9 @@ class CopyRuns:
             t, s = getattr(op, f"{side}_tier"), getattr(op, f"{side}_slot")
             if t == SHARED and self._shared.store is not None:
                 continue
-            if not self._pools.has_tier(t):
-                raise ValueError(f"{op}: unknown {side} tier {t}; tiers are {self._pools.tier_names()}")
-            n = self._pools.slots(t, op.lc)
+            if not self._memory.has_tier(t):
+                raise ValueError(f"{op}: unknown {side} tier {t}; tiers are {self._memory.tier_names()}")
+            n = self._memory.slots(t, op.lc)
             if not 0 <= s < n:
                 raise ValueError(f"{op}: {side} slot {s} out of range [0, {n})")
         if op.reason not in COPY_REASONS:
@@ -86,7 +86,7 @@ class CopyRuns:
         """The shared tier exists, is one side only, written by store and read by onboard."""
         if self._shared.store is None:
             raise ValueError(f"{what}: unknown {sides[0]} tier {SHARED} (the config has no shared tier); "
-                             f"tiers are {self._pools.tier_names()}")
+                             f"tiers are {self._memory.tier_names()}")
         if sides != ["dst"] and sides != ["src"]:
             raise ValueError(f"{what}: a copy within the shared tier")
         if (reason, sides[0]) not in (("store", "dst"), ("onboard", "src")):
@@ -110,7 +110,7 @@ class CopyRuns:
         n = len(run.src_slots)
         if len(run.dst_slots) != n:
             raise ValueError(f"{what}: {n} source slots but {len(run.dst_slots)} destination slots")
-        if not 0 <= run.lc < len(self._pools.life_cycles):
+        if not 0 <= run.lc < len(self._memory.life_cycles):
             raise ValueError(f"{what}: unknown life cycle {run.lc}")
         if run.reason not in COPY_REASONS:
             raise ValueError(f"{what}: unknown reason {run.reason!r}")
@@ -134,9 +134,9 @@ class CopyRuns:
                 if n and (min(col) != -1 or max(col) != -1):
                     raise ValueError(f"{what}: the shared side of an op has slot -1")
                 continue
-            if not self._pools.has_tier(t):
-                raise ValueError(f"{what}: unknown {side} tier {t}; tiers are {self._pools.tier_names()}")
-            lim = self._pools.slots(t, run.lc)
+            if not self._memory.has_tier(t):
+                raise ValueError(f"{what}: unknown {side} tier {t}; tiers are {self._memory.tier_names()}")
+            lim = self._memory.slots(t, run.lc)
             if n and not (0 <= min(col) and max(col) < lim):
                 bad = next(s for s in col if not 0 <= s < lim)
                 raise ValueError(f"{what}: {side} slot {bad} out of range [0, {lim})")
@@ -260,7 +260,7 @@ class CopyRuns:
         if len(run) == 0 or len(failed) == len(run):
             return failed, cause
         torch = torch_module()
-        sp, dp = self._pools.pool(run.src_tier, run.lc), self._pools.pool(run.dst_tier, run.lc)
+        sp, dp = self._memory.pool(run.src_tier, run.lc), self._memory.pool(run.dst_tier, run.lc)
         skip = set(failed)
         keep = [p for p in range(len(run)) if p not in skip] if failed else None
         if isinstance(sp, DiskPool) or isinstance(dp, DiskPool):  # file I/O: op by op

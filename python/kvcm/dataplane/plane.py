@@ -1,6 +1,6 @@
 """The :class:`DataPlane`: the memory behind one manager's slot indices and the executor
 of its copy ops (SPEC sec. 14), a facade over three parts, one job each, that it builds
-and wires: the pools (:class:`~kvcm.dataplane.pools.Pools`), the shared-tier I/O
+and wires: the pools (:class:`~kvcm.dataplane.slot_memory.SlotMemory`), the shared-tier I/O
 (:class:`~kvcm.dataplane.shared_io.SharedIO`, given the pools) and the copy runs
 (:class:`~kvcm.dataplane.copy_runs.CopyRuns`, given both), with the counters they share
 (:class:`~kvcm.dataplane.copy_stats.CopyStats`).  The parts call one another's public
@@ -18,8 +18,8 @@ from kvcm.config import resolve_config, resolve_quota
 from kvcm.dataplane.copy_runs import CopyRuns
 from kvcm.dataplane.copy_stats import CopyStats
 from kvcm.dataplane.disk_pool import torch_module
-from kvcm.dataplane.pools import Pools
 from kvcm.dataplane.shared_io import SharedIO
+from kvcm.dataplane.slot_memory import SlotMemory
 from kvcm.dataplane.store import ObjectCodec, SharedStore
 
 
@@ -37,7 +37,7 @@ class DataPlane:
     ``$KVCM_STORE_SECRET_FILE``'s or ``$KVCM_STORE_SECRET`` (:func:`kvcm.dataplane.store.store_secret`);
     none: objects carry no MAC.
 
-    The parts: :attr:`slot_pools`, :attr:`shared_io`, :attr:`copy_runs`, :attr:`copy_stats`.
+    The parts: :attr:`slot_memory`, :attr:`shared_io`, :attr:`copy_runs`, :attr:`copy_stats`.
     """
 
     def __init__(
@@ -55,65 +55,65 @@ class DataPlane:
         rc = resolve_config(config)
         self.config = config
         self._rc = rc
-        self.slot_pools = Pools(config, rc, device=device, dtype=dtype, shapes=shapes)
-        self.copy_stats = CopyStats([lc.slot_bytes for lc in rc.life_cycles], self.slot_pools.kind_of)
+        self.slot_memory = SlotMemory(config, rc, device=device, dtype=dtype, shapes=shapes)
+        self.copy_stats = CopyStats([lc.slot_bytes for lc in rc.life_cycles], self.slot_memory.kind_of)
         try:
-            self.shared_io = SharedIO(config, rc, self.slot_pools, self.copy_stats, store=store,
+            self.shared_io = SharedIO(config, rc, self.slot_memory, self.copy_stats, store=store,
                                       timeout_s=shared_timeout_s, secret=shared_secret)
         except BaseException:
-            self.slot_pools.close()  # no disk file left behind
+            self.slot_memory.close()  # no disk file left behind
             raise
-        self.copy_runs = CopyRuns(self.slot_pools, self.shared_io, self.copy_stats)
+        self.copy_runs = CopyRuns(self.slot_memory, self.shared_io, self.copy_stats)
 
     # ------------------------------------------------------------------ the pools
 
     @property
     def B(self) -> int:
         """Tokens per block."""
-        return self.slot_pools.B
+        return self.slot_memory.B
 
     @property
     def life_cycles(self) -> Sequence[Any]:
-        return self.slot_pools.life_cycles
+        return self.slot_memory.life_cycles
 
     @property
     def tier_kinds(self) -> Sequence[str]:
-        return self.slot_pools.tier_kinds
+        return self.slot_memory.tier_kinds
 
     @property
     def num_slots(self) -> list[list[int]]:
         """``[config position][lc]``: slots per pool now (:meth:`set_quota` changes them)."""
-        return self.slot_pools.num_slots
+        return self.slot_memory.num_slots
 
     @property
     def device(self) -> Any:
-        return self.slot_pools.device
+        return self.slot_memory.device
 
     @property
     def dtype(self) -> Any:
-        return self.slot_pools.dtype
+        return self.slot_memory.dtype
 
     @property
     def pools(self) -> list[list[Any]]:
         """``[config position][lc]``: ``uint8[num_slots, slot_bytes]`` tensors, or a
         :class:`~kvcm.dataplane.disk_pool.DiskPool` for a disk tier (empty once closed)."""
-        return self.slot_pools.grid
+        return self.slot_memory.grid
 
     def pool(self, tier: int | str, lc: int):
         """The raw ``uint8[num_slots, slot_bytes]`` pool of ``(tier, lc)``."""
-        return self.slot_pools.pool(tier, lc)
+        return self.slot_memory.pool(tier, lc)
 
     def kv(self, layer_id: int, tier: int | str = "gpu"):
         """Typed view ``[num_slots, B, *token_shape]`` of attention layer ``layer_id``."""
-        return self.slot_pools.kv(layer_id, tier)
+        return self.slot_memory.kv(layer_id, tier)
 
     def state(self, layer_id: int, tier: int | str = "gpu"):
         """Typed view ``[num_slots, *state_shape]`` of ssm layer ``layer_id``."""
-        return self.slot_pools.state(layer_id, tier)
+        return self.slot_memory.state(layer_id, tier)
 
     def lc_of(self, layer_id: int) -> int:
         """The life cycle (index) that layer ``layer_id`` belongs to."""
-        return self.slot_pools.lc_of(layer_id)
+        return self.slot_memory.lc_of(layer_id)
 
     def set_quota(self, manager: Any, tier: int | str, quota_bytes: int) -> int:
         """``manager.set_quota(tier, quota_bytes)`` with the pools following it
@@ -127,7 +127,7 @@ class DataPlane:
         :class:`~kvcm.api.CopyError` after the pools are resized (the manager's already
         are): report its ops with ``manager.forget_copies``.  Views taken before
         (:meth:`kv`, :meth:`state`, :meth:`pool`) are stale afterwards."""
-        pools = self.slot_pools
+        pools = self.slot_memory
         pos, _q, per_lc = resolve_quota(self._rc, tier, quota_bytes)
         old = list(pools.num_slots[pos])
         grown: list[int] = []
@@ -261,7 +261,7 @@ class DataPlane:
         keeps ``memory`` alive, and adopts its new memory again if it reallocates it; a
         ``set_quota`` of that tier gives the pool kvcm's own memory again.  Bad input raises
         ``ValueError`` / ``TypeError`` and changes nothing."""
-        self.slot_pools.adopt(tier, lc, memory)
+        self.slot_memory.adopt(tier, lc, memory)
 
     def stats(self) -> dict:
         """Copy ops and bytes by reason, ops by route, runs and kernel calls; with a shared tier also
@@ -278,7 +278,7 @@ class DataPlane:
         past their deadline get one more deadline to return; a store with a call still in
         flight is left open (closing a client under a running call is not safe), and so is
         that call's buffer."""
-        self.slot_pools.close()
+        self.slot_memory.close()
         self.shared_io.close()
 
     def __enter__(self) -> Self:

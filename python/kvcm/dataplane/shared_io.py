@@ -24,7 +24,7 @@ from kvcm.api import CopyOp, KVCacheManagerConfig
 from kvcm.config import ResolvedConfig, layout_fingerprint
 from kvcm.dataplane.copy_stats import CopyStats
 from kvcm.dataplane.disk_pool import DiskPool, torch_module
-from kvcm.dataplane.pools import Pools, copy_rows
+from kvcm.dataplane.slot_memory import SlotMemory, copy_rows
 from kvcm.dataplane.store import HEADER, BadObjectError, ObjectCodec, SharedStore, Staging, store_secret
 from kvcm.dataplane.store_factory import open_store
 
@@ -36,15 +36,15 @@ class SharedIO:
     the one the tier's path names; ``None`` without a shared tier or once closed), the
     codec of its objects, the deadline of one store call (``timeout_s``: default the
     store's) and the store secret (``secret``: default the config's or the environment's);
-    pages gathered from and scattered into ``pools``, completed ops counted in ``stats``
+    pages gathered from and scattered into ``memory`` (the pools), completed ops counted in ``stats``
     (both None for a client that only asks what exists: :class:`~kvcm.dataplane.StoreClient`).
     The arguments are those of :class:`~kvcm.dataplane.DataPlane` (``store=``,
     ``shared_timeout_s=``, ``shared_secret=``)."""
 
-    def __init__(self, config: KVCacheManagerConfig, rc: ResolvedConfig, pools: Pools | None, stats: CopyStats | None, *,
+    def __init__(self, config: KVCacheManagerConfig, rc: ResolvedConfig, memory: SlotMemory | None, stats: CopyStats | None, *,
                  store: SharedStore | None = None, timeout_s: float | None = None,
                  secret: bytes | str | None = None) -> None:
-        self._pools = pools
+        self._memory = memory
         self._stats = stats
         self.life_cycles = rc.life_cycles
         self.store: SharedStore | None = None
@@ -244,7 +244,7 @@ class SharedIO:
             items: list[tuple[str, int, int]] = []
             ready: list[CopyOp] = []
             for tier, lc, base, group in groups:
-                sp, sb = self._pools.pool(tier, lc), self.life_cycles[lc].slot_bytes
+                sp, sb = self._memory.pool(tier, lc), self.life_cycles[lc].slot_bytes
                 try:
                     n = len(group)
                     region = flat[base:base + n * (H + sb)].view(n, H + sb)[:, H:]
@@ -329,7 +329,7 @@ class SharedIO:
                 region = flat[base:base + n * (H + sb)].view(n, H + sb)
                 data = region[:, H:] if len(good) == n else region[good, H:]
                 dst = [group[j].dst_slot for j in good]
-                dp = self._pools.pool(tier, lc)
+                dp = self._memory.pool(tier, lc)
                 try:
                     if isinstance(dp, DiskPool):
                         dp.write_rows(dst, data)

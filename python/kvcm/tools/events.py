@@ -118,12 +118,13 @@ def watch(connect: str, replay: str | None, topic: str, count: int | None, timeo
 def demo(steps: int) -> int:
     """A small hybrid manager behind a publisher on 127.0.0.1, watched in this process."""
     import kvcm
-    from kvcm import AttentionLayer, KVCacheManagerConfig, SsmLayer, Tier
+    from kvcm import AttentionLayer, SsmLayer
+    from kvcm.engine_loop import config_from_layout
     from kvcm.fleet.publisher import EventPublisher
 
-    cfg = KVCacheManagerConfig(tokens_per_block=4, layers=[AttentionLayer(0, 8), AttentionLayer(1, 8, window=8),
-                                                          SsmLayer(2, 64)],
-                               tiers=[Tier("gpu", 6 * 128), Tier("host", 6 * 128)], enable_partial_reuse=False)
+    # pages of 128 bytes (32 + 32 + 64), six of them in each of gpu and host
+    cfg = config_from_layout(4, [AttentionLayer(0, 8), AttentionLayer(1, 8, window=8), SsmLayer(2, 64)],
+                             gpu_blocks=6, host_blocks=6, enable_partial_reuse=False)
     mgr = kvcm.KVCacheManager(cfg)
     with EventPublisher(mgr) as pub:
         print(f"publishing on {pub.endpoint}, replay/snapshot on {pub.replay_endpoint}")

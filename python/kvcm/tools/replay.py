@@ -42,8 +42,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig, Tier
+from kvcm.api import AttentionLayer, KVCacheManager, KVCacheManagerConfig
 from kvcm.config import ceildiv
+from kvcm.engine_loop import config_from_layout
 from kvcm.tools.cmdline import fmt_int
 from kvcm.tools.trace import TraceRequest, expand_outputs, expand_prompt, load_trace, total_blocks
 
@@ -62,17 +63,11 @@ def replay_config(
     host_quota_blocks: int | None = None,
     enable_partial_reuse: bool = True,
 ) -> KVCacheManagerConfig:
-    """The replay model's manager config, quotas in blocks."""
-    sb = slot_bytes(tokens_per_block)
-    tiers = [Tier("gpu", gpu_quota_blocks * sb)]
-    if host_quota_blocks:
-        tiers.append(Tier("host", host_quota_blocks * sb))
-    return KVCacheManagerConfig(
-        tokens_per_block=tokens_per_block,
-        layers=[AttentionLayer(i, BYTES_PER_TOKEN_PER_LAYER) for i in range(NUM_LAYERS)],
-        tiers=tiers,
-        enable_partial_reuse=enable_partial_reuse,
-    )
+    """The replay model's manager config, quotas in blocks (one page of :func:`slot_bytes`
+    each: :func:`kvcm.engine_loop.config_from_layout`)."""
+    layers = [AttentionLayer(i, BYTES_PER_TOKEN_PER_LAYER) for i in range(NUM_LAYERS)]
+    return config_from_layout(tokens_per_block, layers, gpu_blocks=gpu_quota_blocks,
+                              host_blocks=host_quota_blocks or 0, enable_partial_reuse=enable_partial_reuse)
 
 
 @dataclass

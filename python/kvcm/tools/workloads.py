@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcm.engine import Engine, Request, TinyHybridModel, compare_with_reference
+from kvcm.engine import Engine, EngineRequest, TinyHybridModel, compare_with_reference
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def builtin_workload(name: str, vocab: int = 64) -> Workload:
 
 @dataclass
 class Outcome:
-    requests: list[Request]
+    requests: list[EngineRequest]
     engine_counters: dict
     copies: dict  # executed copy ops by reason (data plane)
     stats: dict  # manager stats()
@@ -67,7 +67,7 @@ def run_workload(model: TinyHybridModel, manager: Any, workload: Workload | Sequ
     engine on ``manager``; with ``check``, compare every request with the no-cache reference."""
     engine = Engine(model, manager, max_batch=max_batch)
     try:
-        done: list[Request] = []
+        done: list[EngineRequest] = []
         for w in [workload] if isinstance(workload, Workload) else workload:
             done += _run_waves(engine, w)
         manager.check_invariants()
@@ -80,15 +80,15 @@ def run_workload(model: TinyHybridModel, manager: Any, workload: Workload | Sequ
     return out
 
 
-def _run_waves(engine: Engine, workload: Workload) -> list[Request]:
+def _run_waves(engine: Engine, workload: Workload) -> list[EngineRequest]:
     history = [list(workload.system) for _ in workload.conversations]
-    done: list[Request] = []
+    done: list[EngineRequest] = []
     nturns = max(len(c) for c in workload.conversations)
     for t in range(nturns):
         wave = []
         for i, conv in enumerate(workload.conversations):
             if t < len(conv):
-                wave.append((i, Request(history[i] + list(conv[t]), workload.max_new_tokens)))
+                wave.append((i, EngineRequest(history[i] + list(conv[t]), workload.max_new_tokens)))
         engine.generate([r for _, r in wave])
         for i, r in wave:
             history[i] = r.prompt + r.output

@@ -256,7 +256,7 @@ class Handover:
         params = None
         kvp = getattr(request, "kv_transfer_params", None)
         if self.role.produces and isinstance(kvp, dict) and kvp.get("do_remote_decode") and self.namespace:
-            m = self.sched.mirrors.get(rid)
+            m = self.sched.trackers.get(rid)
             prompt = list(getattr(request, "prompt_token_ids", None) or request.all_token_ids)
             blocks = 0
             if m is not None and m.kv is not None:

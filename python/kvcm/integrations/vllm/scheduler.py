@@ -44,12 +44,13 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import kvcm
-from kvcm.api import GPU, SHARED, CopyOp, CopyRun, KVCacheManagerConfig
+from kvcm.api import DISK, GPU, HOST, SHARED, CopyOp, CopyRun, KVCacheManagerConfig
 from kvcm.dataplane import StoreClient
 from kvcm.engine_loop import ASK, ManagerLoop
+from kvcm.fleet.wire import MEDIUM_CPU, MEDIUM_SHARED, MEDIUM_STORAGE
 from kvcm.integrations.vllm import partial
 from kvcm.integrations.vllm.metadata import KvcmConnectorMetadata, KvcmWorkerMetadata, LoadPlan, SavePlan
 from kvcm.integrations.vllm.settings import ConnectorSettings, KvLayout, shard_config
@@ -61,14 +62,29 @@ UNREADABLE_MAX = 1 << 16  # store objects remembered as unreadable (32-byte keys
 UNREADABLE_STEPS = 2048  # engine steps an unreadable object is not promised (then tried again: a store recovers)
 SEEN_MAX = 1 << 16  # block keys of prefixes computed (sliding windows: shared-prefix junctions), the oldest forgotten
 LC = 0  # the life cycle of a model with one full-attention group (KvLayout.lc_groups: one per kind)
-TIER_NAMES = {GPU: "host", 1: "host", 2: "disk", SHARED: "shared"}  # kvcm's tier 0 is host memory here
-MEDIA = ("CPU", "CPU", "STORAGE", "SHARED")  # event medium by kvcm tier number (tier 0: host memory)
+
+
+class TierRole(NamedTuple):
+    """What one kvcm tier is to the connector's user."""
+
+    name: str  # its name wherever the user reads it: stats line, metrics' tier label, stats file, logs
+    medium: str  # its KV events' medium (vLLM's names, kvcm.fleet.wire)
+
+
+# kvcm tier number -> its role here.  The manager's tier 0 is of kind "gpu" (the one tier
+# requests lock pages in: SPEC sec. 2 wants exactly one, first); in the connector it is host
+# memory behind vLLM's own GPU cache, so the user sees "host" (settings.manager_config).  The
+# connector configures no tier 1; its row is there for a complete table.
+TIER_ROLES = {GPU: TierRole("host", MEDIUM_CPU), HOST: TierRole("host", MEDIUM_CPU),
+              DISK: TierRole("disk", MEDIUM_STORAGE), SHARED: TierRole("shared", MEDIUM_SHARED)}
+MEDIA = tuple(TIER_ROLES[t].medium for t in range(len(TIER_ROLES)))  # the events' medium by tier number
 
 
 @dataclass
-class Probe:
-    """What ``get_num_new_matched_tokens`` found for a waiting request (no side effect on
-    kvcm; ``update_state_after_alloc`` acts on it)."""
+class PendingLookup:
+    """What ``get_num_new_matched_tokens`` found and answered for a waiting request, kept
+    until ``update_state_after_alloc`` acts on it (no side effect on kvcm).  vLLM's side of a
+    lookup: it holds the seam's :class:`~kvcm.offload.Lookup` (``found``)."""
 
     ntokens: int
     n_local: int
@@ -82,7 +98,7 @@ class Probe:
 
 @dataclass
 class LoadInfo:
-    mirror: RequestTracker
+    tracker: RequestTracker
     n: int
     sync: bool
     slots: list[int]
@@ -96,7 +112,7 @@ class LoadInfo:
 
 @dataclass
 class SaveInfo:
-    mirror: RequestTracker
+    tracker: RequestTracker
     first: int  # blocks [first, end) of the request
     end: int
     epoch: int
@@ -105,6 +121,8 @@ class SaveInfo:
     nbytes: int = 0
 
 
+# the stats file's counters; their names predate the tracker and the lookup ("mirrors": trackers
+# started, "probes": lookups asked), kept for the file's readers
 COUNTERS = ("probes", "lookups", "lookup_tokens", "matched_blocks", "mirrors", "mirror_stops", "unmirrored",
             "loads_sync", "loads_async", "load_blocks_planned", "loaded_blocks", "hit_blocks_host",
             "hit_blocks_disk", "hit_blocks_shared", "load_error_blocks", "saved_blocks", "save_failed_blocks",
@@ -144,8 +162,8 @@ class KvcmScheduler:
         # store objects a load could not read (listed by the store, unreadable: EACCES, EIO, a
         # data path down): never promised again (bounded: the oldest are forgotten first)
         self.unreadable: dict[tuple[bytes, int], int] = {}  # -> the step it was marked at
-        # the manager's state changes (admit, commit, resize, close, settle, clear): a probe's
-        # answer is memoized per request until then (vLLM probes a waiting request every step)
+        # the manager's state changes (admit, commit, resize, close, settle, clear): a lookup's
+        # answer is memoized per request until then (vLLM asks for a waiting request every step)
         self.version = 0
         self.memo: dict[str, tuple[tuple[int, int, int], tuple[int, bool]]] = {}
         self.batches: dict[int, list[int]] = {}  # save batch -> [save plans not yet reported, all ok (1/0)]
@@ -170,10 +188,10 @@ class KvcmScheduler:
         # goes through its verbs (the engine loop's manager side inside; the workers apply)
         self.loop = ManagerLoop(self.mgr, lookups=self.store_clients)
         self.offload = OffloadManager(self.loop)
-        self.mirrors: dict[str, RequestTracker] = {}  # by request id: the live mirror of a request
+        self.trackers: dict[str, RequestTracker] = {}  # by request id: the live tracker of a request
         self.retiring: dict[int, RequestTracker] = {}  # by serial: finished or preempted, transfers in flight
-        self.by_cache: dict[Any, RequestTracker] = {}  # kvcm cache id -> mirror
-        self.probes: dict[str, Probe] = {}
+        self.by_cache: dict[Any, RequestTracker] = {}  # kvcm cache id -> tracker
+        self.pending_lookups: dict[str, PendingLookup] = {}
         self.sources: dict[str, Counter[int]] = {}  # request -> tokens to load by planned tier (this step)
         self.hit_cache: dict[str, tuple[int, Any]] = {}  # request -> (prompt length, the store's hits)
         self.pending_loads: list[LoadPlan] = []  # planned since the last step's metadata
@@ -187,7 +205,7 @@ class KvcmScheduler:
         self.drain_bytes: dict[int, int] = {}
         self.drain_stores: dict[int, list[tuple[bytes, int]]] = {}  # objects a drain writes (while some are unreadable)
         self.shared_writes = True  # False: the workers drop the store ops (a consumer: handover.Role)
-        self.kv_open = 0  # kvcm requests the mirrors hold open
+        self.kv_open = 0  # kvcm requests the trackers hold open
         self.inflight_bytes = 0  # saves + loads + drains planned, not reported done by every rank
         self.max_inflight = settings.max_inflight_bytes
         self.next_id = 0
@@ -233,29 +251,29 @@ class KvcmScheduler:
     def get_num_new_matched_tokens(self, request: Any, n_local: int) -> tuple[int, bool]:
         t0 = time.perf_counter()
         try:
-            return self._probe(request, n_local)
+            return self._lookup(request, n_local)
         finally:
             self.seconds["match"] += time.perf_counter() - t0
 
-    def _probe(self, request: Any, n_local: int) -> tuple[int, bool]:
+    def _lookup(self, request: Any, n_local: int) -> tuple[int, bool]:
         rid = request.request_id
         tokens = request.all_token_ids
         self.counters["probes"] += 1
         if self.skip(request):
-            self.probes.pop(rid, None)
+            self.pending_lookups.pop(rid, None)
             self.counters["skipped_requests"] += 1
             return 0, False
         # vLLM asks again every step while the request waits (for blocks, behind another): the
         # answer stands while nothing it depends on changed (the manager, the live requests)
         key = (len(tokens), n_local, self.version)
         memo = self.memo.get(rid)
-        if memo is not None and memo[0] == key and rid in self.probes:
+        if memo is not None and memo[0] == key and rid in self.pending_lookups:
             self.counters["probes_memoized"] += 1
             return memo[1]
         scope = self.scope(request)
         if len(tokens) <= self.B:  # the last token's logits are computed: no full block to reuse
-            # (still mirrored: the blocks it fills as it decodes are saved)
-            self.probes[rid] = Probe(len(tokens), n_local, 0, False, None, [], scope)
+            # (still tracked: the blocks it fills as it decodes are saved)
+            self.pending_lookups[rid] = PendingLookup(len(tokens), n_local, 0, False, None, [], scope)
             return 0, False
         prefix = list(tokens[:-1])
         hits = self._known_hits(rid, prefix)
@@ -272,8 +290,8 @@ class KvcmScheduler:
             answer = 0  # its load failed: vLLM recomputes it (answering again could fail again)
         is_async = answer > 0 and self._load_async(rid, tiers[n_local // self.B:hit])
         junction = self._shared_blocks(prefix, scope) if self.seen is not None else 0
-        self.probes[rid] = Probe(len(tokens), n_local, answer, is_async, found, tiers[:hit], scope,
-                                 junction if junction * self.B > max(hit * self.B, n_local) else 0)
+        self.pending_lookups[rid] = PendingLookup(len(tokens), n_local, answer, is_async, found, tiers[:hit],
+                                                  scope, junction if junction * self.B > max(hit * self.B, n_local) else 0)
         self.memo[rid] = (key, (answer, is_async))
         return answer, is_async
 
@@ -313,11 +331,11 @@ class KvcmScheduler:
             return True
         if mode == "sync" or all(t == GPU for t in tiers):
             return False
-        return any(r != rid for r in self.mirrors)
+        return any(r != rid for r in self.trackers)
 
     def _known_hits(self, rid: str, prefix: list[int]) -> Any:
-        """The store's hits for ``prefix`` asked at an earlier probe of this request and
-        prompt length (vLLM may probe a waiting request every step), else ``ASK``: the loop
+        """The store's hits for ``prefix`` asked at an earlier lookup of this request and
+        prompt length (vLLM may ask for a waiting request every step), else ``ASK``: the loop
         asks (one batched query per rank: a block is a hit only when every rank's shard is
         there)."""
         cached = self.hit_cache.get(rid)
@@ -343,25 +361,25 @@ class KvcmScheduler:
     def _alloc(self, request: Any, block_ids: Any, n_external: int) -> None:
         tables = [list(block_ids)] if not block_ids or isinstance(block_ids[0], int) else [list(t) for t in block_ids]
         rid = request.request_id
-        probe = self.probes.pop(rid, None)
+        lookup = self.pending_lookups.pop(rid, None)
         self.memo.pop(rid, None)
         self.version += 1  # admitted: the manager and the live requests change
-        old = self.mirrors.get(rid)
+        old = self.trackers.get(rid)
         if old is not None:
-            if probe is None:  # the second call of an asynchronous load (n_external 0): nothing new
+            if lookup is None:  # the second call of an asynchronous load (n_external 0): nothing new
                 return
             # admitted afresh (its asynchronous load failed from the first block: vLLM freed
-            # its blocks and asked again): the old mirror retires, a new one starts
-            del self.mirrors[rid]
+            # its blocks and asked again): the old tracker retires, a new one starts
+            del self.trackers[rid]
             self._retire(old)
         self.hit_cache.pop(rid, None)
-        if probe is None or probe.ntokens != len(request.all_token_ids):
-            self.counters["unmirrored"] += 1  # admitted without a probe (nothing to load): not mirrored
+        if lookup is None or lookup.ntokens != len(request.all_token_ids):
+            self.counters["unmirrored"] += 1  # admitted without a lookup (nothing to load): not tracked
             return
         prefix = list(request.all_token_ids[:-1])
-        # created with the probe's hits, resumed; closed when tier 0 is full of locked pages
-        # (then not mirrored: its load, if any, fails and vLLM recomputes)
-        kv = self.offload.prepare_load(prefix, probe.scope, probe.found)
+        # created with the lookup's hits, resumed; closed when tier 0 is full of locked pages
+        # (then not tracked: its load, if any, fails and vLLM recomputes)
+        kv = self.offload.prepare_load(prefix, lookup.scope, lookup.found)
         if kv is None:
             self._count("mirror_stops")
         else:
@@ -371,19 +389,19 @@ class KvcmScheduler:
         matched = kv.num_committed_tokens // self.B if kv is not None else 0
         self.serial += 1
         m = RequestTracker(rid, request, kv, self.serial, committed=matched, planned=matched, tables=tables)
-        if probe.junction * self.B > max(matched * self.B, probe.n_local):
-            m.junction = probe.junction  # its window is saved as the prompt is computed (_plan_saves)
+        if lookup.junction * self.B > max(matched * self.B, lookup.n_local):
+            m.junction = lookup.junction  # its window is saved as the prompt is computed (_plan_saves)
         if self.seen is not None:
-            self._see(request.all_token_ids, probe.scope)  # later prompts sharing it: a junction
+            self._see(request.all_token_ids, lookup.scope)  # later prompts sharing it: a junction
         self.counters["mirrors"] += 1
         self.counters["matched_blocks"] += matched
         if kv is not None:  # (a tracker without a kvcm request saves nothing: RequestTracker)
             self.by_cache[kv.id] = m
-        self.mirrors[rid] = m
+        self.trackers[rid] = m
         self.created.append(m)
         if n_external > 0:
-            a = probe.n_local // self.B
-            b = -(-(probe.n_local + n_external) // self.B)  # partial_tail: the last block may be partial
+            a = lookup.n_local // self.B
+            b = -(-(lookup.n_local + n_external) // self.B)  # partial_tail: the last block may be partial
             plans = []
             held = kv.num_committed_tokens if kv is not None else 0  # a match may end inside a block
             for lc in range(len(self.lc_groups)):
@@ -402,7 +420,7 @@ class KvcmScheduler:
             most = max((len(p[1]) for p in plans), default=0)
             counted = False
             for lc, pslots, pblocks in plans:
-                load = LoadPlan(self._id(), rid, pslots, pblocks, sync=not probe.is_async, lc=lc)
+                load = LoadPlan(self._id(), rid, pslots, pblocks, sync=not lookup.is_async, lc=lc)
                 m.loads.add(load.load_id)
                 counts = not counted and len(pslots) == most
                 counted = counted or counts
@@ -410,14 +428,14 @@ class KvcmScheduler:
                                                     counts=counts, t0=time.perf_counter())
                 self.pending_loads.append(load)
                 self.inflight_bytes += len(pslots) * self.slot_bytes[lc]
-            self.sources[rid] = Counter(partial.sources(probe.n_local, n_external, self.B, probe.tiers, GPU))
-            self._count("loads_sync" if not probe.is_async else "loads_async")
+            self.sources[rid] = Counter(partial.sources(lookup.n_local, n_external, self.B, lookup.tiers, GPU))
+            self._count("loads_sync" if not lookup.is_async else "loads_async")
             # the blocks of the plan counted in loaded_blocks: with sliding windows only, the window
             # (ordinals outside it are vLLM's null block: neither loaded nor needed)
             self._count("load_blocks_planned", most)
-            if (probe.n_local + n_external) % self.B:  # partial_tail: vLLM took a hit that ends inside a block
+            if (lookup.n_local + n_external) % self.B:  # partial_tail: vLLM took a hit that ends inside a block
                 self._count("partial_hits")
-                self._count("partial_hit_tokens", (probe.n_local + n_external) % self.B)
+                self._count("partial_hit_tokens", (lookup.n_local + n_external) % self.B)
 
     def planned_sources(self, rid: str, n_external: int) -> dict[int, int]:
         """The tokens of the load just planned for ``rid`` by the tier kvcm had them in
@@ -434,18 +452,18 @@ class KvcmScheduler:
         reports the request in ``finished_sending``.  ``block_ids``: vLLM's blocks of its
         computed tokens (one group's list, or every group's), for the partial tail's block."""
         rid = request.request_id
-        self.probes.pop(rid, None)
+        self.pending_lookups.pop(rid, None)
         self.memo.pop(rid, None)
         self.hit_cache.pop(rid, None)
         self.no_load.discard(rid)
         self.version += 1
         self.stats_dirty = True
-        m = self.mirrors.pop(rid, None)
+        m = self.trackers.pop(rid, None)
         if m is None:
             return False
         if m.loads:
             self._count("finished_loading")  # aborted in WAITING_FOR_REMOTE_KVS: closes once the load is in
-        if block_ids:  # the table as vLLM holds it now (the mirror's may predate its last blocks)
+        if block_ids:  # the table as vLLM holds it now (the tracker's may predate its last blocks)
             m.tables = [list(block_ids)] if isinstance(block_ids[0], int) else [list(t) for t in block_ids]
         self._save_deferred(m, request)
         if self.partial:
@@ -503,7 +521,7 @@ class KvcmScheduler:
         meta = KvcmConnectorMetadata(self.step, forward=bool(getattr(so, "total_num_scheduled_tokens", 1)))
         self.last_forward = meta.forward  # (handover.py: a waiting hand-over paces an engine with nothing to run)
         for rid in sorted(getattr(so, "preempted_req_ids", None) or ()):
-            m = self.mirrors.pop(rid, None)
+            m = self.trackers.pop(rid, None)
             self.version += 1
             self._count("preemptions")
             meta.preempted.append(rid)
@@ -516,7 +534,7 @@ class KvcmScheduler:
         self.pending_tail_saves = []
         blocks = _BlockIds(so)
         for rid, n in so.num_scheduled_tokens.items():
-            m = self.mirrors.get(rid)
+            m = self.trackers.get(rid)
             if m is None:
                 continue
             after = min(m.request.num_computed_tokens + n, len(m.request.all_token_ids))
@@ -769,7 +787,7 @@ class KvcmScheduler:
         del self.loads[lid]
         if not info.sync:
             self.waits["async_load_s"] += time.perf_counter() - info.t0
-        m = info.mirror
+        m = info.tracker
         m.loads.discard(lid)
         touched.add(m.serial)
         self.inflight_bytes -= info.n * self.slot_bytes[info.lc]
@@ -777,7 +795,7 @@ class KvcmScheduler:
         if info.counts:
             for i in range(info.n):
                 if i not in failed:
-                    self._count("hit_blocks_" + TIER_NAMES.get(info.tiers[i] if info.tiers else GPU, "host"))
+                    self._count("hit_blocks_" + TIER_ROLES.get(info.tiers[i] if info.tiers else GPU, TIER_ROLES[GPU]).name)
             self._count("loaded_blocks", info.n - len(failed))
         self._count("load_error_blocks", len(failed))
         if failed:
@@ -789,7 +807,7 @@ class KvcmScheduler:
             if not m.load_failed:  # one per request (its life cycles' plans fail together)
                 self._count("failed_loads")
             m.load_failed = True
-            if self.mirrors.get(m.rid) is m:  # still running (an aborted request is not looked up again)
+            if self.trackers.get(m.rid) is m:  # still running (an aborted request is not looked up again)
                 self.no_load.add(m.rid)
         if failed and not self.hybrid:
             self._taint({info.blocks[i] for i in failed})
@@ -798,16 +816,16 @@ class KvcmScheduler:
         """vLLM blocks whose load failed held garbage while the forwards of their step ran:
         every block computed after them by a request that has them in its block table is
         suspect until vLLM recomputed it.  Saves of such blocks in flight stop counting, and
-        the mirror plans them again from its committed blocks (vLLM rewinds the request to
+        the tracker plans them again from its committed blocks (vLLM rewinds the request to
         the failed block and recomputes from there)."""
-        for m in list(self.mirrors.values()) + list(self.retiring.values()):
+        for m in list(self.trackers.values()) + list(self.retiring.values()):
             j = next((i for i, b in enumerate(m.block_ids) if b in bad_blocks), None)
             if j is not None and m.taint(j):
                 self._count("taints")
 
     def _save_done(self, sid: int, info: SaveInfo, touched: set[int]) -> None:
         del self.saves[sid]
-        m = info.mirror
+        m = info.tracker
         m.saves.pop(sid, None)
         touched.add(m.serial)
         n = info.end - info.first
@@ -857,7 +875,7 @@ class KvcmScheduler:
                 self.undrained = True
                 self._count("partial_tail_tokens", n)
 
-    # ------------------------------------------------------------------ mirror lifetime
+    # ------------------------------------------------------------------ tracker lifetime
 
     def _stop(self, m: RequestTracker) -> None:
         """No more saves for this request (what is committed stays)."""
@@ -873,7 +891,7 @@ class KvcmScheduler:
         self._maybe_close(m)
 
     def _maybe_close(self, m: RequestTracker) -> None:
-        """Close the kvcm request of a retiring mirror once none of its transfers is in
+        """Close the kvcm request of a retiring tracker once none of its transfers is in
         flight (loads, saves, the drain that onboarded its pages)."""
         if not m.idle(self.settled):
             return
@@ -897,10 +915,10 @@ class KvcmScheduler:
 
     def pending(self) -> dict[str, int]:
         """What is open or in flight (tests assert it drains to nothing)."""
-        return {"mirrors": len(self.mirrors), "retiring": len(self.retiring), "loads": len(self.loads),
+        return {"mirrors": len(self.trackers), "retiring": len(self.retiring), "loads": len(self.loads),
                 "saves": len(self.saves), "unsettled_drains": self.drain_seq - self.settled,
-                "holds": len(self.pending_holds), "probes": len(self.probes), "hit_cache": len(self.hit_cache),
-                "no_load": len(self.no_load),
+                "holds": len(self.pending_holds), "probes": len(self.pending_lookups), "hit_cache": len(self.hit_cache),
+                "no_load": len(self.no_load),  # "mirrors", "probes": the stats file's keys, kept for its readers
                 "kvcm_open": self.kv_open, "bytes_in_flight": self.inflight_bytes, "undrained": int(self.undrained)}
 
     def take_stats(self) -> dict[str, int] | None:
@@ -943,7 +961,7 @@ class KvcmScheduler:
         data = {"counters": dict(self.counters), "worker": dict(self.worker_counters),
                 "worker_gauges": {str(k): v for k, v in self.worker_gauges.items()}, "seconds": self.seconds,
                 "waits": self.waits, "namespace": self.config.shared_namespace,
-                "pending": self.pending(), "manager": self.offload.stats(), "process": process_stats(),
+                "pending": self.pending(), "manager": _with_roles(self.offload.stats()), "process": process_stats(),
                 "lookup": _lookup_stats(self.store_clients), "loop": dict(self.loop.counters)}
         tmp = f"{path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # kvcm's files are 0600
@@ -954,11 +972,11 @@ class KvcmScheduler:
     def shutdown(self) -> None:
         """The engine stops: kvcm's requests still open close (what they committed stays)."""
         self.write_stats()
-        for m in list(self.mirrors.values()) + list(self.retiring.values()):
+        for m in list(self.trackers.values()) + list(self.retiring.values()):
             kv = m.close()
             if kv is not None:
                 self.offload.release(kv)
-        self.mirrors.clear()
+        self.trackers.clear()
         self.retiring.clear()
         if self.publisher is not None:
             self.publisher.close()
@@ -975,7 +993,7 @@ class _BlockIds:
 
     def __init__(self, so: Any) -> None:
         self.state = getattr(so, "kv_connector_block_state", None)
-        # vLLM 0.32 gives every table whole: a mirror reads it only when it plans saves (the
+        # vLLM 0.32 gives every table whole: a tracker reads it only when it plans saves (the
         # new / cached request data give a running request's new blocks only: read every step)
         self.whole = self.state is not None
         self.new: dict[str, list[list[int]]] = {}
@@ -1015,6 +1033,20 @@ def _union(reports: Any) -> list[CopyOp]:
                 order.append(op)
             most[op] = max(most[op], n)
     return [op for op in order for _ in range(most[op])]
+
+
+def _with_roles(stats: dict[str, Any]) -> dict[str, Any]:
+    """The manager's stats with each tier's ``role`` after its ``kind`` (the stats file): tier 0
+    reads ``"kind": "gpu", "role": "host"`` -- the kind kept for the readers that know it."""
+    tiers = []
+    for t in stats.get("tiers", ()):
+        row = {}
+        for k, v in t.items():
+            row[k] = v
+            if k == "kind":
+                row["role"] = TIER_ROLES[t["tier"]].name
+        tiers.append(row)
+    return {**stats, "tiers": tiers}
 
 
 def _lookup_stats(clients: list[StoreClient]) -> dict[str, int] | None:

@@ -10,8 +10,9 @@ from the same two inputs, so the manager's slot numbers mean the same pages on b
                        environment variable); keys given inline override the file's
 ``backend``            ``"cpp"`` or ``"python"``: the manager's backend (default: ``KVCM_BACKEND``)
 ``host_bytes``         kvcm's top tier, in host memory: what vLLM saves into and loads from
-                       (default 1 GiB).  kvcm calls it its ``gpu`` tier (tier 0): it is the tier
-                       requests lock pages in; DECISIONS.md "vLLM connector"
+                       (default 1 GiB).  "host" wherever the user reads it (start line, stats,
+                       metrics, events' medium ``CPU``); the manager's config calls it its ``gpu``
+                       tier (tier 0, the tier requests lock pages in); DECISIONS.md "vLLM connector"
 ``disk_path``          a directory for kvcm's disk tier (tier 2); with ``disk_bytes`` > 0
 ``disk_bytes``         the disk tier's size (reserved when the worker starts)
 ``shared``             the shared tier's location: a directory, ``file:///dir?timeout_s=S`` or
@@ -515,6 +516,8 @@ class ConnectorSettings:
         windows = layout.windows or (None,) * len(layout.block_bytes)
         layers = [AttentionLayer(i, bytes_per_token=nbytes // B, window=w)
                   for i, (nbytes, w) in enumerate(zip(layout.block_bytes, windows, strict=True))]
+        # role "host", kind "gpu": the core's tier 0 must be of kind gpu (the one tier requests
+        # lock pages in, SPEC sec. 2); what the user reads names it by role (scheduler.TIER_ROLES)
         tiers = [Tier("gpu", self.host_bytes)]
         if self.disk_path is not None:
             # one directory per rank: a disk directory is never shared (its files are flock'ed per host)

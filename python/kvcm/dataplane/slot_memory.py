@@ -1,9 +1,10 @@
-"""The data plane's pools: one ``uint8[num_slots, slot_bytes]`` tensor (or a
-:class:`~kvcm.dataplane.disk_pool.DiskPool`) per ``(tier, life cycle)``, where each layer
+"""The data plane's slot memory, the bytes behind the manager's slots: its pools, one
+``uint8[num_slots, slot_bytes]`` tensor (or a :class:`~kvcm.dataplane.disk_pool.DiskPool`)
+per ``(tier, life cycle)``, where each layer
 sits inside a slot, the typed per-layer views, and their resizing (the manager's quota at
 run time).  See :mod:`kvcm.dataplane`, "Pools" and "Byte layout of one slot".
 
-:class:`Pools` is the part of :class:`~kvcm.dataplane.DataPlane` that the copy runs
+:class:`SlotMemory` is the part of :class:`~kvcm.dataplane.DataPlane` that the copy runs
 (:mod:`kvcm.dataplane.copy_runs`) and the shared-tier I/O (:mod:`kvcm.dataplane.shared_io`)
 read and write through; it knows neither of them.
 """
@@ -55,9 +56,10 @@ def _ints(rows: Any) -> list[int]:
     return rows.tolist() if hasattr(rows, "tolist") else list(rows)
 
 
-class Pools:
-    """The pools of one data plane: one per ``(tier, lc)`` of the resolved config ``rc``,
-    ``device`` the gpu tier's, ``dtype`` and ``shapes`` those of the typed views
+class SlotMemory:
+    """The bytes behind the slots of one data plane (named by role: the manager's pools are
+    its slots and counters, these their memory): one tensor pool per ``(tier, lc)`` of the
+    resolved config ``rc``, ``device`` the gpu tier's, ``dtype`` and ``shapes`` those of the typed views
     (:class:`~kvcm.dataplane.DataPlane`).  A disk tier's files are removed by :meth:`close`
     (or when the object is collected); a failed construction leaves none behind.
 
