@@ -325,13 +325,15 @@ class Proxy:
             self.counts["no_handover"] += 1
         r, b = await self._open_decode(path, dreq, headers)
         ctype = r.headers.get("content-type", "application/json")
-        if not body.get("stream"):
+        if not body.get("stream") or r.status_code != 200:  # a whole body: a JSON answer or an error
             try:
                 data = await r.aread()
             finally:
                 await r.aclose()
                 b.in_flight -= 1
-            release()
+                release()
+            if body.get("stream"):
+                return JSONResponse(_json_or(data), status_code=r.status_code)
             return Response(data, status_code=r.status_code, media_type=ctype)
 
         async def relay() -> AsyncIterator[bytes]:
@@ -349,14 +351,6 @@ class Proxy:
                 b.in_flight -= 1
                 release()
 
-        if r.status_code != 200:
-            try:
-                data = await r.aread()
-            finally:
-                await r.aclose()
-                b.in_flight -= 1
-                release()
-            return JSONResponse(_json_or(data), status_code=r.status_code)
         return StreamingResponse(relay(), status_code=200, media_type=ctype)
 
     async def admit(self) -> bool:
