@@ -294,8 +294,9 @@ def _measure(args: argparse.Namespace, model: str, url: str, sides: dict[str, li
     def count() -> dict[str, float]:
         out: dict[str, float] = {}
         for side, servers in sides.items():
-            out[side] = sum(sources(s.url)[0] for s in servers)
-            out[side + "_loaded"] = sum(sources(s.url)[1] for s in servers)
+            per = [sources(s.url) for s in servers]  # one scrape per server: (computed, loaded)
+            out[side] = sum(c for c, _ in per)
+            out[side + "_loaded"] = sum(x for _, x in per)
         if kind == "mooncake-store":  # vLLM's own connector's counters
             out["written"] = metric(sides["P"][0].url, "vllm:mooncake_store_operation_bytes", operation="save_put")
             out["read"] = metric(sides["D"][0].url, "vllm:mooncake_store_operation_bytes", operation="load_get")
