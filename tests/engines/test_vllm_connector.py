@@ -95,10 +95,10 @@ FAULT_PHASES = [
     # starts with their threads (the long run compares thread counts)
     {"name": "store-hung", "reset": True, "fault": "hang", "workload": {"turns": 1}, "settle_s": HANG_S + 1},
     {"name": "store-full", "reset": True, "fault": "full"},
-    # loads from the store take a while (every page copied in sleeps first: longer than a step
-    # without a forward waits for its loads): requests aborted two engine steps after
-    # they were added land on their loads and saves in flight
-    {"name": "abort", "reset": True, "fault": "slow-load", "abort": {"after_steps": 2, "ids": [0, 2, 4]}},
+    # loads from the store take a while (every page copied in sleeps first): requests added to
+    # a busy engine (an anchor request decoding: every step has a forward, every load is
+    # asynchronous) and aborted two engine steps later land on their loads and saves in flight
+    {"name": "abort", "reset": True, "fault": "slow-load", "abort": {"after_steps": 2, "ids": [0, 2, 4], "anchor": 64}},
     PREEMPT,
 ]
 

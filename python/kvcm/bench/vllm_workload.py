@@ -247,7 +247,14 @@ def run_aborts(llm: Any, spec: dict, sampling: Any, abort: dict) -> dict:
     after ``abort["after_steps"]`` engine steps the requests ``abort["ids"]`` (indexes) are
     aborted.  The other requests' outputs are returned in order (the aborted ones as None),
     with ``aborted_done_first``: how many of the aborted requests had finished before the abort
-    (a test of aborts with transfers in flight wants 0: each abort landed on a live request)."""
+    (a test of aborts with transfers in flight wants 0: each abort landed on a live request).
+
+    ``abort["anchor"]`` (a number of tokens to decode): an unrelated request is added first and
+    stepped until it decodes, so the chats arrive at a busy engine — every step has a forward
+    (nothing waits for loads in a step) and kvcm's ``auto`` load mode makes every load
+    asynchronous.  Without it, whether the chats arrive in the engine core's first schedule
+    together or one by one decides which loads are synchronous and how long that step waits."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     vocab = spec.get("vocab", MODEL_DEFAULTS["vocab_size"])
@@ -257,12 +264,18 @@ def run_aborts(llm: Any, spec: dict, sampling: Any, abort: dict) -> dict:
         c += [rng.randrange(1, vocab) for _ in range(spec["user_len"])]
     engine = llm.llm_engine
     ids = [f"abort-{i}" for i in range(len(chats))]
+    t0 = time.perf_counter()
+    if abort.get("anchor"):  # a prompt of less than a block: no lookup, no load
+        anchor = [rng.randrange(1, vocab) for _ in range(8)]
+        engine.add_request("abort-anchor", TokensPrompt(prompt_token_ids=anchor),
+                           SamplingParams(temperature=0.0, max_tokens=abort["anchor"], ignore_eos=True))
+        while not any(r.request_id == "abort-anchor" and r.outputs[0].token_ids for r in engine.step()):
+            pass
     for rid, c in zip(ids, chats, strict=True):
         engine.add_request(rid, TokensPrompt(prompt_token_ids=list(c)), sampling)
     out: dict[str, list[int]] = {}
     steps = 0
     done_first = len(abort["ids"])  # none aborted yet
-    t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         for r in engine.step():
             if r.finished and r.request_id in ids:
