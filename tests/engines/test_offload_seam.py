@@ -127,6 +127,20 @@ def test_store_client_has_no_pools(tmp_path):
     assert StoreClient(config_from_layout(B, LAYERS, gpu_blocks=8)).shared is None  # no shared tier
 
 
+def test_store_client_opens_the_store_without_a_quota(tmp_path):
+    """A lookup-only client asks; it never writes, so it opens the store without the tier's
+    quota (a Mooncake client would otherwise mount that much memory as a segment, in which
+    the store places other instances' objects); a data plane on the same config keeps it."""
+    cfg = config_from_layout(B, LAYERS, gpu_blocks=8, shared=str(tmp_path / "store"), shared_namespace="seam",
+                             shared_quota_bytes=1 << 20)
+    client, plane = StoreClient(cfg), DataPlane(cfg, dtype=torch.uint8)
+    try:
+        assert client.shared.quota_bytes == 0 and plane.shared.quota_bytes == 1 << 20
+    finally:
+        client.close()
+        plane.close()
+
+
 def test_tracker_transitions_check_the_state():
     t = RequestTracker("r", None, object(), 1, committed=2, planned=2)
     assert t.life is Life.RUNNING and not t.stopped and not t.retiring

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from typing import Any
 
 import pytest
@@ -61,8 +62,9 @@ def instance(tmp_path, role: str, clock: Clock, *, sims: list, wait_s: float = 5
     sims.append(sim)
     settings = ConnectorSettings.parse(extra)
     r = Role(role, settings.save_decode_cache)
-    for w in sim.workers:
+    for w in sim.workers:  # as the connector sets them
         w.shared_writes = r.writes_shared
+        w.flush_saves = r.flushes_saves
     facade = Facade(sim.sched, Handover(sim.sched, r, wait_s, clock=clock, poll_s=0.0))
     sim.sched = facade
     return sim, facade
@@ -106,6 +108,27 @@ def test_producer_writes_every_prompt_block_without_further_requests(tmp_path, s
     p.add("plain", prompt(3 * B + 1, 2), 1)
     p.run()
     assert pf.params["plain"] is None and objects(tmp_path) == 8
+
+
+def test_producer_writes_a_finished_prompt_at_the_next_step(tmp_path, sims) -> None:
+    """A prefill's saves are reported with its own step (the producer's worker waits for
+    them, bounded), so its store writes go out at the very next step — not after a further
+    forward (another request keeps the engine busy: every step runs one)."""
+    clock = Clock()
+    p, pf = instance(tmp_path, "kv_producer", clock, sims=sims)
+    p.add("busy", prompt(B + 3, 5), 40)  # decodes throughout
+    p.step()
+    p.add("r1", prompt(5 * B + 7, 6), 1, kv_transfer_params={"do_remote_decode": True})
+    p.step()  # r1's prefill (and its saves); it finishes with this step's output
+    assert "r1" in pf.params and pf.params["r1"][PARAMS_KEY]["tokens"] == 5 * B
+    p.step()  # the next step hands the store writes to the worker
+    deadline = time.monotonic() + 10
+    while objects(tmp_path) < 6 and time.monotonic() < deadline:  # the copy thread writes them
+        time.sleep(0.01)
+    assert objects(tmp_path) == 6  # r1's 5 full blocks and the first of "busy"
+    assert p.requests  # "busy" still decoding: the writes did not wait for the engine to go idle
+    p.run()
+    assert not p.violations
 
 
 def test_consumer_loads_what_the_producer_announced_exactly(tmp_path, sims) -> None:

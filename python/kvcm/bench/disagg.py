@@ -76,10 +76,13 @@ STORE_SEGMENT = 1 << 30  # each MooncakeStoreConnector engine's segment / kvcm's
 
 
 def kv_config(role: str, store: str, **extra: Any) -> str:
+    """kvcm in ``role`` on ``store``: a directory capped at 8 GiB, or a Mooncake Store whose
+    objects live in the store's own client (the engines mount no segment: ``shared_bytes``
+    0, the default)."""
+    cap = {} if store.startswith("mooncake://") else {"shared_bytes": 8 << 30}
     return json.dumps({"kv_connector": "KvcmConnector", "kv_connector_module_path": "kvcm.integrations.vllm",
                        "kv_role": role, "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": {"host_bytes": KV_BYTES, "shared": store,
-                                                     "shared_bytes": 8 << 30, **extra}})
+                       "kv_connector_extra_config": {"host_bytes": KV_BYTES, "shared": store, **cap, **extra}})
 
 
 def mooncake_store_config(role: str) -> str:
@@ -130,6 +133,22 @@ class Server:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def engine_env(env: dict[str, str], slot: int) -> dict[str, str]:
+    """The environment of the ``slot``-th engine of a pair on this host: its forward on a core
+    of its own (``VLLM_CPU_OMP_THREADS_BIND``, the ``slot``-th core this process may use, round
+    the list) and kvcm's transfer thread kept on it (``KVCM_TRANSFER_AFFINITY=off``; its default
+    moves it to the cores vLLM did not bind, here the other engine's).  vLLM's CPU worker spins
+    (``sched_yield``) for a second after each step; two engines bound to one core (what
+    ``auto`` binding gives each of them) starved each other here for as long as one spun — a
+    decode instance waiting for a hand-over steps every few milliseconds, and the prefill
+    instance's forward, holding the GIL its store writes need, got no time until that wait
+    ended (DECISIONS.md "Disaggregated prefill and decode")."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return dict(env)
+    return dict(env, VLLM_CPU_OMP_THREADS_BIND=str(cores[slot % len(cores)]), KVCM_TRANSFER_AFFINITY="off")
 
 
 def vllm_server(model: str, port: int, log: str, env: dict[str, str], kv: str | None = None) -> Server:
@@ -323,7 +342,8 @@ def _config(args: argparse.Namespace, tmp: str, model: str, env: dict[str, str],
             s.wait()
             return _measure(args, model, s.url, {"P": [s]}, kind)
         if kind == "round-robin":
-            pair = [vllm_server(model, free_port(), os.path.join(tmp, f"rr{i}.log"), env) for i in (1, 2)]
+            pair = [vllm_server(model, free_port(), os.path.join(tmp, f"rr{i}.log"), engine_env(env, i - 1))
+                    for i in (1, 2)]
             servers += pair
             for s in pair:
                 s.wait()
@@ -341,10 +361,10 @@ def _config(args: argparse.Namespace, tmp: str, model: str, env: dict[str, str],
             else:
                 store = os.path.join(tmp, "store")
                 shutil.rmtree(store, ignore_errors=True)
-            prod = vllm_server(model, free_port(), os.path.join(tmp, "producer.log"), env,
+            prod = vllm_server(model, free_port(), os.path.join(tmp, "producer.log"), engine_env(env, 0),
                                kv_config("kv_producer", store, stats_file=os.path.join(tmp, "producer.stats.json")))
             servers.append(prod)
-            cons = vllm_server(model, free_port(), os.path.join(tmp, "consumer.log"), env,
+            cons = vllm_server(model, free_port(), os.path.join(tmp, "consumer.log"), engine_env(env, 1),
                                kv_config("kv_consumer", store, handover_wait_s=10,
                                          stats_file=os.path.join(tmp, "consumer.stats.json")))
             servers.append(cons)
@@ -354,11 +374,11 @@ def _config(args: argparse.Namespace, tmp: str, model: str, env: dict[str, str],
             mc = LocalMooncake(segment_bytes=0, client=False, log_dir=tmp)
             stores.append(mc)
             prod = vllm_server(model, free_port(), os.path.join(tmp, "mc-producer.log"),
-                               dict(env, MOONCAKE_CONFIG_PATH=mooncake_env_file(tmp, "producer", mc.master_addr)),
+                               dict(engine_env(env, 0), MOONCAKE_CONFIG_PATH=mooncake_env_file(tmp, "producer", mc.master_addr)),
                                mooncake_store_config("kv_producer"))
             servers.append(prod)
             cons = vllm_server(model, free_port(), os.path.join(tmp, "mc-consumer.log"),
-                               dict(env, MOONCAKE_CONFIG_PATH=mooncake_env_file(tmp, "consumer", mc.master_addr)),
+                               dict(engine_env(env, 1), MOONCAKE_CONFIG_PATH=mooncake_env_file(tmp, "consumer", mc.master_addr)),
                                mooncake_store_config("kv_consumer"))
             servers.append(cons)
         prod.wait()

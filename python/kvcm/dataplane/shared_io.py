@@ -77,7 +77,11 @@ class SharedIO:
         key, self.secret_source = store_secret(secret, config.shared_secret_file)
         self.codec = ObjectCodec(layout_fingerprint(rc, config.shared_namespace), key)
         if store is None:
-            store = open_store(tier.path, tier.quota_bytes, timeout_s)  # set-up within the deadline
+            # set-up within the deadline; lookups only (no pools, a StoreClient): no quota, so a
+            # Mooncake client mounts no segment — the store would place other instances'
+            # objects in this process's memory, gone when it ends or misses its heartbeats
+            quota = tier.quota_bytes if self._memory is not None else 0
+            store = open_store(tier.path, quota, timeout_s)
             self._own_store = True
         self.store = store
         self.timeout_s = float(store.timeout_s if timeout_s is None else timeout_s)

@@ -114,6 +114,7 @@ class KvcmConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = KvcmWorker(settings, layout, rank, world, num_blocks=kv_cache_config.num_blocks,
                                      config=settings.manager_config(layout, rank, world, identity_tag=prepared.tag))
             self.worker.shared_writes = kv_role.writes_shared
+            self.worker.flush_saves = kv_role.flushes_saves
 
     @property
     def requires_kv_delivery(self) -> bool:

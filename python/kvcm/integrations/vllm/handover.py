@@ -5,8 +5,9 @@ tier (SPEC sec. 19; DECISIONS.md "Disaggregated prefill and decode").
 Roles (vLLM's ``kv_transfer_config.kv_role``):
 
 * ``kv_producer``: writes every full block of each prompt it computes to the shared tier
-  (kvcm's write-through on commit; the scheduler keeps the engine stepping until those
-  writes are done, :meth:`KvcmScheduler.busy`), and answers a request that asked for a
+  (kvcm's write-through on commit; its worker reports each step's saves in that step, so the
+  writes start at the next step, :attr:`Role.flushes_saves`; the scheduler keeps the engine
+  stepping until they are done, :meth:`KvcmScheduler.busy`), and answers a request that asked for a
   remote decode (``kv_transfer_params["do_remote_decode"]``) with hand-over params naming
   what it wrote or is writing.
 * ``kv_consumer``: takes those params on a request (vLLM passes them as
@@ -89,6 +90,13 @@ class Role:
     @property
     def consumes(self) -> bool:
         return self.name in ("kv_consumer", "kv_both")
+
+    @property
+    def flushes_saves(self) -> bool:
+        """Whether a step's saves are reported in that step (a prefill instance: its
+        finished prompts' store writes start one engine step sooner; the worker waits for
+        the step's memory copies, bounded)."""
+        return self.name == "kv_producer"
 
     @property
     def writes_shared(self) -> bool:

@@ -516,6 +516,19 @@ class TransferEngine:
         with self._cv:
             return self._pending_saves.get(req_id, 0)
 
+    def flush_saves(self, save_ids: Sequence[int], timeout: float) -> bool:
+        """Wait up to ``timeout`` until the saves ``save_ids`` are done (nothing is
+        cancelled: past the deadline they go on and are reported later); True when they are."""
+        want = set(save_ids)
+        with self._cv:
+            deadline = time.monotonic() + timeout
+            while want & self._save_req.keys() and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            return not want & self._save_req.keys()
+
     def wait_saves(self, req_ids: Sequence[str], timeout: float) -> int:
         """Wait until the saves queued for ``req_ids`` are done (vLLM reuses their blocks
         next).  Past ``timeout``, the saves not yet begun are cancelled (they fail: kvcm

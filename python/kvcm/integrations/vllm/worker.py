@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 PREEMPT_WAIT_S = 5.0  # handle_preemptions: saves not begun by then are cancelled (kvcm skips them)
 SAME_STEP_LOAD_S = 0.5  # a step without a forward waits this long for its asynchronous loads
 IDLE_WAIT_S = 0.005  # a step without a forward waits this long for a transfer to end (less spinning)
+FLUSH_SAVES_S = 0.5  # a producer's step waits this long for its saves to be done (reported in the step)
 # what a worker adds to vLLM's stats (blocks, hits and load errors are the scheduler's: counted
 # once for every rank)
 STATS_KEYS = ("loaded_bytes", "saved_bytes", "run_bytes", "saves_cancelled", "engine_errors")
@@ -63,6 +64,7 @@ class KvcmWorker:
         self.stats: Counter[str] = Counter()  # since the last get_stats (vLLM's stats)
         self.last_gauges: dict[str, int] = {}
         self.shared_writes = True  # False: a consumer that does not write the shared tier (handover.Role)
+        self.flush_saves = False  # True: a prefill instance reports each step's saves in that step (handover.Role)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layout.layer_names if n not in kv_caches]
@@ -139,6 +141,14 @@ class KvcmWorker:
         eng = self.engine
         if eng is None:
             return set(), set(), set()
+        if self.flush_saves and self.meta is not None and self.meta.saves:
+            # a prefill instance: the step's saves (memory copies) are waited for, bounded, so
+            # vLLM hears of them with this step's output and the next step writes their blocks
+            # to the store — a finished prompt's hand-over does not wait for a further step
+            # (one more forward, maybe a long prefill) before its store writes begin
+            t0 = time.perf_counter()
+            eng.flush_saves([sp.save_id for sp in self.meta.saves], FLUSH_SAVES_S)
+            self.report.counters["flush_saves_wait_us"] += int(1e6 * (time.perf_counter() - t0))
         if self.meta is not None and not self.meta.forward:
             # a step without a forward has nothing else to do: its asynchronous loads are
             # waited for (bounded), so they are reported in this step and the requests run in
