@@ -146,6 +146,10 @@ def _us(v: float) -> str:
     return f"{v:,.2f} us"
 
 
+def _count(v: int) -> str:
+    return f"{v:,}"
+
+
 # ---------------------------------------------------------------------------------------
 # probe
 # ---------------------------------------------------------------------------------------
@@ -196,8 +200,8 @@ def bench_probe(args: argparse.Namespace) -> int:
             ("us / probe", "us", _us, True),
             ("us / block probed", "us_block", _us, True),
             ("block_keys of the same prompt (its hashing)", "keys", _us, True),
-            ("matched tokens", "matched", lambda v: f"{v:,}", False),
-            ("probes timed", "n", lambda v: f"{v:,}", False),
+            ("matched tokens", "matched", _count, False),
+            ("probes timed", "n", _count, False),
         ],
     )
 
@@ -538,9 +542,9 @@ def bench_evict(args: argparse.Namespace) -> int:
         [
             ("us / allocated block", "us_block", _us, True),
             ("us / request", "us_req", _us, True),
-            ("blocks allocated", "alloc", lambda v: f"{v:,}", False),
-            ("offloads (gpu -> host)", "offloads", lambda v: f"{v:,}", False),
-            ("drops", "drops", lambda v: f"{v:,}", False),
+            ("blocks allocated", "alloc", _count, False),
+            ("offloads (gpu -> host)", "offloads", _count, False),
+            ("drops", "drops", _count, False),
         ],
     )
 
@@ -699,7 +703,7 @@ def bench_memory(args: argparse.Namespace) -> int:
         results,
         [
             ("method", "method", str, False),
-            ("cached blocks", "blocks", lambda v: f"{v:,}", False),
+            ("cached blocks", "blocks", _count, False),
             ("bytes / block (cache, after construction)", "cache", lambda v: f"{v:,.1f}", True),
             ("bytes / block (incl. construction)", "total", lambda v: f"{v:,.1f}", True),
             ("construction (pools for N blocks)", "construct", lambda v: f"{v:,.0f} KiB", False),
