@@ -504,13 +504,18 @@ class TransferEngine:
         without a forward reports them in the same step); True when they are."""
         want = set(load_ids)
         with self._cv:
-            deadline = time.monotonic() + timeout
-            while want & self._load_ids and not self._stop:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-            return not want & self._load_ids
+            return self._wait_until(lambda: not want & self._load_ids, timeout)
+
+    def _wait_until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Under ``self._cv``: wait until ``done()`` (re-checked at each completion), the
+        engine closes, or ``timeout`` passes; returns ``done()``."""
+        deadline = time.monotonic() + timeout
+        while not done() and not self._stop:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+        return done()
 
     def pending_saves(self, req_id: str) -> int:
         with self._cv:
@@ -521,13 +526,7 @@ class TransferEngine:
         cancelled: past the deadline they go on and are reported later); True when they are."""
         want = set(save_ids)
         with self._cv:
-            deadline = time.monotonic() + timeout
-            while want & self._save_req.keys() and not self._stop:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-            return not want & self._save_req.keys()
+            return self._wait_until(lambda: not want & self._save_req.keys(), timeout)
 
     def wait_saves(self, req_ids: Sequence[str], timeout: float) -> int:
         """Wait until the saves queued for ``req_ids`` are done (vLLM reuses their blocks
@@ -536,12 +535,7 @@ class TransferEngine:
         save plans were cancelled."""
         want = set(req_ids)
         with self._cv:
-            deadline = time.monotonic() + timeout
-            while any(self._pending_saves.get(r, 0) for r in want) and not self._stop:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
+            self._wait_until(lambda: not any(self._pending_saves.get(r, 0) for r in want), timeout)
             cancel = {sid for sid, r in self._save_req.items() if r in want and sid not in self._started}
             self._cancelled |= cancel
             # the one begun is a memory copy: waited for (vLLM must not overwrite what it reads)
